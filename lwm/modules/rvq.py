@@ -1,0 +1,290 @@
+"""Residual vector quantizer with EMA codebooks, written for lwm (the requirement asks us to own it).
+
+Per level ``l`` (codebook size ``K_l``), on the residual ``r_l`` left by the levels before it:
+
+* nearest code ``k = argmin_k ||r_l - e_k||^2``, quantized ``q_l = e_k``, next residual ``r_{l+1} = r_l - q_l``
+  (``q_l`` is a buffer, so residuals are formed from the *detached* code: every level's commitment loss
+  sends a gradient to the encoder);
+* output: the sum of the level codes with a straight-through gradient, ``z + sg[sum_l q_l - z]``;
+* commitment loss ``sum_l mean ||r_l - sg[q_l]||^2`` (optimised, scaled by beta outside);
+* codebook loss ``sum_l mean ||sg[r_l] - e'_l||^2``, with ``e'`` the codebook after this step's EMA update
+  (monitored, never optimised; it equals the commitment loss when nothing is updated, as in validation);
+* EMA update (the requirement's formulas), with ``n_k`` the number of vectors assigned to code ``k`` and
+  ``s_k`` their sum, both all-reduced over DDP ranks first::
+
+      N_k <- g N_k + (1 - g) n_k ;   M_k <- g M_k + (1 - g) s_k ;   e_k <- M_k / (N_k + eps)
+
+  with the decay ``g`` a linear function of the global step (:meth:`decay_at`). Accumulators start at
+  ``N = 1, M = e`` so unused codes stay where they are instead of collapsing to zero.
+
+Dead codes (not assigned for ``dead_code_steps`` consecutive updates) are replaced by :meth:`revive`
+with random encoder outputs of that level from the last training batch, and their EMA state reset, so
+the next update keeps them. Under DDP the replacements are broadcast from rank 0: all ranks hold
+identical codebooks. Everything here runs in fp32 with autocast off, and the buffers stay fp32 when the
+module is cast (``.half()``, ``.bfloat16()``, DeepSpeed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass
+class RVQOutput:
+    quantized: Tensor  # [..., dim] sum of the level codes, straight-through to the input
+    indices: Tensor  # [..., L] int64 code index per level
+    commit_loss: Tensor  # scalar, sum over levels of mean ||r_l - sg[q_l]||^2 (differentiable)
+    codebook_loss: Tensor  # scalar, sum over levels of mean ||sg[r_l] - e'_l||^2 (detached, monitored)
+    level_commit_losses: Tensor  # [L] detached
+    inputs: Tensor  # [..., dim] the encoder output before quantization (detached)
+
+
+class Codebook(nn.Module):
+    """One level: codes ``embed [K, dim]``, EMA accumulators and the per-code unused-step counter.
+
+    All float buffers are kept in fp32: a dtype cast of the module (``.half()``, DeepSpeed's bf16) only
+    moves them to the new device.
+    """
+
+    embed: Tensor
+    ema_count: Tensor
+    ema_sum: Tensor
+    unused_steps: Tensor
+
+    def __init__(self, size: int, dim: int) -> None:
+        super().__init__()
+        embed = torch.randn(size, dim) / dim**0.5
+        self.register_buffer("embed", embed)  # e   [K, dim]
+        self.register_buffer("ema_count", torch.ones(size))  # N   [K]
+        self.register_buffer("ema_sum", embed.clone())  # M   [K, dim]
+        self.register_buffer("unused_steps", torch.zeros(size, dtype=torch.long))  # updates since last use
+
+    @property
+    def size(self) -> int:
+        return self.embed.shape[0]
+
+    def reset(self, mask: Tensor, codes: Tensor) -> None:
+        """Set the codes selected by ``mask [K]`` to ``codes [n, dim]`` with fresh EMA state (N=1, M=e)."""
+        self.embed[mask] = codes
+        self.ema_sum[mask] = codes
+        self.ema_count[mask] = 1.0
+        self.unused_steps[mask] = 0
+
+    def _apply(self, fn, recurse=True):  # type: ignore[override]
+        before = {name: buf for name, buf in self._buffers.items() if buf is not None}
+        super()._apply(fn, recurse)
+        for name, old in before.items():
+            new = self._buffers[name]
+            if new is not None and new.dtype != old.dtype:  # a dtype cast: keep fp32, follow the device only
+                self._buffers[name] = old.to(device=new.device)
+        return self
+
+
+def _ddp_world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+class ResidualVectorQuantizer(nn.Module):
+    """Residual VQ over the last axis of ``z [..., dim]`` with one EMA codebook per level.
+
+    Args:
+        dim: size of the vectors being quantized.
+        codebook_sizes: codes per level, e.g. (12, 64, 256) for actions, (12, 24, 48, 256, 256, 256) for worlds.
+        decay_start: EMA decay at step 0.
+        decay_end: EMA decay from ``decay_steps`` on (linear in between).
+        decay_steps: length of the linear decay schedule in global steps (0: ``decay_end`` from the start).
+        eps: the requirement's epsilon in ``e = M / (N + eps)``.
+        dead_code_steps: a code not assigned for this many consecutive updates counts as dead.
+        init_from_data: initialise each level from random encoder outputs of the first training batch.
+        sync_ddp: all-reduce EMA statistics and broadcast re-initialised codes when torch.distributed runs.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        codebook_sizes: Sequence[int] = (12, 64, 256),
+        decay_start: float = 0.9,
+        decay_end: float = 0.99,
+        decay_steps: int = 5000,
+        eps: float = 1e-5,
+        dead_code_steps: int = 100,
+        init_from_data: bool = True,
+        sync_ddp: bool = True,
+    ) -> None:
+        super().__init__()
+        codebook_sizes = tuple(int(k) for k in codebook_sizes)
+        if not codebook_sizes:
+            raise ValueError("codebook_sizes: needs at least one level, got an empty tuple")
+        if any(k < 1 for k in codebook_sizes):
+            raise ValueError(f"codebook_sizes: every level needs at least one code, got {codebook_sizes}")
+        if not (0.0 <= decay_start < 1.0 and 0.0 <= decay_end < 1.0):
+            raise ValueError(f"decay_start/decay_end must lie in [0, 1), got {decay_start}, {decay_end}")
+        if decay_steps < 0 or dead_code_steps < 1 or eps <= 0:
+            raise ValueError("decay_steps must be >= 0, dead_code_steps >= 1 and eps > 0")
+        self.dim = dim
+        self.codebook_sizes = codebook_sizes
+        self.decay_start, self.decay_end, self.decay_steps = decay_start, decay_end, decay_steps
+        self.eps = eps
+        self.dead_code_steps = dead_code_steps
+        self.sync_ddp = sync_ddp
+        self.levels = nn.ModuleList(Codebook(k, dim) for k in codebook_sizes)
+        self.register_buffer("initialized", torch.tensor(not init_from_data))
+        self._init_known = False  # host-side cache of `initialized`: no device sync per step once True
+        self._last_residuals: list[Tensor] | None = None  # per level, from the last EMA update (for revive)
+
+    @property
+    def num_levels(self) -> int:
+        return len(self.levels)
+
+    def codebook(self, level: int) -> Tensor:
+        """The codes of one level, ``[K_level, dim]``."""
+        return self.levels[level].embed
+
+    def decay_at(self, step: int | Tensor) -> float | Tensor:
+        """EMA decay at a global step: linear from ``decay_start`` to ``decay_end`` over ``decay_steps``."""
+        if self.decay_steps == 0:
+            return self.decay_end
+        if isinstance(step, Tensor):
+            frac = (step.to(torch.float32) / self.decay_steps).clamp(0.0, 1.0)
+        else:
+            frac = min(max(step / self.decay_steps, 0.0), 1.0)
+        return self.decay_start + (self.decay_end - self.decay_start) * frac
+
+    def _sync(self) -> bool:
+        return self.sync_ddp and _ddp_world() > 1
+
+    # ----------------------------------------------------------------------------------------------
+    def forward(self, z: Tensor, step: int | Tensor | None = None) -> RVQOutput:
+        """Quantize ``z [..., dim]``. The codebooks are EMA-updated when the module is in training mode and
+        a global ``step`` is given (the decay is a function of it); otherwise they are left untouched."""
+        if z.shape[-1] != self.dim:
+            raise ValueError(f"ResidualVectorQuantizer: expected last dim {self.dim}, got shape {tuple(z.shape)}")
+        update = self.training and step is not None
+        lead = z.shape[:-1]
+        with torch.autocast(device_type=z.device.type, enabled=False):
+            flat = z.reshape(-1, self.dim).float()  # [M, dim]
+            if update and self._needs_init():
+                self._init_from(flat.detach())
+            residual = flat
+            q_sum = torch.zeros_like(flat)
+            indices, commits, residuals = [], [], []
+            for cb in self.levels:
+                idx = self._nearest(residual.detach(), cb.embed)  # [M]
+                q = cb.embed[idx]  # [M, dim], a buffer: no gradient
+                commits.append(F.mse_loss(residual, q))
+                residuals.append(residual.detach())
+                indices.append(idx)
+                q_sum = q_sum + q
+                residual = residual - q
+            quantized = flat + (q_sum - flat).detach()  # straight-through
+            if update:
+                self._ema_update(residuals, indices, step)
+            with torch.no_grad():
+                level_codebook = torch.stack(
+                    [F.mse_loss(r, cb.embed[i]) for r, cb, i in zip(residuals, self.levels, indices)]
+                )
+            level_commit = torch.stack(commits)
+        return RVQOutput(
+            quantized=quantized.reshape(*lead, self.dim).to(z.dtype),
+            indices=torch.stack(indices, dim=-1).reshape(*lead, self.num_levels),
+            commit_loss=level_commit.sum(),
+            codebook_loss=level_codebook.sum(),
+            level_commit_losses=level_commit.detach(),
+            inputs=z.detach(),
+        )
+
+    @torch.no_grad()
+    def decode_indices(self, indices: Tensor) -> Tensor:
+        """Codes of given indices ``[..., L] -> [..., dim]`` (the sum over levels); validates the indices."""
+        if indices.shape[-1] != self.num_levels:
+            raise ValueError(f"indices: expected {self.num_levels} levels in the last dim, got shape {tuple(indices.shape)}")
+        if indices.dtype.is_floating_point:
+            raise ValueError(f"indices: expected an integer tensor, got {indices.dtype}")
+        for level, k in enumerate(self.codebook_sizes):
+            col = indices[..., level]
+            if col.numel() and (int(col.min()) < 0 or int(col.max()) >= k):
+                raise ValueError(f"indices: level {level} takes codes 0..{k - 1}, got {int(col.min())}..{int(col.max())}")
+        return sum(cb.embed[indices[..., level]] for level, cb in enumerate(self.levels))
+
+    def _needs_init(self) -> bool:
+        if not self._init_known:
+            self._init_known = bool(self.initialized)  # one host sync, until the codebooks are initialised
+        return not self._init_known
+
+    def _load_from_state_dict(self, *args, **kwargs):  # type: ignore[override]
+        self._init_known = False  # the loaded `initialized` flag decides again
+        super()._load_from_state_dict(*args, **kwargs)
+
+    @staticmethod
+    def _nearest(x: Tensor, codes: Tensor) -> Tensor:
+        dist2 = x.pow(2).sum(-1, keepdim=True) - 2.0 * x @ codes.t() + codes.pow(2).sum(-1)  # [M, K]
+        return dist2.argmin(dim=-1)
+
+    # ----------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _init_from(self, flat: Tensor) -> None:
+        """Data-dependent init: level ``l``'s codes are random rows of the residuals at level ``l``."""
+        residual = flat
+        for cb in self.levels:
+            m, k = residual.shape[0], cb.size
+            pick = torch.randperm(m, device=flat.device)[:k] if m >= k else torch.randint(0, m, (k,), device=flat.device)
+            cb.reset(torch.ones(k, dtype=torch.bool, device=flat.device), residual[pick])
+            residual = residual - cb.embed[self._nearest(residual, cb.embed)]
+        self.initialized.fill_(True)
+        if self._sync():
+            self._broadcast_levels()
+
+    @torch.no_grad()
+    def _ema_update(self, residuals: list[Tensor], indices: list[Tensor], step: int | Tensor) -> None:
+        decay = self.decay_at(step)
+        stats = []
+        for r, idx, cb in zip(residuals, indices, self.levels):
+            counts = torch.bincount(idx, minlength=cb.size).to(torch.float32)  # n_k  [K]
+            sums = torch.zeros_like(cb.embed).index_add_(0, idx, r)  # s_k  [K, dim]
+            stats.append(torch.cat([counts[:, None], sums], dim=1))  # [K, 1 + dim]
+        packed = torch.cat(stats)  # one all-reduce for every level
+        if self._sync():
+            dist.all_reduce(packed)
+        offset = 0
+        for cb in self.levels:
+            level = packed[offset : offset + cb.size]
+            offset += cb.size
+            counts, sums = level[:, 0], level[:, 1:]
+            cb.ema_count.mul_(decay).add_((1.0 - decay) * counts)
+            cb.ema_sum.mul_(decay).add_((1.0 - decay) * sums)
+            cb.embed.copy_(cb.ema_sum / (cb.ema_count[:, None] + self.eps))
+            cb.unused_steps.add_(1).masked_fill_(counts > 0, 0)
+        self._last_residuals = residuals
+
+    def dead_codes(self) -> list[Tensor]:
+        """Boolean mask per level of codes unused for ``dead_code_steps`` updates: a list of ``[K_l]``."""
+        return [cb.unused_steps >= self.dead_code_steps for cb in self.levels]
+
+    @torch.no_grad()
+    def revive(self) -> list[int]:
+        """Replace dead codes by random encoder outputs of their level from the last training batch and
+        reset their EMA state (call after the EMA update). Returns the number revived per level; under DDP
+        the new codes are broadcast from rank 0 so every rank keeps identical codebooks."""
+        if self._last_residuals is None:
+            return [0] * self.num_levels
+        revived = []
+        for cb, dead, r in zip(self.levels, self.dead_codes(), self._last_residuals):
+            n = int(dead.sum())  # identical on every rank: the counts behind it were all-reduced
+            if n:
+                pick = torch.randint(0, r.shape[0], (n,), device=r.device)
+                cb.reset(dead, r[pick])
+            revived.append(n)
+        if sum(revived) and self._sync():
+            self._broadcast_levels()
+        return revived
+
+    def _broadcast_levels(self) -> None:
+        for cb in self.levels:
+            for buf in (cb.embed, cb.ema_sum, cb.ema_count, cb.unused_steps):
+                dist.broadcast(buf, src=0)

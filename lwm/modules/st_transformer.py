@@ -1,0 +1,231 @@
+"""Building blocks shared by the three models: CNN tokenizer/detokenizer, sinusoidal positional
+embeddings and the spatio-temporal (ST) transformer block.
+
+Token layout. The tokenizer maps frames ``[B*T, C, H, W]`` to feature maps ``[B*T, D, H/4, W/4]`` (the
+requirement's merged batch-time layout). :func:`to_sequence` turns those maps into ``[B, T, N, D]``
+(``N = H/4 * W/4`` patches) once, given ``B``; every ST transformer works on that layout, so spatial
+attention runs over ``N`` within each frame and temporal attention over ``T`` within each patch.
+
+Temporal masks (``TemporalMask``), over frame indices of one patch:
+  * ``none``:           frame ``i`` attends to every frame.
+  * ``causal``:         frame ``i`` attends to ``0..i``        (the requirement's "diagonal = 1").
+  * ``shifted_causal``: frame ``i`` attends to ``0..i+1``      (the requirement's "diagonal = 2").
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import Tensor, nn
+
+TemporalMask = Literal["none", "causal", "shifted_causal"]
+TEMPORAL_MASKS: tuple[str, ...] = ("none", "causal", "shifted_causal")
+
+
+# --------------------------------------------------------------------------------------------------
+# Positional embeddings
+# --------------------------------------------------------------------------------------------------
+def sinusoidal_embedding(positions: Tensor, dim: int, base: float = 10000.0) -> Tensor:
+    """Transformer sinusoidal embedding of (possibly fractional) positions: ``[...] -> [..., dim]``.
+
+    The first half of the channels holds ``sin(p * w_k)``, the second half ``cos(p * w_k)``, with
+    ``w_k = base^(-k / (dim/2))``.
+    """
+    if dim % 2:
+        raise ValueError(f"sinusoidal_embedding: dim must be even, got {dim}")
+    half = dim // 2
+    freqs = torch.exp(-math.log(base) * torch.arange(half, device=positions.device, dtype=torch.float32) / half)
+    angles = positions.to(torch.float32)[..., None] * freqs  # [..., half]
+    return torch.cat([angles.sin(), angles.cos()], dim=-1)  # [..., dim]
+
+
+def spatial_pos_embedding(height: int, width: int, dim: int, device: torch.device | None = None) -> Tensor:
+    """2-D sinusoidal embedding of a ``height x width`` patch grid, row-major: ``[height*width, dim]``.
+
+    Half of the channels encode the row, the other half the column.
+    """
+    if dim % 4:
+        raise ValueError(f"spatial_pos_embedding: dim must be divisible by 4, got {dim}")
+    rows = torch.arange(height, device=device).repeat_interleave(width)  # [N]
+    cols = torch.arange(width, device=device).repeat(height)  # [N]
+    return torch.cat([sinusoidal_embedding(rows, dim // 2), sinusoidal_embedding(cols, dim // 2)], dim=-1)
+
+
+def temporal_pos_embedding(length: int, dim: int, t0: int | Tensor = 0, device: torch.device | None = None) -> Tensor:
+    """1-D sinusoidal embedding of frames ``t0 .. t0+length-1``.
+
+    ``t0`` is an int (returns ``[length, dim]``) or a per-sample tensor ``[B]`` (returns ``[B, length, dim]``);
+    the requirement trains with a random start so the model generalises past its window.
+    """
+    steps = torch.arange(length, device=device)
+    if isinstance(t0, Tensor):
+        positions = t0.to(device=steps.device).reshape(-1, 1) + steps  # [B, length]
+    else:
+        positions = steps + int(t0)  # [length]
+    return sinusoidal_embedding(positions, dim)
+
+
+# --------------------------------------------------------------------------------------------------
+# CNN tokenizer / detokenizer
+# --------------------------------------------------------------------------------------------------
+def _group_norm(channels: int) -> nn.GroupNorm:
+    groups = math.gcd(32, channels)
+    return nn.GroupNorm(groups, channels)
+
+
+class Tokenizer(nn.Module):
+    """CNN tokenizer: frames ``[B*T, C, H, W] -> [B*T, D, H/4, W/4]`` (two stride-2 convolutions).
+
+    Shared by the three models (the WorldModel owns the single instance).
+    """
+
+    def __init__(self, in_channels: int = 16, d_model: int = 512, hidden: int | None = None) -> None:
+        super().__init__()
+        hidden = hidden or max(d_model // 2, 16)
+        self.net = nn.Sequential(
+            nn.Conv2d(in_channels, hidden, kernel_size=4, stride=2, padding=1),  # H/2
+            _group_norm(hidden),
+            nn.SiLU(),
+            nn.Conv2d(hidden, hidden, kernel_size=3, padding=1),
+            _group_norm(hidden),
+            nn.SiLU(),
+            nn.Conv2d(hidden, d_model, kernel_size=4, stride=2, padding=1),  # H/4
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)  # [B*T, D, H/4, W/4]
+
+
+class Detokenizer(nn.Module):
+    """CNN detokenizer, the mirror of :class:`Tokenizer`: ``[B*T, D, H/4, W/4] -> [B*T, C, H, W]``."""
+
+    def __init__(self, out_channels: int = 16, d_model: int = 512, hidden: int | None = None) -> None:
+        super().__init__()
+        hidden = hidden or max(d_model // 2, 16)
+        self.net = nn.Sequential(
+            nn.ConvTranspose2d(d_model, hidden, kernel_size=4, stride=2, padding=1),  # H/2
+            _group_norm(hidden),
+            nn.SiLU(),
+            nn.Conv2d(hidden, hidden, kernel_size=3, padding=1),
+            _group_norm(hidden),
+            nn.SiLU(),
+            nn.ConvTranspose2d(hidden, out_channels, kernel_size=4, stride=2, padding=1),  # H
+        )
+
+    def forward(self, z: Tensor) -> Tensor:
+        return self.net(z)  # [B*T, C, H, W]
+
+
+def to_sequence(maps: Tensor, batch: int) -> Tensor:
+    """Tokenizer maps ``[B*T, D, h, w]`` -> ST layout ``[B, T, h*w, D]``."""
+    return rearrange(maps, "(b t) d h w -> b t (h w) d", b=batch)
+
+
+def to_maps(tokens: Tensor, height: int, width: int) -> Tensor:
+    """ST layout ``[B, T, h*w, D]`` -> detokenizer maps ``[B*T, D, h, w]``."""
+    return rearrange(tokens, "b t (h w) d -> (b t) d h w", h=height, w=width)
+
+
+# --------------------------------------------------------------------------------------------------
+# Attention and the ST block
+# --------------------------------------------------------------------------------------------------
+def temporal_mask(kind: TemporalMask, length: int, device: torch.device | None = None) -> Tensor | None:
+    """Boolean ``[length, length]`` mask, True where query ``i`` may attend key ``j``; None for ``none``."""
+    if kind == "none":
+        return None
+    ones = torch.ones(length, length, dtype=torch.bool, device=device)
+    if kind == "causal":
+        return torch.tril(ones)  # j <= i
+    if kind == "shifted_causal":
+        return torch.tril(ones, diagonal=1)  # j <= i + 1
+    raise ValueError(f"temporal mask must be one of {TEMPORAL_MASKS}, got {kind!r}")
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention over the second-to-last axis of ``[batch, L, D]``."""
+
+    def __init__(self, d_model: int, n_heads: int) -> None:
+        super().__init__()
+        if d_model % n_heads:
+            raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
+        self.n_heads = n_heads
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+
+    def forward(
+        self, x: Tensor, mask: TemporalMask = "none", return_weights: bool = False
+    ) -> tuple[Tensor, Tensor | None]:
+        q, k, v = rearrange(self.qkv(x), "n l (three h e) -> three n h l e", three=3, h=self.n_heads)
+        L = x.shape[1]
+        if not return_weights:
+            if mask == "causal":
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=temporal_mask(mask, L, x.device))
+            weights = None
+        else:  # explicit softmax: the same function, with the weights kept for diagnostics
+            scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # [n, h, L, L]
+            allowed = temporal_mask(mask, L, x.device)
+            if allowed is not None:
+                scores = scores.masked_fill(~allowed, float("-inf"))
+            weights = scores.softmax(dim=-1)
+            out = weights @ v
+        return self.proj(rearrange(out, "n h l e -> n l (h e)")), weights
+
+
+class TransformerBlock(nn.Module):
+    """One pre-norm ST block on ``[B, T, N, D]``: spatial attention within each frame, temporal attention
+    within each patch (masked by ``mask``), then an MLP; each sub-layer residual."""
+
+    def __init__(self, d_model: int, n_heads: int, mask: TemporalMask = "none", mlp_ratio: float = 4.0) -> None:
+        super().__init__()
+        if mask not in TEMPORAL_MASKS:
+            raise ValueError(f"temporal mask must be one of {TEMPORAL_MASKS}, got {mask!r}")
+        self.mask: TemporalMask = mask
+        self.norm_spatial = nn.LayerNorm(d_model)
+        self.spatial = Attention(d_model, n_heads)
+        self.norm_temporal = nn.LayerNorm(d_model)
+        self.temporal = Attention(d_model, n_heads)
+        self.norm_mlp = nn.LayerNorm(d_model)
+        hidden = int(d_model * mlp_ratio)
+        self.mlp = nn.Sequential(nn.Linear(d_model, hidden), nn.GELU(approximate="tanh"), nn.Linear(hidden, d_model))
+
+    def forward(self, x: Tensor, return_attn: bool = False) -> tuple[Tensor, Tensor | None]:
+        """``x [B, T, N, D] -> ([B, T, N, D], temporal weights [B, heads, T, T] averaged over patches or None)``."""
+        B, T, N, D = x.shape
+        s, _ = self.spatial(rearrange(self.norm_spatial(x), "b t n d -> (b t) n d"))
+        x = x + rearrange(s, "(b t) n d -> b t n d", b=B)
+        t, w = self.temporal(rearrange(self.norm_temporal(x), "b t n d -> (b n) t d"), self.mask, return_attn)
+        x = x + rearrange(t, "(b n) t d -> b t n d", b=B)
+        x = x + self.mlp(self.norm_mlp(x))
+        if w is not None:
+            w = rearrange(w, "(b n) h i j -> b n h i j", b=B).mean(dim=1)  # [B, heads, T, T]
+        return x, w
+
+
+class STTransformer(nn.Module):
+    """A stack of :class:`TransformerBlock` (one temporal mask per block) with a final LayerNorm."""
+
+    def __init__(self, d_model: int, n_heads: int, masks: list[TemporalMask], mlp_ratio: float = 4.0) -> None:
+        super().__init__()
+        if not masks:
+            raise ValueError("STTransformer needs at least one block (depth >= 1)")
+        self.blocks = nn.ModuleList(TransformerBlock(d_model, n_heads, m, mlp_ratio) for m in masks)
+        self.norm_out = nn.LayerNorm(d_model)
+
+    @property
+    def masks(self) -> list[str]:
+        return [b.mask for b in self.blocks]
+
+    def forward(self, x: Tensor, return_attn: bool = False) -> tuple[Tensor, list[Tensor]]:
+        """``x [B, T, N, D] -> ([B, T, N, D], per-block temporal weights [B, heads, T, T] if return_attn)``."""
+        weights = []
+        for block in self.blocks:
+            x, w = block(x, return_attn)
+            if w is not None:
+                weights.append(w)
+        return self.norm_out(x), weights

@@ -1,0 +1,335 @@
+"""The requirement's world model: action encoder, world encoder, dynamics predictor, and the WorldModel
+that owns the shared tokenizer/detokenizer, computes the training loss and plays the model forward.
+
+Conventions (see DESIGN.md, "Points the requirement leaves open"):
+
+* ``a_i`` summarises the transition ``i -> i+1`` (``i = 0..T-2``). The action encoder's first block uses
+  the ``shifted_causal`` mask and the others ``causal``, so ``a_i`` depends on frames ``0..i+1`` and no
+  later, whatever the depth.
+* ``a_i`` is added to the predictor's input token at position ``i``, whose output predicts frame ``i+1``;
+  the predictor is causal, so its output ``i`` depends on frames and actions ``0..i`` only.
+* The world code ``h`` pools a bidirectional transformer over space and time: it sees every frame.
+* Rollout: pass 1 is teacher forcing; pass ``k+1`` feeds ``[x_0, pred_k(1..T-2)]`` with the same
+  actions, world code and token mask, and its loss skips the first ``k`` positions (which equal pass
+  ``k``'s, the requirement's proof).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from lwm.modules.rvq import ResidualVectorQuantizer, RVQOutput
+from lwm.modules.st_transformer import (
+    Detokenizer,
+    STTransformer,
+    Tokenizer,
+    spatial_pos_embedding,
+    temporal_pos_embedding,
+    to_maps,
+    to_sequence,
+)
+
+
+@dataclass
+class WorldModelOutput:
+    loss: Tensor  # scalar total loss (differentiable)
+    logs: dict[str, Tensor]  # detached scalars, keys "<Namespace>/<name>" (the caller adds Train_/Val_)
+    actions: RVQOutput  # quantized [B, T-1, Da], indices [B, T-1, La]
+    world: RVQOutput  # quantized [B, Dh], indices [B, Lh]
+    predictions: list[Tensor]  # one per pass (TF, rollout 1, ...), each [B, T-1, C, H, W] predicting frames 1..T-1
+    token_mask: Tensor | None  # [B, T, N] True where a token was replaced by the mask token (None: no masking)
+
+
+class ActionEncoder(nn.Module):
+    """ST transformer with exactly one frame of lookahead, spatial mean-pool, RVQ: tokens -> ``[B, T-1, Da]``."""
+
+    def __init__(
+        self, d_model: int, n_heads: int, depth: int, d_code: int, codebook_sizes: Sequence[int],
+        mlp_ratio: float = 4.0, **rvq_kwargs,
+    ) -> None:
+        super().__init__()
+        # The shift is applied once: stacking shifted masks would let output i see frame i + depth.
+        self.transformer = STTransformer(d_model, n_heads, ["shifted_causal"] + ["causal"] * (depth - 1), mlp_ratio)
+        self.to_code = nn.Linear(d_model, d_code)
+        self.rvq = ResidualVectorQuantizer(d_code, codebook_sizes, **rvq_kwargs)
+
+    def embed(self, tokens: Tensor, return_attn: bool = False) -> tuple[Tensor, list[Tensor]]:
+        """Pre-quantization action vectors ``[B, T-1, Da]`` (and per-block temporal attention if asked)."""
+        h, attn = self.transformer(tokens, return_attn)  # [B, T, N, D]; position i has seen frames 0..i+1
+        return self.to_code(h[:, :-1].mean(dim=2)), attn  # [B, T-1, Da]
+
+    def forward(self, tokens: Tensor, step: int | Tensor | None = None) -> RVQOutput:
+        z, _ = self.embed(tokens)
+        return self.rvq(z, step)
+
+
+class WorldEncoder(nn.Module):
+    """Bidirectional ST transformer, mean-pool over space and time, RVQ: tokens -> ``[B, Dh]``."""
+
+    def __init__(
+        self, d_model: int, n_heads: int, depth: int, d_code: int, codebook_sizes: Sequence[int],
+        mlp_ratio: float = 4.0, **rvq_kwargs,
+    ) -> None:
+        super().__init__()
+        self.transformer = STTransformer(d_model, n_heads, ["none"] * depth, mlp_ratio)
+        self.to_code = nn.Linear(d_model, d_code)
+        self.rvq = ResidualVectorQuantizer(d_code, codebook_sizes, **rvq_kwargs)
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        """Pre-quantization world vector ``[B, Dh]``."""
+        h, _ = self.transformer(tokens)  # [B, T, N, D]
+        return self.to_code(h.mean(dim=(1, 2)))  # [B, Dh]
+
+    def forward(self, tokens: Tensor, step: int | Tensor | None = None) -> RVQOutput:
+        return self.rvq(self.embed(tokens), step)
+
+
+class DynamicsPredictor(nn.Module):
+    """Causal ST transformer on state tokens plus ``W_a a + W_h h`` broadcast over patches."""
+
+    def __init__(self, d_model: int, n_heads: int, depth: int, d_action: int, d_world: int, mlp_ratio: float = 4.0) -> None:
+        super().__init__()
+        self.action_proj = nn.Linear(d_action, d_model)  # W_a^z
+        self.world_proj = nn.Linear(d_world, d_model)  # W_h^z
+        self.transformer = STTransformer(d_model, n_heads, ["causal"] * depth, mlp_ratio)
+
+    def forward(self, tokens: Tensor, actions: Tensor, world: Tensor) -> Tensor:
+        """``tokens [B, t, N, D]``, ``actions [B, t, Da]``, ``world [B, Dh]`` -> ``[B, t, N, D]``;
+        output ``i`` is the prediction of frame ``i + 1``."""
+        cond = self.action_proj(actions)[:, :, None] + self.world_proj(world)[:, None, None]  # [B, t, 1, D]
+        out, _ = self.transformer(tokens + cond)
+        return out
+
+
+class WorldModel(nn.Module):
+    """Latent world model on Video-VAE latents ``x [B, T, C, H, W]`` in [-1, 1].
+
+    Args:
+        in_channels: latent channels C.
+        height: latent height H (divisible by 4).
+        width: latent width W (divisible by 4).
+        d_model: token width D (divisible by 4 and by n_heads).
+        n_heads: attention heads in every ST transformer.
+        depth_action: ST blocks of the action encoder.
+        depth_world: ST blocks of the world encoder.
+        depth_dynamics: ST blocks of the dynamics predictor.
+        mlp_ratio: MLP hidden width / D.
+        tokenizer_hidden: channels of the CNN tokenizer's inner layers (default D/2).
+        d_code_action: action code width Da.
+        d_code_world: world code width Dh.
+        codebook_sizes_action: codes per RVQ level of the action quantizer.
+        codebook_sizes_world: codes per RVQ level of the world quantizer.
+        beta_action: weight of the action commitment loss.
+        beta_world: weight of the world commitment loss.
+        mask_prob: Bernoulli probability of replacing a token by the learned mask token (world encoder and
+            predictor inputs only; training only).
+        rollout_weights: loss weights of (teacher forcing, rollout 1, rollout 2, ...); len - 1 rollout passes.
+        max_time_offset: in training, the temporal PE starts at a random integer in [0, max_time_offset].
+        ema_decay_start: EMA decay of both quantizers at step 0.
+        ema_decay_end: EMA decay after ema_decay_steps (linear schedule in between).
+        ema_decay_steps: length of the EMA decay schedule, in global steps.
+        dead_code_steps: a code unused for this many updates is dead (replaced by ``revive``).
+    """
+
+    def __init__(
+        self,
+        in_channels: int = 16,
+        height: int = 64,
+        width: int = 64,
+        d_model: int = 512,
+        n_heads: int = 8,
+        depth_action: int = 3,
+        depth_world: int = 3,
+        depth_dynamics: int = 3,
+        mlp_ratio: float = 4.0,
+        tokenizer_hidden: int | None = None,
+        d_code_action: int = 32,
+        d_code_world: int = 64,
+        codebook_sizes_action: Sequence[int] = (12, 64, 256),
+        codebook_sizes_world: Sequence[int] = (12, 24, 48, 256, 256, 256),
+        beta_action: float = 0.25,
+        beta_world: float = 0.25,
+        mask_prob: float = 0.1,
+        rollout_weights: Sequence[float] = (1.0, 0.8, 0.5),
+        max_time_offset: int = 256,
+        ema_decay_start: float = 0.9,
+        ema_decay_end: float = 0.99,
+        ema_decay_steps: int = 5000,
+        dead_code_steps: int = 100,
+    ) -> None:
+        super().__init__()
+        if height % 4 or width % 4:
+            raise ValueError(f"height/width must be divisible by 4 (the tokenizer downsamples by 4), got {height}x{width}")
+        if d_model % 4 or d_model % n_heads:
+            raise ValueError(f"d_model must be divisible by 4 and by n_heads ({n_heads}), got {d_model}")
+        if min(depth_action, depth_world, depth_dynamics) < 1:
+            raise ValueError("depth_action, depth_world and depth_dynamics must be >= 1")
+        if not 0.0 <= mask_prob < 1.0:
+            raise ValueError(f"mask_prob must lie in [0, 1), got {mask_prob}")
+        if not rollout_weights:
+            raise ValueError("rollout_weights: needs at least the teacher-forcing weight")
+        if max_time_offset < 0:
+            raise ValueError(f"max_time_offset must be >= 0, got {max_time_offset}")
+        self.in_channels, self.height, self.width, self.d_model = in_channels, height, width, d_model
+        self.grid = (height // 4, width // 4)
+        self.beta_action, self.beta_world = beta_action, beta_world
+        self.mask_prob = mask_prob
+        self.rollout_weights = tuple(float(w) for w in rollout_weights)
+        self.max_time_offset = max_time_offset
+        rvq = dict(decay_start=ema_decay_start, decay_end=ema_decay_end, decay_steps=ema_decay_steps,
+                   dead_code_steps=dead_code_steps)
+
+        self.tokenizer = Tokenizer(in_channels, d_model, tokenizer_hidden)
+        self.detokenizer = Detokenizer(in_channels, d_model, tokenizer_hidden)
+        self.action_encoder = ActionEncoder(d_model, n_heads, depth_action, d_code_action, codebook_sizes_action, mlp_ratio, **rvq)
+        self.world_encoder = WorldEncoder(d_model, n_heads, depth_world, d_code_world, codebook_sizes_world, mlp_ratio, **rvq)
+        self.dynamics = DynamicsPredictor(d_model, n_heads, depth_dynamics, d_code_action, d_code_world, mlp_ratio)
+        self.mask_token = nn.Parameter(torch.randn(d_model) * 0.02)
+        self.register_buffer("spatial_pe", spatial_pos_embedding(*self.grid, d_model), persistent=False)  # [N, D]
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.trunc_normal_(m.weight, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+    @property
+    def min_frames(self) -> int:
+        """The shortest clip ``forward`` accepts: every rollout pass needs one position left to score."""
+        return len(self.rollout_weights) + 1
+
+    # ----------------------------------------------------------------------------------------------
+    # Pieces
+    # ----------------------------------------------------------------------------------------------
+    def check_frames(self, x: Tensor, name: str = "x", min_frames: int = 1) -> None:
+        C, H, W = self.in_channels, self.height, self.width
+        if x.ndim != 5 or tuple(x.shape[2:]) != (C, H, W):
+            raise ValueError(f"{name}: expected shape [B, T, {C}, {H}, {W}], got {tuple(x.shape)}")
+        if x.shape[1] < min_frames:
+            raise ValueError(f"{name}: needs at least {min_frames} frames, got T={x.shape[1]}")
+
+    def tokenize(self, x: Tensor) -> Tensor:
+        """Frames ``[B, T, C, H, W]`` -> tokens ``[B, T, N, D]`` (no positional embedding)."""
+        B = x.shape[0]
+        return to_sequence(self.tokenizer(x.flatten(0, 1)), B)
+
+    def detokenize(self, tokens: Tensor) -> Tensor:
+        """Tokens ``[B, T, N, D]`` -> frames ``[B, T, C, H, W]``."""
+        B = tokens.shape[0]
+        return self.detokenizer(to_maps(tokens, *self.grid)).unflatten(0, (B, -1))
+
+    def pos_embedding(self, length: int, t0: int | Tensor = 0) -> Tensor:
+        """Spatial + temporal PE for frames ``t0..t0+length-1``: ``[length, N, D]`` or ``[B, length, N, D]``."""
+        temporal = temporal_pos_embedding(length, self.d_model, t0, self.spatial_pe.device)  # [(B,) T, D]
+        return (temporal[..., :, None, :] + self.spatial_pe).to(self.mask_token.dtype)
+
+    def sample_time_offset(self, batch: int, device: torch.device) -> Tensor:
+        """The requirement's random temporal-PE start, one per sample: ``[B]`` ints in [0, max_time_offset]."""
+        return torch.randint(0, self.max_time_offset + 1, (batch,), device=device)
+
+    def sample_token_mask(self, B: int, T: int, device: torch.device) -> Tensor | None:
+        """Bernoulli(mask_prob) token mask ``[B, T, N]`` in training, None otherwise."""
+        if not self.training or self.mask_prob == 0.0:
+            return None
+        N = self.grid[0] * self.grid[1]
+        return torch.rand(B, T, N, device=device) < self.mask_prob
+
+    def apply_token_mask(self, tokens: Tensor, mask: Tensor | None) -> Tensor:
+        if mask is None:
+            return tokens
+        return torch.where(mask[..., None], self.mask_token.to(tokens.dtype), tokens)
+
+    # ----------------------------------------------------------------------------------------------
+    # Public API
+    # ----------------------------------------------------------------------------------------------
+    def encode_actions(self, x: Tensor, t0: int | Tensor = 0) -> RVQOutput:
+        """Latent actions of a clip ``[B, T, C, H, W]``: quantized ``[B, T-1, Da]``, indices ``[B, T-1, La]``."""
+        self.check_frames(x, min_frames=2)
+        return self.action_encoder(self.tokenize(x) + self.pos_embedding(x.shape[1], t0))
+
+    def encode_world(self, x: Tensor, t0: int | Tensor = 0) -> RVQOutput:
+        """World hypothesis of a clip: quantized ``[B, Dh]``, indices ``[B, Lh]``."""
+        self.check_frames(x)
+        return self.world_encoder(self.tokenize(x) + self.pos_embedding(x.shape[1], t0))
+
+    def action_attention(self, x: Tensor, t0: int | Tensor = 0) -> list[Tensor]:
+        """Temporal attention weights of each action-encoder block, ``[B, heads, T, T]`` averaged over patches."""
+        self.check_frames(x, min_frames=2)
+        _, attn = self.action_encoder.embed(self.tokenize(x) + self.pos_embedding(x.shape[1], t0), return_attn=True)
+        return attn
+
+    def predict(self, context: Tensor, actions: Tensor, world: Tensor, t0: int | Tensor = 0) -> Tensor:
+        """One-step predictions ``[B, t, C, H, W]``: output ``i`` predicts frame ``i+1`` from
+        ``context[:, :i+1]``, ``actions[:, :i+1]`` (``[B, t, Da]``) and ``world`` (``[B, Dh]``)."""
+        self.check_frames(context, "context")
+        B, t = context.shape[:2]
+        if actions.shape[:2] != (B, t):
+            raise ValueError(f"actions: expected [B={B}, t={t}, Da], got {tuple(actions.shape)}")
+        if world.ndim != 2 or world.shape[0] != B:
+            raise ValueError(f"world: expected [B={B}, Dh], got {tuple(world.shape)}")
+        tokens = self.tokenize(context) + self.pos_embedding(t, t0)
+        return self.detokenize(self.dynamics(tokens, actions, world))
+
+    def forward(self, x: Tensor, step: int | Tensor, t0: int | Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+        """Training/validation loss of a batch ``x [B, T, C, H, W]`` at global ``step`` -> ``(loss, logs)``."""
+        out = self.compute(x, step, t0)
+        return out.loss, out.logs
+
+    def compute(self, x: Tensor, step: int | Tensor | None, t0: int | Tensor | None = None) -> WorldModelOutput:
+        """Everything ``forward`` computes, with the codes and per-pass predictions kept for callbacks.
+
+        In training mode (and with a ``step``) the quantizers' EMA codebooks are updated, tokens are masked
+        and ``t0=None`` draws a random temporal-PE start per sample; in eval mode ``t0=None`` means 0.
+        """
+        self.check_frames(x, min_frames=self.min_frames)
+        B, T = x.shape[:2]
+        if t0 is None:
+            t0 = self.sample_time_offset(B, x.device) if self.training else 0
+
+        z_raw = self.tokenize(x)  # [B, T, N, D], the only tokenizer pass over the ground truth
+        pe = self.pos_embedding(T, t0)  # [(B,) T, N, D]
+        actions = self.action_encoder(z_raw + pe, step)  # unmasked: [B, T-1, Da]
+        mask = self.sample_token_mask(B, T, x.device)  # [B, T, N] or None
+        z_masked = self.apply_token_mask(z_raw, mask) + pe
+        world = self.world_encoder(z_masked, step)  # [B, Dh]
+
+        target = x[:, 1:]  # frames 1..T-1
+        inputs = z_masked[:, :-1]  # frames 0..T-2
+        predictions: list[Tensor] = []
+        pass_losses: list[Tensor] = []
+        for k in range(len(self.rollout_weights)):
+            if k > 0:  # feed [x_0, previous pass's predictions of frames 1..T-2]
+                fed = torch.cat([z_raw[:, :1], self.tokenize(predictions[-1][:, :-1])], dim=1)  # [B, T-1, N, D]
+                inputs = self.apply_token_mask(fed, None if mask is None else mask[:, :-1]) + pe[..., :-1, :, :]
+            pred = self.detokenize(self.dynamics(inputs, actions.quantized, world.quantized))  # [B, T-1, C, H, W]
+            predictions.append(pred)
+            per_position = (pred.float() - target.float()).pow(2).mean(dim=(2, 3, 4))  # [B, T-1]
+            pass_losses.append(per_position[:, k:].mean())  # the first k positions equal the previous pass's
+
+        prediction_loss = sum(w * l for w, l in zip(self.rollout_weights, pass_losses))
+        loss = prediction_loss + self.beta_action * actions.commit_loss + self.beta_world * world.commit_loss
+
+        logs = {
+            "Total/loss": loss,
+            "Dynamics_Predictor/prediction_loss": prediction_loss,
+            "Dynamics_Predictor/tf_loss": pass_losses[0],
+            **{f"Dynamics_Predictor/rollout_{k}_loss": l for k, l in enumerate(pass_losses[1:], start=1)},
+            "Action_Encoder/commit_loss": actions.commit_loss,
+            "Action_Encoder/codebook_loss": actions.codebook_loss,
+            "World_Encoder/commit_loss": world.commit_loss,
+            "World_Encoder/codebook_loss": world.codebook_loss,
+        }
+        logs = {k: v.detach() for k, v in logs.items()}
+        return WorldModelOutput(loss, logs, actions, world, predictions, mask)
+
+    # ----------------------------------------------------------------------------------------------
+    @property
+    def quantizers(self) -> dict[str, ResidualVectorQuantizer]:
+        """The two quantizers by namespace (for dead-code revival and codebook metrics)."""
+        return {"Action_Encoder": self.action_encoder.rvq, "World_Encoder": self.world_encoder.rvq}

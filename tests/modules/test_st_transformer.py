@@ -1,0 +1,131 @@
+import math
+
+import pytest
+import torch
+
+from lwm.modules.st_transformer import (
+    Attention,
+    Detokenizer,
+    STTransformer,
+    Tokenizer,
+    TransformerBlock,
+    sinusoidal_embedding,
+    spatial_pos_embedding,
+    temporal_mask,
+    temporal_pos_embedding,
+    to_maps,
+    to_sequence,
+)
+
+
+@pytest.mark.parametrize("d_model", [32, 512])
+def test_tokenizer_shapes_at_requirement_size(d_model):
+    x = torch.randn(2 * 3, 16, 64, 64)  # [B*T, C, H, W]
+    z = Tokenizer(16, d_model)(x)
+    assert z.shape == (6, d_model, 16, 16)
+    y = Detokenizer(16, d_model)(z)
+    assert y.shape == (6, 16, 64, 64)
+
+
+def test_tokenizer_shapes_tiny():
+    z = Tokenizer(4, 16, hidden=8)(torch.randn(5, 4, 8, 12))
+    assert z.shape == (5, 16, 2, 3)
+    assert Detokenizer(4, 16, hidden=8)(z).shape == (5, 4, 8, 12)
+
+
+def test_sequence_layout_round_trip():
+    B, T, D, h, w = 2, 3, 8, 4, 5
+    maps = torch.randn(B * T, D, h, w)
+    seq = to_sequence(maps, B)
+    assert seq.shape == (B, T, h * w, D)
+    # patch n = row * w + col of frame t of sample b
+    assert torch.equal(seq[1, 2, 1 * w + 3], maps[1 * T + 2, :, 1, 3])
+    assert torch.equal(to_maps(seq, h, w), maps)
+
+
+def test_sinusoidal_embedding_known_values():
+    pe = sinusoidal_embedding(torch.tensor([0.0, 1.0]), 4)
+    # frequencies 1 and 1e-2 (10000^(-1/2)); layout [sin, sin, cos, cos]
+    expected = torch.tensor([[0, 0, 1, 1], [math.sin(1), math.sin(0.01), math.cos(1), math.cos(0.01)]])
+    assert torch.allclose(pe, expected.float(), atol=1e-6)
+
+
+def test_temporal_pe_offset_is_a_shift():
+    full = temporal_pos_embedding(20, 16)
+    assert torch.allclose(temporal_pos_embedding(5, 16, t0=7), full[7:12])
+    per_sample = temporal_pos_embedding(5, 16, t0=torch.tensor([0, 3, 15]))
+    assert per_sample.shape == (3, 5, 16)
+    for i, t0 in enumerate([0, 3, 15]):
+        assert torch.allclose(per_sample[i], full[t0 : t0 + 5])
+
+
+def test_spatial_pe_rows_and_columns():
+    h, w, d = 3, 4, 16
+    pe = spatial_pos_embedding(h, w, d)
+    assert pe.shape == (h * w, d)
+    assert len({tuple(r.tolist()) for r in pe}) == h * w  # every patch distinct
+    # the first half encodes the row, the second the column
+    assert torch.allclose(pe[1 * w + 2, : d // 2], pe[1 * w + 0, : d // 2])
+    assert torch.allclose(pe[2 * w + 3, d // 2 :], pe[0 * w + 3, d // 2 :])
+
+
+def test_temporal_masks():
+    assert temporal_mask("none", 4) is None
+    causal = temporal_mask("causal", 4)
+    shifted = temporal_mask("shifted_causal", 4)
+    for i in range(4):
+        for j in range(4):
+            assert causal[i, j] == (j <= i)
+            assert shifted[i, j] == (j <= i + 1)
+    with pytest.raises(ValueError, match="temporal mask"):
+        temporal_mask("diagonal", 4)
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "shifted_causal"])
+def test_attention_weights_path_equals_fast_path(mask):
+    torch.manual_seed(0)
+    attn = Attention(16, 4)
+    x = torch.randn(3, 6, 16)
+    fast, none = attn(x, mask)
+    slow, weights = attn(x, mask, return_weights=True)
+    assert none is None
+    assert torch.allclose(fast, slow, atol=1e-5)
+    assert weights.shape == (3, 4, 6, 6)
+    assert torch.allclose(weights.sum(-1), torch.ones(3, 4, 6))
+    allowed = temporal_mask(mask, 6)
+    if allowed is not None:
+        assert torch.all(weights[..., ~allowed] == 0)
+
+
+def test_block_spatial_attention_stays_within_frame_and_temporal_within_patch():
+    """A block with a causal temporal mask: perturbing frame 2 leaves frames 0, 1 untouched; the MLP and
+    spatial attention never mix samples."""
+    torch.manual_seed(0)
+    block = TransformerBlock(16, 2, "causal").eval()
+    x = torch.randn(2, 4, 5, 16)
+    y, _ = block(x)
+    x2 = x.clone()
+    x2[0, 2] += 1.0
+    y2, _ = block(x2)
+    assert torch.equal(y2[1], y[1])  # other sample
+    assert torch.allclose(y2[0, :2], y[0, :2], atol=1e-6)  # earlier frames
+    assert not torch.allclose(y2[0, 2:], y[0, 2:], atol=1e-4)  # this and later frames
+
+
+def test_st_transformer_returns_attention_per_block():
+    st = STTransformer(16, 2, ["shifted_causal", "causal", "causal"])
+    x = torch.randn(2, 5, 4, 16)
+    y, attn = st(x, return_attn=True)
+    assert y.shape == x.shape and len(attn) == 3
+    assert all(a.shape == (2, 2, 5, 5) for a in attn)
+    assert torch.all(attn[0][..., torch.triu(torch.ones(5, 5, dtype=torch.bool), diagonal=2)] == 0)
+    assert torch.all(attn[1][..., torch.triu(torch.ones(5, 5, dtype=torch.bool), diagonal=1)] == 0)
+    y_fast, none = st(x)
+    assert none == [] and torch.allclose(y, y_fast, atol=1e-5)
+
+
+def test_bad_configuration_errors():
+    with pytest.raises(ValueError, match="n_heads"):
+        Attention(10, 3)
+    with pytest.raises(ValueError, match="depth"):
+        STTransformer(16, 2, [])

@@ -1,0 +1,257 @@
+import pytest
+import torch
+
+from lwm.modules.world_model import WorldModel
+
+TINY = dict(
+    in_channels=4, height=8, width=8, d_model=32, n_heads=2, tokenizer_hidden=16,
+    d_code_action=8, d_code_world=8, codebook_sizes_action=(4, 8), codebook_sizes_world=(4, 4, 4),
+)  # the default depth (3 blocks per transformer) is kept: causality must hold at that depth
+
+
+def tiny_model(seed: int = 0, **overrides) -> WorldModel:
+    torch.manual_seed(seed)
+    return WorldModel(**{**TINY, **overrides})
+
+
+def clip(B=2, T=6, C=4, H=8, W=8, seed=1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(B, T, C, H, W, generator=g) * 2 - 1
+
+
+# --------------------------------------------------------------------------------------------------
+# Shapes
+# --------------------------------------------------------------------------------------------------
+def test_shapes_at_requirement_defaults():
+    torch.manual_seed(0)
+    model = WorldModel().eval()  # C=16, 64x64, D=512, 3 blocks each, codebooks (12,64,256) / (12,24,48,256,256,256)
+    x = torch.rand(1, 4, 16, 64, 64) * 2 - 1
+    with torch.no_grad():
+        tokens = model.tokenize(x)
+        assert tokens.shape == (1, 4, 256, 512)
+        assert model.detokenize(tokens).shape == x.shape
+        a = model.encode_actions(x)
+        assert a.quantized.shape == (1, 3, 32) and a.indices.shape == (1, 3, 3)
+        h = model.encode_world(x)
+        assert h.quantized.shape == (1, 64) and h.indices.shape == (1, 6)
+        pred = model.predict(x[:, :3], a.quantized, h.quantized)
+        assert pred.shape == (1, 3, 16, 64, 64)
+        loss, logs = model(x, step=0)
+    assert loss.ndim == 0 and torch.isfinite(loss)
+
+
+def test_shapes_tiny_and_logs():
+    model = tiny_model()
+    x = clip(B=3, T=5)
+    out = model.compute(x, step=0)
+    assert out.actions.quantized.shape == (3, 4, 8) and out.actions.indices.shape == (3, 4, 2)
+    assert out.world.quantized.shape == (3, 8) and out.world.indices.shape == (3, 3)
+    assert len(out.predictions) == 3 and all(p.shape == (3, 4, 4, 8, 8) for p in out.predictions)
+    assert out.token_mask.shape == (3, 5, 4)
+    assert set(out.logs) == {
+        "Total/loss", "Dynamics_Predictor/prediction_loss", "Dynamics_Predictor/tf_loss",
+        "Dynamics_Predictor/rollout_1_loss", "Dynamics_Predictor/rollout_2_loss",
+        "Action_Encoder/commit_loss", "Action_Encoder/codebook_loss",
+        "World_Encoder/commit_loss", "World_Encoder/codebook_loss",
+    }
+    assert all(not v.requires_grad and v.ndim == 0 for v in out.logs.values())
+    assert out.loss.requires_grad
+
+
+# --------------------------------------------------------------------------------------------------
+# Causality by perturbation (default depth 3)
+# --------------------------------------------------------------------------------------------------
+def _changed(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per time position: did anything change? a, b: [B, t, ...] -> [t] bool. Causality tests run in float64,
+    so a real dependence (however weak at init) stands far above rounding."""
+    return (a - b).abs().flatten(2).amax(dim=(0, 2)) > 1e-10
+
+
+@torch.no_grad()
+def test_predictor_output_i_ignores_frames_and_actions_after_i():
+    model = tiny_model().eval().double()
+    T = 6
+    x = clip(T=T).double()
+    a = torch.randn(2, T, 8, dtype=torch.float64)
+    h = torch.randn(2, 8, dtype=torch.float64)
+    base = model.predict(x, a, h)
+    for j in range(T):
+        x2 = x.clone()
+        x2[:, j] += 0.5
+        assert _changed(model.predict(x2, a, h), base).tolist() == [i >= j for i in range(T)], f"frame {j}"
+        a2 = a.clone()
+        a2[:, j] += 1.0
+        assert _changed(model.predict(x, a2, h), base).tolist() == [i >= j for i in range(T)], f"action {j}"
+
+
+@torch.no_grad()
+def test_action_i_depends_on_frames_up_to_i_plus_1_only():
+    model = tiny_model().eval().double()
+    T = 7
+    x = clip(T=T).double()
+
+    def actions(frames):
+        z, _ = model.action_encoder.embed(model.tokenize(frames) + model.pos_embedding(T))
+        return z  # [B, T-1, Da], before quantization
+
+    base = actions(x)
+    for j in range(T):
+        x2 = x.clone()
+        x2[:, j] += 0.5
+        # a_i summarises i -> i+1: it sees frame j iff j <= i + 1
+        assert _changed(actions(x2), base).tolist() == [j <= i + 1 for i in range(T - 1)], f"frame {j}"
+
+
+@torch.no_grad()
+def test_world_code_depends_on_every_frame():
+    model = tiny_model().eval().double()
+    x = clip(T=6).double()
+    base = model.world_encoder.embed(model.tokenize(x) + model.pos_embedding(6))
+    for j in range(6):
+        x2 = x.clone()
+        x2[:, j] += 0.5
+        moved = model.world_encoder.embed(model.tokenize(x2) + model.pos_embedding(6))
+        assert (moved - base).abs().amax() > 1e-10, f"frame {j}"
+
+
+# --------------------------------------------------------------------------------------------------
+# Rollout
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("train", [False, True])
+def test_rollout_pass_k_repeats_previous_pass_on_its_first_k_positions(train):
+    model = tiny_model(mask_prob=0.5, rollout_weights=(1.0, 0.8, 0.5, 0.3))
+    model.train(train)
+    out = model.compute(clip(T=7), step=0 if train else None, t0=3)
+    if train:
+        assert out.token_mask is not None and out.token_mask.any()
+    for k in range(1, len(out.predictions)):
+        prev, cur = out.predictions[k - 1], out.predictions[k]
+        assert torch.allclose(cur[:, :k], prev[:, :k], atol=1e-5), f"pass {k}"
+        assert not torch.allclose(cur[:, k], prev[:, k], atol=1e-4), f"pass {k} predicts something new at {k}"
+
+
+@torch.no_grad()
+def test_rollout_feeds_first_frame_and_previous_predictions():
+    model = tiny_model().eval()
+    x = clip(T=6)
+    out = model.compute(x, step=None)
+    a, h = out.actions.quantized, out.world.quantized
+    assert torch.allclose(out.predictions[0], model.predict(x[:, :-1], a, h), atol=1e-5)
+    for k in (1, 2):
+        fed = torch.cat([x[:, :1], out.predictions[k - 1][:, :-1]], dim=1)
+        assert torch.allclose(out.predictions[k], model.predict(fed, a, h), atol=1e-5)
+
+
+@torch.no_grad()
+def test_loss_is_the_requirements_weighted_sum():
+    model = tiny_model(beta_action=0.3, beta_world=0.7).eval()
+    x = clip(T=6)
+    out = model.compute(x, step=None)
+    target = x[:, 1:]
+    tf = (out.predictions[0] - target).pow(2).mean()
+    r1 = (out.predictions[1][:, 1:] - target[:, 1:]).pow(2).mean()
+    r2 = (out.predictions[2][:, 2:] - target[:, 2:]).pow(2).mean()
+    logs = out.logs
+    assert torch.allclose(logs["Dynamics_Predictor/tf_loss"], tf)
+    assert torch.allclose(logs["Dynamics_Predictor/rollout_1_loss"], r1)
+    assert torch.allclose(logs["Dynamics_Predictor/rollout_2_loss"], r2)
+    expected = tf + 0.8 * r1 + 0.5 * r2 + 0.3 * out.actions.commit_loss + 0.7 * out.world.commit_loss
+    assert torch.allclose(out.loss, expected)
+    # without an EMA update the monitored codebook loss is the commitment loss's value
+    assert torch.allclose(logs["Action_Encoder/codebook_loss"], logs["Action_Encoder/commit_loss"])
+
+
+# --------------------------------------------------------------------------------------------------
+# Masking and positional start
+# --------------------------------------------------------------------------------------------------
+def test_token_masking_reaches_world_encoder_and_predictor_but_not_actions():
+    model = tiny_model(mask_prob=0.3)
+    x = clip(B=4, T=6)
+    torch.manual_seed(5)
+    train = model.train().compute(x, step=0, t0=0)
+    with torch.no_grad():
+        ev = model.eval().compute(x, step=None, t0=0)
+    mask = train.token_mask
+    assert mask is not None and ev.token_mask is None
+    assert abs(mask.float().mean().item() - 0.3) < 0.08
+    assert torch.allclose(train.actions.inputs, ev.actions.inputs, atol=1e-6)  # action encoder unmasked
+    assert not torch.allclose(train.world.inputs, ev.world.inputs, atol=1e-4)
+    tokens = torch.randn(4, 6, 4, 32)
+    masked = model.apply_token_mask(tokens, mask)
+    assert torch.equal(masked[mask], model.mask_token.detach().expand(int(mask.sum()), 32))
+    assert torch.equal(masked[~mask], tokens[~mask])
+
+
+def test_time_offset_sampling_and_eval_default():
+    model = tiny_model(max_time_offset=9)
+    t0 = model.sample_time_offset(4000, torch.device("cpu"))
+    assert t0.min() == 0 and t0.max() == 9
+    model.eval()
+    x = clip(T=5)
+    with torch.no_grad():
+        assert torch.equal(model(x, step=None, t0=None)[0], model(x, step=None, t0=0)[0])
+        assert not torch.equal(model(x, step=None, t0=4)[0], model(x, step=None, t0=0)[0])
+
+
+# --------------------------------------------------------------------------------------------------
+# Training and precision
+# --------------------------------------------------------------------------------------------------
+def test_loss_falls_on_one_fixed_clip():
+    model = tiny_model(mask_prob=0.0).train()
+    t = torch.linspace(0, 1, 6)[:, None, None, None]
+    grid = torch.linspace(-1, 1, 8)
+    x = (torch.sin(3 * grid[None, None, :, None] + 4 * t) * torch.cos(2 * grid[None, None, None, :] - 3 * t))
+    x = x.expand(6, 4, 8, 8)[None].repeat(2, 1, 1, 1, 1).contiguous()  # [2, 6, 4, 8, 8], smooth motion
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for step in range(40):
+        loss, logs = model(x, step=step, t0=0)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(logs["Dynamics_Predictor/tf_loss"].item())
+    assert sum(losses[-5:]) / 5 < 0.3 * sum(losses[:5]) / 5, losses
+
+
+def test_bf16_autocast_keeps_quantizers_fp32():
+    model = tiny_model()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, _ = model(clip(T=5), step=0)
+    loss.backward()
+    for rvq in model.quantizers.values():
+        for name, buf in rvq.named_buffers():
+            if buf.is_floating_point():
+                assert buf.dtype == torch.float32, name
+    assert torch.isfinite(loss)
+
+
+# --------------------------------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------------------------------
+def test_bad_inputs_name_the_argument():
+    model = tiny_model().eval()
+    with pytest.raises(ValueError, match=r"x: expected shape \[B, T, 4, 8, 8\]"):
+        model(torch.zeros(2, 6, 3, 8, 8), step=0)
+    with pytest.raises(ValueError, match="at least 4 frames"):
+        model(clip(T=3), step=0)
+    with pytest.raises(ValueError, match="actions"):
+        model.predict(clip(T=4), torch.zeros(2, 3, 8), torch.zeros(2, 8))
+    with pytest.raises(ValueError, match="world"):
+        model.predict(clip(T=4), torch.zeros(2, 4, 8), torch.zeros(8))
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (dict(codebook_sizes_action=()), "codebook_sizes"),
+        (dict(codebook_sizes_world=(4, 0)), "codebook_sizes"),
+        (dict(d_model=30), "d_model"),
+        (dict(height=10), "height"),
+        (dict(mask_prob=1.0), "mask_prob"),
+        (dict(rollout_weights=()), "rollout_weights"),
+        (dict(depth_action=0), "depth"),
+    ],
+)
+def test_bad_config_names_the_field(overrides, field):
+    with pytest.raises(ValueError, match=field):
+        WorldModel(**{**TINY, **overrides})
