@@ -86,6 +86,13 @@ class Codebook(nn.Module):
         return self
 
 
+def _sample_rows(available: int, wanted: int, device: torch.device) -> Tensor:
+    """Random row indices: distinct when there are enough rows, with repetition otherwise."""
+    if available >= wanted:
+        return torch.randperm(available, device=device)[:wanted]
+    return torch.randint(0, available, (wanted,), device=device)
+
+
 def _ddp_world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
@@ -160,6 +167,10 @@ class ResidualVectorQuantizer(nn.Module):
         return self.sync_ddp and _ddp_world() > 1
 
     # ----------------------------------------------------------------------------------------------
+    # Kept out of compiled graphs (two graph breaks per quantizer call, a few microseconds): the EMA update
+    # rewrites buffers in place, which a compiled backward that re-reads a saved buffer would trip over,
+    # and it may run a collective. The work here is tiny next to the transformers.
+    @torch.compiler.disable
     def forward(self, z: Tensor, step: int | Tensor | None = None) -> RVQOutput:
         """Quantize ``z [..., dim]``. The codebooks are EMA-updated when the module is in training mode and
         a global ``step`` is given (the decay is a function of it); otherwise they are left untouched."""
@@ -204,7 +215,7 @@ class ResidualVectorQuantizer(nn.Module):
         """Codes of given indices ``[..., L] -> [..., dim]`` (the sum over levels); validates the indices."""
         if indices.shape[-1] != self.num_levels:
             raise ValueError(f"indices: expected {self.num_levels} levels in the last dim, got shape {tuple(indices.shape)}")
-        if indices.dtype.is_floating_point:
+        if indices.dtype.is_floating_point or indices.dtype.is_complex or indices.dtype == torch.bool:
             raise ValueError(f"indices: expected an integer tensor, got {indices.dtype}")
         for level, k in enumerate(self.codebook_sizes):
             col = indices[..., level]
@@ -233,7 +244,7 @@ class ResidualVectorQuantizer(nn.Module):
         residual = flat
         for cb in self.levels:
             m, k = residual.shape[0], cb.size
-            pick = torch.randperm(m, device=flat.device)[:k] if m >= k else torch.randint(0, m, (k,), device=flat.device)
+            pick = _sample_rows(m, k, flat.device)
             cb.reset(torch.ones(k, dtype=torch.bool, device=flat.device), residual[pick])
             residual = residual - cb.embed[self._nearest(residual, cb.embed)]
         self.initialized.fill_(True)
@@ -277,8 +288,7 @@ class ResidualVectorQuantizer(nn.Module):
         for cb, dead, r in zip(self.levels, self.dead_codes(), self._last_residuals):
             n = int(dead.sum())  # identical on every rank: the counts behind it were all-reduced
             if n:
-                pick = torch.randint(0, r.shape[0], (n,), device=r.device)
-                cb.reset(dead, r[pick])
+                cb.reset(dead, r[_sample_rows(r.shape[0], n, r.device)])
             revived.append(n)
         if sum(revived) and self._sync():
             self._broadcast_levels()

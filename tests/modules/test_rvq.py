@@ -1,0 +1,561 @@
+"""Tests of the residual vector quantizer (lwm/modules/rvq.py): identities and known answers, all tiny and CPU."""
+
+import copy
+import io
+import os
+import socket
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lwm.modules.rvq import ResidualVectorQuantizer
+
+FLOAT_BUFFERS = ("embed", "ema_count", "ema_sum")
+
+
+def rvq(dim=4, sizes=(4, 8), seed=0, **kw) -> ResidualVectorQuantizer:
+    torch.manual_seed(seed)
+    kw.setdefault("init_from_data", False)
+    return ResidualVectorQuantizer(dim, sizes, **kw)
+
+
+def snapshot(module) -> dict:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def assert_states_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype, k
+        assert torch.equal(a[k], b[k]), k
+
+
+def set_codes(q: ResidualVectorQuantizer, level: int, codes: torch.Tensor) -> None:
+    """Known codebook with the documented fresh EMA state (N=1, M=e)."""
+    cb = q.levels[level]
+    cb.embed.copy_(codes)
+    cb.ema_sum.copy_(codes)
+    cb.ema_count.fill_(1.0)
+    cb.unused_steps.zero_()
+
+
+def is_row_of(rows: torch.Tensor, pool: torch.Tensor, atol: float = 1e-6) -> torch.Tensor:
+    """[n] bool: each row of ``rows`` equals some row of ``pool``."""
+    return ((rows[:, None, :] - pool[None, :, :]).abs() <= atol).all(-1).any(-1)
+
+
+# --------------------------------------------------------------------------------------------------
+# 1. decode_indices(indices) == quantized, shapes and dtypes
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("sizes", [(12, 64, 256), (12, 24, 48, 256, 256, 256)])
+@pytest.mark.parametrize("lead", [(2, 5), (3,)])
+def test_decode_indices_reproduces_quantized(sizes, lead):
+    dim = 8
+    q = rvq(dim, sizes).eval()
+    before = snapshot(q)
+    z = torch.randn(*lead, dim)
+    out = q(z, step=3)  # eval mode: a step is given but nothing is updated
+    assert out.quantized.shape == (*lead, dim) and out.quantized.dtype == torch.float32
+    assert out.indices.shape == (*lead, len(sizes)) and out.indices.dtype == torch.int64
+    for level, k in enumerate(sizes):
+        assert 0 <= int(out.indices[..., level].min()) and int(out.indices[..., level].max()) < k
+    decoded = q.decode_indices(out.indices)
+    assert decoded.shape == (*lead, dim)
+    # the straight-through output z + (q - z) may differ from q by float32 rounding only
+    torch.testing.assert_close(decoded, out.quantized, rtol=0, atol=1e-6)
+    # and it is the sum of the chosen codes of every level
+    expected = sum(q.codebook(l)[out.indices[..., l]] for l in range(len(sizes)))
+    assert torch.equal(decoded, expected)
+    assert_states_equal(before, snapshot(q))
+
+
+def test_no_update_without_step_or_in_eval():
+    q = rvq(4, (4, 8))
+    before = snapshot(q)
+    z = torch.randn(16, 4)
+    q.train()(z)  # training mode, no step: no update
+    q.eval()(z, step=5)  # eval mode with a step: no update
+    assert_states_equal(before, snapshot(q))
+    q.train()(z, step=5)
+    assert not torch.equal(before["levels.0.embed"], q.codebook(0))
+
+
+# --------------------------------------------------------------------------------------------------
+# 2. nearest code at every level
+# --------------------------------------------------------------------------------------------------
+def test_indices_are_nearest_codes_of_each_residual():
+    dim, sizes = 6, (8, 16, 32)
+    q = rvq(dim, sizes, seed=1).eval()
+    z = torch.randn(4, 10, dim, generator=torch.Generator().manual_seed(11))
+    out = q(z)
+    idx = out.indices.reshape(-1, len(sizes))
+    r = z.reshape(-1, dim).double()
+    for level in range(len(sizes)):
+        codes = q.codebook(level).double()
+        d2 = torch.cdist(r, codes) ** 2  # [M, K]
+        loop = torch.tensor([min(range(codes.shape[0]), key=lambda k: float(((row - codes[k]) ** 2).sum())) for row in r])
+        assert torch.equal(d2.argmin(-1), loop)
+        assert torch.equal(idx[:, level], loop), f"level {level}"
+        r = r - codes[loop]
+
+
+# --------------------------------------------------------------------------------------------------
+# 3. EMA update against a numpy float64 reference over several steps
+# --------------------------------------------------------------------------------------------------
+def numpy_rvq_ema(codebooks, batches, steps, decay_start, decay_end, decay_steps, eps, dead_code_steps):
+    E = [np.array(c, dtype=np.float64) for c in codebooks]
+    N = [np.ones(c.shape[0]) for c in E]
+    M = [c.copy() for c in E]
+    U = [np.zeros(c.shape[0], dtype=np.int64) for c in E]
+    for x, s in zip(batches, steps):
+        g = float(np.interp(float(s), [0.0, float(decay_steps)], [decay_start, decay_end]))  # clamps outside
+        r = np.asarray(x, dtype=np.float64).reshape(-1, E[0].shape[1])
+        for l in range(len(E)):
+            d2 = ((r[:, None, :] - E[l][None, :, :]) ** 2).sum(-1)
+            k = d2.argmin(1)
+            n = np.bincount(k, minlength=E[l].shape[0]).astype(np.float64)
+            ssum = np.zeros_like(E[l])
+            np.add.at(ssum, k, r)
+            qv = E[l][k]  # this level's code before its update
+            N[l] = g * N[l] + (1 - g) * n
+            M[l] = g * M[l] + (1 - g) * ssum
+            E[l] = M[l] / (N[l][:, None] + eps)
+            U[l] = np.where(n > 0, 0, U[l] + 1)
+            r = r - qv
+    return E, N, M, U
+
+
+def test_ema_update_matches_numpy_reference():
+    dim, sizes = 4, (4, 6, 8)
+    cfg = dict(decay_start=0.5, decay_end=0.9, decay_steps=10, eps=1e-5, dead_code_steps=3)
+    q = rvq(dim, sizes, seed=2, **cfg).train()
+    codebooks = [q.codebook(l).numpy().copy() for l in range(len(sizes))]
+    g = torch.Generator().manual_seed(22)
+    batches = [torch.randn(2, n, dim, generator=g) * scale for n, scale in [(8, 1.0), (5, 0.7), (12, 1.3), (6, 0.5)]]
+    steps = [0, 3, torch.tensor(7), 15]  # decays 0.5, 0.62, 0.78, 0.9 (clamped); one step given as a tensor
+    for x, s in zip(batches, steps):
+        q(x, step=s)
+    E, N, M, U = numpy_rvq_ema(codebooks, [b.numpy() for b in batches], steps, eps=1e-5, **{
+        k: cfg[k] for k in ("decay_start", "decay_end", "decay_steps", "dead_code_steps")})
+    for l, cb in enumerate(q.levels):
+        np.testing.assert_allclose(cb.embed.double().numpy(), E[l], rtol=1e-5, atol=1e-6, err_msg=f"embed {l}")
+        np.testing.assert_allclose(cb.ema_count.double().numpy(), N[l], rtol=1e-5, atol=1e-6, err_msg=f"count {l}")
+        np.testing.assert_allclose(cb.ema_sum.double().numpy(), M[l], rtol=1e-5, atol=1e-6, err_msg=f"sum {l}")
+        np.testing.assert_array_equal(cb.unused_steps.numpy(), U[l], err_msg=f"unused {l}")
+        assert not np.allclose(E[l], codebooks[l])  # the reference did move the codebook
+    # the data exercised both branches: codes assigned in the last step and codes left unused
+    assert all((u == 0).any() for u in U) and any((u > 0).any() for u in U)
+
+
+# --------------------------------------------------------------------------------------------------
+# 4. commitment loss, straight-through gradient, gradient at every level
+# --------------------------------------------------------------------------------------------------
+def analytic_levels(q, z, indices):
+    """float64 residuals: per-level commit loss and its gradient 2 (r_l - q_l) / numel w.r.t. z."""
+    r = z.detach().reshape(-1, q.dim).double()
+    idx = indices.reshape(-1, q.num_levels)
+    losses, grads = [], []
+    for l in range(q.num_levels):
+        qv = q.codebook(l).double()[idx[:, l]]
+        losses.append(((r - qv) ** 2).mean())
+        grads.append((2 * (r - qv) / r.numel()).reshape(z.shape))
+        r = r - qv
+    return torch.stack(losses), grads
+
+
+def prefix_quantizer(q: ResidualVectorQuantizer, n_levels: int) -> ResidualVectorQuantizer:
+    p = ResidualVectorQuantizer(q.dim, q.codebook_sizes[:n_levels], init_from_data=False)
+    sd = {k: v for k, v in q.state_dict().items() if not k.startswith("levels.") or int(k.split(".")[1]) < n_levels}
+    p.load_state_dict(sd)
+    return p.eval()
+
+
+def test_commit_loss_and_gradients():
+    dim, sizes = 5, (4, 8, 16)
+    q = rvq(dim, sizes, seed=3).eval()
+    z = torch.randn(3, 7, dim, generator=torch.Generator().manual_seed(33)).requires_grad_()
+    out = q(z)
+    losses, grads = analytic_levels(q, z, out.indices)
+    torch.testing.assert_close(out.level_commit_losses.double(), losses, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(out.commit_loss.double(), losses.sum(), rtol=1e-5, atol=1e-7)
+    # nothing updated (eval): the monitored codebook loss equals the commitment loss
+    torch.testing.assert_close(out.codebook_loss, out.commit_loss.detach(), rtol=1e-6, atol=1e-7)
+
+    # straight-through: d(sum(quantized * g))/dz == g exactly
+    gout = torch.randn(z.shape, generator=torch.Generator().manual_seed(34))
+    (gz,) = torch.autograd.grad((out.quantized * gout).sum(), z, retain_graph=True)
+    assert torch.equal(gz, gout)
+
+    # total commitment gradient = sum of the per-level analytic gradients
+    (gc,) = torch.autograd.grad(out.commit_loss, z)
+    torch.testing.assert_close(gc.double(), sum(grads), rtol=1e-5, atol=1e-8)
+
+    # each level alone: level l's term is commit(first l+1 levels) - commit(first l levels) (same codebooks)
+    previous = torch.zeros_like(z, dtype=torch.float64)
+    for l in range(len(sizes)):
+        zl = z.detach().clone().requires_grad_()
+        out_l = prefix_quantizer(q, l + 1)(zl)
+        assert torch.equal(out_l.indices, out.indices[..., : l + 1])
+        (g_prefix,) = torch.autograd.grad(out_l.commit_loss, zl)
+        level_grad = g_prefix.double() - previous
+        previous = g_prefix.double()
+        assert float(level_grad.abs().sum()) > 1e-3, f"no gradient from level {l}"
+        torch.testing.assert_close(level_grad, grads[l], rtol=1e-4, atol=1e-7)
+
+
+def test_commit_gradient_in_training_step_uses_codes_before_update():
+    dim, sizes = 4, (4, 8)
+    q = rvq(dim, sizes, seed=4).train()
+    before = copy.deepcopy(q).eval()
+    z = torch.randn(16, dim, generator=torch.Generator().manual_seed(44)).requires_grad_()
+    out = q(z, step=0)  # EMA update happens inside the forward
+    assert not torch.equal(q.codebook(0), before.codebook(0))
+    losses, grads = analytic_levels(before, z, out.indices)
+    torch.testing.assert_close(out.commit_loss.double(), losses.sum(), rtol=1e-5, atol=1e-7)
+    (gc,) = torch.autograd.grad(out.commit_loss, z)
+    torch.testing.assert_close(gc.double(), sum(grads), rtol=1e-5, atol=1e-8)
+
+
+# --------------------------------------------------------------------------------------------------
+# 5. dead-code revival
+# --------------------------------------------------------------------------------------------------
+def _revival_setup():
+    """Level 0: A=+10e1, B=-10e1 and four far codes; level 1: P=+e2, Q=-e2 and two unused codes."""
+    e1, e2, e3, e4 = torch.eye(4)
+    q = rvq(4, (6, 4), dead_code_steps=2, decay_start=0.8, decay_end=0.9, decay_steps=4).train()
+    set_codes(q, 0, torch.stack([10 * e1, -10 * e1, 10 * e3, -10 * e3, 10 * e4, -10 * e4]))
+    set_codes(q, 1, torch.stack([e2, -e2, e3, -e3]))
+    g = torch.Generator().manual_seed(55)
+    near_a = lambda n: 10 * e1 + e2 + 0.05 * torch.randn(n, 4, generator=g)  # noqa: E731  (codes A, P)
+    near_b = lambda n: -10 * e1 - e2 + 0.05 * torch.randn(n, 4, generator=g)  # noqa: E731  (codes B, Q)
+    return q, near_a, near_b
+
+
+def test_revive_dead_codes_and_they_survive_the_next_update():
+    q, near_a, near_b = _revival_setup()
+    q(torch.cat([near_a(8), near_b(8)]), step=0)  # uses A, B / P, Q
+    pre = copy.deepcopy(q)
+    x2 = near_a(16)
+    out2 = q(x2, step=1)  # uses A / P only: the far codes reach 2 unused updates, B and Q only 1
+    # the residuals of the last batch, from the codes before that update
+    res = [x2, x2 - pre.codebook(0)[out2.indices[:, 0]]]
+    dead = [m.clone() for m in q.dead_codes()]
+    assert [m.tolist() for m in dead] == [[False, False, True, True, True, True], [False, False, True, True]]
+    old = snapshot(q)
+    control = copy.deepcopy(q)
+
+    torch.manual_seed(5)
+    counts = q.revive()
+    assert counts == [int(m.sum()) for m in dead] == [4, 2]
+    revived = []
+    for l, cb in enumerate(q.levels):
+        m = dead[l]
+        assert bool(is_row_of(cb.embed[m], res[l]).all()), f"level {l}: revived codes are not residual rows"
+        assert torch.equal(cb.ema_count[m], torch.ones(int(m.sum())))
+        assert torch.equal(cb.ema_sum[m], cb.embed[m])
+        assert torch.equal(cb.unused_steps[m], torch.zeros(int(m.sum()), dtype=torch.long))
+        for name in FLOAT_BUFFERS + ("unused_steps",):  # live codes untouched
+            assert torch.equal(getattr(cb, name)[~m], old[f"levels.{l}.{name}"][~m])
+        revived.append(cb.embed[m].clone())
+
+    # next batch: sits on the live codes B (level 0) and Q (level 1), far from every revived code
+    x3 = q.codebook(0)[1] + q.codebook(1)[1] + 0.05 * torch.randn(16, 4, generator=torch.Generator().manual_seed(56))
+    out3 = q(x3, step=2)
+    for l, cb in enumerate(q.levels):
+        dead_ids = set(torch.nonzero(dead[l]).flatten().tolist())
+        assert not dead_ids & set(out3.indices[:, l].tolist()), "precondition: revived codes not assigned"
+        rel = (cb.embed[dead[l]] - revived[l]).norm(dim=-1) / revived[l].norm(dim=-1)
+        assert float(rel.max()) < 1e-3, f"level {l}: revived codes moved by {rel.tolist()}"
+
+    # negative control: overwrite embed only (stale M/N): the next update pulls the codes back to M/N
+    for l, cb in enumerate(control.levels):
+        cb.embed[dead[l]] = revived[l]
+    out_c = control(x3, step=2)
+    assert torch.equal(out_c.indices, out3.indices)
+    for l, cb in enumerate(control.levels):
+        moved = (cb.embed[dead[l]] - revived[l]).norm(dim=-1)
+        assert float(moved.min()) > 1.0
+        torch.testing.assert_close(cb.embed[dead[l]], old[f"levels.{l}.embed"][dead[l]], rtol=1e-3, atol=1e-3)
+
+
+def test_revive_before_any_update_does_nothing():
+    q = rvq(4, (4, 8), dead_code_steps=1)
+    before = snapshot(q)
+    assert q.revive() == [0, 0]
+    assert_states_equal(before, snapshot(q))
+
+
+# --------------------------------------------------------------------------------------------------
+# 6. fp32 everywhere
+# --------------------------------------------------------------------------------------------------
+def test_fp32_under_autocast_and_after_module_casts():
+    q = rvq(4, (4, 8), seed=6).train()
+    e1, e2 = torch.eye(4)[:2]
+    set_codes(q, 0, torch.stack([0 * e1, 1.003 * e1, 3 * e2, -3 * e2]))
+    reference = copy.deepcopy(q)
+    z = torch.randn(2, 6, 4, generator=torch.Generator().manual_seed(66))
+    # a near tie that bf16 gets wrong: in fp32 0.5018 e1 is nearer 1.003 e1 than 0 (by 6e-4 in squared distance);
+    # rounded to bf16 (0.5018 -> 0.5, 1.003 -> 1.0) the distance to 1.003 e1 comes out larger by 6e-3
+    z[:, 0] = 0.5018 * e1
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = q(z, step=0)
+    out_ref = reference(z, step=0)  # no autocast at all: the same fp32 math, so bit-identical results
+    assert out.indices[:, 0, 0].tolist() == [1, 1], "nearest code computed in reduced precision"
+    for name, buf in q.named_buffers():
+        if buf.is_floating_point():
+            assert buf.dtype == torch.float32, name
+    assert out.commit_loss.dtype == torch.float32 and out.codebook_loss.dtype == torch.float32
+    assert out.quantized.dtype == torch.float32
+    assert torch.equal(out.quantized, out_ref.quantized) and torch.equal(out.commit_loss, out_ref.commit_loss)
+    assert_states_equal(snapshot(q), snapshot(reference))
+
+    before = snapshot(q)
+    for cast in ("bfloat16", "half"):
+        getattr(q, cast)()
+        for l, cb in enumerate(q.levels):
+            for name in FLOAT_BUFFERS:
+                buf = getattr(cb, name)
+                assert buf.dtype == torch.float32, (cast, l, name)
+                assert torch.equal(buf, before[f"levels.{l}.{name}"]), (cast, l, name)
+        assert_states_equal(before, snapshot(q))
+
+    zb = z.bfloat16()
+    out_b = q.eval()(zb)
+    assert out_b.quantized.dtype == torch.bfloat16 and out_b.commit_loss.dtype == torch.float32
+    assert torch.equal(out_b.indices, q(zb.float()).indices)  # bf16 -> fp32 is exact
+    torch.testing.assert_close(out_b.quantized, q.decode_indices(out_b.indices).bfloat16())
+    out_t = q.train()(zb, step=1)
+    assert out_t.quantized.dtype == torch.bfloat16
+    assert all(getattr(cb, n).dtype == torch.float32 for cb in q.levels for n in FLOAT_BUFFERS)
+
+
+# --------------------------------------------------------------------------------------------------
+# 7. decay schedule: a pure function of the global step
+# --------------------------------------------------------------------------------------------------
+def test_decay_schedule_is_a_pure_function_of_the_step():
+    cfg = dict(decay_start=0.8, decay_end=0.96, decay_steps=100)
+    fresh = rvq(4, (4, 8), **cfg)
+    assert fresh.decay_at(0) == 0.8
+    assert fresh.decay_at(100) == pytest.approx(0.96, abs=1e-12)
+    assert fresh.decay_at(50) == pytest.approx(0.88, abs=1e-12)
+    assert fresh.decay_at(25) == pytest.approx(0.84, abs=1e-12)
+    assert fresh.decay_at(10_000) == pytest.approx(0.96, abs=1e-12)
+    assert fresh.decay_at(-7) == 0.8
+    for s in (0, 1, 25, 50, 99, 100, 150):
+        t = fresh.decay_at(torch.tensor(s))
+        assert isinstance(t, torch.Tensor) and float(t) == pytest.approx(fresh.decay_at(s), abs=1e-7)
+    assert rvq(4, (4,), decay_steps=0, decay_end=0.97).decay_at(12) == 0.97
+
+    trained = rvq(4, (4, 8), **cfg).train()
+    g = torch.Generator().manual_seed(77)
+    for s in range(5):
+        trained(torch.randn(12, 4, generator=g), step=s * 10)
+    for s in (0, 3, 37, 50, 100, 500):
+        assert trained.decay_at(s) == fresh.decay_at(s)
+
+    # the EMA step at s depends only on the state, not on the history that led to it
+    loaded = rvq(4, (4, 8), seed=99, **cfg).train()
+    loaded.load_state_dict(copy.deepcopy(trained.state_dict()))
+    x = torch.randn(12, 4, generator=g)
+    out_a, out_b = trained(x, step=37), loaded(x, step=37)
+    assert_states_equal(snapshot(trained), snapshot(loaded))
+    assert torch.equal(out_a.quantized, out_b.quantized) and torch.equal(out_a.codebook_loss, out_b.codebook_loss)
+
+
+# --------------------------------------------------------------------------------------------------
+# 8. state_dict round trip and data-dependent init
+# --------------------------------------------------------------------------------------------------
+def test_state_dict_round_trip_and_no_reinit():
+    cfg = dict(dim=4, sizes=(4, 8), dead_code_steps=50, init_from_data=True)
+    a = rvq(seed=8, **cfg).train()
+    g = torch.Generator().manual_seed(88)
+    for s in range(4):
+        a(torch.randn(10, 4, generator=g) * (1 + s), step=s)
+    assert bool(a.initialized) and any(int(cb.unused_steps.max()) > 0 for cb in a.levels)
+
+    buf = io.BytesIO()
+    torch.save(a.state_dict(), buf)
+    buf.seek(0)
+    sd = torch.load(buf, weights_only=True)
+    b = rvq(seed=123, **cfg)
+    assert not bool(b.initialized)
+    b.load_state_dict(sd)
+    assert "initialized" in sd and "levels.1.unused_steps" in sd
+    assert_states_equal(snapshot(a), snapshot(b))
+
+    z = torch.randn(3, 5, 4, generator=g)
+    oa, ob = a.eval()(z), b.eval()(z)
+    assert torch.equal(oa.quantized, ob.quantized) and torch.equal(oa.indices, ob.indices)
+    assert torch.equal(oa.commit_loss, ob.commit_loss)
+
+    # the loaded, initialised module does not re-initialise on its next training step
+    x = torch.randn(10, 4, generator=g)
+    torch.manual_seed(1)
+    a.train()(x, step=4)
+    torch.manual_seed(1)
+    b.train()(x, step=4)
+    assert_states_equal(snapshot(a), snapshot(b))
+
+    # and an initialised module that loads an uninitialised state does initialise again
+    fresh_sd = snapshot(rvq(seed=9, **cfg))
+    c, d = copy.deepcopy(a), rvq(seed=10, **cfg).train()
+    c.load_state_dict(fresh_sd)
+    d.load_state_dict(fresh_sd)
+    torch.manual_seed(2)
+    c(x, step=0)
+    torch.manual_seed(2)
+    d(x, step=0)
+    assert bool(c.initialized)
+    assert_states_equal(snapshot(c), snapshot(d))
+
+
+def test_data_dependent_init():
+    sizes = (6, 8)
+    x = torch.randn(20, 4, generator=torch.Generator().manual_seed(90))
+
+    q = rvq(4, sizes, seed=9, init_from_data=True)
+    assert not bool(q.initialized)
+    q.eval()(x, step=0)
+    q.train()(x)  # no step: no init either
+    assert not bool(q.initialized)
+
+    torch.manual_seed(3)
+    q._init_from(x)
+    assert bool(q.initialized)
+    c0 = q.codebook(0)
+    assert bool(is_row_of(c0, x, atol=0).all())
+    assert len({tuple(r.tolist()) for r in c0}) == sizes[0]  # distinct rows (20 >= 6: no repeats)
+    r1 = x - c0[torch.cdist(x.double(), c0.double()).argmin(-1)]
+    assert bool(is_row_of(q.codebook(1), r1).all())
+    for cb in q.levels:
+        assert torch.equal(cb.ema_count, torch.ones(cb.size)) and torch.equal(cb.ema_sum, cb.embed)
+
+    # fewer rows than codes: every code is still one of the rows
+    small = rvq(4, sizes, seed=9, init_from_data=True)
+    small._init_from(x[:3])
+    assert bool(is_row_of(small.codebook(0), x[:3], atol=0).all())
+
+    # the first training forward = this init, then the EMA update with those codes
+    fwd = rvq(4, sizes, seed=9, init_from_data=True).train()
+    torch.manual_seed(3)
+    fwd(x, step=0)
+    assert bool(fwd.initialized)
+    q.train()(x, step=0)  # already initialised: EMA update only
+    assert_states_equal(snapshot(fwd), snapshot(q))
+
+
+# --------------------------------------------------------------------------------------------------
+# 9. errors
+# --------------------------------------------------------------------------------------------------
+def test_errors():
+    q = rvq(4, (4, 8))
+    with pytest.raises(ValueError, match="indices"):
+        q.decode_indices(torch.tensor([[0, 8]]))  # level 1 has codes 0..7
+    with pytest.raises(ValueError, match="indices"):
+        q.decode_indices(torch.tensor([[4, 0]]))
+    with pytest.raises(ValueError, match="indices"):
+        q.decode_indices(torch.tensor([[-1, 0]]))
+    with pytest.raises(ValueError, match="indices"):
+        q.decode_indices(torch.tensor([[0, 1, 2]]))
+    with pytest.raises(ValueError, match="indices"):
+        q.decode_indices(torch.tensor([[0.0, 1.0]]))
+    with pytest.raises(ValueError, match="indices"):
+        q.decode_indices(torch.tensor([[True, False]]))
+    assert torch.equal(q.decode_indices(torch.tensor([[3, 7]])), (q.codebook(0)[3] + q.codebook(1)[7])[None])
+    with pytest.raises(ValueError, match="codebook_sizes"):
+        ResidualVectorQuantizer(4, ())
+    with pytest.raises(ValueError, match="codebook_sizes"):
+        ResidualVectorQuantizer(4, (4, 0))
+    with pytest.raises(ValueError, match="last dim"):
+        q(torch.randn(2, 5))
+    with pytest.raises(ValueError):
+        q.train()(torch.randn(3, 2, 3), step=0)
+
+
+# --------------------------------------------------------------------------------------------------
+# 10. DDP (gloo, 2 processes)
+# --------------------------------------------------------------------------------------------------
+DDP_STEPS = (0, 2, 5)
+DDP_FINAL_STEP = 7
+
+
+def _ddp_setup():
+    """Same quantizer and batches in every process: data only near level-0 codes 0..2, so codes die."""
+    q = rvq(4, (8, 8), seed=10, decay_start=0.5, decay_end=0.9, decay_steps=6, dead_code_steps=2).train()
+    g = torch.Generator().manual_seed(101)
+    centers = q.codebook(0)[[0, 1, 2, 0]].clone()
+    batches = [centers.repeat(4, 1) + 0.05 * torch.randn(16, 4, generator=g) for _ in range(len(DDP_STEPS) + 1)]
+    return q, batches
+
+
+def _ddp_worker(rank: int, world: int, port: int, outdir: str) -> None:
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        q, batches = _ddp_setup()
+        half = batches[0].shape[0] // world
+        for x, s in zip(batches, DDP_STEPS):
+            q(x[rank * half : (rank + 1) * half], step=s)
+        torch.save(snapshot(q), Path(outdir) / f"pre_{rank}.pt")
+        torch.manual_seed(1000 + rank)  # different random picks per rank: the broadcast must align them
+        revived = q.revive()
+        q(batches[-1][rank * half : (rank + 1) * half], step=DDP_FINAL_STEP)
+        torch.save({"state": snapshot(q), "revived": torch.tensor(revived)}, Path(outdir) / f"post_{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(120)
+def test_ddp_two_ranks_match_single_process(tmp_path):
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_ddp_worker, args=(r, 2, port, str(tmp_path))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=90)
+    hung = [p for p in procs if p.is_alive()]
+    for p in hung:
+        p.kill()
+        p.join(5)
+    assert not hung, "DDP workers hung"
+    assert [p.exitcode for p in procs] == [0, 0]
+
+    pre = [torch.load(tmp_path / f"pre_{r}.pt", weights_only=True) for r in range(2)]
+    post = [torch.load(tmp_path / f"post_{r}.pt", weights_only=True) for r in range(2)]
+
+    # before revive: both ranks equal the single process fed the whole batch at the same steps
+    single, batches = _ddp_setup()
+    for x, s in zip(batches, DDP_STEPS):
+        single(x, step=s)
+    ref = snapshot(single)
+    for r in range(2):
+        assert pre[r].keys() == ref.keys()
+        for k in ref:
+            if ref[k].is_floating_point():
+                torch.testing.assert_close(pre[r][k], ref[k], rtol=1e-5, atol=1e-6, msg=f"rank {r} {k}")
+            else:
+                assert torch.equal(pre[r][k], ref[k]), (r, k)
+    assert_states_equal(pre[0], pre[1])
+
+    # after revive (random picks, broadcast from rank 0) and one more step: identical codebooks
+    assert torch.equal(post[0]["revived"], post[1]["revived"])
+    assert int(post[0]["revived"].sum()) > 0
+    assert post[0]["revived"].tolist() == [int(m.sum()) for m in single.dead_codes()]
+    assert_states_equal(post[0]["state"], post[1]["state"])
+    assert not torch.equal(post[0]["state"]["levels.0.embed"], pre[0]["levels.0.embed"])
