@@ -45,7 +45,7 @@ def synthetic_clips(n: int, frames: int, size: int = 32, channels: int = 16, blo
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m lwm.demo", description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=300, help="training steps")
+    p.add_argument("--steps", type=int, default=200, help="training steps")
     p.add_argument("--batch", type=int, default=8, help="clips per step")
     p.add_argument("--frames", type=int, default=6, help="frames per clip (T)")
     p.add_argument("--seed", type=int, default=0)
