@@ -1,0 +1,113 @@
+"""Reading and checking lwm's HDF5 latent files.
+
+A file holds ``latents [T, C, H, W]`` (float16/32/64, values in [-1, 1]); a file with a single 4-D dataset
+may name it otherwise. Optional: ``actions`` (integers ``[T]``, the ground-truth action after frame ``t``),
+an integer ``world_label`` attribute and a ``codec`` attribute (JSON: how to decode latents to pixels).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+LATENTS_KEY = "latents"
+ACTIONS_KEY = "actions"
+FLOAT_DTYPES = (np.float16, np.float32, np.float64)
+
+
+class DataError(ValueError):
+    """Bad input data. One line per problem, each naming the file (and the dataset or field)."""
+
+
+@dataclass(frozen=True)
+class H5Info:
+    key: str  # name of the latents dataset
+    frames: int  # T
+    channels: int  # C
+    height: int  # H
+    width: int  # W
+    has_actions: bool
+    world_label: int | None
+
+
+def find_latents_key(f: h5py.File, path: str | Path) -> str:
+    """``latents`` if present, else the file's only 4-D dataset."""
+    if LATENTS_KEY in f and isinstance(f[LATENTS_KEY], h5py.Dataset):
+        return LATENTS_KEY
+    four_d = [name for name, obj in f.items() if isinstance(obj, h5py.Dataset) and obj.ndim == 4]
+    if len(four_d) != 1:
+        found = ", ".join(f"{n}{tuple(o.shape)}" for n, o in f.items() if isinstance(o, h5py.Dataset)) or "none"
+        raise DataError(f"{path}: no '{LATENTS_KEY}' dataset and not exactly one 4-D dataset (datasets: {found})")
+    return four_d[0]
+
+
+def inspect_h5(
+    path: str | Path,
+    channels: int | None = None,
+    height: int | None = None,
+    width: int | None = None,
+    tolerance: float = 1e-3,
+    check_values: bool = True,
+    chunk_frames: int = 64,
+) -> H5Info:
+    """Open ``path`` and check it: the latents are 4-D float of the expected ``C, H, W`` (when given), finite
+    and within [-1 - tolerance, 1 + tolerance] (read in chunks); ``actions``, if present, are integers [T].
+    Raises :class:`DataError` with one line naming the file and the problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: file not found")
+    try:
+        f = h5py.File(path, "r")
+    except OSError as e:
+        raise DataError(f"{path}: cannot be opened as HDF5 ({_first_line(e)})") from None
+    with f:
+        key = find_latents_key(f, path)
+        ds = f[key]
+        if ds.ndim != 4:
+            raise DataError(f"{path}: dataset '{key}' must be 4-D [T, C, H, W], got shape {ds.shape}")
+        T, C, H, W = ds.shape
+        if ds.dtype.type not in FLOAT_DTYPES:
+            raise DataError(f"{path}: dataset '{key}' must be float16/32/64, got {ds.dtype}")
+        for name, want, got in (("channels", channels, C), ("height", height, H), ("width", width, W)):
+            if want is not None and want != got:
+                raise DataError(f"{path}: dataset '{key}' has {name} {got}, expected {want} (shape {ds.shape})")
+        if T == 0:
+            raise DataError(f"{path}: dataset '{key}' has no frames")
+        if check_values:
+            for start in range(0, T, chunk_frames):
+                try:
+                    block = np.asarray(ds[start : start + chunk_frames], dtype=np.float32)
+                except OSError as e:  # truncated or corrupt chunk
+                    raise DataError(f"{path}: dataset '{key}' unreadable at frames {start}.. ({_first_line(e)})") from None
+                finite = np.isfinite(block)
+                if not finite.all():
+                    frame = start + int(np.argwhere(~finite)[0][0])
+                    raise DataError(f"{path}: dataset '{key}' has NaN/inf values (first at frame {frame})")
+                lo, hi = float(block.min()), float(block.max())
+                if lo < -1 - tolerance or hi > 1 + tolerance:
+                    raise DataError(f"{path}: dataset '{key}' has values in [{lo:.4g}, {hi:.4g}], outside [-1, 1]")
+        has_actions = ACTIONS_KEY in f
+        if has_actions:
+            act = f[ACTIONS_KEY]
+            if not isinstance(act, h5py.Dataset) or act.shape != (T,) or act.dtype.kind not in "iu":
+                shape = getattr(act, "shape", None)
+                raise DataError(f"{path}: '{ACTIONS_KEY}' must be integers of shape ({T},), got {shape} {getattr(act, 'dtype', '')}")
+        label = f.attrs.get("world_label")
+        if label is not None:
+            label = parse_world_label(label, path)
+        return H5Info(key, T, C, H, W, has_actions, label)
+
+
+def parse_world_label(value: object, path: str | Path) -> int:
+    """The ``world_label`` attribute as an int; anything but an integer (a float, a string, a bool) is refused."""
+    value = np.asarray(value)
+    if value.shape != () or value.dtype.kind not in "iu":
+        raise DataError(f"{path}: attribute 'world_label' must be an integer, got {value!r}")
+    return int(value)
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

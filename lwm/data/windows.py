@@ -1,0 +1,168 @@
+"""Random T-frame windows from h5 files: a map-style dataset indexed by ``(file, start)`` and a batch
+sampler that draws each batch element from a different file.
+
+* Files open lazily, in the process that reads (each DataLoader worker opens its own handles; the parent
+  never opens a file), so fork and spawn workers both work.
+* A window is one slice read ``latents[start:start+T]``, never a frame-by-frame loop.
+* The sampler is deterministic per ``(seed, rank, epoch, batch index)``: it can start mid-epoch in O(1),
+  which is what resuming needs, and every rank draws its own batches.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterator, Sequence
+
+import h5py
+import numpy as np
+import torch
+from torch.utils.data import Dataset, Sampler
+
+from lwm.data.h5 import ACTIONS_KEY, DataError, parse_world_label
+from lwm.data.manifest import Manifest, ManifestEntry
+
+MISSING = -1  # value of `actions` / `world_label` in a batch when the file has none
+
+
+class H5WindowDataset(Dataset):
+    """``dataset[(file_index, start)] -> {"latents": [T, C, H, W] float32, "actions": [T] int64,
+    "world_label": int64 scalar, "file_index": int64, "start": int64}``.
+
+    Files of the split shorter than ``window`` are left out with one warning naming each.
+    """
+
+    def __init__(self, manifest: Manifest, split: str, window: int) -> None:
+        if window < 1:
+            raise DataError(f"window must be >= 1, got {window}")
+        entries = manifest.split(split)
+        if not entries:
+            raise DataError(f"{manifest.path}: the '{split}' split is empty")
+        self.window = window
+        self.entries: list[ManifestEntry] = []
+        for e in entries:
+            if e.frames >= window:
+                self.entries.append(e)
+            else:
+                warnings.warn(f"{manifest.resolve(e)}: {e.frames} frames < window {window}; left out of '{split}'",
+                              stacklevel=2)
+        if not self.entries:
+            longest = max(e.frames for e in entries)
+            raise DataError(f"{manifest.path}: window {window} is longer than every '{split}' file (longest: {longest} frames)")
+        self.paths = [str(manifest.resolve(e)) for e in self.entries]
+        self.frames = [e.frames for e in self.entries]
+        self._handles: dict[int, h5py.File] = {}
+        self._pid: int | None = None
+
+    def __len__(self) -> int:
+        """Non-overlapping windows in the split: the number of samples in one epoch."""
+        return sum(f // self.window for f in self.frames)
+
+    def _file(self, index: int) -> h5py.File:
+        if self._pid != os.getpid():  # a new worker process (fork copies the parent's dict): own handles
+            self._handles, self._pid = {}, os.getpid()
+        f = self._handles.get(index)
+        if f is None:
+            try:
+                f = h5py.File(self.paths[index], "r")
+            except OSError as e:
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise DataError(f"{self.paths[index]}: cannot be opened as HDF5 ({first})") from None
+            self._handles[index] = f
+        return f
+
+    def __getitem__(self, item: tuple[int, int]) -> dict[str, torch.Tensor]:
+        index, start = item
+        if not 0 <= index < len(self.entries):
+            raise IndexError(f"file index {index} out of range for {len(self.entries)} files")
+        if not 0 <= start <= self.frames[index] - self.window:
+            raise IndexError(f"{self.paths[index]}: window start {start} out of range for {self.frames[index]} frames")
+        f = self._file(index)
+        stop = start + self.window
+        latents = torch.from_numpy(np.asarray(f[self.entries[index].key][start:stop], dtype=np.float32))
+        if ACTIONS_KEY in f:
+            actions = torch.from_numpy(np.asarray(f[ACTIONS_KEY][start:stop], dtype=np.int64))
+        else:
+            actions = torch.full((self.window,), MISSING, dtype=torch.int64)
+        label = f.attrs.get("world_label")
+        label = MISSING if label is None else parse_world_label(label, self.paths[index])
+        return {
+            "latents": latents,
+            "actions": actions,
+            "world_label": torch.tensor(label),
+            "file_index": torch.tensor(index),
+            "start": torch.tensor(start),
+        }
+
+    def close(self) -> None:
+        for f in self._handles.values():
+            f.close()
+        self._handles = {}
+
+    def __getstate__(self) -> dict:  # spawn workers receive a pickled copy: never ship open handles
+        state = self.__dict__.copy()
+        state["_handles"], state["_pid"] = {}, None
+        return state
+
+
+class FileBatchSampler(Sampler[list[tuple[int, int]]]):
+    """Batches of ``(file_index, start)``: each element from a different file while there are enough files
+    (files drawn without replacement, weighted by their number of windows), each start uniform in the file.
+
+    ``len(sampler)`` batches make an epoch on this rank: by default the split's non-overlapping windows
+    divided by the global batch (``batch_size * world_size``). Batch ``b`` of epoch ``e`` on rank ``r`` depends
+    only on ``(seed, r, e, b)``. ``state_dict`` records the seed and epoch; to resume mid-epoch the caller sets
+    ``start_batch`` to the number of batches the trainer consumed (the sampler cannot count them itself:
+    DataLoader workers draw batches ahead of the training step).
+    """
+
+    def __init__(
+        self,
+        frames: Sequence[int],
+        window: int,
+        batch_size: int,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        batches_per_epoch: int | None = None,
+    ) -> None:
+        if batch_size < 1:
+            raise DataError(f"batch_size must be >= 1, got {batch_size}")
+        self.frames = np.asarray(frames, dtype=np.int64)
+        if (self.frames < window).any():
+            raise DataError("FileBatchSampler: every file must hold at least one window")
+        self.window, self.batch_size = window, batch_size
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        windows = self.frames // window
+        self.weights = windows / windows.sum()
+        self.num_batches = batches_per_epoch or max(1, int(windows.sum()) // (batch_size * world_size))
+        self.epoch = 0
+        self.start_batch = 0  # first batch of the next iteration (resume mid-epoch)
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def batch(self, epoch: int, index: int) -> list[tuple[int, int]]:
+        rng = np.random.default_rng([self.seed, self.rank, epoch, index])
+        n_files = len(self.frames)
+        picks = []
+        while len(picks) < self.batch_size:  # whole rounds without replacement when files are few
+            take = min(self.batch_size - len(picks), n_files)
+            picks.extend(rng.choice(n_files, size=take, replace=False, p=self.weights).tolist())
+        starts = rng.integers(0, self.frames[picks] - self.window + 1)
+        return [(int(f), int(s)) for f, s in zip(picks, starts)]
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        epoch, first = self.epoch, self.start_batch
+        self.start_batch = 0
+        for b in range(first, self.num_batches):
+            yield self.batch(epoch, b)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"seed": self.seed, "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.seed, self.epoch = int(state["seed"]), int(state["epoch"])

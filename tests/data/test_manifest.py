@@ -1,0 +1,269 @@
+"""index_directory and Manifest: checked files, relative paths, the seeded val split, refusals naming every file."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lwm.data.h5 import DataError
+from lwm.data.manifest import Manifest, ManifestEntry, index_directory
+from tests.data.conftest import pattern, write_h5
+
+
+def val_names(manifest: Manifest) -> set[str]:
+    return {Path(e.path).name for e in manifest.split("val")}
+
+
+# ---------------------------------------------------------------- index_directory
+
+
+def test_index_writes_manifest_in_directory(data_dir):
+    m = index_directory(data_dir, val_fraction=0.0)
+    out = data_dir / "manifest.json"
+    assert out.is_file() and m.path == out
+    assert (m.channels, m.height, m.width) == (4, 8, 8)
+    assert [e.path for e in m.entries] == [f"ep_{i:02d}.h5" for i in range(10)]
+    assert [e.frames for e in m.entries] == [20 + 3 * i for i in range(10)]
+    assert all(e.split == "train" and e.key == "latents" for e in m.entries)
+    raw = json.loads(out.read_text())
+    assert raw["version"] == 1 and (raw["channels"], raw["height"], raw["width"]) == (4, 8, 8)
+    assert raw["files"][3] == {"path": "ep_03.h5", "frames": 29, "split": "train", "key": "latents"}
+    assert not [p for p in data_dir.iterdir() if ".tmp" in p.name]  # no temp file left behind
+
+
+def test_index_records_other_key_and_subfolders(tmp_path):
+    d = tmp_path / "d"
+    write_h5(d / "x.h5", 6)
+    write_h5(d / "sub" / "y.hdf5", 8, key="z")
+    (d / "notes.txt").write_text("not a latents file")
+    m = index_directory(d, val_fraction=0.0)
+    assert [(e.path, e.frames, e.key) for e in m.entries] == [("sub/y.hdf5", 8, "z"), ("x.h5", 6, "latents")]
+
+
+def test_index_out_elsewhere_uses_relative_paths(data_dir, tmp_path):
+    out = tmp_path / "elsewhere" / "deeper" / "m.json"
+    m = index_directory(data_dir, out=out, val_fraction=0.0)
+    assert out.is_file() and not (data_dir / "manifest.json").exists()
+    assert m.entries[0].path == os.path.join("..", "..", "data", "ep_00.h5")
+    assert not any(os.path.isabs(e.path) for e in m.entries)
+    loaded = Manifest.load(out)
+    for e in loaded.entries:
+        assert loaded.resolve(e) == (data_dir / Path(e.path).name).resolve()
+        assert loaded.resolve(e).is_file()
+
+
+def test_load_round_trip(data_dir):
+    m = index_directory(data_dir, val_fraction=0.3, seed=4)
+    loaded = Manifest.load(data_dir / "manifest.json")
+    assert loaded.entries == m.entries
+    assert (loaded.channels, loaded.height, loaded.width) == (m.channels, m.height, m.width)
+    assert loaded.path == data_dir / "manifest.json"
+    assert all(isinstance(e, ManifestEntry) for e in loaded.entries)
+
+
+def test_resolve_from_relative_manifest_path(data_dir, tmp_path, monkeypatch):
+    index_directory(data_dir, out=tmp_path / "m" / "manifest.json", val_fraction=0.0)
+    monkeypatch.chdir(tmp_path / "m")
+    loaded = Manifest.load("manifest.json")
+    assert loaded.resolve(loaded.entries[5]) == (data_dir / "ep_05.h5").resolve()
+
+
+def test_save_elsewhere_then_load(data_dir, tmp_path):
+    """Saving to another place keeps the entry paths as they are (relative to the original folder)."""
+    m = index_directory(data_dir, val_fraction=0.0)
+    copy = m.save(tmp_path / "copy.json")
+    assert copy == tmp_path / "copy.json" and m.path == copy
+    assert Manifest.load(copy).entries == m.entries
+
+
+# ---------------------------------------------------------------- val split
+
+
+def test_val_split_size_and_determinism(data_dir):
+    a = index_directory(data_dir, val_fraction=0.2, seed=1)
+    b = index_directory(data_dir, val_fraction=0.2, seed=1)
+    assert len(a.split("val")) == 2 and len(a.split("train")) == 8
+    assert val_names(a) == val_names(b)
+    assert set(a.split("val")) | set(a.split("train")) == set(a.entries)
+    others = [val_names(index_directory(data_dir, val_fraction=0.2, seed=s)) for s in range(2, 8)]
+    assert all(len(v) == 2 for v in others)
+    assert any(v != val_names(a) for v in others)
+
+
+def test_val_fraction_zero(data_dir):
+    m = index_directory(data_dir, val_fraction=0.0)
+    assert m.split("val") == [] and len(m.split("train")) == 10
+
+
+def test_two_files_small_fraction_gives_one_val(tmp_path):
+    d = tmp_path / "two"
+    write_h5(d / "a.h5", 5)
+    write_h5(d / "b.h5", 6)
+    for seed in range(4):
+        m = index_directory(d, val_fraction=0.1, seed=seed)
+        assert len(m.split("val")) == 1 and len(m.split("train")) == 1
+
+
+def test_single_file_stays_train(tmp_path):
+    write_h5(tmp_path / "one" / "a.h5", 5)
+    m = index_directory(tmp_path / "one", val_fraction=0.5)
+    assert [e.split for e in m.entries] == ["train"]
+
+
+@pytest.mark.parametrize("fraction", [-0.1, 1.0, 1.5])
+def test_bad_val_fraction(data_dir, fraction):
+    with pytest.raises(DataError, match="val_fraction"):
+        index_directory(data_dir, val_fraction=fraction)
+    assert not (data_dir / "manifest.json").exists()
+
+
+# ---------------------------------------------------------------- refusals
+
+
+def test_bad_files_are_all_named_and_nothing_written(data_dir, tmp_path):
+    bad_nan = pattern(10)
+    bad_nan[2] = np.nan
+    write_h5(data_dir / "ep_03b.h5", data=bad_nan)
+    (data_dir / "zz_garbage.h5").write_bytes(b"definitely not hdf5" * 50)
+    out = data_dir / "manifest.json"
+    out.write_text('{"old": "manifest"}\n')
+    before = out.read_bytes()
+    with pytest.raises(DataError) as exc:
+        index_directory(data_dir)
+    lines = str(exc.value).splitlines()
+    assert lines[0].startswith("2 of 12 files refused")
+    assert len(lines) == 3  # a header, then one line per bad file
+    assert str(data_dir / "ep_03b.h5") in lines[1] and "NaN/inf" in lines[1]
+    assert str(data_dir / "zz_garbage.h5") in lines[2]
+    assert out.read_bytes() == before
+    assert sorted(p.name for p in data_dir.iterdir() if not p.name.endswith(".h5")) == ["manifest.json"]
+
+
+def test_bad_files_with_out_elsewhere_write_nothing(data_dir, tmp_path):
+    (data_dir / "broken.h5").write_bytes(b"\0" * 100)
+    out = tmp_path / "out" / "m.json"
+    with pytest.raises(DataError, match="broken.h5"):
+        index_directory(data_dir, out=out)
+    assert not out.exists()
+
+
+def test_other_shape_refused_by_name(data_dir):
+    write_h5(data_dir / "ep_05x.h5", 10, channels=3)
+    write_h5(data_dir / "ep_07x.h5", 10, height=16)
+    with pytest.raises(DataError) as exc:
+        index_directory(data_dir)
+    lines = str(exc.value).splitlines()
+    assert len(lines) == 3
+    assert str(data_dir / "ep_05x.h5") in lines[1] and "channels 3, expected 4" in lines[1]
+    assert str(data_dir / "ep_07x.h5") in lines[2] and "height 16, expected 8" in lines[2]
+    assert not (data_dir / "manifest.json").exists()
+
+
+def test_tolerance_passed_through(tmp_path):
+    data = pattern(6)
+    data[1, 0, 0, 0] = 1.05
+    write_h5(tmp_path / "t" / "a.h5", data=data)
+    with pytest.raises(DataError, match="outside"):
+        index_directory(tmp_path / "t")
+    assert index_directory(tmp_path / "t", tolerance=0.1).entries[0].frames == 6
+
+
+def test_empty_folder(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "readme.txt").write_text("x")
+    with pytest.raises(DataError, match="no .h5/.hdf5 files") as exc:
+        index_directory(tmp_path / "empty")
+    assert str(tmp_path / "empty") in str(exc.value)
+    assert not (tmp_path / "empty" / "manifest.json").exists()
+
+
+def test_not_a_directory(tmp_path):
+    with pytest.raises(DataError, match="not a directory"):
+        index_directory(tmp_path / "missing")
+
+
+# ---------------------------------------------------------------- Manifest.load refusals
+
+
+def load_refused(path, match: str) -> str:
+    with pytest.raises(DataError) as exc:
+        Manifest.load(path)
+    msg = str(exc.value)
+    assert str(path) in msg and match in msg, msg
+    assert "\n" not in msg
+    return msg
+
+
+def good_json() -> dict:
+    return {"version": 1, "channels": 4, "height": 8, "width": 8,
+            "files": [{"path": "a.h5", "frames": 10, "split": "train", "key": "latents"}]}
+
+
+def test_load_missing(tmp_path):
+    load_refused(tmp_path / "none.json", "manifest not found")
+
+
+def test_load_invalid_json(tmp_path):
+    p = tmp_path / "m.json"
+    p.write_text('{"version": 1, "files": [')
+    load_refused(p, "not valid JSON")
+
+
+def test_load_not_utf8(tmp_path):
+    p = tmp_path / "m.json"
+    p.write_bytes(b"\xff\xfe\x00garbage")
+    load_refused(p, "not valid JSON")
+
+
+@pytest.mark.parametrize("drop", ["files", "channels", "height", "width"])
+def test_load_missing_top_field(tmp_path, drop):
+    raw = good_json()
+    del raw[drop]
+    p = tmp_path / "m.json"
+    p.write_text(json.dumps(raw))
+    load_refused(p, "field missing or malformed")
+
+
+@pytest.mark.parametrize("drop", ["path", "frames", "split"])
+def test_load_missing_entry_field(tmp_path, drop):
+    raw = good_json()
+    del raw["files"][0][drop]
+    p = tmp_path / "m.json"
+    p.write_text(json.dumps(raw))
+    load_refused(p, "field missing or malformed")
+
+
+@pytest.mark.parametrize("doc", ["[]", "null", '{"channels": 4, "height": 8, "width": 8, "files": ["a.h5"]}',
+                                 '{"channels": "four", "height": 8, "width": 8, "files": []}'])
+def test_load_malformed(tmp_path, doc):
+    p = tmp_path / "m.json"
+    p.write_text(doc)
+    load_refused(p, "field missing or malformed")
+
+
+def test_load_key_defaults_to_latents(tmp_path):
+    raw = good_json()
+    del raw["files"][0]["key"]
+    p = tmp_path / "m.json"
+    p.write_text(json.dumps(raw))
+    assert Manifest.load(p).entries == [ManifestEntry("a.h5", 10, "train", "latents")]
+
+
+def test_load_bad_split_name(tmp_path):
+    raw = good_json()
+    raw["files"][0]["split"] = "test"
+    p = tmp_path / "m.json"
+    p.write_text(json.dumps(raw))
+    assert "'test'" in load_refused(p, "a.h5 has split")
+
+
+def test_load_zero_frames(tmp_path):
+    raw = good_json()
+    raw["files"][0]["frames"] = 0
+    p = tmp_path / "m.json"
+    p.write_text(json.dumps(raw))
+    load_refused(p, "frames=0")

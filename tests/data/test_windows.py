@@ -1,0 +1,402 @@
+"""H5WindowDataset (exact windows, lazy per-process handles) and FileBatchSampler (deterministic batches)."""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+import warnings
+from collections import Counter
+
+import h5py
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lwm.data.h5 import DataError
+from lwm.data.manifest import Manifest, ManifestEntry, index_directory
+from lwm.data.windows import MISSING, FileBatchSampler, H5WindowDataset
+from tests.data.conftest import action_pattern, pattern
+
+WINDOW = 4
+
+
+@pytest.fixture
+def manifest(window_files) -> Manifest:
+    d, _ = window_files
+    return index_directory(d, val_fraction=0.0)
+
+
+@pytest.fixture
+def dataset(manifest) -> H5WindowDataset:
+    with pytest.warns(UserWarning, match="d.h5"):
+        return H5WindowDataset(manifest, "train", WINDOW)
+
+
+def spec_of(ds: H5WindowDataset, spec: dict, index: int):
+    return spec[os.path.basename(ds.paths[index])]
+
+
+def expected_item(ds: H5WindowDataset, spec: dict, index: int, start: int) -> dict:
+    frames, offset, has_actions, label = spec_of(ds, spec, index)
+    lat = pattern(frames, offset)[start : start + ds.window]
+    act = action_pattern(frames)[start : start + ds.window] if has_actions else np.full(ds.window, MISSING)
+    return {"latents": lat, "actions": act, "world_label": MISSING if label is None else label}
+
+
+# ---------------------------------------------------------------- H5WindowDataset
+
+
+def test_short_file_left_out_with_one_warning(manifest, window_files):
+    d, _ = window_files
+    with pytest.warns(UserWarning) as rec:
+        ds = H5WindowDataset(manifest, "train", WINDOW)
+    ours = [r for r in rec if "left out" in str(r.message)]
+    assert len(ours) == 1
+    assert str((d / "d.h5").resolve()) in str(ours[0].message) and "3 frames < window 4" in str(ours[0].message)
+    assert [os.path.basename(p) for p in ds.paths] == ["a.h5", "b.h5", "c.h5"]
+    assert ds.frames == [40, 23, 100]
+    assert all(os.path.isabs(p) and os.path.isfile(p) for p in ds.paths)
+
+
+def test_no_warning_when_every_file_fits(manifest):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ds = H5WindowDataset(manifest, "train", 3)
+    assert len(ds.paths) == 4
+
+
+def test_len_counts_non_overlapping_windows(dataset, manifest):
+    assert len(dataset) == 40 // 4 + 23 // 4 + 100 // 4  # d.h5 (3 frames) contributes nothing
+    assert len(H5WindowDataset(manifest, "train", 1)) == 40 + 23 + 100 + 3
+    with pytest.warns(UserWarning):
+        assert len(H5WindowDataset(manifest, "train", 30)) == 1 + 3
+
+
+@pytest.mark.parametrize("index, start", [(0, 0), (0, 36), (0, 17), (1, 0), (1, 19), (2, 0), (2, 96), (2, 50)])
+def test_window_content_is_exact(dataset, window_files, index, start):
+    _, spec = window_files
+    item = dataset[(index, start)]
+    want = expected_item(dataset, spec, index, start)
+    assert item["latents"].dtype == torch.float32 and item["latents"].shape == (WINDOW, 4, 8, 8)
+    np.testing.assert_array_equal(item["latents"].numpy(), want["latents"])
+    # the pattern encodes the frame: frame t of the window is frame start + t of the file
+    frames_read = np.round((item["latents"][:, 0, 0, 0].numpy() - spec_of(dataset, spec, index)[1]) * 1000)
+    np.testing.assert_array_equal(frames_read, np.arange(start, start + WINDOW))
+    assert item["actions"].dtype == torch.int64 and item["actions"].shape == (WINDOW,)
+    np.testing.assert_array_equal(item["actions"].numpy(), want["actions"])
+    assert item["world_label"].dtype == torch.int64 and item["world_label"].ndim == 0
+    assert int(item["world_label"]) == want["world_label"]
+    assert int(item["file_index"]) == index and int(item["start"]) == start
+    assert item["file_index"].dtype == torch.int64 and item["start"].dtype == torch.int64
+
+
+def test_missing_actions_and_label_are_minus_one(dataset):
+    item = dataset[(1, 5)]  # b.h5: no actions, no label
+    assert item["actions"].tolist() == [-1] * WINDOW and int(item["world_label"]) == -1
+    item = dataset[(2, 5)]  # c.h5: actions, no label
+    assert int(item["world_label"]) == -1 and (item["actions"] >= 0).all()
+
+
+def test_other_key_and_float16(tmp_path):
+    d = tmp_path / "k"
+    data = pattern(12, 0.1).astype(np.float16)
+    d.mkdir()
+    with h5py.File(d / "x.h5", "w") as f:
+        f.create_dataset("z", data=data)
+    ds = H5WindowDataset(index_directory(d, val_fraction=0.0), "train", 5)
+    item = ds[(0, 7)]
+    assert item["latents"].dtype == torch.float32
+    np.testing.assert_array_equal(item["latents"].numpy(), data[7:12].astype(np.float32))
+
+
+@pytest.mark.parametrize("start", [-1, 37, 40, 1000])
+def test_start_out_of_range(dataset, start):
+    with pytest.raises(IndexError, match="a.h5"):
+        dataset[(0, start)]
+
+
+@pytest.mark.parametrize("index", [-1, 3, 99])
+def test_file_index_out_of_range(dataset, index):
+    with pytest.raises(IndexError, match="file index"):
+        dataset[(index, 0)]
+
+
+def test_val_split_used(window_files):
+    d, spec = window_files
+    m = index_directory(d, val_fraction=0.5, seed=0)
+    val = m.split("val")
+    assert len(val) == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ds = H5WindowDataset(m, "val", WINDOW)
+    fitting = sorted(os.path.basename(m.resolve(e)) for e in val if e.frames >= WINDOW)
+    assert sorted(os.path.basename(p) for p in ds.paths) == fitting
+
+
+def test_all_files_shorter_than_window(manifest):
+    with pytest.warns(UserWarning), pytest.raises(DataError) as exc:
+        H5WindowDataset(manifest, "train", 101)
+    msg = str(exc.value)
+    assert str(manifest.path) in msg and "longest: 100 frames" in msg
+
+
+def test_empty_split(manifest):
+    with pytest.raises(DataError, match="'val' split is empty") as exc:
+        H5WindowDataset(manifest, "val", WINDOW)
+    assert str(manifest.path) in str(exc.value)
+
+
+def test_bad_window(manifest):
+    with pytest.raises(DataError, match="window"):
+        H5WindowDataset(manifest, "train", 0)
+
+
+def test_unreadable_file_raises_data_error(tmp_path):
+    (tmp_path / "broken.h5").write_bytes(b"x" * 64)
+    m = Manifest(tmp_path / "m.json", 4, 8, 8, [ManifestEntry("broken.h5", 10, "train")])
+    ds = H5WindowDataset(m, "train", 2)
+    with pytest.raises(DataError, match="broken.h5"):
+        ds[(0, 0)]
+
+
+# ---------------------------------------------------------------- lazy opening, workers, pickling
+
+
+class CountingFile(h5py.File):
+    calls = 0
+
+    def __init__(self, *a, **kw):
+        type(self).calls += 1
+        super().__init__(*a, **kw)
+
+
+@pytest.fixture
+def count_opens(monkeypatch):
+    CountingFile.calls = 0
+    monkeypatch.setattr(h5py, "File", CountingFile)
+    return CountingFile
+
+
+def test_construction_opens_nothing(manifest, count_opens):
+    with pytest.warns(UserWarning):
+        ds = H5WindowDataset(manifest, "train", WINDOW)
+    assert count_opens.calls == 0 and ds._handles == {}
+    ds[(2, 3)]
+    ds[(2, 10)]
+    assert count_opens.calls == 1 and list(ds._handles) == [2]  # one handle per file, kept open
+    ds[(0, 0)]
+    assert count_opens.calls == 2 and sorted(ds._handles) == [0, 2]
+    ds.close()
+    assert ds._handles == {}
+    ds[(0, 0)]
+    assert count_opens.calls == 3
+    ds.close()
+
+
+def test_new_process_gets_new_handles(dataset, count_opens):
+    """A forked worker inherits the parent's dict: it must not reuse those handles."""
+    dataset[(0, 0)]
+    inherited = dataset._handles[0]
+    dataset._pid = -1  # as seen from a child process
+    item = dataset[(0, 4)]
+    assert dataset._handles[0] is not inherited and count_opens.calls == 2
+    assert int(item["start"]) == 4
+    inherited.close()
+    dataset.close()
+
+
+def read_all(loader) -> list[dict]:
+    return [dict(b) for b in loader]
+
+
+def assert_batches_equal(a: list[dict], b: list[dict]) -> None:
+    assert len(a) == len(b) > 0
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for k in x:
+            assert torch.equal(x[k], y[k]), k
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_workers_open_files_parent_never(dataset, count_opens, context):
+    sampler = FileBatchSampler(dataset.frames, WINDOW, batch_size=3, seed=11, batches_per_epoch=6)
+    loader = DataLoader(dataset, batch_sampler=sampler, num_workers=2, multiprocessing_context=context)
+    batches = read_all(loader)
+    assert count_opens.calls == 0 and dataset._handles == {} and dataset._pid is None
+    assert len(batches) == 6 and batches[0]["latents"].shape == (3, WINDOW, 4, 8, 8)
+    # same batches as reading in the parent (num_workers=0), from a fresh sampler with the same seed
+    sampler0 = FileBatchSampler(dataset.frames, WINDOW, batch_size=3, seed=11, batches_per_epoch=6)
+    assert_batches_equal(batches, read_all(DataLoader(dataset, batch_sampler=sampler0, num_workers=0)))
+    assert count_opens.calls == 3  # now the parent did read: one open per file
+    dataset.close()
+
+
+def test_loader_batches_match_sampler(dataset, window_files):
+    _, spec = window_files
+    sampler = FileBatchSampler(dataset.frames, WINDOW, batch_size=3, seed=2, batches_per_epoch=4)
+    batches = read_all(DataLoader(dataset, batch_sampler=sampler, num_workers=0))
+    for batch, idx in zip(batches, list(sampler), strict=True):
+        assert [(int(f), int(s)) for f, s in zip(batch["file_index"], batch["start"])] == idx
+        for row, (f, s) in enumerate(idx):
+            want = expected_item(dataset, spec, f, s)
+            np.testing.assert_array_equal(batch["latents"][row].numpy(), want["latents"])
+            np.testing.assert_array_equal(batch["actions"][row].numpy(), want["actions"])
+            assert int(batch["world_label"][row]) == want["world_label"]
+    dataset.close()
+
+
+def test_pickle_after_open(dataset, window_files):
+    _, spec = window_files
+    before = dataset[(2, 10)]
+    assert len(dataset._handles) == 1
+    copy = pickle.loads(pickle.dumps(dataset))
+    assert copy._handles == {} and copy._pid is None
+    assert len(dataset._handles) == 1  # the original keeps its handle
+    assert copy.paths == dataset.paths and copy.frames == dataset.frames and len(copy) == len(dataset)
+    after = copy[(2, 10)]
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    copy.close()
+    dataset.close()
+
+
+# ---------------------------------------------------------------- FileBatchSampler
+
+FRAMES = [40, 23, 100, 12, 57, 31]  # windows of 4: 10, 5, 25, 3, 14, 7 = 64
+
+
+def test_distinct_files_per_batch():
+    s = FileBatchSampler(FRAMES, WINDOW, batch_size=4, seed=3, batches_per_epoch=200)
+    batches = list(s)
+    assert len(batches) == 200
+    for b in batches:
+        assert len(b) == 4
+        assert len({f for f, _ in b}) == 4
+    assert {f for b in batches for f, _ in b} == set(range(len(FRAMES)))
+
+
+def test_batch_size_equal_to_files_uses_every_file():
+    s = FileBatchSampler(FRAMES, WINDOW, batch_size=6, seed=0, batches_per_epoch=20)
+    assert all(sorted(f for f, _ in b) == list(range(6)) for b in s)
+
+
+@pytest.mark.parametrize("frames, batch_size", [([40, 23, 100], 8), ([12, 50], 7), ([9], 5), ([40, 23, 100, 12], 12)])
+def test_few_files_whole_rounds(frames, batch_size):
+    s = FileBatchSampler(frames, WINDOW, batch_size=batch_size, seed=5, batches_per_epoch=30)
+    n = len(frames)
+    for b in s:
+        assert len(b) == batch_size
+        counts = Counter(f for f, _ in b)
+        assert set(counts) == set(range(n))
+        assert set(counts.values()) <= {batch_size // n, math.ceil(batch_size / n)}
+        assert max(counts.values()) - min(counts.values()) <= 1
+
+
+def test_starts_cover_exactly_the_valid_range():
+    frames = [12, 7, 4]  # valid starts 0..8, 0..3, 0..0
+    s = FileBatchSampler(frames, WINDOW, batch_size=2, seed=0, batches_per_epoch=400)
+    seen = {i: set() for i in range(3)}
+    for b in s:
+        for f, st in b:
+            assert 0 <= st <= frames[f] - WINDOW
+            seen[f].add(st)
+    assert seen == {0: set(range(9)), 1: set(range(4)), 2: {0}}
+
+
+def test_determinism_and_dependence_on_seed_rank_epoch():
+    def batches(**kw):
+        s = FileBatchSampler(FRAMES, WINDOW, batch_size=3, batches_per_epoch=8, **kw)
+        return [s.batch(e, i) for e in range(2) for i in range(8)]
+
+    base = batches(seed=7, rank=0)
+    assert base == batches(seed=7, rank=0)
+    for other in (batches(seed=7, rank=1), batches(seed=8, rank=0)):
+        assert other != base
+        assert sum(x != y for x, y in zip(base, other)) >= 8  # most batches differ, not just one
+    epoch0, epoch1 = base[:8], base[8:]
+    assert sum(x != y for x, y in zip(epoch0, epoch1)) >= 4
+
+
+def test_iteration_follows_epoch():
+    s = FileBatchSampler(FRAMES, WINDOW, batch_size=3, seed=1, batches_per_epoch=5)
+    e0 = list(s)
+    assert e0 == [s.batch(0, i) for i in range(5)] == list(s)  # iterating twice: same epoch, same batches
+    s.set_epoch(3)
+    e3 = list(s)
+    assert e3 == [s.batch(3, i) for i in range(5)] and e3 != e0
+
+
+def test_batch_index_is_independent_of_history():
+    a = FileBatchSampler(FRAMES, WINDOW, batch_size=3, seed=9, rank=2, world_size=4)
+    b = FileBatchSampler(FRAMES, WINDOW, batch_size=3, seed=9, rank=2, world_size=4)
+    full = [a.batch(5, i) for i in range(4)]
+    assert [b.batch(5, i) for i in reversed(range(4))] == full[::-1]
+
+
+def test_len_default_and_override():
+    windows = sum(f // WINDOW for f in FRAMES)  # 64
+    assert len(FileBatchSampler(FRAMES, WINDOW, batch_size=4)) == 64 // 4 == 16
+    assert len(FileBatchSampler(FRAMES, WINDOW, batch_size=5, world_size=2)) == windows // 10 == 6
+    assert len(list(FileBatchSampler(FRAMES, WINDOW, batch_size=5, world_size=2))) == 6
+    s = FileBatchSampler(FRAMES, WINDOW, batch_size=5, world_size=2, batches_per_epoch=17)
+    assert len(s) == 17 and len(list(s)) == 17
+    assert len(FileBatchSampler([4, 5], WINDOW, batch_size=8)) == 1  # at least one batch
+
+
+def test_dataset_frames_feed_the_sampler(dataset):
+    """The short file (d.h5) is left out of the dataset, so no sampled index can point at it."""
+    s = FileBatchSampler(dataset.frames, WINDOW, batch_size=2, seed=0, batches_per_epoch=100)
+    used = {f for b in s for f, _ in b}
+    assert used == {0, 1, 2}
+    assert all(not p.endswith("d.h5") for p in dataset.paths)
+    assert len(FileBatchSampler(dataset.frames, WINDOW, batch_size=2)) == len(dataset) // 2
+
+
+def test_start_batch_resumes_mid_epoch():
+    s = FileBatchSampler(FRAMES, WINDOW, batch_size=3, seed=4, batches_per_epoch=10)
+    s.set_epoch(2)
+    full = list(s)
+    for k in (0, 3, 9, 10):
+        s.start_batch = k
+        assert list(s) == full[k:]
+        assert s.start_batch == 0
+        assert list(s) == full  # the next iteration starts again from 0
+
+
+def test_state_dict_round_trip():
+    a = FileBatchSampler(FRAMES, WINDOW, batch_size=3, seed=13, batches_per_epoch=6)
+    a.set_epoch(4)
+    state = a.state_dict()
+    assert state["seed"] == 13 and state["epoch"] == 4
+    b = FileBatchSampler(FRAMES, WINDOW, batch_size=3, seed=0, batches_per_epoch=6)
+    b.load_state_dict(state)
+    assert (b.seed, b.epoch) == (13, 4)
+    assert list(b) == list(a)
+    b.load_state_dict(pickle.loads(pickle.dumps(state)))
+    assert list(b) == list(a)
+
+
+def test_selection_frequency_follows_windows():
+    frames = [400, 40, 40]  # 100, 10, 10 windows
+    s = FileBatchSampler(frames, WINDOW, batch_size=1, seed=0, batches_per_epoch=3000)
+    counts = Counter(f for b in s for f, _ in b)
+    assert counts[0] + counts[1] + counts[2] == 3000
+    assert 2500 * 0.9 < counts[0] < 2500 * 1.1  # expected 3000 * 100/120 = 2500
+    assert 6 < counts[0] / counts[1] < 15 and 6 < counts[0] / counts[2] < 15
+
+
+def test_selection_frequency_with_bigger_batches():
+    """Without replacement the big file is still chosen much more often, though less than in proportion."""
+    frames = [400] + [40] * 5  # 100 and 5 x 10 windows
+    s = FileBatchSampler(frames, WINDOW, batch_size=2, seed=1, batches_per_epoch=1500)
+    counts = Counter(f for b in s for f, _ in b)
+    assert counts[0] > 0.85 * 1500  # in ~90% of the batches
+    assert all(counts[0] > 3 * counts[i] for i in range(1, 6))
+
+
+def test_sampler_refuses_short_files_and_bad_batch():
+    with pytest.raises(DataError):
+        FileBatchSampler([10, 3], WINDOW, batch_size=2)
+    with pytest.raises(DataError):
+        FileBatchSampler([10, 30], WINDOW, batch_size=0)
