@@ -62,7 +62,7 @@ def inspect_h5(
     try:
         f = h5py.File(path, "r")
     except OSError as e:
-        raise DataError(f"{path}: cannot be opened as HDF5 ({_first_line(e)})") from None
+        raise DataError(f"{path}: cannot be opened as HDF5 ({first_line(e)})") from None
     with f:
         key = find_latents_key(f, path)
         ds = f[key]
@@ -81,7 +81,7 @@ def inspect_h5(
                 try:
                     block = np.asarray(ds[start : start + chunk_frames], dtype=np.float32)
                 except OSError as e:  # truncated or corrupt chunk
-                    raise DataError(f"{path}: dataset '{key}' unreadable at frames {start}.. ({_first_line(e)})") from None
+                    raise DataError(f"{path}: dataset '{key}' unreadable at frames {start}.. ({first_line(e)})") from None
                 finite = np.isfinite(block)
                 if not finite.all():
                     frame = start + int(np.argwhere(~finite)[0][0])
@@ -109,5 +109,6 @@ def parse_world_label(value: object, path: str | Path) -> int:
     return int(value)
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message (h5py errors run over several lines)."""
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

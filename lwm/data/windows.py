@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
-from lwm.data.h5 import ACTIONS_KEY, DataError, parse_world_label
+from lwm.data.h5 import ACTIONS_KEY, DataError, first_line, parse_world_label
 from lwm.data.manifest import Manifest, ManifestEntry
 
 MISSING = -1  # value of `actions` / `world_label` in a batch when the file has none
@@ -66,8 +66,7 @@ class H5WindowDataset(Dataset):
             try:
                 f = h5py.File(self.paths[index], "r")
             except OSError as e:
-                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                raise DataError(f"{self.paths[index]}: cannot be opened as HDF5 ({first})") from None
+                raise DataError(f"{self.paths[index]}: cannot be opened as HDF5 ({first_line(e)})") from None
             self._handles[index] = f
         return f
 
