@@ -1,19 +1,104 @@
-"""The ``lwm`` command. Verbs so far:
+"""The ``lwm`` command.
 
+    lwm fit|validate|test|predict --config configs/X.yaml [--section.key=value ...]   (LightningCLI)
+    lwm overfit --config configs/X.yaml [--steps 1000] [overrides]                     the overfit test
     lwm data index DIR [--val-fraction F] [--out MANIFEST] [--seed S] [--tolerance TOL]
     lwm demo [--steps N]
 
-Errors exit non-zero with one line per problem, naming the file or field.
+The Lightning verbs read OmegaConf/LightningCLI YAML (``parser_mode="omegaconf+"``: interpolations such as
+``${trainer.default_root_dir}`` follow command-line overrides). Every run writes ``RUN_DIR/metrics.csv``,
+``RUN_DIR/config.yaml`` and ``RUN_DIR/checkpoints/`` (``last.ckpt`` plus every ``checkpoint.every_n_train_steps``),
+where ``RUN_DIR`` is ``trainer.default_root_dir``; ``--ckpt_path last`` resumes from there.
+
+Errors exit 2 with one ``error: ...`` line per problem, naming the file or field.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
-from lwm.data.h5 import DataError
+from lwm.errors import LwmError, NonFiniteLossError
+
+LIGHTNING_VERBS = ("fit", "validate", "test", "predict")
 
 
+def _lightning_cli_class() -> type:
+    # Imported lazily: `lwm data index` and `lwm --help` should not pay for importing Lightning.
+    from lightning.pytorch.callbacks import RichModelSummary, RichProgressBar
+    from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+    from lightning.pytorch.plugins.io import CheckpointIO
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    from lwm.checkpoint import AtomicCheckpointIO, ModelCheckpoint
+    from lwm.data.datamodule import LatentDataModule
+    from lwm.loggers import CSVLogger
+    from lwm.module import WorldModelModule
+
+    class LwmCLI(LightningCLI):
+        """LightningCLI for :class:`WorldModelModule` + :class:`LatentDataModule` with lwm's run layout."""
+
+        def __init__(self, args: list[str] | None = None, run: bool = True, **kwargs: Any) -> None:
+            super().__init__(
+                WorldModelModule,
+                LatentDataModule,
+                seed_everything_default=0,
+                parser_kwargs={"parser_mode": "omegaconf+"},
+                save_config_kwargs={"overwrite": True},  # a resumed run rewrites RUN_DIR/config.yaml
+                trainer_defaults={"use_distributed_sampler": False},  # the data module shards by rank itself
+                args=args,
+                run=run,
+                **kwargs,
+            )
+
+        def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+            parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+            parser.set_defaults({
+                "checkpoint.every_n_train_steps": 1000,
+                "checkpoint.save_last": True,
+                "checkpoint.save_top_k": 3,  # the 3 most recent step checkpoints, plus last.ckpt
+                "checkpoint.monitor": "step",
+                "checkpoint.mode": "max",
+                "checkpoint.filename": "step={step:07d}",
+                "checkpoint.auto_insert_metric_name": False,
+                "checkpoint.enable_version_counter": False,  # one run per RUN_DIR: last.ckpt is always the latest
+            })
+            parser.add_lightning_class_args(RichProgressBar, "progress_bar")
+            parser.add_lightning_class_args(RichModelSummary, "model_summary")
+            parser.set_defaults({"model_summary.max_depth": 2})
+
+        def instantiate_trainer(self, **kwargs: Any):
+            trainer_config = self._get(self.config_init, "trainer", default={})
+            root = trainer_config.get("default_root_dir") or "."
+            if trainer_config.get("logger") in (None, True):
+                kwargs.setdefault("logger", CSVLogger(save_dir=str(root)))
+            strategy = trainer_config.get("strategy")
+            deepspeed = isinstance(strategy, DeepSpeedStrategy) or (isinstance(strategy, str) and "deepspeed" in strategy)
+            plugins = trainer_config.get("plugins") or []
+            plugins = list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
+            if not deepspeed and not any(isinstance(p, CheckpointIO) for p in plugins):
+                kwargs.setdefault("plugins", plugins + [AtomicCheckpointIO()])
+            return super().instantiate_trainer(**kwargs)
+
+        def _instantiate_trainer(self, config: dict[str, Any], callbacks: list) -> Any:
+            # The rich progress bar and summary are on by default; the trainer's switches turn them off.
+            if config.get("enable_progress_bar") is False:
+                callbacks = [c for c in callbacks if not isinstance(c, RichProgressBar)]
+            if config.get("enable_model_summary") is False:
+                callbacks = [c for c in callbacks if not isinstance(c, RichModelSummary)]
+            return super()._instantiate_trainer(config, callbacks)
+
+    return LwmCLI
+
+
+def lightning_cli(args: list[str], run: bool = True):
+    """Build (and with ``run`` execute) the LightningCLI for ``args`` (``["fit", "--config", ...]``, or without
+    a verb when ``run`` is False)."""
+    return _lightning_cli_class()(args=args, run=run)
+
+
+# --------------------------------------------------------------------------------------------------
 def _data_index(args: argparse.Namespace) -> int:
     from lwm.data.manifest import index_directory
 
@@ -29,13 +114,36 @@ def _data_index(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from lwm import demo
 
-    demo.main(args.demo_args)
+    demo.main(args.rest)
     return 0
+
+
+def _overfit(args: argparse.Namespace) -> int:
+    from lwm import overfit
+
+    return overfit.main(args.rest)
+
+
+def _lightning(args: argparse.Namespace) -> int:
+    lightning_cli([args.verb, *args.rest])
+    return 0
+
+
+_PASSTHROUGH = {"overfit": _overfit, "demo": _demo}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lwm", description="Latent world models from video latents.")
-    verbs = parser.add_subparsers(dest="verb", required=True)
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    for verb in LIGHTNING_VERBS:
+        p = verbs.add_parser(verb, add_help=False, help=f"Lightning {verb} (`lwm {verb} --help`): --config configs/X.yaml [overrides]")
+        p.add_argument("rest", nargs=argparse.REMAINDER)
+        p.set_defaults(func=_lightning)
+
+    overfit = verbs.add_parser("overfit", add_help=False, help="the overfit test: one window, many steps (`lwm overfit --help`)")
+    overfit.add_argument("rest", nargs=argparse.REMAINDER)
+    overfit.set_defaults(func=_overfit)
 
     data = verbs.add_parser("data", help="make, check or convert data").add_subparsers(dest="data_verb", required=True)
     index = data.add_parser("index", help="check every h5 file under DIR and write the manifest")
@@ -46,17 +154,21 @@ def build_parser() -> argparse.ArgumentParser:
     index.add_argument("--tolerance", type=float, default=1e-3, help="allowed excess over [-1, 1]")
     index.set_defaults(func=_data_index)
 
-    demo = verbs.add_parser("demo", help="train a tiny model on a built-in synthetic world (CPU)", add_help=False)
-    demo.add_argument("demo_args", nargs=argparse.REMAINDER)
+    demo = verbs.add_parser("demo", add_help=False, help="train a tiny model on a built-in synthetic world (CPU)")
+    demo.add_argument("rest", nargs=argparse.REMAINDER)
     demo.set_defaults(func=_demo)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in (*LIGHTNING_VERBS, "overfit", "demo"):  # these parse their own arguments
+        args = argparse.Namespace(verb=argv[0], rest=argv[1:], func=_PASSTHROUGH.get(argv[0], _lightning))
+    else:
+        args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except DataError as e:
+    except (LwmError, NonFiniteLossError) as e:
         for line in str(e).splitlines():
             print(f"error: {line}", file=sys.stderr)
         return 2

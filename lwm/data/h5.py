@@ -13,13 +13,11 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from lwm.errors import DataError
+
 LATENTS_KEY = "latents"
 ACTIONS_KEY = "actions"
 FLOAT_DTYPES = (np.float16, np.float32, np.float64)
-
-
-class DataError(ValueError):
-    """Bad input data. One line per problem, each naming the file (and the dataset or field)."""
 
 
 @dataclass(frozen=True)

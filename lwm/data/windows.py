@@ -154,6 +154,11 @@ class FileBatchSampler(Sampler[list[tuple[int, int]]]):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
+    @property
+    def sampler(self) -> FileBatchSampler:
+        """Itself: Lightning calls ``set_epoch`` on ``dataloader.batch_sampler.sampler`` at each epoch start."""
+        return self
+
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         epoch, first = self.epoch, self.start_batch
         self.start_batch = 0

@@ -180,7 +180,7 @@ class ResidualVectorQuantizer(nn.Module):
         lead = z.shape[:-1]
         with torch.autocast(device_type=z.device.type, enabled=False):
             flat = z.reshape(-1, self.dim).float()  # [M, dim]
-            if update and self._needs_init():
+            if update and self._needs_init() and bool(torch.isfinite(flat).all()):  # syncs only until init
                 self._init_from(flat.detach())
             residual = flat
             q_sum = torch.zeros_like(flat)
@@ -262,6 +262,11 @@ class ResidualVectorQuantizer(nn.Module):
         packed = torch.cat(stats)  # one all-reduce for every level
         if self._sync():
             dist.all_reduce(packed)
+        # A batch with a non-finite encoder output (a bf16 overflow, a bad input) leaves the codebooks as they
+        # were, decided on the device (no host sync) and identically on every rank (after the all-reduce).
+        finite = torch.isfinite(packed).all()
+        packed = torch.nan_to_num(packed, nan=0.0, posinf=0.0, neginf=0.0)
+        decay = torch.where(finite, torch.as_tensor(decay, dtype=torch.float32, device=packed.device), 1.0)
         offset = 0
         for cb in self.levels:
             level = packed[offset : offset + cb.size]
@@ -269,8 +274,8 @@ class ResidualVectorQuantizer(nn.Module):
             counts, sums = level[:, 0], level[:, 1:]
             cb.ema_count.mul_(decay).add_((1.0 - decay) * counts)
             cb.ema_sum.mul_(decay).add_((1.0 - decay) * sums)
-            cb.embed.copy_(cb.ema_sum / (cb.ema_count[:, None] + self.eps))
-            cb.unused_steps.add_(1).masked_fill_(counts > 0, 0)
+            cb.embed.copy_(torch.where(finite, cb.ema_sum / (cb.ema_count[:, None] + self.eps), cb.embed))
+            cb.unused_steps.add_(finite.to(cb.unused_steps.dtype)).masked_fill_((counts > 0) & finite, 0)
         self._last_residuals = residuals
 
     def dead_codes(self) -> list[Tensor]:
@@ -287,7 +292,8 @@ class ResidualVectorQuantizer(nn.Module):
         revived = []
         for cb, dead, r in zip(self.levels, self.dead_codes(), self._last_residuals):
             n = int(dead.sum())  # identical on every rank: the counts behind it were all-reduced
-            if n:
+            r = r[torch.isfinite(r).all(dim=-1)]  # never revive from a non-finite encoder output
+            if n and r.shape[0]:
                 cb.reset(dead, r[_sample_rows(r.shape[0], n, r.device)])
             revived.append(n)
         if sum(revived) and self._sync():

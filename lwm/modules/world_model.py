@@ -17,11 +17,12 @@ Conventions (see DESIGN.md, "Points the requirement leaves open"):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor, nn
 
+from lwm.errors import ConfigError
 from lwm.modules.rvq import ResidualVectorQuantizer, RVQOutput
 from lwm.modules.st_transformer import (
     Detokenizer,
@@ -105,91 +106,92 @@ class DynamicsPredictor(nn.Module):
         return out
 
 
+@dataclass(frozen=True)
+class WorldModelConfig:
+    """Every hyperparameter of :class:`WorldModel`; the defaults are the requirement's."""
+
+    in_channels: int = 16  # latent channels C
+    height: int = 64  # latent height H (divisible by 4: the tokenizer downsamples by 4)
+    width: int = 64  # latent width W (divisible by 4)
+    d_model: int = 512  # token width D (divisible by 4 and by n_heads)
+    n_heads: int = 8  # attention heads in every ST transformer
+    depth_action: int = 3  # ST blocks of the action encoder
+    depth_world: int = 3  # ST blocks of the world encoder
+    depth_dynamics: int = 3  # ST blocks of the dynamics predictor
+    mlp_ratio: float = 4.0  # MLP hidden width / D
+    tokenizer_hidden: int | None = None  # channels inside the CNN tokenizer/detokenizer (None: D/2)
+    d_code_action: int = 32  # action code width Da
+    d_code_world: int = 64  # world code width Dh
+    codebook_sizes_action: tuple[int, ...] = (12, 64, 256)  # codes per RVQ level, action quantizer
+    codebook_sizes_world: tuple[int, ...] = (12, 24, 48, 256, 256, 256)  # codes per RVQ level, world quantizer
+    beta_action: float = 0.25  # weight of the action commitment loss
+    beta_world: float = 0.25  # weight of the world commitment loss
+    mask_prob: float = 0.1  # Bernoulli token-mask probability (world encoder + predictor inputs, training only)
+    rollout_weights: tuple[float, ...] = (1.0, 0.8, 0.5)  # loss weights of (TF, rollout 1, rollout 2, ...)
+    max_time_offset: int = 256  # training draws the temporal-PE start uniformly from [0, max_time_offset]
+    ema_decay_start: float = 0.9  # EMA decay of both quantizers at step 0
+    ema_decay_end: float = 0.99  # EMA decay from ema_decay_steps on (linear in between)
+    ema_decay_steps: int = 5000  # length of the EMA decay schedule, in global steps
+    dead_code_steps: int = 100  # a code unused for this many updates is dead (replaced by ``revive``)
+
+    def __post_init__(self) -> None:
+        """Refuse an invalid configuration with one line naming the field."""
+        problems = []
+        if self.height % 4 or self.width % 4 or min(self.height, self.width) < 4:
+            problems.append(f"height/width must be positive multiples of 4 (the tokenizer downsamples by 4), got {self.height}x{self.width}")
+        if self.d_model < 4 or self.d_model % 4 or self.n_heads < 1 or self.d_model % self.n_heads:
+            problems.append(f"d_model must be divisible by 4 and by n_heads ({self.n_heads}), got {self.d_model}")
+        for name in ("in_channels", "depth_action", "depth_world", "depth_dynamics", "d_code_action", "d_code_world",
+                     "ema_decay_steps", "dead_code_steps"):
+            lowest = 0 if name == "ema_decay_steps" else 1
+            if getattr(self, name) < lowest:
+                problems.append(f"{name} must be >= {lowest}, got {getattr(self, name)}")
+        for name in ("codebook_sizes_action", "codebook_sizes_world"):
+            sizes = tuple(getattr(self, name))
+            if not sizes or any(int(k) < 1 for k in sizes):
+                problems.append(f"{name} needs at least one level and at least one code per level, got {sizes}")
+        if not 0.0 <= self.mask_prob < 1.0:
+            problems.append(f"mask_prob must lie in [0, 1), got {self.mask_prob}")
+        if not self.rollout_weights:
+            problems.append("rollout_weights needs at least the teacher-forcing weight")
+        if self.max_time_offset < 0:
+            problems.append(f"max_time_offset must be >= 0, got {self.max_time_offset}")
+        if not (0.0 <= self.ema_decay_start < 1.0 and 0.0 <= self.ema_decay_end < 1.0):
+            problems.append(f"ema_decay_start/ema_decay_end must lie in [0, 1), got {self.ema_decay_start}, {self.ema_decay_end}")
+        if problems:
+            raise ConfigError("\n".join(problems))
+
+
 class WorldModel(nn.Module):
     """Latent world model on Video-VAE latents ``x [B, T, C, H, W]`` in [-1, 1].
 
-    Args:
-        in_channels: latent channels C.
-        height: latent height H (divisible by 4).
-        width: latent width W (divisible by 4).
-        d_model: token width D (divisible by 4 and by n_heads).
-        n_heads: attention heads in every ST transformer.
-        depth_action: ST blocks of the action encoder.
-        depth_world: ST blocks of the world encoder.
-        depth_dynamics: ST blocks of the dynamics predictor.
-        mlp_ratio: MLP hidden width / D.
-        tokenizer_hidden: channels of the CNN tokenizer's inner layers (default D/2).
-        d_code_action: action code width Da.
-        d_code_world: world code width Dh.
-        codebook_sizes_action: codes per RVQ level of the action quantizer.
-        codebook_sizes_world: codes per RVQ level of the world quantizer.
-        beta_action: weight of the action commitment loss.
-        beta_world: weight of the world commitment loss.
-        mask_prob: Bernoulli probability of replacing a token by the learned mask token (world encoder and
-            predictor inputs only; training only).
-        rollout_weights: loss weights of (teacher forcing, rollout 1, rollout 2, ...); len - 1 rollout passes.
-        max_time_offset: in training, the temporal PE starts at a random integer in [0, max_time_offset].
-        ema_decay_start: EMA decay of both quantizers at step 0.
-        ema_decay_end: EMA decay after ema_decay_steps (linear schedule in between).
-        ema_decay_steps: length of the EMA decay schedule, in global steps.
-        dead_code_steps: a code unused for this many updates is dead (replaced by ``revive``).
+    ``WorldModel(config)`` or ``WorldModel(**fields)`` or both (keywords override the config's fields); the
+    fields and their meaning are :class:`WorldModelConfig`'s.
     """
 
-    def __init__(
-        self,
-        in_channels: int = 16,
-        height: int = 64,
-        width: int = 64,
-        d_model: int = 512,
-        n_heads: int = 8,
-        depth_action: int = 3,
-        depth_world: int = 3,
-        depth_dynamics: int = 3,
-        mlp_ratio: float = 4.0,
-        tokenizer_hidden: int | None = None,
-        d_code_action: int = 32,
-        d_code_world: int = 64,
-        codebook_sizes_action: Sequence[int] = (12, 64, 256),
-        codebook_sizes_world: Sequence[int] = (12, 24, 48, 256, 256, 256),
-        beta_action: float = 0.25,
-        beta_world: float = 0.25,
-        mask_prob: float = 0.1,
-        rollout_weights: Sequence[float] = (1.0, 0.8, 0.5),
-        max_time_offset: int = 256,
-        ema_decay_start: float = 0.9,
-        ema_decay_end: float = 0.99,
-        ema_decay_steps: int = 5000,
-        dead_code_steps: int = 100,
-    ) -> None:
+    def __init__(self, config: WorldModelConfig | None = None, **overrides) -> None:
+        unknown = set(overrides) - set(WorldModelConfig.__dataclass_fields__)
+        if unknown:
+            raise TypeError(f"WorldModel: unknown argument(s) {sorted(unknown)}")
+        c = replace(config or WorldModelConfig(), **overrides)
         super().__init__()
-        if height % 4 or width % 4:
-            raise ValueError(f"height/width must be divisible by 4 (the tokenizer downsamples by 4), got {height}x{width}")
-        if d_model % 4 or d_model % n_heads:
-            raise ValueError(f"d_model must be divisible by 4 and by n_heads ({n_heads}), got {d_model}")
-        if min(depth_action, depth_world, depth_dynamics) < 1:
-            raise ValueError("depth_action, depth_world and depth_dynamics must be >= 1")
-        if not 0.0 <= mask_prob < 1.0:
-            raise ValueError(f"mask_prob must lie in [0, 1), got {mask_prob}")
-        if not rollout_weights:
-            raise ValueError("rollout_weights: needs at least the teacher-forcing weight")
-        if max_time_offset < 0:
-            raise ValueError(f"max_time_offset must be >= 0, got {max_time_offset}")
-        self.in_channels, self.height, self.width, self.d_model = in_channels, height, width, d_model
-        self.grid = (height // 4, width // 4)
-        self.beta_action, self.beta_world = beta_action, beta_world
-        self.mask_prob = mask_prob
-        self.rollout_weights = tuple(float(w) for w in rollout_weights)
-        self.max_time_offset = max_time_offset
-        rvq = dict(decay_start=ema_decay_start, decay_end=ema_decay_end, decay_steps=ema_decay_steps,
-                   dead_code_steps=dead_code_steps)
+        self.config = c
+        self.in_channels, self.height, self.width, self.d_model = c.in_channels, c.height, c.width, c.d_model
+        self.grid = (c.height // 4, c.width // 4)
+        self.beta_action, self.beta_world = c.beta_action, c.beta_world
+        self.mask_prob = c.mask_prob
+        self.rollout_weights = tuple(float(w) for w in c.rollout_weights)
+        self.max_time_offset = c.max_time_offset
+        rvq = dict(decay_start=c.ema_decay_start, decay_end=c.ema_decay_end, decay_steps=c.ema_decay_steps,
+                   dead_code_steps=c.dead_code_steps)
 
-        self.tokenizer = Tokenizer(in_channels, d_model, tokenizer_hidden)
-        self.detokenizer = Detokenizer(in_channels, d_model, tokenizer_hidden)
-        self.action_encoder = ActionEncoder(d_model, n_heads, depth_action, d_code_action, codebook_sizes_action, mlp_ratio, **rvq)
-        self.world_encoder = WorldEncoder(d_model, n_heads, depth_world, d_code_world, codebook_sizes_world, mlp_ratio, **rvq)
-        self.dynamics = DynamicsPredictor(d_model, n_heads, depth_dynamics, d_code_action, d_code_world, mlp_ratio)
-        self.mask_token = nn.Parameter(torch.randn(d_model) * 0.02)
-        self.register_buffer("spatial_pe", spatial_pos_embedding(*self.grid, d_model), persistent=False)  # [N, D]
+        self.tokenizer = Tokenizer(c.in_channels, c.d_model, c.tokenizer_hidden)
+        self.detokenizer = Detokenizer(c.in_channels, c.d_model, c.tokenizer_hidden)
+        self.action_encoder = ActionEncoder(c.d_model, c.n_heads, c.depth_action, c.d_code_action, c.codebook_sizes_action, c.mlp_ratio, **rvq)
+        self.world_encoder = WorldEncoder(c.d_model, c.n_heads, c.depth_world, c.d_code_world, c.codebook_sizes_world, c.mlp_ratio, **rvq)
+        self.dynamics = DynamicsPredictor(c.d_model, c.n_heads, c.depth_dynamics, c.d_code_action, c.d_code_world, c.mlp_ratio)
+        self.mask_token = nn.Parameter(torch.randn(c.d_model) * 0.02)
+        self.register_buffer("spatial_pe", spatial_pos_embedding(*self.grid, c.d_model), persistent=False)  # [N, D]
         self.apply(self._init_weights)
 
     @staticmethod
@@ -229,16 +231,16 @@ class WorldModel(nn.Module):
         temporal = temporal_pos_embedding(length, self.d_model, t0, self.spatial_pe.device)  # [(B,) T, D]
         return (temporal[..., :, None, :] + self.spatial_pe).to(self.mask_token.dtype)
 
-    def sample_time_offset(self, batch: int, device: torch.device) -> Tensor:
+    def sample_time_offset(self, batch: int, device: torch.device, generator: torch.Generator | None = None) -> Tensor:
         """The requirement's random temporal-PE start, one per sample: ``[B]`` ints in [0, max_time_offset]."""
-        return torch.randint(0, self.max_time_offset + 1, (batch,), device=device)
+        return torch.randint(0, self.max_time_offset + 1, (batch,), device=device, generator=generator)
 
-    def sample_token_mask(self, B: int, T: int, device: torch.device) -> Tensor | None:
+    def sample_token_mask(self, B: int, T: int, device: torch.device, generator: torch.Generator | None = None) -> Tensor | None:
         """Bernoulli(mask_prob) token mask ``[B, T, N]`` in training, None otherwise."""
         if not self.training or self.mask_prob == 0.0:
             return None
         N = self.grid[0] * self.grid[1]
-        return torch.rand(B, T, N, device=device) < self.mask_prob
+        return torch.rand(B, T, N, device=device, generator=generator) < self.mask_prob
 
     def apply_token_mask(self, tokens: Tensor, mask: Tensor | None) -> Tensor:
         if mask is None:
@@ -281,21 +283,25 @@ class WorldModel(nn.Module):
         out = self.compute(x, step, t0)
         return out.loss, out.logs
 
-    def compute(self, x: Tensor, step: int | Tensor | None, t0: int | Tensor | None = None) -> WorldModelOutput:
+    def compute(
+        self, x: Tensor, step: int | Tensor | None, t0: int | Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> WorldModelOutput:
         """Everything ``forward`` computes, with the codes and per-pass predictions kept for callbacks.
 
         In training mode (and with a ``step``) the quantizers' EMA codebooks are updated, tokens are masked
         and ``t0=None`` draws a random temporal-PE start per sample; in eval mode ``t0=None`` means 0.
+        ``generator`` (on ``x``'s device) draws the token mask and the PE start; None: the global RNG.
         """
         self.check_frames(x, min_frames=self.min_frames)
         B, T = x.shape[:2]
         if t0 is None:
-            t0 = self.sample_time_offset(B, x.device) if self.training else 0
+            t0 = self.sample_time_offset(B, x.device, generator) if self.training else 0
 
         z_raw = self.tokenize(x)  # [B, T, N, D], the only tokenizer pass over the ground truth
         pe = self.pos_embedding(T, t0)  # [(B,) T, N, D]
         actions = self.action_encoder(z_raw + pe, step)  # unmasked: [B, T-1, Da]
-        mask = self.sample_token_mask(B, T, x.device)  # [B, T, N] or None
+        mask = self.sample_token_mask(B, T, x.device, generator)  # [B, T, N] or None
         z_masked = self.apply_token_mask(z_raw, mask) + pe
         world = self.world_encoder(z_masked, step)  # [B, Dh]
 
@@ -327,6 +333,23 @@ class WorldModel(nn.Module):
         }
         logs = {k: v.detach() for k, v in logs.items()}
         return WorldModelOutput(loss, logs, actions, world, predictions, mask)
+
+    @property
+    def log_keys(self) -> list[str]:
+        """The keys of ``compute(...).logs``, in order."""
+        rollouts = [f"Dynamics_Predictor/rollout_{k}_loss" for k in range(1, len(self.rollout_weights))]
+        return [
+            "Total/loss", "Dynamics_Predictor/prediction_loss", "Dynamics_Predictor/tf_loss", *rollouts,
+            "Action_Encoder/commit_loss", "Action_Encoder/codebook_loss",
+            "World_Encoder/commit_loss", "World_Encoder/codebook_loss",
+        ]
+
+    def compile_parts(self, **kwargs) -> None:
+        """``torch.compile`` the tokenizer, detokenizer and the three transformers in place (state-dict keys
+        unchanged); the quantizers stay eager (their EMA update writes buffers and may run a collective)."""
+        for part in (self.tokenizer, self.detokenizer, self.action_encoder.transformer,
+                     self.world_encoder.transformer, self.dynamics):
+            part.compile(**kwargs)
 
     # ----------------------------------------------------------------------------------------------
     @property

@@ -1,0 +1,87 @@
+"""Checkpoint files that are always complete, and that load without unpickling arbitrary objects.
+
+Lightning's own atomic save moves an fsspec temp file, which is atomic only when ``$TMPDIR`` is on the
+checkpoint's filesystem. :class:`AtomicCheckpointIO` writes ``.NAME.tmp-PID`` beside the target, fsyncs it
+and ``os.replace``s it over the target: a run killed at any moment leaves either the previous checkpoint or
+the new one, never a torn file (a leftover ``.tmp-*`` file is ignored and removed by the next save).
+Loading always uses ``torch.load(weights_only=True)``.
+
+:class:`ModelCheckpoint` is Lightning's, except that the end of training always leaves ``last.ckpt`` at the
+final step (Lightning's writes it at the end only when nothing was saved during the run).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import lightning as L
+from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
+from lightning.pytorch.callbacks import ModelCheckpoint as _LightningModelCheckpoint
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from typing_extensions import override
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any | None = None) -> None:
+        if not _is_local_file_protocol(path):
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for stale in glob.glob(str(path.parent / f".{path.name}.tmp-*")):  # from a run killed mid-write
+            if not _pid_alive(stale.rsplit("-", 1)[-1]):
+                Path(stale).unlink(missing_ok=True)
+        tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        _fsync_dir(path.parent)
+
+    @override
+    def load_checkpoint(
+        self, path: str | Path, map_location: Callable | None = lambda storage, loc: storage,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        return super().load_checkpoint(path, map_location=map_location, weights_only=True)
+
+
+class ModelCheckpoint(_LightningModelCheckpoint):
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.save_last and self._last_global_step_saved != trainer.global_step and not trainer.sanity_checking:
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        else:
+            super().on_train_end(trainer, pl_module)
+
+
+def _pid_alive(pid: str) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,208 @@
+"""The LightningDataModule: random training windows from the manifest's ``train`` files, a fixed set of
+validation windows from its ``val`` files, each rank its own share, the sampler position in checkpoints.
+
+* Training: :class:`FileBatchSampler` (each batch element from a different file, a random start), sharded
+  by rank (``use_distributed_sampler: false`` in the trainer: Lightning must not re-wrap it). One epoch is
+  the split's non-overlapping windows divided by the global batch.
+* Resume: the train loader is a :class:`ResumableDataLoader`; Lightning stores its ``state_dict`` (epoch and
+  batches consumed) in every checkpoint and restores it, so a resumed run draws exactly the batches an
+  uninterrupted run would have drawn.
+* Validation: the val files' non-overlapping windows in a seeded order, the first ``val_size_percent`` of
+  them (0: no validation, 1: all), dealt to ranks round-robin; the same windows at every validation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+from torch.utils.data import DataLoader
+
+from lwm.data.h5 import DataError, inspect_h5
+from lwm.data.manifest import Manifest
+from lwm.data.windows import FileBatchSampler, H5WindowDataset
+
+
+class ResumableDataLoader(DataLoader):
+    """A DataLoader over a :class:`FileBatchSampler` that knows how many batches it has handed out this epoch.
+
+    ``state_dict() -> {"epoch", "batches"}``; after ``load_state_dict`` the next iteration of that epoch starts at
+    batch ``batches``. Lightning saves and restores it with the fit loop (it checks for these two methods).
+    """
+
+    batch_sampler: FileBatchSampler
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not isinstance(self.batch_sampler, FileBatchSampler):
+            raise TypeError("ResumableDataLoader needs a FileBatchSampler as batch_sampler")
+        self._consumed = 0
+        self._resume: tuple[int, int] | None = None  # (epoch, batch) to start the next iteration at
+
+    def __iter__(self) -> Iterator[Any]:
+        sampler = self.batch_sampler
+        if self._resume is not None and self._resume[0] == sampler.epoch:
+            sampler.start_batch = min(self._resume[1], len(sampler))
+        self._resume = None
+        self._consumed = sampler.start_batch
+        for batch in super().__iter__():
+            self._consumed += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.batch_sampler.epoch, "batches": self._consumed, **self.batch_sampler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.batch_sampler.load_state_dict(state)
+        self._resume = (int(state["epoch"]), int(state["batches"]))
+
+
+class LatentDataModule(L.LightningDataModule):
+    """Windows of ``window`` frames from the h5 files listed in ``manifest``.
+
+    Args:
+        manifest: path of the manifest JSON (`lwm data index DIR` writes one).
+        window: frames per training window T (at least 3 for TF + 2 rollouts; the model checks its own minimum).
+        batch_size: windows per batch on each rank (the global batch is batch_size * world size).
+        val_batch_size: windows per validation batch on each rank (None: batch_size).
+        num_workers: DataLoader worker processes per rank (0: read in the main process).
+        val_size_percent: fraction of the validation windows used at each validation, 0 (none) to 1 (all).
+        seed: seed of the training sampler and of the validation subset.
+        batches_per_epoch: override the epoch length in batches per rank (None: windows / global batch).
+        check_files: at setup, open every file of the manifest and check its dataset and shape (headers only).
+        multiprocessing_context: worker start method ("fork", "spawn", "forkserver"; None: the platform's).
+        pin_memory: pin batches for faster host-to-GPU copies (on when training on a GPU).
+    """
+
+    def __init__(
+        self,
+        manifest: str,
+        window: int = 16,
+        batch_size: int = 32,
+        val_batch_size: int | None = None,
+        num_workers: int = 4,
+        val_size_percent: float = 1.0,
+        seed: int = 0,
+        batches_per_epoch: int | None = None,
+        check_files: bool = True,
+        multiprocessing_context: str | None = None,
+        pin_memory: bool = True,
+    ) -> None:
+        super().__init__()
+        if window < 3:
+            raise DataError(f"data.window must be >= 3 (teacher forcing and two rollout passes), got {window}")
+        if batch_size < 1 or (val_batch_size is not None and val_batch_size < 1):
+            raise DataError(f"data.batch_size and data.val_batch_size must be >= 1, got {batch_size}, {val_batch_size}")
+        if not 0.0 <= val_size_percent <= 1.0:
+            raise DataError(f"data.val_size_percent must lie in [0, 1], got {val_size_percent}")
+        if num_workers < 0:
+            raise DataError(f"data.num_workers must be >= 0, got {num_workers}")
+        self.save_hyperparameters()
+        self.manifest_path = Path(manifest)
+        self.window, self.batch_size = window, batch_size
+        self.val_batch_size = val_batch_size or batch_size
+        self.num_workers, self.val_size_percent, self.seed = num_workers, val_size_percent, seed
+        self.batches_per_epoch, self.check_files = batches_per_epoch, check_files
+        self.multiprocessing_context, self.pin_memory = multiprocessing_context, pin_memory
+        self.manifest: Manifest | None = None
+        self.train_set: H5WindowDataset | None = None
+        self.val_set: H5WindowDataset | None = None
+
+    # ----------------------------------------------------------------------------------------------
+    def load_manifest(self) -> Manifest:
+        """Read the manifest and (if ``check_files``) every file's header; raises :class:`DataError` naming
+        each bad file. Idempotent."""
+        if self.manifest is None:
+            manifest = Manifest.load(self.manifest_path)
+            if self.check_files:
+                problems = []
+                for e in manifest.entries:
+                    path = manifest.resolve(e)
+                    try:
+                        info = inspect_h5(path, manifest.channels, manifest.height, manifest.width, check_values=False)
+                    except DataError as err:
+                        problems.append(str(err))
+                        continue
+                    if info.frames < e.frames:
+                        problems.append(f"{path}: {info.frames} frames, the manifest says {e.frames} (truncated?)")
+                if problems:
+                    raise DataError(f"{len(problems)} of {len(manifest.entries)} files in {manifest.path} refused:\n"
+                                    + "\n".join(problems))
+            self.manifest = manifest
+        return self.manifest
+
+    @property
+    def frame_shape(self) -> tuple[int, int, int]:
+        """``(C, H, W)`` of every file."""
+        m = self.load_manifest()
+        return m.channels, m.height, m.width
+
+    def setup(self, stage: str) -> None:
+        manifest = self.load_manifest()
+        if stage == "fit" and self.train_set is None:
+            self.train_set = H5WindowDataset(manifest, "train", self.window)
+        if stage in ("fit", "validate") and self.val_set is None and self.val_size_percent > 0:
+            self.val_set = H5WindowDataset(manifest, "val", self.window)
+        if stage == "test" and self.val_set is None:
+            self.val_set = H5WindowDataset(manifest, "val", self.window)
+
+    def _rank(self) -> tuple[int, int]:
+        trainer = self.trainer
+        return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+
+    def _loader_kwargs(self) -> dict[str, Any]:
+        workers = self.num_workers
+        trainer = self.trainer
+        on_gpu = trainer is not None and trainer.strategy.root_device.type == "cuda"
+        return dict(
+            num_workers=workers,
+            pin_memory=self.pin_memory and on_gpu,
+            persistent_workers=workers > 0,
+            multiprocessing_context=self.multiprocessing_context if workers > 0 else None,
+            prefetch_factor=4 if workers > 0 else None,
+        )
+
+    def train_dataloader(self) -> ResumableDataLoader:
+        if self.train_set is None:
+            self.setup("fit")
+        rank, world_size = self._rank()
+        sampler = FileBatchSampler(self.train_set.frames, self.window, self.batch_size, seed=self.seed, rank=rank,
+                                   world_size=world_size, batches_per_epoch=self.batches_per_epoch)
+        return ResumableDataLoader(self.train_set, batch_sampler=sampler, **self._loader_kwargs())
+
+    def val_windows(self, fraction: float | None = None) -> list[tuple[int, int]]:
+        """This rank's validation windows ``(file_index, start)``: the first ``fraction`` (default
+        ``val_size_percent``) of all non-overlapping val windows in a seeded order, dealt round-robin to ranks."""
+        fraction = self.val_size_percent if fraction is None else fraction
+        if self.val_set is None or fraction == 0:
+            return []
+        every = [(i, s) for i, f in enumerate(self.val_set.frames) for s in range(0, f - self.window + 1, self.window)]
+        order = np.random.default_rng([self.seed, 1]).permutation(len(every))
+        keep = max(1, math.ceil(fraction * len(every)))
+        rank, world_size = self._rank()
+        return [every[i] for i in order[:keep]][rank::world_size]
+
+    def val_dataloader(self) -> DataLoader | list:
+        if self.val_size_percent == 0:
+            return []  # Lightning runs no validation
+        if self.val_set is None:
+            self.setup("validate")
+        return self._fixed_loader(self.val_windows())
+
+    def test_dataloader(self) -> DataLoader:
+        """Every validation window (the manifest has no test split)."""
+        if self.val_set is None:
+            self.setup("test")
+        return self._fixed_loader(self.val_windows(1.0))
+
+    def _fixed_loader(self, windows: list[tuple[int, int]]) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=self.val_batch_size, sampler=windows, **self._loader_kwargs())
+
+    def teardown(self, stage: str) -> None:
+        for ds in (self.train_set, self.val_set):
+            if ds is not None:
+                ds.close()

@@ -1,0 +1,197 @@
+"""The LightningModule: owns a :class:`~lwm.modules.world_model.WorldModel`, its optimisation and its logging.
+
+* Optimiser: AdamW (fused on CUDA), weight decay on matrices and conv kernels only; linear warmup, then a
+  cosine to ``lr * min_lr_ratio`` at ``trainer.max_steps``; clipping is the trainer's ``gradient_clip_val``.
+* Randomness of a training step (the requirement's random temporal-PE start and token mask) comes from a
+  generator seeded by ``(seed, rank, global_step, batch_idx)``: a resumed run draws exactly what an
+  uninterrupted one would, with no RNG state to save.
+* A step whose gradient norm is not finite (a NaN/inf loss or gradient) skips the update (the gradients are
+  dropped; the quantizers skip their EMA update on their own) and is counted in
+  ``Train_Total/skipped_steps``; ``max_nonfinite`` such steps in a row stop the run with
+  :class:`~lwm.errors.NonFiniteLossError`, leaving the last checkpoint as it was.
+* Logs: the model's ``(loss, logs)`` under ``Train_*/`` every step and ``Val_*/`` (``Test_*/``) as exact
+  means over the whole validation set across ranks (torchmetrics ``MeanMetric`` weighted by batch size).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+from torch import Tensor, nn
+from torchmetrics import MeanMetric
+
+from lwm.errors import ConfigError, NonFiniteLossError
+from lwm.modules.world_model import WorldModel, WorldModelConfig
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW and its schedule."""
+
+    lr: float = 3e-4  # peak learning rate
+    weight_decay: float = 0.05  # decoupled weight decay on matrices and conv kernels (not biases, norms, mask token)
+    betas: tuple[float, float] = (0.9, 0.95)  # AdamW (beta1, beta2)
+    eps: float = 1e-8  # AdamW epsilon
+    warmup_steps: int = 1000  # linear warmup from 0 to lr over this many optimizer steps
+    min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio at trainer.max_steps
+    fused: bool | None = None  # fused AdamW kernel (None: on when the parameters are on a CUDA device)
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0 or self.weight_decay < 0 or self.eps <= 0:
+            raise ConfigError(f"optim: lr and eps must be > 0 and weight_decay >= 0, got {self.lr}, {self.eps}, {self.weight_decay}")
+        if self.warmup_steps < 0 or not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"optim: warmup_steps must be >= 0 and min_lr_ratio in [0, 1], got {self.warmup_steps}, {self.min_lr_ratio}")
+
+    def lr_factor(self, step: int, total_steps: int) -> float:
+        """Multiplier of ``lr`` at an optimizer step: linear warmup, then cosine to ``min_lr_ratio``."""
+        if step < self.warmup_steps:
+            return (step + 1) / (self.warmup_steps + 1)
+        span = max(1, total_steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _metric_name(key: str) -> str:
+    return key.replace("/", "__")  # ModuleDict keys cannot hold "/" or "."
+
+
+class WorldModelModule(L.LightningModule):
+    """Trains a :class:`WorldModel` on batches ``{"latents": [B, T, C, H, W], ...}``.
+
+    Args:
+        net: the world model's hyperparameters (``model.net.*`` in configs).
+        optim: AdamW and schedule (``model.optim.*``).
+        compile: ``torch.compile`` the tokenizer, detokenizer and transformers (the quantizers stay eager).
+        max_nonfinite: stop after this many consecutive steps with a non-finite gradient norm.
+
+    The per-step token masks and PE starts are seeded by the run's ``seed_everything`` value.
+    """
+
+    def __init__(
+        self,
+        net: WorldModelConfig = WorldModelConfig(),
+        optim: OptimConfig = OptimConfig(),
+        compile: bool = False,
+        max_nonfinite: int = 5,
+    ) -> None:
+        super().__init__()
+        net = WorldModelConfig(**net) if isinstance(net, dict) else net  # dicts: from a checkpoint's hparams
+        optim = OptimConfig(**optim) if isinstance(optim, dict) else optim
+        if max_nonfinite < 1:
+            raise ConfigError(f"model.max_nonfinite must be >= 1, got {max_nonfinite}")
+        # Plain types only, so that checkpoints load with weights_only=True.
+        self.save_hyperparameters({"net": asdict(net), "optim": asdict(optim), "compile": compile,
+                                   "max_nonfinite": max_nonfinite})
+        self.model = WorldModel(net)
+        self.optim = optim
+        self.compile_model, self.max_nonfinite = compile, max_nonfinite
+        self.val_metrics = nn.ModuleDict({_metric_name(k): MeanMetric() for k in self.model.log_keys})
+        self.skipped_steps = 0  # steps whose update was skipped (non-finite), over this process's run
+        self._nonfinite_in_a_row = 0
+        self._compiled = False
+
+    # ----------------------------------------------------------------------------------------------
+    def setup(self, stage: str) -> None:
+        """Check that the data fits the model before any work starts."""
+        from lwm.data.datamodule import LatentDataModule
+
+        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        if isinstance(dm, LatentDataModule):
+            c = self.model.config
+            C, H, W = dm.frame_shape
+            if (C, H, W) != (c.in_channels, c.height, c.width):
+                raise ConfigError(
+                    f"model.net.in_channels/height/width = {c.in_channels}/{c.height}/{c.width}, but the files of "
+                    f"{dm.manifest_path} hold [{C}, {H}, {W}] frames")
+            if dm.window < self.model.min_frames:
+                raise ConfigError(f"data.window = {dm.window}, but the model needs at least {self.model.min_frames} "
+                                  f"frames (teacher forcing + {self.model.min_frames - 2} rollout passes)")
+
+    def configure_model(self) -> None:
+        if self.compile_model and not self._compiled:
+            self.model.compile_parts()
+            self._compiled = True
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        decay, no_decay = [], []
+        for p in self.parameters():
+            if p.requires_grad:
+                (decay if p.ndim >= 2 else no_decay).append(p)
+        o = self.optim
+        fused = o.fused if o.fused is not None else all(p.device.type == "cuda" for p in decay + no_decay)
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=fused,
+        )
+        total = self.trainer.max_steps if self.trainer.max_steps > 0 else int(self.trainer.estimated_stepping_batches)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: o.lr_factor(step, total))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # ----------------------------------------------------------------------------------------------
+    def step_generator(self, device: torch.device, batch_idx: int) -> torch.Generator:
+        """The generator of this training step's random draws, a pure function of (seed, rank, step, batch)."""
+        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))  # set by seed_everything (the CLI's seed_everything: 0)
+        state = np.random.SeedSequence([seed, self.global_rank, self.global_step, batch_idx]).generate_state(2)
+        g = torch.Generator(device=device)
+        g.manual_seed(int(state[0]) << 32 | int(state[1]))
+        return g
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        x = batch["latents"]  # [B, T, C, H, W]
+        out = self.model.compute(x, self.global_step, generator=self.step_generator(x.device, batch_idx))
+        self.log_dict({f"Train_{k}": v for k, v in out.logs.items()}, batch_size=x.shape[0])
+        self.log("Train_Total/skipped_steps", float(self.skipped_steps), batch_size=x.shape[0])
+        return out.loss
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Skip the update when the gradient norm is not finite (one host sync per step). Under DDP the
+        gradients are already all-reduced, so every rank takes the same decision."""
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if not grads:  # DeepSpeed keeps its own gradient buffers; nothing to check here
+            return
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in grads]))
+        self.log("Train_Total/grad_norm", norm)
+        if bool(torch.isfinite(norm)):
+            self._nonfinite_in_a_row = 0
+            return
+        for group in optimizer.param_groups:  # AdamW skips parameters without a gradient: no update at all
+            for p in group["params"]:
+                p.grad = None
+        self.skipped_steps += 1
+        self._nonfinite_in_a_row += 1
+        if self._nonfinite_in_a_row >= self.max_nonfinite:
+            raise NonFiniteLossError(
+                f"{self._nonfinite_in_a_row} consecutive steps had a non-finite loss or gradient (last at global "
+                f"step {self.global_step}); stopped. The last checkpoint is intact: lower optim.lr, check the data "
+                f"(`lwm data index`), or raise model.max_nonfinite")
+
+    # ----------------------------------------------------------------------------------------------
+    def _evaluate(self, batch: dict[str, Tensor], prefix: str) -> None:
+        x = batch["latents"]
+        out = self.model.compute(x, step=None, t0=0)  # eval mode: no token mask, no codebook update
+        for key, value in out.logs.items():
+            metric = self.val_metrics[_metric_name(key)]
+            metric.update(value, weight=x.shape[0])
+            self.log(f"{prefix}_{key}", metric, on_step=False, on_epoch=True, batch_size=x.shape[0])
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, "Val")
+
+    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, "Test")
+
+    def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
+        """The codes of each window: action indices ``[B, T-1, La]``, world indices ``[B, Lh]``."""
+        x = batch["latents"]
+        return {
+            "action_indices": self.model.encode_actions(x).indices,
+            "world_indices": self.model.encode_world(x).indices,
+            "file_index": batch["file_index"],
+            "start": batch["start"],
+        }

@@ -1,0 +1,89 @@
+"""Small datasets, a tiny-config runner and test-only callbacks for the Lightning tests."""
+
+from __future__ import annotations
+
+import csv
+import os
+from pathlib import Path
+
+import h5py
+import lightning as L
+import numpy as np
+import torch
+
+from lwm.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "configs" / "tiny.yaml"
+C, H, W = 4, 16, 16  # small frames keep CPU steps fast; the model is told via model.net overrides
+
+
+def make_dataset(directory: Path, files: int = 8, frames: int = 14, seed: int = 0, val_fraction: float = 0.25,
+                 shape: tuple[int, int, int] = (C, H, W)) -> Path:
+    """``files`` smooth random clips of ``frames`` (+ i) frames; returns the manifest path."""
+    from lwm.data.manifest import index_directory
+
+    rng = np.random.default_rng(seed)
+    directory.mkdir(parents=True, exist_ok=True)
+    for i in range(files):
+        x = np.tanh(0.1 * rng.normal(size=(frames + i, *shape)).cumsum(0)).astype(np.float32)
+        with h5py.File(directory / f"ep{i:02d}.h5", "w") as f:
+            f["latents"] = x
+    return index_directory(directory, val_fraction=val_fraction).path
+
+
+def tiny_args(manifest: Path, root: Path, *extra: str, verb: str = "fit") -> list[str]:
+    return [
+        verb, "--config", str(TINY),
+        f"--data.manifest={manifest}", f"--trainer.default_root_dir={root}",
+        f"--model.net.in_channels={C}", f"--model.net.height={H}", f"--model.net.width={W}",
+        "--model.net.d_model=32", "--model.net.n_heads=2",
+        "--model.net.depth_action=1", "--model.net.depth_world=1", "--model.net.depth_dynamics=1",
+        "--data.window=6", "--data.batch_size=3",
+        "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+        *extra,
+    ]
+
+
+def run(manifest: Path, root: Path, *extra: str, verb: str = "fit") -> int:
+    return main(tiny_args(manifest, root, *extra, verb=verb))
+
+
+def read_metrics(root: Path) -> list[dict[str, float]]:
+    """Rows of RUN_DIR/metrics.csv (empty cells dropped), the last row per (step, key set) kept."""
+    with open(root / "metrics.csv", newline="") as f:
+        rows = [{k: float(v) for k, v in r.items() if v != ""} for r in csv.DictReader(f)]
+    return rows
+
+
+def train_series(root: Path, key: str = "Train_Total/loss") -> dict[int, float]:
+    """``{step: value}`` of a training metric; a step logged twice (before and after a resume) keeps the last."""
+    return {int(r["step"]): r[key] for r in read_metrics(root) if key in r}
+
+
+class SimulatedCrash(RuntimeError):
+    pass
+
+
+class CrashAtStep(L.Callback):
+    """Raises :class:`SimulatedCrash` at the start of the batch after ``global_step`` reached ``step`` (after
+    that step's checkpoint was written), like a process dying mid-epoch."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, *args) -> None:
+        if trainer.global_step >= self.step:
+            raise SimulatedCrash(f"simulated crash at global step {trainer.global_step}")
+
+
+class DumpQuantizers(L.Callback):
+    """At the end of fit, each rank writes its quantizer buffers to ``directory/rank{r}.pt``."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        state = {k: v.detach().cpu() for k, v in pl_module.model.state_dict().items() if ".rvq." in k}
+        os.makedirs(self.directory, exist_ok=True)
+        torch.save(state, os.path.join(self.directory, f"rank{trainer.global_rank}.pt"))

@@ -1,0 +1,28 @@
+"""Resuming continues the run exactly: training 2N steps equals N steps, a stop, `--ckpt_path last`, N more."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.lightning.helpers import SimulatedCrash, make_dataset, run, train_series
+
+
+def test_stop_and_resume_equals_uninterrupted(tmp_path):
+    manifest = make_dataset(tmp_path / "data")
+    common = ["--trainer.max_steps=16", "--checkpoint.every_n_train_steps=7", "--data.val_size_percent=0"]
+    assert run(manifest, tmp_path / "a", *common) == 0
+    crash = ["--trainer.callbacks+=tests.lightning.helpers.CrashAtStep", "--trainer.callbacks.step=7"]
+    with pytest.raises(SimulatedCrash):  # mid-epoch (7 batches in, epochs of 5), after the step-7 checkpoint
+        run(manifest, tmp_path / "b", *common, *crash)
+    assert run(manifest, tmp_path / "b", *common, "--ckpt_path=last") == 0
+
+    full, resumed = train_series(tmp_path / "a"), train_series(tmp_path / "b")
+    assert sorted(full) == list(range(16)) and sorted(resumed) == list(range(16))
+    assert torch.allclose(torch.tensor([resumed[s] for s in range(16)]), torch.tensor([full[s] for s in range(16)]),
+                          rtol=1e-5, atol=1e-7)
+    a = torch.load(tmp_path / "a/checkpoints/last.ckpt", weights_only=True)
+    b = torch.load(tmp_path / "b/checkpoints/last.ckpt", weights_only=True)
+    assert a["global_step"] == b["global_step"] == 16
+    for key, value in a["state_dict"].items():  # weights and codebook buffers (EMA counts, sums, dead-code clocks)
+        assert torch.allclose(value.float(), b["state_dict"][key].float(), rtol=1e-4, atol=1e-6), key
