@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from typing import Any
 
 from lwm.errors import LwmError, NonFiniteLossError
@@ -24,8 +25,11 @@ from lwm.errors import LwmError, NonFiniteLossError
 LIGHTNING_VERBS = ("fit", "validate", "test", "predict")
 
 
-def _lightning_cli_class() -> type:
+def lightning_cli_class() -> type:
     # Imported lazily: `lwm data index` and `lwm --help` should not pay for importing Lightning.
+    # `lwm` passes its own argv on purpose; and Lightning's pytree helper trips a torch deprecation each run.
+    warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     from lightning.pytorch.callbacks import RichModelSummary, RichProgressBar
     from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
     from lightning.pytorch.plugins.io import CheckpointIO
@@ -95,7 +99,7 @@ def _lightning_cli_class() -> type:
 def lightning_cli(args: list[str], run: bool = True):
     """Build (and with ``run`` execute) the LightningCLI for ``args`` (``["fit", "--config", ...]``, or without
     a verb when ``run`` is False)."""
-    return _lightning_cli_class()(args=args, run=run)
+    return lightning_cli_class()(args=args, run=run)
 
 
 # --------------------------------------------------------------------------------------------------

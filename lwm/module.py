@@ -101,17 +101,19 @@ class WorldModelModule(L.LightningModule):
         """Check that the data fits the model before any work starts."""
         from lwm.data.datamodule import LatentDataModule
 
-        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        dm = self.trainer.datamodule if self._trainer is not None else None
         if isinstance(dm, LatentDataModule):
-            c = self.model.config
-            C, H, W = dm.frame_shape
-            if (C, H, W) != (c.in_channels, c.height, c.width):
-                raise ConfigError(
-                    f"model.net.in_channels/height/width = {c.in_channels}/{c.height}/{c.width}, but the files of "
-                    f"{dm.manifest_path} hold [{C}, {H}, {W}] frames")
-            if dm.window < self.model.min_frames:
-                raise ConfigError(f"data.window = {dm.window}, but the model needs at least {self.model.min_frames} "
-                                  f"frames (teacher forcing + {self.model.min_frames - 2} rollout passes)")
+            self.check_data(dm.frame_shape, dm.window, str(dm.manifest_path))
+
+    def check_data(self, frame_shape: tuple[int, int, int], window: int, source: str) -> None:
+        """Raise :class:`ConfigError` unless frames ``[C, H, W]`` and ``window`` fit the model."""
+        c = self.model.config
+        if tuple(frame_shape) != (c.in_channels, c.height, c.width):
+            raise ConfigError(f"model.net.in_channels/height/width = {c.in_channels}/{c.height}/{c.width}, but the "
+                              f"files of {source} hold {list(frame_shape)} frames")
+        if window < self.model.min_frames:
+            raise ConfigError(f"data.window = {window}, but the model needs at least {self.model.min_frames} frames "
+                              f"(teacher forcing + {self.model.min_frames - 2} rollout passes)")
 
     def configure_model(self) -> None:
         if self.compile_model and not self._compiled:

@@ -147,7 +147,7 @@ class LatentDataModule(L.LightningDataModule):
             self.train_set = H5WindowDataset(manifest, "train", self.window)
         if stage in ("fit", "validate") and self.val_set is None and self.val_size_percent > 0:
             self.val_set = H5WindowDataset(manifest, "val", self.window)
-        if stage == "test" and self.val_set is None:
+        if stage in ("test", "predict") and self.val_set is None:
             self.val_set = H5WindowDataset(manifest, "val", self.window)
 
     def _rank(self) -> tuple[int, int]:
@@ -198,6 +198,10 @@ class LatentDataModule(L.LightningDataModule):
         if self.val_set is None:
             self.setup("test")
         return self._fixed_loader(self.val_windows(1.0))
+
+    def predict_dataloader(self) -> DataLoader:
+        """Every validation window, for ``lwm predict`` (the codes of each window)."""
+        return self.test_dataloader()
 
     def _fixed_loader(self, windows: list[tuple[int, int]]) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.val_batch_size, sampler=windows, **self._loader_kwargs())

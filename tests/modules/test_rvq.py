@@ -559,3 +559,25 @@ def test_ddp_two_ranks_match_single_process(tmp_path):
     assert post[0]["revived"].tolist() == [int(m.sum()) for m in single.dead_codes()]
     assert_states_equal(post[0]["state"], post[1]["state"])
     assert not torch.equal(post[0]["state"]["levels.0.embed"], pre[0]["levels.0.embed"])
+
+
+def test_non_finite_batch_leaves_the_codebooks_unchanged():
+    torch.manual_seed(0)
+    q = ResidualVectorQuantizer(4, (3, 5), dead_code_steps=2).train()
+    q(torch.randn(64, 4), step=0)  # initialise from a clean batch
+    before = {k: v.clone() for k, v in q.state_dict().items()}
+    bad = torch.randn(64, 4)
+    bad[7, 1] = float("nan")
+    q(bad, step=1)
+    for key, value in q.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    q(torch.randn(64, 4), step=2)  # and a clean batch updates again
+    assert not torch.equal(q.state_dict()["levels.0.ema_count"], before["levels.0.ema_count"])
+
+
+def test_non_finite_first_batch_does_not_initialise():
+    q = ResidualVectorQuantizer(4, (3,)).train()
+    q(torch.full((16, 4), float("inf")), step=0)
+    assert not bool(q.initialized) and torch.isfinite(q.codebook(0)).all()
+    q(torch.randn(16, 4), step=1)
+    assert bool(q.initialized) and torch.isfinite(q.codebook(0)).all()

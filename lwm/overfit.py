@@ -1,0 +1,99 @@
+"""The requirement's overfit test: one datapoint from the training data, many steps, every loss logged.
+
+    lwm overfit --config configs/tiny.yaml --data.manifest M [--steps 1000] [--file 0] [--start 0] [overrides]
+
+The model, optimiser and data loading are exactly those of ``lwm fit`` with the same config (manifest + h5
+window); the only datapoint is the window ``[start, start + data.window)`` of train file ``--file``, fed as a
+batch of one at every step. Nothing is validated. Losses go to ``RUN_DIR/overfit/metrics.csv`` (``RUN_DIR`` =
+``trainer.default_root_dir``) and the first and last teacher-forcing loss are printed: a healthy model drives
+it towards zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+import lightning as L
+from torch.utils.data import DataLoader, Dataset
+
+from lwm.errors import ConfigError
+
+TF_KEY = "Train_Dynamics_Predictor/tf_loss"
+
+
+class _Repeat(Dataset):
+    def __init__(self, item: dict[str, Any], times: int) -> None:
+        self.item, self.times = item, times
+
+    def __len__(self) -> int:
+        return self.times
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.item
+
+
+class _Record(L.Callback):
+    """Keeps the teacher-forcing loss of every step (one host sync per step: fine for a diagnostic)."""
+
+    def __init__(self) -> None:
+        self.tf_losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        value = trainer.callback_metrics.get(TF_KEY)
+        if value is not None:
+            self.tf_losses.append(float(value))
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(
+        prog="lwm overfit", description=__doc__.split("\n\n")[0],
+        epilog="Every other argument is a `lwm fit` option: --config FILE and dotted overrides such as --data.manifest M.",
+    )
+    parser.add_argument("--steps", type=int, default=1000, help="optimizer steps on the one datapoint (default 1000)")
+    parser.add_argument("--file", type=int, default=0, help="index of the file among the manifest's train files")
+    parser.add_argument("--start", type=int, default=0, help="first frame of the window")
+    args, rest = parser.parse_known_args(argv)
+    if args.steps < 1:
+        parser.error(f"--steps must be >= 1, got {args.steps}")
+    return args, rest
+
+
+def main(argv: list[str]) -> int:
+    from lwm.cli import lightning_cli_class
+
+    args, rest = parse(argv)
+
+    class OverfitCLI(lightning_cli_class()):
+        def before_instantiate_classes(self) -> None:
+            trainer = self.config.trainer
+            trainer.default_root_dir = os.path.join(trainer.default_root_dir or ".", "overfit")
+            trainer.max_steps, trainer.max_epochs = args.steps, 1
+            trainer.limit_val_batches, trainer.num_sanity_val_steps, trainer.val_check_interval = 0, 0, 1.0
+            self.config.data.val_size_percent = 0.0
+
+    cli = OverfitCLI(args=rest, run=False)
+    dm, model = cli.datamodule, cli.model
+    dm.setup("fit")
+    files = dm.train_set
+    if not 0 <= args.file < len(files.paths):
+        raise ConfigError(f"--file {args.file}: the train split has {len(files.paths)} usable files (0..{len(files.paths) - 1})")
+    if not 0 <= args.start <= files.frames[args.file] - dm.window:
+        raise ConfigError(f"--start {args.start}: {files.paths[args.file]} has {files.frames[args.file]} frames, "
+                          f"window {dm.window}")
+    model.check_data(dm.frame_shape, dm.window, str(dm.manifest_path))
+
+    item = files[(args.file, args.start)]
+    loader = DataLoader(_Repeat(item, args.steps), batch_size=1)
+    record = _Record()
+    cli.trainer.callbacks.append(record)
+    cli.trainer.fit(model, train_dataloaders=loader)
+    dm.teardown("fit")
+
+    tf = record.tf_losses
+    if tf:
+        print(f"overfit: teacher-forcing loss {tf[0]:.4g} -> {tf[-1]:.4g} (min {min(tf):.4g}) in {len(tf)} steps "
+              f"on one window ({files.paths[args.file]}, frames {args.start}..{args.start + dm.window - 1}); "
+              f"every loss in {cli.trainer.default_root_dir}/metrics.csv")
+    return 0

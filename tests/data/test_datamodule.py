@@ -1,0 +1,181 @@
+"""LatentDataModule: rank shards, fixed validation windows, a loader that resumes mid-epoch, clear errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import h5py
+import numpy as np
+import pytest
+import torch
+from lightning.fabric.utilities.data import _set_sampler_epoch
+
+from lwm.data.datamodule import LatentDataModule, ResumableDataLoader
+from lwm.data.h5 import DataError
+from lwm.data.manifest import index_directory
+from tests.data.conftest import write_h5
+
+
+@pytest.fixture
+def manifest(tmp_path) -> Path:
+    for i in range(8):
+        write_h5(tmp_path / "d" / f"ep{i}.h5", 18 + 2 * i, offset=i / 100)
+    return index_directory(tmp_path / "d", val_fraction=0.25).path
+
+
+def _dm(manifest, **kw) -> LatentDataModule:
+    kw = {"window": 6, "batch_size": 3, "num_workers": 0, **kw}
+    return LatentDataModule(str(manifest), **kw)
+
+
+def _keys(batch) -> list[tuple[int, int]]:
+    return list(zip(batch["file_index"].tolist(), batch["start"].tolist()))
+
+
+def test_loader_resumes_mid_epoch_with_the_remaining_batches(manifest):
+    dm = _dm(manifest)
+    dm.setup("fit")
+    full = dm.train_dataloader()
+    _set_sampler_epoch(full, 2)  # what Lightning calls at each epoch start
+    assert full.batch_sampler.epoch == 2
+    uninterrupted = [_keys(b) for b in full]
+    assert len(uninterrupted) == len(full) >= 4
+
+    first = dm.train_dataloader()
+    _set_sampler_epoch(first, 2)
+    it = iter(first)
+    head = [_keys(next(it)) for _ in range(3)]
+    state = first.state_dict()
+    assert state["epoch"] == 2 and state["batches"] == 3
+
+    resumed = _dm(manifest)
+    resumed.setup("fit")
+    loader = resumed.train_dataloader()
+    loader.load_state_dict(state)
+    _set_sampler_epoch(loader, 2)
+    tail = [_keys(b) for b in loader]
+    assert head + tail == uninterrupted
+    assert [_keys(b) for b in loader] == uninterrupted  # the next iteration of the same epoch starts over
+
+
+def test_epochs_draw_different_batches(manifest):
+    dm = _dm(manifest)
+    dm.setup("fit")
+    loader = dm.train_dataloader()
+    epochs = []
+    for e in range(2):
+        _set_sampler_epoch(loader, e)
+        epochs.append([_keys(b) for b in loader])
+    assert epochs[0] != epochs[1]
+
+
+def test_batch_elements_come_from_different_files(manifest):
+    dm = _dm(manifest)
+    dm.setup("fit")
+    for batch in dm.train_dataloader():
+        files = batch["file_index"].tolist()
+        assert len(set(files)) == len(files)
+
+
+class _FakeTrainer:
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.global_rank, self.world_size = rank, world_size
+        self.strategy = SimpleNamespace(root_device=torch.device("cpu"))
+
+
+def _on_rank(manifest, rank, world_size, **kw) -> LatentDataModule:
+    dm = _dm(manifest, **kw)
+    dm.trainer = _FakeTrainer(rank, world_size)
+    dm.setup("fit")
+    return dm
+
+
+def test_ranks_draw_their_own_batches_and_agree_on_the_epoch_length(manifest):
+    r0, r1 = (_on_rank(manifest, r, 2).train_dataloader() for r in (0, 1))
+    assert len(r0) == len(r1) == max(1, len(_on_rank(manifest, 0, 1).train_set) // (3 * 2))
+    assert [_keys(b) for b in r0] != [_keys(b) for b in r1]
+
+
+def test_validation_windows_are_dealt_to_ranks_without_overlap(manifest):
+    single = _on_rank(manifest, 0, 1).val_windows()
+    frames = _on_rank(manifest, 0, 1).val_set.frames
+    assert sorted(single) == sorted((i, s) for i, f in enumerate(frames) for s in range(0, f - 5, 6))
+    shards = [_on_rank(manifest, r, 3).val_windows() for r in range(3)]
+    assert sorted(sum(shards, [])) == sorted(single)
+    assert _on_rank(manifest, 0, 1).val_windows() == single  # the same windows at every validation
+
+
+def test_val_size_percent_takes_a_fixed_fraction(manifest):
+    every = _on_rank(manifest, 0, 1).val_windows()
+    half = _on_rank(manifest, 0, 1, val_size_percent=0.5).val_windows()
+    assert len(half) == int(np.ceil(0.5 * len(every))) and set(half) <= set(every)
+    none = _on_rank(manifest, 0, 1, val_size_percent=0.0)
+    assert none.val_windows() == [] and none.val_dataloader() == []
+
+
+def test_validation_batches_hold_the_windows_data(manifest):
+    dm = _on_rank(manifest, 0, 1)
+    for batch in dm.val_dataloader():
+        for i, (f, s) in enumerate(_keys(batch)):
+            with h5py.File(dm.val_set.paths[f]) as h:
+                np.testing.assert_array_equal(batch["latents"][i].numpy(), h["latents"][s : s + 6])
+
+
+@pytest.mark.parametrize(
+    ("kw", "field"),
+    [({"window": 2}, "data.window"), ({"batch_size": 0}, "data.batch_size"),
+     ({"val_size_percent": 1.5}, "data.val_size_percent"), ({"num_workers": -1}, "data.num_workers")],
+)
+def test_bad_settings_name_the_field(manifest, kw, field):
+    with pytest.raises(DataError, match=field.replace(".", r"\.")):
+        _dm(manifest, **kw)
+
+
+def _entries(manifest: Path) -> list[dict]:
+    return json.loads(manifest.read_text())["files"]
+
+
+def test_missing_file_is_named_at_setup(manifest):
+    victim = manifest.parent / _entries(manifest)[0]["path"]
+    victim.unlink()
+    with pytest.raises(DataError, match=f"{victim}: file not found"):
+        _dm(manifest).setup("fit")
+
+
+def test_truncated_file_is_named_at_setup(manifest):
+    victim = manifest.parent / _entries(manifest)[1]["path"]
+    write_h5(victim, 4)  # shorter than the manifest says
+    with pytest.raises(DataError, match=f"{victim}: 4 frames, the manifest says"):
+        _dm(manifest).setup("fit")
+
+
+def test_unreadable_file_is_named_at_setup(manifest):
+    victim = manifest.parent / _entries(manifest)[2]["path"]
+    victim.write_bytes(victim.read_bytes()[:200])  # a torn copy
+    with pytest.raises(DataError, match=f"{victim}: cannot be opened"):
+        _dm(manifest).setup("fit")
+
+
+def test_wrong_shape_is_named_at_setup(manifest):
+    victim = manifest.parent / _entries(manifest)[3]["path"]
+    write_h5(victim, 30, channels=5)
+    with pytest.raises(DataError, match=f"{victim}: .*channels 5, expected 4"):
+        _dm(manifest).setup("fit")
+
+
+def test_window_longer_than_every_file_and_empty_split(manifest, tmp_path):
+    with pytest.raises(DataError, match="window 99 is longer than every 'train' file"):
+        _dm(manifest, window=99).setup("fit")
+    only_train = index_directory(manifest.parent, out=tmp_path / "m2.json", val_fraction=0.0).path
+    with pytest.raises(DataError, match="the 'val' split is empty"):
+        _dm(only_train).setup("fit")
+    _dm(only_train, val_size_percent=0.0).setup("fit")  # no validation wanted: fine
+
+
+def test_loader_needs_a_file_batch_sampler(manifest):
+    dm = _dm(manifest)
+    dm.setup("fit")
+    with pytest.raises(TypeError, match="FileBatchSampler"):
+        ResumableDataLoader(dm.train_set, batch_size=2)

@@ -1,0 +1,102 @@
+"""The `lwm` command end to end on the tiny config: every Lightning verb, the overfit test, and one clear
+error line (exit 2) for each kind of bad input, before any training starts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lwm.cli import main
+from tests.lightning.helpers import make_dataset, read_metrics, run, tiny_args
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cli")
+    manifest = make_dataset(tmp / "data")
+    root = tmp / "run"
+    assert run(manifest, root, "--trainer.max_steps=8") == 0
+    return manifest, root
+
+
+def test_fit_validates_four_times_per_epoch_and_checkpoints(trained):
+    manifest, root = trained
+    rows = read_metrics(root)
+    val_steps = [int(r["step"]) for r in rows if "Val_Total/loss" in r]
+    batches = len(json.loads(manifest.read_text())["files"])  # not needed exactly: check the spacing instead
+    assert batches and len(val_steps) >= 4 and len(set(val_steps)) == len(val_steps)
+    train = [r for r in rows if "Train_Total/loss" in r]
+    assert [int(r["step"]) for r in train] == list(range(8))
+    for key in ("Train_Dynamics_Predictor/tf_loss", "Train_Dynamics_Predictor/rollout_1_loss",
+                "Train_Dynamics_Predictor/rollout_2_loss", "Train_Action_Encoder/commit_loss",
+                "Train_Action_Encoder/codebook_loss", "Train_World_Encoder/commit_loss",
+                "Train_World_Encoder/codebook_loss", "Train_Total/grad_norm"):
+        assert all(key in r for r in train), key
+    assert torch.load(root / "checkpoints/last.ckpt", weights_only=True)["global_step"] == 8
+    assert (root / "config.yaml").is_file()
+
+
+def test_validate_test_and_predict_run_from_a_checkpoint(trained):
+    manifest, root = trained
+    ckpt = str(root / "checkpoints/last.ckpt")
+    for verb, prefix in (("validate", "Val_"), ("test", "Test_")):
+        out = root.parent / verb
+        assert main(tiny_args(manifest, out, f"--ckpt_path={ckpt}", verb=verb)) == 0
+        keys = set().union(*read_metrics(out))
+        assert {f"{prefix}Total/loss", f"{prefix}Dynamics_Predictor/tf_loss", f"{prefix}World_Encoder/codebook_loss"} <= keys
+    assert main(tiny_args(manifest, root.parent / "predict", f"--ckpt_path={ckpt}", verb="predict")) == 0
+
+
+def test_help_lists_the_verbs(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert all(verb in out for verb in ("fit", "validate", "test", "predict", "overfit", "data", "demo"))
+
+
+def test_overfit_drives_the_tf_loss_towards_zero(tmp_path, capsys):
+    manifest = make_dataset(tmp_path / "data", files=4)
+    args = tiny_args(manifest, tmp_path / "run", "--model.optim.lr=3e-3", verb="overfit")
+    assert main([*args, "--steps", "120"]) == 0
+    rows = [r for r in read_metrics(tmp_path / "run/overfit") if "Train_Dynamics_Predictor/tf_loss" in r]
+    tf = [r["Train_Dynamics_Predictor/tf_loss"] for r in rows]
+    assert len(tf) == 120
+    assert min(tf[-10:]) < 0.1 * tf[0], (tf[0], tf[-10:])
+    assert "overfit: teacher-forcing loss" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--model.net.codebook_sizes_action=[]"], "codebook_sizes_action needs at least one level"),
+        (["--data.window=2"], "data.window must be >= 3"),
+        (["--model.net.in_channels=16"], "model.net.in_channels/height/width = 16/16/16, but the files of"),
+        (["--data.window=99"], "window 99 is longer than every 'train' file"),
+        (["--model.optim.lr=-1"], "lr and eps must be > 0"),
+    ],
+)
+def test_bad_config_is_one_error_line_before_training(tmp_path, capsys, extra, message):
+    manifest = make_dataset(tmp_path / "data", files=4)
+    assert run(manifest, tmp_path / "run", *extra) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], errors
+    assert not (tmp_path / "run/checkpoints").exists()
+
+
+def test_bad_data_is_named_before_training_and_nothing_is_lost(tmp_path, capsys):
+    manifest = make_dataset(tmp_path / "data", files=4)
+    root = tmp_path / "run"
+    assert run(manifest, root, "--trainer.max_steps=2", "--data.val_size_percent=0") == 0
+    before = (root / "checkpoints/last.ckpt").read_bytes(), (root / "metrics.csv").read_text()
+    victim = tmp_path / "data/ep01.h5"
+    victim.write_bytes(victim.read_bytes()[:300])  # truncated by a failed copy
+    capsys.readouterr()
+    assert run(manifest, root, "--trainer.max_steps=4", "--ckpt_path=last") == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert any(str(victim) in line for line in errors), errors
+    assert ((root / "checkpoints/last.ckpt").read_bytes(), (root / "metrics.csv").read_text()) == before
+    assert run(manifest, root, "--data.manifest=" + str(tmp_path / "nope.json")) == 2
+    assert "nope.json: manifest not found" in capsys.readouterr().err

@@ -1,0 +1,117 @@
+"""WorldModelModule: schedule, parameter groups, per-step randomness, the non-finite guard, checkpoints."""
+
+from __future__ import annotations
+
+import math
+
+import h5py
+import lightning as L
+import numpy as np
+import pytest
+import torch
+
+from lwm.errors import NonFiniteLossError
+from lwm.module import OptimConfig, WorldModelModule
+from lwm.modules.world_model import WorldModelConfig
+from tests.lightning.helpers import C, H, W, make_dataset, run
+
+NET = WorldModelConfig(in_channels=C, height=H, width=W, d_model=32, n_heads=2, depth_action=1, depth_world=1,
+                       depth_dynamics=1, d_code_action=8, d_code_world=8, codebook_sizes_action=(4, 8),
+                       codebook_sizes_world=(4, 8))
+
+
+def test_lr_schedule_known_values():
+    o = OptimConfig(warmup_steps=10, min_lr_ratio=0.1)
+    assert o.lr_factor(0, 110) == pytest.approx(1 / 11)
+    assert o.lr_factor(9, 110) == pytest.approx(10 / 11)
+    assert o.lr_factor(10, 110) == pytest.approx(1.0)
+    assert o.lr_factor(60, 110) == pytest.approx(0.1 + 0.9 * 0.5)  # half-way through the cosine
+    assert o.lr_factor(110, 110) == pytest.approx(0.1)
+    assert o.lr_factor(500, 110) == pytest.approx(0.1)  # stays at the floor past max_steps
+    assert OptimConfig(warmup_steps=0).lr_factor(0, 100) == pytest.approx(1.0)
+
+
+def test_weight_decay_only_on_matrices_and_kernels():
+    module = WorldModelModule(net=NET)
+    module.trainer = L.Trainer(max_steps=100, logger=False)
+    groups = module.configure_optimizers()["optimizer"].param_groups
+    decay, no_decay = groups[0]["params"], groups[1]["params"]
+    assert groups[0]["weight_decay"] == 0.05 and groups[1]["weight_decay"] == 0.0
+    assert all(p.ndim >= 2 for p in decay) and all(p.ndim < 2 for p in no_decay)
+    assert sorted(map(id, decay + no_decay)) == sorted(id(p) for p in module.parameters())
+    assert any(p is module.model.mask_token for p in no_decay)
+
+
+def test_step_randomness_is_a_function_of_rank_step_and_batch():
+    module = WorldModelModule(net=NET)
+    draw = lambda batch_idx: torch.rand(8, generator=module.step_generator(torch.device("cpu"), batch_idx))  # noqa: E731
+    assert torch.equal(draw(3), draw(3))
+    assert not torch.equal(draw(3), draw(4))
+
+
+def _batches(n: int, nan_at: set[int] = frozenset()) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(n):
+        x = torch.tanh(torch.randn(2, 6, C, H, W, generator=g))
+        if i in nan_at:
+            x[0, 2, 0, 0, 0] = float("nan")
+        out.append({"latents": x})
+    return out
+
+
+def _train(batches, max_nonfinite: int = 5) -> WorldModelModule:
+    torch.manual_seed(0)
+    module = WorldModelModule(net=NET, optim=OptimConfig(warmup_steps=0, min_lr_ratio=1.0), max_nonfinite=max_nonfinite)
+    trainer = L.Trainer(max_steps=len(batches), accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
+    return module
+
+
+def test_a_non_finite_step_changes_nothing():
+    clean = _train(_batches(1))
+    with_nan = _train(_batches(2, nan_at={1}))
+    assert with_nan.skipped_steps == 1 and clean.skipped_steps == 0
+    a, b = clean.state_dict(), with_nan.state_dict()
+    for key in a:  # weights, codebooks, EMA statistics and dead-code clocks as after the one good step
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_consecutive_non_finite_steps_stop_the_run():
+    with pytest.raises(NonFiniteLossError, match="3 consecutive steps had a non-finite"):
+        _train(_batches(6, nan_at={1, 2, 3}), max_nonfinite=3)
+    _train(_batches(6, nan_at={1, 2, 4}), max_nonfinite=3)  # not in a row: trains on
+
+
+def test_non_finite_data_stops_the_cli_with_one_line_and_keeps_the_checkpoint(tmp_path, capsys):
+    manifest = make_dataset(tmp_path / "data", files=4)
+    root = tmp_path / "run"
+    assert run(manifest, root, "--trainer.max_steps=4", "--checkpoint.every_n_train_steps=2",
+               "--data.val_size_percent=0") == 0
+    for f in (tmp_path / "data").glob("*.h5"):  # the data goes bad after indexing (a faulty copy, say)
+        with h5py.File(f, "r+") as h:
+            h["latents"][...] = np.nan
+    capsys.readouterr()
+    assert run(manifest, root, "--trainer.max_steps=20", "--checkpoint.every_n_train_steps=2",
+               "--data.val_size_percent=0", "--model.max_nonfinite=3", "--ckpt_path=last") == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(err) == 1 and "3 consecutive steps had a non-finite loss or gradient" in err[0]
+    last = torch.load(root / "checkpoints/last.ckpt", weights_only=True)
+    good = torch.load(root / "checkpoints/step=0000004.ckpt", weights_only=True)
+    assert last["global_step"] >= 4  # skipped steps still count as steps (the schedule moves on) ...
+    for key, value in good["state_dict"].items():  # ... but changed no weight, codebook or EMA statistic
+        assert torch.equal(value, last["state_dict"][key]), key
+
+
+def test_checkpoint_loads_with_weights_only(tmp_path):
+    manifest = make_dataset(tmp_path / "data", files=4)
+    assert run(manifest, tmp_path / "run", "--trainer.max_steps=3", "--data.val_size_percent=0") == 0
+    path = tmp_path / "run/checkpoints/last.ckpt"
+    raw = torch.load(path, weights_only=True)  # refuses anything but tensors and plain containers
+    assert raw["hyper_parameters"]["net"]["d_model"] == 32
+    module = WorldModelModule.load_from_checkpoint(path, weights_only=True)
+    for key, value in module.state_dict().items():
+        assert torch.equal(value, raw["state_dict"][key]), key
+    assert module.model.config.codebook_sizes_action == (4, 8)
+    assert math.isclose(module.optim.lr, 1e-3)
