@@ -30,11 +30,12 @@ def lightning_cli_class() -> type:
     # `lwm` passes its own argv on purpose; and Lightning's pytree helper trips a torch deprecation each run.
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
-    from lightning.pytorch.callbacks import RichModelSummary, RichProgressBar
+    from lightning.pytorch.callbacks import RichModelSummary
     from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
     from lightning.pytorch.plugins.io import CheckpointIO
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
+    from lwm.callbacks.progress import StepProgressBar
     from lwm.checkpoint import AtomicCheckpointIO, ModelCheckpoint
     from lwm.data.datamodule import LatentDataModule
     from lwm.loggers import CSVLogger
@@ -68,7 +69,7 @@ def lightning_cli_class() -> type:
                 "checkpoint.auto_insert_metric_name": False,
                 "checkpoint.enable_version_counter": False,  # one run per RUN_DIR: last.ckpt is always the latest
             })
-            parser.add_lightning_class_args(RichProgressBar, "progress_bar")
+            parser.add_lightning_class_args(StepProgressBar, "progress_bar")
             parser.add_lightning_class_args(RichModelSummary, "model_summary")
             parser.set_defaults({"model_summary.max_depth": 2})
 
@@ -88,7 +89,7 @@ def lightning_cli_class() -> type:
         def _instantiate_trainer(self, config: dict[str, Any], callbacks: list) -> Any:
             # The rich progress bar and summary are on by default; the trainer's switches turn them off.
             if config.get("enable_progress_bar") is False:
-                callbacks = [c for c in callbacks if not isinstance(c, RichProgressBar)]
+                callbacks = [c for c in callbacks if not isinstance(c, StepProgressBar)]
             if config.get("enable_model_summary") is False:
                 callbacks = [c for c in callbacks if not isinstance(c, RichModelSummary)]
             return super()._instantiate_trainer(config, callbacks)

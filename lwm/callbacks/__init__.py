@@ -1,0 +1,5 @@
+"""Callbacks: one concern each."""
+
+from lwm.callbacks.progress import StepProgressBar
+
+__all__ = ["StepProgressBar"]
