@@ -8,9 +8,11 @@ import torch
 from tests.lightning.helpers import SimulatedCrash, make_dataset, run, train_series
 
 
-def test_stop_and_resume_equals_uninterrupted(tmp_path):
+@pytest.mark.parametrize("workers", [0, 2])  # with workers, batches are drawn ahead of the training step
+def test_stop_and_resume_equals_uninterrupted(tmp_path, workers):
     manifest = make_dataset(tmp_path / "data")
-    common = ["--trainer.max_steps=16", "--checkpoint.every_n_train_steps=7", "--data.val_size_percent=0"]
+    common = ["--trainer.max_steps=16", "--checkpoint.every_n_train_steps=7", "--data.val_size_percent=0",
+              f"--data.num_workers={workers}"]
     assert run(manifest, tmp_path / "a", *common) == 0
     crash = ["--trainer.callbacks+=tests.lightning.helpers.CrashAtStep", "--trainer.callbacks.step=7"]
     with pytest.raises(SimulatedCrash):  # mid-epoch (7 batches in, epochs of 5), after the step-7 checkpoint
