@@ -56,10 +56,15 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 class ModelCheckpoint(_LightningModelCheckpoint):
+    def save_last_now(self, trainer: L.Trainer) -> None:
+        """Write ``last.ckpt`` now (from a training-batch hook: the state a step checkpoint would hold)."""
+        if self.save_last:
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.save_last and self._last_global_step_saved != trainer.global_step and not trainer.sanity_checking:
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+            self.save_last_now(trainer)
         else:
             super().on_train_end(trainer, pl_module)
 

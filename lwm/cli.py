@@ -36,6 +36,8 @@ def lightning_cli_class() -> type:
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
     from lwm.callbacks.progress import StepProgressBar
+    from lwm.callbacks.revival import DeadCodeRevival
+    from lwm.callbacks.slurm import SlurmRequeue
     from lwm.checkpoint import AtomicCheckpointIO, ModelCheckpoint
     from lwm.data.datamodule import LatentDataModule
     from lwm.loggers import CSVLogger
@@ -69,9 +71,11 @@ def lightning_cli_class() -> type:
                 "checkpoint.auto_insert_metric_name": False,
                 "checkpoint.enable_version_counter": False,  # one run per RUN_DIR: last.ckpt is always the latest
             })
+            parser.add_lightning_class_args(DeadCodeRevival, "revival")
             parser.add_lightning_class_args(StepProgressBar, "progress_bar")
             parser.add_lightning_class_args(RichModelSummary, "model_summary")
             parser.set_defaults({"model_summary.max_depth": 2})
+            parser.add_lightning_class_args(SlurmRequeue, "slurm_requeue")  # always on; a no-op outside SLURM
 
         def instantiate_trainer(self, **kwargs: Any):
             trainer_config = self._get(self.config_init, "trainer", default={})

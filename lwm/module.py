@@ -136,10 +136,12 @@ class WorldModelModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # ----------------------------------------------------------------------------------------------
-    def step_generator(self, device: torch.device, batch_idx: int) -> torch.Generator:
-        """The generator of this training step's random draws, a pure function of (seed, rank, step, batch)."""
+    def step_generator(self, device: torch.device, batch_idx: int, stream: int = 0) -> torch.Generator:
+        """A generator for this training step's random draws, a pure function of (seed, rank, step, batch,
+        stream); ``stream`` separates independent uses (0: token mask and PE start, 1: dead-code revival)."""
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0))  # set by seed_everything (the CLI's seed_everything: 0)
-        state = np.random.SeedSequence([seed, self.global_rank, self.global_step, batch_idx]).generate_state(2)
+        entropy = [seed, self.global_rank, self.global_step, batch_idx, stream]
+        state = np.random.SeedSequence(entropy).generate_state(2)
         g = torch.Generator(device=device)
         g.manual_seed(int(state[0]) << 32 | int(state[1]))
         return g

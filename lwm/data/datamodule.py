@@ -75,6 +75,8 @@ class LatentDataModule(L.LightningDataModule):
         batches_per_epoch: override the epoch length in batches per rank (None: windows / global batch).
         check_files: at setup, open every file of the manifest and check its dataset and shape (headers only).
         multiprocessing_context: worker start method ("fork", "spawn", "forkserver"; None: the platform's).
+        prefetch_factor: batches each worker prepares ahead (each batch of 32 x 16 frames of 16x64x64 is 128 MiB
+            of shared memory, so workers x prefetch_factor x 128 MiB per rank).
         pin_memory: pin batches for faster host-to-GPU copies (on when training on a GPU).
     """
 
@@ -90,6 +92,7 @@ class LatentDataModule(L.LightningDataModule):
         batches_per_epoch: int | None = None,
         check_files: bool = True,
         multiprocessing_context: str | None = None,
+        prefetch_factor: int = 2,
         pin_memory: bool = True,
     ) -> None:
         super().__init__()
@@ -99,8 +102,8 @@ class LatentDataModule(L.LightningDataModule):
             raise DataError(f"data.batch_size and data.val_batch_size must be >= 1, got {batch_size}, {val_batch_size}")
         if not 0.0 <= val_size_percent <= 1.0:
             raise DataError(f"data.val_size_percent must lie in [0, 1], got {val_size_percent}")
-        if num_workers < 0:
-            raise DataError(f"data.num_workers must be >= 0, got {num_workers}")
+        if num_workers < 0 or prefetch_factor < 1:
+            raise DataError(f"data.num_workers must be >= 0 and data.prefetch_factor >= 1, got {num_workers}, {prefetch_factor}")
         self.save_hyperparameters()
         self.manifest_path = Path(manifest)
         self.window, self.batch_size = window, batch_size
@@ -108,6 +111,7 @@ class LatentDataModule(L.LightningDataModule):
         self.num_workers, self.val_size_percent, self.seed = num_workers, val_size_percent, seed
         self.batches_per_epoch, self.check_files = batches_per_epoch, check_files
         self.multiprocessing_context, self.pin_memory = multiprocessing_context, pin_memory
+        self.prefetch_factor = prefetch_factor
         self.manifest: Manifest | None = None
         self.train_set: H5WindowDataset | None = None
         self.val_set: H5WindowDataset | None = None
@@ -147,6 +151,7 @@ class LatentDataModule(L.LightningDataModule):
             self.train_set = H5WindowDataset(manifest, "train", self.window)
         if stage in ("fit", "validate") and self.val_set is None and self.val_size_percent > 0:
             self.val_set = H5WindowDataset(manifest, "val", self.window)
+            self.val_windows()  # refuse now, before training, a split too small for the ranks
         if stage in ("test", "predict") and self.val_set is None:
             self.val_set = H5WindowDataset(manifest, "val", self.window)
 
@@ -163,7 +168,7 @@ class LatentDataModule(L.LightningDataModule):
             pin_memory=self.pin_memory and on_gpu,
             persistent_workers=workers > 0,
             multiprocessing_context=self.multiprocessing_context if workers > 0 else None,
-            prefetch_factor=4 if workers > 0 else None,
+            prefetch_factor=self.prefetch_factor if workers > 0 else None,
         )
 
     def train_dataloader(self) -> ResumableDataLoader:
@@ -182,8 +187,13 @@ class LatentDataModule(L.LightningDataModule):
             return []
         every = [(i, s) for i, f in enumerate(self.val_set.frames) for s in range(0, f - self.window + 1, self.window)]
         order = np.random.default_rng([self.seed, 1]).permutation(len(every))
-        keep = max(1, math.ceil(fraction * len(every)))
         rank, world_size = self._rank()
+        if len(every) < world_size:
+            raise DataError(f"{self.manifest_path}: {len(every)} validation windows of {self.window} frames for "
+                            f"{world_size} ranks; every rank needs one (more val files, a shorter data.window, "
+                            f"or data.val_size_percent=0)")
+        # Every rank gets at least one window: Lightning refuses a rank with an empty validation loader.
+        keep = min(len(every), max(world_size, math.ceil(fraction * len(every))))
         return [every[i] for i in order[:keep]][rank::world_size]
 
     def val_dataloader(self) -> DataLoader | list:

@@ -86,11 +86,11 @@ class Codebook(nn.Module):
         return self
 
 
-def _sample_rows(available: int, wanted: int, device: torch.device) -> Tensor:
+def _sample_rows(available: int, wanted: int, device: torch.device, generator: torch.Generator | None = None) -> Tensor:
     """Random row indices: distinct when there are enough rows, with repetition otherwise."""
     if available >= wanted:
-        return torch.randperm(available, device=device)[:wanted]
-    return torch.randint(0, available, (wanted,), device=device)
+        return torch.randperm(available, device=device, generator=generator)[:wanted]
+    return torch.randint(0, available, (wanted,), device=device, generator=generator)
 
 
 def _ddp_world() -> int:
@@ -283,19 +283,24 @@ class ResidualVectorQuantizer(nn.Module):
         return [cb.unused_steps >= self.dead_code_steps for cb in self.levels]
 
     @torch.no_grad()
-    def revive(self) -> list[int]:
+    def revive(self, generator: torch.Generator | None = None) -> list[int]:
         """Replace dead codes by random encoder outputs of their level from the last training batch and
-        reset their EMA state (call after the EMA update). Returns the number revived per level; under DDP
-        the new codes are broadcast from rank 0 so every rank keeps identical codebooks."""
+        reset their EMA state (call after the EMA update). Returns the number revived per level (one host
+        sync). ``generator`` draws the rows (None: the global RNG); under DDP the new codes are broadcast
+        from rank 0 so every rank keeps identical codebooks."""
         if self._last_residuals is None:
             return [0] * self.num_levels
+        dead = self.dead_codes()
+        # identical on every rank: the counts behind it were all-reduced
+        counts = [int(n) for n in torch.stack([d.sum() for d in dead]).tolist()]
         revived = []
-        for cb, dead, r in zip(self.levels, self.dead_codes(), self._last_residuals):
-            n = int(dead.sum())  # identical on every rank: the counts behind it were all-reduced
+        for cb, mask, n, r in zip(self.levels, dead, counts, self._last_residuals):
             r = r[torch.isfinite(r).all(dim=-1)]  # never revive from a non-finite encoder output
             if n and r.shape[0]:
-                cb.reset(dead, r[_sample_rows(r.shape[0], n, r.device)])
-            revived.append(n)
+                cb.reset(mask, r[_sample_rows(r.shape[0], n, r.device, generator)])
+                revived.append(n)
+            else:
+                revived.append(0)
         if sum(revived) and self._sync():
             self._broadcast_levels()
         return revived

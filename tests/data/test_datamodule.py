@@ -179,3 +179,11 @@ def test_loader_needs_a_file_batch_sampler(manifest):
     dm.setup("fit")
     with pytest.raises(TypeError, match="FileBatchSampler"):
         ResumableDataLoader(dm.train_set, batch_size=2)
+
+
+def test_fewer_validation_windows_than_ranks_is_refused_at_setup(manifest):
+    windows = len(_on_rank(manifest, 0, 1).val_windows())
+    with pytest.raises(DataError, match=f"{windows} validation windows of 6 frames for {windows + 1} ranks"):
+        _on_rank(manifest, 0, windows + 1)
+    tiny = [len(_on_rank(manifest, r, windows, val_size_percent=0.01).val_windows()) for r in range(windows)]
+    assert tiny == [1] * windows  # a small fraction still gives every rank a window

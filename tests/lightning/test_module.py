@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import h5py
 import lightning as L
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from lwm.callbacks.revival import DeadCodeRevival
 from lwm.errors import NonFiniteLossError
 from lwm.module import OptimConfig, WorldModelModule
 from lwm.modules.world_model import WorldModelConfig
@@ -60,11 +62,12 @@ def _batches(n: int, nan_at: set[int] = frozenset()) -> list[dict[str, torch.Ten
     return out
 
 
-def _train(batches, max_nonfinite: int = 5) -> WorldModelModule:
+def _train(batches, max_nonfinite: int = 5, net: WorldModelConfig = NET, callbacks=()) -> WorldModelModule:
     torch.manual_seed(0)
-    module = WorldModelModule(net=NET, optim=OptimConfig(warmup_steps=0, min_lr_ratio=1.0), max_nonfinite=max_nonfinite)
+    module = WorldModelModule(net=net, optim=OptimConfig(warmup_steps=0, min_lr_ratio=1.0), max_nonfinite=max_nonfinite)
     trainer = L.Trainer(max_steps=len(batches), accelerator="cpu", logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        callbacks=list(callbacks))
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
     return module
 
@@ -115,3 +118,13 @@ def test_checkpoint_loads_with_weights_only(tmp_path):
         assert torch.equal(value, raw["state_dict"][key]), key
     assert module.model.config.codebook_sizes_action == (4, 8)
     assert math.isclose(module.optim.lr, 1e-3)
+
+
+def test_revival_replaces_every_dead_code_at_its_steps():
+    net = replace(NET, codebook_sizes_action=(16,), codebook_sizes_world=(16,), dead_code_steps=1)
+    module = _train(_batches(4), net=net, callbacks=[DeadCodeRevival(every_n_steps=2)])
+    for name, quantizer in module.model.quantizers.items():  # step 4 revived whatever was unused at step 4
+        assert all(int(cb.unused_steps.max()) == 0 for cb in quantizer.levels), name
+    revived = {k: float(v) for k, v in module.trainer.callback_metrics.items() if "revived_codes" in k}
+    assert set(revived) == {"Train_Action_Encoder/revived_codes_level_0", "Train_World_Encoder/revived_codes_level_0"}
+    assert revived["Train_World_Encoder/revived_codes_level_0"] > 0  # 2 clips per batch cannot use 16 world codes

@@ -1,0 +1,71 @@
+"""SLURM preemption: the requeue checkpoint is written at the end of a training batch, not inside the signal
+handler.
+
+Lightning's SLURM auto-requeue (SIGUSR1, e.g. from ``sbatch --signal=USR1@90``) saves ``RUN_DIR/hpc_ckpt_N.ckpt``
+from within the signal handler, usually in the middle of a training step (the data fetcher has already drawn the
+next batches): a run resumed from it logs every step one higher, skips batches and no longer matches an
+uninterrupted run. :class:`SlurmRequeue` replaces that handler (once Lightning has set it, at the start of
+training) by one that only takes note; at the next batch end, the same one on every rank, it saves the hpc
+checkpoint and ``last.ckpt`` (with the same mid-epoch state as a step checkpoint), runs ``scontrol requeue`` on
+rank 0 and stops training. Outside SLURM, or with ``SLURMEnvironment(auto_requeue=False)``, it does nothing (and
+costs nothing: no per-step collective).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import threading
+from typing import Any
+
+import lightning as L
+from lightning.fabric.plugins.environments import SLURMEnvironment
+from typing_extensions import override
+
+from lwm.checkpoint import ModelCheckpoint
+
+log = logging.getLogger(__name__)
+
+
+class SlurmRequeue(L.Callback):
+    def __init__(self) -> None:
+        self._active = False  # our handler is installed
+        self._requested = False
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self._requested = True
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        env = trainer._accelerator_connector.cluster_environment
+        if (isinstance(env, SLURMEnvironment) and env.auto_requeue
+                and threading.current_thread() is threading.main_thread()):
+            # Lightning restores its own handlers at teardown.
+            signal.signal(env.requeue_signal or signal.SIGUSR1, self._on_signal)
+            self._active = True
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if not self._active:
+            return
+        requested = self._requested
+        if trainer.world_size > 1:  # ranks get the signal at different batches: agree on one
+            requested = trainer.strategy.reduce_boolean_decision(requested, all=False)
+        if not requested:
+            return
+        self._requested = False
+        path = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
+        trainer.save_checkpoint(path)
+        for callback in trainer.checkpoint_callbacks:  # else the end of fit would rewrite last.ckpt as "epoch done"
+            if isinstance(callback, ModelCheckpoint):
+                callback.save_last_now(trainer)
+        if trainer.is_global_zero:
+            job = os.environ.get("SLURM_JOB_ID", "")
+            if os.environ.get("SLURM_ARRAY_JOB_ID"):
+                job = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+            rc = subprocess.call(["scontrol", "requeue", job])
+            log.warning(f"preempted: {path} at step {trainer.global_step}; scontrol requeue {job} "
+                        + ("done" if rc == 0 else f"failed ({rc})"))
+        trainer.should_stop = True

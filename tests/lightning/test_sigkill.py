@@ -1,0 +1,134 @@
+"""A run SIGKILLed at any moment (during start-up, between steps, in the middle of a checkpoint write) leaves only
+complete checkpoints, and `--ckpt_path last` carries it on to exactly the run it would have been."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.lightning.helpers import REPO, make_dataset, run, train_series
+from tests.lightning.procs import check_checkpoints, lwm_command, lwm_env, one_thread, run_lwm
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():  # in-process runs too (a busy 2-core machine; see procs.lwm_env)
+    with one_thread():
+        yield
+
+
+MAX_STEPS = 30
+COMMON = [f"--trainer.max_steps={MAX_STEPS}", "--checkpoint.every_n_train_steps=1", "--data.val_size_percent=0"]
+
+
+def _kill_once(cmd: list[str], ckpt_dir: Path, mode: str, rng: random.Random) -> tuple[bool, list[str]]:
+    """Start ``cmd`` and SIGKILL it: ``early`` after a random delay from the start (usually before any step),
+    ``write`` as soon as its ``k``-th checkpoint temp file appears (mid-write), ``random`` a random delay after
+    its ``k``-th checkpoint write. Returns ``(killed, the temp files it left behind: killed mid-write)``."""
+    k = rng.randint(2, 6)  # checkpoint writes (a step file and last.ckpt per step) before the kill
+    delay = rng.uniform(0.3, 2.5) if mode == "early" else rng.uniform(0.0, 0.15)
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=REPO, env=lwm_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    suffix = f".tmp-{proc.pid}"  # AtomicCheckpointIO writes .NAME.tmp-PID, then os.replace()s it
+    try:
+        seen: set[str] = set()
+        writes = 0
+        while proc.poll() is None:
+            if mode == "early":
+                if time.monotonic() - start >= delay:
+                    break
+            else:
+                try:
+                    tmp = {n for n in os.listdir(ckpt_dir) if n.endswith(suffix)}
+                except FileNotFoundError:
+                    tmp = set()
+                writes += len(tmp - seen)
+                seen = tmp
+                if writes >= k:
+                    if mode == "random":
+                        time.sleep(delay)
+                    break
+            time.sleep(0.0005)
+    finally:  # the planned kill, or the cleanup when the loop failed
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode in (0, -signal.SIGKILL), proc.returncode  # 0: it finished before the kill
+    killed = proc.returncode == -signal.SIGKILL
+    left = sorted(n for n in os.listdir(ckpt_dir) if n.endswith(suffix)) if ckpt_dir.is_dir() else []
+    return killed, left
+
+
+def test_sigkill_anywhere_then_resume_equals_uninterrupted(tmp_path):
+    manifest = make_dataset(tmp_path / "data")
+    run_lwm(manifest, tmp_path / "ref", *COMMON)  # uninterrupted, in a subprocess like the others (same threads)
+    reference = train_series(tmp_path / "ref")
+    assert sorted(reference) == list(range(MAX_STEPS))
+
+    root = tmp_path / "run"
+    ckpt_dir = root / "checkpoints"
+    cmd = lwm_command(manifest, root, *COMMON, "--ckpt_path=last")
+    rng = random.Random(1234)
+    kills = mid_write = 0
+    for mode in ["write", "random", "early", "write"]:
+        killed, left_tmp = _kill_once(cmd, ckpt_dir, mode, rng)
+        kills += killed
+        mid_write += bool(killed and left_tmp)
+        steps = check_checkpoints(ckpt_dir, MAX_STEPS) if ckpt_dir.is_dir() else {}
+        print(f"{mode}: killed={killed} left={left_tmp} checkpoints={steps}")  # shown when the test fails
+    assert kills == 4, "a run finished before it could be killed"
+    assert mid_write >= 1, "no kill landed during a checkpoint write"
+    resumed_from = check_checkpoints(ckpt_dir, MAX_STEPS).get("last.ckpt", 0)
+    assert resumed_from < MAX_STEPS
+
+    run_lwm(manifest, root, *COMMON, "--ckpt_path=last")
+    steps = check_checkpoints(ckpt_dir, MAX_STEPS)
+    assert steps["last.ckpt"] == MAX_STEPS
+    assert sorted(n for n in steps if n != "last.ckpt") == [f"step={s:07d}.ckpt" for s in range(MAX_STEPS - 2, MAX_STEPS + 1)]
+    assert not [n for n in os.listdir(ckpt_dir) if ".tmp-" in n], "stale temp files were not cleaned up"
+
+    # Every step's row (the last one where a resumed process logged a step again) matches the uninterrupted run: the
+    # steps the final process trained after `resumed_from`, and those the killed processes logged before.
+    series = train_series(root)
+    assert sorted(series) == list(range(MAX_STEPS))
+    got = torch.tensor([series[s] for s in range(MAX_STEPS)])
+    want = torch.tensor([reference[s] for s in range(MAX_STEPS)])
+    assert torch.equal(got[resumed_from:], want[resumed_from:]), (resumed_from, got, want)
+    assert torch.equal(got, want), (got, want)
+
+    a = torch.load(tmp_path / "ref/checkpoints/last.ckpt", weights_only=True)
+    b = torch.load(ckpt_dir / "last.ckpt", weights_only=True)
+    assert a["global_step"] == b["global_step"] == MAX_STEPS
+    for key, value in a["state_dict"].items():
+        assert torch.equal(value, b["state_dict"][key]), key
+
+
+def test_ckpt_path_last_in_an_empty_run_dir_starts_fresh(tmp_path):
+    manifest = make_dataset(tmp_path / "data")
+    common = ["--trainer.max_steps=4", "--checkpoint.every_n_train_steps=2", "--data.val_size_percent=0"]
+    assert run(manifest, tmp_path / "ref", *common) == 0
+    assert run(manifest, tmp_path / "empty", *common, "--ckpt_path=last") == 0
+
+    # A run dir holding only the temp file of a process killed during its first checkpoint write starts fresh too,
+    # and the next save removes that file.
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / "stale/checkpoints" / f".last.ckpt.tmp-{dead.pid}"
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"torn")
+    assert run(manifest, tmp_path / "stale", *common, "--ckpt_path=last") == 0
+    assert not stale.exists()
+
+    reference = train_series(tmp_path / "ref")
+    assert sorted(reference) == list(range(4))
+    for name in ("empty", "stale"):
+        assert train_series(tmp_path / name) == reference, name
+        steps = check_checkpoints(tmp_path / name / "checkpoints", 4)
+        assert steps == {"last.ckpt": 4, "step=0000002.ckpt": 2, "step=0000004.ckpt": 4}, (name, steps)
