@@ -92,7 +92,7 @@ class WorldModelModule(L.LightningModule):
         self.optim = optim
         self.compile_model, self.max_nonfinite = compile, max_nonfinite
         self.val_metrics = nn.ModuleDict({_metric_name(k): MeanMetric() for k in self.model.log_keys})
-        self.skipped_steps = 0  # steps whose update was skipped (non-finite), over this process's run
+        self.skipped_steps = 0  # steps whose update was skipped (non-finite), over the whole run (checkpointed)
         self._nonfinite_in_a_row = 0
         self._compiled = False
 
@@ -134,6 +134,12 @@ class WorldModelModule(L.LightningModule):
         total = self.trainer.max_steps if self.trainer.max_steps > 0 else int(self.trainer.estimated_stepping_batches)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: o.lr_factor(step, total))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["lwm_skipped_steps"] = self.skipped_steps
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.skipped_steps = int(checkpoint.get("lwm_skipped_steps", 0))
 
     # ----------------------------------------------------------------------------------------------
     def step_generator(self, device: torch.device, batch_idx: int, stream: int = 0) -> torch.Generator:

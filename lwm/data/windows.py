@@ -39,16 +39,14 @@ class H5WindowDataset(Dataset):
         if not entries:
             raise DataError(f"{manifest.path}: the '{split}' split is empty")
         self.window = window
-        self.entries: list[ManifestEntry] = []
-        for e in entries:
-            if e.frames >= window:
-                self.entries.append(e)
-            else:
-                warnings.warn(f"{manifest.resolve(e)}: {e.frames} frames < window {window}; left out of '{split}'",
-                              stacklevel=2)
+        self.entries: list[ManifestEntry] = [e for e in entries if e.frames >= window]
         if not self.entries:
             longest = max(e.frames for e in entries)
             raise DataError(f"{manifest.path}: window {window} is longer than every '{split}' file (longest: {longest} frames)")
+        for e in entries:
+            if e.frames < window:
+                warnings.warn(f"{manifest.resolve(e)}: {e.frames} frames < window {window}; left out of '{split}'",
+                              stacklevel=2)
         self.paths = [str(manifest.resolve(e)) for e in self.entries]
         self.frames = [e.frames for e in self.entries]
         self._handles: dict[int, h5py.File] = {}

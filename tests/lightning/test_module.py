@@ -102,6 +102,7 @@ def test_non_finite_data_stops_the_cli_with_one_line_and_keeps_the_checkpoint(tm
     assert len(err) == 1 and "3 consecutive steps had a non-finite loss or gradient" in err[0]
     last = torch.load(root / "checkpoints/last.ckpt", weights_only=True)
     good = torch.load(root / "checkpoints/step=0000004.ckpt", weights_only=True)
+    assert good["lwm_skipped_steps"] == 0 and last["lwm_skipped_steps"] >= 1  # the count survives resumes
     assert last["global_step"] >= 4  # skipped steps still count as steps (the schedule moves on) ...
     for key, value in good["state_dict"].items():  # ... but changed no weight, codebook or EMA statistic
         assert torch.equal(value, last["state_dict"][key]), key
