@@ -43,10 +43,15 @@ class OptimConfig:
     fused: bool | None = None  # fused AdamW kernel (None: on when the parameters are on a CUDA device)
 
     def __post_init__(self) -> None:
-        if self.lr <= 0 or self.weight_decay < 0 or self.eps <= 0:
-            raise ConfigError(f"optim: lr and eps must be > 0 and weight_decay >= 0, got {self.lr}, {self.eps}, {self.weight_decay}")
-        if self.warmup_steps < 0 or not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ConfigError(f"optim: warmup_steps must be >= 0 and min_lr_ratio in [0, 1], got {self.warmup_steps}, {self.min_lr_ratio}")
+        problems = [f"{name} must be > 0, got {getattr(self, name)}" for name in ("lr", "eps") if getattr(self, name) <= 0]
+        if self.weight_decay < 0:
+            problems.append(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if self.warmup_steps < 0:
+            problems.append(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            problems.append(f"min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio}")
+        if problems:
+            raise ConfigError("\n".join(f"optim.{p}" for p in problems))
 
     def lr_factor(self, step: int, total_steps: int) -> float:
         """Multiplier of ``lr`` at an optimizer step: linear warmup, then cosine to ``min_lr_ratio``."""

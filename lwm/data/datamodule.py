@@ -23,7 +23,7 @@ import numpy as np
 from torch.utils.data import DataLoader
 
 from lwm.data.h5 import DataError, inspect_h5
-from lwm.data.manifest import Manifest
+from lwm.data.manifest import Manifest, checking
 from lwm.data.windows import FileBatchSampler, H5WindowDataset
 
 
@@ -124,7 +124,8 @@ class LatentDataModule(L.LightningDataModule):
             manifest = Manifest.load(self.manifest_path)
             if self.check_files:
                 problems = []
-                for e in manifest.entries:
+                rank_zero = self.trainer is None or self.trainer.global_rank == 0
+                for e in checking(manifest.entries, f"checking {len(manifest.entries)} files", show=rank_zero):
                     path = manifest.resolve(e)
                     try:
                         info = inspect_h5(path, manifest.channels, manifest.height, manifest.width, check_values=False)

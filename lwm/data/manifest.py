@@ -11,15 +11,28 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
+from rich.console import Console
+from rich.progress import track
 
 from lwm.data.h5 import DataError, inspect_h5
 
+T = TypeVar("T")
 SPLITS = ("train", "val")
 MANIFEST_VERSION = 1
+PROGRESS_MIN_FILES = 100  # show a progress bar when checking at least this many files
+
+
+def checking(items: Sequence[T], description: str, show: bool = True) -> Iterable[T]:
+    """``items``, with a rich progress bar on stderr when there are many (file checks take minutes on big sets)."""
+    if not show or len(items) < PROGRESS_MIN_FILES:
+        return items
+    return track(items, description=description, console=Console(stderr=True), transient=True)
 
 
 @dataclass(frozen=True)
@@ -107,7 +120,7 @@ def index_directory(
         raise DataError(f"{directory}: no .h5/.hdf5 files found")
     infos, problems = {}, []
     shape = None
-    for p in files:
+    for p in checking(files, f"checking {len(files)} files"):
         try:
             info = inspect_h5(p, *(shape or (None, None, None)), tolerance=tolerance)
         except DataError as e:

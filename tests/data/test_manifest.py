@@ -267,3 +267,12 @@ def test_load_zero_frames(tmp_path):
     p = tmp_path / "m.json"
     p.write_text(json.dumps(raw))
     load_refused(p, "frames=0")
+
+
+def test_checking_yields_every_item_with_or_without_a_progress_bar():
+    from lwm.data.manifest import PROGRESS_MIN_FILES, checking
+
+    few, many = list(range(3)), list(range(PROGRESS_MIN_FILES + 5))
+    assert checking(few, "x") is few  # no bar for a handful of files
+    assert list(checking(many, "x")) == many
+    assert checking(many, "x", show=False) is many  # e.g. on ranks other than 0

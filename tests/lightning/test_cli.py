@@ -75,7 +75,7 @@ def test_overfit_drives_the_tf_loss_towards_zero(tmp_path, capsys):
         (["--data.window=2"], "data.window must be >= 3"),
         (["--model.net.in_channels=16"], "model.net.in_channels/height/width = 16/16/16, but the files of"),
         (["--data.window=99"], "window 99 is longer than every 'train' file"),
-        (["--model.optim.lr=-1"], "lr and eps must be > 0"),
+        (["--model.optim.lr=-1"], "optim.lr must be > 0, got -1.0"),
     ],
 )
 def test_bad_config_is_one_error_line_before_training(tmp_path, capsys, extra, message):

@@ -129,3 +129,28 @@ def test_revival_replaces_every_dead_code_at_its_steps():
     revived = {k: float(v) for k, v in module.trainer.callback_metrics.items() if "revived_codes" in k}
     assert set(revived) == {"Train_Action_Encoder/revived_codes_level_0", "Train_World_Encoder/revived_codes_level_0"}
     assert revived["Train_World_Encoder/revived_codes_level_0"] > 0  # 2 clips per batch cannot use 16 world codes
+
+
+def test_bf16_mixed_keeps_the_quantizers_fp32():
+    """Lightning's bf16-mixed (autocast on the CPU here, as on a GPU): the model trains and the codebooks and
+    their EMA statistics stay fp32 and finite."""
+    torch.manual_seed(0)
+    module = WorldModelModule(net=NET, optim=OptimConfig(warmup_steps=0))
+    seen = {}
+
+    class Probe(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = pl_module.model.compute(batch["latents"], step=None, t0=0)
+            seen["loss"] = float(out.loss)
+
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", precision="bf16-mixed", logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[Probe()])
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(_batches(3), batch_size=None))
+    for name, quantizer in module.model.quantizers.items():
+        for key, buf in quantizer.state_dict().items():
+            if buf.is_floating_point():
+                assert buf.dtype == torch.float32 and torch.isfinite(buf).all(), f"{name}.{key}: {buf.dtype}"
+    assert math.isfinite(seen["loss"]) and module.skipped_steps == 0
+    assert all(p.dtype == torch.float32 for p in module.parameters())  # master weights stay fp32
