@@ -1,0 +1,115 @@
+"""The requirement's monitoring metrics as standalone functions (no Lightning, no logging): each takes
+tensors and returns tensors on the same device, so callers decide when to sync.
+
+* :func:`attention_diagonality`: share of each query's attention on itself and the next frame.
+* :func:`codebook_usage`: fraction of each level's codes used by a batch of indices.
+* :func:`codebook_diversity`: min / max / mean pairwise MSE between the codes of a codebook.
+* :func:`psnr`, :func:`delta_psnr`: the requirement's ``10 log10(1 / MSE)`` on latents and its difference.
+* :func:`rollout_frames`: frames ``1..t`` generated autoregressively from frame 0 (for the sensitivities).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+
+@torch.no_grad()
+def attention_diagonality(attn: Tensor) -> Tensor:
+    """``attn [B, heads, T, T]`` (rows sum to 1) -> ``[B]``: per sample, the attention mass on the main
+    diagonal and the next one (query ``i`` on keys ``i`` and ``i + 1``), averaged over queries and heads.
+    1.0 when every query looks only at itself and the next frame; ``1/T`` for uniform attention over ``T``."""
+    if attn.ndim != 4 or attn.shape[-1] != attn.shape[-2]:
+        raise ValueError(f"attn: expected [B, heads, T, T], got {tuple(attn.shape)}")
+    main = attn.diagonal(dim1=-2, dim2=-1)  # [B, heads, T]
+    upper = attn.diagonal(offset=1, dim1=-2, dim2=-1)  # [B, heads, T-1]
+    per_query = main.clone()
+    per_query[..., :-1] += upper
+    return per_query.float().mean(dim=(1, 2))
+
+
+@torch.no_grad()
+def codebook_usage(indices: Tensor, codebook_sizes: Sequence[int]) -> Tensor:
+    """``indices [..., L]`` -> ``[L]``: codes of each level used at least once / codes in the level."""
+    if indices.shape[-1] != len(codebook_sizes):
+        raise ValueError(f"indices: expected {len(codebook_sizes)} levels in the last dim, got {tuple(indices.shape)}")
+    flat = indices.reshape(-1, len(codebook_sizes))
+    used = [torch.bincount(flat[:, level], minlength=k)[:k].gt(0).sum() / k for level, k in enumerate(codebook_sizes)]
+    return torch.stack(used).float()
+
+
+@torch.no_grad()
+def codebook_diversity(codes: Tensor) -> Tensor:
+    """``codes [K, d]`` -> ``[3]``: (min, max, mean) MSE over the ``K (K - 1) / 2`` distinct pairs of codes.
+    A min of 0 means two identical codes. A codebook of one code has no pair: NaNs."""
+    if codes.ndim != 2:
+        raise ValueError(f"codes: expected [K, d], got {tuple(codes.shape)}")
+    K = codes.shape[0]
+    if K < 2:
+        return torch.full((3,), float("nan"), device=codes.device)
+    c = codes.float()
+    mse = torch.cdist(c, c).pow(2) / c.shape[1]  # [K, K]
+    i, j = torch.triu_indices(K, K, offset=1, device=codes.device)
+    pairs = mse[i, j]
+    return torch.stack([pairs.min(), pairs.max(), pairs.mean()])
+
+
+def psnr(target: Tensor, prediction: Tensor) -> Tensor:
+    """``[B, ...]`` -> ``[B]``: ``10 log10(1 / MSE)`` per sample, the MSE over all but the first dim (latents in
+    [-1, 1] are used as they are: a peak of 1, as the requirement defines it)."""
+    mse = (prediction.float() - target.float()).pow(2).flatten(1).mean(dim=1)
+    return 10.0 * torch.log10(1.0 / mse)
+
+
+def delta_psnr(target: Tensor, prediction: Tensor, prediction_random: Tensor) -> Tensor:
+    """``[3]``: (dPSNR, PSNR_seq, PSNR_rand), batch means; ``dPSNR = mean_b(PSNR_seq - PSNR_rand)``."""
+    seq, rand = psnr(target, prediction), psnr(target, prediction_random)
+    return torch.stack([(seq - rand).mean(), seq.mean(), rand.mean()])
+
+
+@torch.no_grad()
+def rollout_frames(model, first: Tensor, actions: Tensor, world: Tensor, steps: int) -> Tensor:
+    """Frames ``1..steps`` generated autoregressively from ``first [B, 1, C, H, W]`` with ``actions
+    [B, >= steps, Da]`` and ``world [B, Dh]``: step ``k`` feeds frame 0 and the ``k - 1`` frames generated so
+    far. Returns ``[B, steps, C, H, W]``. ``model`` is a :class:`~lwm.modules.world_model.WorldModel`."""
+    frames = first
+    for k in range(steps):
+        prediction = model.predict(frames, actions[:, : k + 1], world)  # [B, k + 1, C, H, W]
+        frames = torch.cat([frames, prediction[:, -1:]], dim=1)
+    return frames[:, 1:]
+
+
+@torch.no_grad()
+def random_codes(quantizer, lead: Sequence[int], generator: torch.Generator | None = None) -> Tensor:
+    """Codes ``[*lead, dim]`` of indices drawn uniformly per level (the requirement's random actions/worlds)."""
+    device = quantizer.codebook(0).device
+    indices = torch.stack(
+        [torch.randint(0, k, tuple(lead), device=device, generator=generator) for k in quantizer.codebook_sizes], dim=-1
+    )
+    return quantizer.decode_indices(indices)
+
+
+@torch.no_grad()
+def sensitivity(model, x: Tensor, t: int = 4, generator: torch.Generator | None = None) -> dict[str, Tensor]:
+    """Action and world sensitivity of a clip batch ``x [B, T > t, C, H, W]`` at frame ``t``: frames ``1..t``
+    generated from frame 0 with the inferred codes, and again with random actions (world inferred) and with
+    a random world (actions inferred). Returns ``{"Action_Encoder": [3], "World_Encoder": [3]}``, each
+    (dPSNR, PSNR_seq, PSNR_rand) as :func:`delta_psnr`."""
+    if x.shape[1] <= t:
+        raise ValueError(f"sensitivity at t={t} needs clips of more than {t} frames, got T={x.shape[1]}")
+    B = x.shape[0]
+    actions = model.encode_actions(x[:, : t + 1]).quantized  # [B, t, Da]
+    world = model.encode_world(x).quantized  # [B, Dh]
+    target = x[:, t]
+    seq = rollout_frames(model, x[:, :1], actions, world, t)[:, -1]
+    quantizers = model.quantizers
+    rand_actions = random_codes(quantizers["Action_Encoder"], (B, t), generator).to(actions.dtype)
+    rand_world = random_codes(quantizers["World_Encoder"], (B,), generator).to(world.dtype)
+    action_rand = rollout_frames(model, x[:, :1], rand_actions, world, t)[:, -1]
+    world_rand = rollout_frames(model, x[:, :1], actions, rand_world, t)[:, -1]
+    return {
+        "Action_Encoder": delta_psnr(target, seq, action_rand),
+        "World_Encoder": delta_psnr(target, seq, world_rand),
+    }

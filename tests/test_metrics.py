@@ -1,0 +1,111 @@
+"""The monitoring metrics on hand-made inputs with known answers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lwm.metrics import (
+    attention_diagonality,
+    codebook_diversity,
+    codebook_usage,
+    delta_psnr,
+    psnr,
+    random_codes,
+    rollout_frames,
+    sensitivity,
+)
+from lwm.modules.rvq import ResidualVectorQuantizer
+from lwm.modules.world_model import WorldModel
+
+
+def test_diagonality_of_identity_shifted_attention_is_one():
+    T = 6
+    attn = torch.zeros(2, 3, T, T)
+    for i in range(T):  # each query splits its attention between itself and the next frame (the last: itself)
+        attn[..., i, i] = 0.3 if i < T - 1 else 1.0
+        if i < T - 1:
+            attn[..., i, i + 1] = 0.7
+    assert torch.allclose(attention_diagonality(attn), torch.ones(2))
+    identity = torch.eye(T).expand(2, 3, T, T)
+    assert torch.allclose(attention_diagonality(identity), torch.ones(2))
+
+
+def test_diagonality_of_uniform_and_off_diagonal_attention():
+    T = 5
+    uniform = torch.full((1, 2, T, T), 1.0 / T)
+    expected = (T * (1 / T) + (T - 1) * (1 / T)) / T  # (2T - 1) / T^2
+    assert torch.allclose(attention_diagonality(uniform), torch.tensor([expected]))
+    first = torch.zeros(1, 1, T, T)
+    first[..., 0] = 1.0  # every query looks only at frame 0: on the diagonal for query 0 alone
+    assert torch.allclose(attention_diagonality(first), torch.tensor([1 / T]))
+
+
+def test_codebook_usage():
+    sizes = (4, 6)
+    every = torch.stack([torch.arange(12) % 4, torch.arange(12) % 6], dim=-1)  # every code of both levels
+    assert torch.equal(codebook_usage(every, sizes), torch.tensor([1.0, 1.0]))
+    some = torch.tensor([[0, 5], [0, 5], [3, 5]])  # level 0 uses {0, 3}, level 1 uses {5}
+    assert torch.allclose(codebook_usage(some, sizes), torch.tensor([2 / 4, 1 / 6]))
+    assert torch.allclose(codebook_usage(some[None].expand(2, 3, 2), sizes), torch.tensor([2 / 4, 1 / 6]))
+
+
+def test_codebook_diversity():
+    codes = torch.tensor([[0.0, 0.0], [0.0, 0.0], [2.0, 0.0]])  # two identical codes, one at distance 2
+    lo, hi, mean = codebook_diversity(codes).tolist()
+    assert lo == 0.0 and hi == pytest.approx(2.0) and mean == pytest.approx((0 + 2 + 2) / 3)  # MSE = 4 / 2
+    assert torch.isnan(codebook_diversity(torch.zeros(1, 3))).all()
+
+
+def test_psnr_and_delta_psnr_known_values():
+    target = torch.zeros(2, 3, 4)
+    pred = torch.full_like(target, 0.1)  # MSE 0.01 -> 20 dB
+    assert torch.allclose(psnr(target, pred), torch.tensor([20.0, 20.0]))
+    worse = torch.full_like(target, 1.0)  # MSE 1 -> 0 dB
+    d, seq, rand = delta_psnr(target, pred, worse).tolist()
+    assert (d, seq, rand) == pytest.approx((20.0, 20.0, 0.0))
+    assert delta_psnr(target, pred, pred)[0].item() == 0.0  # identical predictions: no sensitivity
+
+
+def test_random_codes_are_sums_of_one_code_per_level():
+    torch.manual_seed(0)
+    q = ResidualVectorQuantizer(3, (2, 3), init_from_data=False)
+    codes = random_codes(q, (50,), torch.Generator().manual_seed(1))
+    sums = torch.stack([q.codebook(0)[i] + q.codebook(1)[j] for i in range(2) for j in range(3)])
+    assert codes.shape == (50, 3)
+    assert all(bool((sums - c).abs().amax(dim=1).min() < 1e-6) for c in codes)
+
+
+def _tiny_model() -> WorldModel:
+    torch.manual_seed(0)
+    return WorldModel(in_channels=2, height=8, width=8, d_model=16, n_heads=2, depth_action=1, depth_world=1,
+                      depth_dynamics=1, d_code_action=4, d_code_world=4, codebook_sizes_action=(3,),
+                      codebook_sizes_world=(3,)).eval()
+
+
+def test_rollout_frames_feeds_its_own_predictions():
+    model = _tiny_model()
+    x = torch.rand(2, 5, 2, 8, 8) * 2 - 1
+    actions, world = model.encode_actions(x).quantized, model.encode_world(x).quantized
+    frames = rollout_frames(model, x[:, :1], actions, world, steps=3)
+    assert frames.shape == (2, 3, 2, 8, 8)
+    by_hand = x[:, :1]
+    for k in range(3):
+        by_hand = torch.cat([by_hand, model.predict(by_hand, actions[:, : k + 1], world)[:, -1:]], dim=1)
+    assert torch.allclose(frames, by_hand[:, 1:])
+
+
+def test_sensitivity_is_zero_when_the_codes_do_not_matter():
+    model = _tiny_model()
+    with torch.no_grad():  # the predictor ignores actions and world entirely
+        model.dynamics.action_proj.weight.zero_()
+        model.dynamics.world_proj.weight.zero_()
+    x = torch.rand(3, 6, 2, 8, 8) * 2 - 1
+    out = sensitivity(model, x, t=4, generator=torch.Generator().manual_seed(0))
+    for name in ("Action_Encoder", "World_Encoder"):
+        d, seq, rand = out[name].tolist()
+        assert d == pytest.approx(0.0, abs=1e-5) and seq == pytest.approx(rand, abs=1e-5) and math.isfinite(seq)
+    with pytest.raises(ValueError, match="more than 4 frames"):
+        sensitivity(model, x[:, :4])
