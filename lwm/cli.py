@@ -35,12 +35,12 @@ def lightning_cli_class() -> type:
     from lightning.pytorch.plugins.io import CheckpointIO
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
-    from lwm.callbacks.progress import StepProgressBar
-    from lwm.callbacks.revival import DeadCodeRevival
-    from lwm.callbacks.slurm import SlurmRequeue
+    from lwm.callbacks import (
+        AttentionDiagonality, CodebookMonitor, DeadCodeRevival, Sensitivity, SlurmRequeue, StepProgressBar,
+    )
     from lwm.checkpoint import AtomicCheckpointIO, ModelCheckpoint
     from lwm.data.datamodule import LatentDataModule
-    from lwm.loggers import CSVLogger
+    from lwm.loggers import WandbConfig, make_loggers
     from lwm.module import WorldModelModule
 
     class LwmCLI(LightningCLI):
@@ -72,6 +72,10 @@ def lightning_cli_class() -> type:
                 "checkpoint.enable_version_counter": False,  # one run per RUN_DIR: last.ckpt is always the latest
             })
             parser.add_lightning_class_args(DeadCodeRevival, "revival")
+            parser.add_lightning_class_args(CodebookMonitor, "codebooks")
+            parser.add_lightning_class_args(AttentionDiagonality, "diagonality")
+            parser.add_lightning_class_args(Sensitivity, "sensitivity")
+            parser.add_class_arguments(WandbConfig, "wandb")
             parser.add_lightning_class_args(StepProgressBar, "progress_bar")
             parser.add_lightning_class_args(RichModelSummary, "model_summary")
             parser.set_defaults({"model_summary.max_depth": 2})
@@ -81,7 +85,7 @@ def lightning_cli_class() -> type:
             trainer_config = self._get(self.config_init, "trainer", default={})
             root = trainer_config.get("default_root_dir") or "."
             if trainer_config.get("logger") in (None, True):
-                kwargs.setdefault("logger", CSVLogger(save_dir=str(root)))
+                kwargs.setdefault("logger", make_loggers(str(root), self._get(self.config_init, "wandb")))
             strategy = trainer_config.get("strategy")
             deepspeed = isinstance(strategy, DeepSpeedStrategy) or (isinstance(strategy, str) and "deepspeed" in strategy)
             plugins = trainer_config.get("plugins") or []

@@ -1,4 +1,8 @@
-"""Loggers. Every run writes a local CSV of every logged scalar (``RUN_DIR/metrics.csv``).
+"""Loggers. Every run writes a local CSV of every logged scalar (``RUN_DIR/metrics.csv``), and, unless
+``wandb.mode`` is ``disabled``, a wandb run in ``RUN_DIR/wandb`` (offline by default when no wandb login is
+configured; ``wandb sync RUN_DIR/wandb/offline-run-*`` uploads it later). This is the only module that
+imports wandb; :func:`log_distribution` is how callbacks log a distribution (a wandb histogram, plus
+min/mean/max scalars that reach the CSV).
 
 Lightning's CSV writer, resumed into an existing ``metrics.csv``, forgets the columns already in the file and
 fails to rewrite the header when the first new row lacks one of them (a validation metric, say); this one
@@ -9,7 +13,13 @@ stay in the file, so a resumed run repeats a few steps: readers keep the last ro
 from __future__ import annotations
 
 import csv
+import netrc
 import os
+from dataclasses import dataclass
+from typing import Literal
+
+import lightning as L
+import torch
 
 from lightning.pytorch.loggers import CSVLogger as _LightningCSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
@@ -43,3 +53,57 @@ class CSVLogger(_LightningCSVLogger):
             self._fs.makedirs(self.root_dir, exist_ok=True)
             self._experiment = _AppendingWriter(log_dir=self.log_dir)
         return self._experiment
+
+
+@dataclass(frozen=True)
+class WandbConfig:
+    """wandb settings (``wandb.*`` in configs)."""
+
+    mode: Literal["online", "offline", "disabled"] | None = None  # None: online when logged in, else offline
+    project: str = "lwm"  # wandb project
+    name: str | None = None  # run name (None: the run directory's name)
+    entity: str | None = None  # wandb team or user (None: your default)
+
+
+def wandb_logged_in() -> bool:
+    """A wandb API key is configured (``WANDB_API_KEY`` or a ``~/.netrc`` entry, as ``wandb login`` writes)."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        hosts = netrc.netrc().hosts
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
+        return False
+    return any("wandb" in host for host in hosts)
+
+
+def make_loggers(root: str, wandb: WandbConfig = WandbConfig()) -> list:
+    """The run's loggers: our CSV logger in ``root`` and, unless disabled, a WandbLogger writing to ``root/wandb``."""
+    loggers: list = [CSVLogger(save_dir=root)]
+    mode = wandb.mode or ("online" if wandb_logged_in() else "offline")
+    if mode != "disabled":
+        from lightning.pytorch.loggers import WandbLogger
+
+        os.makedirs(root, exist_ok=True)
+        loggers.append(WandbLogger(
+            save_dir=root, project=wandb.project, entity=wandb.entity, offline=mode == "offline",
+            name=wandb.name or os.path.basename(os.path.abspath(root)),
+        ))
+    return loggers
+
+
+def log_distribution(pl_module: L.LightningModule, name: str, values: torch.Tensor) -> None:
+    """Log ``values`` as a distribution: ``name/min``, ``name/mean``, ``name/max`` scalars (every logger, so
+    the CSV has them) and a native histogram ``name`` on wandb, at the current global step. Syncs once (the
+    histogram needs the values on the host): call it at a logging interval or at the end of validation."""
+    v = values.detach().float().flatten()
+    validating = pl_module.trainer.validating or pl_module.trainer.sanity_checking
+    # this rank's values (callbacks gather what they need before calling): no reduction across ranks
+    pl_module.log_dict({f"{name}/min": v.min(), f"{name}/mean": v.mean(), f"{name}/max": v.max()},
+                       on_step=not validating, on_epoch=validating, rank_zero_only=True)
+    if pl_module.trainer.sanity_checking or not pl_module.trainer.is_global_zero:
+        return
+    for logger in pl_module.loggers:
+        if type(logger).__name__ == "WandbLogger":
+            import wandb
+
+            logger.experiment.log({name: wandb.Histogram(v.cpu().numpy()), "trainer/global_step": pl_module.global_step})

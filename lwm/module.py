@@ -157,12 +157,17 @@ class WorldModelModule(L.LightningModule):
         g.manual_seed(int(state[0]) << 32 | int(state[1]))
         return g
 
-    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
+        """The loss, and the batch's codes for the monitoring callbacks (``outputs`` of their batch hooks)."""
         x = batch["latents"]  # [B, T, C, H, W]
         out = self.model.compute(x, self.global_step, generator=self.step_generator(x.device, batch_idx))
         self.log_dict({f"Train_{k}": v for k, v in out.logs.items()}, batch_size=x.shape[0])
         self.log("Train_Total/skipped_steps", float(self.skipped_steps), batch_size=x.shape[0])
-        return out.loss
+        return {"loss": out.loss, **self._codes(out)}
+
+    @staticmethod
+    def _codes(out) -> dict[str, Tensor]:
+        return {"Action_Encoder": out.actions.indices.detach(), "World_Encoder": out.world.indices.detach()}
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Skip the update when the gradient norm is not finite (one host sync per step). Under DDP the
@@ -187,19 +192,20 @@ class WorldModelModule(L.LightningModule):
                 f"(`lwm data index`), or raise model.max_nonfinite")
 
     # ----------------------------------------------------------------------------------------------
-    def _evaluate(self, batch: dict[str, Tensor], prefix: str) -> None:
+    def _evaluate(self, batch: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
         x = batch["latents"]
         out = self.model.compute(x, step=None, t0=0)  # eval mode: no token mask, no codebook update
         for key, value in out.logs.items():
             metric = self.val_metrics[_metric_name(key)]
             metric.update(value, weight=x.shape[0])
             self.log(f"{prefix}_{key}", metric, on_step=False, on_epoch=True, batch_size=x.shape[0])
+        return self._codes(out)
 
-    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        self._evaluate(batch, "Val")
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
+        return self._evaluate(batch, "Val")
 
-    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        self._evaluate(batch, "Test")
+    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
+        return self._evaluate(batch, "Test")
 
     def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
         """The codes of each window: action indices ``[B, T-1, La]``, world indices ``[B, Lh]``."""

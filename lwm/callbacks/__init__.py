@@ -1,7 +1,10 @@
 """Callbacks: one concern each."""
 
+from lwm.callbacks.attention import AttentionDiagonality
+from lwm.callbacks.codebooks import CodebookMonitor
 from lwm.callbacks.progress import StepProgressBar
 from lwm.callbacks.revival import DeadCodeRevival
+from lwm.callbacks.sensitivity import Sensitivity
 from lwm.callbacks.slurm import SlurmRequeue
 
-__all__ = ["DeadCodeRevival", "SlurmRequeue", "StepProgressBar"]
+__all__ = ["AttentionDiagonality", "CodebookMonitor", "DeadCodeRevival", "Sensitivity", "SlurmRequeue", "StepProgressBar"]

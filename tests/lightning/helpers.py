@@ -40,7 +40,7 @@ def tiny_args(manifest: Path, root: Path, *extra: str, verb: str = "fit") -> lis
         "--model.net.d_model=32", "--model.net.n_heads=2",
         "--model.net.depth_action=1", "--model.net.depth_world=1", "--model.net.depth_dynamics=1",
         "--data.window=6", "--data.batch_size=3",
-        "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+        "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false", "--wandb.mode=disabled",
         *extra,
     ]
 

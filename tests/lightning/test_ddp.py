@@ -105,6 +105,10 @@ def test_ddp_validation_metrics_equal_one_process_on_an_uneven_split(tmp_path):
     one, two = one[0], two[0]
     keys = sorted(k for k in one if k.startswith("Val_"))
     assert len(keys) >= 8 and keys == sorted(k for k in two if k.startswith("Val_"))
+    # The losses and the codebook usage are over the whole validation set, whatever the number of ranks. The
+    # sensitivities and the attention diagonality are sampled from each rank's first batch: not comparable.
+    keys = [k for k in keys if not any(s in k for s in ("psnr", "attention_diagonality"))]
+    assert {"Val_Total/loss", "Val_Action_Encoder/codebook_usage_level_0"} <= set(keys)
     for key in keys:
         assert math.isclose(two[key], one[key], rel_tol=1e-5, abs_tol=1e-8), (key, two[key], one[key])
     assert math.isclose(one["Val_Total/loss"], exact, rel_tol=1e-5), (one["Val_Total/loss"], exact)

@@ -1,0 +1,46 @@
+"""Action-encoder attention diagonality per transformer block, as a distribution over validation clips."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+from typing_extensions import override
+
+from lwm.loggers import log_distribution
+from lwm.metrics import attention_diagonality
+
+
+class AttentionDiagonality(L.Callback):
+    """After each validation, ``Val_Action_Encoder/attention_diagonality_block_k`` for every action-encoder
+    block ``k``: the share of each query's temporal attention on itself and the next frame (1.0: a pure
+    one-step-lookahead transition encoder), one value per clip of the first ``batches`` validation batches,
+    logged as a distribution (wandb histogram; min/mean/max in the CSV). One extra action-encoder pass per
+    batch, at validation only."""
+
+    def __init__(self, batches: int = 1) -> None:
+        if batches < 1:
+            raise ValueError(f"diagonality.batches must be >= 1, got {batches}")
+        self.batches = batches
+        self._values: list[list[torch.Tensor]] = []
+
+    @override
+    def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._values = []
+
+    @override
+    def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
+        if batch_idx >= self.batches or trainer.sanity_checking:
+            return
+        with torch.no_grad():
+            attn = pl_module.model.action_attention(batch["latents"])  # per block [B, heads, T, T]
+        self._values.append([attention_diagonality(a) for a in attn])
+
+    @override
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.sanity_checking or not self._values:
+            return
+        for block, values in enumerate(zip(*self._values)):
+            log_distribution(pl_module, f"Val_Action_Encoder/attention_diagonality_block_{block}", torch.cat(values))

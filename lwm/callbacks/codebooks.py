@@ -1,0 +1,92 @@
+"""Codebook monitoring: usage per level (train: the logged batch; validation: the whole validation set),
+diversity per level (pairwise MSE between the codes), and the EMA decay of both quantizers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+from typing_extensions import override
+
+from lwm.loggers import log_distribution
+from lwm.metrics import codebook_diversity, codebook_usage
+
+
+def _logging_step(trainer: L.Trainer) -> bool:
+    """Whether Lightning writes this training step's logs (values logged on other steps are dropped)."""
+    connector = getattr(trainer, "_logger_connector", None)
+    if connector is not None and hasattr(connector, "should_update_logs"):
+        return bool(connector.should_update_logs)
+    return trainer.global_step % max(1, trainer.log_every_n_steps) == 0
+
+
+class CodebookMonitor(L.Callback):
+    """Logs, for each quantizer ``Q`` (``Action_Encoder``, ``World_Encoder``) and level ``l``:
+
+    * ``Train_Q/codebook_usage_level_l`` at the logging interval (codes used by that batch / codes in the level)
+      and ``Val_Q/codebook_usage_level_l`` after each validation (codes used anywhere in it, across ranks);
+      the levels' usages also as a distribution ``{Train,Val}_Q/codebook_usage``;
+    * ``{Train,Val}_Q/codebook_diversity_{min,max,mean}_level_l``: pairwise MSE between the level's codes;
+    * ``Train_Q/ema_decay``: the EMA decay at this step (a function of the step).
+
+    Device tensors only between logging steps: no host sync per step.
+    """
+
+    def __init__(self) -> None:
+        self._val_used: dict[str, list[torch.Tensor]] = {}
+
+    @staticmethod
+    def _diversity(pl_module: L.LightningModule, prefix: str, name: str, quantizer) -> dict[str, torch.Tensor]:
+        logs = {}
+        for level in range(quantizer.num_levels):
+            lo, hi, mean = codebook_diversity(quantizer.codebook(level))
+            logs.update({f"{prefix}_{name}/codebook_diversity_min_level_{level}": lo,
+                         f"{prefix}_{name}/codebook_diversity_max_level_{level}": hi,
+                         f"{prefix}_{name}/codebook_diversity_mean_level_{level}": mean})
+        return logs
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if not isinstance(outputs, dict) or not _logging_step(trainer):
+            return
+        for name, quantizer in pl_module.model.quantizers.items():
+            usage = codebook_usage(outputs[name], quantizer.codebook_sizes)  # [L]
+            logs = {f"Train_{name}/codebook_usage_level_{l}": u for l, u in enumerate(usage)}
+            logs.update(self._diversity(pl_module, "Train", name, quantizer))
+            logs[f"Train_{name}/ema_decay"] = float(quantizer.decay_at(trainer.global_step))
+            pl_module.log_dict(logs, on_step=True, on_epoch=False)
+            log_distribution(pl_module, f"Train_{name}/codebook_usage", usage)
+
+    @override
+    def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._val_used = {
+            name: [torch.zeros(k, dtype=torch.bool, device=pl_module.device) for k in q.codebook_sizes]
+            for name, q in pl_module.model.quantizers.items()
+        }
+
+    @override
+    def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
+        if not isinstance(outputs, dict):
+            return
+        for name, used in self._val_used.items():
+            flat = outputs[name].reshape(-1, len(used))
+            for level, mask in enumerate(used):
+                mask[flat[:, level]] = True
+
+    @override
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.sanity_checking or not self._val_used:
+            return
+        for name, used in self._val_used.items():
+            quantizer = pl_module.model.quantizers[name]
+            masks = torch.cat(used).to(torch.uint8)
+            if trainer.world_size > 1:  # codes used on any rank
+                masks = trainer.strategy.reduce(masks.float(), reduce_op="max").to(torch.uint8)
+            usage = torch.stack([m.float().mean() for m in masks.split(list(quantizer.codebook_sizes))])
+            logs = {f"Val_{name}/codebook_usage_level_{l}": u for l, u in enumerate(usage)}
+            logs.update(self._diversity(pl_module, "Val", name, quantizer))
+            pl_module.log_dict(logs, on_step=False, on_epoch=True, rank_zero_only=True)
+            log_distribution(pl_module, f"Val_{name}/codebook_usage", usage)

@@ -1,0 +1,57 @@
+"""Action and world sensitivity (Delta-PSNR at frame t) on validation clips."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+from torchmetrics import MeanMetric
+from typing_extensions import override
+
+from lwm.metrics import sensitivity
+
+
+class Sensitivity(L.Callback):
+    """After each validation, ``Val_Action_Encoder/{dpsnr,psnr_seq,psnr_rand}`` and the same under
+    ``Val_World_Encoder/``: frames ``1..t`` generated from frame 0 with the inferred codes vs with random ones
+    (uniform per level), PSNR at frame ``t`` (the requirement's and Genie's t = 4), averaged over the clips of
+    the first ``batches`` validation batches of every rank. The random codes are seeded, the same at every
+    validation."""
+
+    NAMES = ("dpsnr", "psnr_seq", "psnr_rand")
+
+    def __init__(self, t: int = 4, batches: int = 1, seed: int = 0) -> None:
+        if t < 1 or batches < 1:
+            raise ValueError(f"sensitivity.t and sensitivity.batches must be >= 1, got {t}, {batches}")
+        self.t, self.batches, self.seed = t, batches, seed
+        self._means: dict[str, MeanMetric] = {}
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._means = {f"{q}/{n}": MeanMetric() for q in ("Action_Encoder", "World_Encoder") for n in self.NAMES}
+
+    @override
+    def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        for m in self._means.values():
+            m.to(pl_module.device).reset()
+
+    @override
+    def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
+        x = batch["latents"]
+        if batch_idx >= self.batches or trainer.sanity_checking or x.shape[1] <= self.t:
+            return
+        generator = torch.Generator(device=x.device).manual_seed(self.seed * 1000 + batch_idx * 10 + trainer.global_rank)
+        with torch.no_grad():
+            result = sensitivity(pl_module.model, x, self.t, generator)
+        for quantizer, values in result.items():
+            for name, value in zip(self.NAMES, values):
+                self._means[f"{quantizer}/{name}"].update(value, weight=x.shape[0])
+
+    @override
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.sanity_checking or all(m.update_count == 0 for m in self._means.values()):
+            return
+        logs = {f"Val_{key}": m.compute() for key, m in self._means.items()}  # synced across ranks
+        pl_module.log_dict(logs, on_step=False, on_epoch=True, rank_zero_only=True)
