@@ -36,7 +36,8 @@ def lightning_cli_class() -> type:
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
     from lwm.callbacks import (
-        AttentionDiagonality, CodebookMonitor, DeadCodeRevival, Sensitivity, SlurmRequeue, StepProgressBar,
+        AttentionDiagonality, CodebookMonitor, DeadCodeRevival, FlopCounter, Sensitivity, SlurmRequeue,
+        StepProgressBar,
     )
     from lwm.checkpoint import AtomicCheckpointIO, ModelCheckpoint
     from lwm.data.datamodule import LatentDataModule
@@ -75,6 +76,7 @@ def lightning_cli_class() -> type:
             parser.add_lightning_class_args(CodebookMonitor, "codebooks")
             parser.add_lightning_class_args(AttentionDiagonality, "diagonality")
             parser.add_lightning_class_args(Sensitivity, "sensitivity")
+            parser.add_lightning_class_args(FlopCounter, "flops")
             parser.add_class_arguments(WandbConfig, "wandb")
             parser.add_lightning_class_args(StepProgressBar, "progress_bar")
             parser.add_lightning_class_args(RichModelSummary, "model_summary")

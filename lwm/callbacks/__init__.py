@@ -2,9 +2,12 @@
 
 from lwm.callbacks.attention import AttentionDiagonality
 from lwm.callbacks.codebooks import CodebookMonitor
+from lwm.callbacks.flops import FlopCounter
 from lwm.callbacks.progress import StepProgressBar
 from lwm.callbacks.revival import DeadCodeRevival
 from lwm.callbacks.sensitivity import Sensitivity
 from lwm.callbacks.slurm import SlurmRequeue
 
-__all__ = ["AttentionDiagonality", "CodebookMonitor", "DeadCodeRevival", "Sensitivity", "SlurmRequeue", "StepProgressBar"]
+__all__ = [
+    "AttentionDiagonality", "CodebookMonitor", "FlopCounter", "DeadCodeRevival", "Sensitivity", "SlurmRequeue", "StepProgressBar",
+]

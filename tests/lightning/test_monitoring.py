@@ -45,3 +45,38 @@ def test_wandb_is_offline_without_a_login_and_can_be_disabled(tmp_path, monkeypa
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
     assert wandb_logged_in() and not make_loggers(str(tmp_path / "r2"))[1]._offline
     assert len(make_loggers(str(tmp_path / "r3"), WandbConfig(mode="disabled"))) == 1
+
+
+def test_tflops_are_the_measured_step_flops_times_steps(tmp_path):
+    manifest = make_dataset(tmp_path / "data", files=6)
+    root = tmp_path / "run"
+    assert run(manifest, root, "--trainer.max_steps=5", "--trainer.log_every_n_steps=1") == 0
+    series = {int(r["step"]): r["Train_Total/tflops"] for r in read_metrics(root) if "Train_Total/tflops" in r}
+    assert len(series) >= 3
+    per_step = {v / (s + 1) for s, v in series.items()}  # logged after step s: s + 1 optimizer steps done
+    assert max(per_step) == pytest.approx(min(per_step), rel=1e-6) and min(per_step) > 0
+    val = [r["Val_Total/tflops"] for r in read_metrics(root) if "Val_Total/tflops" in r]
+    assert val and all(v >= 0 for v in val)
+
+
+def test_flop_counter_counts_forward_and_backward_of_the_step():
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from lwm.callbacks.flops import FlopCounter
+    from lwm.module import WorldModelModule
+    from tests.lightning.test_module import NET
+
+    module = WorldModelModule(net=NET).train()
+    x = torch.tanh(torch.randn(2, 6, 4, 16, 16))
+
+    class _Trainer:  # what the counter reads of the trainer
+        strategy = object()
+        precision_plugin = type("P", (), {"forward_context": staticmethod(lambda: __import__("contextlib").nullcontext())})
+
+    measured = FlopCounter()._measure(_Trainer(), module, x)
+    with FlopCounterMode(display=False) as forward_only:
+        module.model.compute(x, step=None, generator=torch.Generator().manual_seed(0))
+    assert measured > 2 * forward_only.get_total_flops()  # backward costs about twice the forward
+    assert all(p.grad is None for p in module.parameters())  # nothing left behind for the real step
+    assert measured == FlopCounter()._measure(_Trainer(), module, x)  # deterministic

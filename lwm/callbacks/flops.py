@@ -1,0 +1,91 @@
+"""FLOP accounting: the training step's FLOPs measured once on the real model and batch, then cumulative
+training TFLOPs (all ranks) against which validation losses can be plotted, and MFU where the peak is known."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.fabric.utilities.throughput import get_available_flops
+from torch.utils.flop_counter import FlopCounterMode
+from typing_extensions import override
+
+from lwm.callbacks.codebooks import _logging_step
+
+PRECISION_DTYPES = {"bf16": torch.bfloat16, "16": torch.float16, "32": torch.float32, "64": torch.float64}
+
+
+def _eager():
+    """Measure the eager graph: compiled regions under a dispatch mode may not be counted."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
+
+
+class FlopCounter(L.Callback):
+    """On the first training batch, counts the FLOPs of one training step (forward with teacher forcing and
+    both rollout passes, and backward; ``torch.utils.flop_counter.FlopCounterMode`` on the real batch; dense
+    attention, so the causal masks are counted as full) without updating anything. Then logs, at the logging
+    interval, ``Train_Total/tflops`` (cumulative over all ranks: per-step FLOPs x world size x global step),
+    ``Train_Total/tflops_per_s`` (per device) and ``Train_Total/mfu`` when the device's peak is known (or
+    given as ``peak_tflops``, e.g. 989 for an H200's bf16 dense peak, which Lightning does not know); and
+    ``Val_Total/tflops`` with every validation, so validation losses can be plotted against compute.
+    Under DeepSpeed the backward is not run: it is counted as twice the forward."""
+
+    def __init__(self, peak_tflops: float | None = None) -> None:
+        self.peak_tflops = peak_tflops
+        self.flops_per_step: int | None = None  # per device
+        self._last: tuple[float, int] | None = None  # (time, global step) at the last log
+
+    def _measure(self, trainer: L.Trainer, pl_module: L.LightningModule, x: torch.Tensor) -> int:
+        model = pl_module.model
+        backward = "deepspeed" not in type(trainer.strategy).__name__.lower()
+        generator = torch.Generator(device=x.device).manual_seed(0)  # leave the run's own RNG streams alone
+        with _eager(), FlopCounterMode(display=False) as counter:
+            with trainer.precision_plugin.forward_context():
+                loss = model.compute(x, step=None, generator=generator).loss  # step=None: no codebook update
+            if backward:
+                loss.backward()
+        pl_module.zero_grad(set_to_none=True)
+        flops = counter.get_total_flops()
+        return int(flops if backward else 3 * flops)
+
+    def _peak(self, trainer: L.Trainer, pl_module: L.LightningModule) -> float | None:
+        if self.peak_tflops is not None:
+            return self.peak_tflops * 1e12
+        dtype = PRECISION_DTYPES.get(str(trainer.precision).split("-")[0], torch.float32)
+        return get_available_flops(pl_module.device, dtype)
+
+    @override
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self.flops_per_step is None:
+            self.flops_per_step = self._measure(trainer, pl_module, batch["latents"]) * trainer.accumulate_grad_batches
+            self._last = None
+
+    def _cumulative_tflops(self, trainer: L.Trainer) -> float:
+        return (self.flops_per_step or 0) * trainer.world_size * trainer.global_step / 1e12
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self.flops_per_step is None or not _logging_step(trainer):
+            return
+        logs = {"Train_Total/tflops": self._cumulative_tflops(trainer)}
+        now, step = time.perf_counter(), trainer.global_step
+        if self._last is not None and step > self._last[1]:  # rate over the last logging interval
+            rate = self.flops_per_step * (step - self._last[1]) / (now - self._last[0])  # FLOP/s per device
+            logs["Train_Total/tflops_per_s"] = rate / 1e12
+            peak = self._peak(trainer, pl_module)
+            if peak:
+                logs["Train_Total/mfu"] = rate / peak
+        self._last = (now, step)
+        pl_module.log_dict(logs, on_step=True, on_epoch=False, rank_zero_only=True)
+
+    @override
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.sanity_checking or self.flops_per_step is None:
+            return
+        pl_module.log("Val_Total/tflops", self._cumulative_tflops(trainer), on_step=False, on_epoch=True,
+                      rank_zero_only=True)
