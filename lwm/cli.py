@@ -2,6 +2,7 @@
 
     lwm fit|validate|test|predict --config configs/X.yaml [--section.key=value ...]   (LightningCLI)
     lwm overfit --config configs/X.yaml [--steps 1000] [overrides]                     the overfit test
+    lwm plot RUN_DIR [--out DIR]                                                      figures from metrics.csv
     lwm data index DIR [--val-fraction F] [--out MANIFEST] [--seed S] [--tolerance TOL]
     lwm demo [--steps N]
 
@@ -139,12 +140,18 @@ def _overfit(args: argparse.Namespace) -> int:
     return overfit.main(args.rest)
 
 
+def _plot(args: argparse.Namespace) -> int:
+    from lwm import plot
+
+    return plot.main(args.rest)
+
+
 def _lightning(args: argparse.Namespace) -> int:
     lightning_cli([args.verb, *args.rest])
     return 0
 
 
-_PASSTHROUGH = {"overfit": _overfit, "demo": _demo}
+_PASSTHROUGH = {"overfit": _overfit, "demo": _demo, "plot": _plot}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -159,6 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
     overfit = verbs.add_parser("overfit", add_help=False, help="the overfit test: one window, many steps (`lwm overfit --help`)")
     overfit.add_argument("rest", nargs=argparse.REMAINDER)
     overfit.set_defaults(func=_overfit)
+
+    plot = verbs.add_parser("plot", add_help=False, help="PNG figures of a run from RUN_DIR/metrics.csv (`lwm plot --help`)")
+    plot.add_argument("rest", nargs=argparse.REMAINDER)
+    plot.set_defaults(func=_plot)
 
     data = verbs.add_parser("data", help="make, check or convert data").add_subparsers(dest="data_verb", required=True)
     index = data.add_parser("index", help="check every h5 file under DIR and write the manifest")
@@ -177,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in (*LIGHTNING_VERBS, "overfit", "demo"):  # these parse their own arguments
+    if argv and argv[0] in (*LIGHTNING_VERBS, *_PASSTHROUGH):  # these parse their own arguments
         args = argparse.Namespace(verb=argv[0], rest=argv[1:], func=_PASSTHROUGH.get(argv[0], _lightning))
     else:
         args = build_parser().parse_args(argv)

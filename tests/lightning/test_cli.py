@@ -100,3 +100,13 @@ def test_bad_data_is_named_before_training_and_nothing_is_lost(tmp_path, capsys)
     assert ((root / "checkpoints/last.ckpt").read_bytes(), (root / "metrics.csv").read_text()) == before
     assert run(manifest, root, "--data.manifest=" + str(tmp_path / "nope.json")) == 2
     assert "nope.json: manifest not found" in capsys.readouterr().err
+
+
+def test_plot_writes_the_figures_of_a_run(trained, capsys):
+    _, root = trained
+    assert main(["plot", str(root)]) == 0
+    figures = {p.name for p in (root / "figures").glob("*.png")}
+    assert {"losses.png", "val_loss_vs_tflops.png", "sensitivity.png", "codebook_usage.png",
+            "attention_diagonality.png"} <= figures
+    assert main(["plot", str(root / "nope")]) == 2
+    assert "no such run directory" in capsys.readouterr().err

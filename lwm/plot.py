@@ -1,0 +1,301 @@
+"""``lwm plot RUN_DIR [--out DIR]``: figures of a run from ``RUN_DIR/metrics.csv``.
+
+Writes, into ``--out`` (default ``RUN_DIR/figures``):
+
+* ``losses.png``: train vs val total, teacher-forced, rollout-1/2 and prediction losses, and the commitment and
+  codebook losses of both quantizers, against the step;
+* ``val_loss_vs_tflops.png``: the val total and teacher-forced losses against the cumulative training TFLOPs
+  (log-log);
+* ``sensitivity.png``: Delta-PSNR, PSNR with the clip's own codes (seq) and with random codes (rand), of the
+  action and world codes, against the step;
+* ``codebook_usage.png``: the fraction of codes used per RVQ level, train and val, one panel per quantizer;
+* ``attention_diagonality.png``: the mean attention diagonality per action-encoder block, with a min-max band.
+
+A figure whose columns are all missing (e.g. the TFLOPs of a run that predates them) is skipped with a note.
+matplotlib is imported only here, and only when plotting; figures are drawn with the Agg canvas (no display).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from lwm.errors import DataError
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+Series = list[tuple[int, float]]
+Metrics = dict[str, Series]
+
+_NOT_METRICS = ("step", "epoch")
+_MARKER_MAX_POINTS = 60  # series this short (typically validation) get a dot per point
+
+
+# --------------------------------------------------------------------------------------------------
+# reading
+def read_metrics(path: str | Path) -> Metrics:
+    """``{column: [(step, value), ...]}`` of a Lightning ``metrics.csv``, each series sorted by step.
+
+    Empty cells are dropped; a step that appears in several rows (a resumed run re-logs the steps after its
+    checkpoint) keeps the value of the last row that has the column. ``step`` and ``epoch`` are not series.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: no such file (a training run writes RUN_DIR/metrics.csv)")
+    values: dict[str, dict[int, float]] = {}
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        if reader.fieldnames is not None and "step" not in reader.fieldnames:
+            raise DataError(f"{path}: no 'step' column (not a Lightning metrics.csv?)")
+        for row in reader:
+            step = _parse(row.get("step"))
+            if step is None:
+                continue
+            for column, cell in row.items():
+                value = _parse(cell)
+                if column is not None and column not in _NOT_METRICS and value is not None:
+                    values.setdefault(column, {})[int(step)] = value
+    return {column: sorted(by_step.items()) for column, by_step in values.items()}
+
+
+def _parse(cell: str | None) -> float | None:
+    if cell is None or cell.strip() == "":
+        return None
+    try:
+        return float(cell)
+    except ValueError:
+        return None
+
+
+# --------------------------------------------------------------------------------------------------
+# figures: each builder draws one figure, or raises _Skip naming what was missing
+class _Skip(Exception):
+    """The figure cannot be drawn; the message says why."""
+
+
+LOSS_PANELS: tuple[tuple[str, str], ...] = (
+    ("Total loss", "Total/loss"),
+    ("Teacher-forced loss", "Dynamics_Predictor/tf_loss"),
+    ("Rollout-1 loss", "Dynamics_Predictor/rollout_1_loss"),
+    ("Rollout-2 loss", "Dynamics_Predictor/rollout_2_loss"),
+    ("Prediction loss", "Dynamics_Predictor/prediction_loss"),
+    ("Action commitment loss", "Action_Encoder/commit_loss"),
+    ("Action codebook loss", "Action_Encoder/codebook_loss"),
+    ("World commitment loss", "World_Encoder/commit_loss"),
+    ("World codebook loss", "World_Encoder/codebook_loss"),
+)
+QUANTIZERS = ("Action_Encoder", "World_Encoder")
+_USAGE = re.compile(r"^(Train|Val)_(\w+?)/codebook_usage_level_(\d+)$")
+_DIAGONALITY = re.compile(r"^(\w+?)/attention_diagonality_block_(\d+)/mean$")
+
+
+def losses_figure(metrics: Metrics) -> Figure:
+    panels = [(title, key) for title, key in LOSS_PANELS if f"Train_{key}" in metrics or f"Val_{key}" in metrics]
+    if not panels:
+        raise _Skip("no Train_*/Val_* loss columns")
+    fig, axes = _grid(len(panels), ncols=3)
+    for ax, (title, key) in zip(axes, panels):
+        _plot(ax, metrics.get(f"Train_{key}"), label="train")
+        _plot(ax, metrics.get(f"Val_{key}"), label="val")
+        _style(ax, title, xlabel="step", ylabel="loss", log_y=_all_positive(metrics, f"Train_{key}", f"Val_{key}"))
+    fig.suptitle("Losses: train vs val")
+    return fig
+
+
+def val_loss_vs_tflops_figure(metrics: Metrics) -> Figure:
+    tflops = metrics.get("Val_Total/tflops")
+    if not tflops:
+        raise _Skip("no Val_Total/tflops column (the run predates TFLOPs logging)")
+    wanted = (("val total", "Val_Total/loss"), ("val teacher-forced", "Val_Dynamics_Predictor/tf_loss"))
+    lines = [(label, _against(tflops, metrics.get(key))) for label, key in wanted]
+    lines = [(label, points) for label, points in lines if points]
+    if not lines:
+        raise _Skip("no Val_Total/loss or Val_Dynamics_Predictor/tf_loss with a positive Val_Total/tflops at its step")
+    fig, (ax,) = _grid(1, ncols=1)
+    for label, points in lines:
+        ax.plot(*zip(*points), label=label, marker="o" if len(points) <= _MARKER_MAX_POINTS else None, markersize=3)
+    ax.set_xscale("log")
+    ax.tick_params(axis="x", which="both", labelrotation=30)  # minor labels of a short span would overlap
+    _style(ax, "Val loss vs training compute", xlabel="cumulative training TFLOPs", ylabel="loss", log_y=True)
+    return fig
+
+
+def sensitivity_figure(metrics: Metrics) -> Figure:
+    dpsnr = {q: metrics.get(f"Val_{q}/dpsnr") for q in QUANTIZERS}
+    psnr = {(q, kind): metrics.get(f"Val_{q}/psnr_{kind}") for q in QUANTIZERS for kind in ("seq", "rand")}
+    if not any(dpsnr.values()) and not any(psnr.values()):
+        raise _Skip("no Val_*_Encoder/dpsnr or psnr_seq/psnr_rand columns")
+    fig, (left, *right) = _grid(1 + len(QUANTIZERS), ncols=3)
+    for color, q, ax in zip(("C0", "C1"), QUANTIZERS, right):
+        name = _quantizer_name(q)
+        _plot(left, dpsnr[q], label=name, color=color)
+        _plot(ax, psnr[q, "seq"], label="own codes (seq)", color=color)
+        _plot(ax, psnr[q, "rand"], label="random codes (rand)", color="grey", linestyle="--")
+        _style(ax, f"PSNR, {name} codes own vs random", xlabel="step", ylabel="dB")
+    left.axhline(0.0, color="grey", linewidth=0.8)
+    _style(left, "Delta-PSNR (seq - rand)", xlabel="step", ylabel="dB")
+    fig.suptitle("Sensitivity of the dynamics predictor to its codes (val)")
+    return fig
+
+
+def codebook_usage_figure(metrics: Metrics) -> Figure:
+    found: dict[str, dict[tuple[str, int], Series]] = {}
+    for column, series in metrics.items():
+        match = _USAGE.match(column)
+        if match and series:
+            split, quantizer, level = match.group(1), match.group(2), int(match.group(3))
+            found.setdefault(quantizer, {})[split, level] = series
+    if not found:
+        raise _Skip("no {Train,Val}_*/codebook_usage_level_<l> columns")
+    quantizers = sorted(found, key=lambda q: (QUANTIZERS.index(q) if q in QUANTIZERS else len(QUANTIZERS), q))
+    fig, axes = _grid(len(quantizers), ncols=2)
+    for ax, quantizer in zip(axes, quantizers):
+        for split, level in sorted(found[quantizer], key=lambda k: (k[1], k[0] != "Train")):
+            _plot(ax, found[quantizer][split, level], label=f"level {level} {split.lower()}", color=f"C{level % 10}",
+                  linestyle="-" if split == "Train" else "--")
+        ax.set_ylim(-0.02, 1.02)
+        _style(ax, f"{_quantizer_name(quantizer)} codebook usage", xlabel="step", ylabel="fraction of codes used")
+    fig.suptitle("Codebook usage per RVQ level (solid: train, dashed: val)")
+    return fig
+
+
+def attention_diagonality_figure(metrics: Metrics) -> Figure:
+    found: dict[str, list[int]] = {}
+    for column, series in metrics.items():
+        match = _DIAGONALITY.match(column)
+        if match and series:
+            found.setdefault(match.group(1), []).append(int(match.group(2)))
+    if not found:
+        raise _Skip("no *_Encoder/attention_diagonality_block_<k>/mean columns")
+    prefixes = sorted(found)
+    fig, axes = _grid(len(prefixes), ncols=2)
+    for ax, prefix in zip(axes, prefixes):
+        for block in sorted(found[prefix]):
+            key, color = f"{prefix}/attention_diagonality_block_{block}", f"C{block % 10}"
+            _plot(ax, metrics[f"{key}/mean"], label=f"block {block}", color=color)
+            _band(ax, metrics.get(f"{key}/min"), metrics.get(f"{key}/max"), color=color)
+        _style(ax, prefix.replace("_", " "), xlabel="step", ylabel="diagonality")
+    fig.suptitle("Attention diagonality per block (mean, min-max band)")
+    return fig
+
+
+FIGURES: dict[str, Callable[[Metrics], Figure]] = {
+    "losses.png": losses_figure,
+    "val_loss_vs_tflops.png": val_loss_vs_tflops_figure,
+    "sensitivity.png": sensitivity_figure,
+    "codebook_usage.png": codebook_usage_figure,
+    "attention_diagonality.png": attention_diagonality_figure,
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# drawing helpers
+def _grid(n: int, ncols: int) -> tuple[Figure, list[Axes]]:
+    from matplotlib.figure import Figure  # the Agg canvas draws it: no pyplot, no display, no global state
+
+    ncols = min(ncols, n)
+    nrows = math.ceil(n / ncols)
+    fig = Figure(figsize=(5.0 * ncols, 3.6 * nrows), layout="constrained")
+    axes = list(fig.subplots(nrows, ncols, squeeze=False).flat)
+    for ax in axes[n:]:
+        ax.set_visible(False)
+    return fig, axes[:n]
+
+
+def _plot(ax: Axes, series: Series | None, label: str, **kwargs: object) -> None:
+    if not series:
+        return
+    steps, values = zip(*series)
+    marker = "o" if len(series) <= _MARKER_MAX_POINTS else None
+    ax.plot(steps, values, label=label, marker=marker, markersize=3, **kwargs)
+
+
+def _band(ax: Axes, low: Series | None, high: Series | None, color: str) -> None:
+    if not low or not high:
+        return
+    highs = dict(high)
+    points = [(step, value, highs[step]) for step, value in low if step in highs]
+    if points:
+        steps, lows, tops = zip(*points)
+        ax.fill_between(steps, lows, tops, color=color, alpha=0.2, linewidth=0)
+
+
+def _style(ax: Axes, title: str, xlabel: str, ylabel: str, log_y: bool = False) -> None:
+    if log_y:
+        ax.set_yscale("log")
+    else:
+        ax.ticklabel_format(axis="y", useOffset=False)  # 0.5113 reads better than 1e-5 + 5.113e-1
+    if xlabel == "step":
+        from matplotlib.ticker import MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="major", alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize="small")
+
+
+def _all_positive(metrics: Metrics, *columns: str) -> bool:
+    """Whether a log axis fits: every finite value of these columns is > 0 (and there is one)."""
+    values = [v for c in columns for _, v in metrics.get(c, ()) if math.isfinite(v)]
+    return bool(values) and min(values) > 0
+
+
+def _against(x: Series, y: Series | None) -> list[tuple[float, float]]:
+    """``(x, y)`` at the steps both series have, keeping only points a log-log axis can show."""
+    xs = dict(x)
+    return [(xs[step], value) for step, value in y or () if step in xs and xs[step] > 0 and value > 0]
+
+
+def _quantizer_name(quantizer: str) -> str:
+    return quantizer.removesuffix("_Encoder").lower()
+
+
+# --------------------------------------------------------------------------------------------------
+def plot_run(run_dir: str | Path, out: str | Path | None = None) -> tuple[list[Path], dict[str, str]]:
+    """Write the figures of ``run_dir`` into ``out`` (default ``run_dir/figures``).
+
+    Returns the paths written and ``{figure file name: why it was skipped}``."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise DataError(f"{run_dir}: no such run directory")
+    metrics = read_metrics(run_dir / "metrics.csv")
+    out = Path(out) if out is not None else run_dir / "figures"
+    written: list[Path] = []
+    skipped: dict[str, str] = {}
+    for name, builder in FIGURES.items():
+        try:
+            fig = builder(metrics)
+        except _Skip as why:
+            skipped[name] = str(why)
+            continue
+        out.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out / name, dpi=110)
+        written.append(out / name)
+    return written, skipped
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lwm plot", description="Plot a run's RUN_DIR/metrics.csv as PNG figures.")
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (trainer.default_root_dir)")
+    parser.add_argument("--out", metavar="DIR", help="where to write the PNGs (default: RUN_DIR/figures)")
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(list(argv))
+    written, skipped = plot_run(args.run_dir, args.out)
+    for name, why in skipped.items():
+        print(f"skipped {name}: {why}")
+    for path in written:
+        print(f"wrote {path}")
+    return 0

@@ -1,0 +1,117 @@
+"""``lwm plot``: reading metrics.csv (last row wins per step and column) and the figures it writes."""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+import pytest
+
+from lwm.errors import DataError
+from lwm.plot import FIGURES, main, plot_run, read_metrics
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+TFLOPS = ("Train_Total/tflops", "Val_Total/tflops")
+
+
+def every_column() -> list[str]:
+    """Each metric column the figures read (two RVQ levels, two attention blocks)."""
+    columns = [*TFLOPS, "Train_Total/loss", "Val_Total/loss"]
+    for split in ("Train", "Val"):
+        columns += [f"{split}_Dynamics_Predictor/{k}" for k in ("tf_loss", "rollout_1_loss", "rollout_2_loss",
+                                                                "prediction_loss")]
+        for q in ("Action", "World"):
+            columns += [f"{split}_{q}_Encoder/{k}" for k in ("commit_loss", "codebook_loss")]
+            columns += [f"{split}_{q}_Encoder/codebook_usage_level_{level}" for level in (0, 1)]
+    for q in ("Action", "World"):
+        columns += [f"Val_{q}_Encoder/{k}" for k in ("dpsnr", "psnr_seq", "psnr_rand")]
+    columns += [f"Val_Action_Encoder/attention_diagonality_block_{b}/{stat}"
+                for b in (0, 1) for stat in ("min", "mean", "max")]
+    return columns
+
+
+def write_run(run_dir: Path, columns: list[str], steps: int = 8) -> Path:
+    """A Lightning-like metrics.csv: train rows on odd steps, val rows on even ones, other cells empty."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / "metrics.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=[*columns, "epoch", "step"])
+        writer.writeheader()
+        for step in range(steps):
+            split = "Val_" if step % 2 == 0 else "Train_"
+            row: dict[str, object] = {"epoch": 0, "step": step}
+            for i, column in enumerate(columns):
+                if column.startswith(split):
+                    row[column] = value_of(column, step, i)
+            writer.writerow(row)
+    return run_dir
+
+
+def value_of(column: str, step: int, i: int) -> float:
+    if column.endswith("tflops"):
+        return 0.5 * step  # cumulative; 0 at step 0, which a log axis drops
+    if "usage" in column or "diagonality" in column:
+        return 0.5 + 0.05 * math.sin(step + i)
+    if "psnr" in column:
+        return 20.0 + step + 0.1 * i
+    return 2.0 / (1 + step) + 0.01 * i  # losses
+
+
+def test_read_metrics_keeps_the_last_row_per_step_and_drops_empty_cells(tmp_path):
+    path = tmp_path / "metrics.csv"
+    path.write_text(
+        "Train_Total/loss,Val_Total/loss,epoch,step\n"
+        "1.0,,0,0\n"
+        ",5.0,0,0\n"           # the same step in another row (validation): both columns kept
+        "0.9,,0,1\n"
+        "0.8,,0,2\n"
+        "0.85,,0,1\n"          # a resume re-logs step 1: the last row wins
+        ",4.0,0,2\n"
+        ",,0,3\n"              # nothing but epoch/step
+        "0.7,,1,3\n"
+    )
+    assert read_metrics(path) == {
+        "Train_Total/loss": [(0, 1.0), (1, 0.85), (2, 0.8), (3, 0.7)],
+        "Val_Total/loss": [(0, 5.0), (2, 4.0)],
+    }
+
+
+def test_every_column_writes_the_five_figures(tmp_path, capsys):
+    run_dir = write_run(tmp_path / "run", every_column())
+    assert main([str(run_dir)]) == 0
+    out = run_dir / "figures"
+    assert sorted(p.name for p in out.iterdir()) == sorted(FIGURES)
+    for name in FIGURES:
+        data = (out / name).read_bytes()
+        assert data.startswith(PNG_SIGNATURE) and len(data) > 1000, name
+    printed = capsys.readouterr().out
+    assert "skipped" not in printed
+    assert all(f"wrote {out / name}" in printed for name in FIGURES)
+
+
+def test_a_run_without_tflops_skips_that_figure_and_says_why(tmp_path, capsys):
+    # only the total loss of the loss panels: a 1-panel losses.png keeps the test fast
+    columns = [c for c in every_column() if c not in TFLOPS and ("loss" not in c or c.endswith("Total/loss"))]
+    run_dir = write_run(tmp_path / "run", columns)
+    out = tmp_path / "elsewhere"
+    assert main([str(run_dir), "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == sorted(set(FIGURES) - {"val_loss_vs_tflops.png"})
+    printed = capsys.readouterr().out
+    assert "skipped val_loss_vs_tflops.png" in printed and "Val_Total/tflops" in printed
+
+
+def test_a_run_with_only_losses_writes_only_the_loss_figure(tmp_path):
+    run_dir = write_run(tmp_path / "run", ["Train_Total/loss", "Val_Total/loss"])
+    written, skipped = plot_run(run_dir)
+    assert [p.name for p in written] == ["losses.png"]
+    assert set(skipped) == set(FIGURES) - {"losses.png"}
+
+
+def test_a_missing_metrics_file_or_run_dir_is_a_data_error_naming_it(tmp_path):
+    with pytest.raises(DataError, match="metrics.csv") as error:
+        plot_run(tmp_path)
+    assert str(tmp_path / "metrics.csv") in str(error.value) and "\n" not in str(error.value)
+    with pytest.raises(DataError, match="nowhere"):
+        main([str(tmp_path / "nowhere")])
+    with pytest.raises(DataError, match="missing.csv"):
+        read_metrics(tmp_path / "missing.csv")
