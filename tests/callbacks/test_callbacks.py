@@ -1,0 +1,86 @@
+"""Each monitoring callback on its own, through a real Trainer.validate / fit on a tiny model: what it logs
+equals the metric computed directly on the same batches (an identity), or a known answer."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+
+from lwm.callbacks import AttentionDiagonality, CodebookMonitor, DeadCodeRevival, Sensitivity
+from lwm.metrics import attention_diagonality, codebook_usage, sensitivity
+from lwm.module import OptimConfig, WorldModelModule
+from tests.lightning.test_module import NET, _batches
+
+
+def _module() -> WorldModelModule:
+    torch.manual_seed(0)
+    return WorldModelModule(net=NET, optim=OptimConfig(warmup_steps=0))
+
+
+def _validate(module, callback, batches) -> dict[str, float]:
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[callback])
+    trainer.validate(module, torch.utils.data.DataLoader(batches, batch_size=None), verbose=False)
+    return {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+
+def test_attention_diagonality_logs_the_metric_of_the_first_batches():
+    module, data = _module(), _batches(3)
+    logged = _validate(module, AttentionDiagonality(batches=2), data)
+    module.eval()
+    with torch.no_grad():
+        values = torch.cat([attention_diagonality(module.model.action_attention(b["latents"])[0]) for b in data[:2]])
+    for stat, expected in (("min", values.min()), ("mean", values.mean()), ("max", values.max())):
+        assert logged[f"Val_Action_Encoder/attention_diagonality_block_0/{stat}"] == pytest.approx(float(expected), rel=1e-5)
+
+
+def test_codebook_monitor_validation_usage_is_over_the_whole_set():
+    module, data = _module(), _batches(3)
+    logged = _validate(module, CodebookMonitor(), data)
+    module.eval()
+    with torch.no_grad():
+        indices = torch.cat([module.model.encode_actions(b["latents"]).indices.flatten(0, 1) for b in data])
+    expected = codebook_usage(indices, NET.codebook_sizes_action)
+    for level, value in enumerate(expected):
+        assert logged[f"Val_Action_Encoder/codebook_usage_level_{level}"] == pytest.approx(float(value))
+    assert logged["Val_Action_Encoder/codebook_diversity_min_level_0"] >= 0
+
+
+def test_sensitivity_logs_the_metric_and_zero_when_codes_do_not_matter():
+    module, data = _module(), _batches(2)
+    logged = _validate(module, Sensitivity(t=4, batches=1, seed=0), data)
+    module.eval()
+    generator = torch.Generator().manual_seed(0)  # the callback's seed for batch 0 on rank 0
+    expected = sensitivity(module.model, data[0]["latents"], 4, generator)
+    for name, value in zip(Sensitivity.NAMES, expected["Action_Encoder"]):
+        assert logged[f"Val_Action_Encoder/{name}"] == pytest.approx(float(value), rel=1e-5, abs=1e-6)
+    with torch.no_grad():
+        module.model.dynamics.action_proj.weight.zero_()
+        module.model.dynamics.world_proj.weight.zero_()
+    logged = _validate(module, Sensitivity(t=4), data)
+    assert logged["Val_Action_Encoder/dpsnr"] == pytest.approx(0.0, abs=1e-5)
+    assert logged["Val_World_Encoder/dpsnr"] == pytest.approx(0.0, abs=1e-5)
+
+
+def test_codebook_monitor_training_usage_and_ema_decay_at_the_logging_steps():
+    module = _module()
+    seen = []
+
+    class Spy(L.Callback):  # runs before the monitor: records what the monitor will see
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen.append((trainer.global_step, outputs["Action_Encoder"].clone()))
+
+    trainer = L.Trainer(max_steps=4, accelerator="cpu", logger=False, log_every_n_steps=2, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, callbacks=[Spy(), CodebookMonitor()])
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(_batches(4), batch_size=None))
+    logged = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    step, last = seen[-1]
+    assert logged["Train_Action_Encoder/codebook_usage_level_1"] == pytest.approx(
+        float(codebook_usage(last, NET.codebook_sizes_action)[1]))
+    assert logged["Train_Action_Encoder/ema_decay"] == pytest.approx(module.model.action_encoder.rvq.decay_at(step))
+
+
+def test_revival_validates_its_interval():
+    with pytest.raises(ValueError, match="every_n_steps"):
+        DeadCodeRevival(every_n_steps=0)
