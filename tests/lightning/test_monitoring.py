@@ -80,3 +80,38 @@ def test_flop_counter_counts_forward_and_backward_of_the_step():
     assert measured > 2 * forward_only.get_total_flops()  # backward costs about twice the forward
     assert all(p.grad is None for p in module.parameters())  # nothing left behind for the real step
     assert measured == FlopCounter()._measure(_Trainer(), module, x)  # deterministic
+
+
+def test_log_distribution_sends_a_histogram_to_wandb_and_min_mean_max_to_every_logger():
+    import lightning as L
+    import torch
+    import wandb
+    from lightning.pytorch.loggers.logger import Logger
+
+    from lwm.loggers import log_distribution
+    from lwm.module import WorldModelModule
+    from tests.lightning.test_module import NET, _batches
+
+    recorded = []
+
+    class WandbLogger(Logger):  # what log_distribution looks for: the class name, and experiment.log
+        name, version = "fake", "0"
+        experiment = type("Run", (), {"log": staticmethod(recorded.append)})()
+
+        def log_metrics(self, metrics, step=None):
+            pass
+
+        def log_hyperparams(self, params, *args, **kwargs):
+            pass
+
+    class Emit(L.Callback):
+        def on_validation_epoch_end(self, trainer, pl_module):
+            log_distribution(pl_module, "Val_Test/dist", torch.tensor([1.0, 2.0, 6.0]))
+
+    trainer = L.Trainer(accelerator="cpu", logger=[WandbLogger()], callbacks=[Emit()], enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.validate(WorldModelModule(net=NET), torch.utils.data.DataLoader(_batches(1), batch_size=None), verbose=False)
+    logged = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("Val_Test/")}
+    assert logged == {"Val_Test/dist/min": 1.0, "Val_Test/dist/mean": 3.0, "Val_Test/dist/max": 6.0}
+    assert len(recorded) == 1 and isinstance(recorded[0]["Val_Test/dist"], wandb.Histogram)
+    assert recorded[0]["trainer/global_step"] == 0
