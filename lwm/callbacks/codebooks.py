@@ -9,16 +9,9 @@ import lightning as L
 import torch
 from typing_extensions import override
 
+from lwm.callbacks.schedule import is_logging_step
 from lwm.loggers import log_distribution
 from lwm.metrics import codebook_diversity, codebook_usage
-
-
-def _logging_step(trainer: L.Trainer) -> bool:
-    """Whether Lightning writes this training step's logs (values logged on other steps are dropped)."""
-    connector = getattr(trainer, "_logger_connector", None)
-    if connector is not None and hasattr(connector, "should_update_logs"):
-        return bool(connector.should_update_logs)
-    return trainer.global_step % max(1, trainer.log_every_n_steps) == 0
 
 
 class CodebookMonitor(L.Callback):
@@ -49,7 +42,7 @@ class CodebookMonitor(L.Callback):
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if not isinstance(outputs, dict) or not _logging_step(trainer):
+        if not isinstance(outputs, dict) or not is_logging_step(trainer):
             return
         for name, quantizer in pl_module.model.quantizers.items():
             usage = codebook_usage(outputs[name], quantizer.codebook_sizes)  # [L]

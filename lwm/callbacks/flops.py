@@ -13,7 +13,7 @@ from lightning.fabric.utilities.throughput import get_available_flops
 from torch.utils.flop_counter import FlopCounterMode
 from typing_extensions import override
 
-from lwm.callbacks.codebooks import _logging_step
+from lwm.callbacks.schedule import is_logging_step
 
 PRECISION_DTYPES = {"bf16": torch.bfloat16, "16": torch.float16, "32": torch.float32, "64": torch.float64}
 
@@ -70,7 +70,7 @@ class FlopCounter(L.Callback):
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if self.flops_per_step is None or not _logging_step(trainer):
+        if self.flops_per_step is None or not is_logging_step(trainer):
             return
         logs = {"Train_Total/tflops": self._cumulative_tflops(trainer)}
         now, step = time.perf_counter(), trainer.global_step

@@ -7,27 +7,35 @@ from typing import Any
 import lightning as L
 from typing_extensions import override
 
+from lwm.callbacks.schedule import is_logging_step
+
 
 class DeadCodeRevival(L.Callback):
-    """Every ``every_n_steps`` optimizer steps, right after the step's EMA update, call each quantizer's
-    ``revive`` and log the codes revived per level (``Train_<Quantizer>/revived_codes_level_<l>``).
+    """At the logging interval (or every ``every_n_steps`` optimizer steps), right after the step's EMA
+    update, call each quantizer's ``revive`` and log the codes revived per level
+    (``Train_<Quantizer>/revived_codes_level_<l>``).
 
     The rows are drawn from the step's own generator (``WorldModelModule.step_generator``, stream 1), so a
     resumed run revives exactly what an uninterrupted one would; rank 0's draws are broadcast under DDP.
     Each check costs one host sync per quantizer, hence not every step by default.
     """
 
-    def __init__(self, every_n_steps: int = 10) -> None:
-        if every_n_steps < 1:
-            raise ValueError(f"revival.every_n_steps must be >= 1, got {every_n_steps}")
+    def __init__(self, every_n_steps: int | None = None) -> None:
+        if every_n_steps is not None and every_n_steps < 1:
+            raise ValueError(f"revival.every_n_steps must be >= 1 (or null: the logging interval), got {every_n_steps}")
         self.every_n_steps = every_n_steps
         self._last_step = -1
+
+    def _due(self, trainer: L.Trainer) -> bool:
+        if self.every_n_steps is None:
+            return is_logging_step(trainer)
+        return trainer.global_step % self.every_n_steps == 0
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         step = trainer.global_step
-        if step % self.every_n_steps or step == self._last_step:  # with gradient accumulation: once per step
+        if not self._due(trainer) or step == self._last_step:  # with gradient accumulation: once per step
             return
         self._last_step = step
         generator = pl_module.step_generator(pl_module.device, batch_idx, stream=1)

@@ -1,0 +1,14 @@
+"""When the periodic callbacks act."""
+
+from __future__ import annotations
+
+import lightning as L
+
+
+def is_logging_step(trainer: L.Trainer) -> bool:
+    """Whether Lightning writes this training step's logs (values logged on other steps are dropped), as seen
+    from ``on_train_batch_end``. Callbacks that sync with the host do it only then."""
+    connector = getattr(trainer, "_logger_connector", None)
+    if connector is not None and hasattr(connector, "should_update_logs"):
+        return bool(connector.should_update_logs)
+    return trainer.global_step % max(1, trainer.log_every_n_steps) == 0
