@@ -133,12 +133,17 @@ def to_maps(tokens: Tensor, height: int, width: int) -> Tensor:
 # --------------------------------------------------------------------------------------------------
 # Attention and the ST block
 # --------------------------------------------------------------------------------------------------
-def temporal_mask(kind: TemporalMask, length: int, device: torch.device | None = None) -> Tensor | None:
-    """Boolean ``[length, length]`` mask, True where query ``i`` may attend key ``j``; None for ``none``."""
+def temporal_mask(
+    kind: TemporalMask, length: int, device: torch.device | None = None, window: int | None = None
+) -> Tensor | None:
+    """Boolean ``[length, length]`` mask, True where query ``i`` may attend key ``j``; None for ``none``.
+    ``window`` (causal only) keeps the last ``window`` frames: ``i - window < j <= i`` (sliding-window rollouts)."""
     if kind == "none":
         return None
     ones = torch.ones(length, length, dtype=torch.bool, device=device)
     if kind == "causal":
+        if window is not None:
+            return torch.tril(ones) & torch.triu(ones, diagonal=1 - window)
         return torch.tril(ones)  # j <= i
     if kind == "shifted_causal":
         return torch.tril(ones, diagonal=1)  # j <= i + 1
@@ -157,24 +162,39 @@ class Attention(nn.Module):
         self.proj = nn.Linear(d_model, d_model)
 
     def forward(
-        self, x: Tensor, mask: TemporalMask = "none", return_weights: bool = False
+        self, x: Tensor, mask: TemporalMask = "none", return_weights: bool = False, window: int | None = None
     ) -> tuple[Tensor, Tensor | None]:
         q, k, v = rearrange(self.qkv(x), "n l (three h e) -> three n h l e", three=3, h=self.n_heads)
         L = x.shape[1]
         if not return_weights:
-            if mask == "causal":
+            if mask == "causal" and (window is None or window >= L):
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             else:
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=temporal_mask(mask, L, x.device))
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=temporal_mask(mask, L, x.device, window))
             weights = None
         else:  # explicit softmax: the same function, with the weights kept for diagnostics
             scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # [n, h, L, L]
-            allowed = temporal_mask(mask, L, x.device)
+            allowed = temporal_mask(mask, L, x.device, window)
             if allowed is not None:
                 scores = scores.masked_fill(~allowed, float("-inf"))
             weights = scores.softmax(dim=-1)
             out = weights @ v
         return self.proj(rearrange(out, "n h l e -> n l (h e)")), weights
+
+    def step(self, x: Tensor, past: KV | None, window: int | None = None) -> tuple[Tensor, KV]:
+        """Causal attention of one new position ``x [n, 1, D]`` over the cached keys/values of the earlier
+        ones (``past``: ``(k, v)`` each ``[n, h, t, e]``) and itself; returns the output and the cache with
+        this position added, cut to the last ``window`` positions."""
+        q, k, v = rearrange(self.qkv(x), "n l (three h e) -> three n h l e", three=3, h=self.n_heads)
+        if past is not None:
+            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+        if window is not None:
+            k, v = k[:, :, -window:], v[:, :, -window:]
+        out = F.scaled_dot_product_attention(q, k, v)  # every cached key is in the past: no mask
+        return self.proj(rearrange(out, "n h l e -> n l (h e)")), (k, v)
+
+
+KV = tuple[Tensor, Tensor]  # a temporal-attention cache: keys and values [B*N, heads, t, e]
 
 
 class TransformerBlock(nn.Module):
@@ -194,17 +214,32 @@ class TransformerBlock(nn.Module):
         hidden = int(d_model * mlp_ratio)
         self.mlp = nn.Sequential(nn.Linear(d_model, hidden), nn.GELU(approximate="tanh"), nn.Linear(hidden, d_model))
 
-    def forward(self, x: Tensor, return_attn: bool = False) -> tuple[Tensor, Tensor | None]:
-        """``x [B, T, N, D] -> ([B, T, N, D], temporal weights [B, heads, T, T] averaged over patches or None)``."""
+    def forward(
+        self, x: Tensor, return_attn: bool = False, window: int | None = None
+    ) -> tuple[Tensor, Tensor | None]:
+        """``x [B, T, N, D] -> ([B, T, N, D], temporal weights [B, heads, T, T] averaged over patches or None)``.
+        ``window`` (causal blocks): each frame attends to the last ``window`` frames only."""
         B, T, N, D = x.shape
         s, _ = self.spatial(rearrange(self.norm_spatial(x), "b t n d -> (b t) n d"))
         x = x + rearrange(s, "(b t) n d -> b t n d", b=B)
-        t, w = self.temporal(rearrange(self.norm_temporal(x), "b t n d -> (b n) t d"), self.mask, return_attn)
+        t, w = self.temporal(rearrange(self.norm_temporal(x), "b t n d -> (b n) t d"), self.mask, return_attn, window)
         x = x + rearrange(t, "(b n) t d -> b t n d", b=B)
         x = x + self.mlp(self.norm_mlp(x))
         if w is not None:
             w = rearrange(w, "(b n) h i j -> b n h i j", b=B).mean(dim=1)  # [B, heads, T, T]
         return x, w
+
+    def step(self, x: Tensor, past: KV | None, window: int | None = None) -> tuple[Tensor, KV]:
+        """One new frame ``x [B, 1, N, D]`` of a causal block: spatial attention within it, temporal attention
+        over the cached earlier frames of each patch. Equals :meth:`forward` on the whole sequence, last frame."""
+        if self.mask != "causal":
+            raise ValueError(f"cached steps need a causal block, this one is {self.mask!r}")
+        B = x.shape[0]
+        s, _ = self.spatial(rearrange(self.norm_spatial(x), "b t n d -> (b t) n d"))
+        x = x + rearrange(s, "(b t) n d -> b t n d", b=B)
+        t, cache = self.temporal.step(rearrange(self.norm_temporal(x), "b t n d -> (b n) t d"), past, window)
+        x = x + rearrange(t, "(b n) t d -> b t n d", b=B)
+        return x + self.mlp(self.norm_mlp(x)), cache
 
 
 class STTransformer(nn.Module):
@@ -221,11 +256,22 @@ class STTransformer(nn.Module):
     def masks(self) -> list[str]:
         return [b.mask for b in self.blocks]
 
-    def forward(self, x: Tensor, return_attn: bool = False) -> tuple[Tensor, list[Tensor]]:
+    def forward(
+        self, x: Tensor, return_attn: bool = False, window: int | None = None
+    ) -> tuple[Tensor, list[Tensor]]:
         """``x [B, T, N, D] -> ([B, T, N, D], per-block temporal weights [B, heads, T, T] if return_attn)``."""
         weights = []
         for block in self.blocks:
-            x, w = block(x, return_attn)
+            x, w = block(x, return_attn, window)
             if w is not None:
                 weights.append(w)
         return self.norm_out(x), weights
+
+    def step(self, x: Tensor, cache: list[KV] | None, window: int | None = None) -> tuple[Tensor, list[KV]]:
+        """One new frame ``x [B, 1, N, D]`` through every (causal) block with a per-block key/value cache
+        (None: the first frame). Returns ``([B, 1, N, D], the updated cache)``: each frame costs one frame."""
+        new_cache = []
+        for i, block in enumerate(self.blocks):
+            x, kv = block.step(x, None if cache is None else cache[i], window)
+            new_cache.append(kv)
+        return self.norm_out(x), new_cache

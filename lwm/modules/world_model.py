@@ -98,12 +98,22 @@ class DynamicsPredictor(nn.Module):
         self.world_proj = nn.Linear(d_world, d_model)  # W_h^z
         self.transformer = STTransformer(d_model, n_heads, ["causal"] * depth, mlp_ratio)
 
-    def forward(self, tokens: Tensor, actions: Tensor, world: Tensor) -> Tensor:
+    def condition(self, actions: Tensor, world: Tensor) -> Tensor:
+        """``W_a a + W_h h`` for ``actions [B, t, Da]``, ``world [B, Dh]``: ``[B, t, 1, D]`` (broadcast over patches)."""
+        return self.action_proj(actions)[:, :, None] + self.world_proj(world)[:, None, None]
+
+    def forward(self, tokens: Tensor, actions: Tensor, world: Tensor, window: int | None = None) -> Tensor:
         """``tokens [B, t, N, D]``, ``actions [B, t, Da]``, ``world [B, Dh]`` -> ``[B, t, N, D]``;
-        output ``i`` is the prediction of frame ``i + 1``."""
-        cond = self.action_proj(actions)[:, :, None] + self.world_proj(world)[:, None, None]  # [B, t, 1, D]
-        out, _ = self.transformer(tokens + cond)
+        output ``i`` is the prediction of frame ``i + 1``. ``window``: attend to the last ``window`` frames only."""
+        out, _ = self.transformer(tokens + self.condition(actions, world), window=window)
         return out
+
+    def step(
+        self, token: Tensor, action: Tensor, world: Tensor, cache: list | None, window: int | None = None
+    ) -> tuple[Tensor, list]:
+        """One new frame: ``token [B, 1, N, D]``, ``action [B, 1, Da]`` -> (its output ``[B, 1, N, D]``, the
+        updated key/value cache); equal to the last output of :meth:`forward` on the whole sequence."""
+        return self.transformer.step(token + self.condition(action, world), cache, window)
 
 
 @dataclass(frozen=True)
@@ -277,6 +287,43 @@ class WorldModel(nn.Module):
             raise ValueError(f"world: expected [B={B}, Dh], got {tuple(world.shape)}")
         tokens = self.tokenize(context) + self.pos_embedding(t, t0)
         return self.detokenize(self.dynamics(tokens, actions, world))
+
+    @torch.no_grad()
+    def generate(
+        self, context: Tensor, actions: Tensor, world: Tensor, steps: int, t0: int = 0,
+        window: int | None = None, use_cache: bool = True,
+    ) -> Tensor:
+        """Play the world forward: the ``steps`` frames after ``context [B, c, C, H, W]`` -> ``[B, steps, C, H, W]``.
+
+        Frame ``j`` is predicted from the frames before it (the context, then the model's own predictions,
+        re-tokenized as in the rollout training), actions ``a_0..a_{j-1}`` (``actions [B, >= c + steps - 1, Da]``,
+        ``a_i`` for the transition ``i -> i + 1``) and the world code ``world [B, Dh]``; frame ``i`` sits at
+        temporal position ``t0 + i``. Each frame attends to the last ``window`` frames (None: all of them):
+        rollouts longer than the trained window slide it and keep counting positions. With ``use_cache`` the
+        predictor keeps its temporal keys/values, so each frame costs one frame of compute; without, every
+        frame recomputes the whole (windowed) context: the same numbers, the reference.
+        """
+        self.check_frames(context, "context")
+        B, c = context.shape[:2]
+        if steps < 1:
+            raise ValueError(f"steps must be >= 1, got {steps}")
+        if actions.ndim != 3 or actions.shape[0] != B or actions.shape[1] < c + steps - 1:
+            raise ValueError(f"actions: expected [B={B}, >= {c + steps - 1}, Da] for {c} context frames and "
+                             f"{steps} steps, got {tuple(actions.shape)}")
+        if window is not None and window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        frames = context
+        cache = None
+        for i in range(c + steps - 1):  # feed frame i, read the prediction of frame i + 1
+            if use_cache:
+                token = self.tokenize(frames[:, i : i + 1]) + self.pos_embedding(1, t0 + i)  # [B, 1, N, D]
+                out, cache = self.dynamics.step(token, actions[:, i : i + 1], world, cache, window)
+            else:
+                tokens = self.tokenize(frames) + self.pos_embedding(i + 1, t0)  # the whole context again
+                out = self.dynamics(tokens, actions[:, : i + 1], world, window)[:, -1:]
+            if i >= c - 1:
+                frames = torch.cat([frames, self.detokenize(out)], dim=1)
+        return frames[:, c:]
 
     def forward(self, x: Tensor, step: int | Tensor, t0: int | Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
         """Training/validation loss of a batch ``x [B, T, C, H, W]`` at global ``step`` -> ``(loss, logs)``."""

@@ -129,3 +129,16 @@ def test_bad_configuration_errors():
         Attention(10, 3)
     with pytest.raises(ValueError, match="depth"):
         STTransformer(16, 2, [])
+
+
+def test_windowed_causal_mask_keeps_the_last_frames():
+    from lwm.modules.st_transformer import temporal_mask
+
+    m = temporal_mask("causal", 5, window=2).int()
+    expected = torch.tensor([[1, 0, 0, 0, 0],
+                             [1, 1, 0, 0, 0],
+                             [0, 1, 1, 0, 0],
+                             [0, 0, 1, 1, 0],
+                             [0, 0, 0, 1, 1]])
+    assert torch.equal(m, expected)
+    assert torch.equal(temporal_mask("causal", 5, window=9), temporal_mask("causal", 5))

@@ -1,0 +1,75 @@
+"""Generation: the cached rollout equals full recomputation, also past the window; it continues the
+training rollout exactly; bad inputs are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lwm.metrics import rollout_frames
+from lwm.modules.world_model import WorldModel
+
+
+def _model() -> WorldModel:
+    torch.manual_seed(0)
+    return WorldModel(in_channels=2, height=8, width=8, d_model=16, n_heads=2, depth_action=1, depth_world=1,
+                      depth_dynamics=2, d_code_action=4, d_code_world=4, codebook_sizes_action=(3, 4),
+                      codebook_sizes_world=(3,)).eval()
+
+
+def _inputs(model, B=2, c=2, steps=9, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    context = torch.rand(B, c, 2, 8, 8, generator=g) * 2 - 1
+    actions = torch.randn(B, c + steps - 1, 4, generator=g)
+    world = torch.randn(B, 4, generator=g)
+    return context, actions, world
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_cached_rollout_equals_full_recomputation(window):
+    model = _model()
+    context, actions, world = _inputs(model)  # 2 + 9 = 11 frames: longer than the window of 4
+    cached = model.generate(context, actions, world, steps=9, t0=5, window=window)
+    full = model.generate(context, actions, world, steps=9, t0=5, window=window, use_cache=False)
+    assert cached.shape == (2, 9, 2, 8, 8)
+    assert torch.allclose(cached, full, atol=1e-5), (cached - full).abs().max()
+
+
+def test_window_changes_nothing_until_the_context_is_longer():
+    model = _model()
+    context, actions, world = _inputs(model, steps=6)
+    free = model.generate(context, actions, world, steps=6)
+    windowed = model.generate(context, actions, world, steps=6, window=4)
+    assert torch.allclose(free[:, :3], windowed[:, :3], atol=1e-6)  # frames 2..4 see at most 4 frames anyway
+    assert not torch.allclose(free[:, -1], windowed[:, -1], atol=1e-4)  # frame 7 would see 7: the window bites
+
+
+def test_generate_equals_the_step_by_step_rollout_and_teacher_forcing():
+    model = _model()
+    x = torch.rand(2, 6, 2, 8, 8) * 2 - 1
+    a, h = model.encode_actions(x).quantized, model.encode_world(x).quantized
+    gen = model.generate(x[:, :1], a, h, steps=4)
+    assert torch.allclose(gen, rollout_frames(model, x[:, :1], a, h, steps=4), atol=1e-5)
+    tf = model.predict(x[:, :3], a[:, :3], h)  # teacher forcing: frame 3 from the true frames 0..2
+    assert torch.allclose(model.generate(x[:, :3], a, h, steps=1)[:, 0], tf[:, -1], atol=1e-5)
+
+
+def test_a_longer_context_batch_is_many_rollouts_at_once():
+    model = _model()
+    context, actions, world = _inputs(model, B=3, steps=4)
+    together = model.generate(context, actions, world, steps=4)
+    alone = torch.cat([model.generate(context[i : i + 1], actions[i : i + 1], world[i : i + 1], steps=4) for i in range(3)])
+    assert torch.allclose(together, alone, atol=1e-5)
+
+
+def test_bad_generation_inputs_are_refused():
+    model = _model()
+    context, actions, world = _inputs(model, steps=3)
+    with pytest.raises(ValueError, match="actions: expected"):
+        model.generate(context, actions[:, :2], world, steps=3)
+    with pytest.raises(ValueError, match="steps must be >= 1"):
+        model.generate(context, actions, world, steps=0)
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        model.generate(context, actions, world, steps=3, window=0)
+    with pytest.raises(ValueError, match="context: expected shape"):
+        model.generate(context[:, :, :1], actions, world, steps=3)
