@@ -312,18 +312,18 @@ class WorldModel(nn.Module):
                              f"{steps} steps, got {tuple(actions.shape)}")
         if window is not None and window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
-        frames = context
+        frames = list(context.unbind(dim=1))  # [B, C, H, W] each: the context, then the generated frames
         cache = None
         for i in range(c + steps - 1):  # feed frame i, read the prediction of frame i + 1
             if use_cache:
-                token = self.tokenize(frames[:, i : i + 1]) + self.pos_embedding(1, t0 + i)  # [B, 1, N, D]
+                token = self.tokenize(frames[i][:, None]) + self.pos_embedding(1, t0 + i)  # [B, 1, N, D]
                 out, cache = self.dynamics.step(token, actions[:, i : i + 1], world, cache, window)
             else:
-                tokens = self.tokenize(frames) + self.pos_embedding(i + 1, t0)  # the whole context again
+                tokens = self.tokenize(torch.stack(frames, dim=1)) + self.pos_embedding(i + 1, t0)  # all again
                 out = self.dynamics(tokens, actions[:, : i + 1], world, window)[:, -1:]
             if i >= c - 1:
-                frames = torch.cat([frames, self.detokenize(out)], dim=1)
-        return frames[:, c:]
+                frames.append(self.detokenize(out)[:, 0])
+        return torch.stack(frames[c:], dim=1)
 
     def forward(self, x: Tensor, step: int | Tensor, t0: int | Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
         """Training/validation loss of a batch ``x [B, T, C, H, W]`` at global ``step`` -> ``(loss, logs)``."""
