@@ -2,6 +2,7 @@
 
     lwm fit|validate|test|predict --config configs/X.yaml [--section.key=value ...]   (LightningCLI)
     lwm overfit --config configs/X.yaml [--steps 1000] [overrides]                     the overfit test
+    lwm codes --config configs/X.yaml --ckpt_path CKPT [--max-windows N] [overrides]  code dictionaries
     lwm plot RUN_DIR [--out DIR]                                                      figures from metrics.csv
     lwm data index DIR [--val-fraction F] [--out MANIFEST] [--seed S] [--tolerance TOL]
     lwm demo [--steps N]
@@ -37,8 +38,8 @@ def lightning_cli_class() -> type:
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
     from lwm.callbacks import (
-        AttentionDiagonality, CodebookMonitor, DeadCodeRevival, FlopCounter, Sensitivity, SlurmRequeue,
-        StepProgressBar,
+        AttentionDiagonality, CodebookMonitor, CodeDictionaries, DeadCodeRevival, FlopCounter, Sensitivity,
+        SlurmRequeue, StepProgressBar,
     )
     from lwm.checkpoint import AtomicCheckpointIO, ModelCheckpoint
     from lwm.data.datamodule import LatentDataModule
@@ -78,6 +79,7 @@ def lightning_cli_class() -> type:
             parser.add_lightning_class_args(AttentionDiagonality, "diagonality")
             parser.add_lightning_class_args(Sensitivity, "sensitivity")
             parser.add_lightning_class_args(FlopCounter, "flops")
+            parser.add_lightning_class_args(CodeDictionaries, "code_dictionaries")
             parser.add_class_arguments(WandbConfig, "wandb")
             parser.add_lightning_class_args(StepProgressBar, "progress_bar")
             parser.add_lightning_class_args(RichModelSummary, "model_summary")
@@ -140,6 +142,12 @@ def _overfit(args: argparse.Namespace) -> int:
     return overfit.main(args.rest)
 
 
+def _codes(args: argparse.Namespace) -> int:
+    from lwm import codes
+
+    return codes.main(args.rest)
+
+
 def _plot(args: argparse.Namespace) -> int:
     from lwm import plot
 
@@ -151,7 +159,7 @@ def _lightning(args: argparse.Namespace) -> int:
     return 0
 
 
-_PASSTHROUGH = {"overfit": _overfit, "demo": _demo, "plot": _plot}
+_PASSTHROUGH = {"overfit": _overfit, "codes": _codes, "demo": _demo, "plot": _plot}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -166,6 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
     overfit = verbs.add_parser("overfit", add_help=False, help="the overfit test: one window, many steps (`lwm overfit --help`)")
     overfit.add_argument("rest", nargs=argparse.REMAINDER)
     overfit.set_defaults(func=_overfit)
+
+    codes = verbs.add_parser("codes", add_help=False, help="code dictionaries of a checkpoint's encoders (`lwm codes --help`)")
+    codes.add_argument("rest", nargs=argparse.REMAINDER)
+    codes.set_defaults(func=_codes)
 
     plot = verbs.add_parser("plot", add_help=False, help="PNG figures of a run from RUN_DIR/metrics.csv (`lwm plot --help`)")
     plot.add_argument("rest", nargs=argparse.REMAINDER)

@@ -2,6 +2,7 @@
 
 from lwm.callbacks.attention import AttentionDiagonality
 from lwm.callbacks.codebooks import CodebookMonitor
+from lwm.callbacks.codes import CodeDictionaries
 from lwm.callbacks.flops import FlopCounter
 from lwm.callbacks.progress import StepProgressBar
 from lwm.callbacks.revival import DeadCodeRevival
@@ -9,5 +10,5 @@ from lwm.callbacks.sensitivity import Sensitivity
 from lwm.callbacks.slurm import SlurmRequeue
 
 __all__ = [
-    "AttentionDiagonality", "CodebookMonitor", "FlopCounter", "DeadCodeRevival", "Sensitivity", "SlurmRequeue", "StepProgressBar",
+    "AttentionDiagonality", "CodebookMonitor", "CodeDictionaries", "FlopCounter", "DeadCodeRevival", "Sensitivity", "SlurmRequeue", "StepProgressBar",
 ]

@@ -180,22 +180,35 @@ class LatentDataModule(L.LightningDataModule):
                                    world_size=world_size, batches_per_epoch=self.batches_per_epoch)
         return ResumableDataLoader(self.train_set, batch_sampler=sampler, **self._loader_kwargs())
 
+    def fixed_windows(self, dataset: H5WindowDataset, limit: int | None = None) -> list[tuple[int, int]]:
+        """This rank's share (round-robin) of the first ``limit`` (None: all) non-overlapping windows of
+        ``dataset`` in a seeded order: the same windows every time."""
+        every = [(i, s) for i, f in enumerate(dataset.frames) for s in range(0, f - self.window + 1, self.window)]
+        order = np.random.default_rng([self.seed, 1]).permutation(len(every))[:limit]
+        rank, world_size = self._rank()
+        return [every[i] for i in order][rank::world_size]
+
+    def code_loader(self, max_windows: int | None = None) -> DataLoader:
+        """Fixed training windows (at most ``max_windows`` over all ranks), for the code dictionaries."""
+        if self.train_set is None:
+            self.setup("fit")
+        return DataLoader(self.train_set, batch_size=self.val_batch_size,
+                          sampler=self.fixed_windows(self.train_set, max_windows), **self._loader_kwargs())
+
     def val_windows(self, fraction: float | None = None) -> list[tuple[int, int]]:
         """This rank's validation windows ``(file_index, start)``: the first ``fraction`` (default
         ``val_size_percent``) of all non-overlapping val windows in a seeded order, dealt round-robin to ranks."""
         fraction = self.val_size_percent if fraction is None else fraction
         if self.val_set is None or fraction == 0:
             return []
-        every = [(i, s) for i, f in enumerate(self.val_set.frames) for s in range(0, f - self.window + 1, self.window)]
-        order = np.random.default_rng([self.seed, 1]).permutation(len(every))
-        rank, world_size = self._rank()
-        if len(every) < world_size:
-            raise DataError(f"{self.manifest_path}: {len(every)} validation windows of {self.window} frames for "
+        total = sum(f // self.window for f in self.val_set.frames)  # non-overlapping windows
+        world_size = self._rank()[1]
+        if total < world_size:
+            raise DataError(f"{self.manifest_path}: {total} validation windows of {self.window} frames for "
                             f"{world_size} ranks; every rank needs one (more val files, a shorter data.window, "
                             f"or data.val_size_percent=0)")
         # Every rank gets at least one window: Lightning refuses a rank with an empty validation loader.
-        keep = min(len(every), max(world_size, math.ceil(fraction * len(every))))
-        return [every[i] for i in order[:keep]][rank::world_size]
+        return self.fixed_windows(self.val_set, min(total, max(world_size, math.ceil(fraction * total))))
 
     def val_dataloader(self) -> DataLoader | list:
         if self.val_size_percent == 0:

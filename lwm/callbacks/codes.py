@@ -1,0 +1,46 @@
+"""Code dictionaries at the end of fit: the action and world code tuples the trained encoders use on the
+training data, with counts, saved as ``codes.pt`` beside the checkpoints (see :mod:`lwm.codes`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import torch.distributed as dist
+from typing_extensions import override
+
+from lwm.codes import collect, save_dictionaries
+
+
+class CodeDictionaries(L.Callback):
+    """After training, encodes up to ``max_windows`` fixed training windows (None: all; each rank its share)
+    and writes ``RUN_DIR/checkpoints/codes.pt``: the code tuples of both quantizers with their counts."""
+
+    def __init__(self, max_windows: int | None = 4096) -> None:
+        if max_windows is not None and max_windows < 1:
+            raise ValueError(f"code_dictionaries.max_windows must be >= 1 (or null: all), got {max_windows}")
+        self.max_windows = max_windows
+        self.path: Path | None = None
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        dm = trainer.datamodule
+        if dm is None or not hasattr(dm, "code_loader"):
+            return
+        was_training = pl_module.training
+        pl_module.eval()
+        try:
+            dictionaries, windows = collect(pl_module.model, dm.code_loader(self.max_windows), pl_module.device)
+        finally:
+            pl_module.train(was_training)
+        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
+            gathered = [None] * trainer.world_size
+            dist.all_gather_object(gathered, ({k: d.to_state() for k, d in dictionaries.items()}, windows))
+            if trainer.is_global_zero:
+                for states, n in gathered[1:]:
+                    for name, state in states.items():
+                        dictionaries[name].merge(type(dictionaries[name]).from_state(state))
+                    windows += n
+        if trainer.is_global_zero:
+            directory = Path(trainer.checkpoint_callback.dirpath) if trainer.checkpoint_callback else Path(trainer.default_root_dir)
+            self.path = save_dictionaries(directory / "codes.pt", dictionaries, windows)

@@ -1,0 +1,159 @@
+"""Code dictionaries: which code tuples (one index per RVQ level) the trained encoders use, and how often.
+
+Generation samples actions (and worlds) from them: by frequency, or uniformly over the tuples in use. The
+file (``codes.pt``, beside the checkpoints) holds plain tensors only and loads with ``weights_only=True``::
+
+    {"Action_Encoder": {"tuples": [U, La] int64, "counts": [U] int64, "codebook_sizes": [La] int64},
+     "World_Encoder":  {...}, "windows": int}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from lwm.errors import DataError
+
+SAMPLING = ("frequency", "uniform")
+
+
+@dataclass
+class CodeDictionary:
+    """Counts of code tuples ``[L]`` of one quantizer with ``codebook_sizes``."""
+
+    codebook_sizes: tuple[int, ...]
+    tuples: Tensor = field(default=None)  # [U, L] int64, unique, sorted
+    counts: Tensor = field(default=None)  # [U] int64
+
+    def __post_init__(self) -> None:
+        L = len(self.codebook_sizes)
+        if self.tuples is None:
+            self.tuples = torch.zeros(0, L, dtype=torch.long)
+            self.counts = torch.zeros(0, dtype=torch.long)
+
+    @property
+    def total(self) -> int:
+        return int(self.counts.sum())
+
+    def update(self, indices: Tensor) -> None:
+        """Count the tuples of ``indices [..., L]`` (on any device; kept on the CPU)."""
+        L = len(self.codebook_sizes)
+        if indices.shape[-1] != L:
+            raise ValueError(f"indices: expected {L} levels in the last dim, got {tuple(indices.shape)}")
+        flat = torch.cat([self.tuples, indices.reshape(-1, L).long().cpu()])
+        weights = torch.cat([self.counts, torch.ones(flat.shape[0] - self.tuples.shape[0], dtype=torch.long)])
+        self.tuples, inverse = torch.unique(flat, dim=0, return_inverse=True)
+        self.counts = torch.zeros(self.tuples.shape[0], dtype=torch.long).index_add_(0, inverse, weights)
+
+    def merge(self, other: CodeDictionary) -> None:
+        """Add another dictionary's counts (e.g. another rank's)."""
+        if tuple(other.codebook_sizes) != tuple(self.codebook_sizes):
+            raise ValueError(f"codebook sizes differ: {self.codebook_sizes} vs {other.codebook_sizes}")
+        flat = torch.cat([self.tuples, other.tuples])
+        weights = torch.cat([self.counts, other.counts])
+        self.tuples, inverse = torch.unique(flat, dim=0, return_inverse=True)
+        self.counts = torch.zeros(self.tuples.shape[0], dtype=torch.long).index_add_(0, inverse, weights)
+
+    def sample(self, shape: tuple[int, ...], by: str = "frequency", generator: torch.Generator | None = None) -> Tensor:
+        """Tuples ``[*shape, L]`` drawn by frequency or uniformly over the used tuples."""
+        if by not in SAMPLING:
+            raise ValueError(f"sampling must be one of {SAMPLING}, got {by!r}")
+        if self.tuples.shape[0] == 0:
+            raise ValueError("the code dictionary is empty: nothing to sample")
+        weights = self.counts.double() if by == "frequency" else torch.ones(self.tuples.shape[0], dtype=torch.double)
+        n = 1
+        for s in shape:
+            n *= s
+        picks = torch.multinomial(weights, n, replacement=True, generator=generator)
+        return self.tuples[picks].reshape(*shape, len(self.codebook_sizes))
+
+    def to_state(self) -> dict[str, Tensor]:
+        return {"tuples": self.tuples, "counts": self.counts,
+                "codebook_sizes": torch.tensor(self.codebook_sizes, dtype=torch.long)}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Tensor]) -> CodeDictionary:
+        return cls(tuple(int(k) for k in state["codebook_sizes"]), state["tuples"].long(), state["counts"].long())
+
+
+def save_dictionaries(path: str | Path, dictionaries: dict[str, CodeDictionary], windows: int) -> Path:
+    """Write ``codes.pt`` atomically (temp file + rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save({**{k: d.to_state() for k, d in dictionaries.items()}, "windows": windows}, tmp)
+    tmp.replace(path)
+    return path
+
+
+def load_dictionaries(path: str | Path) -> dict[str, CodeDictionary]:
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: code dictionary not found (`lwm codes --config CFG --ckpt_path CKPT` writes one)")
+    raw = torch.load(path, weights_only=True)
+    return {k: CodeDictionary.from_state(v) for k, v in raw.items() if isinstance(v, dict)}
+
+
+@torch.no_grad()
+def collect(model, loader, device: torch.device, max_windows: int | None = None) -> tuple[dict[str, CodeDictionary], int]:
+    """Encode the windows of ``loader`` (batches with ``latents``) with ``model`` (a WorldModel, eval mode) and
+    count the action and world code tuples; at most ``max_windows`` windows. Returns (dictionaries, windows)."""
+    quantizers = model.quantizers
+    dictionaries = {name: CodeDictionary(q.codebook_sizes) for name, q in quantizers.items()}
+    windows = 0
+    for batch in loader:
+        x = batch["latents"].to(device)
+        if max_windows is not None:
+            x = x[: max_windows - windows]
+            if x.shape[0] == 0:
+                break
+        dictionaries["Action_Encoder"].update(model.encode_actions(x).indices)
+        dictionaries["World_Encoder"].update(model.encode_world(x).indices)
+        windows += x.shape[0]
+    return dictionaries, windows
+
+
+def main(argv: list[str]) -> int:
+    """``lwm codes --config CFG --ckpt_path CKPT [--max-windows N] [--out PATH] [overrides]``."""
+    import argparse
+
+    from lwm.cli import lightning_cli_class
+    from lwm.errors import ConfigError
+
+    parser = argparse.ArgumentParser(
+        prog="lwm codes", description="Code dictionaries of a trained model on its training data.",
+        epilog="Every other argument is a `lwm fit` option: --config FILE and dotted overrides such as --data.manifest M.",
+    )
+    parser.add_argument("--ckpt_path", required=True, help="the checkpoint whose encoders to use")
+    parser.add_argument("--max-windows", type=int, default=None, help="encode at most this many windows (default: all)")
+    parser.add_argument("--out", help="output file (default: codes.pt beside the checkpoint)")
+    args, rest = parser.parse_known_args(argv)
+    ckpt_path = Path(args.ckpt_path)
+    if not ckpt_path.is_file():
+        raise DataError(f"{ckpt_path}: checkpoint not found")
+    cli = lightning_cli_class()(args=rest, run=False)
+    module, dm = cli.model, cli.datamodule
+    dm.setup("fit")
+    module.check_data(dm.frame_shape, dm.window, str(dm.manifest_path))
+    state = torch.load(ckpt_path, map_location="cpu", weights_only=True)["state_dict"]
+    try:
+        module.load_state_dict(state)
+    except RuntimeError as e:
+        raise ConfigError(f"{ckpt_path}: does not fit the config's model ({str(e).strip().splitlines()[0]})") from None
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = module.model.to(device).eval()
+    dictionaries, windows = collect(model, dm.code_loader(args.max_windows), device)
+    out = save_dictionaries(args.out or ckpt_path.parent / "codes.pt", dictionaries, windows)
+    for name, d in dictionaries.items():
+        possible = 1
+        for k in d.codebook_sizes:
+            possible *= k
+        top = torch.argsort(d.counts, descending=True)[:3]
+        common = ", ".join(f"{tuple(d.tuples[i].tolist())} x{int(d.counts[i])}" for i in top)
+        print(f"{name}: {d.tuples.shape[0]} code tuples in use of {possible} possible, over {d.total} codes; "
+              f"most frequent: {common}")
+    print(f"{windows} windows encoded; wrote {out}")
+    return 0
