@@ -3,6 +3,7 @@
     lwm fit|validate|test|predict --config configs/X.yaml [--section.key=value ...]   (LightningCLI)
     lwm overfit --config configs/X.yaml [--steps 1000] [overrides]                     the overfit test
     lwm codes --config configs/X.yaml --ckpt_path CKPT [--max-windows N] [overrides]  code dictionaries
+    lwm generate --ckpt_path CKPT --data FILE.h5 [--steps N] [--out VIDEO]             rollouts as video
     lwm plot RUN_DIR [--out DIR]                                                      figures from metrics.csv
     lwm data index DIR [--val-fraction F] [--out MANIFEST] [--seed S] [--tolerance TOL]
     lwm demo [--steps N]
@@ -148,6 +149,12 @@ def _codes(args: argparse.Namespace) -> int:
     return codes.main(args.rest)
 
 
+def _generate(args: argparse.Namespace) -> int:
+    from lwm import generate
+
+    return generate.main(args.rest)
+
+
 def _plot(args: argparse.Namespace) -> int:
     from lwm import plot
 
@@ -159,7 +166,7 @@ def _lightning(args: argparse.Namespace) -> int:
     return 0
 
 
-_PASSTHROUGH = {"overfit": _overfit, "codes": _codes, "demo": _demo, "plot": _plot}
+_PASSTHROUGH = {"overfit": _overfit, "codes": _codes, "generate": _generate, "demo": _demo, "plot": _plot}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -178,6 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
     codes = verbs.add_parser("codes", add_help=False, help="code dictionaries of a checkpoint's encoders (`lwm codes --help`)")
     codes.add_argument("rest", nargs=argparse.REMAINDER)
     codes.set_defaults(func=_codes)
+
+    generate = verbs.add_parser("generate", add_help=False, help="play a trained model forward, write the video (`lwm generate --help`)")
+    generate.add_argument("rest", nargs=argparse.REMAINDER)
+    generate.set_defaults(func=_generate)
 
     plot = verbs.add_parser("plot", add_help=False, help="PNG figures of a run from RUN_DIR/metrics.csv (`lwm plot --help`)")
     plot.add_argument("rest", nargs=argparse.REMAINDER)

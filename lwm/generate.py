@@ -1,0 +1,154 @@
+"""``lwm generate``: play a trained world model forward from frames of an h5 file and write the video.
+
+    lwm generate --ckpt_path CKPT --data FILE.h5 [--start 0] [--context 1] [--steps 16] [--rollouts 4]
+                 [--actions dictionary|inferred|random] [--world inferred|dictionary] [--out VIDEO]
+
+Only the predictor runs (with the tokenizer and detokenizer), with its key/value cache. The world code is
+inferred from the ground-truth clip (or drawn from the code dictionary); the actions are drawn from the code
+dictionary (``codes.pt`` beside the checkpoint, written at the end of fit or by ``lwm codes``), inferred
+from the ground truth, drawn uniformly per level, or given as indices. Rollouts longer than the trained
+window slide it. Writes the video (ground truth on top when the file has those frames, then one row per
+rollout) and ``VIDEO.h5`` with the generated latents.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import h5py
+import numpy as np
+import torch
+
+from lwm.codes import load_dictionaries
+from lwm.data.h5 import DataError, inspect_h5
+from lwm.errors import ConfigError
+from lwm.metrics import random_codes
+from lwm.video import grid, latent_preview, write_video
+
+ACTIONS = ("dictionary", "inferred", "random")
+WORLDS = ("inferred", "dictionary")
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="lwm generate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--ckpt_path", required=True, help="a checkpoint of `lwm fit`")
+    p.add_argument("--data", required=True, help="h5 file to take the context (and ground truth) from")
+    p.add_argument("--start", type=int, default=0, help="first context frame")
+    p.add_argument("--context", type=int, default=1, help="ground-truth frames given to the model")
+    p.add_argument("--steps", type=int, default=16, help="frames to generate")
+    p.add_argument("--rollouts", type=int, default=4, help="rollouts, generated together as one batch")
+    p.add_argument("--actions", choices=ACTIONS, default="dictionary", help="where the actions come from")
+    p.add_argument("--sampling", choices=("frequency", "uniform"), default="frequency",
+                   help="drawing from the dictionary: by frequency, or uniformly over the tuples in use")
+    p.add_argument("--action-indices", help="JSON list of action code tuples, one per transition (overrides --actions)")
+    p.add_argument("--world", choices=WORLDS, default="inferred", help="where the world code comes from")
+    p.add_argument("--world-indices", help="JSON world code tuple (overrides --world)")
+    p.add_argument("--codes", help="code dictionary (default: codes.pt beside the checkpoint)")
+    p.add_argument("--window", type=int, help="frames the predictor attends to (default: its training window)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fps", type=int, default=8)
+    p.add_argument("--out", help="video path, .mp4 or .gif (default: RUN_DIR/generated/FILE_START.mp4)")
+    args = p.parse_args(argv)
+    for name in ("context", "steps", "rollouts"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    return args
+
+
+def _indices(text: str, option: str, levels: int) -> torch.Tensor:
+    try:
+        value = torch.tensor(json.loads(text), dtype=torch.long)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{option}: not a JSON list of integer code tuples ({e})") from None
+    if value.shape[-1] != levels:
+        raise ConfigError(f"{option}: each code tuple needs {levels} indices (one per RVQ level), got shape {tuple(value.shape)}")
+    return value
+
+
+def _decode(quantizer, indices: torch.Tensor, option: str) -> torch.Tensor:
+    try:
+        return quantizer.decode_indices(indices)
+    except ValueError as e:
+        raise ConfigError(f"{option}: {e}") from None
+
+
+def run(args: argparse.Namespace) -> Path:
+    from lwm.module import WorldModelModule
+
+    ckpt_path = Path(args.ckpt_path)
+    if not ckpt_path.is_file():
+        raise DataError(f"{ckpt_path}: checkpoint not found")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    raw = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+    module = WorldModelModule.load_from_checkpoint(ckpt_path, map_location=device, weights_only=True)
+    model = module.model.eval()
+    c = model.config
+    trained = raw.get("datamodule_hyper_parameters", {}).get("window")
+    window = args.window or (trained - 1 if trained else None)
+
+    info = inspect_h5(args.data, c.in_channels, c.height, c.width, check_values=False)
+    need_gt = args.actions == "inferred" and not args.action_indices
+    first, last = args.start, args.start + args.context + (args.steps if need_gt else 0)
+    if args.start < 0 or last > info.frames:
+        wanted = f"frame {first}" if last - first == 1 else f"frames {first} to {last - 1}"
+        raise DataError(f"{args.data}: {info.frames} frames, but the request reads {wanted}")
+    with h5py.File(args.data, "r") as f:
+        ds = f[info.key]
+        gt_end = min(info.frames, args.start + args.context + args.steps)
+        clip = torch.from_numpy(np.asarray(ds[args.start:gt_end], dtype=np.float32))[None].to(device)  # [1, t, C, H, W]
+        codec = f.attrs.get("codec")
+
+    R, T = args.rollouts, args.context + args.steps - 1  # transitions needed
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+    quantizers = model.quantizers
+    dictionaries = None
+    if (args.actions == "dictionary" and not args.action_indices) or (args.world == "dictionary" and not args.world_indices):
+        dictionaries = load_dictionaries(args.codes or ckpt_path.parent / "codes.pt")
+
+    with torch.no_grad():
+        if args.world_indices:
+            idx = _indices(args.world_indices, "--world-indices", len(c.codebook_sizes_world))
+            world = _decode(quantizers["World_Encoder"], idx.to(device)[None], "--world-indices").expand(R, -1)
+        elif args.world == "dictionary":
+            idx = dictionaries["World_Encoder"].sample((R,), args.sampling, torch.Generator().manual_seed(args.seed))
+            world = quantizers["World_Encoder"].decode_indices(idx.to(device))
+        else:
+            world = model.encode_world(clip).quantized.expand(R, -1)
+
+        if args.action_indices:
+            idx = _indices(args.action_indices, "--action-indices", len(c.codebook_sizes_action))
+            if idx.ndim != 2 or idx.shape[0] < T:
+                raise ConfigError(f"--action-indices: {T} transitions needed ({args.context} context frames, "
+                                  f"{args.steps} steps), got {idx.shape[0] if idx.ndim == 2 else tuple(idx.shape)}")
+            actions = _decode(quantizers["Action_Encoder"], idx[:T].to(device), "--action-indices")[None].expand(R, -1, -1)
+        elif args.actions == "inferred":
+            actions = model.encode_actions(clip[:, : T + 1]).quantized.expand(R, -1, -1)
+        elif args.actions == "random":
+            actions = random_codes(quantizers["Action_Encoder"], (R, T), generator)
+        else:
+            idx = dictionaries["Action_Encoder"].sample((R, T), args.sampling, torch.Generator().manual_seed(args.seed))
+            actions = quantizers["Action_Encoder"].decode_indices(idx.to(device))
+        context = clip[:, : args.context].expand(R, -1, -1, -1, -1)
+        generated = model.generate(context, actions, world, args.steps, t0=0, window=window)  # [R, steps, C, H, W]
+
+    out = Path(args.out) if args.out else ckpt_path.parent.parent / "generated" / f"{Path(args.data).stem}_{args.start}.mp4"
+    rollouts = torch.cat([context, generated], dim=1).cpu()  # [R, context + steps, C, H, W]
+    rows = [latent_preview(r) for r in rollouts]
+    if clip.shape[1] == rollouts.shape[1]:
+        rows.insert(0, latent_preview(clip[0].cpu()))
+    write_video(out, grid(rows), args.fps)
+    with h5py.File(out.with_suffix(out.suffix + ".h5"), "w") as f:
+        f["latents"] = rollouts.numpy()  # [R, T, C, H, W]
+        f["ground_truth"] = clip[0].cpu().numpy()
+        f.attrs["source"], f.attrs["start"], f.attrs["context"] = str(args.data), args.start, args.context
+    note = "" if codec is None else f" (the file names a codec, {str(codec)[:60]}; decoding to pixels is not built yet)"
+    print(f"wrote {out} ({'ground truth, then ' if len(rows) > R else ''}{R} rollouts of {args.steps} frames after "
+          f"{args.context} context frames; latent channels 0-2 shown as RGB{note}) and {out}.h5")
+    return out
+
+
+def main(argv: list[str]) -> int:
+    run(parse(argv))
+    return 0
