@@ -40,7 +40,7 @@ def lightning_cli_class() -> type:
 
     from lwm.callbacks import (
         AttentionDiagonality, CodebookMonitor, CodeDictionaries, DeadCodeRevival, FlopCounter, Sensitivity,
-        SlurmRequeue, StepProgressBar,
+        RolloutVideos, SlurmRequeue, StepProgressBar,
     )
     from lwm.checkpoint import AtomicCheckpointIO, ModelCheckpoint
     from lwm.data.datamodule import LatentDataModule
@@ -81,6 +81,7 @@ def lightning_cli_class() -> type:
             parser.add_lightning_class_args(Sensitivity, "sensitivity")
             parser.add_lightning_class_args(FlopCounter, "flops")
             parser.add_lightning_class_args(CodeDictionaries, "code_dictionaries")
+            parser.add_lightning_class_args(RolloutVideos, "rollout_videos")
             parser.add_class_arguments(WandbConfig, "wandb")
             parser.add_lightning_class_args(StepProgressBar, "progress_bar")
             parser.add_lightning_class_args(RichModelSummary, "model_summary")

@@ -107,3 +107,15 @@ def log_distribution(pl_module: L.LightningModule, name: str, values: torch.Tens
             import wandb
 
             logger.experiment.log({name: wandb.Histogram(v.cpu().numpy()), "trainer/global_step": pl_module.global_step})
+
+
+def log_video(pl_module: L.LightningModule, name: str, path: str, fps: int = 4) -> None:
+    """Send an mp4/gif file to wandb as a video ``name`` at the current global step (rank 0; no other logger
+    takes videos: the file itself stays in the run directory)."""
+    if not pl_module.trainer.is_global_zero:
+        return
+    for logger in pl_module.loggers:
+        if type(logger).__name__ == "WandbLogger":
+            import wandb
+
+            logger.experiment.log({name: wandb.Video(path, fps=fps), "trainer/global_step": pl_module.global_step})

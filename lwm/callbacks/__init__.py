@@ -8,7 +8,9 @@ from lwm.callbacks.progress import StepProgressBar
 from lwm.callbacks.revival import DeadCodeRevival
 from lwm.callbacks.sensitivity import Sensitivity
 from lwm.callbacks.slurm import SlurmRequeue
+from lwm.callbacks.videos import RolloutVideos
 
 __all__ = [
-    "AttentionDiagonality", "CodebookMonitor", "CodeDictionaries", "FlopCounter", "DeadCodeRevival", "Sensitivity", "SlurmRequeue", "StepProgressBar",
+    "AttentionDiagonality", "CodebookMonitor", "CodeDictionaries", "FlopCounter", "DeadCodeRevival", "RolloutVideos", "Sensitivity",
+    "SlurmRequeue", "StepProgressBar",
 ]

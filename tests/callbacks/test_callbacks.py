@@ -84,3 +84,36 @@ def test_codebook_monitor_training_usage_and_ema_decay_at_the_logging_steps():
 def test_revival_validates_its_interval():
     with pytest.raises(ValueError, match="every_n_steps"):
         DeadCodeRevival(every_n_steps=0)
+
+
+def test_rollout_videos_are_written_every_n_validations_and_sent_to_wandb(tmp_path):
+    import imageio.v3 as iio
+    import wandb
+    from lightning.pytorch.loggers.logger import Logger
+
+    from lwm.callbacks import RolloutVideos
+
+    sent = []
+
+    class WandbLogger(Logger):  # what log_video looks for: the class name, and experiment.log
+        name, version = "fake", "0"
+        experiment = type("Run", (), {"log": staticmethod(sent.append)})()
+
+        def log_metrics(self, metrics, step=None):
+            pass
+
+        def log_hyperparams(self, params, *args, **kwargs):
+            pass
+
+    module, data = _module(), _batches(2)
+    callback = RolloutVideos(every_n_validations=2, clips=2)
+    trainer = L.Trainer(accelerator="cpu", logger=[WandbLogger()], default_root_dir=tmp_path, callbacks=[callback],
+                        enable_progress_bar=False, enable_model_summary=False)
+    loader = torch.utils.data.DataLoader(data, batch_size=None)
+    for _ in range(3):  # validations 1 and 3 are due
+        trainer.validate(module, loader, verbose=False)
+    videos = sorted((tmp_path / "videos").glob("*.mp4"))
+    assert len(videos) == 1 and len(sent) == 2  # the same step each time here: one file, rewritten
+    frames = iio.imread(videos[0], plugin="pyav")
+    assert frames.shape[0] == 6  # the clip's 6 frames: frame 0, then 5 generated
+    assert isinstance(sent[0]["Val_Dynamics_Predictor/rollout_video"], wandb.Video)

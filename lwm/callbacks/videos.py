@@ -1,0 +1,56 @@
+"""Videos of rollouts at validation: the model plays validation clips forward from their first frame."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from typing_extensions import override
+
+from lwm.loggers import log_video
+from lwm.video import grid, latent_preview, write_video
+
+
+class RolloutVideos(L.Callback):
+    """Every ``every_n_validations``-th validation (the first included), on rank 0: the first ``clips`` clips
+    of the first validation batch are generated from their first frame with their inferred actions and world
+    code (the predictor's cached rollout, frames 1..T-1), and written as ``RUN_DIR/videos/step_NNNNNNN.mp4``
+    (each clip: ground truth above, rollout below; latent channels 0-2 as RGB until codecs decode them) and
+    logged to wandb as ``Val_Dynamics_Predictor/rollout_video``."""
+
+    def __init__(self, every_n_validations: int = 4, clips: int = 2, fps: int = 4) -> None:
+        if every_n_validations < 1 or clips < 1 or fps < 1:
+            raise ValueError("rollout_videos: every_n_validations, clips and fps must be >= 1")
+        self.every_n_validations, self.clips, self.fps = every_n_validations, clips, fps
+        self._validations = 0
+        self._clip: torch.Tensor | None = None
+        self.last_path: Path | None = None
+
+    def _due(self, trainer: L.Trainer) -> bool:
+        return not trainer.sanity_checking and trainer.is_global_zero and self._validations % self.every_n_validations == 0
+
+    @override
+    def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
+        if batch_idx == 0 and self._due(trainer):
+            self._clip = batch["latents"][: self.clips].detach()
+
+    @override
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.sanity_checking:
+            return
+        clip, self._clip = self._clip, None
+        self._validations += 1
+        if clip is None:
+            return
+        model = pl_module.model
+        with torch.no_grad():
+            actions, world = model.encode_actions(clip).quantized, model.encode_world(clip).quantized
+            generated = model.generate(clip[:, :1], actions, world, steps=clip.shape[1] - 1)
+        rollout = torch.cat([clip[:, :1], generated], dim=1).cpu()
+        rows = [row for gt, gen in zip(clip.cpu(), rollout) for row in (latent_preview(gt), latent_preview(gen))]
+        path = Path(trainer.default_root_dir) / "videos" / f"step_{trainer.global_step:07d}.mp4"
+        self.last_path = write_video(path, grid(rows), self.fps)
+        log_video(pl_module, "Val_Dynamics_Predictor/rollout_video", str(path), self.fps)
