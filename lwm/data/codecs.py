@@ -1,0 +1,71 @@
+"""Codecs between video frames and lwm's 16-channel latents ``[T, 16, 64, 64]`` in [-1, 1].
+
+:class:`PixelCodec` is built in and has no weights: 128x128 RGB frames, 2x2 pixel-unshuffled to 12 channels
+at 64x64, plus the 2x2-unshuffled luma (4 channels), each mapped ``v / 127.5 - 1``. Decoding reads the 12
+RGB channels back (the luma channels are redundant, there to give the model a brightness view), so
+``decode(encode(frames)) == frames`` exactly for uint8 frames. A file says how to decode it in its ``codec``
+attribute (JSON, e.g. ``{"name": "pixel", "version": 1, "size": 128}``); :func:`codec_from_attr` reads it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from einops import rearrange
+
+from lwm.errors import DataError
+
+LUMA = np.array([0.299, 0.587, 0.114], dtype=np.float32)  # ITU-R BT.601
+
+
+@dataclass(frozen=True)
+class PixelCodec:
+    """RGB ``uint8 [T, 128, 128, 3]`` <-> latents ``float32 [T, 16, 64, 64]`` in [-1, 1]."""
+
+    size: int = 128  # frame height and width in pixels (latents are size/2)
+    name: str = "pixel"
+    version: int = 1
+
+    @property
+    def attr(self) -> str:
+        """The h5 ``codec`` attribute of files this codec wrote."""
+        return json.dumps({"name": self.name, "version": self.version, "size": self.size})
+
+    def _check(self, frames: np.ndarray) -> None:
+        if frames.ndim != 4 or frames.shape[1:] != (self.size, self.size, 3):
+            raise DataError(f"pixel codec: expected frames [T, {self.size}, {self.size}, 3], got {frames.shape}")
+
+    def encode(self, frames: np.ndarray) -> np.ndarray:
+        """``uint8 [T, S, S, 3]`` -> ``float32 [T, 16, S/2, S/2]`` in [-1, 1]."""
+        frames = np.asarray(frames)
+        self._check(frames)
+        rgb = torch.from_numpy(frames.astype(np.float32))  # [T, S, S, 3] in 0..255
+        luma = rgb @ torch.from_numpy(LUMA)  # [T, S, S]
+        colour = rearrange(rgb, "t (h a) (w b) c -> t (c a b) h w", a=2, b=2)  # [T, 12, S/2, S/2]
+        bright = rearrange(luma, "t (h a) (w b) -> t (a b) h w", a=2, b=2)  # [T, 4, S/2, S/2]
+        return (torch.cat([colour, bright], dim=1) / 127.5 - 1.0).numpy()
+
+    def decode(self, latents: np.ndarray) -> np.ndarray:
+        """``[T, 16, S/2, S/2]`` in [-1, 1] -> ``uint8 [T, S, S, 3]`` (from the colour channels)."""
+        latents = torch.as_tensor(np.asarray(latents, dtype=np.float32))
+        if latents.ndim != 4 or latents.shape[1] != 16 or latents.shape[2:] != (self.size // 2, self.size // 2):
+            raise DataError(f"pixel codec: expected latents [T, 16, {self.size // 2}, {self.size // 2}], got {tuple(latents.shape)}")
+        colour = ((latents[:, :12].clamp(-1, 1) + 1.0) * 127.5).round()
+        rgb = rearrange(colour, "t (c a b) h w -> t (h a) (w b) c", a=2, b=2)
+        return rgb.to(torch.uint8).numpy()
+
+
+def codec_from_attr(attr: object, path: str = "") -> PixelCodec | None:
+    """The codec a file's ``codec`` attribute names, or None when there is none (or an unknown one)."""
+    if attr is None:
+        return None
+    try:
+        spec = json.loads(attr if isinstance(attr, str) else bytes(attr).decode())
+    except (ValueError, TypeError, UnicodeDecodeError):
+        raise DataError(f"{path}: attribute 'codec' is not JSON: {str(attr)[:80]}") from None
+    if spec.get("name") == "pixel":
+        return PixelCodec(size=int(spec.get("size", 128)))
+    return None
