@@ -6,6 +6,8 @@
     lwm generate --ckpt_path CKPT --data FILE.h5 [--steps N] [--out VIDEO]             rollouts as video
     lwm plot RUN_DIR [--out DIR]                                                      figures from metrics.csv
     lwm data index DIR [--val-fraction F] [--out MANIFEST] [--seed S] [--tolerance TOL]
+    lwm data encode VIDEO... --out DIR [--codec pixel]  |  lwm data decode FILE.h5 --out VIDEO
+    lwm data synth --out DIR --episodes N                                             the built-in world
     lwm demo [--steps N]
 
 The Lightning verbs read OmegaConf/LightningCLI YAML (``parser_mode="omegaconf+"``: interpolations such as
@@ -131,6 +133,27 @@ def _data_index(args: argparse.Namespace) -> int:
     return 0
 
 
+def _data_encode(args: argparse.Namespace) -> int:
+    from lwm.data.convert import encode_videos
+
+    for path in encode_videos(args.videos, args.out, args.codec, args.stride):
+        print(f"wrote {path}")
+    return 0
+
+
+def _data_decode(args: argparse.Namespace) -> int:
+    from lwm.data.convert import decode_file
+
+    print(f"wrote {decode_file(args.file, args.out, args.fps)}")
+    return 0
+
+
+def _data_synth(args: argparse.Namespace) -> int:
+    from lwm.data import synth
+
+    return synth.main(args.rest)
+
+
 def _demo(args: argparse.Namespace) -> int:
     from lwm import demo
 
@@ -203,6 +226,23 @@ def build_parser() -> argparse.ArgumentParser:
     index.add_argument("--seed", type=int, default=0, help="seed of the train/val split")
     index.add_argument("--tolerance", type=float, default=1e-3, help="allowed excess over [-1, 1]")
     index.set_defaults(func=_data_index)
+
+    encode = data.add_parser("encode", help="encode videos to h5 latent files through a codec")
+    encode.add_argument("videos", nargs="+", help="video files (anything PyAV reads)")
+    encode.add_argument("--codec", default="pixel", help="pixel (built in, 128x128 RGB)")
+    encode.add_argument("--out", required=True, help="folder for the h5 files (then `lwm data index` it)")
+    encode.add_argument("--stride", type=int, default=1, help="keep every N-th frame")
+    encode.set_defaults(func=_data_encode)
+
+    decode = data.add_parser("decode", help="decode an h5 latent file to a video through its codec")
+    decode.add_argument("file", help="h5 file with a `codec` attribute")
+    decode.add_argument("--out", required=True, help="video path (.mp4 or .gif)")
+    decode.add_argument("--fps", type=int, default=8)
+    decode.set_defaults(func=_data_decode)
+
+    synth = data.add_parser("synth", add_help=False, help="make the built-in synthetic world (`lwm data synth --help`)")
+    synth.add_argument("rest", nargs=argparse.REMAINDER)
+    synth.set_defaults(func=_data_synth)
 
     demo = verbs.add_parser("demo", add_help=False, help="train a tiny model on a built-in synthetic world (CPU)")
     demo.add_argument("rest", nargs=argparse.REMAINDER)

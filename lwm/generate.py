@@ -8,7 +8,7 @@ inferred from the ground-truth clip (or drawn from the code dictionary); the act
 dictionary (``codes.pt`` beside the checkpoint, written at the end of fit or by ``lwm codes``), inferred
 from the ground truth, drawn uniformly per level, or given as indices. Rollouts longer than the trained
 window slide it. Writes the video (ground truth on top when the file has those frames, then one row per
-rollout) and ``VIDEO.h5`` with the generated latents.
+rollout; decoded by the file's codec, else latent channels 0-2 as RGB) and ``VIDEO.h5`` with the latents.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from lwm.codes import load_dictionaries
+from lwm.data.codecs import codec_from_attr
 from lwm.data.h5 import DataError, inspect_h5
 from lwm.errors import ConfigError
 from lwm.metrics import random_codes
@@ -135,17 +136,20 @@ def run(args: argparse.Namespace) -> Path:
 
     out = Path(args.out) if args.out else ckpt_path.parent.parent / "generated" / f"{Path(args.data).stem}_{args.start}.mp4"
     rollouts = torch.cat([context, generated], dim=1).cpu()  # [R, context + steps, C, H, W]
-    rows = [latent_preview(r) for r in rollouts]
+    decoder = codec_from_attr(codec, str(args.data))
+    to_video = (lambda x: decoder.decode(x.numpy())) if decoder is not None else latent_preview  # noqa: E731
+    rows = [to_video(r) for r in rollouts]
     if clip.shape[1] == rollouts.shape[1]:
-        rows.insert(0, latent_preview(clip[0].cpu()))
+        rows.insert(0, to_video(clip[0].cpu()))
     write_video(out, grid(rows), args.fps)
     with h5py.File(out.with_suffix(out.suffix + ".h5"), "w") as f:
         f["latents"] = rollouts.numpy()  # [R, T, C, H, W]
         f["ground_truth"] = clip[0].cpu().numpy()
         f.attrs["source"], f.attrs["start"], f.attrs["context"] = str(args.data), args.start, args.context
-    note = "" if codec is None else f" (the file names a codec, {str(codec)[:60]}; decoding to pixels is not built yet)"
+    shown = (f"decoded by the {decoder.name} codec" if decoder is not None else
+             "latent channels 0-2 shown as RGB: the file names no codec lwm knows")
     print(f"wrote {out} ({'ground truth, then ' if len(rows) > R else ''}{R} rollouts of {args.steps} frames after "
-          f"{args.context} context frames; latent channels 0-2 shown as RGB{note}) and {out}.h5")
+          f"{args.context} context frames; {shown}) and {out}.h5")
     return out
 
 
