@@ -41,8 +41,8 @@ def lightning_cli_class() -> type:
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
     from lwm.callbacks import (
-        AttentionDiagonality, CodebookMonitor, CodeDictionaries, DeadCodeRevival, FlopCounter, Sensitivity,
-        RolloutVideos, SlurmRequeue, StepProgressBar,
+        AttentionDiagonality, CodebookMonitor, CodeDictionaries, CopyLastBaseline, DeadCodeRevival, FlopCounter,
+        GroundTruthProbes, RolloutVideos, Sensitivity, SlurmRequeue, StepProgressBar,
     )
     from lwm.checkpoint import AtomicCheckpointIO, ModelCheckpoint
     from lwm.data.datamodule import LatentDataModule
@@ -84,6 +84,8 @@ def lightning_cli_class() -> type:
             parser.add_lightning_class_args(FlopCounter, "flops")
             parser.add_lightning_class_args(CodeDictionaries, "code_dictionaries")
             parser.add_lightning_class_args(RolloutVideos, "rollout_videos")
+            parser.add_lightning_class_args(CopyLastBaseline, "copy_last")
+            parser.add_lightning_class_args(GroundTruthProbes, "probes")
             parser.add_class_arguments(WandbConfig, "wandb")
             parser.add_lightning_class_args(StepProgressBar, "progress_bar")
             parser.add_lightning_class_args(RichModelSummary, "model_summary")

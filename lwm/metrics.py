@@ -6,10 +6,13 @@ tensors and returns tensors on the same device, so callers decide when to sync.
 * :func:`codebook_diversity`: min / max / mean pairwise MSE between the codes of a codebook.
 * :func:`psnr`, :func:`delta_psnr`: the requirement's ``10 log10(1 / MSE)`` on latents and its difference.
 * :func:`rollout_frames`: frames ``1..t`` generated autoregressively from frame 0 (for the sensitivities).
+* :func:`nmi`, :func:`linear_probe_accuracy`, :func:`code_ids`: codes against ground-truth labels.
+* :func:`copy_last_loss`: the copy-last-frame baseline, so a prediction loss means something.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -113,3 +116,66 @@ def sensitivity(model, x: Tensor, t: int = 4, generator: torch.Generator | None 
         "Action_Encoder": delta_psnr(target, seq, action_rand),
         "World_Encoder": delta_psnr(target, seq, world_rand),
     }
+
+
+# --------------------------------------------------------------------------------------------------
+# Ground-truth probes (when the data has true actions / world labels) and the copy-last baseline
+# --------------------------------------------------------------------------------------------------
+def code_ids(indices: Tensor, codebook_sizes: Sequence[int]) -> Tensor:
+    """Code tuples ``[..., L]`` -> one integer id each ``[...]`` (mixed radix, level 0 most significant)."""
+    ids = torch.zeros(indices.shape[:-1], dtype=torch.long, device=indices.device)
+    for level, k in enumerate(codebook_sizes):
+        ids = ids * k + indices[..., level].long()
+    return ids
+
+
+@torch.no_grad()
+def nmi(predicted: Tensor, target: Tensor) -> Tensor:
+    """Normalised mutual information between two integer labelings ``[N]``: 1 for the same partition (up to
+    renaming), about 0 for independent ones (torchmetrics' arithmetic normalisation)."""
+    from torchmetrics.functional.clustering import normalized_mutual_info_score
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Sparse invariant checks")
+        return normalized_mutual_info_score(predicted.long().cpu(), target.long().cpu())
+
+
+def linear_probe_accuracy(
+    features: Tensor, labels: Tensor, train_fraction: float = 0.5, steps: int = 300, seed: int = 0
+) -> tuple[float, float]:
+    """Held-out accuracy of a linear classifier (multinomial logistic regression, full-batch Adam on
+    standardised features) trained on a seeded ``train_fraction`` of ``features [N, d]`` -> ``labels [N]``;
+    returns ``(accuracy, chance)`` where chance is the held-out rate of the training set's majority class."""
+    with torch.inference_mode(False):  # callers at validation run under inference mode: train outside it
+        return _linear_probe(features.detach().float().cpu().clone(), labels.detach().long().cpu().clone(),
+                             train_fraction, steps, seed)
+
+
+def _linear_probe(x: Tensor, y: Tensor, train_fraction: float, steps: int, seed: int) -> tuple[float, float]:
+    n = x.shape[0]
+    if n < 4:
+        return float("nan"), float("nan")
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    cut = max(1, min(n - 1, int(round(train_fraction * n))))
+    train, test = order[:cut], order[cut:]
+    mean, std = x[train].mean(0), x[train].std(0).clamp_min(1e-6)
+    x = (x - mean) / std
+    classes = int(y.max()) + 1
+    with torch.enable_grad():
+        torch.manual_seed(seed)
+        probe = torch.nn.Linear(x.shape[1], classes)
+        opt = torch.optim.Adam(probe.parameters(), lr=0.05)
+        for _ in range(steps):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(probe(x[train]), y[train]).backward()
+            opt.step()
+    with torch.no_grad():
+        accuracy = (probe(x[test]).argmax(-1) == y[test]).float().mean().item()
+    majority = torch.bincount(y[train], minlength=classes).argmax()
+    return accuracy, (y[test] == majority).float().mean().item()
+
+
+def copy_last_loss(x: Tensor) -> Tensor:
+    """The copy-last-frame baseline's one-step MSE on a clip batch ``x [B, T, ...]`` (predict frame ``i+1``
+    as frame ``i``), comparable with the teacher-forcing loss."""
+    return (x[:, 1:].float() - x[:, :-1].float()).pow(2).mean()

@@ -109,3 +109,42 @@ def test_sensitivity_is_zero_when_the_codes_do_not_matter():
         assert d == pytest.approx(0.0, abs=1e-5) and seq == pytest.approx(rand, abs=1e-5) and math.isfinite(seq)
     with pytest.raises(ValueError, match="more than 4 frames"):
         sensitivity(model, x[:, :4])
+
+
+def test_code_ids_mixed_radix():
+    from lwm.metrics import code_ids
+
+    indices = torch.tensor([[0, 0], [0, 3], [1, 0], [2, 3]])
+    assert code_ids(indices, (3, 4)).tolist() == [0, 3, 4, 11]
+
+
+def test_nmi_identical_renamed_and_independent_labels():
+    from lwm.metrics import nmi
+
+    a = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+    assert nmi(a, a).item() == pytest.approx(1.0)
+    assert nmi(a + 10, a).item() == pytest.approx(1.0)  # a renaming is the same partition
+    g = torch.Generator().manual_seed(0)
+    assert nmi(torch.randint(0, 4, (5000,), generator=g), torch.randint(0, 4, (5000,), generator=g)).item() < 0.01
+
+
+def test_linear_probe_separable_and_random_features():
+    from lwm.metrics import linear_probe_accuracy
+
+    g = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, 3, (600,), generator=g)
+    separable = torch.nn.functional.one_hot(labels, 3).float() * 3 + 0.1 * torch.randn(600, 3, generator=g)
+    accuracy, chance = linear_probe_accuracy(separable, labels)
+    assert accuracy == 1.0 and 0.25 < chance < 0.45
+    noise = torch.randn(600, 3, generator=g)
+    accuracy, chance = linear_probe_accuracy(noise, labels)
+    assert abs(accuracy - chance) < 0.1
+
+
+def test_copy_last_loss_known_values():
+    from lwm.metrics import copy_last_loss
+
+    still = torch.ones(2, 5, 3, 4, 4)
+    assert copy_last_loss(still).item() == 0.0
+    ramp = torch.arange(5.0).view(1, 5, 1, 1, 1).expand(2, 5, 3, 4, 4) * 0.1  # +0.1 per frame
+    assert copy_last_loss(ramp).item() == pytest.approx(0.01)

@@ -1,9 +1,11 @@
 """Callbacks: one concern each."""
 
 from lwm.callbacks.attention import AttentionDiagonality
+from lwm.callbacks.baseline import CopyLastBaseline
 from lwm.callbacks.codebooks import CodebookMonitor
 from lwm.callbacks.codes import CodeDictionaries
 from lwm.callbacks.flops import FlopCounter
+from lwm.callbacks.probes import GroundTruthProbes
 from lwm.callbacks.progress import StepProgressBar
 from lwm.callbacks.revival import DeadCodeRevival
 from lwm.callbacks.sensitivity import Sensitivity
@@ -11,6 +13,7 @@ from lwm.callbacks.slurm import SlurmRequeue
 from lwm.callbacks.videos import RolloutVideos
 
 __all__ = [
-    "AttentionDiagonality", "CodebookMonitor", "CodeDictionaries", "FlopCounter", "DeadCodeRevival", "RolloutVideos", "Sensitivity",
+    "AttentionDiagonality", "CodebookMonitor", "CodeDictionaries", "CopyLastBaseline", "FlopCounter",
+    "DeadCodeRevival", "GroundTruthProbes", "RolloutVideos", "Sensitivity",
     "SlurmRequeue", "StepProgressBar",
 ]

@@ -117,3 +117,40 @@ def test_rollout_videos_are_written_every_n_validations_and_sent_to_wandb(tmp_pa
     frames = iio.imread(videos[0], plugin="pyav")
     assert frames.shape[0] == 6  # the clip's 6 frames: frame 0, then 5 generated
     assert isinstance(sent[0]["Val_Dynamics_Predictor/rollout_video"], wandb.Video)
+
+
+def _labelled(n: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for b in _batches(n):
+        B, T = b["latents"].shape[:2]
+        out.append({**b, "actions": torch.randint(0, 5, (B, T), generator=g), "world_label": torch.arange(B) % 2})
+    return out
+
+
+def test_copy_last_baseline_is_the_weighted_mean_over_the_validation_set():
+    from lwm.callbacks import CopyLastBaseline
+    from lwm.metrics import copy_last_loss
+
+    data = _batches(3)
+    logged = _validate(_module(), CopyLastBaseline(), data)
+    expected = sum(copy_last_loss(b["latents"]) * b["latents"].shape[0] for b in data) / sum(b["latents"].shape[0] for b in data)
+    assert logged["Val_Dynamics_Predictor/copy_last_loss"] == pytest.approx(float(expected), rel=1e-6)
+
+
+def test_probes_log_nmi_and_probe_accuracy_of_the_codes_against_the_labels():
+    from lwm.callbacks import GroundTruthProbes
+    from lwm.metrics import code_ids, nmi
+
+    module, data = _module(), _labelled(3)
+    logged = _validate(module, GroundTruthProbes(), data)
+    module.eval()
+    with torch.no_grad():
+        codes = torch.cat([module.model.encode_actions(b["latents"]).indices.flatten(0, 1) for b in data])
+    labels = torch.cat([b["actions"][:, :-1].flatten() for b in data])  # a_i <-> the action after frame i
+    expected = nmi(code_ids(codes, NET.codebook_sizes_action), labels)
+    assert logged["Val_Action_Encoder/nmi"] == pytest.approx(float(expected), abs=1e-6)
+    for name in ("Action_Encoder", "World_Encoder"):
+        assert 0.0 <= logged[f"Val_{name}/probe_accuracy"] <= 1.0 and 0.0 < logged[f"Val_{name}/probe_chance"] <= 1.0
+    unlabelled = _validate(_module(), GroundTruthProbes(), _batches(2))  # no labels: nothing logged
+    assert not any(k.endswith("/nmi") for k in unlabelled)

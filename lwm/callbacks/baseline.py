@@ -1,0 +1,37 @@
+"""The copy-last-frame baseline at validation, so that a prediction loss means something."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+from torchmetrics import MeanMetric
+from typing_extensions import override
+
+from lwm.metrics import copy_last_loss
+
+
+class CopyLastBaseline(L.Callback):
+    """``Val_Dynamics_Predictor/copy_last_loss``: the one-step MSE of predicting every frame as the previous
+    one, over the whole validation set (all ranks): the teacher-forcing loss must go below it."""
+
+    def __init__(self) -> None:
+        self._mean = MeanMetric()
+
+    @override
+    def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._mean = self._mean.to(pl_module.device)
+        self._mean.reset()
+
+    @override
+    def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
+        x = batch["latents"]
+        self._mean.update(copy_last_loss(x), weight=x.shape[0])
+
+    @override
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.sanity_checking or self._mean.update_count == 0:
+            return
+        pl_module.log("Val_Dynamics_Predictor/copy_last_loss", self._mean.compute(), on_step=False, on_epoch=True,
+                      rank_zero_only=True)
