@@ -256,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in (*LIGHTNING_VERBS, *_PASSTHROUGH):  # these parse their own arguments
         args = argparse.Namespace(verb=argv[0], rest=argv[1:], func=_PASSTHROUGH.get(argv[0], _lightning))
+    elif argv[:2] == ["data", "synth"]:
+        args = argparse.Namespace(verb="data", rest=argv[2:], func=_data_synth)
     else:
         args = build_parser().parse_args(argv)
     try:

@@ -1,0 +1,155 @@
+"""The synthetic world: deterministic, actions move the agent by the world's speed, worlds differ, and the
+written data set passes the h5 checks with its manifest."""
+
+from __future__ import annotations
+
+import json
+
+import h5py
+import numpy as np
+import pytest
+
+from lwm.data.codecs import PixelCodec
+from lwm.data.h5 import DataError, inspect_h5
+from lwm.data.manifest import Manifest
+from lwm.data.synth import (
+    ACTIONS,
+    AGENT,
+    K,
+    MOVES,
+    SIZE,
+    WORLDS,
+    agent_position,
+    episode_seed,
+    main,
+    make_dataset,
+    render_episode,
+)
+
+
+def positions(frames: np.ndarray) -> np.ndarray:
+    return np.array([agent_position(f) for f in frames])
+
+
+def test_shapes_and_types():
+    frames, actions, label = render_episode(3, 10)
+    assert frames.shape == (10, SIZE, SIZE, 3) and frames.dtype == np.uint8
+    assert actions.shape == (10,) and actions.dtype == np.int64
+    assert set(actions.tolist()) <= set(range(len(ACTIONS)))
+    assert isinstance(label, int) and 0 <= label < K
+
+
+def test_deterministic_under_a_seed():
+    a = render_episode(11, 16)
+    b = render_episode(11, 16)
+    np.testing.assert_array_equal(a[0], b[0])
+    np.testing.assert_array_equal(a[1], b[1])
+    assert a[2] == b[2]
+    c = render_episode(12, 16, world=a[2])
+    assert not np.array_equal(a[0], c[0])
+    assert episode_seed(0, 1) != episode_seed(0, 2) != episode_seed(1, 1)
+
+
+def test_agent_colour_is_unique():
+    frames, _, _ = render_episode(5, 20)
+    white = (frames == 255).all(axis=-1).sum(axis=(1, 2))
+    assert (white == AGENT * AGENT).all()  # the whole square, always on top, and nothing else pure white
+
+
+@pytest.mark.parametrize("world", range(K))
+def test_actions_move_the_agent_by_the_world_speed(world):
+    w = WORLDS[world]
+    moved = stayed = 0
+    for seed in range(6):
+        frames, actions, label = render_episode(seed, 40, world=world)
+        assert label == world
+        pos = positions(frames)
+        for t in range(len(frames) - 1):
+            expected = pos[t] + w.speed * MOVES[actions[t]]
+            if w.wrap:
+                expected %= SIZE
+            else:  # walls: the policy never pushes into them
+                assert (0 <= expected).all() and (expected <= SIZE - AGENT).all()
+            np.testing.assert_array_equal(pos[t + 1], expected, err_msg=f"seed {seed} t {t} action {ACTIONS[actions[t]]}")
+            moved += actions[t] != 0
+            stayed += actions[t] == 0
+    assert moved > 20 and stayed > 5  # both kinds of step were checked
+
+
+def test_wrapping_worlds_wrap():
+    """In a wrapping world the agent crosses an edge at some point (checked over a few long episodes)."""
+    crossed = False
+    for seed in range(10):
+        frames, actions, _ = render_episode(seed, 64, world=3)
+        pos = positions(frames)
+        crossed |= bool((np.abs(np.diff(pos, axis=0)) > WORLDS[3].speed).any())
+    assert crossed
+
+
+def test_sticky_policy():
+    _, actions, _ = render_episode(0, 2000, world=2)  # a wrapping world: no move is ever redrawn
+    repeats = (actions[1:] == actions[:-1]).mean()
+    assert 0.7 < repeats < 0.82  # 0.7 + 0.3 / 5
+    assert np.bincount(actions, minlength=5).min() > 200
+
+
+def test_worlds_change_motion_and_background():
+    seed = 4
+    episodes = [render_episode(seed, 24, world=w) for w in range(K)]
+    # the same seed: the same start, distractors and policy draws, but other backgrounds
+    for i in range(K):
+        for j in range(i + 1, K):
+            assert not np.array_equal(episodes[i][0][0], episodes[j][0][0])
+    # the two wrapping worlds take the same actions at different speeds
+    (f_slow, a_slow, _), (f_fast, a_fast, _) = episodes[2], episodes[3]
+    np.testing.assert_array_equal(a_slow, a_fast)
+    assert WORLDS[2].speed != WORLDS[3].speed and WORLDS[2].wrap and WORLDS[3].wrap
+    p_slow, p_fast = positions(f_slow), positions(f_fast)
+    np.testing.assert_array_equal(p_slow[0], p_fast[0])
+    assert (a_slow[:-1] != 0).any() and not np.array_equal(p_slow, p_fast)
+
+
+def test_bad_arguments():
+    with pytest.raises(DataError):
+        render_episode(0, 4, world=K)
+    with pytest.raises(DataError):
+        make_dataset("unused", episodes=0)
+
+
+def test_make_dataset(tmp_path):
+    out = tmp_path / "synth"
+    manifest_path = make_dataset(out, episodes=8, frames=6, seed=1, val_fraction=0.25)
+    manifest = Manifest.load(manifest_path)
+    assert manifest_path == out / "manifest.json"
+    assert (manifest.channels, manifest.height, manifest.width) == (16, 64, 64)
+    assert len(manifest.entries) == 8 and len(manifest.split("val")) == 2 and len(manifest.split("train")) == 6
+    labels = []
+    for i in range(8):
+        path = out / f"ep_{i:04d}.h5"
+        info = inspect_h5(path, channels=16, height=64, width=64)
+        assert info.frames == 6 and info.has_actions and info.world_label == i % K
+        labels.append(info.world_label)
+        with h5py.File(path, "r") as f:
+            latents = f["latents"][...]
+            assert latents.dtype == np.float16 and -1 <= latents.min() and latents.max() <= 1
+            assert f["actions"].shape == (6,) and f["actions"].dtype == np.int64
+            assert json.loads(f.attrs["codec"]) == json.loads(PixelCodec().attr)
+            frames, actions, label = render_episode(episode_seed(1, i), 6, world=i % K)
+            np.testing.assert_array_equal(f["actions"][...], actions)
+            np.testing.assert_array_equal(PixelCodec().decode(latents), frames)  # float16 keeps uint8 pixels exactly
+    assert sorted(labels) == [0, 0, 1, 1, 2, 2, 3, 3]
+    # rewriting into the same folder is fine; other h5 files there are refused
+    make_dataset(out, episodes=8, frames=6, seed=1, val_fraction=0.25)
+    (out / "other.h5").write_bytes(b"")
+    with pytest.raises(DataError, match="other.h5"):
+        make_dataset(out, episodes=8, frames=6, seed=1)
+
+
+def test_main(tmp_path, capsys):
+    out = tmp_path / "data"
+    assert main(["--out", str(out), "--episodes", "5", "--frames", "4", "--seed", "2", "--val-fraction", "0.2"]) == 0
+    printed = capsys.readouterr().out.strip()
+    assert "\n" not in printed and str(out / "manifest.json") in printed
+    manifest = Manifest.load(out / "manifest.json")
+    assert len(manifest.split("train")) == 4 and len(manifest.split("val")) == 1
+    assert all(e.frames == 4 for e in manifest.entries)
