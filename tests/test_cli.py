@@ -36,3 +36,10 @@ def test_data_index_refuses_bad_files_by_name_and_writes_nothing(tmp_path, capsy
     assert any(str(tmp_path / "nan.h5") in line and "NaN" in line for line in err)
     assert any(str(tmp_path / "big.h5") in line and "outside [-1, 1]" in line for line in err)
     assert not (tmp_path / "manifest.json").exists()
+
+
+def test_data_synth_through_the_lwm_command(tmp_path, capsys):
+    assert main(["data", "synth", "--out", str(tmp_path / "s"), "--episodes", "4", "--frames", "8"]) == 0
+    manifest = json.loads((tmp_path / "s/manifest.json").read_text())
+    assert len(manifest["files"]) == 4 and manifest["channels"] == 16
+    assert "synthetic episodes" in capsys.readouterr().out
