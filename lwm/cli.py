@@ -21,6 +21,7 @@ Errors exit 2 with one ``error: ...`` line per problem, naming the file or field
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import warnings
 from typing import Any
@@ -150,49 +151,25 @@ def _data_decode(args: argparse.Namespace) -> int:
     return 0
 
 
-def _data_synth(args: argparse.Namespace) -> int:
-    from lwm.data import synth
-
-    return synth.main(args.rest)
-
-
-def _demo(args: argparse.Namespace) -> int:
-    from lwm import demo
-
-    demo.main(args.rest)
-    return 0
-
-
-def _overfit(args: argparse.Namespace) -> int:
-    from lwm import overfit
-
-    return overfit.main(args.rest)
-
-
-def _codes(args: argparse.Namespace) -> int:
-    from lwm import codes
-
-    return codes.main(args.rest)
-
-
-def _generate(args: argparse.Namespace) -> int:
-    from lwm import generate
-
-    return generate.main(args.rest)
-
-
-def _plot(args: argparse.Namespace) -> int:
-    from lwm import plot
-
-    return plot.main(args.rest)
-
-
 def _lightning(args: argparse.Namespace) -> int:
     lightning_cli([args.verb, *args.rest])
     return 0
 
 
-_PASSTHROUGH = {"overfit": _overfit, "codes": _codes, "generate": _generate, "demo": _demo, "plot": _plot}
+# Verbs that parse their own arguments: verb -> (the module whose ``main(argv)`` runs it, its help line).
+_OWN_PARSERS = {
+    "overfit": ("lwm.overfit", "the overfit test: one window, many steps"),
+    "codes": ("lwm.codes", "code dictionaries of a checkpoint's encoders"),
+    "generate": ("lwm.generate", "play a trained model forward, write the video"),
+    "plot": ("lwm.plot", "PNG figures of a run from RUN_DIR/metrics.csv"),
+    "demo": ("lwm.demo", "train a tiny model on a built-in synthetic world (CPU)"),
+    "data synth": ("lwm.data.synth", "make the built-in synthetic world"),
+}
+
+
+def _own_parser(args: argparse.Namespace) -> int:
+    module = importlib.import_module(_OWN_PARSERS[args.verb][0])
+    return module.main(args.rest) or 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -204,21 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("rest", nargs=argparse.REMAINDER)
         p.set_defaults(func=_lightning)
 
-    overfit = verbs.add_parser("overfit", add_help=False, help="the overfit test: one window, many steps (`lwm overfit --help`)")
-    overfit.add_argument("rest", nargs=argparse.REMAINDER)
-    overfit.set_defaults(func=_overfit)
-
-    codes = verbs.add_parser("codes", add_help=False, help="code dictionaries of a checkpoint's encoders (`lwm codes --help`)")
-    codes.add_argument("rest", nargs=argparse.REMAINDER)
-    codes.set_defaults(func=_codes)
-
-    generate = verbs.add_parser("generate", add_help=False, help="play a trained model forward, write the video (`lwm generate --help`)")
-    generate.add_argument("rest", nargs=argparse.REMAINDER)
-    generate.set_defaults(func=_generate)
-
-    plot = verbs.add_parser("plot", add_help=False, help="PNG figures of a run from RUN_DIR/metrics.csv (`lwm plot --help`)")
-    plot.add_argument("rest", nargs=argparse.REMAINDER)
-    plot.set_defaults(func=_plot)
+    for verb, (_, text) in _OWN_PARSERS.items():
+        if " " not in verb:
+            p = verbs.add_parser(verb, add_help=False, help=f"{text} (`lwm {verb} --help`)")
+            p.add_argument("rest", nargs=argparse.REMAINDER)
 
     data = verbs.add_parser("data", help="make, check or convert data").add_subparsers(dest="data_verb", required=True)
     index = data.add_parser("index", help="check every h5 file under DIR and write the manifest")
@@ -242,22 +208,18 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument("--fps", type=int, default=8)
     decode.set_defaults(func=_data_decode)
 
-    synth = data.add_parser("synth", add_help=False, help="make the built-in synthetic world (`lwm data synth --help`)")
-    synth.add_argument("rest", nargs=argparse.REMAINDER)
-    synth.set_defaults(func=_data_synth)
-
-    demo = verbs.add_parser("demo", add_help=False, help="train a tiny model on a built-in synthetic world (CPU)")
-    demo.add_argument("rest", nargs=argparse.REMAINDER)
-    demo.set_defaults(func=_demo)
+    data.add_parser("synth", add_help=False, help=f"{_OWN_PARSERS['data synth'][1]} (`lwm data synth --help`)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in (*LIGHTNING_VERBS, *_PASSTHROUGH):  # these parse their own arguments
-        args = argparse.Namespace(verb=argv[0], rest=argv[1:], func=_PASSTHROUGH.get(argv[0], _lightning))
+    if argv and argv[0] in LIGHTNING_VERBS:
+        args = argparse.Namespace(verb=argv[0], rest=argv[1:], func=_lightning)
+    elif argv and argv[0] in _OWN_PARSERS:
+        args = argparse.Namespace(verb=argv[0], rest=argv[1:], func=_own_parser)
     elif argv[:2] == ["data", "synth"]:
-        args = argparse.Namespace(verb="data", rest=argv[2:], func=_data_synth)
+        args = argparse.Namespace(verb="data synth", rest=argv[2:], func=_own_parser)
     else:
         args = build_parser().parse_args(argv)
     try:

@@ -89,25 +89,14 @@ def test_revival_validates_its_interval():
 def test_rollout_videos_are_written_every_n_validations_and_sent_to_wandb(tmp_path):
     import imageio.v3 as iio
     import wandb
-    from lightning.pytorch.loggers.logger import Logger
-
     from lwm.callbacks import RolloutVideos
+    from tests.lightning.helpers import WandbLogger
 
-    sent = []
-
-    class WandbLogger(Logger):  # what log_video looks for: the class name, and experiment.log
-        name, version = "fake", "0"
-        experiment = type("Run", (), {"log": staticmethod(sent.append)})()
-
-        def log_metrics(self, metrics, step=None):
-            pass
-
-        def log_hyperparams(self, params, *args, **kwargs):
-            pass
-
+    wandb_logger = WandbLogger()
+    sent = wandb_logger.sent
     module, data = _module(), _batches(2)
     callback = RolloutVideos(every_n_validations=2, clips=2)
-    trainer = L.Trainer(accelerator="cpu", logger=[WandbLogger()], default_root_dir=tmp_path, callbacks=[callback],
+    trainer = L.Trainer(accelerator="cpu", logger=[wandb_logger], default_root_dir=tmp_path, callbacks=[callback],
                         enable_progress_bar=False, enable_model_summary=False)
     loader = torch.utils.data.DataLoader(data, batch_size=None)
     for _ in range(3):  # validations 1 and 3 are due

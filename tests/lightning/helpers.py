@@ -8,6 +8,7 @@ from pathlib import Path
 
 import h5py
 import lightning as L
+from lightning.pytorch.loggers.logger import Logger
 import numpy as np
 import torch
 
@@ -87,3 +88,21 @@ class DumpQuantizers(L.Callback):
         state = {k: v.detach().cpu() for k, v in pl_module.model.state_dict().items() if ".rvq." in k}
         os.makedirs(self.directory, exist_ok=True)
         torch.save(state, os.path.join(self.directory, f"rank{trainer.global_rank}.pt"))
+
+
+class WandbLogger(Logger):
+    """A stand-in for Lightning's WandbLogger (lwm.loggers finds it by class name): ``experiment.log`` appends
+    what it is given to ``self.sent``."""
+
+    name, version = "fake", "0"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent: list[dict] = []
+        self.experiment = type("Run", (), {"log": staticmethod(self.sent.append)})()
+
+    def log_metrics(self, metrics, step=None) -> None:
+        pass
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass

@@ -86,29 +86,19 @@ def test_log_distribution_sends_a_histogram_to_wandb_and_min_mean_max_to_every_l
     import lightning as L
     import torch
     import wandb
-    from lightning.pytorch.loggers.logger import Logger
-
     from lwm.loggers import log_distribution
+    from tests.lightning.helpers import WandbLogger
     from lwm.module import WorldModelModule
     from tests.lightning.test_module import NET, _batches
 
-    recorded = []
-
-    class WandbLogger(Logger):  # what log_distribution looks for: the class name, and experiment.log
-        name, version = "fake", "0"
-        experiment = type("Run", (), {"log": staticmethod(recorded.append)})()
-
-        def log_metrics(self, metrics, step=None):
-            pass
-
-        def log_hyperparams(self, params, *args, **kwargs):
-            pass
+    wandb_logger = WandbLogger()
+    recorded = wandb_logger.sent
 
     class Emit(L.Callback):
         def on_validation_epoch_end(self, trainer, pl_module):
             log_distribution(pl_module, "Val_Test/dist", torch.tensor([1.0, 2.0, 6.0]))
 
-    trainer = L.Trainer(accelerator="cpu", logger=[WandbLogger()], callbacks=[Emit()], enable_progress_bar=False,
+    trainer = L.Trainer(accelerator="cpu", logger=[wandb_logger], callbacks=[Emit()], enable_progress_bar=False,
                         enable_model_summary=False)
     trainer.validate(WorldModelModule(net=NET), torch.utils.data.DataLoader(_batches(1), batch_size=None), verbose=False)
     logged = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("Val_Test/")}
