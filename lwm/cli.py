@@ -78,20 +78,17 @@ def lightning_cli_class() -> type:
                 "checkpoint.auto_insert_metric_name": False,
                 "checkpoint.enable_version_counter": False,  # one run per RUN_DIR: last.ckpt is always the latest
             })
-            parser.add_lightning_class_args(DeadCodeRevival, "revival")
-            parser.add_lightning_class_args(CodebookMonitor, "codebooks")
-            parser.add_lightning_class_args(AttentionDiagonality, "diagonality")
-            parser.add_lightning_class_args(Sensitivity, "sensitivity")
-            parser.add_lightning_class_args(FlopCounter, "flops")
-            parser.add_lightning_class_args(CodeDictionaries, "code_dictionaries")
-            parser.add_lightning_class_args(RolloutVideos, "rollout_videos")
-            parser.add_lightning_class_args(CopyLastBaseline, "copy_last")
-            parser.add_lightning_class_args(GroundTruthProbes, "probes")
-            parser.add_class_arguments(WandbConfig, "wandb")
-            parser.add_lightning_class_args(StepProgressBar, "progress_bar")
-            parser.add_lightning_class_args(RichModelSummary, "model_summary")
+            # Always-on callbacks, each configurable under its key (e.g. --revival.every_n_steps 10).
+            for key, callback in (
+                ("revival", DeadCodeRevival), ("codebooks", CodebookMonitor), ("diagonality", AttentionDiagonality),
+                ("sensitivity", Sensitivity), ("flops", FlopCounter), ("code_dictionaries", CodeDictionaries),
+                ("rollout_videos", RolloutVideos), ("copy_last", CopyLastBaseline), ("probes", GroundTruthProbes),
+                ("progress_bar", StepProgressBar), ("model_summary", RichModelSummary),
+                ("slurm_requeue", SlurmRequeue),  # a no-op outside SLURM
+            ):
+                parser.add_lightning_class_args(callback, key)
             parser.set_defaults({"model_summary.max_depth": 2})
-            parser.add_lightning_class_args(SlurmRequeue, "slurm_requeue")  # always on; a no-op outside SLURM
+            parser.add_class_arguments(WandbConfig, "wandb")
 
         def instantiate_trainer(self, **kwargs: Any):
             trainer_config = self._get(self.config_init, "trainer", default={})

@@ -25,6 +25,13 @@ def _validate(module, callback, batches) -> dict[str, float]:
     return {k: float(v) for k, v in trainer.callback_metrics.items()}
 
 
+def _action_codes(module, data) -> torch.Tensor:
+    """The action-code tuples ``[N, La]`` of every transition of ``data``, computed directly (eval mode)."""
+    module.eval()
+    with torch.no_grad():
+        return torch.cat([module.model.encode_actions(b["latents"]).indices.flatten(0, 1) for b in data])
+
+
 def test_attention_diagonality_logs_the_metric_of_the_first_batches():
     module, data = _module(), _batches(3)
     logged = _validate(module, AttentionDiagonality(batches=2), data)
@@ -38,10 +45,7 @@ def test_attention_diagonality_logs_the_metric_of_the_first_batches():
 def test_codebook_monitor_validation_usage_is_over_the_whole_set():
     module, data = _module(), _batches(3)
     logged = _validate(module, CodebookMonitor(), data)
-    module.eval()
-    with torch.no_grad():
-        indices = torch.cat([module.model.encode_actions(b["latents"]).indices.flatten(0, 1) for b in data])
-    expected = codebook_usage(indices, NET.codebook_sizes_action)
+    expected = codebook_usage(_action_codes(module, data), NET.codebook_sizes_action)
     for level, value in enumerate(expected):
         assert logged[f"Val_Action_Encoder/codebook_usage_level_{level}"] == pytest.approx(float(value))
     assert logged["Val_Action_Encoder/codebook_diversity_min_level_0"] >= 0
@@ -133,9 +137,7 @@ def test_probes_log_nmi_and_probe_accuracy_of_the_codes_against_the_labels():
 
     module, data = _module(), _labelled(3)
     logged = _validate(module, GroundTruthProbes(), data)
-    module.eval()
-    with torch.no_grad():
-        codes = torch.cat([module.model.encode_actions(b["latents"]).indices.flatten(0, 1) for b in data])
+    codes = _action_codes(module, data)
     labels = torch.cat([b["actions"][:, :-1].flatten() for b in data])  # a_i <-> the action after frame i
     expected = nmi(code_ids(codes, NET.codebook_sizes_action), labels)
     assert logged["Val_Action_Encoder/nmi"] == pytest.approx(float(expected), abs=1e-6)
