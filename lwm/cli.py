@@ -6,7 +6,7 @@
     lwm generate --ckpt_path CKPT --data FILE.h5 [--steps N] [--out VIDEO]             rollouts as video
     lwm plot RUN_DIR [--out DIR]                                                      figures from metrics.csv
     lwm data index DIR [--val-fraction F] [--out MANIFEST] [--seed S] [--tolerance TOL]
-    lwm data encode VIDEO... --out DIR [--codec pixel]  |  lwm data decode FILE.h5 --out VIDEO
+    lwm data encode VIDEO... --out DIR [--codec pixel|wan|cogvideox|hunyuan --vae PATH]  |  lwm data decode FILE.h5 --out VIDEO [--vae PATH]
     lwm data synth --out DIR --episodes N                                             the built-in world
     lwm demo [--steps N]
 
@@ -136,15 +136,17 @@ def _data_index(args: argparse.Namespace) -> int:
 def _data_encode(args: argparse.Namespace) -> int:
     from lwm.data.convert import encode_videos
 
-    for path in encode_videos(args.videos, args.out, args.codec, args.stride):
-        print(f"wrote {path}")
+    import torch
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    encode_videos(args.videos, args.out, args.codec, args.stride, args.vae, args.size, args.device, dtype)
     return 0
 
 
 def _data_decode(args: argparse.Namespace) -> int:
     from lwm.data.convert import decode_file
 
-    print(f"wrote {decode_file(args.file, args.out, args.fps)}")
+    print(f"wrote {decode_file(args.file, args.out, args.fps, args.vae, args.device)}")
     return 0
 
 
@@ -194,15 +196,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     encode = data.add_parser("encode", help="encode videos to h5 latent files through a codec")
     encode.add_argument("videos", nargs="+", help="video files (anything PyAV reads)")
-    encode.add_argument("--codec", default="pixel", help="pixel (built in, 128x128 RGB)")
+    encode.add_argument("--codec", default="pixel",
+                        help="pixel (built in, 128x128 RGB) or a diffusers video VAE (needs --vae)")
     encode.add_argument("--out", required=True, help="folder for the h5 files (then `lwm data index` it)")
     encode.add_argument("--stride", type=int, default=1, help="keep every N-th frame")
+    encode.add_argument("--vae", help="local folder with the VAE's diffusers weights (or a pipeline with vae/)")
+    encode.add_argument("--size", type=int, help="frame size in pixels (default: 128 pixel, 512 VAEs)")
+    encode.add_argument("--device", default="cpu", help="where the VAE runs (e.g. cuda)")
+    encode.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="VAE dtype")
     encode.set_defaults(func=_data_encode)
 
     decode = data.add_parser("decode", help="decode an h5 latent file to a video through its codec")
     decode.add_argument("file", help="h5 file with a `codec` attribute")
     decode.add_argument("--out", required=True, help="video path (.mp4 or .gif)")
     decode.add_argument("--fps", type=int, default=8)
+    decode.add_argument("--vae", help="the VAE's local diffusers weights, for files encoded with a VAE")
+    decode.add_argument("--device", default="cpu", help="where the VAE runs")
     decode.set_defaults(func=_data_decode)
 
     data.add_parser("synth", add_help=False, help=f"{_OWN_PARSERS['data synth'][1]} (`lwm data synth --help`)")

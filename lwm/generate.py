@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from lwm.codes import load_dictionaries
-from lwm.data.codecs import codec_from_attr
+from lwm.data.codecs import codec_from_attr, missing_codec
 from lwm.data.h5 import DataError, inspect_h5
 from lwm.errors import ConfigError
 from lwm.metrics import random_codes
@@ -50,6 +50,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--window", type=int, help="frames the predictor attends to (default: its training window)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fps", type=int, default=8)
+    p.add_argument("--vae", help="the VAE's local diffusers weights, to decode files encoded with a VAE")
     p.add_argument("--out", help="video path, .mp4 or .gif (default: RUN_DIR/generated/FILE_START.mp4)")
     args = p.parse_args(argv)
     for name in ("context", "steps", "rollouts"):
@@ -136,7 +137,7 @@ def run(args: argparse.Namespace) -> Path:
 
     out = Path(args.out) if args.out else ckpt_path.parent.parent / "generated" / f"{Path(args.data).stem}_{args.start}.mp4"
     rollouts = torch.cat([context, generated], dim=1).cpu()  # [R, context + steps, C, H, W]
-    decoder = codec_from_attr(codec, str(args.data))
+    decoder = codec_from_attr(codec, str(args.data), args.vae, str(device))
     to_video = (lambda x: decoder.decode(x.numpy())) if decoder is not None else latent_preview  # noqa: E731
     rows = [to_video(r) for r in rollouts]
     if clip.shape[1] == rollouts.shape[1]:
@@ -147,7 +148,7 @@ def run(args: argparse.Namespace) -> Path:
         f["ground_truth"] = clip[0].cpu().numpy()
         f.attrs["source"], f.attrs["start"], f.attrs["context"] = str(args.data), args.start, args.context
     shown = (f"decoded by the {decoder.name} codec" if decoder is not None else
-             "latent channels 0-2 shown as RGB: the file names no codec lwm knows")
+             f"latent channels 0-2 shown as RGB: {missing_codec(codec, str(args.data))}")
     print(f"wrote {out} ({'ground truth, then ' if len(rows) > R else ''}{R} rollouts of {args.steps} frames after "
           f"{args.context} context frames; {shown}) and {out}.h5")
     return out

@@ -28,6 +28,11 @@ class PixelCodec:
     size: int = 128  # frame height and width in pixels (latents are size/2)
     name: str = "pixel"
     version: int = 1
+    frames_per_latent: int = 1  # video frames per latent step
+
+    @property
+    def latent_size(self) -> int:
+        return self.size // 2
 
     @property
     def attr(self) -> str:
@@ -58,14 +63,41 @@ class PixelCodec:
         return rgb.to(torch.uint8).numpy()
 
 
-def codec_from_attr(attr: object, path: str = "") -> PixelCodec | None:
-    """The codec a file's ``codec`` attribute names, or None when there is none (or an unknown one)."""
+def codec_spec(attr: object, path: str = "") -> dict | None:
+    """A file's ``codec`` attribute parsed (None when there is none)."""
     if attr is None:
         return None
     try:
         spec = json.loads(attr if isinstance(attr, str) else bytes(attr).decode())
     except (ValueError, TypeError, UnicodeDecodeError):
         raise DataError(f"{path}: attribute 'codec' is not JSON: {str(attr)[:80]}") from None
-    if spec.get("name") == "pixel":
+    if not isinstance(spec, dict) or "name" not in spec:
+        raise DataError(f"{path}: attribute 'codec' must be a JSON object with a 'name', got {str(attr)[:80]}")
+    return spec
+
+
+def codec_from_attr(attr: object, path: str = "", vae: str | None = None, device: str = "cpu"):
+    """The codec a file's ``codec`` attribute names, or None when there is none, when it is unknown, or when it
+    is a diffusers VAE (:mod:`lwm.data.vae`) and no ``vae`` weights folder is given."""
+    spec = codec_spec(attr, path)
+    if spec is None:
+        return None
+    if spec["name"] == "pixel":
         return PixelCodec(size=int(spec.get("size", 128)))
+    from lwm.data.vae import CLASSES, VAECodec
+
+    if spec["name"] in CLASSES and vae is not None:
+        return VAECodec.from_attr(spec, vae, device)
     return None
+
+
+def missing_codec(attr: object, path: str = "") -> str:
+    """Why :func:`codec_from_attr` gave None, as a phrase for messages."""
+    from lwm.data.vae import CLASSES
+
+    spec = codec_spec(attr, path)
+    if spec is None:
+        return "the file names no codec"
+    if spec["name"] in CLASSES:
+        return f"the file was encoded with the {spec['name']} VAE: pass --vae PATH (its diffusers weights) to decode it"
+    return f"the file names a codec lwm does not know ({spec['name']!r})"

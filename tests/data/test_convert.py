@@ -36,7 +36,8 @@ def test_square_resize_crops_the_centre():
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["data", "encode", "/nope.mp4", "--out", "OUT"], "/nope.mp4: video not found"),
-    (["data", "encode", "IN", "--out", "OUT", "--codec", "wan"], "--codec wan: unknown"),
+    (["data", "encode", "IN", "--out", "OUT", "--codec", "cosmos"], "--codec cosmos: unknown (known: pixel, wan, cogvideox, hunyuan)"),
+    (["data", "encode", "IN", "--out", "OUT", "--codec", "wan"], "--codec wan needs --vae PATH"),
 ])
 def test_encode_errors(tmp_path, capsys, argv, message):
     video = write_video(tmp_path / "v.mp4", np.zeros((2, 16, 16, 3), dtype=np.uint8))
@@ -49,4 +50,4 @@ def test_decode_needs_a_codec(tmp_path, capsys):
     with h5py.File(tmp_path / "raw.h5", "w") as f:
         f["latents"] = np.zeros((2, 16, 64, 64), dtype=np.float32)
     assert main(["data", "decode", str(tmp_path / "raw.h5"), "--out", str(tmp_path / "x.gif")]) == 2
-    assert "no known codec" in capsys.readouterr().err
+    assert "raw.h5: cannot decode to pixels: the file names no codec" in capsys.readouterr().err

@@ -1,0 +1,183 @@
+"""Adapters for the diffusers 16-channel video VAEs: real video <-> lwm latents ``[t, 16, S/8, S/8]`` in [-1, 1].
+
+    lwm data encode VIDEO... --codec wan|cogvideox|hunyuan --vae PATH --out DIR [--size 512]
+    lwm data decode FILE.h5 --out VIDEO.mp4 --vae PATH
+
+``PATH`` is a local folder with the VAE's diffusers weights (``config.json`` + safetensors), or a pipeline
+folder with a ``vae/`` subfolder; nothing is ever downloaded (``local_files_only``). diffusers is an optional
+extra: ``pip install 'lwm[vae]'``.
+
+The transform, per VAE (each its own latent normalisation, as its diffusers pipeline applies it):
+
+* ``wan`` (``AutoencoderKLWan``): ``n = (z - latents_mean) / latents_std`` (per channel, from its config);
+* ``cogvideox`` (``AutoencoderKLCogVideoX``) and ``hunyuan`` (``AutoencoderKLHunyuanVideo``):
+  ``n = z * scaling_factor``;
+
+then ``y = clamp(n / SPREAD, -1, 1)`` with ``SPREAD = 4`` (a normalised latent is about unit-variance, so
+only values beyond 4 standard deviations are clipped; the encoder reports how many). Written to the h5
+``codec`` attribute as ``y = (z - shift) / scale`` with per-channel ``shift`` and ``scale``, which decoding
+inverts exactly: ``z = y * scale + shift``. ``z`` is the posterior mean (``latent_dist.mode()``): encoding is
+deterministic.
+
+Time: the three VAEs are causal with a temporal compression of 4. Latent ``0`` encodes video frame ``0``
+alone; latent ``k >= 1`` encodes frames ``4k-3 .. 4k``. A video of ``F`` frames gives ``1 + (F-1) // 4``
+latents (trailing frames that do not fill a group of 4 are dropped). Ground-truth actions are aligned with
+the latent transitions by taking the action after frame ``4k`` for transition ``k -> k+1`` (which brings in
+frames ``4k+1 .. 4k+4``): exact when each action is held for 4 frames starting at frame 0, as
+``lwm data atari`` does with a VAE codec. Space: 8x, so 512x512 video gives 64x64 latents.
+
+Cosmos (``AutoencoderKLCosmos``) is not adapted: its temporal compression is 8 and its latent statistics
+are per channel *and* per latent frame, which does not fit a per-channel transform.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from lwm.errors import DataError
+
+SPREAD = 4.0  # normalised latents are divided by this before clipping to [-1, 1]
+TEMPORAL = 4  # video frames per latent step (after the first)
+SPATIAL = 8  # pixels per latent cell
+CLASSES = {"wan": "AutoencoderKLWan", "cogvideox": "AutoencoderKLCogVideoX", "hunyuan": "AutoencoderKLHunyuanVideo"}
+
+
+def latent_frames(frames: int) -> int:
+    """Latent steps of a video of ``frames`` frames: ``1 + (frames - 1) // 4``."""
+    return 1 + (frames - 1) // TEMPORAL
+
+
+def video_frames(latents: int) -> int:
+    """Video frames that ``latents`` latent steps cover (and decode to): ``1 + 4 (latents - 1)``."""
+    return 1 + TEMPORAL * (latents - 1)
+
+
+def latent_actions(actions: np.ndarray) -> np.ndarray:
+    """Per-frame actions ``[F]`` -> per-latent-step actions ``[1 + (F-1)//4]``: the action after frame ``4k``."""
+    return np.asarray(actions)[:: TEMPORAL][: latent_frames(len(actions))]
+
+
+def normalisation(name: str, config) -> tuple[list[float], list[float]]:
+    """``(shift, scale)`` per channel with ``y = (z - shift) / scale`` for the VAE ``name`` with this config."""
+    channels = int(config.get("z_dim", config.get("latent_channels", 16)))
+    if name == "wan":
+        mean, std = config["latents_mean"], config["latents_std"]
+        if len(mean) != channels or len(std) != channels:
+            raise DataError(f"wan VAE config: latents_mean/latents_std must have {channels} entries")
+        return [float(m) for m in mean], [float(s) * SPREAD for s in std]
+    factor = float(config["scaling_factor"])
+    return [0.0] * channels, [SPREAD / factor] * channels
+
+
+def load_vae(name: str, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+    """The diffusers VAE ``name`` (``wan``, ``cogvideox``, ``hunyuan``) from the local folder ``path``, in eval mode."""
+    if name not in CLASSES:
+        raise DataError(f"--codec {name}: unknown VAE (known: {', '.join(CLASSES)})")
+    try:
+        import diffusers
+    except ImportError:
+        raise DataError(f"--codec {name} needs diffusers, an optional extra: pip install 'lwm[vae]'") from None
+    path = Path(path)
+    subfolder = "vae" if (path / "vae" / "config.json").is_file() else None
+    config_file = path / (subfolder or "") / "config.json"
+    if not config_file.is_file():
+        raise DataError(f"--vae {path}: no diffusers VAE there (no config.json, nor vae/config.json)")
+    declared = json.loads(config_file.read_text()).get("_class_name")
+    if declared and declared != CLASSES[name]:
+        raise DataError(f"--vae {path}: holds a {declared}, but --codec {name} needs a {CLASSES[name]}")
+    cls = getattr(diffusers, CLASSES[name])
+    try:
+        vae = cls.from_pretrained(path, subfolder=subfolder, local_files_only=True, torch_dtype=dtype)
+    except (OSError, ValueError, RuntimeError) as e:
+        raise DataError(f"--vae {path}: cannot load the {CLASSES[name]} ({str(e).splitlines()[0]})") from None
+    return vae.to(device).eval()
+
+
+@dataclass
+class VAECodec:
+    """RGB ``uint8 [F, S, S, 3]`` <-> latents ``float32 [1 + (F-1)//4, 16, S/8, S/8]`` in [-1, 1] through a
+    diffusers video VAE (``vae`` loaded by :func:`load_vae`)."""
+
+    name: str
+    vae: torch.nn.Module
+    size: int = 512
+    shift: tuple[float, ...] = ()
+    scale: tuple[float, ...] = ()
+    version: int = 1
+    frames_per_latent: int = TEMPORAL
+
+    @classmethod
+    def load(cls, name: str, path: str | Path, size: int = 512, device: str | torch.device = "cpu",
+             dtype: torch.dtype = torch.float32) -> VAECodec:
+        """Load the VAE and take the normalisation from its config."""
+        if size % SPATIAL:
+            raise DataError(f"--size {size}: must be a multiple of {SPATIAL} (the VAE's spatial compression)")
+        vae = load_vae(name, path, device, dtype)
+        shift, scale = normalisation(name, vae.config)
+        return cls(name, vae, size, tuple(shift), tuple(scale))
+
+    @property
+    def attr(self) -> str:
+        """The h5 ``codec`` attribute: the transform ``y = (z - shift) / scale`` and the VAE's geometry."""
+        return json.dumps({"name": self.name, "version": self.version, "size": self.size,
+                           "frames_per_latent": self.frames_per_latent, "spatial": SPATIAL,
+                           "shift": list(self.shift), "scale": list(self.scale)})
+
+    @property
+    def latent_size(self) -> int:
+        return self.size // SPATIAL
+
+    def _affine(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        shift = torch.tensor(self.shift, dtype=torch.float32, device=device)[:, None, None, None]  # [C, 1, 1, 1]
+        scale = torch.tensor(self.scale, dtype=torch.float32, device=device)[:, None, None, None]
+        return shift, scale
+
+    @torch.no_grad()
+    def encode(self, frames: np.ndarray) -> np.ndarray:
+        """``uint8 [F, S, S, 3]`` -> ``float32 [1 + (F-1)//4, 16, S/8, S/8]`` in [-1, 1]."""
+        latents, _ = self.encode_counting(frames)
+        return latents
+
+    @torch.no_grad()
+    def encode_counting(self, frames: np.ndarray) -> tuple[np.ndarray, int]:
+        """:meth:`encode`, and how many values were clipped to [-1, 1]."""
+        frames = np.asarray(frames)
+        if frames.ndim != 4 or frames.shape[1:] != (self.size, self.size, 3):
+            raise DataError(f"{self.name} codec: expected frames [F, {self.size}, {self.size}, 3], got {frames.shape}")
+        used = video_frames(latent_frames(len(frames)))
+        device, dtype = next(self.vae.parameters()).device, next(self.vae.parameters()).dtype
+        x = torch.from_numpy(frames[:used]).to(device).permute(3, 0, 1, 2)[None]  # [1, 3, F, S, S]
+        x = (x.float() / 127.5 - 1.0).to(dtype)
+        z = self.vae.encode(x).latent_dist.mode()[0].float()  # [C, t, S/8, S/8]
+        shift, scale = self._affine(z.device)
+        y = (z - shift) / scale
+        clipped = int((y.abs() > 1).sum())
+        return y.clamp(-1, 1).permute(1, 0, 2, 3).contiguous().cpu().numpy(), clipped
+
+    @torch.no_grad()
+    def decode(self, latents: np.ndarray) -> np.ndarray:
+        """``[t, 16, S/8, S/8]`` in [-1, 1] -> ``uint8 [1 + 4 (t-1), S, S, 3]``."""
+        device, dtype = next(self.vae.parameters()).device, next(self.vae.parameters()).dtype
+        y = torch.as_tensor(np.asarray(latents, dtype=np.float32), device=device)
+        h = self.latent_size
+        if y.ndim != 4 or y.shape[1] != len(self.shift) or y.shape[2:] != (h, h):
+            raise DataError(f"{self.name} codec: expected latents [t, {len(self.shift)}, {h}, {h}], got {tuple(y.shape)}")
+        shift, scale = self._affine(device)
+        z = y.permute(1, 0, 2, 3) * scale + shift  # [C, t, h, w]
+        video = self.vae.decode(z[None].to(dtype)).sample[0].float()  # [3, F, S, S] in about [-1, 1]
+        rgb = ((video.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+        return rgb.permute(1, 2, 3, 0).contiguous().cpu().numpy()
+
+    @classmethod
+    def from_attr(cls, spec: dict, vae_path: str | Path, device: str | torch.device = "cpu",
+                  dtype: torch.dtype = torch.float32) -> VAECodec:
+        """The codec a file's ``codec`` attribute describes, with the VAE weights from ``vae_path``; decoding
+        uses the file's recorded transform (not the loaded config's), so it inverts exactly what was encoded."""
+        vae = load_vae(spec["name"], vae_path, device, dtype)
+        return cls(spec["name"], vae, int(spec["size"]), tuple(spec["shift"]), tuple(spec["scale"]),
+                   int(spec.get("version", 1)), int(spec.get("frames_per_latent", TEMPORAL)))

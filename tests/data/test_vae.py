@@ -1,0 +1,129 @@
+"""The diffusers video-VAE adapters on tiny randomly initialised configs (no weights can be downloaded)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+diffusers = pytest.importorskip("diffusers")
+
+from lwm.data.codecs import codec_from_attr, missing_codec  # noqa: E402
+from lwm.data.convert import decode_file, encode_videos  # noqa: E402
+from lwm.data.vae import CLASSES, SPREAD, VAECodec, latent_actions, latent_frames, video_frames  # noqa: E402
+from lwm.errors import DataError  # noqa: E402
+
+TINY = {
+    "wan": dict(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
+                latents_mean=[0.1 * i for i in range(16)], latents_std=[0.5 + 0.1 * i for i in range(16)]),
+    "cogvideox": dict(block_out_channels=(8, 8, 8, 8), layers_per_block=1, norm_num_groups=4, latent_channels=16,
+                      scaling_factor=0.7),
+    "hunyuan": dict(block_out_channels=(8, 8, 8, 8), layers_per_block=1, norm_num_groups=4, latent_channels=16,
+                    mid_block_add_attention=False, scaling_factor=0.5),
+}
+SIZE = 32  # tiny frames: 4x4 latents
+
+
+@pytest.fixture(scope="module")
+def vae_dirs(tmp_path_factory):
+    """Each tiny VAE saved as diffusers weights; wan as a pipeline folder with a ``vae/`` subfolder."""
+    root = tmp_path_factory.mktemp("vaes")
+    dirs = {}
+    for name, kwargs in TINY.items():
+        torch.manual_seed(0)
+        vae = getattr(diffusers, CLASSES[name])(**kwargs)
+        dirs[name] = root / name
+        vae.save_pretrained(dirs[name] / "vae" if name == "wan" else dirs[name])
+    return dirs
+
+
+def frames(n: int = 9, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (n, SIZE, SIZE, 3), dtype=np.uint8)
+
+
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_encode_applies_the_vaes_own_normalisation_and_decode_inverts_it(name, vae_dirs):
+    codec = VAECodec.load(name, vae_dirs[name], size=SIZE)
+    video = frames(10)  # 10 frames: 3 latents cover 9, the last is dropped
+    y = codec.encode(video)
+    assert y.shape == (3, 16, SIZE // 8, SIZE // 8) and y.dtype == np.float32
+    assert np.abs(y).max() <= 1.0
+
+    x = torch.from_numpy(video[:9]).permute(3, 0, 1, 2)[None].float() / 127.5 - 1.0
+    with torch.no_grad():
+        z = codec.vae.encode(x).latent_dist.mode()[0].permute(1, 0, 2, 3).numpy()  # [t, C, h, w]
+    config = TINY[name]
+    if name == "wan":
+        normalised = (z - np.array(config["latents_mean"])[:, None, None]) / np.array(config["latents_std"])[:, None, None]
+    else:
+        normalised = z * config["scaling_factor"]
+    np.testing.assert_allclose(y, np.clip(normalised / SPREAD, -1, 1), rtol=1e-5, atol=1e-6)
+
+    # the h5 attribute alone (plus the weights) decodes: the recorded transform inverts the encoding
+    again = codec_from_attr(codec.attr, "f.h5", vae=str(vae_dirs[name]))
+    decoded = again.decode(y)
+    assert decoded.shape == (9, SIZE, SIZE, 3) and decoded.dtype == np.uint8
+    with torch.no_grad():
+        expected = codec.vae.decode(torch.from_numpy(z).permute(1, 0, 2, 3)[None]).sample[0]
+    expected = ((expected.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 3, 0).numpy()
+    assert np.abs(normalised / SPREAD).max() <= 1  # nothing clipped, so decoding must give the VAE's own decode
+    assert np.abs(decoded.astype(int) - expected.astype(int)).max() <= 1  # float rounding only
+
+
+def test_frame_alignment():
+    assert [latent_frames(f) for f in (1, 4, 5, 8, 9, 13)] == [1, 1, 2, 2, 3, 4]
+    assert [video_frames(t) for t in (1, 2, 3)] == [1, 5, 9]
+    np.testing.assert_array_equal(latent_actions(np.arange(10)), [0, 4, 8])  # the action after frame 4k
+
+
+def test_encode_and_decode_through_the_command(tmp_path, vae_dirs):
+    import imageio.v3 as iio
+
+    video = tmp_path / "clip.mp4"
+    iio.imwrite(video, frames(9, seed=1), plugin="pyav", codec="libx264", fps=8)
+    lwm = [sys.executable, "-m", "lwm.cli"]
+    run = subprocess.run([*lwm, "data", "encode", str(video), "--codec", "cogvideox", "--vae", str(vae_dirs["cogvideox"]),
+                          "--size", str(SIZE), "--out", str(tmp_path / "out")], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    with h5py.File(tmp_path / "out" / "clip.h5") as f:
+        assert f["latents"].shape == (3, 16, 4, 4) and f["latents"].dtype == np.float16
+        spec = json.loads(f.attrs["codec"])
+    assert spec["name"] == "cogvideox" and spec["frames_per_latent"] == 4 and spec["scale"] == [SPREAD / 0.7] * 16
+
+    run = subprocess.run([*lwm, "data", "decode", str(tmp_path / "out" / "clip.h5"), "--out", str(tmp_path / "back.mp4")],
+                         capture_output=True, text=True)
+    assert run.returncode == 2 and "--vae" in run.stderr and "cogvideox" in run.stderr
+    run = subprocess.run([*lwm, "data", "decode", str(tmp_path / "out" / "clip.h5"), "--out", str(tmp_path / "back.mp4"),
+                          "--vae", str(vae_dirs["cogvideox"])], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert iio.imread(tmp_path / "back.mp4", index=None).shape[0] == 9
+
+
+def test_bad_vae_arguments_name_the_problem(tmp_path, vae_dirs):
+    video = tmp_path / "clip.mp4"
+    video.write_bytes(b"")
+    with pytest.raises(DataError, match="--codec wan needs --vae"):
+        encode_videos([str(video)], tmp_path / "out", codec="wan")
+    with pytest.raises(DataError, match="holds a AutoencoderKLWan, but --codec hunyuan"):
+        encode_videos([str(video)], tmp_path / "out", codec="hunyuan", vae=vae_dirs["wan"])
+    with pytest.raises(DataError, match="no diffusers VAE there"):
+        encode_videos([str(video)], tmp_path / "out", codec="wan", vae=tmp_path)
+    with pytest.raises(DataError, match="multiple of 8"):
+        VAECodec.load("wan", vae_dirs["wan"], size=36)
+    assert "pass --vae" in missing_codec(json.dumps({"name": "hunyuan"}))
+    assert codec_from_attr(json.dumps({"name": "hunyuan"})) is None  # no weights given: no decoder
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())  # nothing written
+
+
+def test_decoding_a_vae_file_without_weights_is_one_clear_error(tmp_path):
+    path = tmp_path / "f.h5"
+    with h5py.File(path, "w") as f:
+        f["latents"] = np.zeros((2, 16, 4, 4), np.float16)
+        f.attrs["codec"] = json.dumps({"name": "wan", "size": 32, "shift": [0.0] * 16, "scale": [1.0] * 16})
+    with pytest.raises(DataError, match=r"f\.h5: cannot decode to pixels: .*wan VAE: pass --vae"):
+        decode_file(path, tmp_path / "x.mp4")
