@@ -8,6 +8,7 @@
     lwm data index DIR [--val-fraction F] [--out MANIFEST] [--seed S] [--tolerance TOL]
     lwm data encode VIDEO... --out DIR [--codec pixel|wan|cogvideox|hunyuan --vae PATH]  |  lwm data decode FILE.h5 --out VIDEO [--vae PATH]
     lwm data synth --out DIR --episodes N                                             the built-in world
+    lwm data atari --games pong breakout --out DIR [--episodes N]                       Atari footage (ale-py)
     lwm demo [--steps N]
 
 The Lightning verbs read OmegaConf/LightningCLI YAML (``parser_mode="omegaconf+"``: interpolations such as
@@ -163,6 +164,7 @@ _OWN_PARSERS = {
     "plot": ("lwm.plot", "PNG figures of a run from RUN_DIR/metrics.csv"),
     "demo": ("lwm.demo", "train a tiny model on a built-in synthetic world (CPU)"),
     "data synth": ("lwm.data.synth", "make the built-in synthetic world"),
+    "data atari": ("lwm.data.atari", "record Atari games (ale-py) with true actions, game id as world label"),
 }
 
 
@@ -214,7 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument("--device", default="cpu", help="where the VAE runs")
     decode.set_defaults(func=_data_decode)
 
-    data.add_parser("synth", add_help=False, help=f"{_OWN_PARSERS['data synth'][1]} (`lwm data synth --help`)")
+    for verb, (_, text) in _OWN_PARSERS.items():
+        if verb.startswith("data "):
+            data.add_parser(verb[5:], add_help=False, help=f"{text} (`lwm {verb} --help`)")
     return parser
 
 
@@ -224,8 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         args = argparse.Namespace(verb=argv[0], rest=argv[1:], func=_lightning)
     elif argv and argv[0] in _OWN_PARSERS:
         args = argparse.Namespace(verb=argv[0], rest=argv[1:], func=_own_parser)
-    elif argv[:2] == ["data", "synth"]:
-        args = argparse.Namespace(verb="data synth", rest=argv[2:], func=_own_parser)
+    elif " ".join(argv[:2]) in _OWN_PARSERS:
+        args = argparse.Namespace(verb=" ".join(argv[:2]), rest=argv[2:], func=_own_parser)
     else:
         args = build_parser().parse_args(argv)
     try:

@@ -70,9 +70,9 @@ def make_codec(codec: str = "pixel", vae: str | Path | None = None, size: int | 
 
 
 def write_latents(target: Path, codec, frames: np.ndarray, actions: np.ndarray | None = None,
-                  world_label: int | None = None) -> int:
+                  world_label: int | None = None, attrs: dict | None = None) -> int:
     """Encode ``uint8 [F, S, S, 3]`` frames into the h5 file ``target`` (``latents`` float16, ``codec``
-    attribute; optional per-frame ``actions``, subsampled to latent steps, and ``world_label``); written to
+    attribute; optional per-frame ``actions``, subsampled to latent steps, ``world_label`` and other ``attrs``); written to
     a temporary name and renamed, so a failure never leaves a half-written file. Returns the clipped count."""
     if hasattr(codec, "encode_counting"):
         latents, clipped = codec.encode_counting(frames)
@@ -87,6 +87,8 @@ def write_latents(target: Path, codec, frames: np.ndarray, actions: np.ndarray |
         if world_label is not None:
             f.attrs["world_label"] = np.int64(world_label)
         f.attrs["codec"] = codec.attr
+        for key, value in (attrs or {}).items():
+            f.attrs[key] = value
     tmp.replace(target)
     return clipped
 

@@ -1,0 +1,139 @@
+"""Real game footage from the Arcade Learning Environment: ``lwm data atari``.
+
+    lwm data atari --games pong breakout --out DIR [--episodes 8] [--frames 256] [--seed 0]
+                   [--frame-skip 4] [--sticky 0.75] [--codec pixel | wan|cogvideox|hunyuan --vae PATH]
+
+ale-py is an optional extra (``pip install 'lwm[atari]'``; its wheel ships the ROMs). Each episode plays
+one game from a reset with a sticky-random policy: at each decision the previous action is repeated with
+probability ``--sticky``, else one of the game's minimal action set is drawn uniformly. Every recorded frame
+is ``--frame-skip`` emulator frames under the same action. An episode ends after ``--frames`` frames or at
+game over. The 210x160 screen is resized (stretched) to the codec's square size and encoded; files hold
+
+* ``actions[t]``: the ALE action id (0..17, e.g. 0 NOOP, 1 FIRE, 3 RIGHT, 4 LEFT) taken after frame ``t``;
+* ``world_label``: the game's index in ``--games``, and the game's name in the ``game`` attribute.
+
+With a video-VAE codec (4 frames per latent step) each action is held for 4 recorded frames from frame 0,
+so the action stored for latent transition ``k -> k+1`` (the one after frame ``4k``) is exactly the action
+behind the 4 frames that latent ``k+1`` brings in (see :mod:`lwm.data.vae`).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+from lwm.errors import DataError
+
+SCREEN = (210, 160)
+
+
+def _ale():
+    try:
+        import ale_py
+        import ale_py.roms  # noqa: F401  (a submodule, not imported by the package)
+    except ImportError:
+        raise DataError("lwm data atari needs ale-py, an optional extra: pip install 'lwm[atari]'") from None
+    return ale_py
+
+
+def games() -> list[str]:
+    """The game ids ale-py ships ROMs for."""
+    return sorted(_ale().roms.get_all_rom_ids())
+
+
+def record(game: str, seed: int, frames: int, frame_skip: int = 4, sticky: float = 0.75,
+           hold: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """Play ``game`` from a reset: ``(frames uint8 [F, 210, 160, 3], actions int64 [F])`` with ``F <= frames``
+    (shorter at game over). The policy decides every ``hold`` frames; a pure function of ``seed``."""
+    ale_py = _ale()
+    rom = ale_py.roms.get_rom_path(game) if game in ale_py.roms.get_all_rom_ids() else None
+    if rom is None:
+        raise DataError(f"--games {game}: no such ALE game (see `python -c 'import ale_py; print(ale_py.roms.get_all_rom_ids())'`)")
+    ale = ale_py.ALEInterface()
+    ale.setLoggerMode(ale_py.LoggerMode.Error)
+    ale.setInt("random_seed", int(seed % 2**31))
+    ale.setFloat("repeat_action_probability", 0.0)  # the stickiness is ours, so the recorded action is the true one
+    ale.setInt("frame_skip", 1)
+    ale.loadROM(rom)
+    legal = list(ale.getMinimalActionSet())
+    rng = np.random.default_rng(seed)
+    video = np.empty((frames, *SCREEN, 3), dtype=np.uint8)
+    actions = np.empty(frames, dtype=np.int64)
+    choice = int(rng.integers(len(legal)))
+    for t in range(frames):
+        video[t] = ale.getScreenRGB()
+        if t % hold == 0 and t > 0 and rng.random() >= sticky:
+            choice = int(rng.integers(len(legal)))
+        actions[t] = legal[choice].value
+        for _ in range(frame_skip):
+            ale.act(legal[choice])
+        if ale.game_over():
+            return video[: t + 1], actions[: t + 1]
+    return video, actions
+
+
+def stretch(video: np.ndarray, size: int) -> np.ndarray:
+    """``uint8 [F, H, W, 3]`` -> ``[F, size, size, 3]`` (bilinear, aspect not kept: nothing is cropped)."""
+    from PIL import Image
+
+    return np.stack([np.asarray(Image.fromarray(f).resize((size, size), Image.BILINEAR)) for f in video])
+
+
+def make_dataset(out_dir: str | Path, game_list: list[str], episodes: int = 8, frames: int = 256, seed: int = 0,
+                 frame_skip: int = 4, sticky: float = 0.75, codec=None, val_fraction: float = 0.125, log=print) -> Path:
+    """Record ``episodes`` per game into ``out_dir/<game>_NNN.h5`` and index them; returns the manifest path."""
+    from lwm.data.codecs import PixelCodec
+    from lwm.data.convert import write_latents
+    from lwm.data.manifest import index_directory
+
+    if not game_list:
+        raise DataError("--games: name at least one game")
+    if episodes < 1 or frames < 2 or frame_skip < 1 or not 0.0 <= sticky <= 1.0:
+        raise DataError(f"need --episodes >= 1, --frames >= 2, --frame-skip >= 1 and --sticky in [0, 1], got "
+                        f"{episodes}, {frames}, {frame_skip}, {sticky}")
+    known = set(games())
+    unknown = [g for g in game_list if g not in known]
+    if unknown:
+        raise DataError(f"--games: unknown game(s) {', '.join(unknown)} (ale-py knows {len(known)}, e.g. pong, breakout)")
+    codec = codec or PixelCodec()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for label, game in enumerate(game_list):
+        for i in range(episodes):
+            ep_seed = int(np.random.SeedSequence([seed, label, i]).generate_state(1)[0])
+            video, actions = record(game, ep_seed, frames, frame_skip, sticky, hold=codec.frames_per_latent)
+            target = out / f"{game}_{i:03d}.h5"
+            write_latents(target, codec, stretch(video, codec.size), actions, world_label=label, attrs={"game": game})
+            log(f"wrote {target} ({len(video)} frames)")
+    return index_directory(out, val_fraction=val_fraction, seed=seed).path
+
+
+def main(argv: list[str]) -> int:
+    """``lwm data atari --games G... --out DIR ...``."""
+    import argparse
+
+    from lwm.data.convert import make_codec
+
+    parser = argparse.ArgumentParser(prog="lwm data atari", description=__doc__.splitlines()[0])
+    parser.add_argument("--games", nargs="+", required=True, help="ALE game ids, e.g. pong breakout (world_label = position)")
+    parser.add_argument("--out", required=True, help="output folder (h5 files and manifest.json)")
+    parser.add_argument("--episodes", type=int, default=8, help="episodes per game (default 8)")
+    parser.add_argument("--frames", type=int, default=256, help="frames per episode at most (default 256)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--frame-skip", type=int, default=4, help="emulator frames per recorded frame (default 4)")
+    parser.add_argument("--sticky", type=float, default=0.75, help="probability of repeating the previous action")
+    parser.add_argument("--val-fraction", type=float, default=0.125)
+    parser.add_argument("--codec", default="pixel", help="pixel (default, 128x128) or wan|cogvideox|hunyuan (needs --vae)")
+    parser.add_argument("--vae", help="local folder with the VAE's diffusers weights")
+    parser.add_argument("--size", type=int, help="frame size (default: 128 pixel, 512 VAEs)")
+    parser.add_argument("--device", default="cpu", help="where a VAE runs")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    games()  # a clear error before anything else when ale-py is missing
+    codec = make_codec(args.codec, args.vae, args.size, args.device)
+    path = make_dataset(args.out, args.games, args.episodes, args.frames, args.seed, args.frame_skip, args.sticky,
+                        codec, args.val_fraction)
+    print(f"{path}: {args.episodes} episodes of {', '.join(args.games)} ({time.perf_counter() - start:.1f}s)")
+    return 0
