@@ -203,6 +203,12 @@ class WorldModel(nn.Module):
         self.mask_token = nn.Parameter(torch.randn(c.d_model) * 0.02)
         self.register_buffer("spatial_pe", spatial_pos_embedding(*self.grid, c.d_model), persistent=False)  # [N, D]
         self.apply(self._init_weights)
+        # The projections into and out of the small code spaces keep unit scale (std 1/sqrt(fan_in)) rather than
+        # the 0.02 of the rest: with 0.02 both the codes and their effect on the predictor's tokens start ~50x
+        # smaller than the tokens, and the world code measured on the synthetic world learned far slower.
+        for layer in (self.action_encoder.to_code, self.world_encoder.to_code, self.dynamics.action_proj,
+                      self.dynamics.world_proj):
+            nn.init.normal_(layer.weight, std=layer.in_features**-0.5)
 
     @staticmethod
     def _init_weights(m: nn.Module) -> None:
@@ -366,7 +372,8 @@ class WorldModel(nn.Module):
             pass_losses.append(per_position[:, k:].mean())  # the first k positions equal the previous pass's
 
         prediction_loss = sum(w * l for w, l in zip(self.rollout_weights, pass_losses))
-        loss = prediction_loss + self.beta_action * actions.commit_loss + self.beta_world * world.commit_loss
+        weight_action, weight_world = self.commitment_weights(T)
+        loss = prediction_loss + weight_action * actions.commit_loss + weight_world * world.commit_loss
 
         logs = {
             "Total/loss": loss,
@@ -380,6 +387,22 @@ class WorldModel(nn.Module):
         }
         logs = {k: v.detach() for k, v in logs.items()}
         return WorldModelOutput(loss, logs, actions, world, predictions, mask)
+
+    def commitment_weights(self, T: int) -> tuple[float, float]:
+        """The weights of the two commitment losses next to the per-element prediction MSE, for clips of ``T``.
+
+        The requirement's loss is a sum: ``sum_t ||tau_hat_{t+1} - tau_{t+1}||^2 + beta_a sum_i ||z_i - sg[e_i]||^2
+        + beta_h ||z_h - sg[e_h]||^2``, each squared norm over a whole frame (``C*H*W`` values), an action vector
+        (``Da``) or the world vector (``Dh``). Divided by the ``(T-1)*C*H*W`` predicted values, so that the
+        prediction terms read as per-element MSEs, it weighs the per-element commitment MSEs by
+        ``beta_a * Da / (C*H*W)`` (one action per predicted frame) and ``beta_h * Dh / ((T-1)*C*H*W)`` (one
+        world vector per clip). A per-element commitment weighted by ``beta`` itself would be ``C*H*W / Da``
+        times (2048x at the defaults) stronger than the requirement's; on the synthetic world it pinned every
+        action vector to one code and the actions were never learned."""
+        elements = self.in_channels * self.height * self.width
+        c = self.config
+        return (self.beta_action * c.d_code_action / elements,
+                self.beta_world * c.d_code_world / (max(T - 1, 1) * elements))
 
     @property
     def log_keys(self) -> list[str]:

@@ -155,8 +155,16 @@ def test_loss_is_the_requirements_weighted_sum():
     assert torch.allclose(logs["Dynamics_Predictor/tf_loss"], tf)
     assert torch.allclose(logs["Dynamics_Predictor/rollout_1_loss"], r1)
     assert torch.allclose(logs["Dynamics_Predictor/rollout_2_loss"], r2)
-    expected = tf + 0.8 * r1 + 0.5 * r2 + 0.3 * out.actions.commit_loss + 0.7 * out.world.commit_loss
+    # the requirement's sums over frames (C*H*W values each), action vectors (Da) and the world vector (Dh),
+    # divided by the (T-1)*C*H*W predicted values
+    c = model.config
+    elements = c.in_channels * c.height * c.width
+    predicted = target[0].numel()  # (T-1) * C * H * W
+    assert predicted == 5 * elements
+    expected = (tf + 0.8 * r1 + 0.5 * r2 + 0.3 * out.actions.commit_loss * (5 * c.d_code_action) / predicted
+                + 0.7 * out.world.commit_loss * c.d_code_world / predicted)
     assert torch.allclose(out.loss, expected)
+    assert model.commitment_weights(6) == pytest.approx((0.3 * c.d_code_action / elements, 0.7 * c.d_code_world / predicted))
     # without an EMA update the monitored codebook loss is the commitment loss's value
     assert torch.allclose(logs["Action_Encoder/codebook_loss"], logs["Action_Encoder/commit_loss"])
 
