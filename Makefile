@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 venv: $(VENV)/.installed
 
 demo: venv
-	$(PY) -m lwm.demo
+	$(VENV)/bin/lwm demo
 
 test: venv
 	$(PY) -m pytest -n 2 -q tests

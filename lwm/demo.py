@@ -1,102 +1,163 @@
-"""`python -m lwm.demo`: train a tiny WorldModel on the CPU on a built-in synthetic latent world.
+"""``lwm demo``: the whole main job on a CPU, with no data of your own and no network.
 
-The world: each clip holds a few Gaussian blobs on a 16-channel 32x32 latent grid. Every step an action
-(one of 4 directions) moves the first blob; the others drift with a per-clip velocity (the clip's "world").
-The demo trains for a few hundred steps in plain PyTorch and compares the model's teacher-forced one-step
-error with the copy-last-frame baseline on held-out clips. (The Lightning trainer, the h5 data pipeline and
-the full demo with videos and probes are built on top of the same modules.)
+    lwm demo [--out runs/demo] [--steps N] [--episodes N] [--config configs/demo.yaml] [--section.key=value ...]
+
+1. **data**: the built-in synthetic world (:mod:`lwm.data.synth`: an agent moved by 5 true actions in 4 worlds)
+   rendered at ``--size`` pixels through the pixel codec, ``OUT/data`` (h5 files and ``manifest.json``);
+2. **fit**: ``lwm fit --config configs/demo.yaml`` on it, ``OUT/run`` (``metrics.csv``, ``checkpoints/``
+   with ``last.ckpt`` and ``codes.pt``, ``videos/`` of rollouts at validation);
+3. **validate**: the final checkpoint over every validation window: the losses, the copy-last-frame baseline
+   and the ground-truth probes (what ``lwm validate --ckpt_path OUT/run/checkpoints/last.ckpt`` reports);
+4. **video**: a validation episode played forward from its first frame with the actions the model reads from
+   it, under the ground truth (``OUT/rollout_inferred.mp4``), and four futures with actions sampled from the
+   code dictionary (``OUT/rollout_sampled.mp4``);
+5. **report**: a table, two verdicts (does the model beat copy-last-frame; do the latent actions carry
+   information about the true actions) and the path of every output.
+
+Any other ``--section.key=value`` is passed to ``lwm fit`` (e.g. ``--wandb.mode=offline``).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import time
+from pathlib import Path
 
-import torch
 from rich.console import Console
-from rich.progress import Progress
 from rich.table import Table
 
-from lwm.modules.world_model import WorldModel
+from lwm.errors import ConfigError
 
-MOVES = torch.tensor([[0, 1], [0, -1], [1, 0], [-1, 0]], dtype=torch.float32)  # action -> (dy, dx) per step
-
-
-def synthetic_clips(n: int, frames: int, size: int = 32, channels: int = 16, blobs: int = 3, seed: int = 0):
-    """``n`` clips ``[n, frames, channels, size, size]`` in [-1, 1] and their actions ``[n, frames-1]``."""
-    g = torch.Generator().manual_seed(seed)
-    pos = torch.rand(n, blobs, 2, generator=g) * size  # [n, blobs, (y, x)]
-    drift = (torch.rand(n, 1, 2, generator=g) - 0.5) * 2.0  # per-clip velocity of the passive blobs
-    colour = torch.rand(n, blobs, channels, generator=g) * 2 - 1  # channel signature per blob
-    actions = torch.randint(0, 4, (n, frames - 1), generator=g)
-    yy, xx = torch.meshgrid(torch.arange(size, dtype=torch.float32), torch.arange(size, dtype=torch.float32), indexing="ij")
-    out = []
-    for t in range(frames):
-        dy = (yy[None, None] - pos[..., 0, None, None] + size / 2) % size - size / 2  # toroidal distance
-        dx = (xx[None, None] - pos[..., 1, None, None] + size / 2) % size - size / 2
-        bump = torch.exp(-(dy**2 + dx**2) / 8.0)  # [n, blobs, size, size]
-        out.append(torch.einsum("nbhw,nbc->nchw", bump, colour).clamp(-1, 1))
-        if t < frames - 1:
-            pos[:, 1:] += drift
-            pos[:, 0] += 2.0 * MOVES[actions[:, t]]
-            pos %= size
-    return torch.stack(out, dim=1), actions
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+LAST = "checkpoints/last.ckpt"
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m lwm.demo", description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=200, help="training steps")
-    p.add_argument("--batch", type=int, default=8, help="clips per step")
-    p.add_argument("--frames", type=int, default=6, help="frames per clip (T)")
+def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser(prog="lwm demo", description=__doc__.split("\n\n")[0],
+                                epilog="Other --section.key=value arguments go to `lwm fit`.")
+    p.add_argument("--out", default="runs/demo", help="output folder (default runs/demo)")
+    p.add_argument("--config", default=str(DEFAULT_CONFIG), help="the fit config (default configs/demo.yaml)")
+    p.add_argument("--steps", type=int, help="training steps (default: the config's trainer.max_steps)")
+    p.add_argument("--episodes", type=int, default=1024, help="synthetic episodes (default 1024)")
+    p.add_argument("--frames", type=int, default=16, help="frames per episode (default 16)")
+    p.add_argument("--size", type=int, default=32, help="frame size in pixels; latents are size/2 (default 32)")
+    p.add_argument("--distractors", type=int, default=0, help="drifting discs in the world (default 0)")
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
+    args, rest = p.parse_known_args(argv)
+    if not Path(args.config).is_file():
+        raise ConfigError(f"--config {args.config}: not found (configs/demo.yaml comes with the lwm repository)")
+    if args.steps is not None and args.steps < 1:
+        raise ConfigError(f"--steps must be >= 1, got {args.steps}")
+    return args, rest
 
+
+def probe_margin(chance: float, samples: int) -> float:
+    """Three standard deviations of a chance-level classifier's accuracy on ``samples`` held-out samples."""
+    return 3.0 * math.sqrt(max(chance * (1.0 - chance), 1e-12) / max(samples, 1))
+
+
+def psnr(mse: float) -> float:
+    """PSNR in dB of a mean squared error on latents in [-1, 1] (peak 1, as the requirement defines it)."""
+    return 10.0 * math.log10(1.0 / mse) if mse > 0 else float("inf")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from lwm.cli import lightning_cli
+    from lwm.data.manifest import Manifest
+    from lwm.data.synth import make_dataset
+    from lwm.generate import parse as generate_args
+    from lwm.generate import run as generate
+
+    args, rest = parse(argv or [])
     console = Console()
-    torch.manual_seed(args.seed)
-    train_x, _ = synthetic_clips(256, args.frames, seed=args.seed)
-    val_x, _ = synthetic_clips(32, args.frames, seed=args.seed + 1)
-    model = WorldModel(
-        height=32, width=32, d_model=64, n_heads=4, depth_action=2, depth_world=2, depth_dynamics=2,
-        tokenizer_hidden=32, d_code_action=16, d_code_world=16, codebook_sizes_action=(4, 8),
-        codebook_sizes_world=(4, 8), max_time_offset=32, dead_code_steps=20, ema_decay_steps=100,
-    )
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
-    console.print(f"[bold]lwm demo[/]: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
-                  f"{args.steps} steps of {args.batch} clips x {args.frames} frames on the CPU")
-    model.eval()
-    with torch.no_grad():
-        _, initial = model(val_x, step=None)
-    start = time.time()
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("training", total=args.steps)
-        for step in range(args.steps):
-            idx = torch.randint(0, len(train_x), (args.batch,))
-            model.train()
-            loss, logs = model(train_x[idx], step=step)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            for rvq in model.quantizers.values():
-                rvq.revive()
-            progress.update(task, advance=1, description=f"training  loss {loss.item():.4f}")
+    out = Path(args.out)
+    run_dir, times = out / "run", {}
+    if (run_dir / LAST).exists():
+        raise ConfigError(f"{run_dir}: holds a finished demo run; pass another --out, or delete it to start over")
 
-    model.eval()
-    with torch.no_grad():
-        _, logs = model(val_x, step=None)
-    copy_last = (val_x[:, :-1] - val_x[:, 1:]).pow(2).mean().item()
-    table = Table(title=f"held-out clips after {args.steps} steps ({time.time() - start:.0f} s)")
-    table.add_column("metric")
-    table.add_column("before", justify="right")
-    table.add_column("after", justify="right")
-    for key, value in logs.items():
-        table.add_row(key, f"{initial[key].item():.5f}", f"{value.item():.5f}")
-    table.add_row("copy-last-frame baseline (MSE)", "", f"{copy_last:.5f}")
+    start = time.perf_counter()
+    console.rule("[bold]1/4 data[/]: the synthetic world")
+    manifest_path = make_dataset(out / "data", args.episodes, args.frames, args.seed, val_fraction=0.125,
+                                 size=args.size, distractors=args.distractors)
+    manifest = Manifest.load(manifest_path)
+    console.print(f"{len(manifest.entries)} episodes x {args.frames} frames of [16, {args.size // 2}, {args.size // 2}] "
+                  f"latents ({len(manifest.split('train'))} train, {len(manifest.split('val'))} val): {manifest_path}")
+    times["data"] = time.perf_counter() - start
+
+    common = ["--config", args.config, f"--data.manifest={manifest_path}", f"--trainer.default_root_dir={run_dir}",
+              f"--model.net.height={args.size // 2}", f"--model.net.width={args.size // 2}", f"--seed_everything={args.seed}",
+              *([f"--trainer.max_steps={args.steps}"] if args.steps else []), *rest]
+    console.rule("[bold]2/4 fit[/]: lwm fit --config " + args.config)
+    t = time.perf_counter()
+    lightning_cli(["fit", *common])
+    times["fit"] = time.perf_counter() - t
+
+    console.rule("[bold]3/4 validate[/]: the final checkpoint on every validation window")
+    t = time.perf_counter()
+    cli = lightning_cli([*common, "--data.val_size_percent=1.0", "--rollout_videos.every_n_validations=1000000"], run=False)
+    metrics = {k: float(v) for k, v in cli.trainer.validate(cli.model, datamodule=cli.datamodule,
+                                                            ckpt_path=str(run_dir / LAST), verbose=False)[0].items()}
+    dm = cli.datamodule
+    val_windows = len(dm.val_windows())
+    times["validate"] = time.perf_counter() - t
+
+    console.rule("[bold]4/4 video[/]: rollouts of a validation episode")
+    t = time.perf_counter()
+    episode = str(manifest.resolve(manifest.split("val")[0]))
+    steps = min(args.frames - 1, 2 * (dm.window - 1))
+    common_gen = ["--ckpt_path", str(run_dir / LAST), "--data", episode, "--steps", str(steps), "--fps", "4"]
+    inferred = generate(generate_args([*common_gen, "--actions", "inferred", "--rollouts", "1",
+                                       "--out", str(out / "rollout_inferred.mp4")]))
+    sampled = generate(generate_args([*common_gen, "--actions", "dictionary", "--rollouts", "4",
+                                      "--out", str(out / "rollout_sampled.mp4")]))
+    times["video"] = time.perf_counter() - t
+    times["total"] = time.perf_counter() - start
+
+    report(console, metrics, val_windows * (dm.window - 1) // 2, val_windows // 2, times)
+    console.print("\n[bold]outputs[/]")
+    for label, path in (
+        ("data (h5 + manifest)", manifest_path.parent), ("run: metrics, config", run_dir / "metrics.csv"),
+        ("checkpoint", run_dir / LAST), ("code dictionaries", run_dir / "checkpoints" / "codes.pt"),
+        ("rollout videos at validation", run_dir / "videos"),
+        ("rollout with inferred actions (top: ground truth)", inferred),
+        ("rollouts with sampled actions", sampled),
+    ):
+        console.print(f"  {label:<52} {path}")
+    console.print(f"  figures: lwm plot {run_dir}")
+    return 0
+
+
+def report(console: Console, m: dict[str, float], action_samples: int, world_samples: int, times: dict[str, float]) -> None:
+    """The table and the two verdicts, from the validation metrics."""
+    tf, copy = m["Val_Dynamics_Predictor/tf_loss"], m["Val_Dynamics_Predictor/copy_last_loss"]
+    table = Table(title="validation (every window of the held-out episodes)")
+    for col in ("", "model", "baseline / chance"):
+        table.add_column(col, justify="left" if not col else "right")
+    table.add_row("one-step MSE (teacher forcing) vs copy-last-frame", f"{tf:.4f}", f"{copy:.4f}")
+    table.add_row("one-step PSNR, dB (of the mean MSE)", f"{psnr(tf):.2f}", f"{psnr(copy):.2f}")
+    for k in (1, 2):
+        key = f"Val_Dynamics_Predictor/rollout_{k}_loss"
+        if key in m:
+            table.add_row(f"rollout pass {k} MSE (own predictions fed back)", f"{m[key]:.4f}", "")
+    verdicts = [("beats copy-last-frame", tf < copy, f"MSE {tf:.4f} < {copy:.4f}" if tf < copy else f"MSE {tf:.4f} >= {copy:.4f}")]
+    for name, what, samples in (("Action_Encoder", "actions", action_samples), ("World_Encoder", "worlds", world_samples)):
+        acc, chance = m.get(f"Val_{name}/probe_accuracy"), m.get(f"Val_{name}/probe_chance")
+        if acc is None:
+            continue
+        table.add_row(f"linear probe: latent {what[:-1]} code -> true {what[:-1]} (held out)", f"{acc:.3f}", f"{chance:.3f}")
+        table.add_row(f"NMI(latent {what[:-1]} codes, true {what})", f"{m[f'Val_{name}/nmi']:.3f}", "0")
+        if name == "Action_Encoder":
+            margin = probe_margin(chance, samples)
+            verdicts.append(("latent actions carry information about the true actions", acc > chance + margin,
+                             f"probe {acc:.3f} vs chance {chance:.3f} + 3 sd {margin:.3f} ({samples} held-out transitions)"))
     console.print(table)
-    tf = logs["Dynamics_Predictor/tf_loss"].item()
-    console.print(f"teacher-forced one-step MSE {initial['Dynamics_Predictor/tf_loss'].item():.4f} -> {tf:.4f}; "
-                  f"copy-last-frame {'beaten' if tf < copy_last else 'not beaten yet (train longer: --steps)'}.")
+    for text, ok, detail in verdicts:
+        console.print(f"  {'[green]yes[/]' if ok else '[red]not yet[/]'}  {text}: {detail}")
+    console.print("  time: " + ", ".join(f"{k} {v:.0f}s" for k, v in times.items()))
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    sys.exit(main(sys.argv[1:]))

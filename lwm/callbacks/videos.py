@@ -17,7 +17,8 @@ class RolloutVideos(L.Callback):
     """Every ``every_n_validations``-th validation (the first included), on rank 0: the first ``clips`` clips
     of the first validation batch are generated from their first frame with their inferred actions and world
     code (the predictor's cached rollout, frames 1..T-1), and written as ``RUN_DIR/videos/step_NNNNNNN.mp4``
-    (each clip: ground truth above, rollout below; latent channels 0-2 as RGB until codecs decode them) and
+    (each clip: ground truth above, rollout below; decoded to pixels by the validation files' codec when lwm
+    has it, else latent channels 0-2 as RGB) and
     logged to wandb as ``Val_Dynamics_Predictor/rollout_video``."""
 
     def __init__(self, every_n_validations: int = 4, clips: int = 2, fps: int = 4) -> None:
@@ -50,7 +51,9 @@ class RolloutVideos(L.Callback):
             actions, world = model.encode_actions(clip).quantized, model.encode_world(clip).quantized
             generated = model.generate(clip[:, :1], actions, world, steps=clip.shape[1] - 1)
         rollout = torch.cat([clip[:, :1], generated], dim=1).cpu()
-        rows = [row for gt, gen in zip(clip.cpu(), rollout) for row in (latent_preview(gt), latent_preview(gen))]
+        codec = trainer.datamodule.codec() if hasattr(trainer.datamodule, "codec") else None
+        show = (lambda x: codec.decode(x.float().numpy())) if codec is not None else latent_preview  # noqa: E731
+        rows = [row for gt, gen in zip(clip.cpu(), rollout) for row in (show(gt), show(gen))]
         path = Path(trainer.default_root_dir) / "videos" / f"step_{trainer.global_step:07d}.mp4"
         self.last_path = write_video(path, grid(rows), self.fps)
         log_video(pl_module, "Val_Dynamics_Predictor/rollout_video", str(path), self.fps)

@@ -140,6 +140,21 @@ class LatentDataModule(L.LightningDataModule):
             self.manifest = manifest
         return self.manifest
 
+    def codec(self):
+        """The pixel decoder of the validation files (their ``codec`` attribute, read from the first one), or
+        None: no codec, one lwm cannot run without weights (a VAE), or none known."""
+        import h5py
+
+        from lwm.data.codecs import codec_from_attr
+
+        manifest = self.load_manifest()
+        entries = manifest.split("val") or manifest.entries
+        if not entries:
+            return None
+        path = manifest.resolve(entries[0])
+        with h5py.File(path, "r") as f:
+            return codec_from_attr(f.attrs.get("codec"), str(path))
+
     @property
     def frame_shape(self) -> tuple[int, int, int]:
         """``(C, H, W)`` of every file."""

@@ -2,17 +2,19 @@
 
     lwm data synth --out DIR --episodes N [--frames T] [--seed S] [--val-fraction F] [--worlds K]
 
-Each episode is a 128x128 RGB clip (encoded with :class:`~lwm.data.codecs.PixelCodec` to ``[T, 16, 64, 64]``):
+Each episode is a 128x128 RGB clip (encoded with :class:`~lwm.data.codecs.PixelCodec` to ``[T, 16, 64, 64]``;
+``size`` renders the same world at another resolution, every length scaled by ``size / 128``, e.g. 64x64 for
+``[T, 16, 32, 32]``):
 
-* the **agent**, a 12x12 pure-white square (no other pixel is pure white, so it can be found by its colour),
+* the **agent**, a 24x24 pure-white square (no other pixel is pure white, so it can be found by its colour),
   moved by the action after each frame: ``0 stay, 1 up, 2 down, 3 left, 4 right`` (``actions[t]`` moves the
   agent from frame ``t`` to frame ``t + 1``). Actions come from a sticky random policy: repeat the previous
   action with probability 0.7, else draw one of the five uniformly.
 * the **world** (``world_label`` 0..K-1, K = 4), fixed per episode: it sets the background and how actions
-  play out, i.e. the agent's speed (4 or 8 px per step) and the edges (walls that stop the agent, or wrapping
+  play out, i.e. the agent's speed (8 or 16 px per step) and the edges (walls that stop the agent, or wrapping
   round to the other side). See :data:`WORLDS`. In a walled world the policy never pushes into a wall (a
   blocked move is redrawn among the allowed ones), so every move action moves the agent by exactly its speed.
-* two **distractors**, coloured discs that drift at a constant velocity and bounce off the edges, the same for
+* two **distractors** (``distractors``: 0 to 4), coloured discs that drift at a constant velocity and bounce off the edges, the same for
   a given episode seed whatever the actions; the agent is drawn over them.
 
 Everything is a function of the episode seed: :func:`render_episode` draws the world (when not given), the
@@ -27,14 +29,13 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-import h5py
 import numpy as np
 
 from lwm.data.codecs import PixelCodec
 from lwm.data.h5 import DataError
 
-SIZE = 128  # frame height and width in pixels
-AGENT = 12  # agent side in pixels
+SIZE = 128  # frame height and width in pixels at the default size; lengths below are at this size
+AGENT = 24  # agent side in pixels
 AGENT_COLOUR = (255, 255, 255)  # unique in every frame
 ACTIONS = ("stay", "up", "down", "left", "right")
 MOVES = np.array([[0, 0], [-1, 0], [1, 0], [0, -1], [0, 1]], dtype=np.int64)  # action -> (dy, dx)
@@ -47,31 +48,42 @@ DISTRACTOR_COLOURS = ((225, 60, 50), (235, 190, 40), (40, 195, 210), (200, 80, 2
 @dataclass(frozen=True)
 class World:
     name: str
-    speed: int  # agent pixels per move
+    speed: int  # agent pixels per move (at SIZE)
     wrap: bool  # True: leaving one edge enters at the opposite one; False: walls (moves into them are never taken)
-    background: str  # "flat", "checker", "hstripes" or "vstripes" (32 px cells / 16 px stripes)
+    background: str  # "flat", "checker", "hstripes" or "vstripes" (32 px cells / 16 px stripes at SIZE)
     colours: tuple[tuple[int, int, int], tuple[int, int, int]]  # the background's two colours
 
 
 WORLDS = (
-    World("navy, slow, walls", 4, False, "flat", ((25, 35, 80), (25, 35, 80))),
-    World("green checker, fast, walls", 8, False, "checker", ((35, 75, 40), (65, 120, 60))),
-    World("red stripes, slow, wrap", 4, True, "hstripes", ((100, 45, 35), (60, 25, 20))),
-    World("grey bands, fast, wrap", 8, True, "vstripes", ((110, 110, 115), (70, 70, 75))),
+    World("navy, slow, walls", 8, False, "flat", ((25, 35, 80), (25, 35, 80))),
+    World("green checker, fast, walls", 16, False, "checker", ((35, 75, 40), (65, 120, 60))),
+    World("red stripes, slow, wrap", 8, True, "hstripes", ((100, 45, 35), (60, 25, 20))),
+    World("grey bands, fast, wrap", 16, True, "vstripes", ((110, 110, 115), (70, 70, 75))),
 )
 K = len(WORLDS)
 
 
+def scaled(length: int, size: int) -> int:
+    """A length given at :data:`SIZE` in a world rendered at ``size`` (at least 1 pixel)."""
+    return max(1, length * size // SIZE)
+
+
+def check_size(size: int) -> None:
+    if size < 16 or size % 16:
+        raise DataError(f"size must be a positive multiple of 16 (every length scales by size/{SIZE}), got {size}")
+
+
 @lru_cache(maxsize=None)
-def background(world: int) -> np.ndarray:
-    """The world's background, ``uint8 [SIZE, SIZE, 3]`` (read-only)."""
+def background(world: int, size: int = SIZE) -> np.ndarray:
+    """The world's background, ``uint8 [size, size, 3]`` (read-only)."""
     w = WORLDS[world]
-    yy, xx = np.mgrid[0:SIZE, 0:SIZE]
+    yy, xx = np.mgrid[0:size, 0:size]
+    cell, stripe = scaled(32, size), scaled(16, size)
     second = {
-        "flat": np.zeros((SIZE, SIZE), dtype=bool),
-        "checker": ((yy // 32) + (xx // 32)) % 2 == 1,
-        "hstripes": (yy // 16) % 2 == 1,
-        "vstripes": (xx // 16) % 2 == 1,
+        "flat": np.zeros((size, size), dtype=bool),
+        "checker": ((yy // cell) + (xx // cell)) % 2 == 1,
+        "hstripes": (yy // stripe) % 2 == 1,
+        "vstripes": (xx // stripe) % 2 == 1,
     }[w.background]
     img = np.where(second[..., None], np.array(w.colours[1], np.uint8), np.array(w.colours[0], np.uint8))
     img = img.astype(np.uint8)
@@ -79,18 +91,18 @@ def background(world: int) -> np.ndarray:
     return img
 
 
-def blocked(pos: np.ndarray, action: int, world: World) -> bool:
+def blocked(pos: np.ndarray, action: int, world: World, size: int = SIZE) -> bool:
     """Would ``action`` push the agent at ``pos`` (y, x) through a wall?"""
     if world.wrap:
         return False
-    new = pos + world.speed * MOVES[action]
-    return bool((new < 0).any() or (new > SIZE - AGENT).any())
+    new = pos + scaled(world.speed, size) * MOVES[action]
+    return bool((new < 0).any() or (new > size - scaled(AGENT, size)).any())
 
 
-def step(pos: np.ndarray, action: int, world: World) -> np.ndarray:
+def step(pos: np.ndarray, action: int, world: World, size: int = SIZE) -> np.ndarray:
     """The agent's position after ``action`` (never blocked: the policy avoids walls)."""
-    new = pos + world.speed * MOVES[action]
-    return new % SIZE if world.wrap else new
+    new = pos + scaled(world.speed, size) * MOVES[action]
+    return new % size if world.wrap else new
 
 
 def episode_seed(seed: int, index: int) -> int:
@@ -98,22 +110,27 @@ def episode_seed(seed: int, index: int) -> int:
     return int(np.random.SeedSequence([seed, index]).generate_state(1)[0])
 
 
-def simulate(seed: int, frames: int, world: int | None = None, worlds: int = K):
+def simulate(seed: int, frames: int, world: int | None = None, worlds: int = K, size: int = SIZE,
+             distractors: int = DISTRACTORS):
     """The episode's state: ``(world, agent [T, 2], actions [T], discs [D, T, 2], colours [D])``."""
     if frames < 1:
         raise DataError(f"frames must be at least 1, got {frames}")
     if not 1 <= worlds <= K:
         raise DataError(f"worlds must lie in 1..{K}, got {worlds}")
+    if not 0 <= distractors <= len(DISTRACTOR_COLOURS):
+        raise DataError(f"distractors must lie in 0..{len(DISTRACTOR_COLOURS)}, got {distractors}")
+    check_size(size)
     rng = np.random.default_rng(seed)
     drawn = int(rng.integers(worlds))  # always drawn, so the streams below do not depend on ``world``
     world = drawn if world is None else int(world)
     if not 0 <= world < K:
         raise DataError(f"world must lie in 0..{K - 1}, got {world}")
     w = WORLDS[world]
-    start = rng.integers(0, (SIZE - AGENT) // 8 + 1, size=2) * 8  # multiples of 8: on the 4 and 8 px grids
-    d_pos = rng.integers(0, SIZE - 2 * DISTRACTOR_RADIUS, size=(DISTRACTORS, 2))
-    d_vel = rng.integers(2, 4, size=(DISTRACTORS, 2)) * rng.choice([-1, 1], size=(DISTRACTORS, 2))
-    d_col = rng.permutation(len(DISTRACTOR_COLOURS))[:DISTRACTORS]
+    agent_side, radius, grid = scaled(AGENT, size), scaled(DISTRACTOR_RADIUS, size), scaled(8, size)
+    start = rng.integers(0, (size - agent_side) // grid + 1, size=2) * grid  # on the grid of both speeds
+    d_pos = rng.integers(0, size - 2 * radius, size=(distractors, 2))
+    d_vel = np.maximum(1, rng.integers(2, 4, size=(distractors, 2)) * size // SIZE) * rng.choice([-1, 1], size=(distractors, 2))
+    d_col = rng.permutation(len(DISTRACTOR_COLOURS))[:distractors]
     repeat = rng.random(frames) < STICKY
     choice = rng.integers(0, len(ACTIONS), size=frames)
     redraw = rng.random(frames)
@@ -125,14 +142,14 @@ def simulate(seed: int, frames: int, world: int | None = None, worlds: int = K):
     for t in range(frames):
         agent[t] = pos
         a = prev if (t > 0 and repeat[t]) else int(choice[t])
-        if blocked(pos, a, w):
-            allowed = [b for b in range(len(ACTIONS)) if not blocked(pos, b, w)]
+        if blocked(pos, a, w, size):
+            allowed = [b for b in range(len(ACTIONS)) if not blocked(pos, b, w, size)]
             a = allowed[int(redraw[t] * len(allowed))]
         actions[t] = prev = a
-        pos = step(pos, a, w)
+        pos = step(pos, a, w, size)
 
-    discs = np.empty((DISTRACTORS, frames, 2), dtype=np.int64)
-    lo, hi = 0, SIZE - 2 * DISTRACTOR_RADIUS  # top-left corner of the disc's box
+    discs = np.empty((distractors, frames, 2), dtype=np.int64)
+    lo, hi = 0, size - 2 * radius  # top-left corner of the disc's box
     p, v = d_pos.copy(), d_vel.copy()
     for t in range(frames):
         discs[:, t] = p
@@ -143,30 +160,32 @@ def simulate(seed: int, frames: int, world: int | None = None, worlds: int = K):
     return world, agent, actions, discs, d_col
 
 
-def draw(world: int, agent: np.ndarray, discs: np.ndarray, colours: np.ndarray) -> np.ndarray:
-    """Render all frames at once: ``uint8 [T, SIZE, SIZE, 3]``."""
+def draw(world: int, agent: np.ndarray, discs: np.ndarray, colours: np.ndarray, size: int = SIZE) -> np.ndarray:
+    """Render all frames at once: ``uint8 [T, size, size, 3]``."""
     T = agent.shape[0]
-    frames = np.broadcast_to(background(world), (T, SIZE, SIZE, 3)).copy()
-    grid = np.arange(SIZE)
-    r = DISTRACTOR_RADIUS
+    frames = np.broadcast_to(background(world, size), (T, size, size, 3)).copy()
+    grid = np.arange(size)
+    r = scaled(DISTRACTOR_RADIUS, size)
     for d in range(discs.shape[0]):
         cy = discs[d, :, 0, None, None] + r - 0.5  # disc centres [T, 1, 1]
         cx = discs[d, :, 1, None, None] + r - 0.5
         mask = (grid[None, :, None] - cy) ** 2 + (grid[None, None, :] - cx) ** 2 <= r * r  # [T, S, S]
         frames[mask] = DISTRACTOR_COLOURS[colours[d]]
-    rows = (grid[None, :] - agent[:, :1]) % SIZE < AGENT  # [T, S]: cyclic, so a wrapping agent is split across edges
-    cols = (grid[None, :] - agent[:, 1:]) % SIZE < AGENT
+    side = scaled(AGENT, size)
+    rows = (grid[None, :] - agent[:, :1]) % size < side  # [T, S]: cyclic, so a wrapping agent is split across edges
+    cols = (grid[None, :] - agent[:, 1:]) % size < side
     frames[rows[:, :, None] & cols[:, None, :]] = AGENT_COLOUR
     return frames
 
 
-def render_episode(seed: int, frames: int, world: int | None = None, worlds: int = K) -> tuple[np.ndarray, np.ndarray, int]:
-    """``(frames uint8 [T, 128, 128, 3], actions int64 [T], world_label)`` of the episode with this seed.
+def render_episode(seed: int, frames: int, world: int | None = None, worlds: int = K, size: int = SIZE,
+                   distractors: int = DISTRACTORS) -> tuple[np.ndarray, np.ndarray, int]:
+    """``(frames uint8 [T, size, size, 3], actions int64 [T], world_label)`` of the episode with this seed.
 
     ``actions[t]`` is the action after frame ``t`` (it moves the agent into frame ``t + 1``). ``world`` picks
     the world (default: drawn from the seed among the first ``worlds``)."""
-    world, agent, actions, discs, colours = simulate(seed, frames, world, worlds)
-    return draw(world, agent, discs, colours), actions, world
+    world, agent, actions, discs, colours = simulate(seed, frames, world, worlds, size, distractors)
+    return draw(world, agent, discs, colours, size), actions, world
 
 
 def agent_position(frame: np.ndarray) -> tuple[int, int]:
@@ -184,7 +203,7 @@ def agent_position(frame: np.ndarray) -> tuple[int, int]:
 
 def make_dataset(
     out_dir: str | Path, episodes: int = 64, frames: int = 32, seed: int = 0, val_fraction: float = 0.125,
-    worlds: int = K,
+    worlds: int = K, size: int = SIZE, distractors: int = DISTRACTORS,
 ) -> Path:
     """Write ``episodes`` files ``out_dir/ep_XXXX.h5`` (``latents`` float16 through the pixel codec, ``actions``
     int64 ``[T]``, attributes ``world_label`` and ``codec``) and index them; returns the manifest's path.
@@ -197,6 +216,7 @@ def make_dataset(
         raise DataError(f"frames must be at least 2, got {frames}")
     if not 1 <= worlds <= K:
         raise DataError(f"worlds must lie in 1..{K}, got {worlds}")
+    check_size(size)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     names = {f"ep_{i:04d}.h5" for i in range(episodes)}
@@ -205,22 +225,20 @@ def make_dataset(
     if others:
         shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
         raise DataError(f"{out}: already holds other h5 files ({shown}); synthesise into an empty folder")
-    codec = PixelCodec(size=SIZE)
-    half = SIZE // 2
-    for i in range(episodes):
-        video, actions, label = render_episode(episode_seed(seed, i), frames, world=i % worlds)
-        with h5py.File(out / f"ep_{i:04d}.h5", "w") as f:
-            f.create_dataset("latents", data=codec.encode(video).astype(np.float16), chunks=(1, 16, half, half))
-            f.create_dataset("actions", data=actions)
-            f.attrs["world_label"] = np.int64(label)
-            f.attrs["codec"] = codec.attr
+    from lwm.data.convert import write_latents
     from lwm.data.manifest import index_directory
+
+    codec = PixelCodec(size=size)
+    for i in range(episodes):
+        video, actions, label = render_episode(episode_seed(seed, i), frames, i % worlds, size=size, distractors=distractors)
+        write_latents(out / f"ep_{i:04d}.h5", codec, video, actions, world_label=label)
 
     return index_directory(out, val_fraction=val_fraction, seed=seed).path
 
 
 def main(argv: list[str]) -> int:
-    """``lwm data synth --out DIR --episodes N [--frames T] [--seed S] [--val-fraction F] [--worlds K]``."""
+    """``lwm data synth --out DIR --episodes N [--frames T] [--seed S] [--val-fraction F] [--worlds K] [--size S]
+    [--distractors D]``."""
     import argparse
 
     from lwm.data.manifest import Manifest
@@ -236,9 +254,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0, help="data set seed (default 0)")
     parser.add_argument("--val-fraction", type=float, default=0.125, help="fraction of episodes for validation")
     parser.add_argument("--worlds", type=int, default=K, help=f"number of worlds used, 1..{K} (default {K})")
+    parser.add_argument("--size", type=int, default=SIZE, help=f"frame size in pixels, a multiple of 16 (default {SIZE}; latents are size/2)")
+    parser.add_argument("--distractors", type=int, default=DISTRACTORS, help=f"drifting discs, 0..4 (default {DISTRACTORS})")
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    path = make_dataset(args.out, args.episodes, args.frames, args.seed, args.val_fraction, args.worlds)
+    path = make_dataset(args.out, args.episodes, args.frames, args.seed, args.val_fraction, args.worlds, args.size,
+                        args.distractors)
     manifest = Manifest.load(path)
     print(f"{path}: {args.episodes} synthetic episodes x {args.frames} frames in {args.worlds} worlds "
           f"({len(manifest.split('train'))} train, {len(manifest.split('val'))} val), "

@@ -153,3 +153,25 @@ def test_main(tmp_path, capsys):
     manifest = Manifest.load(out / "manifest.json")
     assert len(manifest.split("train")) == 4 and len(manifest.split("val")) == 1
     assert all(e.frames == 4 for e in manifest.entries)
+
+
+@pytest.mark.parametrize("size", [64, 32])
+def test_smaller_sizes_scale_every_length(size, tmp_path):
+    from lwm.data.synth import scaled
+
+    for world in range(K):
+        frames, actions, _ = render_episode(7, 30, world=world, size=size, distractors=0)
+        assert frames.shape == (30, size, size, 3)
+        side = scaled(AGENT, size)
+        assert ((frames == 255).all(axis=-1).sum(axis=(1, 2)) == side * side).all()
+        pos, speed = positions(frames), scaled(WORLDS[world].speed, size)
+        expected = pos[:-1] + speed * MOVES[actions[:-1]]
+        np.testing.assert_array_equal(pos[1:], expected % size if WORLDS[world].wrap else expected)
+        colours = {tuple(c) for c in frames.reshape(-1, 3)}
+        assert len(colours) == len({tuple(c) for c in WORLDS[world].colours}) + 1  # background + agent: no discs
+    manifest = Manifest.load(make_dataset(tmp_path, episodes=2, frames=4, size=size, distractors=1))
+    assert (manifest.channels, manifest.height, manifest.width) == (16, size // 2, size // 2)
+    with pytest.raises(DataError, match="multiple of 16"):
+        render_episode(0, 4, size=40)
+    with pytest.raises(DataError, match="distractors"):
+        render_episode(0, 4, distractors=5)
