@@ -9,7 +9,7 @@
     lwm data encode VIDEO... --out DIR [--codec pixel|wan|cogvideox|hunyuan --vae PATH]  |  lwm data decode FILE.h5 --out VIDEO [--vae PATH]
     lwm data synth --out DIR --episodes N                                             the built-in world
     lwm data atari --games pong breakout --out DIR [--episodes N]                       Atari footage (ale-py)
-    lwm demo [--steps N]
+    lwm demo [--out runs/demo] [--steps N]                                           the main job on a CPU
 
 The Lightning verbs read OmegaConf/LightningCLI YAML (``parser_mode="omegaconf+"``: interpolations such as
 ``${trainer.default_root_dir}`` follow command-line overrides). Every run writes ``RUN_DIR/metrics.csv``,
@@ -162,7 +162,7 @@ _OWN_PARSERS = {
     "codes": ("lwm.codes", "code dictionaries of a checkpoint's encoders"),
     "generate": ("lwm.generate", "play a trained model forward, write the video"),
     "plot": ("lwm.plot", "PNG figures of a run from RUN_DIR/metrics.csv"),
-    "demo": ("lwm.demo", "train a tiny model on a built-in synthetic world (CPU)"),
+    "demo": ("lwm.demo", "the main job on a CPU: synthetic world, fit, validate, videos, report"),
     "data synth": ("lwm.data.synth", "make the built-in synthetic world"),
     "data atari": ("lwm.data.atari", "record Atari games (ale-py) with true actions, game id as world label"),
 }

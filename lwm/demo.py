@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
                                  size=args.size, distractors=args.distractors)
     manifest = Manifest.load(manifest_path)
     console.print(f"{len(manifest.entries)} episodes x {args.frames} frames of [16, {args.size // 2}, {args.size // 2}] "
-                  f"latents ({len(manifest.split('train'))} train, {len(manifest.split('val'))} val): {manifest_path}")
+                  f"latents ({len(manifest.split('train'))} train, {len(manifest.split('val'))} val): {manifest_path}",
+                  soft_wrap=True)
     times["data"] = time.perf_counter() - start
 
     common = ["--config", args.config, f"--data.manifest={manifest_path}", f"--trainer.default_root_dir={run_dir}",
@@ -123,8 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         ("rollout with inferred actions (top: ground truth)", inferred),
         ("rollouts with sampled actions", sampled),
     ):
-        console.print(f"  {label:<52} {path}")
-    console.print(f"  figures: lwm plot {run_dir}")
+        console.print(f"  {label:<52} {path}", soft_wrap=True)
+    console.print(f"  figures: lwm plot {run_dir}", soft_wrap=True)
     return 0
 
 
@@ -153,7 +154,7 @@ def report(console: Console, m: dict[str, float], action_samples: int, world_sam
                              f"probe {acc:.3f} vs chance {chance:.3f} + 3 sd {margin:.3f} ({samples} held-out transitions)"))
     console.print(table)
     for text, ok, detail in verdicts:
-        console.print(f"  {'[green]yes[/]' if ok else '[red]not yet[/]'}  {text}: {detail}")
+        console.print(f"  {'[green]yes[/]' if ok else '[red]not yet[/]'}  {text}: {detail}", soft_wrap=True)
     console.print("  time: " + ", ".join(f"{k} {v:.0f}s" for k, v in times.items()))
 
 

@@ -1,0 +1,57 @@
+"""`lwm demo` end to end at a small size, and its report's arithmetic."""
+
+from __future__ import annotations
+
+import math
+
+import imageio.v3 as iio
+import pytest
+from rich.console import Console
+
+from lwm.cli import main
+from lwm.demo import probe_margin, psnr, report
+
+
+def test_the_demo_pipeline_end_to_end(tmp_path, capsys):
+    out = tmp_path / "demo"
+    argv = ["demo", "--out", str(out), "--steps", "12", "--episodes", "24", "--frames", "10",
+            "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    for path in ("data/manifest.json", "run/metrics.csv", "run/checkpoints/last.ckpt", "run/checkpoints/codes.pt"):
+        assert (out / path).is_file(), path
+    assert "beats copy-last-frame" in printed and "latent actions carry information" in printed
+    assert str(out / "rollout_inferred.mp4") in printed.replace("\n", "")
+    # 9 generated frames after the first (min(frames - 1, 2 * (window - 1))); pixel-decoded 32x32 rows:
+    # ground truth above the rollout, 4 px apart
+    inferred = iio.imread(out / "rollout_inferred.mp4", plugin="pyav")
+    assert inferred.shape == (10, 2 * 32 + 4, 32, 3)
+    sampled = iio.imread(out / "rollout_sampled.mp4", plugin="pyav")
+    assert sampled.shape == (10, 5 * 32 + 4 * 4, 32, 3)  # ground truth and 4 sampled futures
+
+    assert main(argv) == 2  # a finished run is never overwritten
+    assert "holds a finished demo run" in capsys.readouterr().err
+
+
+def test_bad_demo_arguments(tmp_path, capsys):
+    assert main(["demo", "--out", str(tmp_path), "--config", str(tmp_path / "none.yaml")]) == 2
+    assert "none.yaml: not found" in capsys.readouterr().err
+    assert main(["demo", "--out", str(tmp_path), "--size", "40"]) == 2
+    assert "multiple of 16" in capsys.readouterr().err
+
+
+def test_report_arithmetic_and_verdicts():
+    assert psnr(0.01) == pytest.approx(20.0) and psnr(1.0) == 0.0
+    assert probe_margin(0.2, 900) == pytest.approx(3 * math.sqrt(0.2 * 0.8 / 900))
+    metrics = {"Val_Dynamics_Predictor/tf_loss": 0.01, "Val_Dynamics_Predictor/copy_last_loss": 0.05,
+               "Val_Action_Encoder/probe_accuracy": 0.30, "Val_Action_Encoder/probe_chance": 0.20,
+               "Val_Action_Encoder/nmi": 0.1, "Val_World_Encoder/probe_accuracy": 0.9,
+               "Val_World_Encoder/probe_chance": 0.25, "Val_World_Encoder/nmi": 0.5}
+    console = Console(width=200, record=True)
+    report(console, metrics, action_samples=900, world_samples=100, times={"total": 1.0})
+    text = console.export_text()
+    assert "yes  beats copy-last-frame: MSE 0.0100 < 0.0500" in text
+    assert "yes  latent actions carry information" in text  # 0.30 > 0.20 + 0.04
+    report(console, {**metrics, "Val_Action_Encoder/probe_accuracy": 0.23}, action_samples=900, world_samples=100,
+           times={})
+    assert "not yet  latent actions carry information" in console.export_text()  # 0.23 < 0.24
