@@ -9,6 +9,7 @@
     lwm data encode VIDEO... --out DIR [--codec pixel|wan|cogvideox|hunyuan --vae PATH]  |  lwm data decode FILE.h5 --out VIDEO [--vae PATH]
     lwm data synth --out DIR --episodes N                                             the built-in world
     lwm data atari --games pong breakout --out DIR [--episodes N]                       Atari footage (ale-py)
+    lwm bench [--config CFG] [--steps N] [--json OUT]                                 training-step speed, MFU
     lwm demo [--out runs/demo] [--steps N]                                           the main job on a CPU
 
 The Lightning verbs read OmegaConf/LightningCLI YAML (``parser_mode="omegaconf+"``: interpolations such as
@@ -163,6 +164,7 @@ _OWN_PARSERS = {
     "generate": ("lwm.generate", "play a trained model forward, write the video"),
     "plot": ("lwm.plot", "PNG figures of a run from RUN_DIR/metrics.csv"),
     "demo": ("lwm.demo", "the main job on a CPU: synthetic world, fit, validate, videos, report"),
+    "bench": ("lwm.bench", "time a config's training step beside an eager fp32 reference; FLOPs, MFU, breakdown"),
     "data synth": ("lwm.data.synth", "make the built-in synthetic world"),
     "data atari": ("lwm.data.atari", "record Atari games (ale-py) with true actions, game id as world label"),
 }

@@ -3,31 +3,24 @@ training TFLOPs (all ranks) against which validation losses can be plotted, and 
 
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import Any
 
 import lightning as L
 import torch
 from lightning.fabric.utilities.throughput import get_available_flops
-from torch.utils.flop_counter import FlopCounterMode
 from typing_extensions import override
 
 from lwm.callbacks.schedule import is_logging_step
+from lwm.flops import count_flops
 
 PRECISION_DTYPES = {"bf16": torch.bfloat16, "16": torch.float16, "32": torch.float32, "64": torch.float64}
 
 
-def _eager():
-    """Measure the eager graph: compiled regions under a dispatch mode may not be counted."""
-    set_stance = getattr(torch.compiler, "set_stance", None)
-    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
-
-
 class FlopCounter(L.Callback):
     """On the first training batch, counts the FLOPs of one training step (forward with teacher forcing and
-    both rollout passes, and backward; ``torch.utils.flop_counter.FlopCounterMode`` on the real batch; dense
-    attention, so the causal masks are counted as full) without updating anything. Then logs, at the logging
+    both rollout passes, and backward; :func:`lwm.flops.count_flops` on the real batch: the attention kernels
+    counted on the CPU too, and masked attention for the pairs its mask allows) without updating anything. Then logs, at the logging
     interval, ``Train_Total/tflops`` (cumulative over all ranks: per-step FLOPs x world size x global step),
     ``Train_Total/tflops_per_s`` (per device) and ``Train_Total/mfu`` when the device's peak is known (or
     given as ``peak_tflops``, e.g. 989 for an H200's bf16 dense peak, which Lightning does not know); and
@@ -43,13 +36,15 @@ class FlopCounter(L.Callback):
         model = pl_module.model
         backward = "deepspeed" not in type(trainer.strategy).__name__.lower()
         generator = torch.Generator(device=x.device).manual_seed(0)  # leave the run's own RNG streams alone
-        with _eager(), FlopCounterMode(display=False) as counter:
+
+        def step() -> None:
             with trainer.precision_plugin.forward_context():
                 loss = model.compute(x, step=None, generator=generator).loss  # step=None: no codebook update
             if backward:
                 loss.backward()
-        pl_module.zero_grad(set_to_none=True)
-        flops = counter.get_total_flops()
+            pl_module.zero_grad(set_to_none=True)
+
+        flops = count_flops(step, dense=False).useful
         return int(flops if backward else 3 * flops)
 
     def _peak(self, trainer: L.Trainer, pl_module: L.LightningModule) -> float | None:

@@ -1,0 +1,339 @@
+"""``lwm bench``: how fast a training step of a config runs, measured side by side with a plain reference.
+
+    lwm bench [--config configs/base.yaml] [--steps 20] [--warmup 5] [--json OUT.json] [--no-breakdown]
+              [--section.key=value ...]
+
+On random latents of the config's shape (``data.batch_size`` x ``data.window`` frames of ``model.net``'s
+``[C, H, W]``), on the GPU when there is one (else the CPU), it times
+
+* **lightning**: the real training step, ``WorldModelModule`` in a Lightning ``Trainer`` with the config's
+  precision, ``model.compile``, fused AdamW, gradient clipping and the non-finite guard (the monitoring
+  callbacks are off: ``benchmarks/monitoring.py`` measures them);
+* **fast path**: the same step (autocast, compile, fused AdamW, clipping) in a plain loop, so that
+  ``lightning - fast path`` is Lightning's overhead;
+* **reference**: the same model eager in fp32 with a for-loop AdamW and no compile: every speed-up is a
+  ratio to it, measured in the same run.
+
+For each: ms/step, steps/s, frames/s, tokens/s (frames x patches), achieved TFLOP/s and MFU, against the
+device's bf16 dense peak (when Lightning knows it) and against a large matmul timed in the same run (bf16
+8192^3 on a GPU, fp32 2048^3 on a CPU), and peak memory on a GPU. FLOPs are counted once on the real
+step by :mod:`lwm.flops` (``FlopCounterMode`` plus the CPU attention kernel, which PyTorch counts as zero,
+with masked attention counted for the pairs the mask allows; the dense count is in the JSON).
+
+The **breakdown** times each part alone, forward and backward, with the step's shapes and precision
+(eager): tokenizer, detokenizer (every rollout pass), the spatial attention, temporal attention and MLP
+sub-layers of each transformer (times its depth and calls), the quantizers (with their EMA update) and the
+optimizer; ``other`` is the eager fast-path step minus their sum (loss, masks, positional embeddings,
+re-tokenizing the rollout inputs). Parts timed alone do not overlap as they do in a compiled step.
+
+One table is printed; ``--json`` writes everything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+from rich.console import Console
+from rich.table import Table
+
+from lwm.errors import ConfigError
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser(prog="lwm bench", description=__doc__.split("\n\n")[0],
+                                epilog="Other --section.key=value arguments override the config.")
+    p.add_argument("--config", default=str(DEFAULT_CONFIG), help="a fit config (default configs/tiny.yaml)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per variant (default 10)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
+    p.add_argument("--json", help="write every number here")
+    p.add_argument("--no-breakdown", action="store_true", help="skip the per-part timings")
+    p.add_argument("--no-reference", action="store_true", help="skip the eager fp32 reference")
+    args, rest = p.parse_known_args(argv)
+    if args.steps < 1 or args.warmup < 0:
+        raise ConfigError(f"--steps must be >= 1 and --warmup >= 0, got {args.steps}, {args.warmup}")
+    if not Path(args.config).is_file():
+        raise ConfigError(f"--config {args.config}: not found")
+    bad = [a for a in rest if not (a.startswith("--") and "=" in a)]
+    if bad:
+        raise ConfigError(f"unknown argument(s) {' '.join(bad)} (overrides look like --model.net.d_model=128)")
+    return args, [a[2:] for a in rest]
+
+
+def load_config(path: str, overrides: list[str]) -> Any:
+    cfg = OmegaConf.merge(OmegaConf.load(path), OmegaConf.from_dotlist(overrides))
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], object], steps: int, warmup: int, device: torch.device) -> float:
+    """Seconds per call of ``fn`` after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    sync(device)
+    return (time.perf_counter() - start) / steps
+
+
+def matmul_tflops(device: torch.device) -> tuple[float, str]:
+    """A large matmul's TFLOP/s on this device: bf16 8192^3 on a GPU, fp32 2048^3 on a CPU."""
+    n, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (2048, torch.float32)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    seconds = timed(lambda: a @ b, steps=10 if device.type == "cuda" else 3, warmup=2, device=device)
+    return 2 * n**3 / seconds / 1e12, f"{str(dtype).removeprefix('torch.')} {n}^3"
+
+
+class Setup:
+    """The config's model, optimiser settings, precision and a random batch."""
+
+    def __init__(self, cfg: dict, device: torch.device) -> None:
+        from lwm.module import OptimConfig
+        from lwm.modules.world_model import WorldModelConfig
+
+        model = cfg.get("model") or {}
+        try:
+            self.net = WorldModelConfig(**(model.get("net") or {}))
+            self.optim = OptimConfig(**(model.get("optim") or {}))
+        except TypeError as e:
+            raise ConfigError(f"model: {e}") from None
+        data, trainer = cfg.get("data") or {}, cfg.get("trainer") or {}
+        self.batch, self.window = int(data.get("batch_size", 32)), int(data.get("window", 16))
+        self.precision = str(trainer.get("precision", "32-true"))
+        self.compile = bool(model.get("compile", False)) and device.type == "cuda"
+        self.clip = trainer.get("gradient_clip_val")
+        self.device = device
+        c = self.net
+        g = torch.Generator(device="cpu").manual_seed(0)
+        self.x = (torch.rand(self.batch, self.window, c.in_channels, c.height, c.width, generator=g) * 2 - 1).to(device)
+        self.patches = (c.height // 4) * (c.width // 4)
+
+    @property
+    def bf16(self) -> bool:
+        return self.precision.startswith("bf16")
+
+    def autocast(self, enabled: bool | None = None):
+        on = self.bf16 if enabled is None else enabled
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=on)
+
+
+def plain_step(s: Setup, fast: bool, compile_: bool = True) -> tuple[Callable[[], torch.Tensor], torch.nn.Module,
+                                                                     torch.optim.Optimizer]:
+    """One training step in a plain loop: the fast path (the config's precision, compile unless ``compile_`` is
+    False, fused AdamW on a GPU) or the reference (eager fp32, for-loop AdamW)."""
+    from lwm.modules.world_model import WorldModel
+
+    torch.manual_seed(0)
+    model = WorldModel(s.net).to(s.device).train()
+    if fast and s.compile and compile_:
+        model.compile_parts()
+    cuda = s.device.type == "cuda"
+    kwargs = dict(fused=True) if fast and cuda else dict(foreach=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=s.optim.lr, betas=tuple(s.optim.betas), **kwargs)
+    counter = iter(range(10**9))
+
+    def step() -> torch.Tensor:
+        with s.autocast(fast and s.bf16):
+            loss = model.compute(s.x, next(counter)).loss
+        loss.backward()
+        if s.clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), float(s.clip))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step, model, opt
+
+
+def lightning_seconds(s: Setup, steps: int, warmup: int) -> float:
+    """Seconds per step of the real Lightning training step (timed from batch start to batch start)."""
+    import lightning as L
+
+    from lwm.module import WorldModelModule
+
+    class Timer(L.Callback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            sync(s.device)
+            self.times.append(time.perf_counter())
+
+    batch = {"latents": s.x.cpu()}
+    loader = torch.utils.data.DataLoader([batch] * (warmup + steps + 1), batch_size=None)
+    timer = Timer()
+    torch.manual_seed(0)
+    module = WorldModelModule(s.net, s.optim, compile=s.compile)
+    trainer = L.Trainer(
+        accelerator=s.device.type, devices=1, precision=s.precision, max_steps=warmup + steps + 1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[timer],
+        gradient_clip_val=s.clip, num_sanity_val_steps=0, limit_val_batches=0,
+    )
+    trainer.fit(module, train_dataloaders=loader)
+    t = timer.times[warmup:]
+    return (t[-1] - t[0]) / (len(t) - 1)
+
+
+def step_flops(s: Setup):
+    """FLOPs of one training step (forward with every pass, backward) on the real batch."""
+    from lwm.flops import count_flops
+    from lwm.modules.world_model import WorldModel
+
+    model = WorldModel(s.net).to(s.device).train()
+
+    def fn() -> None:
+        with s.autocast():
+            loss = model.compute(s.x, step=None).loss  # no codebook update: the count leaves nothing changed
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    return count_flops(fn)
+
+
+def breakdown(s: Setup, steps: int, warmup: int) -> list[dict]:
+    """Each part alone (forward + backward, eager, the step's shapes and precision): seconds and FLOPs per step."""
+    from lwm.flops import count_flops
+    from lwm.modules.world_model import WorldModel
+
+    torch.manual_seed(0)
+    model = WorldModel(s.net).to(s.device).train()
+    B, T = s.x.shape[:2]
+    N, D = s.patches, s.net.d_model
+    passes = len(s.net.rollout_weights)
+    rows: list[dict] = []
+
+    def part(name: str, make: Callable[[], Callable[[], torch.Tensor]], calls: int) -> None:
+        fn = make()
+
+        def run() -> None:
+            with s.autocast():
+                out = fn()
+            out.float().sum().backward()
+
+        seconds = timed(run, steps, warmup, s.device) * calls
+        flops = count_flops(run).useful * calls
+        model.zero_grad(set_to_none=True)
+        rows.append({"part": name, "ms": seconds * 1e3, "tflop": flops / 1e12, "calls": calls})
+
+    tokens = torch.randn(B, T, N, D, device=s.device)
+    part("tokenizer", lambda: lambda: model.tokenize(s.x), 1 + (passes - 1))  # the clip, then each rollout input
+    part("detokenizer", lambda: lambda: model.detokenize(tokens[:, : T - 1]), passes)
+    for name, transformer, length, calls in (
+        ("action encoder", model.action_encoder.transformer, T, 1),
+        ("world encoder", model.world_encoder.transformer, T, 1),
+        ("dynamics", model.dynamics.transformer, T - 1, passes),
+    ):
+        depth = len(transformer.blocks)
+        for i, block in enumerate(transformer.blocks[:1]):  # every block of a transformer has the same shapes
+            from einops import rearrange
+
+            h = tokens[:, :length].clone().requires_grad_(True)
+            part(f"{name}: spatial attention", lambda b=block, h=h: lambda: b.spatial(
+                rearrange(b.norm_spatial(h), "b t n d -> (b t) n d"))[0], depth * calls)
+            part(f"{name}: temporal attention", lambda b=block, h=h: lambda: b.temporal(
+                rearrange(b.norm_temporal(h), "b t n d -> (b n) t d"), b.mask)[0], depth * calls)
+            part(f"{name}: MLP", lambda b=block, h=h: lambda: b.mlp(b.norm_mlp(h)), depth * calls)
+    za = torch.randn(B, T - 1, s.net.d_code_action, device=s.device, requires_grad=True)
+    zh = torch.randn(B, s.net.d_code_world, device=s.device, requires_grad=True)
+    counter = iter(range(10**9))
+    part("quantizers (with EMA update)", lambda: lambda: model.action_encoder.rvq(za, next(counter)).commit_loss
+         + model.world_encoder.rvq(zh, next(counter)).commit_loss, 1)
+    _, full_model, opt = plain_step(s, fast=True, compile_=False)
+    for p in full_model.parameters():
+        p.grad = torch.zeros_like(p)
+    seconds = timed(opt.step, steps, warmup, s.device)
+    rows.append({"part": "optimizer", "ms": seconds * 1e3, "tflop": 0.0, "calls": 1})
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    args, overrides = parse(argv)
+    cfg = load_config(args.config, overrides)
+    accelerator = str((cfg.get("trainer") or {}).get("accelerator", "auto"))
+    device = torch.device("cuda" if torch.cuda.is_available() and accelerator != "cpu" else "cpu")
+    s = Setup(cfg, device)
+    console = Console()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    console.print(f"[bold]lwm bench[/] {args.config}: {name}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; "
+                  f"batch {s.batch} x {s.window} frames of [{s.net.in_channels}, {s.net.height}, {s.net.width}], "
+                  f"D={s.net.d_model}, precision {s.precision}, compile {s.compile}", soft_wrap=True)
+
+    flops = step_flops(s)
+    matmul, matmul_what = matmul_tflops(device)
+    from lightning.fabric.utilities.throughput import get_available_flops
+
+    peak = get_available_flops(device, torch.bfloat16) if device.type == "cuda" else None
+    frames, tokens = s.batch * s.window, s.batch * s.window * s.patches
+    variants: dict[str, float] = {}
+    if not args.no_reference:
+        variants["reference"] = timed(plain_step(s, fast=False)[0], args.steps, args.warmup, device)
+    variants["fast path"] = timed(plain_step(s, fast=True)[0], args.steps, args.warmup, device)
+    peak_mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    variants["lightning"] = lightning_seconds(s, args.steps, args.warmup)
+
+    reference = variants.get("reference")
+    table = Table(title=f"training step: {flops.useful / 1e9:.2f} GFLOP useful ({flops.dense / 1e9:.2f} dense), "
+                        f"matmul roofline {matmul:.2f} TFLOP/s ({matmul_what})")
+    for col in ("variant", "ms/step", "steps/s", "frames/s", "tokens/s", "TFLOP/s", "MFU peak", "MFU mm", "speed-up"):
+        table.add_column(col, justify="left" if col == "variant" else "right")
+    results = []
+    for label, seconds in variants.items():
+        achieved = flops.useful / seconds / 1e12
+        row = {"variant": label, "ms_per_step": seconds * 1e3, "steps_per_s": 1 / seconds, "frames_per_s": frames / seconds,
+               "tokens_per_s": tokens / seconds, "tflop_per_s": achieved,
+               "mfu_peak": achieved * 1e12 / peak if peak else None, "mfu_matmul": achieved / matmul,
+               "speedup": reference / seconds if reference else None}
+        results.append(row)
+        table.add_row(label, f"{row['ms_per_step']:.1f}", f"{row['steps_per_s']:.2f}", f"{row['frames_per_s']:.0f}",
+                      f"{row['tokens_per_s']:.0f}", f"{achieved:.3f}",
+                      f"{row['mfu_peak']:.1%}" if row["mfu_peak"] else "-", f"{row['mfu_matmul']:.1%}",
+                      f"{row['speedup']:.2f}x" if row["speedup"] else "-")
+    console.print(table)
+    console.print("reference: eager fp32, for-loop AdamW; fast path: the config's precision and compile, fused AdamW "
+                  "on a GPU, plain loop; lightning: the real training step. MFU peak: of the bf16 dense peak; "
+                  "MFU mm: of the matmul roofline.", soft_wrap=True)
+    console.print(f"Lightning overhead: {variants['lightning'] * 1e3 - variants['fast path'] * 1e3:+.1f} "
+                  f"ms/step; peak memory {f'{peak_mem:.2f} GiB' if peak_mem is not None else '- (CPU)'}; "
+                  f"bf16 dense peak {f'{peak / 1e12:.0f} TFLOP/s' if peak else 'unknown here'}", soft_wrap=True)
+
+    parts = [] if args.no_breakdown else breakdown(s, max(1, args.steps // 2), min(args.warmup, 2))
+    if parts:
+        eager = timed(plain_step(s, fast=True, compile_=False)[0], max(1, args.steps // 2), 1, device)
+        total = sum(r["ms"] for r in parts)
+        parts.append({"part": "other (loss, masks, PE, glue)", "ms": eager * 1e3 - total, "tflop": None, "calls": 1})
+        bt = Table(title=f"breakdown: each part alone, forward + backward, eager (step {eager * 1e3:.1f} ms)")
+        for col in ("part", "calls", "ms/step", "share", "TFLOP/s"):
+            bt.add_column(col, justify="left" if col == "part" else "right")
+        for r in parts:
+            rate = r["tflop"] / (r["ms"] / 1e3) if r["tflop"] and r["ms"] > 0 else None
+            bt.add_row(r["part"], str(r["calls"]), f"{r['ms']:.2f}", f"{r['ms'] / (eager * 1e3):.0%}",
+                       f"{rate:.3f}" if rate else "-")
+        console.print(bt)
+
+    if args.json:
+        out = {"config": args.config, "overrides": overrides, "device": name, "torch": torch.__version__,
+               "date": time.strftime("%Y-%m-%d"), "batch": s.batch, "window": s.window, "precision": s.precision,
+               "compile": s.compile, "net": asdict(s.net), "flops_useful": flops.useful, "flops_dense": flops.dense,
+               "flops_by_module": flops.by_module, "matmul_tflop_per_s": matmul, "matmul": matmul_what,
+               "peak_tflop_per_s": peak / 1e12 if peak else None, "peak_memory_gib": peak_mem,
+               "variants": results, "breakdown": parts}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(out, indent=1))
+        console.print(f"wrote {args.json}")
+    return 0

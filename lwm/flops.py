@@ -1,0 +1,125 @@
+"""Honest FLOP counts of a training step: ``torch.utils.flop_counter.FlopCounterMode`` with two corrections.
+
+* **SDPA on the CPU** (``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward) has no formula
+  in PyTorch, so it counts as zero; here it gets the same formula as the GPU kernels.
+* **Masked attention** (``is_causal`` or a boolean ``attn_mask``) is counted by PyTorch as full attention.
+  Here every SDPA kernel (CPU flash, CUDA flash, memory-efficient, cuDNN) is counted for the query/key pairs
+  the mask allows: ``L (L + 1) / 2`` of ``L * S`` for causal, the mask's share of True entries otherwise.
+  These are the *useful* FLOPs (what MFU should count); ``dense`` keeps PyTorch's count of the full square.
+
+Every other op keeps PyTorch's formula (matmuls and convolutions; elementwise ops, norms and softmax count
+zero, as in PyTorch and in the usual MFU convention).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+aten = torch.ops.aten
+
+
+def allowed_fraction(q_len: int, k_len: int, is_causal: bool, attn_mask: torch.Tensor | None) -> float:
+    """The share of the ``q_len x k_len`` query/key pairs a mask allows (1.0 unmasked)."""
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            return float(attn_mask.float().mean())
+        return float(torch.isfinite(attn_mask).float().mean())  # additive mask: -inf where not allowed
+    if is_causal:
+        return min(q_len, k_len) * (min(q_len, k_len) + 1) / 2 / (q_len * k_len) if q_len <= k_len else 1.0
+    return 1.0
+
+
+def _forward(get: Callable[[tuple, dict], tuple], useful: bool):
+    def count(*args, out_val=None, **kwargs) -> int:
+        q, k, v, is_causal, mask = get(args, kwargs)
+        dense = sdpa_flop_count(q.shape, k.shape, v.shape)
+        return int(dense * allowed_fraction(q.shape[-2], k.shape[-2], is_causal, mask)) if useful else dense
+
+    count._get_raw = True  # FlopCounterMode passes tensors, not shapes: the mask's values are read
+    return count
+
+
+def _backward(get: Callable[[tuple, dict], tuple], useful: bool):
+    def count(*args, out_val=None, **kwargs) -> int:
+        grad, q, k, v, is_causal, mask = get(args, kwargs)
+        dense = sdpa_backward_flop_count(grad.shape, q.shape, k.shape, v.shape)
+        return int(dense * allowed_fraction(q.shape[-2], k.shape[-2], is_causal, mask)) if useful else dense
+
+    count._get_raw = True
+    return count
+
+
+def _arg(args: tuple, kwargs: dict, index: int, name: str, default=None):
+    if name in kwargs:
+        return kwargs[name]
+    return args[index] if len(args) > index else default
+
+
+def attention_mapping(useful: bool = True) -> dict:
+    """``custom_mapping`` for :class:`FlopCounterMode` covering every SDPA kernel, the CPU one included:
+    counted for the allowed query/key pairs only (``useful``) or for the full square (PyTorch's convention)."""
+    def is_causal(index: int):
+        return lambda a, kw: bool(_arg(a, kw, index, "is_causal", False))
+
+    forward = {  # op: (its is_causal position, where its mask is)
+        # CPU flash: (q, k, v, dropout_p, is_causal, *, attn_mask, scale)
+        aten._scaled_dot_product_flash_attention_for_cpu: (is_causal(4), lambda a, kw: kw.get("attn_mask")),
+        # CUDA flash: (q, k, v, dropout_p, is_causal, return_debug_mask, *, scale)
+        aten._scaled_dot_product_flash_attention: (is_causal(4), lambda a, kw: None),
+        # memory-efficient: (q, k, v, attn_bias, compute_log_sumexp, dropout_p, is_causal, *, scale)
+        aten._scaled_dot_product_efficient_attention: (is_causal(6), lambda a, kw: _arg(a, kw, 3, "attn_bias")),
+    }
+    backward = {
+        # (grad_out, q, k, v, out, logsumexp, dropout_p, is_causal, *, attn_mask, scale)
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: (is_causal(7), lambda a, kw: kw.get("attn_mask")),
+        # (grad_out, q, k, v, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, ...)
+        aten._scaled_dot_product_flash_attention_backward: (is_causal(11), lambda a, kw: None),
+        # (grad_out, q, k, v, attn_bias, out, logsumexp, philox_seed, philox_offset, dropout_p, grad_input_mask, is_causal, ...)
+        aten._scaled_dot_product_efficient_attention_backward: (is_causal(11), lambda a, kw: _arg(a, kw, 4, "attn_bias")),
+    }
+    if hasattr(aten, "_scaled_dot_product_cudnn_attention"):
+        # (q, k, v, attn_bias, compute_log_sumexp, dropout_p, is_causal, return_debug_mask, *, scale)
+        forward[aten._scaled_dot_product_cudnn_attention] = (is_causal(6), lambda a, kw: _arg(a, kw, 3, "attn_bias"))
+    if hasattr(aten, "_scaled_dot_product_cudnn_attention_backward"):
+        # (grad_out, q, k, v, out, logsumexp, philox_seed, philox_offset, attn_bias, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, ...)
+        backward[aten._scaled_dot_product_cudnn_attention_backward] = (is_causal(14), lambda a, kw: _arg(a, kw, 8, "attn_bias"))
+    mapping = {}
+    for op, (causal, mask) in forward.items():
+        mapping[op] = _forward(lambda a, kw, c=causal, m=mask: (a[0], a[1], a[2], c(a, kw), m(a, kw)), useful)
+    for op, (causal, mask) in backward.items():
+        mapping[op] = _backward(lambda a, kw, c=causal, m=mask: (a[0], a[1], a[2], a[3], c(a, kw), m(a, kw)), useful)
+    return mapping
+
+
+@dataclass
+class StepFlops:
+    """FLOPs of one counted region: ``useful`` (masked attention pairs left out) and ``dense`` (PyTorch's
+    convention, with the CPU attention kernel counted), in total and per module name prefix."""
+
+    useful: int = 0
+    dense: int = 0  # equals ``useful`` when not counted
+    by_module: dict[str, int] = field(default_factory=dict)  # useful FLOPs per module (FlopCounterMode names)
+
+
+def _eager():
+    """Count the eager graph: compiled regions under a dispatch mode may not be counted."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
+
+
+def count_flops(fn: Callable[[], object], dense: bool = True) -> StepFlops:
+    """Run ``fn`` (e.g. a forward and backward) under :class:`FlopCounterMode` counting useful attention FLOPs,
+    with the per-module breakdown; and, with ``dense``, once more counting attention as the full square."""
+    with _eager(), FlopCounterMode(display=False, custom_mapping=attention_mapping(useful=True)) as useful:
+        fn()
+    total = int(useful.get_total_flops())
+    if dense:
+        with _eager(), FlopCounterMode(display=False, custom_mapping=attention_mapping(useful=False)) as full:
+            fn()
+    by_module = {name: int(sum(ops.values())) for name, ops in useful.get_flop_counts().items()}
+    return StepFlops(total, int(full.get_total_flops()) if dense else total, by_module)

@@ -1,0 +1,36 @@
+"""`lwm bench` as a smoke check on the CPU (no timing is asserted: machines here are shared and noisy)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lwm.cli import main
+
+
+def test_bench_runs_at_tiny_and_writes_every_number(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--config", "configs/tiny.yaml", "--steps", "1", "--warmup", "0", "--json", str(out),
+            "--model.net.height=16", "--model.net.width=16", "--data.batch_size=2", "--data.window=5"]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert [v["variant"] for v in result["variants"]] == ["reference", "fast path", "lightning"]
+    assert result["variants"][0]["speedup"] == 1.0  # every ratio is to the reference
+    for v in result["variants"]:
+        assert v["ms_per_step"] > 0 and v["frames_per_s"] == pytest.approx(2 * 5 / (v["ms_per_step"] / 1e3))
+        assert v["tokens_per_s"] == pytest.approx(v["frames_per_s"] * 16)  # 16x16 latents: 4x4 patches
+    # causal and shifted-causal temporal attention: fewer useful than dense FLOPs; the module breakdown adds up
+    assert 0 < result["flops_useful"] < result["flops_dense"]
+    assert result["flops_by_module"]["Global"] == result["flops_useful"]
+    parts = {r["part"] for r in result["breakdown"]}
+    assert {"tokenizer", "detokenizer", "dynamics: temporal attention", "quantizers (with EMA update)", "optimizer"} <= parts
+    assert "training step" in capsys.readouterr().out
+
+
+def test_bench_refuses_bad_arguments(capsys):
+    assert main(["bench", "--config", "nope.yaml"]) == 2
+    assert "nope.yaml: not found" in capsys.readouterr().err
+    assert main(["bench", "--steps", "0"]) == 2
+    assert main(["bench", "stray"]) == 2
+    assert "unknown argument(s) stray" in capsys.readouterr().err
