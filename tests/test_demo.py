@@ -9,7 +9,7 @@ import pytest
 from rich.console import Console
 
 from lwm.cli import main
-from lwm.demo import probe_margin, psnr, report
+from lwm.demo import probe_margin, report
 
 
 def test_the_demo_pipeline_end_to_end(tmp_path, capsys):
@@ -41,9 +41,9 @@ def test_bad_demo_arguments(tmp_path, capsys):
 
 
 def test_report_arithmetic_and_verdicts():
-    assert psnr(0.01) == pytest.approx(20.0) and psnr(1.0) == 0.0
     assert probe_margin(0.2, 900) == pytest.approx(3 * math.sqrt(0.2 * 0.8 / 900))
     metrics = {"Val_Dynamics_Predictor/tf_loss": 0.01, "Val_Dynamics_Predictor/copy_last_loss": 0.05,
+               "Val_Dynamics_Predictor/tf_psnr": 20.0, "Val_Dynamics_Predictor/copy_last_psnr": 13.0,
                "Val_Action_Encoder/probe_accuracy": 0.30, "Val_Action_Encoder/probe_chance": 0.20,
                "Val_Action_Encoder/nmi": 0.1, "Val_World_Encoder/probe_accuracy": 0.9,
                "Val_World_Encoder/probe_chance": 0.25, "Val_World_Encoder/nmi": 0.5}

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import lightning as L
+import torch
 from torchmetrics import MeanMetric
 from typing_extensions import override
 
@@ -13,7 +14,8 @@ from lwm.metrics import copy_last_loss
 
 class CopyLastBaseline(L.Callback):
     """``Val_Dynamics_Predictor/copy_last_loss``: the one-step MSE of predicting every frame as the previous
-    one, over the whole validation set (all ranks): the teacher-forcing loss must go below it."""
+    one, over the whole validation set (all ranks): the teacher-forcing loss must go below it; and
+    ``copy_last_psnr``, its PSNR (of the mean MSE, as the module's ``tf_psnr``)."""
 
     def __init__(self) -> None:
         self._mean = MeanMetric()
@@ -33,5 +35,7 @@ class CopyLastBaseline(L.Callback):
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking or self._mean.update_count == 0:
             return
-        pl_module.log("Val_Dynamics_Predictor/copy_last_loss", self._mean.compute(), on_step=False, on_epoch=True,
-                      rank_zero_only=True)
+        mse = self._mean.compute()
+        pl_module.log("Val_Dynamics_Predictor/copy_last_loss", mse, on_step=False, on_epoch=True, rank_zero_only=True)
+        pl_module.log("Val_Dynamics_Predictor/copy_last_psnr", 10.0 * torch.log10(1.0 / mse.float()), on_step=False,
+                      on_epoch=True, rank_zero_only=True)

@@ -3,6 +3,8 @@ equals the metric computed directly on the same batches (an identity), or a know
 
 from __future__ import annotations
 
+import math
+
 import lightning as L
 import pytest
 import torch
@@ -129,6 +131,10 @@ def test_copy_last_baseline_is_the_weighted_mean_over_the_validation_set():
     logged = _validate(_module(), CopyLastBaseline(), data)
     expected = sum(copy_last_loss(b["latents"]) * b["latents"].shape[0] for b in data) / sum(b["latents"].shape[0] for b in data)
     assert logged["Val_Dynamics_Predictor/copy_last_loss"] == pytest.approx(float(expected), rel=1e-6)
+    # PSNRs of the mean MSEs (peak 1): the baseline's and the model's teacher forcing, side by side
+    assert logged["Val_Dynamics_Predictor/copy_last_psnr"] == pytest.approx(10 * math.log10(1 / float(expected)), rel=1e-5)
+    tf = logged["Val_Dynamics_Predictor/tf_loss"]
+    assert logged["Val_Dynamics_Predictor/tf_psnr"] == pytest.approx(10 * math.log10(1 / tf), rel=1e-5)
 
 
 def test_probes_log_nmi_and_probe_accuracy_of_the_codes_against_the_labels():
