@@ -5,10 +5,14 @@
 * Randomness of a training step (the requirement's random temporal-PE start and token mask) comes from a
   generator seeded by ``(seed, rank, global_step, batch_idx)``: a resumed run draws exactly what an
   uninterrupted one would, with no RNG state to save.
-* A step whose gradient norm is not finite (a NaN/inf loss or gradient) skips the update (the gradients are
-  dropped; the quantizers skip their EMA update on their own) and is counted in
-  ``Train_Total/skipped_steps``; ``max_nonfinite`` such steps in a row stop the run with
-  :class:`~lwm.errors.NonFiniteLossError`, leaving the last checkpoint as it was.
+* A step whose gradient norm is not finite (a NaN/inf loss or gradient) skips the update (the quantizers skip
+  their EMA update on their own) and is counted in ``Train_Total/skipped_steps``; ``max_nonfinite`` such
+  steps in a row stop the run with :class:`~lwm.errors.NonFiniteLossError`, leaving the last checkpoint as
+  it was. With a fused AdamW (the default on CUDA) this costs no host sync: the optimizer gets the verdict
+  as a device tensor (``found_inf``, as ``GradScaler`` passes it) and skips the whole update on the device,
+  and the count of non-finite steps in a row is read on the host at the logging interval only. Otherwise
+  (a for-loop AdamW, or fp16 with its GradScaler) the verdict is read every step and the gradients are
+  dropped.
 * Logs: the model's ``(loss, logs)`` under ``Train_*/`` every step and ``Val_*/`` (``Test_*/``) as exact
   means over the whole validation set across ranks (torchmetrics ``MeanMetric`` weighted by batch size).
 """
@@ -26,6 +30,7 @@ import torch
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
+from lwm.callbacks.schedule import is_logging_step
 from lwm.errors import ConfigError, NonFiniteLossError
 from lwm.modules.world_model import WorldModel, WorldModelConfig
 
@@ -97,8 +102,10 @@ class WorldModelModule(L.LightningModule):
         self.optim = optim
         self.compile_model, self.max_nonfinite = compile, max_nonfinite
         self.val_metrics = nn.ModuleDict({_metric_name(k): MeanMetric() for k in self.model.log_keys})
-        self.skipped_steps = 0  # steps whose update was skipped (non-finite), over the whole run (checkpointed)
+        self._skipped = 0  # steps whose update was skipped (non-finite), over the run (checkpointed), read on the host
         self._nonfinite_in_a_row = 0
+        self._skipped_device: Tensor | None = None  # the sync-free path's counts, on the device
+        self._in_a_row_device: Tensor | None = None
         self._compiled = False
 
     # ----------------------------------------------------------------------------------------------
@@ -140,11 +147,21 @@ class WorldModelModule(L.LightningModule):
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: o.lr_factor(step, total))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
+    @property
+    def skipped_steps(self) -> int:
+        """Steps whose update was skipped over the whole run (a host read of the device count, if any)."""
+        return self._skipped + (int(self._skipped_device) if self._skipped_device is not None else 0)
+
+    def _skipped_tensor(self, device: torch.device) -> Tensor:
+        count = torch.tensor(float(self._skipped), device=device)
+        return count if self._skipped_device is None else count + self._skipped_device
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["lwm_skipped_steps"] = self.skipped_steps
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self.skipped_steps = int(checkpoint.get("lwm_skipped_steps", 0))
+        self._skipped = int(checkpoint.get("lwm_skipped_steps", 0))
+        self._skipped_device = self._in_a_row_device = None
 
     # ----------------------------------------------------------------------------------------------
     def step_generator(self, device: torch.device, batch_idx: int, stream: int = 0) -> torch.Generator:
@@ -162,33 +179,54 @@ class WorldModelModule(L.LightningModule):
         x = batch["latents"]  # [B, T, C, H, W]
         out = self.model.compute(x, self.global_step, generator=self.step_generator(x.device, batch_idx))
         self.log_dict({f"Train_{k}": v for k, v in out.logs.items()}, batch_size=x.shape[0])
-        self.log("Train_Total/skipped_steps", float(self.skipped_steps), batch_size=x.shape[0])
+        self.log("Train_Total/skipped_steps", self._skipped_tensor(x.device), batch_size=x.shape[0])
         return {"loss": out.loss, **self._codes(out)}
 
     @staticmethod
     def _codes(out) -> dict[str, Tensor]:
         return {"Action_Encoder": out.actions.indices.detach(), "World_Encoder": out.world.indices.detach()}
 
+    def _sync_free(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether the optimizer can skip a step on the device: a fused AdamW, and no GradScaler of its own."""
+        scaler = getattr(getattr(self._trainer, "precision_plugin", None), "scaler", None)
+        return bool(optimizer.defaults.get("fused")) and getattr(optimizer, "_step_supports_amp_scaling", False) \
+            and scaler is None
+
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Skip the update when the gradient norm is not finite (one host sync per step). Under DDP the
-        gradients are already all-reduced, so every rank takes the same decision."""
+        """Skip the update when the gradient norm is not finite: on the device with a fused AdamW (no host
+        sync; the run-stopping count is read at the logging interval), else with one host sync per step. Under
+        DDP the gradients are already all-reduced, so every rank takes the same decision."""
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if not grads:  # DeepSpeed keeps its own gradient buffers; nothing to check here
             return
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in grads]))
         self.log("Train_Total/grad_norm", norm)
+        if self._sync_free(optimizer):
+            nonfinite = ~torch.isfinite(norm)
+            optimizer.found_inf = nonfinite.float()  # fused AdamW: no update at all (moments, step count) when 1
+            optimizer.grad_scale = None
+            zero = torch.zeros((), device=norm.device)
+            self._skipped_device = (self._skipped_device if self._skipped_device is not None else zero) + nonfinite
+            in_a_row = self._in_a_row_device if self._in_a_row_device is not None else zero
+            self._in_a_row_device = torch.where(nonfinite, in_a_row + 1, 0.0)
+            if is_logging_step(self.trainer):  # the one host read, at the logging interval
+                self._check_in_a_row(int(self._in_a_row_device))
+            return
         if bool(torch.isfinite(norm)):
             self._nonfinite_in_a_row = 0
             return
         for group in optimizer.param_groups:  # AdamW skips parameters without a gradient: no update at all
             for p in group["params"]:
                 p.grad = None
-        self.skipped_steps += 1
+        self._skipped += 1
         self._nonfinite_in_a_row += 1
-        if self._nonfinite_in_a_row >= self.max_nonfinite:
+        self._check_in_a_row(self._nonfinite_in_a_row)
+
+    def _check_in_a_row(self, in_a_row: int) -> None:
+        if in_a_row >= self.max_nonfinite:
             raise NonFiniteLossError(
-                f"{self._nonfinite_in_a_row} consecutive steps had a non-finite loss or gradient (last at global "
-                f"step {self.global_step}); stopped. The last checkpoint is intact: lower optim.lr, check the data "
+                f"{in_a_row} consecutive steps had a non-finite loss or gradient (last at global step "
+                f"{self.global_step}); stopped. The last checkpoint is intact: lower optim.lr, check the data "
                 f"(`lwm data index`), or raise model.max_nonfinite")
 
     # ----------------------------------------------------------------------------------------------

@@ -62,29 +62,49 @@ def _batches(n: int, nan_at: set[int] = frozenset()) -> list[dict[str, torch.Ten
     return out
 
 
-def _train(batches, max_nonfinite: int = 5, net: WorldModelConfig = NET, callbacks=()) -> WorldModelModule:
+def _train(batches, max_nonfinite: int = 5, net: WorldModelConfig = NET, callbacks=(), fused: bool | None = None,
+           log_every_n_steps: int = 50) -> WorldModelModule:
     torch.manual_seed(0)
-    module = WorldModelModule(net=net, optim=OptimConfig(warmup_steps=0, min_lr_ratio=1.0), max_nonfinite=max_nonfinite)
+    optim = OptimConfig(warmup_steps=0, min_lr_ratio=1.0, fused=fused)
+    module = WorldModelModule(net=net, optim=optim, max_nonfinite=max_nonfinite)
     trainer = L.Trainer(max_steps=len(batches), accelerator="cpu", logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        callbacks=list(callbacks))
+                        callbacks=list(callbacks), log_every_n_steps=log_every_n_steps)
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
     return module
 
 
-def test_a_non_finite_step_changes_nothing():
-    clean = _train(_batches(1))
-    with_nan = _train(_batches(2, nan_at={1}))
+# fused: the sync-free path (the verdict goes to the fused AdamW as a device tensor, as on CUDA by default);
+# for-loop AdamW: the host path (the verdict is read every step and the gradients dropped)
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_non_finite_step_changes_nothing(fused):
+    clean = _train(_batches(1), fused=fused)
+    with_nan = _train(_batches(2, nan_at={1}), fused=fused)
     assert with_nan.skipped_steps == 1 and clean.skipped_steps == 0
     a, b = clean.state_dict(), with_nan.state_dict()
     for key in a:  # weights, codebooks, EMA statistics and dead-code clocks as after the one good step
         assert torch.equal(a[key], b[key]), key
+    opt_a, opt_b = clean.trainer.optimizers[0], with_nan.trainer.optimizers[0]
+    assert opt_a.defaults["fused"] == bool(fused)
+    for p, q in zip(clean.parameters(), with_nan.parameters()):  # AdamW's moments and step count untouched too
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(opt_a.state[p][name], opt_b.state[q][name]), name
 
 
-def test_consecutive_non_finite_steps_stop_the_run():
+@pytest.mark.parametrize("fused", [False, True])
+def test_consecutive_non_finite_steps_stop_the_run(fused):
     with pytest.raises(NonFiniteLossError, match="3 consecutive steps had a non-finite"):
-        _train(_batches(6, nan_at={1, 2, 3}), max_nonfinite=3)
-    _train(_batches(6, nan_at={1, 2, 4}), max_nonfinite=3)  # not in a row: trains on
+        _train(_batches(6, nan_at={1, 2, 3}), max_nonfinite=3, fused=fused, log_every_n_steps=1)
+    _train(_batches(6, nan_at={1, 2, 4}), max_nonfinite=3, fused=fused, log_every_n_steps=1)  # not in a row
+
+
+def test_the_sync_free_path_reads_the_count_at_the_logging_interval_only():
+    # 3 bad steps in a row (steps 1-3) are seen at the next logging step (the 4th), where the count is still 3
+    with pytest.raises(NonFiniteLossError, match="3 consecutive steps"):
+        _train(_batches(8, nan_at={1, 2, 3}), max_nonfinite=3, fused=True, log_every_n_steps=4)
+    # ... and 3 in a row that recover before a logging step are counted but do not stop the run
+    module = _train(_batches(8, nan_at={4, 5, 6}), max_nonfinite=3, fused=True, log_every_n_steps=4)
+    assert module.skipped_steps == 3
 
 
 def test_non_finite_data_stops_the_cli_with_one_line_and_keeps_the_checkpoint(tmp_path, capsys):
