@@ -7,7 +7,7 @@ On random latents of the config's shape (``data.batch_size`` x ``data.window`` f
 ``[C, H, W]``), on the GPU when there is one (else the CPU), it times
 
 * **lightning**: the real training step, ``WorldModelModule`` in a Lightning ``Trainer`` with the config's
-  precision, ``model.compile``, fused AdamW, gradient clipping and the non-finite guard (the monitoring
+  precision, ``model.compile`` (on a GPU; ignored on the CPU), fused AdamW, gradient clipping and the non-finite guard (the monitoring
   callbacks are off: ``benchmarks/monitoring.py`` measures them);
 * **fast path**: the same step (autocast, compile, fused AdamW, clipping) in a plain loop, so that
   ``lightning - fast path`` is Lightning's overhead;
@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from einops import rearrange
 from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
@@ -232,23 +233,21 @@ def breakdown(s: Setup, steps: int, warmup: int) -> list[dict]:
         rows.append({"part": name, "ms": seconds * 1e3, "tflop": flops / 1e12, "calls": calls})
 
     tokens = torch.randn(B, T, N, D, device=s.device)
-    part("tokenizer", lambda: lambda: model.tokenize(s.x), 1 + (passes - 1))  # the clip, then each rollout input
+    part("tokenizer", lambda: lambda: model.tokenize(s.x), passes)  # the clip, then each rollout pass's input
+    # (timed at the clip's size: a rollout input has one frame fewer)
     part("detokenizer", lambda: lambda: model.detokenize(tokens[:, : T - 1]), passes)
     for name, transformer, length, calls in (
         ("action encoder", model.action_encoder.transformer, T, 1),
         ("world encoder", model.world_encoder.transformer, T, 1),
         ("dynamics", model.dynamics.transformer, T - 1, passes),
     ):
-        depth = len(transformer.blocks)
-        for i, block in enumerate(transformer.blocks[:1]):  # every block of a transformer has the same shapes
-            from einops import rearrange
-
-            h = tokens[:, :length].clone().requires_grad_(True)
-            part(f"{name}: spatial attention", lambda b=block, h=h: lambda: b.spatial(
-                rearrange(b.norm_spatial(h), "b t n d -> (b t) n d"))[0], depth * calls)
-            part(f"{name}: temporal attention", lambda b=block, h=h: lambda: b.temporal(
-                rearrange(b.norm_temporal(h), "b t n d -> (b n) t d"), b.mask)[0], depth * calls)
-            part(f"{name}: MLP", lambda b=block, h=h: lambda: b.mlp(b.norm_mlp(h)), depth * calls)
+        depth, block = len(transformer.blocks), transformer.blocks[0]  # every block has the same shapes
+        h = tokens[:, :length].clone().requires_grad_(True)
+        part(f"{name}: spatial attention", lambda b=block, h=h: lambda: b.spatial(
+            rearrange(b.norm_spatial(h), "b t n d -> (b t) n d"))[0], depth * calls)
+        part(f"{name}: temporal attention", lambda b=block, h=h: lambda: b.temporal(
+            rearrange(b.norm_temporal(h), "b t n d -> (b n) t d"), b.mask)[0], depth * calls)
+        part(f"{name}: MLP", lambda b=block, h=h: lambda: b.mlp(b.norm_mlp(h)), depth * calls)
     za = torch.randn(B, T - 1, s.net.d_code_action, device=s.device, requires_grad=True)
     zh = torch.randn(B, s.net.d_code_world, device=s.device, requires_grad=True)
     counter = iter(range(10**9))

@@ -29,8 +29,8 @@ def allowed_fraction(q_len: int, k_len: int, is_causal: bool, attn_mask: torch.T
         if attn_mask.dtype == torch.bool:
             return float(attn_mask.float().mean())
         return float(torch.isfinite(attn_mask).float().mean())  # additive mask: -inf where not allowed
-    if is_causal:
-        return min(q_len, k_len) * (min(q_len, k_len) + 1) / 2 / (q_len * k_len) if q_len <= k_len else 1.0
+    if is_causal:  # SDPA's causal mask is aligned top-left: query i sees keys 0..i
+        return sum(min(i + 1, k_len) for i in range(q_len)) / (q_len * k_len)
     return 1.0
 
 

@@ -47,3 +47,9 @@ def test_attention_flops_on_the_cpu(mask, fraction):
     assert counted.dense == linear + attention
     assert counted.useful == linear + int(forward * fraction) + int(backward * fraction)
     assert counted.by_module["Attention.qkv"] == 3 * 2 * N * L * D * 3 * D
+
+
+def test_causal_fraction_with_more_queries_than_keys():
+    # top-left aligned: query i sees keys 0..min(i, S-1); 3 queries over 2 keys see 1 + 2 + 2 of 6 pairs
+    assert allowed_fraction(3, 2, True, None) == pytest.approx(5 / 6)
+    assert allowed_fraction(3, 2, True, None) == pytest.approx(float(torch.ones(3, 2).tril().mean()))
