@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 TemporalMask = Literal["none", "causal", "shifted_causal"]
 TEMPORAL_MASKS: tuple[str, ...] = ("none", "causal", "shifted_causal")
@@ -245,12 +246,14 @@ class TransformerBlock(nn.Module):
 class STTransformer(nn.Module):
     """A stack of :class:`TransformerBlock` (one temporal mask per block) with a final LayerNorm."""
 
-    def __init__(self, d_model: int, n_heads: int, masks: list[TemporalMask], mlp_ratio: float = 4.0) -> None:
+    def __init__(self, d_model: int, n_heads: int, masks: list[TemporalMask], mlp_ratio: float = 4.0,
+                 checkpointing: bool = False) -> None:
         super().__init__()
         if not masks:
             raise ValueError("STTransformer needs at least one block (depth >= 1)")
         self.blocks = nn.ModuleList(TransformerBlock(d_model, n_heads, m, mlp_ratio) for m in masks)
         self.norm_out = nn.LayerNorm(d_model)
+        self.checkpointing = checkpointing  # recompute each block's activations in the backward (memory for time)
 
     @property
     def masks(self) -> list[str]:
@@ -262,7 +265,10 @@ class STTransformer(nn.Module):
         """``x [B, T, N, D] -> ([B, T, N, D], per-block temporal weights [B, heads, T, T] if return_attn)``."""
         weights = []
         for block in self.blocks:
-            x, w = block(x, return_attn, window)
+            if self.checkpointing and torch.is_grad_enabled() and not return_attn:
+                x, w = checkpoint(block, x, False, window, use_reentrant=False)
+            else:
+                x, w = block(x, return_attn, window)
             if w is not None:
                 weights.append(w)
         return self.norm_out(x), weights

@@ -143,6 +143,7 @@ class WorldModelConfig:
     ema_decay_end: float = 0.99  # EMA decay from ema_decay_steps on (linear in between)
     ema_decay_steps: int = 5000  # length of the EMA decay schedule, in global steps
     dead_code_steps: int = 100  # a code unused for this many updates is dead (replaced by ``revive``)
+    activation_checkpointing: bool = False  # recompute every ST block's activations in the backward: less memory
 
     def __post_init__(self) -> None:
         """Refuse an invalid configuration with one line naming the field."""
@@ -209,6 +210,8 @@ class WorldModel(nn.Module):
         for layer in (self.action_encoder.to_code, self.world_encoder.to_code, self.dynamics.action_proj,
                       self.dynamics.world_proj):
             nn.init.normal_(layer.weight, std=layer.in_features**-0.5)
+        for transformer in (self.action_encoder.transformer, self.world_encoder.transformer, self.dynamics.transformer):
+            transformer.checkpointing = c.activation_checkpointing
 
     @staticmethod
     def _init_weights(m: nn.Module) -> None:

@@ -263,3 +263,30 @@ def test_bad_inputs_name_the_argument():
 def test_bad_config_names_the_field(overrides, field):
     with pytest.raises(ValueError, match=field):
         WorldModel(**{**TINY, **overrides})
+
+
+def test_activation_checkpointing_gives_the_same_loss_and_gradients():
+    x = clip(T=6)
+    grads, losses, saved = [], [], []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = tiny_model(activation_checkpointing=checkpointing).train()
+        assert all(t.checkpointing == checkpointing for t in (model.action_encoder.transformer,
+                   model.world_encoder.transformer, model.dynamics.transformer))
+        numel = [0]
+
+        def pack(t):  # what autograd keeps for the backward: checkpointed blocks keep only their inputs
+            numel[0] += t.numel()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = model.compute(x, step=None, generator=torch.Generator().manual_seed(1))
+        saved.append(numel[0])
+        out.loss.backward()
+        losses.append(out.loss.detach())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert torch.equal(losses[0], losses[1])
+    assert saved[1] < saved[0] / 2  # far fewer activations kept
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:  # recomputation is the same arithmetic: equal up to float reassociation
+        assert torch.allclose(grads[0][name], grads[1][name], rtol=1e-5, atol=1e-7), name
