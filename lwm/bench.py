@@ -1,7 +1,7 @@
 """``lwm bench``: how fast a training step of a config runs, measured side by side with a plain reference.
 
     lwm bench [--config configs/base.yaml] [--steps 20] [--warmup 5] [--json OUT.json] [--no-breakdown]
-              [--section.key=value ...]
+              [--max-batch] [--section.key=value ...]
 
 On random latents of the config's shape (``data.batch_size`` x ``data.window`` frames of ``model.net``'s
 ``[C, H, W]``), on the GPU when there is one (else the CPU), it times
@@ -25,6 +25,9 @@ The **breakdown** times each part alone, forward and backward, with the step's s
 sub-layers of each transformer (times its depth and calls), the quantizers (with their EMA update) and the
 optimizer; ``other`` is the eager fast-path step minus their sum (loss, masks, positional embeddings,
 re-tokenizing the rollout inputs). Parts timed alone do not overlap as they do in a compiled step.
+
+``--max-batch`` (GPU only) then finds the largest batch whose fast-path step fits in memory (doubling from
+``data.batch_size``, then bisecting; try it with ``--model.net.activation_checkpointing=true`` too).
 
 One table is printed; ``--json`` writes everything.
 """
@@ -59,6 +62,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--json", help="write every number here")
     p.add_argument("--no-breakdown", action="store_true", help="skip the per-part timings")
     p.add_argument("--no-reference", action="store_true", help="skip the eager fp32 reference")
+    p.add_argument("--max-batch", action="store_true", help="also find the largest batch that fits (GPU only)")
     args, rest = p.parse_known_args(argv)
     if args.steps < 1 or args.warmup < 0:
         raise ConfigError(f"--steps must be >= 1 and --warmup >= 0, got {args.steps}, {args.warmup}")
@@ -261,6 +265,46 @@ def breakdown(s: Setup, steps: int, warmup: int) -> list[dict]:
     return rows
 
 
+def largest_batch(fits: Callable[[int], bool], start: int = 1, limit: int = 4096) -> int:
+    """The largest batch ``b <= limit`` with ``fits(b)``, assuming fitting is monotone: doubling from ``start``
+    until a batch does not fit, then bisecting (0 when not even ``start`` fits)."""
+    if not fits(start):
+        return 0
+    good, bad = start, None
+    while bad is None:
+        trial = min(good * 2, limit)
+        if trial == good:
+            return good
+        if fits(trial):
+            good = trial
+        else:
+            bad = trial
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        good, bad = (mid, bad) if fits(mid) else (good, mid)
+    return good
+
+
+def fits_on_gpu(s: Setup) -> Callable[[int], bool]:
+    """Whether a fast-path training step at batch ``b`` runs without running out of GPU memory."""
+    def fits(batch: int) -> bool:
+        c = s.net
+        x = s.x
+        try:
+            s.x = torch.rand(batch, s.window, c.in_channels, c.height, c.width, device=s.device) * 2 - 1
+            step, model, opt = plain_step(s, fast=True)
+            step()
+            step()
+            return True
+        except torch.OutOfMemoryError:
+            return False
+        finally:
+            s.x = x
+            torch.cuda.empty_cache()
+
+    return fits
+
+
 def main(argv: list[str]) -> int:
     args, overrides = parse(argv)
     cfg = load_config(args.config, overrides)
@@ -325,8 +369,17 @@ def main(argv: list[str]) -> int:
                        f"{rate:.3f}" if rate else "-")
         console.print(bt)
 
+    max_batch = None
+    if args.max_batch:
+        if device.type != "cuda":
+            console.print("--max-batch: GPU only (the CPU has no memory limit to find)")
+        else:
+            max_batch = largest_batch(fits_on_gpu(s), start=s.batch)
+            console.print(f"largest batch that fits: {max_batch} x {s.window} frames (fast path, "
+                          f"{torch.cuda.get_device_properties(device).total_memory / 2**30:.0f} GiB)")
+
     if args.json:
-        out = {"config": args.config, "overrides": overrides, "device": name, "torch": torch.__version__,
+        out = {"max_batch": max_batch, "config": args.config, "overrides": overrides, "device": name, "torch": torch.__version__,
                "date": time.strftime("%Y-%m-%d"), "batch": s.batch, "window": s.window, "precision": s.precision,
                "compile": s.compile, "net": asdict(s.net), "flops_useful": flops.useful, "flops_dense": flops.dense,
                "flops_by_module": flops.by_module, "matmul_tflop_per_s": matmul, "matmul": matmul_what,

@@ -34,3 +34,20 @@ def test_bench_refuses_bad_arguments(capsys):
     assert main(["bench", "--steps", "0"]) == 2
     assert main(["bench", "stray"]) == 2
     assert "unknown argument(s) stray" in capsys.readouterr().err
+
+
+def test_largest_batch_search_finds_the_boundary_with_few_trials():
+    from lwm.bench import largest_batch
+
+    for limit_that_fits in (1, 2, 3, 37, 64, 100, 1000):
+        tried = []
+
+        def fits(b: int) -> bool:
+            tried.append(b)
+            return b <= limit_that_fits
+
+        assert largest_batch(fits, start=1, limit=4096) == limit_that_fits
+        assert len(tried) <= 2 * 12 + 1  # doubling, then bisecting
+    assert largest_batch(lambda b: False, start=8) == 0
+    assert largest_batch(lambda b: True, start=8, limit=100) == 100
+    assert largest_batch(lambda b: b <= 50, start=32, limit=4096) == 50
