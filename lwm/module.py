@@ -153,8 +153,11 @@ class WorldModelModule(L.LightningModule):
         return self._skipped + (int(self._skipped_device) if self._skipped_device is not None else 0)
 
     def _skipped_tensor(self, device: torch.device) -> Tensor:
-        count = torch.tensor(float(self._skipped), device=device)
-        return count if self._skipped_device is None else count + self._skipped_device
+        """The count as a device tensor for logging, made without a host-to-device copy (``torch.tensor`` of a
+        Python number, as ``self.log`` does with one, would synchronise a CUDA stream every step)."""
+        if self._skipped_device is None:
+            self._skipped_device = torch.zeros((), device=device)
+        return self._skipped_device + self._skipped
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["lwm_skipped_steps"] = self.skipped_steps
