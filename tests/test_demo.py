@@ -29,6 +29,10 @@ def test_the_demo_pipeline_end_to_end(tmp_path, capsys):
     sampled = iio.imread(out / "rollout_sampled.mp4", plugin="pyav")
     assert sampled.shape == (10, 5 * 32 + 4 * 4, 32, 3)  # ground truth and 4 sampled futures
 
+    # the validation videos are decoded by the files' pixel codec: 32 px wide (a latent preview would be 16 x 4)
+    videos = sorted((out / "run" / "videos").glob("*.mp4"))
+    assert videos and iio.imread(videos[-1], plugin="pyav").shape[2] == 32
+
     assert main(argv) == 2  # a finished run is never overwritten
     assert "holds a finished demo run" in capsys.readouterr().err
 
