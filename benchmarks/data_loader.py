@@ -15,7 +15,8 @@ Cache: ``hot`` reads files already in the OS page cache (they are, after writing
 them (``posix_fadvise(DONTNEED)``) after the warm-up, so the timed batches start from disk; the windows are
 random, so later batches re-read cached pages: "cold-ish". A host below a VM may still cache the disk.
 
-MB/s counts the bytes read from the files (``--dtype``); the batches hold float32, 2x that for float16.
+MB/s counts the bytes read from the files (``--dtype``). ``--batch-dtype file float32`` times the loader as lwm
+runs it (float16 files give float16 batches, cast to float32 on the GPU) beside converting in the loader.
 """
 
 from __future__ import annotations
@@ -103,13 +104,13 @@ def cpu_seconds(pids: list[int]) -> float:
 
 
 def bench(manifest: Path, workers: int, context: str | None, window: int, batch: int, batches: int,
-          warmup: int | None, cold: bool, itemsize: int, copy: bool = False) -> dict:
+          warmup: int | None, cold: bool, itemsize: int, copy: bool = False, float16_batches: bool = True) -> dict:
     prefetch = 4  # LatentDataModule's prefetch_factor
     if warmup is None:  # first batch (worker start) + what the workers prefetched meanwhile
         warmup = 2 + prefetch * workers
     dm = LatentDataModule(str(manifest), window=window, batch_size=batch, num_workers=workers,
                           val_size_percent=0.0, batches_per_epoch=warmup + batches, check_files=False,
-                          multiprocessing_context=context, pin_memory=False)
+                          multiprocessing_context=context, pin_memory=False, float16_batches=float16_batches)
     loader = dm.train_dataloader()
     t_start = time.perf_counter()
     it = iter(loader)
@@ -121,14 +122,17 @@ def bench(manifest: Path, workers: int, context: str | None, window: int, batch:
         evict(dm.train_set.paths)
     inner = loader._iterator  # ResumableDataLoader iterates a generator over the (persistent) worker iterator
     pids = [w.pid for w in getattr(inner, "_workers", [])]
-    buf = torch.empty(batch, window, C, H, W) if copy else None
+    buf = None
     c0, t0 = cpu_seconds(pids), time.perf_counter()
     for _ in range(batches):
         b = next(it)
-        if buf is not None:  # what pin_memory does on a GPU host: one copy of the batch in the main process
+        if copy:  # what pin_memory does on a GPU host: one copy of the batch in the main process
+            if buf is None:
+                buf = torch.empty_like(b["latents"])
             buf.copy_(b["latents"])
     elapsed, cpu = time.perf_counter() - t0, cpu_seconds(pids) - c0
-    assert b["latents"].shape == (batch, window, C, H, W) and b["latents"].dtype == torch.float32
+    assert b["latents"].shape == (batch, window, C, H, W)
+    batch_dtype = str(b["latents"].dtype).removeprefix("torch.")
     it.close()
     if hasattr(inner, "_shutdown_workers"):
         inner._shutdown_workers()
@@ -138,7 +142,7 @@ def bench(manifest: Path, workers: int, context: str | None, window: int, batch:
     del loader, dm
     gc.collect()  # else a cyclic leftover iterator is copied into the next forked workers and collected there
     windows_s = batches * batch / elapsed
-    return dict(workers=workers, context=context or "-", cache="cold" if cold else "hot",
+    return dict(workers=workers, context=context or "-", cache="cold" if cold else "hot", batches=batch_dtype,
                 windows_per_s=round(windows_s, 1), mb_per_s=round(windows_s * window * C * H * W * itemsize / 1e6, 1),
                 ms_per_batch=round(elapsed / batches * 1e3, 1), cpu_ms_per_batch=round(cpu / batches * 1e3, 1),
                 first_batch_s=round(first, 2), warmup=warmup)
@@ -168,6 +172,9 @@ def main() -> None:
                    help="windows/s the GPU step consumes (base model, H100, compile: ~1600 frames/s = 100 windows/s)")
     p.add_argument("--dir", help="write the dataset here (kept) instead of a temp dir (removed)")
     p.add_argument("--json", help="write the rows here")
+    p.add_argument("--batch-dtype", nargs="+", choices=["file", "float32"], default=["file", "float32"],
+                   help="file: float16 files give float16 batches (lwm's default, cast on the GPU); float32: "
+                        "converted in the loader (before); both: side by side")
     args = p.parse_args()
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
 
@@ -189,29 +196,30 @@ def main() -> None:
                         if not full and (workers not in (min(args.workers), max(args.workers))
                                          or context not in (None, args.context[0])):
                             continue
-                        row = dict(layout=layout, **bench(manifest, workers, context, args.window, args.batch,
-                                                          args.batches, args.warmup, cache == "cold", itemsize,
-                                                          args.copy))
-                        row["x_need"] = round(row["windows_per_s"] / args.need, 1)
-                        rows.append(row)
-                        print(json.dumps(row), flush=True)
+                        for batch_dtype in args.batch_dtype:
+                            row = dict(layout=layout, **bench(manifest, workers, context, args.window, args.batch,
+                                                              args.batches, args.warmup, cache == "cold", itemsize,
+                                                              args.copy, batch_dtype == "file"))
+                            row["x_need"] = round(row["windows_per_s"] / args.need, 1)
+                            rows.append(row)
+                            print(json.dumps(row), flush=True)
     finally:
         if tmp is not None:
             tmp.cleanup()
 
     print(f"\n{machine()}")
     print(f"window T={args.window}, batch {args.batch}, {args.dtype} files ({args.files} x {args.frames} frames), "
-          f"{args.batches} timed batches per row after warm-up; batches are float32 "
-          f"({args.batch * args.window * C * H * W * 4 / 2**20:.0f} MiB each); the consumer "
+          f"{args.batches} timed batches per row after warm-up; float32 batches are "
+          f"{args.batch * args.window * C * H * W * 4 / 2**20:.0f} MiB, float16 half that; the consumer "
           + ("copies the latents into a reused buffer (as pin_memory would)." if args.copy else "does no work."))
     print("hot = files in the OS page cache (repeated reads are memory copies, not disk); cold = evicted with "
           "posix_fadvise(DONTNEED) after warm-up, random windows then re-hit cached pages (cold-ish).")
     print(f"x need = windows/s / {args.need:g} (base model on an H100 with compile, T={args.window}). "
           "CPU ms/batch = user+sys CPU of the main process and its workers per timed batch: the cost that "
           "other load on the machine cannot inflate as much as it does wall time.\n")
-    keys = ["layout", "workers", "context", "cache", "windows_per_s", "mb_per_s", "ms_per_batch", "cpu_ms_per_batch",
+    keys = ["layout", "workers", "context", "cache", "batches", "windows_per_s", "mb_per_s", "ms_per_batch", "cpu_ms_per_batch",
             "x_need", "first_batch_s"]
-    heads = ["layout", "workers", "context", "cache", "windows/s", "MB/s (file)", "ms/batch", "CPU ms/batch", "x need",
+    heads = ["layout", "workers", "context", "cache", "batches", "windows/s", "MB/s (file)", "ms/batch", "CPU ms/batch", "x need",
              "1st batch s"]
     print("| " + " | ".join(heads) + " |")
     print("|" + "|".join("---" for _ in heads) + "|")

@@ -105,7 +105,7 @@ def collect(model, loader, device: torch.device, max_windows: int | None = None)
     dictionaries = {name: CodeDictionary(q.codebook_sizes) for name, q in quantizers.items()}
     windows = 0
     for batch in loader:
-        x = batch["latents"].to(device)
+        x = batch["latents"].to(device).float()  # float16 files stay float16 through the loader
         if max_windows is not None:
             x = x[: max_windows - windows]
             if x.shape[0] == 0:

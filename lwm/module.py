@@ -177,6 +177,13 @@ class WorldModelModule(L.LightningModule):
         g.manual_seed(int(state[0]) << 32 | int(state[1]))
         return g
 
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Latents arrive as the files hold them (float16 stays float16 through the loader); the model and every
+        callback see float32, cast here on the device."""
+        if isinstance(batch, dict) and "latents" in batch and batch["latents"].dtype != torch.float32:
+            batch = {**batch, "latents": batch["latents"].float()}
+        return batch
+
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
         """The loss, and the batch's codes for the monitoring callbacks (``outputs`` of their batch hooks)."""
         x = batch["latents"]  # [B, T, C, H, W]

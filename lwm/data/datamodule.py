@@ -94,6 +94,7 @@ class LatentDataModule(L.LightningDataModule):
         multiprocessing_context: str | None = None,
         prefetch_factor: int = 2,
         pin_memory: bool = True,
+        float16_batches: bool = True,
     ) -> None:
         super().__init__()
         if window < 3:
@@ -111,7 +112,7 @@ class LatentDataModule(L.LightningDataModule):
         self.num_workers, self.val_size_percent, self.seed = num_workers, val_size_percent, seed
         self.batches_per_epoch, self.check_files = batches_per_epoch, check_files
         self.multiprocessing_context, self.pin_memory = multiprocessing_context, pin_memory
-        self.prefetch_factor = prefetch_factor
+        self.prefetch_factor, self.float16_batches = prefetch_factor, float16_batches
         self.manifest: Manifest | None = None
         self.train_set: H5WindowDataset | None = None
         self.val_set: H5WindowDataset | None = None
@@ -164,12 +165,12 @@ class LatentDataModule(L.LightningDataModule):
     def setup(self, stage: str) -> None:
         manifest = self.load_manifest()
         if stage == "fit" and self.train_set is None:
-            self.train_set = H5WindowDataset(manifest, "train", self.window)
+            self.train_set = H5WindowDataset(manifest, "train", self.window, self.float16_batches)
         if stage in ("fit", "validate") and self.val_set is None and self.val_size_percent > 0:
-            self.val_set = H5WindowDataset(manifest, "val", self.window)
+            self.val_set = H5WindowDataset(manifest, "val", self.window, self.float16_batches)
             self.val_windows()  # refuse now, before training, a split too small for the ranks
         if stage in ("test", "predict") and self.val_set is None:
-            self.val_set = H5WindowDataset(manifest, "val", self.window)
+            self.val_set = H5WindowDataset(manifest, "val", self.window, self.float16_batches)
 
     def _rank(self) -> tuple[int, int]:
         trainer = self.trainer

@@ -26,19 +26,23 @@ MISSING = -1  # value of `actions` / `world_label` in a batch when the file has 
 
 
 class H5WindowDataset(Dataset):
-    """``dataset[(file_index, start)] -> {"latents": [T, C, H, W] float32, "actions": [T] int64,
+    """``dataset[(file_index, start)] -> {"latents": [T, C, H, W], "actions": [T] int64,
     "world_label": int64 scalar, "file_index": int64, "start": int64}``.
+
+    ``latents`` are float32, except from float16 files with ``float16`` (the default): those stay float16, half
+    the bytes through the loader and to the GPU, and no conversion on the loader's CPU; the LightningModule
+    casts them to float32 on the device (``WorldModelModule.on_after_batch_transfer``), exactly.
 
     Files of the split shorter than ``window`` are left out with one warning naming each.
     """
 
-    def __init__(self, manifest: Manifest, split: str, window: int) -> None:
+    def __init__(self, manifest: Manifest, split: str, window: int, float16: bool = True) -> None:
         if window < 1:
             raise DataError(f"window must be >= 1, got {window}")
         entries = manifest.split(split)
         if not entries:
             raise DataError(f"{manifest.path}: the '{split}' split is empty")
-        self.window = window
+        self.window, self.float16 = window, float16
         self.entries: list[ManifestEntry] = [e for e in entries if e.frames >= window]
         if not self.entries:
             longest = max(e.frames for e in entries)
@@ -76,7 +80,9 @@ class H5WindowDataset(Dataset):
             raise IndexError(f"{self.paths[index]}: window start {start} out of range for {self.frames[index]} frames")
         f = self._file(index)
         stop = start + self.window
-        latents = torch.from_numpy(np.asarray(f[self.entries[index].key][start:stop], dtype=np.float32))
+        ds = f[self.entries[index].key]
+        keep = self.float16 and ds.dtype == np.float16
+        latents = torch.from_numpy(np.asarray(ds[start:stop], dtype=np.float16 if keep else np.float32))
         if ACTIONS_KEY in f:
             actions = torch.from_numpy(np.asarray(f[ACTIONS_KEY][start:stop], dtype=np.int64))
         else:

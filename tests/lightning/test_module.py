@@ -174,3 +174,18 @@ def test_bf16_mixed_keeps_the_quantizers_fp32():
                 assert buf.dtype == torch.float32 and torch.isfinite(buf).all(), f"{name}.{key}: {buf.dtype}"
     assert math.isfinite(seen["loss"]) and module.skipped_steps == 0
     assert all(p.dtype == torch.float32 for p in module.parameters())  # master weights stay fp32
+
+
+def test_float16_batches_are_cast_on_the_device_and_train_exactly_like_float32():
+    half = [{"latents": b["latents"].half()} for b in _batches(3)]
+    exact = [{"latents": b["latents"].float()} for b in half]  # float16 -> float32 is exact
+    seen = []
+
+    class Record(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append(batch["latents"].dtype)
+
+    a, b = _train(half, callbacks=[Record()]), _train(exact)
+    assert seen == [torch.float32] * 3  # the model and every callback see float32
+    for key, value in a.state_dict().items():
+        assert torch.equal(value, b.state_dict()[key]), key
