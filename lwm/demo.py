@@ -14,6 +14,9 @@
 5. **report**: a table, two verdicts (does the model beat copy-last-frame; do the latent actions carry
    information about the true actions) and the path of every output.
 
+Run again with the same ``--out``, it resumes the run from ``OUT/run/checkpoints/last.ckpt`` (an interrupted
+demo continues where it stopped; a finished one is validated and reported again).
+
 Any other ``--section.key=value`` is passed to ``lwm fit`` (e.g. ``--wandb.mode=offline``).
 """
 
@@ -68,8 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console()
     out = Path(args.out)
     run_dir, times = out / "run", {}
-    if (run_dir / LAST).exists():
-        raise ConfigError(f"{run_dir}: holds a finished demo run; pass another --out, or delete it to start over")
+    resume = (run_dir / LAST).exists()  # an interrupted (or finished) demo: continue it, never start it over
 
     start = time.perf_counter()
     console.rule("[bold]1/4 data[/]: the synthetic world")
@@ -84,9 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     common = ["--config", args.config, f"--data.manifest={manifest_path}", f"--trainer.default_root_dir={run_dir}",
               f"--model.net.height={args.size // 2}", f"--model.net.width={args.size // 2}", f"--seed_everything={args.seed}",
               *([f"--trainer.max_steps={args.steps}"] if args.steps else []), *rest]
-    console.rule("[bold]2/4 fit[/]: lwm fit --config " + args.config)
+    console.rule("[bold]2/4 fit[/]: lwm fit --config " + args.config + (" --ckpt_path last" if resume else ""))
+    if resume:
+        console.print(f"{run_dir / LAST} exists: resuming that run (it stops at once if it had finished)", soft_wrap=True)
     t = time.perf_counter()
-    lightning_cli(["fit", *common])
+    lightning_cli(["fit", *common, *(["--ckpt_path", "last"] if resume else [])])
     times["fit"] = time.perf_counter() - t
 
     console.rule("[bold]3/4 validate[/]: the final checkpoint on every validation window")

@@ -6,6 +6,7 @@ import math
 
 import imageio.v3 as iio
 import pytest
+import torch
 from rich.console import Console
 
 from lwm.cli import main
@@ -33,8 +34,13 @@ def test_the_demo_pipeline_end_to_end(tmp_path, capsys):
     videos = sorted((out / "run" / "videos").glob("*.mp4"))
     assert videos and iio.imread(videos[-1], plugin="pyav").shape[2] == 32
 
-    assert main(argv) == 2  # a finished run is never overwritten
-    assert "holds a finished demo run" in capsys.readouterr().err
+    # again: the run resumes from last.ckpt (finished, so it stops at once) and reports the same numbers
+    assert main(argv) == 0
+    again = capsys.readouterr().out
+    assert "resuming that run" in again
+    line = next(x for x in printed.splitlines() if "beats copy-last-frame" in x)
+    assert line in again.splitlines()
+    assert torch.load(out / "run" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 12  # no more steps
 
 
 def test_bad_demo_arguments(tmp_path, capsys):
