@@ -99,7 +99,6 @@ def main(argv: list[str] | None = None) -> int:
     metrics = {k: float(v) for k, v in cli.trainer.validate(cli.model, datamodule=cli.datamodule,
                                                             ckpt_path=str(run_dir / LAST), verbose=False)[0].items()}
     dm = cli.datamodule
-    val_windows = len(dm.val_windows())
     times["validate"] = time.perf_counter() - t
 
     console.rule("[bold]4/4 video[/]: rollouts of a validation episode")
@@ -114,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     times["video"] = time.perf_counter() - t
     times["total"] = time.perf_counter() - start
 
-    report(console, metrics, val_windows * (dm.window - 1) // 2, val_windows // 2, times)
+    report(console, metrics, times)
     console.print("\n[bold]outputs[/]")
     for label, path in (
         ("data (h5 + manifest)", manifest_path.parent), ("run: metrics, config", run_dir / "metrics.csv"),
@@ -128,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def report(console: Console, m: dict[str, float], action_samples: int, world_samples: int, times: dict[str, float]) -> None:
+def report(console: Console, m: dict[str, float], times: dict[str, float]) -> None:
     """The table and the two verdicts, from the validation metrics."""
     tf, copy = m["Val_Dynamics_Predictor/tf_loss"], m["Val_Dynamics_Predictor/copy_last_loss"]
     table = Table(title="validation (every window of the held-out episodes)")
@@ -142,13 +141,14 @@ def report(console: Console, m: dict[str, float], action_samples: int, world_sam
         if key in m:
             table.add_row(f"rollout pass {k} MSE (own predictions fed back)", f"{m[key]:.4f}", "")
     verdicts = [("beats copy-last-frame", tf < copy, f"MSE {tf:.4f} < {copy:.4f}" if tf < copy else f"MSE {tf:.4f} >= {copy:.4f}")]
-    for name, what, samples in (("Action_Encoder", "actions", action_samples), ("World_Encoder", "worlds", world_samples)):
+    for name, what in (("Action_Encoder", "actions"), ("World_Encoder", "worlds")):
         acc, chance = m.get(f"Val_{name}/probe_accuracy"), m.get(f"Val_{name}/probe_chance")
         if acc is None:
             continue
         table.add_row(f"linear probe: latent {what[:-1]} code -> true {what[:-1]} (held out)", f"{acc:.3f}", f"{chance:.3f}")
         table.add_row(f"NMI(latent {what[:-1]} codes, true {what})", f"{m[f'Val_{name}/nmi']:.3f}", "0")
         if name == "Action_Encoder":
+            samples = int(m[f"Val_{name}/probe_samples"])
             margin = probe_margin(chance, samples)
             verdicts.append(("latent actions carry information about the true actions", acc > chance + margin,
                              f"probe {acc:.3f} vs chance {chance:.3f} + 3 sd {margin:.3f} ({samples} held-out transitions)"))

@@ -151,12 +151,17 @@ def linear_probe_accuracy(
                              train_fraction, steps, seed)
 
 
+def probe_train_size(n: int, train_fraction: float = 0.5) -> int:
+    """How many of ``n`` samples :func:`linear_probe_accuracy` trains on (the rest are held out)."""
+    return max(1, min(n - 1, int(round(train_fraction * n))))
+
+
 def _linear_probe(x: Tensor, y: Tensor, train_fraction: float, steps: int, seed: int) -> tuple[float, float]:
     n = x.shape[0]
     if n < 4:
         return float("nan"), float("nan")
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
-    cut = max(1, min(n - 1, int(round(train_fraction * n))))
+    cut = probe_train_size(n, train_fraction)
     train, test = order[:cut], order[cut:]
     mean, std = x[train].mean(0), x[train].std(0).clamp_min(1e-6)
     x = (x - mean) / std

@@ -55,13 +55,13 @@ def test_report_arithmetic_and_verdicts():
     metrics = {"Val_Dynamics_Predictor/tf_loss": 0.01, "Val_Dynamics_Predictor/copy_last_loss": 0.05,
                "Val_Dynamics_Predictor/tf_psnr": 20.0, "Val_Dynamics_Predictor/copy_last_psnr": 13.0,
                "Val_Action_Encoder/probe_accuracy": 0.30, "Val_Action_Encoder/probe_chance": 0.20,
+               "Val_Action_Encoder/probe_samples": 900.0, "Val_World_Encoder/probe_samples": 100.0,
                "Val_Action_Encoder/nmi": 0.1, "Val_World_Encoder/probe_accuracy": 0.9,
                "Val_World_Encoder/probe_chance": 0.25, "Val_World_Encoder/nmi": 0.5}
     console = Console(width=200, record=True)
-    report(console, metrics, action_samples=900, world_samples=100, times={"total": 1.0})
+    report(console, metrics, times={"total": 1.0})
     text = console.export_text()
     assert "yes  beats copy-last-frame: MSE 0.0100 < 0.0500" in text
     assert "yes  latent actions carry information" in text  # 0.30 > 0.20 + 0.04
-    report(console, {**metrics, "Val_Action_Encoder/probe_accuracy": 0.23}, action_samples=900, world_samples=100,
-           times={})
+    report(console, {**metrics, "Val_Action_Encoder/probe_accuracy": 0.23}, times={})
     assert "not yet  latent actions carry information" in console.export_text()  # 0.23 < 0.24

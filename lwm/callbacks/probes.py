@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from typing_extensions import override
 
-from lwm.metrics import code_ids, linear_probe_accuracy, nmi
+from lwm.metrics import code_ids, linear_probe_accuracy, nmi, probe_train_size
 
 
 class GroundTruthProbes(L.Callback):
@@ -19,7 +19,8 @@ class GroundTruthProbes(L.Callback):
     * ``Val_Action_Encoder/nmi``: normalised mutual information between the action-code tuples and the true
       actions (1: the codes are the actions up to renaming; about 0: unrelated);
     * ``Val_Action_Encoder/probe_accuracy`` and ``.../probe_chance``: held-out accuracy of a linear classifier
-      from the quantized action vector to the true action, and the majority-class rate to beat;
+      from the quantized action vector to the true action, and the majority-class rate to beat, on
+      ``.../probe_samples`` held-out samples;
     * the same under ``Val_World_Encoder/`` for world codes and world labels.
 
     Up to ``max_samples`` codes per quantizer, gathered from every rank; the probe trains on half of them.
@@ -77,6 +78,7 @@ class GroundTruthProbes(L.Callback):
             features = quantizer.decode_indices(codes.to(quantizer.codebook(0).device)).cpu()
             accuracy, chance = linear_probe_accuracy(features, labels)
             logs.update({f"Val_{name}/nmi": float(nmi(code_ids(codes, quantizer.codebook_sizes), labels)),
-                         f"Val_{name}/probe_accuracy": accuracy, f"Val_{name}/probe_chance": chance})
+                         f"Val_{name}/probe_accuracy": accuracy, f"Val_{name}/probe_chance": chance,
+                         f"Val_{name}/probe_samples": float(len(labels) - probe_train_size(len(labels)))})
         if logs:
             pl_module.log_dict(logs, on_step=False, on_epoch=True, rank_zero_only=True)

@@ -149,5 +149,7 @@ def test_probes_log_nmi_and_probe_accuracy_of_the_codes_against_the_labels():
     assert logged["Val_Action_Encoder/nmi"] == pytest.approx(float(expected), abs=1e-6)
     for name in ("Action_Encoder", "World_Encoder"):
         assert 0.0 <= logged[f"Val_{name}/probe_accuracy"] <= 1.0 and 0.0 < logged[f"Val_{name}/probe_chance"] <= 1.0
+    # the held-out half: every labelled transition counted, the probe trains on round(n / 2) of them
+    assert logged["Val_Action_Encoder/probe_samples"] == len(labels) - round(len(labels) / 2)
     unlabelled = _validate(_module(), GroundTruthProbes(), _batches(2))  # no labels: nothing logged
     assert not any(k.endswith("/nmi") for k in unlabelled)
