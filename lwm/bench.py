@@ -11,8 +11,9 @@ On random latents of the config's shape (``data.batch_size`` x ``data.window`` f
   callbacks are off: ``benchmarks/monitoring.py`` measures them);
 * **fast path**: the same step (autocast, compile, fused AdamW, clipping) in a plain loop, so that
   ``lightning - fast path`` is Lightning's overhead;
-* **reference**: the same model eager in fp32 with a for-loop AdamW and no compile: every speed-up is a
-  ratio to it, measured in the same run.
+* **reference**: the same model eager in fp32 with a for-loop AdamW and no compile, recomputing every
+  position of every rollout pass (the fast step reuses the positions the previous pass already has): every
+  speed-up is a ratio to it, measured in the same run. Its TFLOP/s counts the fast step's (useful) FLOPs.
 
 For each: ms/step, steps/s, frames/s, tokens/s (frames x patches), achieved TFLOP/s and MFU, against the
 device's bf16 dense peak (when Lightning knows it) and against a large matmul timed in the same run (bf16
@@ -21,7 +22,7 @@ step by :mod:`lwm.flops` (``FlopCounterMode`` plus the CPU attention kernel, whi
 with masked attention counted for the pairs the mask allows; the dense count is in the JSON).
 
 The **breakdown** times each part alone, forward and backward, with the step's shapes and precision
-(eager): tokenizer, detokenizer (every rollout pass), the spatial attention, temporal attention and MLP
+(eager): tokenizer, detokenizer (every rollout pass, at the positions it computes), the spatial attention, temporal attention and MLP
 sub-layers of each transformer (times its depth and calls), the quantizers (with their EMA update) and the
 optimizer; ``other`` is the eager fast-path step minus their sum (loss, masks, positional embeddings,
 re-tokenizing the rollout inputs). Parts timed alone do not overlap as they do in a compiled step.
@@ -155,7 +156,7 @@ def plain_step(s: Setup, fast: bool, compile_: bool = True) -> tuple[Callable[[]
 
     def step() -> torch.Tensor:
         with s.autocast(fast and s.bf16):
-            loss = model.compute(s.x, next(counter)).loss
+            loss = model.compute(s.x, next(counter), reuse_prefix=fast).loss
         loss.backward()
         if s.clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), float(s.clip))
@@ -223,40 +224,47 @@ def breakdown(s: Setup, steps: int, warmup: int) -> list[dict]:
     passes = len(s.net.rollout_weights)
     rows: list[dict] = []
 
-    def part(name: str, make: Callable[[], Callable[[], torch.Tensor]], calls: int) -> None:
-        fn = make()
+    def part(name: str, makes: list[Callable[[], torch.Tensor]], repeat: int = 1) -> None:
+        """One row: each of ``makes`` (one per call in the step, shapes may differ), ``repeat`` times (the depth)."""
+        seconds = flops = 0.0
+        for fn in makes:
+            def run(fn=fn) -> None:
+                with s.autocast():
+                    out = fn()
+                out.float().sum().backward()
 
-        def run() -> None:
-            with s.autocast():
-                out = fn()
-            out.float().sum().backward()
-
-        seconds = timed(run, steps, warmup, s.device) * calls
-        flops = count_flops(run).useful * calls
+            seconds += timed(run, steps, warmup, s.device) * repeat
+            flops += count_flops(run).useful * repeat
         model.zero_grad(set_to_none=True)
-        rows.append({"part": name, "ms": seconds * 1e3, "tflop": flops / 1e12, "calls": calls})
+        rows.append({"part": name, "ms": seconds * 1e3, "tflop": flops / 1e12, "calls": len(makes) * repeat})
 
+    # Rollout pass k (0: teacher forcing) computes positions k..T-2 of the T-1 (see WorldModel.compute): its input
+    # (re-tokenized, for k >= 1) and output have T-1-k frames, its temporal attention has k cached positions.
     tokens = torch.randn(B, T, N, D, device=s.device)
-    part("tokenizer", lambda: lambda: model.tokenize(s.x), passes)  # the clip, then each rollout pass's input
-    # (timed at the clip's size: a rollout input has one frame fewer)
-    part("detokenizer", lambda: lambda: model.detokenize(tokens[:, : T - 1]), passes)
-    for name, transformer, length, calls in (
-        ("action encoder", model.action_encoder.transformer, T, 1),
-        ("world encoder", model.world_encoder.transformer, T, 1),
-        ("dynamics", model.dynamics.transformer, T - 1, passes),
+    new = [T - 1 - k for k in range(passes)]
+    part("tokenizer", [lambda: model.tokenize(s.x)] + [lambda n=n: model.tokenize(s.x[:, :n]) for n in new[1:]])
+    part("detokenizer", [lambda n=n: model.detokenize(tokens[:, :n]) for n in new])
+    heads = s.net.n_heads
+    kv = torch.randn(B * N, heads, passes, D // heads, device=s.device)
+    for name, transformer, lengths in (
+        ("action encoder", model.action_encoder.transformer, [T]),
+        ("world encoder", model.world_encoder.transformer, [T]),
+        ("dynamics", model.dynamics.transformer, new),
     ):
         depth, block = len(transformer.blocks), transformer.blocks[0]  # every block has the same shapes
-        h = tokens[:, :length].clone().requires_grad_(True)
-        part(f"{name}: spatial attention", lambda b=block, h=h: lambda: b.spatial(
-            rearrange(b.norm_spatial(h), "b t n d -> (b t) n d"))[0], depth * calls)
-        part(f"{name}: temporal attention", lambda b=block, h=h: lambda: b.temporal(
-            rearrange(b.norm_temporal(h), "b t n d -> (b n) t d"), b.mask)[0], depth * calls)
-        part(f"{name}: MLP", lambda b=block, h=h: lambda: b.mlp(b.norm_mlp(h)), depth * calls)
+        hs = [tokens[:, :n].clone().requires_grad_(True) for n in lengths]
+        pasts = [None] + [(kv[:, :, :k], kv[:, :, :k]) for k in range(1, len(lengths))]
+        part(f"{name}: spatial attention", [lambda b=block, h=h: b.spatial(
+            rearrange(b.norm_spatial(h), "b t n d -> (b t) n d"))[0] for h in hs], depth)
+        part(f"{name}: temporal attention", [lambda b=block, h=h, kv=kv: b.temporal(
+            rearrange(b.norm_temporal(h), "b t n d -> (b n) t d"), b.mask, past=kv)[0] for h, kv in zip(hs, pasts)],
+            depth)
+        part(f"{name}: MLP", [lambda b=block, h=h: b.mlp(b.norm_mlp(h)) for h in hs], depth)
     za = torch.randn(B, T - 1, s.net.d_code_action, device=s.device, requires_grad=True)
     zh = torch.randn(B, s.net.d_code_world, device=s.device, requires_grad=True)
     counter = iter(range(10**9))
-    part("quantizers (with EMA update)", lambda: lambda: model.action_encoder.rvq(za, next(counter)).commit_loss
-         + model.world_encoder.rvq(zh, next(counter)).commit_loss, 1)
+    part("quantizers (with EMA update)", [lambda: model.action_encoder.rvq(za, next(counter)).commit_loss
+         + model.world_encoder.rvq(zh, next(counter)).commit_loss])
     _, full_model, opt = plain_step(s, fast=True, compile_=False)
     for p in full_model.parameters():
         p.grad = torch.zeros_like(p)

@@ -18,7 +18,7 @@ def _attention_step(mask: str):
     x = torch.randn(N, L, D, requires_grad=True)
 
     def fn() -> None:
-        out, _ = attn(x, mask)
+        out, _, _ = attn(x, mask)
         out.sum().backward()
 
     return fn

@@ -151,6 +151,21 @@ def temporal_mask(
     raise ValueError(f"temporal mask must be one of {TEMPORAL_MASKS}, got {kind!r}")
 
 
+KV = tuple[Tensor, Tensor]  # one attention's keys and values [n, heads, positions, e]
+
+
+def _sdpa_mask(kind: TemporalMask, queries: int, keys: int, device: torch.device,
+               window: int | None) -> tuple[Tensor | None, bool]:
+    """``(attn_mask, is_causal)`` for SDPA when the ``queries`` are the last of ``keys`` positions (the first
+    ``keys - queries`` come from a cache): a mask only where the kernel's own cases do not cover it."""
+    whole = window is None or window >= keys
+    if kind == "none" or (kind == "causal" and queries == 1 and whole):
+        return None, False  # every key allowed
+    if kind == "causal" and queries == keys and whole:
+        return None, True
+    return temporal_mask(kind, keys, device, window)[keys - queries:], False
+
+
 class Attention(nn.Module):
     """Multi-head self-attention over the second-to-last axis of ``[batch, L, D]``."""
 
@@ -163,39 +178,30 @@ class Attention(nn.Module):
         self.proj = nn.Linear(d_model, d_model)
 
     def forward(
-        self, x: Tensor, mask: TemporalMask = "none", return_weights: bool = False, window: int | None = None
-    ) -> tuple[Tensor, Tensor | None]:
-        q, k, v = rearrange(self.qkv(x), "n l (three h e) -> three n h l e", three=3, h=self.n_heads)
-        L = x.shape[1]
-        if not return_weights:
-            if mask == "causal" and (window is None or window >= L):
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            else:
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=temporal_mask(mask, L, x.device, window))
-            weights = None
-        else:  # explicit softmax: the same function, with the weights kept for diagnostics
-            scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # [n, h, L, L]
-            allowed = temporal_mask(mask, L, x.device, window)
-            if allowed is not None:
-                scores = scores.masked_fill(~allowed, float("-inf"))
-            weights = scores.softmax(dim=-1)
-            out = weights @ v
-        return self.proj(rearrange(out, "n h l e -> n l (h e)")), weights
+        self, x: Tensor, mask: TemporalMask = "none", return_weights: bool = False, window: int | None = None,
+        past: KV | None = None,
+    ) -> tuple[Tensor, Tensor | None, KV]:
+        """``x [n, l, D]`` -> ``(out [n, l, D], weights [n, heads, l, p + l] or None, (keys, values))``.
 
-    def step(self, x: Tensor, past: KV | None, window: int | None = None) -> tuple[Tensor, KV]:
-        """Causal attention of one new position ``x [n, 1, D]`` over the cached keys/values of the earlier
-        ones (``past``: ``(k, v)`` each ``[n, h, t, e]``) and itself; returns the output and the cache with
-        this position added, cut to the last ``window`` positions."""
+        ``past``: the keys and values of ``p`` earlier positions (``[n, heads, p, e]`` each); ``x`` holds the
+        ``l`` positions after them, and position ``p + i`` attends to the keys ``mask`` allows it among all
+        ``p + l``. The returned keys and values cover all ``p + l`` positions."""
         q, k, v = rearrange(self.qkv(x), "n l (three h e) -> three n h l e", three=3, h=self.n_heads)
         if past is not None:
             k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
-        if window is not None:
-            k, v = k[:, :, -window:], v[:, :, -window:]
-        out = F.scaled_dot_product_attention(q, k, v)  # every cached key is in the past: no mask
-        return self.proj(rearrange(out, "n h l e -> n l (h e)")), (k, v)
-
-
-KV = tuple[Tensor, Tensor]  # a temporal-attention cache: keys and values [B*N, heads, t, e]
+        queries, keys = q.shape[2], k.shape[2]
+        if not return_weights:
+            attn_mask, is_causal = _sdpa_mask(mask, queries, keys, x.device, window)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal)
+            weights = None
+        else:  # explicit softmax: the same function, with the weights kept for diagnostics
+            scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # [n, h, l, p + l]
+            allowed = temporal_mask(mask, keys, x.device, window)
+            if allowed is not None:
+                scores = scores.masked_fill(~allowed[keys - queries:], float("-inf"))
+            weights = scores.softmax(dim=-1)
+            out = weights @ v
+        return self.proj(rearrange(out, "n h l e -> n l (h e)")), weights, (k, v)
 
 
 class TransformerBlock(nn.Module):
@@ -216,31 +222,25 @@ class TransformerBlock(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(d_model, hidden), nn.GELU(approximate="tanh"), nn.Linear(hidden, d_model))
 
     def forward(
-        self, x: Tensor, return_attn: bool = False, window: int | None = None
-    ) -> tuple[Tensor, Tensor | None]:
-        """``x [B, T, N, D] -> ([B, T, N, D], temporal weights [B, heads, T, T] averaged over patches or None)``.
-        ``window`` (causal blocks): each frame attends to the last ``window`` frames only."""
-        B, T, N, D = x.shape
-        s, _ = self.spatial(rearrange(self.norm_spatial(x), "b t n d -> (b t) n d"))
+        self, x: Tensor, return_attn: bool = False, window: int | None = None, past: KV | None = None
+    ) -> tuple[Tensor, Tensor | None, KV]:
+        """``x [B, t, N, D] -> ([B, t, N, D], temporal weights [B, heads, t, p + t] averaged over patches or None,
+        the temporal keys/values of all p + t positions)``. ``window`` (causal blocks): each frame attends to the
+        last ``window`` frames only. ``past`` (causal blocks): the temporal keys/values of ``p`` earlier frames,
+        which ``x`` follows; a frame's output depends on it and earlier frames only, so it equals the output the
+        whole sequence would give there."""
+        if past is not None and self.mask != "causal":
+            raise ValueError(f"cached earlier frames need a causal block, this one is {self.mask!r}")
+        B = x.shape[0]
+        s, _, _ = self.spatial(rearrange(self.norm_spatial(x), "b t n d -> (b t) n d"))
         x = x + rearrange(s, "(b t) n d -> b t n d", b=B)
-        t, w = self.temporal(rearrange(self.norm_temporal(x), "b t n d -> (b n) t d"), self.mask, return_attn, window)
+        t, w, kv = self.temporal(rearrange(self.norm_temporal(x), "b t n d -> (b n) t d"), self.mask, return_attn,
+                                 window, past)
         x = x + rearrange(t, "(b n) t d -> b t n d", b=B)
         x = x + self.mlp(self.norm_mlp(x))
         if w is not None:
-            w = rearrange(w, "(b n) h i j -> b n h i j", b=B).mean(dim=1)  # [B, heads, T, T]
-        return x, w
-
-    def step(self, x: Tensor, past: KV | None, window: int | None = None) -> tuple[Tensor, KV]:
-        """One new frame ``x [B, 1, N, D]`` of a causal block: spatial attention within it, temporal attention
-        over the cached earlier frames of each patch. Equals :meth:`forward` on the whole sequence, last frame."""
-        if self.mask != "causal":
-            raise ValueError(f"cached steps need a causal block, this one is {self.mask!r}")
-        B = x.shape[0]
-        s, _ = self.spatial(rearrange(self.norm_spatial(x), "b t n d -> (b t) n d"))
-        x = x + rearrange(s, "(b t) n d -> b t n d", b=B)
-        t, cache = self.temporal.step(rearrange(self.norm_temporal(x), "b t n d -> (b n) t d"), past, window)
-        x = x + rearrange(t, "(b n) t d -> b t n d", b=B)
-        return x + self.mlp(self.norm_mlp(x)), cache
+            w = rearrange(w, "(b n) h i j -> b n h i j", b=B).mean(dim=1)  # [B, heads, t, p + t]
+        return x, w, kv
 
 
 class STTransformer(nn.Module):
@@ -260,24 +260,28 @@ class STTransformer(nn.Module):
         return [b.mask for b in self.blocks]
 
     def forward(
-        self, x: Tensor, return_attn: bool = False, window: int | None = None
-    ) -> tuple[Tensor, list[Tensor]]:
-        """``x [B, T, N, D] -> ([B, T, N, D], per-block temporal weights [B, heads, T, T] if return_attn)``."""
-        weights = []
-        for block in self.blocks:
+        self, x: Tensor, return_attn: bool = False, window: int | None = None, past: list[KV] | None = None
+    ) -> tuple[Tensor, list[Tensor], list[KV]]:
+        """``x [B, t, N, D] -> ([B, t, N, D], per-block temporal weights [B, heads, t, p + t] if return_attn,
+        per-block temporal keys/values of all p + t frames)``; ``past`` (causal blocks): per-block keys/values of
+        ``p`` earlier frames, which ``x`` follows (see :meth:`TransformerBlock.forward`)."""
+        weights, cache = [], []
+        for i, block in enumerate(self.blocks):
+            kv = None if past is None else past[i]
             if self.checkpointing and torch.is_grad_enabled() and not return_attn:
-                x, w = checkpoint(block, x, False, window, use_reentrant=False)
+                x, w, kv = checkpoint(block, x, False, window, kv, use_reentrant=False)
             else:
-                x, w = block(x, return_attn, window)
+                x, w, kv = block(x, return_attn, window, kv)
             if w is not None:
                 weights.append(w)
-        return self.norm_out(x), weights
+            cache.append(kv)
+        return self.norm_out(x), weights, cache
 
     def step(self, x: Tensor, cache: list[KV] | None, window: int | None = None) -> tuple[Tensor, list[KV]]:
         """One new frame ``x [B, 1, N, D]`` through every (causal) block with a per-block key/value cache
-        (None: the first frame). Returns ``([B, 1, N, D], the updated cache)``: each frame costs one frame."""
-        new_cache = []
-        for i, block in enumerate(self.blocks):
-            x, kv = block.step(x, None if cache is None else cache[i], window)
-            new_cache.append(kv)
-        return self.norm_out(x), new_cache
+        (None: the first frame), attending to the last ``window`` frames (None: all). Returns ``([B, 1, N, D],
+        the updated cache)``: each frame costs one frame."""
+        if cache is not None and window is not None:  # keep the window - 1 frames before this one
+            cache = None if window == 1 else [(k[:, :, 1 - window:], v[:, :, 1 - window:]) for k, v in cache]
+        out, _, cache = self(x, past=cache)
+        return out, cache

@@ -11,7 +11,8 @@ Conventions (see DESIGN.md, "Points the requirement leaves open"):
 * The world code ``h`` pools a bidirectional transformer over space and time: it sees every frame.
 * Rollout: pass 1 is teacher forcing; pass ``k+1`` feeds ``[x_0, pred_k(1..T-2)]`` with the same
   actions, world code and token mask, and its loss skips the first ``k`` positions (which equal pass
-  ``k``'s, the requirement's proof).
+  ``k``'s, the requirement's proof). Those positions are not recomputed: pass ``k+1`` runs the predictor
+  on the later positions only, attending to pass ``k``'s temporal keys/values of the first ``k``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch import Tensor, nn
 from lwm.errors import ConfigError
 from lwm.modules.rvq import ResidualVectorQuantizer, RVQOutput
 from lwm.modules.st_transformer import (
+    KV,
     Detokenizer,
     STTransformer,
     Tokenizer,
@@ -60,7 +62,7 @@ class ActionEncoder(nn.Module):
 
     def embed(self, tokens: Tensor, return_attn: bool = False) -> tuple[Tensor, list[Tensor]]:
         """Pre-quantization action vectors ``[B, T-1, Da]`` (and per-block temporal attention if asked)."""
-        h, attn = self.transformer(tokens, return_attn)  # [B, T, N, D]; position i has seen frames 0..i+1
+        h, attn, _ = self.transformer(tokens, return_attn)  # [B, T, N, D]; position i has seen frames 0..i+1
         return self.to_code(h[:, :-1].mean(dim=2)), attn  # [B, T-1, Da]
 
     def forward(self, tokens: Tensor, step: int | Tensor | None = None) -> RVQOutput:
@@ -82,7 +84,7 @@ class WorldEncoder(nn.Module):
 
     def embed(self, tokens: Tensor) -> Tensor:
         """Pre-quantization world vector ``[B, Dh]``."""
-        h, _ = self.transformer(tokens)  # [B, T, N, D]
+        h, _, _ = self.transformer(tokens)  # [B, T, N, D]
         return self.to_code(h.mean(dim=(1, 2)))  # [B, Dh]
 
     def forward(self, tokens: Tensor, step: int | Tensor | None = None) -> RVQOutput:
@@ -102,15 +104,19 @@ class DynamicsPredictor(nn.Module):
         """``W_a a + W_h h`` for ``actions [B, t, Da]``, ``world [B, Dh]``: ``[B, t, 1, D]`` (broadcast over patches)."""
         return self.action_proj(actions)[:, :, None] + self.world_proj(world)[:, None, None]
 
-    def forward(self, tokens: Tensor, actions: Tensor, world: Tensor, window: int | None = None) -> Tensor:
-        """``tokens [B, t, N, D]``, ``actions [B, t, Da]``, ``world [B, Dh]`` -> ``[B, t, N, D]``;
-        output ``i`` is the prediction of frame ``i + 1``. ``window``: attend to the last ``window`` frames only."""
-        out, _ = self.transformer(tokens + self.condition(actions, world), window=window)
-        return out
+    def forward(
+        self, tokens: Tensor, actions: Tensor, world: Tensor, window: int | None = None, past: list[KV] | None = None
+    ) -> tuple[Tensor, list[KV]]:
+        """``tokens [B, t, N, D]``, ``actions [B, t, Da]``, ``world [B, Dh]`` -> (``[B, t, N, D]``, per-block
+        temporal keys/values); output ``i`` is the prediction of frame ``i + 1``. ``window``: attend to the last
+        ``window`` frames only. ``past``: per-block keys/values of ``p`` earlier frames that ``tokens`` follow
+        (output ``i`` then predicts frame ``p + i + 1``)."""
+        out, _, cache = self.transformer(tokens + self.condition(actions, world), window=window, past=past)
+        return out, cache
 
     def step(
-        self, token: Tensor, action: Tensor, world: Tensor, cache: list | None, window: int | None = None
-    ) -> tuple[Tensor, list]:
+        self, token: Tensor, action: Tensor, world: Tensor, cache: list[KV] | None, window: int | None = None
+    ) -> tuple[Tensor, list[KV]]:
         """One new frame: ``token [B, 1, N, D]``, ``action [B, 1, Da]`` -> (its output ``[B, 1, N, D]``, the
         updated key/value cache); equal to the last output of :meth:`forward` on the whole sequence."""
         return self.transformer.step(token + self.condition(action, world), cache, window)
@@ -295,7 +301,7 @@ class WorldModel(nn.Module):
         if world.ndim != 2 or world.shape[0] != B:
             raise ValueError(f"world: expected [B={B}, Dh], got {tuple(world.shape)}")
         tokens = self.tokenize(context) + self.pos_embedding(t, t0)
-        return self.detokenize(self.dynamics(tokens, actions, world))
+        return self.detokenize(self.dynamics(tokens, actions, world)[0])
 
     @torch.no_grad()
     def generate(
@@ -329,7 +335,7 @@ class WorldModel(nn.Module):
                 out, cache = self.dynamics.step(token, actions[:, i : i + 1], world, cache, window)
             else:
                 tokens = self.tokenize(torch.stack(frames, dim=1)) + self.pos_embedding(i + 1, t0)  # all again
-                out = self.dynamics(tokens, actions[:, : i + 1], world, window)[:, -1:]
+                out = self.dynamics(tokens, actions[:, : i + 1], world, window)[0][:, -1:]
             if i >= c - 1:
                 frames.append(self.detokenize(out)[:, 0])
         return torch.stack(frames[c:], dim=1)
@@ -341,13 +347,15 @@ class WorldModel(nn.Module):
 
     def compute(
         self, x: Tensor, step: int | Tensor | None, t0: int | Tensor | None = None,
-        generator: torch.Generator | None = None,
+        generator: torch.Generator | None = None, reuse_prefix: bool = True,
     ) -> WorldModelOutput:
         """Everything ``forward`` computes, with the codes and per-pass predictions kept for callbacks.
 
         In training mode (and with a ``step``) the quantizers' EMA codebooks are updated, tokens are masked
         and ``t0=None`` draws a random temporal-PE start per sample; in eval mode ``t0=None`` means 0.
         ``generator`` (on ``x``'s device) draws the token mask and the PE start; None: the global RNG.
+        ``reuse_prefix=False`` recomputes the positions of each rollout pass that equal the previous pass's
+        (the same loss and gradients, more compute: the reference the tests compare against).
         """
         self.check_frames(x, min_frames=self.min_frames)
         B, T = x.shape[:2]
@@ -361,18 +369,31 @@ class WorldModel(nn.Module):
         z_masked = self.apply_token_mask(z_raw, mask) + pe
         world = self.world_encoder(z_masked, step)  # [B, Dh]
 
+        # Pass k (0: teacher forcing) feeds [x_0, pass k-1's predictions of frames 1..T-2]. By the requirement's
+        # proof its first k positions get the same inputs as pass k-1's, so (causal predictor) the same outputs
+        # and temporal keys/values: pass k computes positions k..T-2 only, after pass k-1's keys/values of
+        # positions 0..k-1, and scores them. ``reuse_prefix=False`` recomputes every position (the reference).
+        L = T - 1
         target = x[:, 1:]  # frames 1..T-1
-        inputs = z_masked[:, :-1]  # frames 0..T-2
         predictions: list[Tensor] = []
         pass_losses: list[Tensor] = []
+        past = None
         for k in range(len(self.rollout_weights)):
-            if k > 0:  # feed [x_0, previous pass's predictions of frames 1..T-2]
-                fed = torch.cat([z_raw[:, :1], self.tokenize(predictions[-1][:, :-1])], dim=1)  # [B, T-1, N, D]
-                inputs = self.apply_token_mask(fed, None if mask is None else mask[:, :-1]) + pe[..., :-1, :, :]
-            pred = self.detokenize(self.dynamics(inputs, actions.quantized, world.quantized))  # [B, T-1, C, H, W]
+            s = k if reuse_prefix else 0  # the first position this pass computes
+            if k == 0:
+                inputs = z_masked[:, :-1]  # frames 0..T-2
+            else:
+                fed = self.tokenize(predictions[-1][:, max(s - 1, 0) : L - 1])  # inputs of positions max(s, 1)..L-1
+                if s == 0:
+                    fed = torch.cat([z_raw[:, :1], fed], dim=1)
+                inputs = self.apply_token_mask(fed, None if mask is None else mask[:, s:L]) + pe[..., s:L, :, :]
+            out, cache = self.dynamics(inputs, actions.quantized[:, s:], world.quantized, past=past)
+            new = self.detokenize(out)  # [B, L - s, C, H, W]: predictions of frames s+1..T-1
+            pred = new if s == 0 else torch.cat([predictions[-1][:, :s], new], dim=1)
             predictions.append(pred)
-            per_position = (pred.float() - target.float()).pow(2).mean(dim=(2, 3, 4))  # [B, T-1]
-            pass_losses.append(per_position[:, k:].mean())  # the first k positions equal the previous pass's
+            pass_losses.append((pred[:, k:].float() - target[:, k:].float()).pow(2).mean())  # positions k..T-2
+            if reuse_prefix and k + 1 < len(self.rollout_weights):  # positions 0..k, copied (not views of the rest)
+                past = [(keys[:, :, : k + 1].clone(), values[:, :, : k + 1].clone()) for keys, values in cache]
 
         prediction_loss = sum(w * l for w, l in zip(self.rollout_weights, pass_losses))
         weight_action, weight_world = self.commitment_weights(T)

@@ -86,8 +86,8 @@ def test_attention_weights_path_equals_fast_path(mask):
     torch.manual_seed(0)
     attn = Attention(16, 4)
     x = torch.randn(3, 6, 16)
-    fast, none = attn(x, mask)
-    slow, weights = attn(x, mask, return_weights=True)
+    fast, none, _ = attn(x, mask)
+    slow, weights, _ = attn(x, mask, return_weights=True)
     assert none is None
     assert torch.allclose(fast, slow, atol=1e-5)
     assert weights.shape == (3, 4, 6, 6)
@@ -103,10 +103,10 @@ def test_block_spatial_attention_stays_within_frame_and_temporal_within_patch():
     torch.manual_seed(0)
     block = TransformerBlock(16, 2, "causal").eval()
     x = torch.randn(2, 4, 5, 16)
-    y, _ = block(x)
+    y, _, _ = block(x)
     x2 = x.clone()
     x2[0, 2] += 1.0
-    y2, _ = block(x2)
+    y2, _, _ = block(x2)
     assert torch.equal(y2[1], y[1])  # other sample
     assert torch.allclose(y2[0, :2], y[0, :2], atol=1e-6)  # earlier frames
     assert not torch.allclose(y2[0, 2:], y[0, 2:], atol=1e-4)  # this and later frames
@@ -115,12 +115,12 @@ def test_block_spatial_attention_stays_within_frame_and_temporal_within_patch():
 def test_st_transformer_returns_attention_per_block():
     st = STTransformer(16, 2, ["shifted_causal", "causal", "causal"])
     x = torch.randn(2, 5, 4, 16)
-    y, attn = st(x, return_attn=True)
+    y, attn, _ = st(x, return_attn=True)
     assert y.shape == x.shape and len(attn) == 3
     assert all(a.shape == (2, 2, 5, 5) for a in attn)
     assert torch.all(attn[0][..., torch.triu(torch.ones(5, 5, dtype=torch.bool), diagonal=2)] == 0)
     assert torch.all(attn[1][..., torch.triu(torch.ones(5, 5, dtype=torch.bool), diagonal=1)] == 0)
-    y_fast, none = st(x)
+    y_fast, none, _ = st(x)
     assert none == [] and torch.allclose(y, y_fast, atol=1e-5)
 
 
@@ -142,3 +142,26 @@ def test_windowed_causal_mask_keeps_the_last_frames():
                              [0, 0, 0, 1, 1]])
     assert torch.equal(m, expected)
     assert torch.equal(temporal_mask("causal", 5, window=9), temporal_mask("causal", 5))
+
+
+@pytest.mark.parametrize("window", [None, 2])
+def test_causal_stack_after_cached_frames_equals_the_whole_sequence(window):
+    """Frames fed after the keys/values of the earlier ones give the whole sequence's outputs there."""
+    torch.manual_seed(0)
+    st = STTransformer(16, 2, ["causal", "causal"]).eval()
+    x = torch.randn(2, 6, 4, 16)
+    whole, _, cache = st(x, window=window)
+    for p in (1, 3, 5):
+        past = [(k[:, :, :p], v[:, :, :p]) for k, v in cache]
+        later, _, later_cache = st(x[:, p:], window=window, past=past)
+        assert torch.allclose(later, whole[:, p:], atol=1e-5), p
+        for (k, v), (k2, v2) in zip(cache, later_cache):
+            assert torch.allclose(k2, k, atol=1e-5) and torch.allclose(v2, v, atol=1e-5)
+
+
+def test_cached_frames_need_a_causal_block():
+    st = STTransformer(16, 2, ["shifted_causal"])
+    x = torch.randn(1, 3, 4, 16)
+    _, _, cache = st(x)
+    with pytest.raises(ValueError, match="causal block"):
+        st(x, past=cache)

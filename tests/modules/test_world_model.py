@@ -119,15 +119,49 @@ def test_world_code_depends_on_every_frame():
 # --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("train", [False, True])
 def test_rollout_pass_k_repeats_previous_pass_on_its_first_k_positions(train):
+    """The requirement's proof, on the reference that recomputes every position of every pass."""
     model = tiny_model(mask_prob=0.5, rollout_weights=(1.0, 0.8, 0.5, 0.3))
     model.train(train)
-    out = model.compute(clip(T=7), step=0 if train else None, t0=3)
+    out = model.compute(clip(T=7), step=0 if train else None, t0=3, reuse_prefix=False)
     if train:
         assert out.token_mask is not None and out.token_mask.any()
     for k in range(1, len(out.predictions)):
         prev, cur = out.predictions[k - 1], out.predictions[k]
         assert torch.allclose(cur[:, :k], prev[:, :k], atol=1e-5), f"pass {k}"
         assert not torch.allclose(cur[:, k], prev[:, k], atol=1e-4), f"pass {k} predicts something new at {k}"
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_rollout_reusing_the_previous_pass_equals_recomputing_it(checkpointing):
+    """Each rollout pass computes only the positions after the ones the previous pass already has (attending to
+    its keys/values there): the same predictions, losses and gradients as recomputing every position, with
+    token masks and a random PE start per sample, and fewer FLOPs."""
+    from lwm.flops import count_flops
+
+    x = clip(T=7)
+    results = []
+    for reuse in (False, True):
+        model = tiny_model(mask_prob=0.3, rollout_weights=(1.0, 0.8, 0.5, 0.3),
+                           activation_checkpointing=checkpointing).train()
+        out = model.compute(x, step=None, generator=torch.Generator().manual_seed(4), reuse_prefix=reuse)
+        assert out.token_mask.any()
+        out.loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+        def step(model=model, reuse=reuse):
+            model.compute(x, step=None, generator=torch.Generator().manual_seed(4), reuse_prefix=reuse).loss.backward()
+
+        results.append((out, grads, count_flops(step).useful))
+    (ref, ref_grads, ref_flops), (fast, fast_grads, fast_flops) = results
+    assert torch.allclose(fast.loss, ref.loss, rtol=1e-5)
+    for key in ref.logs:
+        assert torch.allclose(fast.logs[key], ref.logs[key], rtol=1e-5, atol=1e-7), key
+    for k, (a, b) in enumerate(zip(fast.predictions, ref.predictions)):
+        assert torch.allclose(a, b, atol=1e-5), f"pass {k}"
+    assert ref_grads.keys() == fast_grads.keys()
+    for name in ref_grads:
+        assert torch.allclose(fast_grads[name], ref_grads[name], rtol=1e-4, atol=1e-6), name
+    assert fast_flops < ref_flops
 
 
 @torch.no_grad()
