@@ -107,6 +107,7 @@ class WorldModelModule(L.LightningModule):
         self._skipped_device: Tensor | None = None  # the sync-free path's counts, on the device
         self._in_a_row_device: Tensor | None = None
         self._compiled = False
+        self._grad_norm: Tensor | None = None  # this step's gradient norm, for the non-finite check and clipping
 
     # ----------------------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
@@ -206,10 +207,12 @@ class WorldModelModule(L.LightningModule):
         """Skip the update when the gradient norm is not finite: on the device with a fused AdamW (no host
         sync; the run-stopping count is read at the logging interval), else with one host sync per step. Under
         DDP the gradients are already all-reduced, so every rank takes the same decision."""
+        self._grad_norm = None
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if not grads:  # DeepSpeed keeps its own gradient buffers; nothing to check here
             return
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in grads]))
+        norm = torch.nn.utils.get_total_norm(grads)  # foreach kernels where the device has them
+        self._grad_norm = norm  # clipping reuses it (configure_gradient_clipping)
         self.log("Train_Total/grad_norm", norm)
         if self._sync_free(optimizer):
             nonfinite = ~torch.isfinite(norm)
@@ -231,6 +234,18 @@ class WorldModelModule(L.LightningModule):
         self._skipped += 1
         self._nonfinite_in_a_row += 1
         self._check_in_a_row(self._nonfinite_in_a_row)
+
+    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+                                    gradient_clip_algorithm: str | None = None) -> None:
+        """Clip by norm with the norm ``on_before_optimizer_step`` just computed over the same gradients (Lightning
+        runs that hook right before this one), instead of computing it a second time; anything else (clipping by
+        value, DeepSpeed's own clipping) is Lightning's."""
+        norm = getattr(self, "_grad_norm", None)
+        if not gradient_clip_val or norm is None or (gradient_clip_algorithm or "norm") != "norm":
+            self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+            return
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        torch.nn.utils.clip_grads_with_norm_(params, gradient_clip_val, norm)
 
     def _check_in_a_row(self, in_a_row: int) -> None:
         if in_a_row >= self.max_nonfinite:

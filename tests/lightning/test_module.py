@@ -63,13 +63,13 @@ def _batches(n: int, nan_at: set[int] = frozenset()) -> list[dict[str, torch.Ten
 
 
 def _train(batches, max_nonfinite: int = 5, net: WorldModelConfig = NET, callbacks=(), fused: bool | None = None,
-           log_every_n_steps: int = 50) -> WorldModelModule:
+           log_every_n_steps: int = 50, **trainer_kwargs) -> WorldModelModule:
     torch.manual_seed(0)
     optim = OptimConfig(warmup_steps=0, min_lr_ratio=1.0, fused=fused)
     module = WorldModelModule(net=net, optim=optim, max_nonfinite=max_nonfinite)
     trainer = L.Trainer(max_steps=len(batches), accelerator="cpu", logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        callbacks=list(callbacks), log_every_n_steps=log_every_n_steps)
+                        callbacks=list(callbacks), log_every_n_steps=log_every_n_steps, **trainer_kwargs)
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
     return module
 
@@ -105,6 +105,39 @@ def test_the_sync_free_path_reads_the_count_at_the_logging_interval_only():
     # ... and 3 in a row that recover before a logging step are counted but do not stop the run
     module = _train(_batches(8, nan_at={4, 5, 6}), max_nonfinite=3, fused=True, log_every_n_steps=4)
     assert module.skipped_steps == 3
+
+
+class _Gradients(L.Callback):
+    """The gradients as backward left them (callbacks' hook runs before the module's) and as the optimizer used them."""
+
+    def __init__(self) -> None:
+        self.raw: list[list[torch.Tensor]] = []
+        self.used: list[list[torch.Tensor]] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.raw.append([p.grad.clone() for p in pl_module.parameters() if p.grad is not None])
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:  # after the step, before the next zero_grad
+        self.used.append([p.grad.clone() for p in pl_module.parameters() if p.grad is not None])
+
+
+@pytest.mark.parametrize("clip", [1e-3, 1e3])
+def test_clipping_by_norm_reuses_the_norm_of_the_non_finite_check(clip, monkeypatch):
+    from lightning.pytorch.plugins.precision import Precision
+
+    def second_norm(*args, **kwargs):
+        raise AssertionError("Lightning computed the gradient norm a second time")
+
+    monkeypatch.setattr(Precision, "clip_grad_by_norm", second_norm)
+    grads = _Gradients()
+    _train(_batches(2), callbacks=[grads], gradient_clip_val=clip)
+    assert len(grads.raw) == len(grads.used) == 2
+    for raw, used in zip(grads.raw, grads.used):
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in raw]))
+        scale = min(1.0, clip / (float(norm) + 1e-6))  # torch.nn.utils.clip_grad_norm_'s rule
+        assert (scale < 1.0) == (clip < 1.0)
+        for g, u in zip(raw, used):
+            assert torch.allclose(u, g * scale, rtol=1e-5, atol=1e-12)
 
 
 def test_non_finite_data_stops_the_cli_with_one_line_and_keeps_the_checkpoint(tmp_path, capsys):
