@@ -438,11 +438,18 @@ class WorldModel(nn.Module):
             "World_Encoder/commit_loss", "World_Encoder/codebook_loss",
         ]
 
+    @property
+    def compiled_parts(self) -> dict[str, nn.Module]:
+        """What :meth:`compile_parts` compiles: every module of the step but the quantizers, which stay eager
+        (their EMA update writes buffers, reads the step count and under DDP runs a collective): the step's
+        only graph breaks are the two quantizer calls."""
+        return {"tokenizer": self.tokenizer, "detokenizer": self.detokenizer,
+                "action transformer": self.action_encoder.transformer,
+                "world transformer": self.world_encoder.transformer, "dynamics": self.dynamics}
+
     def compile_parts(self, **kwargs) -> None:
-        """``torch.compile`` the tokenizer, detokenizer and the three transformers in place (state-dict keys
-        unchanged); the quantizers stay eager (their EMA update writes buffers and may run a collective)."""
-        for part in (self.tokenizer, self.detokenizer, self.action_encoder.transformer,
-                     self.world_encoder.transformer, self.dynamics):
+        """``torch.compile`` :attr:`compiled_parts` in place (state-dict keys unchanged)."""
+        for part in self.compiled_parts.values():
             part.compile(**kwargs)
 
     # ----------------------------------------------------------------------------------------------

@@ -60,3 +60,29 @@ def test_compile_parts_keeps_state_dict_keys_and_the_loss():
         losses.append((loss.detach(), model.tokenizer.net[0].weight.grad.clone()))
     assert torch.allclose(losses[0][0], losses[1][0], atol=1e-6)
     assert torch.allclose(losses[0][1], losses[1][1], atol=1e-6)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_compiled_parts_have_no_graph_breaks_in_the_training_step(checkpointing):
+    """Dynamo traces every compiled part, with the exact arguments the training step gives it (every rollout pass
+    of the predictor, with and without activation checkpointing), as one graph."""
+    from lwm.modules.world_model import WorldModel
+
+    torch.manual_seed(0)
+    model = WorldModel(in_channels=2, height=8, width=8, d_model=16, n_heads=2, depth_action=2, depth_world=1,
+                       depth_dynamics=2, d_code_action=4, d_code_world=4, codebook_sizes_action=(3,),
+                       codebook_sizes_world=(3,), rollout_weights=(1.0, 0.8, 0.5),
+                       activation_checkpointing=checkpointing).train()
+    calls = []
+    hooks = [part.register_forward_pre_hook(lambda m, args, kwargs, name=name: calls.append((name, m, args, kwargs)),
+                                            with_kwargs=True) for name, part in model.compiled_parts.items()]
+    model.compute(torch.rand(2, 5, 2, 8, 8) * 2 - 1, step=0).loss.backward()
+    for h in hooks:
+        h.remove()
+    assert {name for name, *_ in calls} == set(model.compiled_parts)
+    assert sum(name == "dynamics" for name, *_ in calls) == 3  # teacher forcing and two rollout passes
+    for name, part, args, kwargs in calls:
+        explained = torch._dynamo.explain(part.forward)(*args, **kwargs)
+        assert explained.graph_break_count == 0, (name, [r.reason for r in explained.break_reasons])
+        assert explained.graph_count == 1, name
