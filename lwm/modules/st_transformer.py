@@ -166,14 +166,26 @@ def _sdpa_mask(kind: TemporalMask, queries: int, keys: int, device: torch.device
     return temporal_mask(kind, keys, device, window)[keys - queries:], False
 
 
-class Attention(nn.Module):
-    """Multi-head self-attention over the second-to-last axis of ``[batch, L, D]``."""
+AttentionKernel = Literal["sdpa", "matmul"]
+ATTENTION_KERNELS: tuple[str, ...] = ("sdpa", "matmul")
 
-    def __init__(self, d_model: int, n_heads: int) -> None:
+
+class Attention(nn.Module):
+    """Multi-head self-attention over the second-to-last axis of ``[batch, L, D]``.
+
+    ``kernel``: ``sdpa`` (``scaled_dot_product_attention``) or ``matmul`` (``q k^T``, masked softmax, ``@ v`` as
+    plain batched matmuls, which ``torch.compile`` fuses around; for many short sequences, as in temporal
+    attention, SDPA's kernels are slow: see the README's Performance section). The same function either way.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, kernel: AttentionKernel = "sdpa") -> None:
         super().__init__()
         if d_model % n_heads:
             raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
+        if kernel not in ATTENTION_KERNELS:
+            raise ValueError(f"attention kernel must be one of {ATTENTION_KERNELS}, got {kernel!r}")
         self.n_heads = n_heads
+        self.kernel: AttentionKernel = kernel
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
 
@@ -190,17 +202,18 @@ class Attention(nn.Module):
         if past is not None:
             k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
         queries, keys = q.shape[2], k.shape[2]
-        if not return_weights:
+        if self.kernel == "sdpa" and not return_weights:
             attn_mask, is_causal = _sdpa_mask(mask, queries, keys, x.device, window)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal)
             weights = None
-        else:  # explicit softmax: the same function, with the weights kept for diagnostics
-            scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # [n, h, l, p + l]
+        else:  # explicit softmax (the matmul kernel; also how the weights are kept for diagnostics)
+            scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)  # [n, h, l, p + l]
             allowed = temporal_mask(mask, keys, x.device, window)
             if allowed is not None:
                 scores = scores.masked_fill(~allowed[keys - queries:], float("-inf"))
-            weights = scores.softmax(dim=-1)
-            out = weights @ v
+            weights = scores.softmax(dim=-1)  # float32 under autocast
+            out = weights.to(v.dtype) @ v
+            weights = weights if return_weights else None
         return self.proj(rearrange(out, "n h l e -> n l (h e)")), weights, (k, v)
 
 

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from lwm.errors import ConfigError
 from lwm.modules.rvq import ResidualVectorQuantizer, RVQOutput
 from lwm.modules.st_transformer import (
+    ATTENTION_KERNELS,
     KV,
     Detokenizer,
     STTransformer,
@@ -150,6 +151,7 @@ class WorldModelConfig:
     ema_decay_steps: int = 5000  # length of the EMA decay schedule, in global steps
     dead_code_steps: int = 100  # a code unused for this many updates is dead (replaced by ``revive``)
     activation_checkpointing: bool = False  # recompute every ST block's activations in the backward: less memory
+    temporal_attention: str = "sdpa"  # temporal attention kernel: sdpa | matmul (the same function; speed differs)
 
     def __post_init__(self) -> None:
         """Refuse an invalid configuration with one line naming the field."""
@@ -175,6 +177,8 @@ class WorldModelConfig:
             problems.append(f"max_time_offset must be >= 0, got {self.max_time_offset}")
         if not (0.0 <= self.ema_decay_start < 1.0 and 0.0 <= self.ema_decay_end < 1.0):
             problems.append(f"ema_decay_start/ema_decay_end must lie in [0, 1), got {self.ema_decay_start}, {self.ema_decay_end}")
+        if self.temporal_attention not in ATTENTION_KERNELS:
+            problems.append(f"temporal_attention must be one of {ATTENTION_KERNELS}, got {self.temporal_attention!r}")
         if problems:
             raise ConfigError("\n".join(problems))
 
@@ -218,6 +222,8 @@ class WorldModel(nn.Module):
             nn.init.normal_(layer.weight, std=layer.in_features**-0.5)
         for transformer in (self.action_encoder.transformer, self.world_encoder.transformer, self.dynamics.transformer):
             transformer.checkpointing = c.activation_checkpointing
+            for block in transformer.blocks:
+                block.temporal.kernel = c.temporal_attention
 
     @staticmethod
     def _init_weights(m: nn.Module) -> None:

@@ -165,3 +165,31 @@ def test_cached_frames_need_a_causal_block():
     _, _, cache = st(x)
     with pytest.raises(ValueError, match="causal block"):
         st(x, past=cache)
+
+
+@pytest.mark.parametrize(("mask", "window", "cached"), [("none", None, 0), ("causal", None, 0), ("shifted_causal", None, 0),
+                                                        ("causal", 2, 0), ("causal", None, 2), ("causal", 3, 2)])
+def test_matmul_kernel_equals_sdpa(mask, window, cached):
+    """The plain-matmul attention is the same function as SDPA: outputs, keys/values and gradients."""
+    torch.manual_seed(0)
+    sdpa = Attention(16, 4)
+    matmul = Attention(16, 4, kernel="matmul")
+    matmul.load_state_dict(sdpa.state_dict())
+    x = torch.randn(3, 6, 16)
+    past = (torch.randn(3, 4, cached, 4), torch.randn(3, 4, cached, 4)) if cached else None
+    results = []
+    for attn in (sdpa, matmul):
+        xi = x.clone().requires_grad_(True)
+        out, weights, kv = attn(xi, mask, window=window, past=past)
+        out.pow(2).sum().backward()
+        assert weights is None
+        results.append((out, kv, xi.grad, attn.qkv.weight.grad))
+    (o1, kv1, gx1, gw1), (o2, kv2, gx2, gw2) = results
+    assert torch.allclose(o1, o2, atol=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(kv1, kv2))
+    assert torch.allclose(gx1, gx2, atol=1e-5) and torch.allclose(gw1, gw2, atol=1e-5)
+
+
+def test_unknown_attention_kernel_is_refused():
+    with pytest.raises(ValueError, match="attention kernel"):
+        Attention(16, 4, kernel="flash")

@@ -292,11 +292,29 @@ def test_bad_inputs_name_the_argument():
         (dict(mask_prob=1.0), "mask_prob"),
         (dict(rollout_weights=()), "rollout_weights"),
         (dict(depth_action=0), "depth"),
+        (dict(temporal_attention="flash"), "temporal_attention"),
     ],
 )
 def test_bad_config_names_the_field(overrides, field):
     with pytest.raises(ValueError, match=field):
         WorldModel(**{**TINY, **overrides})
+
+
+def test_temporal_attention_kernel_reaches_every_temporal_attention_and_gives_the_same_step():
+    x = clip(T=6)
+    results = []
+    for kernel in ("sdpa", "matmul"):
+        model = tiny_model(temporal_attention=kernel).train()
+        blocks = [b for t in (model.action_encoder.transformer, model.world_encoder.transformer,
+                              model.dynamics.transformer) for b in t.blocks]
+        assert all(b.temporal.kernel == kernel and b.spatial.kernel == "sdpa" for b in blocks)
+        out = model.compute(x, step=None, generator=torch.Generator().manual_seed(1))
+        out.loss.backward()
+        results.append((out.loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (l1, g1), (l2, g2) = results
+    assert torch.allclose(l1, l2, rtol=1e-5)
+    for name in g1:
+        assert torch.allclose(g1[name], g2[name], rtol=1e-4, atol=1e-6), name
 
 
 def test_activation_checkpointing_gives_the_same_loss_and_gradients():
