@@ -18,8 +18,8 @@ Per level ``l`` (codebook size ``K_l``), on the residual ``r_l`` left by the lev
   ``N = 1, M = e`` so unused codes stay where they are instead of collapsing to zero.
 
 Dead codes (not assigned for ``dead_code_steps`` consecutive updates) are replaced by :meth:`revive`
-with random encoder outputs of that level from the last training batch, and their EMA state reset, so
-the next update keeps them. Under DDP the replacements are broadcast from rank 0: all ranks hold
+with random distinct encoder outputs of that level from the last training batch, and their EMA state
+reset, so the next update keeps them. Codes are never initialised or revived as duplicates of each other. Under DDP the replacements are broadcast from rank 0: all ranks hold
 identical codebooks. Everything here runs in fp32 with autocast off, and the buffers stay fp32 when the
 module is cast (``.half()``, ``.bfloat16()``, DeepSpeed).
 """
@@ -86,11 +86,18 @@ class Codebook(nn.Module):
         return self
 
 
-def _sample_rows(available: int, wanted: int, device: torch.device, generator: torch.Generator | None = None) -> Tensor:
-    """Random row indices: distinct when there are enough rows, with repetition otherwise."""
-    if available >= wanted:
-        return torch.randperm(available, device=device, generator=generator)[:wanted]
-    return torch.randint(0, available, (wanted,), device=device, generator=generator)
+def _distinct_rows(rows: Tensor, wanted: int, generator: torch.Generator | None = None,
+                   exclude: Tensor | None = None) -> Tensor:
+    """Up to ``wanted`` random distinct finite rows of ``rows [M, dim]`` that are none of the ``exclude`` rows
+    (fewer when there are fewer): codes made from them are never duplicates, which ``argmin`` would split
+    unevenly (the first always wins) and the EMA would never separate. One host sync (``unique``)."""
+    rows = rows[torch.isfinite(rows).all(dim=-1)]
+    if rows.shape[0] > 1:
+        rows = torch.unique(rows, dim=0)
+    if exclude is not None and exclude.shape[0] and rows.shape[0]:
+        rows = rows[~(rows[:, None, :] == exclude[None, :, :]).all(dim=-1).any(dim=1)]
+    pick = torch.randperm(rows.shape[0], device=rows.device, generator=generator)[:wanted]
+    return rows[pick]
 
 
 def _ddp_world() -> int:
@@ -180,7 +187,7 @@ class ResidualVectorQuantizer(nn.Module):
         lead = z.shape[:-1]
         with torch.autocast(device_type=z.device.type, enabled=False):
             flat = z.reshape(-1, self.dim).float()  # [M, dim]
-            if update and self._needs_init() and bool(torch.isfinite(flat).all()):  # syncs only until init
+            if update and self._needs_init() and self._all_finite(flat):  # syncs only until init
                 self._init_from(flat.detach())
             residual = flat
             q_sum = torch.zeros_like(flat)
@@ -223,6 +230,14 @@ class ResidualVectorQuantizer(nn.Module):
                 raise ValueError(f"indices: level {level} takes codes 0..{k - 1}, got {int(col.min())}..{int(col.max())}")
         return sum(cb.embed[indices[..., level]] for level, cb in enumerate(self.levels))
 
+    def _all_finite(self, flat: Tensor) -> bool:
+        """Whether ``flat`` is finite on every rank (under DDP an all-reduce: one rank's NaN batch must not
+        make the ranks disagree about initialising, which broadcasts)."""
+        finite = torch.isfinite(flat).all().to(torch.int32)
+        if self._sync():
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+        return bool(finite)
+
     def _needs_init(self) -> bool:
         if not self._init_known:
             self._init_known = bool(self.initialized)  # one host sync, until the codebooks are initialised
@@ -240,12 +255,15 @@ class ResidualVectorQuantizer(nn.Module):
     # ----------------------------------------------------------------------------------------------
     @torch.no_grad()
     def _init_from(self, flat: Tensor) -> None:
-        """Data-dependent init: level ``l``'s codes are random rows of the residuals at level ``l``."""
+        """Data-dependent init: level ``l``'s codes are random distinct rows of the residuals at level ``l``.
+        A level with more codes than distinct rows (a world quantizer sees one vector per clip; a row picked as
+        a code leaves a zero residual) keeps its random init for the rest: unused, they are revived later."""
         residual = flat
         for cb in self.levels:
-            m, k = residual.shape[0], cb.size
-            pick = _sample_rows(m, k, flat.device)
-            cb.reset(torch.ones(k, dtype=torch.bool, device=flat.device), residual[pick])
+            rows = _distinct_rows(residual, cb.size)
+            mask = torch.zeros(cb.size, dtype=torch.bool, device=flat.device)
+            mask[: rows.shape[0]] = True
+            cb.reset(mask, rows)
             residual = residual - cb.embed[self._nearest(residual, cb.embed)]
         self.initialized.fill_(True)
         if self._sync():
@@ -284,10 +302,11 @@ class ResidualVectorQuantizer(nn.Module):
 
     @torch.no_grad()
     def revive(self, generator: torch.Generator | None = None) -> list[int]:
-        """Replace dead codes by random encoder outputs of their level from the last training batch and
-        reset their EMA state (call after the EMA update). Returns the number revived per level (one host
-        sync). ``generator`` draws the rows (None: the global RNG); under DDP the new codes are broadcast
-        from rank 0 so every rank keeps identical codebooks."""
+        """Replace dead codes by random distinct (finite) encoder outputs of their level from the last training
+        batch and reset their EMA state (call after the EMA update); with more dead codes than distinct rows,
+        as many as there are rows (the rest wait for the next call). Returns the number revived per level (a
+        few host syncs). ``generator`` draws the rows (None: the global RNG); under DDP rank 0's new codes are
+        broadcast so every rank keeps identical codebooks."""
         if self._last_residuals is None:
             return [0] * self.num_levels
         dead = self.dead_codes()
@@ -295,13 +314,13 @@ class ResidualVectorQuantizer(nn.Module):
         counts = [int(n) for n in torch.stack([d.sum() for d in dead]).tolist()]
         revived = []
         for cb, mask, n, r in zip(self.levels, dead, counts, self._last_residuals):
-            r = r[torch.isfinite(r).all(dim=-1)]  # never revive from a non-finite encoder output
-            if n and r.shape[0]:
-                cb.reset(mask, r[_sample_rows(r.shape[0], n, r.device, generator)])
-                revived.append(n)
-            else:
-                revived.append(0)
-        if sum(revived) and self._sync():
+            rows = _distinct_rows(r, n, generator, exclude=cb.embed[~mask]) if n else r[:0]
+            if rows.shape[0]:
+                chosen = torch.zeros_like(mask)
+                chosen[mask.nonzero().flatten()[: rows.shape[0]]] = True
+                cb.reset(chosen, rows)
+            revived.append(int(rows.shape[0]))
+        if sum(counts) and self._sync():  # decided on the all-reduced counts: every rank takes part or none
             self._broadcast_levels()
         return revived
 

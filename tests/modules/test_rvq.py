@@ -435,10 +435,13 @@ def test_data_dependent_init():
     for cb in q.levels:
         assert torch.equal(cb.ema_count, torch.ones(cb.size)) and torch.equal(cb.ema_sum, cb.embed)
 
-    # fewer rows than codes: every code is still one of the rows
+    # fewer rows than codes: each row becomes one code, the other codes keep their random init (no duplicates)
     small = rvq(4, sizes, seed=9, init_from_data=True)
+    random_init = small.codebook(0).clone()
     small._init_from(x[:3])
-    assert bool(is_row_of(small.codebook(0), x[:3], atol=0).all())
+    from_rows = is_row_of(small.codebook(0), x[:3], atol=0)
+    assert int(from_rows.sum()) == 3 and bool(is_row_of(x[:3], small.codebook(0), atol=0).all())
+    assert torch.equal(small.codebook(0)[~from_rows], random_init[~from_rows])
 
     # the first training forward = this init, then the EMA update with those codes
     fwd = rvq(4, sizes, seed=9, init_from_data=True).train()
@@ -447,6 +450,33 @@ def test_data_dependent_init():
     assert bool(fwd.initialized)
     q.train()(x, step=0)  # already initialised: EMA update only
     assert_states_equal(snapshot(fwd), snapshot(q))
+
+
+def _min_pairwise_distance(codes: torch.Tensor) -> float:
+    d = torch.cdist(codes.double(), codes.double())
+    return float(d[~torch.eye(len(codes), dtype=torch.bool)].min())
+
+
+def test_codes_are_never_duplicates_with_more_codes_than_vectors():
+    """A world quantizer sees one vector per clip: 32 vectors for levels of up to 256 codes. Neither the init
+    (where a row picked as a code leaves a zero residual below it) nor revival (more dead codes than rows)
+    may create equal codes: argmin always picks the first of equal codes and the EMA never separates them."""
+    sizes = (12, 24, 48, 256, 256, 256)
+    q = rvq(8, sizes, seed=0, init_from_data=True, dead_code_steps=1).train()
+    g = torch.Generator().manual_seed(0)
+    centres = torch.randn(40, 8, generator=g)
+    for step in range(30):
+        x = centres[torch.randint(0, 40, (32,), generator=g)] + 0.1 * torch.randn(32, 8, generator=g)
+        q(x, step=step)
+        if step == 0:
+            for level, cb in enumerate(q.levels):
+                assert _min_pairwise_distance(cb.embed) > 0, f"init, level {level}"
+        revived = q.revive(generator=torch.Generator().manual_seed(step))
+        assert all(n <= 32 for n in revived)
+        for level, cb in enumerate(q.levels):
+            assert _min_pairwise_distance(cb.embed) > 0, f"step {step}, level {level}"
+    # the big levels fill up with data over the revivals instead of all at once
+    assert all(int((cb.unused_steps == 0).sum()) > 32 for cb in q.levels[3:])
 
 
 # --------------------------------------------------------------------------------------------------
