@@ -25,7 +25,6 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import lightning as L
-import numpy as np
 import torch
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
@@ -33,6 +32,7 @@ from torchmetrics import MeanMetric
 from lwm.callbacks.schedule import is_logging_step
 from lwm.errors import ConfigError, NonFiniteLossError
 from lwm.modules.world_model import WorldModel, WorldModelConfig
+from lwm.seeds import seeded_generator
 
 
 @dataclass(frozen=True)
@@ -172,17 +172,15 @@ class WorldModelModule(L.LightningModule):
         """A generator for this training step's random draws, a pure function of (seed, rank, step, batch,
         stream); ``stream`` separates independent uses (0: token mask and PE start, 1: dead-code revival)."""
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0))  # set by seed_everything (the CLI's seed_everything: 0)
-        entropy = [seed, self.global_rank, self.global_step, batch_idx, stream]
-        state = np.random.SeedSequence(entropy).generate_state(2)
-        g = torch.Generator(device=device)
-        g.manual_seed(int(state[0]) << 32 | int(state[1]))
-        return g
+        return seeded_generator(device, seed, self.global_rank, self.global_step, batch_idx, stream)
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """Latents arrive as the files hold them (float16 stays float16 through the loader); the model and every
-        callback see float32, cast here on the device."""
-        if isinstance(batch, dict) and "latents" in batch and batch["latents"].dtype != torch.float32:
-            batch = {**batch, "latents": batch["latents"].float()}
+        """Latents arrive as the files hold them (float16 stays float16 through the loader) and are cast here, on
+        the device, to the parameters' dtype: float32 (fp32 and the autocast precisions), or what a half-precision
+        plugin already cast them to (DeepSpeed's bf16, ``bf16-true``: the weights are bf16 there)."""
+        dtype = self.model.mask_token.dtype
+        if isinstance(batch, dict) and "latents" in batch and batch["latents"].dtype != dtype:
+            batch = {**batch, "latents": batch["latents"].to(dtype)}
         return batch
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:

@@ -10,6 +10,7 @@ from torchmetrics import MeanMetric
 from typing_extensions import override
 
 from lwm.metrics import sensitivity
+from lwm.seeds import seeded_generator
 
 
 class Sensitivity(L.Callback):
@@ -42,7 +43,8 @@ class Sensitivity(L.Callback):
         x = batch["latents"]
         if batch_idx >= self.batches or trainer.sanity_checking or x.shape[1] <= self.t:
             return
-        generator = torch.Generator(device=x.device).manual_seed(self.seed * 1000 + batch_idx * 10 + trainer.global_rank)
+        # one stream per (seed, batch, rank): the same draws at every validation, none shared between ranks
+        generator = seeded_generator(x.device, self.seed, batch_idx, trainer.global_rank)
         with torch.no_grad():
             result = sensitivity(pl_module.model, x, self.t, generator)
         for quantizer, values in result.items():

@@ -102,8 +102,10 @@ class DynamicsPredictor(nn.Module):
         self.transformer = STTransformer(d_model, n_heads, ["causal"] * depth, mlp_ratio)
 
     def condition(self, actions: Tensor, world: Tensor) -> Tensor:
-        """``W_a a + W_h h`` for ``actions [B, t, Da]``, ``world [B, Dh]``: ``[B, t, 1, D]`` (broadcast over patches)."""
-        return self.action_proj(actions)[:, :, None] + self.world_proj(world)[:, None, None]
+        """``W_a a + W_h h`` for ``actions [B, t, Da]``, ``world [B, Dh]``: ``[B, t, 1, D]`` (broadcast over patches).
+        The codes (fp32 codebook entries) are cast to the weights' dtype (bf16 under DeepSpeed's bf16)."""
+        dtype = self.action_proj.weight.dtype
+        return self.action_proj(actions.to(dtype))[:, :, None] + self.world_proj(world.to(dtype))[:, None, None]
 
     def forward(
         self, tokens: Tensor, actions: Tensor, world: Tensor, window: int | None = None, past: list[KV] | None = None
@@ -248,9 +250,10 @@ class WorldModel(nn.Module):
             raise ValueError(f"{name}: needs at least {min_frames} frames, got T={x.shape[1]}")
 
     def tokenize(self, x: Tensor) -> Tensor:
-        """Frames ``[B, T, C, H, W]`` -> tokens ``[B, T, N, D]`` (no positional embedding)."""
+        """Frames ``[B, T, C, H, W]`` -> tokens ``[B, T, N, D]`` (no positional embedding). Frames are cast to the
+        weights' dtype (a no-op but for bf16 weights: DeepSpeed's bf16, ``bf16-true``)."""
         B = x.shape[0]
-        return to_sequence(self.tokenizer(x.flatten(0, 1)), B)
+        return to_sequence(self.tokenizer(x.flatten(0, 1).to(self.mask_token.dtype)), B)
 
     def detokenize(self, tokens: Tensor) -> Tensor:
         """Tokens ``[B, T, N, D]`` -> frames ``[B, T, C, H, W]``."""

@@ -12,6 +12,7 @@ import torch
 from lwm.callbacks import AttentionDiagonality, CodebookMonitor, DeadCodeRevival, Sensitivity
 from lwm.metrics import attention_diagonality, codebook_usage, sensitivity
 from lwm.module import OptimConfig, WorldModelModule
+from lwm.seeds import seeded_generator
 from tests.lightning.test_module import NET, _batches
 
 
@@ -57,7 +58,7 @@ def test_sensitivity_logs_the_metric_and_zero_when_codes_do_not_matter():
     module, data = _module(), _batches(2)
     logged = _validate(module, Sensitivity(t=4, batches=1, seed=0), data)
     module.eval()
-    generator = torch.Generator().manual_seed(0)  # the callback's seed for batch 0 on rank 0
+    generator = seeded_generator("cpu", 0, 0, 0)  # the callback's stream for seed 0, batch 0, rank 0
     expected = sensitivity(module.model, data[0]["latents"], 4, generator)
     for name, value in zip(Sensitivity.NAMES, expected["Action_Encoder"]):
         assert logged[f"Val_Action_Encoder/{name}"] == pytest.approx(float(value), rel=1e-5, abs=1e-6)

@@ -110,3 +110,21 @@ def test_plot_writes_the_figures_of_a_run(trained, capsys):
             "attention_diagonality.png"} <= figures
     assert main(["plot", str(root / "nope")]) == 2
     assert "no such run directory" in capsys.readouterr().err
+
+
+def test_bf16_weights_train_validate_and_monitor(tmp_path):
+    """Half-precision weights (``bf16-true`` here; DeepSpeed's bf16 casts the same way): float32 or float16 batches
+    and fp32 codebook entries are cast to bf16 where they enter the model; the fit, its validation and every
+    monitoring callback run; the quantizers stay fp32."""
+    manifest = make_dataset(tmp_path / "data", files=6)
+    root = tmp_path / "run"
+    assert run(manifest, root, "--trainer.precision=bf16-true", "--trainer.max_steps=4",
+               "--trainer.val_check_interval=1.0", "--trainer.log_every_n_steps=1") == 0
+    state = torch.load(root / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    assert state["model.tokenizer.net.0.weight"].dtype == torch.bfloat16
+    assert all(v.dtype == torch.float32 for k, v in state.items() if ".rvq.levels." in k and v.is_floating_point())
+    rows = read_metrics(root)
+    val = [r for r in rows if "Val_Total/loss" in r]
+    assert val and all(torch.isfinite(torch.tensor(r["Val_Total/loss"])) for r in val)
+    assert any("Val_Action_Encoder/dpsnr" in r for r in rows)
+    assert list((root / "videos").glob("*.mp4")) or list((root / "videos").glob("*.gif"))
