@@ -1,5 +1,6 @@
-"""Codebook monitoring: usage per level (train: the logged batch; validation: the whole validation set),
-diversity per level (pairwise MSE between the codes), and the EMA decay of both quantizers."""
+"""Codebook monitoring: usage per level (codes used in a batch: the logged training batch; the mean over the
+validation batches), coverage of the validation set, diversity per level (pairwise MSE between the codes), and
+the EMA decay of both quantizers."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from torchmetrics import MeanMetric
 from typing_extensions import override
 
 from lwm.callbacks.schedule import is_logging_step
@@ -17,9 +19,11 @@ from lwm.metrics import codebook_diversity, codebook_usage
 class CodebookMonitor(L.Callback):
     """Logs, for each quantizer ``Q`` (``Action_Encoder``, ``World_Encoder``) and level ``l``:
 
-    * ``Train_Q/codebook_usage_level_l`` at the logging interval (codes used by that batch / codes in the level)
-      and ``Val_Q/codebook_usage_level_l`` after each validation (codes used anywhere in it, across ranks);
-      the levels' usages also as a distribution ``{Train,Val}_Q/codebook_usage``;
+    * ``{Train,Val}_Q/codebook_usage_level_l``: codes used in a batch / codes in the level (the requirement's
+      "in each batch"), at the logging interval for the batch of that step, and after each validation as the
+      mean over its batches (all ranks): the two read the same way. The levels' usages also as a distribution
+      ``{Train,Val}_Q/codebook_usage``;
+    * ``Val_Q/codebook_coverage_level_l``: codes used anywhere in the validation set (any rank) / codes in the level;
     * ``{Train,Val}_Q/codebook_diversity_{min,max,mean}_level_l``: pairwise MSE between the level's codes;
     * ``Train_Q/ema_decay``: the EMA decay at this step (a function of the step).
 
@@ -27,7 +31,8 @@ class CodebookMonitor(L.Callback):
     """
 
     def __init__(self) -> None:
-        self._val_used: dict[str, list[torch.Tensor]] = {}
+        self._val_used: dict[str, list[torch.Tensor]] = {}  # per quantizer and level: codes seen in validation
+        self._val_usage: dict[str, list[MeanMetric]] = {}  # per quantizer and level: mean per-batch usage
 
     @staticmethod
     def _diversity(pl_module: L.LightningModule, prefix: str, name: str, quantizer) -> dict[str, torch.Tensor]:
@@ -58,6 +63,8 @@ class CodebookMonitor(L.Callback):
             name: [torch.zeros(k, dtype=torch.bool, device=pl_module.device) for k in q.codebook_sizes]
             for name, q in pl_module.model.quantizers.items()
         }
+        self._val_usage = {name: [MeanMetric().to(pl_module.device) for _ in q.codebook_sizes]
+                           for name, q in pl_module.model.quantizers.items()}
 
     @override
     def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
@@ -68,6 +75,9 @@ class CodebookMonitor(L.Callback):
             flat = outputs[name].reshape(-1, len(used))
             for level, mask in enumerate(used):
                 mask[flat[:, level]] = True
+            usage = codebook_usage(flat, pl_module.model.quantizers[name].codebook_sizes)
+            for level, metric in enumerate(self._val_usage[name]):
+                metric.update(usage[level])
 
     @override
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -78,8 +88,10 @@ class CodebookMonitor(L.Callback):
             masks = torch.cat(used).to(torch.uint8)
             if trainer.world_size > 1:  # codes used on any rank
                 masks = trainer.strategy.reduce(masks.float(), reduce_op="max").to(torch.uint8)
-            usage = torch.stack([m.float().mean() for m in masks.split(list(quantizer.codebook_sizes))])
+            coverage = torch.stack([m.float().mean() for m in masks.split(list(quantizer.codebook_sizes))])
+            usage = torch.stack([metric.compute() for metric in self._val_usage[name]])  # synced across ranks
             logs = {f"Val_{name}/codebook_usage_level_{l}": u for l, u in enumerate(usage)}
+            logs.update({f"Val_{name}/codebook_coverage_level_{l}": c for l, c in enumerate(coverage)})
             logs.update(self._diversity(pl_module, "Val", name, quantizer))
             pl_module.log_dict(logs, on_step=False, on_epoch=True, rank_zero_only=True)
             log_distribution(pl_module, f"Val_{name}/codebook_usage", usage)

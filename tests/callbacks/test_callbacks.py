@@ -45,12 +45,15 @@ def test_attention_diagonality_logs_the_metric_of_the_first_batches():
         assert logged[f"Val_Action_Encoder/attention_diagonality_block_0/{stat}"] == pytest.approx(float(expected), rel=1e-5)
 
 
-def test_codebook_monitor_validation_usage_is_over_the_whole_set():
+def test_codebook_monitor_validation_usage_per_batch_and_coverage_of_the_set():
     module, data = _module(), _batches(3)
     logged = _validate(module, CodebookMonitor(), data)
-    expected = codebook_usage(_action_codes(module, data), NET.codebook_sizes_action)
-    for level, value in enumerate(expected):
-        assert logged[f"Val_Action_Encoder/codebook_usage_level_{level}"] == pytest.approx(float(value))
+    per_batch = torch.stack([codebook_usage(_action_codes(module, [b]), NET.codebook_sizes_action) for b in data])
+    coverage = codebook_usage(_action_codes(module, data), NET.codebook_sizes_action)
+    for level in range(len(NET.codebook_sizes_action)):
+        assert logged[f"Val_Action_Encoder/codebook_usage_level_{level}"] == pytest.approx(float(per_batch[:, level].mean()))
+        assert logged[f"Val_Action_Encoder/codebook_coverage_level_{level}"] == pytest.approx(float(coverage[level]))
+    assert any(float(per_batch[:, level].mean()) < float(coverage[level]) for level in range(2))  # they differ
     assert logged["Val_Action_Encoder/codebook_diversity_min_level_0"] >= 0
 
 
