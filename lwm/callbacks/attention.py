@@ -1,4 +1,5 @@
-"""Action-encoder attention diagonality per transformer block, as a distribution over validation clips."""
+"""Action-encoder attention diagonality per transformer block, as a distribution over clips (training and
+validation)."""
 
 from __future__ import annotations
 
@@ -8,22 +9,34 @@ import lightning as L
 import torch
 from typing_extensions import override
 
+from lwm.callbacks.schedule import is_logging_step
 from lwm.loggers import log_distribution
 from lwm.metrics import attention_diagonality
 
 
 class AttentionDiagonality(L.Callback):
-    """After each validation, ``Val_Action_Encoder/attention_diagonality_block_k`` for every action-encoder
-    block ``k``: the share of each query's temporal attention on itself and the next frame (1.0: a pure
-    one-step-lookahead transition encoder), one value per clip of the first ``batches`` validation batches,
-    logged as a distribution (wandb histogram; min/mean/max in the CSV). One extra action-encoder pass per
-    batch, at validation only."""
+    """``{Train,Val}_Action_Encoder/attention_diagonality_block_k`` for every action-encoder block ``k``: the
+    share of each query's temporal attention on itself and the next frame (1.0: a pure one-step-lookahead
+    transition encoder), one value per clip, logged as a distribution (wandb histogram; min/mean/max in the
+    CSV): of the training batch at the logging interval, and of the first ``batches`` validation batches
+    after each validation. One extra action-encoder pass (no gradient) per such batch."""
 
     def __init__(self, batches: int = 1) -> None:
         if batches < 1:
             raise ValueError(f"diagonality.batches must be >= 1, got {batches}")
         self.batches = batches
         self._values: list[list[torch.Tensor]] = []
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if not is_logging_step(trainer):
+            return
+        with torch.no_grad():
+            attn = pl_module.model.action_attention(batch["latents"])
+        for block, a in enumerate(attn):
+            log_distribution(pl_module, f"Train_Action_Encoder/attention_diagonality_block_{block}",
+                             attention_diagonality(a))
 
     @override
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

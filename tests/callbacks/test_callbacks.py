@@ -45,6 +45,26 @@ def test_attention_diagonality_logs_the_metric_of_the_first_batches():
         assert logged[f"Val_Action_Encoder/attention_diagonality_block_0/{stat}"] == pytest.approx(float(expected), rel=1e-5)
 
 
+def test_attention_diagonality_of_the_training_batch_at_the_logging_steps():
+    module = _module()
+    seen = []
+
+    class Spy(L.Callback):  # runs before the monitor: records the batch it will see
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen.append(batch["latents"].clone())
+
+    trainer = L.Trainer(max_steps=4, accelerator="cpu", logger=False, log_every_n_steps=2, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False,
+                        callbacks=[Spy(), AttentionDiagonality()])
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(_batches(4), batch_size=None))
+    logged = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    with torch.no_grad():
+        values = attention_diagonality(module.model.action_attention(seen[-1])[0])  # weights after the last step
+    for stat, expected in (("min", values.min()), ("mean", values.mean()), ("max", values.max())):
+        assert logged[f"Train_Action_Encoder/attention_diagonality_block_0/{stat}"] == pytest.approx(float(expected),
+                                                                                                   rel=1e-5)
+
+
 def test_codebook_monitor_validation_usage_per_batch_and_coverage_of_the_set():
     module, data = _module(), _batches(3)
     logged = _validate(module, CodebookMonitor(), data)

@@ -13,9 +13,10 @@ LOSSES = ["Total/loss", "Dynamics_Predictor/tf_loss", "Dynamics_Predictor/rollou
           "World_Encoder/commit_loss", "World_Encoder/codebook_loss"]
 CODEBOOKS = [f"{q}/{m}_level_{l}" for q in ("Action_Encoder", "World_Encoder") for l in (0, 1)
              for m in ("codebook_usage", "codebook_diversity_min", "codebook_diversity_max", "codebook_diversity_mean")]
+DIAGONALITY = [f"Action_Encoder/attention_diagonality_block_0/{s}" for s in ("min", "mean", "max")]
 TRAIN_ONLY = ["Action_Encoder/ema_decay", "World_Encoder/ema_decay", "Total/grad_norm"]
 VAL_ONLY = [f"{q}/{m}" for q in ("Action_Encoder", "World_Encoder") for m in ("dpsnr", "psnr_seq", "psnr_rand")] + [
-    f"Action_Encoder/attention_diagonality_block_0/{s}" for s in ("min", "mean", "max")]
+    f"{q}/codebook_coverage_level_{l}" for q in ("Action_Encoder", "World_Encoder") for l in (0, 1)]
 
 
 def test_every_metric_reaches_the_csv_in_its_namespace(tmp_path):
@@ -23,15 +24,18 @@ def test_every_metric_reaches_the_csv_in_its_namespace(tmp_path):
     root = tmp_path / "run"
     assert run(manifest, root, "--trainer.max_steps=4", "--trainer.log_every_n_steps=2", "--data.window=6") == 0
     keys = set().union(*read_metrics(root))
-    expected = {f"Train_{k}" for k in LOSSES + CODEBOOKS + TRAIN_ONLY} | {f"Val_{k}" for k in LOSSES + CODEBOOKS + VAL_ONLY}
+    both = LOSSES + CODEBOOKS + DIAGONALITY
+    expected = {f"Train_{k}" for k in both + TRAIN_ONLY} | {f"Val_{k}" for k in both + VAL_ONLY}
     assert expected <= keys, sorted(expected - keys)
     rows = read_metrics(root)
     usage = [r["Train_Action_Encoder/codebook_usage_level_0"] for r in rows if "Train_Action_Encoder/codebook_usage_level_0" in r]
     assert usage and all(0 < u <= 1 for u in usage)
     assert len(usage) == 2  # logged at the logging interval only (steps 2 and 4 of 4)
-    diag = [r["Val_Action_Encoder/attention_diagonality_block_0/mean"] for r in rows
-            if "Val_Action_Encoder/attention_diagonality_block_0/mean" in r]
-    assert diag and all(0 < d <= 1 for d in diag)
+    for split, times in (("Train", 2), ("Val", None)):
+        key = f"{split}_Action_Encoder/attention_diagonality_block_0/mean"
+        diag = [r[key] for r in rows if key in r]
+        assert diag and all(0 < d <= 1 for d in diag)
+        assert times is None or len(diag) == times  # training: at the logging interval only
     assert not (root / "wandb").exists()  # disabled
 
 
