@@ -38,6 +38,8 @@ def lightning_cli_class() -> type:
     # `lwm` passes its own argv on purpose; and Lightning's pytree helper trips a torch deprecation each run.
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+    # The module's on_after_batch_transfer (the dtype cast) is meant to serve with our DataModule.
+    warnings.filterwarnings("ignore", message="You have overridden `on_after_batch_transfer` in `LightningModule`")
     from lightning.pytorch.callbacks import RichModelSummary
     from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
     from lightning.pytorch.plugins.io import CheckpointIO
