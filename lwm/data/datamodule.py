@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 
 from lwm.data.h5 import DataError, inspect_h5
 from lwm.data.manifest import Manifest, checking
-from lwm.data.windows import FileBatchSampler, H5WindowDataset
+from lwm.data.windows import FileBatchSampler, H5WindowDataset, collate_windows
 
 
 class ResumableDataLoader(DataLoader):
@@ -181,6 +181,7 @@ class LatentDataModule(L.LightningDataModule):
         trainer = self.trainer
         on_gpu = trainer is not None and trainer.strategy.root_device.type == "cuda"
         return dict(
+            collate_fn=collate_windows,
             num_workers=workers,
             pin_memory=self.pin_memory and on_gpu,
             persistent_workers=workers > 0,

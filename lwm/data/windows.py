@@ -12,17 +12,20 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
 import h5py
 import numpy as np
 import torch
-from torch.utils.data import Dataset, Sampler
+from torch.utils.data import Dataset, Sampler, default_collate
 
 from lwm.data.h5 import ACTIONS_KEY, DataError, first_line, parse_world_label
 from lwm.data.manifest import Manifest, ManifestEntry
 
 MISSING = -1  # value of `actions` / `world_label` in a batch when the file has none
+MAX_OPEN_FILES = 64  # h5 handles one process keeps open (least recently used closed first): file descriptors and
+# each handle's chunk cache stay bounded however many files the dataset has
 
 
 class H5WindowDataset(Dataset):
@@ -33,10 +36,12 @@ class H5WindowDataset(Dataset):
     the bytes through the loader and to the GPU, and no conversion on the loader's CPU; the LightningModule
     casts them to float32 on the device (``WorldModelModule.on_after_batch_transfer``), exactly.
 
-    Files of the split shorter than ``window`` are left out with one warning naming each.
+    Files of the split shorter than ``window`` are left out with one warning naming each. Each process keeps at
+    most ``max_open`` files open (least recently used closed first).
     """
 
-    def __init__(self, manifest: Manifest, split: str, window: int, float16: bool = True) -> None:
+    def __init__(self, manifest: Manifest, split: str, window: int, float16: bool = True,
+                 max_open: int = MAX_OPEN_FILES) -> None:
         if window < 1:
             raise DataError(f"window must be >= 1, got {window}")
         entries = manifest.split(split)
@@ -53,7 +58,8 @@ class H5WindowDataset(Dataset):
                               stacklevel=2)
         self.paths = [str(manifest.resolve(e)) for e in self.entries]
         self.frames = [e.frames for e in self.entries]
-        self._handles: dict[int, h5py.File] = {}
+        self.max_open = max(1, max_open)
+        self._handles: OrderedDict[int, h5py.File] = OrderedDict()
         self._pid: int | None = None
 
     def __len__(self) -> int:
@@ -62,14 +68,18 @@ class H5WindowDataset(Dataset):
 
     def _file(self, index: int) -> h5py.File:
         if self._pid != os.getpid():  # a new worker process (fork copies the parent's dict): own handles
-            self._handles, self._pid = {}, os.getpid()
+            self._handles, self._pid = OrderedDict(), os.getpid()
         f = self._handles.get(index)
-        if f is None:
-            try:
-                f = h5py.File(self.paths[index], "r")
-            except OSError as e:
-                raise DataError(f"{self.paths[index]}: cannot be opened as HDF5 ({first_line(e)})") from None
-            self._handles[index] = f
+        if f is not None:
+            self._handles.move_to_end(index)
+            return f
+        while len(self._handles) >= self.max_open:
+            self._handles.popitem(last=False)[1].close()
+        try:
+            f = h5py.File(self.paths[index], "r")
+        except OSError as e:
+            raise DataError(f"{self.paths[index]}: cannot be opened as HDF5 ({first_line(e)})") from None
+        self._handles[index] = f
         return f
 
     def __getitem__(self, item: tuple[int, int]) -> dict[str, torch.Tensor]:
@@ -80,11 +90,17 @@ class H5WindowDataset(Dataset):
             raise IndexError(f"{self.paths[index]}: window start {start} out of range for {self.frames[index]} frames")
         f = self._file(index)
         stop = start + self.window
-        ds = f[self.entries[index].key]
-        keep = self.float16 and ds.dtype == np.float16
-        latents = torch.from_numpy(np.asarray(ds[start:stop], dtype=np.float16 if keep else np.float32))
-        if ACTIONS_KEY in f:
-            actions = torch.from_numpy(np.asarray(f[ACTIONS_KEY][start:stop], dtype=np.int64))
+        key = self.entries[index].key
+        try:
+            ds = f[key]
+            keep = self.float16 and ds.dtype == np.float16
+            latents = torch.from_numpy(np.asarray(ds[start:stop], dtype=np.float16 if keep else np.float32))
+            actions = np.asarray(f[ACTIONS_KEY][start:stop], dtype=np.int64) if ACTIONS_KEY in f else None
+        except (OSError, KeyError) as e:  # changed or damaged since `lwm data index` checked it
+            raise DataError(f"{self.paths[index]}: '{key}' unreadable at frames {start}..{stop - 1} "
+                            f"({first_line(e)}); run `lwm data index` on the folder again") from None
+        if actions is not None:
+            actions = torch.from_numpy(actions)
         else:
             actions = torch.full((self.window,), MISSING, dtype=torch.int64)
         label = f.attrs.get("world_label")
@@ -100,21 +116,31 @@ class H5WindowDataset(Dataset):
     def close(self) -> None:
         for f in self._handles.values():
             f.close()
-        self._handles = {}
+        self._handles = OrderedDict()
 
     def __getstate__(self) -> dict:  # spawn workers receive a pickled copy: never ship open handles
         state = self.__dict__.copy()
-        state["_handles"], state["_pid"] = {}, None
+        state["_handles"], state["_pid"] = OrderedDict(), None
         return state
 
 
+def collate_windows(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """``default_collate``, except that a batch mixing float16 and float32 windows (a split of both kinds of
+    files) is float32: stacking into the first window's dtype would round the float32 ones to float16."""
+    dtypes = {item["latents"].dtype for item in items}
+    if len(dtypes) > 1:
+        items = [{**item, "latents": item["latents"].float()} for item in items]
+    return default_collate(items)
+
+
 class FileBatchSampler(Sampler[list[tuple[int, int]]]):
-    """Batches of ``(file_index, start)``: each element from a different file while there are enough files
-    (files drawn without replacement, weighted by their number of windows), each start uniform in the file.
+    """Batches of ``(file_index, start)``: each element of the global batch (every rank's batch together) from a
+    different file while there are enough files (files drawn without replacement, weighted by their number of
+    windows), each start uniform in the file; rank ``r`` takes its slice of the global batch.
 
     ``len(sampler)`` batches make an epoch on this rank: by default the split's non-overlapping windows
-    divided by the global batch (``batch_size * world_size``). Batch ``b`` of epoch ``e`` on rank ``r`` depends
-    only on ``(seed, r, e, b)``. ``state_dict`` records the seed and epoch; to resume mid-epoch the caller sets
+    divided by the global batch (``batch_size * world_size``). Batch ``b`` of epoch ``e`` depends only on
+    ``(seed, e, b)`` and the rank. ``state_dict`` records the seed and epoch; to resume mid-epoch the caller sets
     ``start_batch`` to the number of batches the trainer consumed (the sampler cannot count them itself:
     DataLoader workers draw batches ahead of the training step).
     """
@@ -131,6 +157,8 @@ class FileBatchSampler(Sampler[list[tuple[int, int]]]):
     ) -> None:
         if batch_size < 1:
             raise DataError(f"batch_size must be >= 1, got {batch_size}")
+        if not 0 <= rank < world_size:
+            raise DataError(f"rank must lie in [0, world_size={world_size}), got {rank}")
         self.frames = np.asarray(frames, dtype=np.int64)
         if (self.frames < window).any():
             raise DataError("FileBatchSampler: every file must hold at least one window")
@@ -146,14 +174,16 @@ class FileBatchSampler(Sampler[list[tuple[int, int]]]):
         return self.num_batches
 
     def batch(self, epoch: int, index: int) -> list[tuple[int, int]]:
-        rng = np.random.default_rng([self.seed, self.rank, epoch, index])
-        n_files = len(self.frames)
+        """This rank's slice of the global batch ``index`` of ``epoch`` (every rank draws the same global batch)."""
+        rng = np.random.default_rng([self.seed, epoch, index])
+        n_files, total = len(self.frames), self.batch_size * self.world_size
         picks = []
-        while len(picks) < self.batch_size:  # whole rounds without replacement when files are few
-            take = min(self.batch_size - len(picks), n_files)
+        while len(picks) < total:  # whole rounds without replacement when files are few
+            take = min(total - len(picks), n_files)
             picks.extend(rng.choice(n_files, size=take, replace=False, p=self.weights).tolist())
         starts = rng.integers(0, self.frames[picks] - self.window + 1)
-        return [(int(f), int(s)) for f, s in zip(picks, starts)]
+        mine = slice(self.rank * self.batch_size, (self.rank + 1) * self.batch_size)
+        return [(int(f), int(s)) for f, s in zip(picks[mine], starts[mine])]
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch

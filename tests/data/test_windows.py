@@ -158,6 +158,47 @@ def test_bad_window(manifest):
         H5WindowDataset(manifest, "train", 0)
 
 
+def test_file_damaged_after_indexing_names_the_file(tmp_path):
+    path = tmp_path / "damaged.h5"
+    with h5py.File(path, "w") as f:
+        data = np.random.default_rng(0).uniform(-1, 1, (8, 4, 8, 8)).astype(np.float32)  # chunks of ~1 KB
+        f.create_dataset("latents", data=data, chunks=(2, 4, 8, 8), compression="gzip")
+        offset = f["latents"].id.get_chunk_info_by_coord((2, 0, 0, 0)).byte_offset  # the chunk of frames 2..3
+    m = index_directory(tmp_path, val_fraction=0.0)
+    with open(path, "r+b") as raw:  # damage it after the index checked it
+        raw.seek(offset)
+        raw.write(b"\xff" * 16)
+    ds = H5WindowDataset(m, "train", 4)
+    assert ds[(0, 4)]["latents"].shape == (4, 4, 8, 8)  # undamaged frames still read
+    with pytest.raises(DataError, match=r"damaged.h5: 'latents' unreadable at frames 0\.\.3"):
+        ds[(0, 0)]
+
+
+def test_at_most_max_open_files_per_process(tmp_path, count_opens):
+    for i in range(5):
+        with h5py.File(tmp_path / f"f{i}.h5", "w") as f:
+            f["latents"] = pattern(6, i / 10)
+    ds = H5WindowDataset(index_directory(tmp_path, val_fraction=0.0), "train", 4, max_open=2)
+    before = count_opens.calls
+    for index in [0, 1, 2, 3, 4, 4, 3, 0]:
+        item = ds[(index, 1)]
+        np.testing.assert_array_equal(item["latents"].numpy(), pattern(6, int(ds.paths[index][-4]) / 10)[1:5])
+        assert len(ds._handles) <= 2 and all(h.id.valid for h in ds._handles.values())
+    assert count_opens.calls - before == 6  # 0-4 once each; then 4 and 3 were still open, 0 had been closed
+    ds.close()
+
+
+def test_mixed_float16_and_float32_windows_collate_to_float32():
+    from lwm.data.windows import collate_windows
+
+    a = {"latents": torch.tensor([[0.1]], dtype=torch.float16), "start": torch.tensor(0)}
+    b = {"latents": torch.tensor([[0.1]], dtype=torch.float32), "start": torch.tensor(1)}
+    batch = collate_windows([a, b])
+    assert batch["latents"].dtype == torch.float32
+    assert batch["latents"][1, 0, 0].item() == pytest.approx(0.1, abs=1e-8)  # not rounded to float16
+    assert collate_windows([a, a])["latents"].dtype == torch.float16
+
+
 def test_unreadable_file_raises_data_error(tmp_path):
     (tmp_path / "broken.h5").write_bytes(b"x" * 64)
     m = Manifest(tmp_path / "m.json", 4, 8, 8, [ManifestEntry("broken.h5", 10, "train")])
@@ -281,6 +322,22 @@ def test_distinct_files_per_batch():
     assert {f for b in batches for f, _ in b} == set(range(len(FRAMES)))
 
 
+def test_ranks_take_slices_of_one_global_batch_of_distinct_files():
+    """Under DDP the batch is every rank's batch together: its elements come from different files too (ranks
+    drawing on their own would often read the same file in the same step)."""
+    frames = [40 + i for i in range(32)]
+    ranks = [FileBatchSampler(frames, WINDOW, batch_size=4, seed=3, rank=r, world_size=4, batches_per_epoch=50)
+             for r in range(4)]
+    for index in range(50):
+        parts = [s.batch(0, index) for s in ranks]
+        assert all(len(p) == 4 for p in parts)
+        assert len({f for p in parts for f, _ in p}) == 16, index
+    single = FileBatchSampler(frames, WINDOW, batch_size=16, seed=3, batches_per_epoch=50)
+    assert [x for s in ranks for x in s.batch(0, 7)] == single.batch(0, 7)  # the slices of the one global batch
+    with pytest.raises(DataError, match="rank"):
+        FileBatchSampler(frames, WINDOW, batch_size=4, rank=4, world_size=4)
+
+
 def test_batch_size_equal_to_files_uses_every_file():
     s = FileBatchSampler(FRAMES, WINDOW, batch_size=6, seed=0, batches_per_epoch=20)
     assert all(sorted(f for f, _ in b) == list(range(6)) for b in s)
@@ -311,7 +368,7 @@ def test_starts_cover_exactly_the_valid_range():
 
 def test_determinism_and_dependence_on_seed_rank_epoch():
     def batches(**kw):
-        s = FileBatchSampler(FRAMES, WINDOW, batch_size=3, batches_per_epoch=8, **kw)
+        s = FileBatchSampler(FRAMES, WINDOW, batch_size=3, batches_per_epoch=8, world_size=2, **kw)
         return [s.batch(e, i) for e in range(2) for i in range(8)]
 
     base = batches(seed=7, rank=0)
