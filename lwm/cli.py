@@ -129,7 +129,7 @@ def _data_index(args: argparse.Namespace) -> int:
     from lwm.data.manifest import index_directory
 
     manifest = index_directory(args.directory, out=args.out, val_fraction=args.val_fraction, seed=args.seed,
-                               tolerance=args.tolerance)
+                               tolerance=args.tolerance, resplit=args.resplit)
     n_train, n_val = len(manifest.split("train")), len(manifest.split("val"))
     frames = sum(e.frames for e in manifest.entries)
     print(f"{manifest.path}: {len(manifest.entries)} files checked ({n_train} train, {n_val} val), {frames} frames "
@@ -198,6 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     index.add_argument("--val-fraction", type=float, default=0.1, help="fraction of files in the val split")
     index.add_argument("--seed", type=int, default=0, help="seed of the train/val split")
     index.add_argument("--tolerance", type=float, default=1e-3, help="allowed excess over [-1, 1]")
+    index.add_argument("--resplit", action="store_true",
+                       help="draw every file's split again (default: files the manifest already lists keep theirs)")
     index.set_defaults(func=_data_index)
 
     encode = data.add_parser("encode", help="encode videos to h5 latent files through a codec")

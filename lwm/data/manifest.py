@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -96,18 +97,33 @@ class Manifest:
         return manifest
 
 
+def _previous_splits(path: Path, shape: tuple[int, int, int] | None) -> dict[str, str]:
+    """``{relative path: split}`` of the manifest at ``path`` if there is a readable one of the same frame shape."""
+    try:
+        old = Manifest.load(path)
+    except DataError:
+        return {}
+    if (old.channels, old.height, old.width) != shape:
+        return {}
+    return {e.path: e.split for e in old.entries}
+
+
 def index_directory(
     directory: str | Path,
     out: str | Path | None = None,
     val_fraction: float = 0.1,
     seed: int = 0,
     tolerance: float = 1e-3,
+    resplit: bool = False,
 ) -> Manifest:
     """Check every ``*.h5``/``*.hdf5`` under ``directory`` and write a manifest (default ``DIR/manifest.json``).
 
-    All files must share ``C, H, W``. ``val_fraction`` of the files (at least one when there are two or more
-    files and the fraction is positive) go to the validation split, chosen by a seeded shuffle. Raises
-    :class:`DataError` naming every bad file (one line each) and writes nothing in that case.
+    All files must share ``C, H, W`` (those of most files; the others are named). ``val_fraction`` of the files
+    (at least one when there are two or more files and the fraction is positive) go to the validation split,
+    chosen by a seeded shuffle. Indexing again where a manifest already is keeps every file it lists in its
+    split (a run continued on the new manifest never validates on files it trained on) and draws the new
+    files' splits towards ``val_fraction`` (``resplit``: draw every file's split again). Raises :class:`DataError` naming every bad file (one line each)
+    and writes nothing in that case.
     """
     directory = Path(directory)
     if not directory.is_dir():
@@ -119,26 +135,38 @@ def index_directory(
     if not files:
         raise DataError(f"{directory}: no .h5/.hdf5 files found")
     infos, problems = {}, []
-    shape = None
     for p in checking(files, f"checking {len(files)} files"):
         try:
-            info = inspect_h5(p, *(shape or (None, None, None)), tolerance=tolerance)
+            infos[p] = inspect_h5(p, tolerance=tolerance)
         except DataError as e:
             problems.append(str(e))
-            continue
-        shape = shape or (info.channels, info.height, info.width)
-        infos[p] = info
+    shapes = Counter((i.channels, i.height, i.width) for i in infos.values())
+    shape = shapes.most_common(1)[0][0] if shapes else None
+    for p, info in list(infos.items()):  # the odd files out are named, not the majority
+        got = (info.channels, info.height, info.width)
+        if got != shape:
+            odd = ", ".join(f"{name} {g}, expected {w}" for name, g, w in zip(("channels", "height", "width"), got, shape)
+                            if g != w)
+            problems.append(f"{p}: dataset '{info.key}' has {odd} (the [C, H, W] of most files: {list(shape)})")
+            del infos[p]
     if problems:
-        raise DataError(f"{len(problems)} of {len(files)} files refused:\n" + "\n".join(problems))
+        raise DataError(f"{len(problems)} of {len(files)} files refused:\n" + "\n".join(sorted(problems)))
     good = list(infos)
+    base = out.parent.resolve()
+    relative = {p: os.path.relpath(p.resolve(), base) for p in good}
+    kept = {} if resplit else _previous_splits(out, shape)  # relative path -> split, of a manifest already there
+    new = [p for p in good if relative[p] not in kept]
     n_val = int(round(val_fraction * len(good)))
     if val_fraction > 0 and len(good) >= 2:
         n_val = min(max(n_val, 1), len(good) - 1)
-    order = np.random.default_rng(seed).permutation(len(good))
-    val = {good[i] for i in order[:n_val]}
-    base = out.parent.resolve()
+    kept_val = sum(kept.get(relative[p]) == "val" for p in good)
+    n_val_new = min(max(n_val - kept_val, 0), len(new))
+    if n_val_new and kept_val + n_val_new >= len(good):
+        n_val_new -= 1  # at least one training file
+    order = np.random.default_rng(seed).permutation(len(new))
+    val = {new[i] for i in order[:n_val_new]} | {p for p in good if kept.get(relative[p]) == "val"}
     entries = [
-        ManifestEntry(os.path.relpath(p.resolve(), base), infos[p].frames, "val" if p in val else "train", infos[p].key)
+        ManifestEntry(relative[p], infos[p].frames, "val" if p in val else "train", infos[p].key)
         for p in good
     ]
     manifest = Manifest(out, *shape, entries)

@@ -6,6 +6,7 @@ import json
 import os
 from pathlib import Path
 
+import h5py
 import numpy as np
 import pytest
 
@@ -89,9 +90,35 @@ def test_val_split_size_and_determinism(data_dir):
     assert len(a.split("val")) == 2 and len(a.split("train")) == 8
     assert val_names(a) == val_names(b)
     assert set(a.split("val")) | set(a.split("train")) == set(a.entries)
-    others = [val_names(index_directory(data_dir, val_fraction=0.2, seed=s)) for s in range(2, 8)]
+    others = [val_names(index_directory(data_dir, val_fraction=0.2, seed=s, resplit=True)) for s in range(2, 8)]
     assert all(len(v) == 2 for v in others)
     assert any(v != val_names(a) for v in others)
+
+
+def test_indexing_again_keeps_every_listed_file_in_its_split(data_dir):
+    """Adding files and indexing again must not move a validation file into training (a continued run would then
+    validate on files it trained on); the new files' splits are drawn towards the fraction."""
+    first = index_directory(data_dir, val_fraction=0.2, seed=1)
+    old = {e.path: e.split for e in first.entries}
+    for i in range(10):
+        with h5py.File(data_dir / f"new_{i:02d}.h5", "w") as f:
+            f["latents"] = np.zeros((5, 4, 8, 8), np.float32)
+    second = index_directory(data_dir, val_fraction=0.2, seed=99)
+    assert {e.path: e.split for e in second.entries if e.path in old} == old
+    assert len(second.split("val")) == 4  # 0.2 of 20: the 2 kept and 2 of the new ones
+    fresh = index_directory(data_dir, val_fraction=0.2, seed=99, resplit=True)
+    assert len(fresh.split("val")) == 4 and val_names(fresh) != val_names(second)
+
+
+def test_the_odd_file_out_is_named_not_the_majority(tmp_path):
+    for name, channels in (("a_odd.h5", 8), ("b.h5", 4), ("c.h5", 4), ("d.h5", 4)):
+        with h5py.File(tmp_path / name, "w") as f:
+            f["latents"] = np.zeros((5, channels, 8, 8), np.float32)
+    with pytest.raises(DataError) as err:
+        index_directory(tmp_path)
+    message = str(err.value)
+    assert message.startswith("1 of 4 files refused") and "a_odd.h5: dataset 'latents' has channels 8, expected 4" in message
+    assert "b.h5" not in message and not (tmp_path / "manifest.json").exists()
 
 
 def test_val_fraction_zero(data_dir):
