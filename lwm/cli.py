@@ -241,9 +241,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (LwmError, NonFiniteLossError) as e:
-        for line in str(e).splitlines():
+        for line in error_lines(e):
             print(f"error: {line}", file=sys.stderr)
         return 2
+
+
+def error_lines(e: BaseException) -> list[str]:
+    """The lines of an lwm error for the terminal. One raised in a DataLoader worker comes back wrapped ("Caught
+    DataError in DataLoader worker process 0", the worker's traceback, then "lwm....DataError: MESSAGE"): its
+    MESSAGE alone."""
+    lines = str(e).splitlines()
+    if lines and lines[0].startswith("Caught ") and "Original Traceback" in str(e):
+        prefix = f"{type(e).__module__}.{type(e).__qualname__}: "
+        last = next((i for i in range(len(lines) - 1, -1, -1) if lines[i].startswith(prefix)), None)
+        if last is not None:
+            return [lines[last][len(prefix):], *lines[last + 1:]]
+    return lines
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from lwm.data.codecs import codec_from_attr, missing_codec
 from lwm.data.h5 import DataError, inspect_h5
 from lwm.errors import ConfigError
 from lwm.metrics import random_codes
-from lwm.video import grid, latent_preview, write_video
+from lwm.video import VIDEO_SUFFIXES, grid, latent_preview, write_video
 
 ACTIONS = ("dictionary", "inferred", "random")
 WORLDS = ("inferred", "dictionary")
@@ -44,7 +44,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--sampling", choices=("frequency", "uniform"), default="frequency",
                    help="drawing from the dictionary: by frequency, or uniformly over the tuples in use")
     p.add_argument("--action-indices", help="JSON list of action code tuples, one per transition (overrides --actions)")
-    p.add_argument("--world", choices=WORLDS, default="inferred", help="where the world code comes from")
+    p.add_argument("--world", choices=WORLDS, default="inferred",
+                   help="where the world code comes from (inferred: from the training window's length of frames "
+                        "from --start, whatever --steps)")
     p.add_argument("--world-indices", help="JSON world code tuple (overrides --world)")
     p.add_argument("--codes", help="code dictionary (default: codes.pt beside the checkpoint)")
     p.add_argument("--window", type=int, help="frames the predictor attends to (default: its training window)")
@@ -56,17 +58,38 @@ def parse(argv: list[str]) -> argparse.Namespace:
     for name in ("context", "steps", "rollouts"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.out and Path(args.out).suffix not in VIDEO_SUFFIXES:
+        p.error(f"--out {args.out}: the video must be one of {', '.join(VIDEO_SUFFIXES)}")
     return args
 
 
-def _indices(text: str, option: str, levels: int) -> torch.Tensor:
+def _indices(text: str, option: str, levels: int, ndim: int) -> torch.Tensor:
+    """JSON code indices: one tuple of ``levels`` integers (``ndim`` 1) or a list of them (``ndim`` 2)."""
+    what = "a JSON list of integers, one per RVQ level" if ndim == 1 else "a JSON list of integer code tuples"
     try:
-        value = torch.tensor(json.loads(text), dtype=torch.long)
+        value = np.asarray(json.loads(text))
     except (ValueError, TypeError) as e:
-        raise ConfigError(f"{option}: not a JSON list of integer code tuples ({e})") from None
-    if value.shape[-1] != levels:
-        raise ConfigError(f"{option}: each code tuple needs {levels} indices (one per RVQ level), got shape {tuple(value.shape)}")
-    return value
+        raise ConfigError(f"{option}: not {what} ({e})") from None
+    if value.dtype.kind not in "iu" or "true" in text or "false" in text:  # floats, booleans, strings, ragged lists
+        raise ConfigError(f"{option}: not {what}: {text}")
+    if value.ndim != ndim or value.shape[-1] != levels:
+        expected = f"[{levels}]" if ndim == 1 else f"[transitions, {levels}]"
+        raise ConfigError(f"{option}: expected shape {expected} ({levels} RVQ levels), got {list(value.shape)}")
+    return torch.from_numpy(value.astype(np.int64))
+
+
+def _check_dictionaries(dictionaries: dict, path: Path, model, names: list[str]) -> None:
+    """Refuse a code dictionary of another model (other codebook sizes) or an empty one, naming the file."""
+    for name in names:
+        quantizer = model.quantizers[name]
+        d = dictionaries.get(name)
+        if d is None:
+            raise ConfigError(f"{path}: no {name} dictionary")
+        if tuple(d.codebook_sizes) != tuple(quantizer.codebook_sizes):
+            raise ConfigError(f"{path}: {name} codebook sizes {list(d.codebook_sizes)}, but the checkpoint's are "
+                              f"{list(quantizer.codebook_sizes)} (a dictionary of another model? `lwm codes` makes one)")
+        if d.total == 0:
+            raise ConfigError(f"{path}: the {name} dictionary is empty")
 
 
 def _decode(quantizer, indices: torch.Tensor, option: str) -> torch.Tensor:
@@ -100,30 +123,37 @@ def run(args: argparse.Namespace) -> Path:
         ds = f[info.key]
         gt_end = min(info.frames, args.start + args.context + args.steps)
         clip = torch.from_numpy(np.asarray(ds[args.start:gt_end], dtype=np.float32))[None].to(device)  # [1, t, C, H, W]
+        # the world encoder's clip: as long as in training (whatever --steps), or what the file has from --start
+        world_end = min(info.frames, args.start + max(trained or args.context + args.steps, args.context))
+        world_clip = torch.from_numpy(np.asarray(ds[args.start:world_end], dtype=np.float32))[None].to(device)
         codec = f.attrs.get("codec")
 
     R, T = args.rollouts, args.context + args.steps - 1  # transitions needed
     generator = torch.Generator(device=device).manual_seed(args.seed)
     quantizers = model.quantizers
     dictionaries = None
-    if (args.actions == "dictionary" and not args.action_indices) or (args.world == "dictionary" and not args.world_indices):
-        dictionaries = load_dictionaries(args.codes or ckpt_path.parent / "codes.pt")
+    needed = [name for name, used in (("Action_Encoder", args.actions == "dictionary" and not args.action_indices),
+                                      ("World_Encoder", args.world == "dictionary" and not args.world_indices)) if used]
+    if needed:
+        codes_path = Path(args.codes) if args.codes else ckpt_path.parent / "codes.pt"
+        dictionaries = load_dictionaries(codes_path)
+        _check_dictionaries(dictionaries, codes_path, model, needed)
 
     with torch.no_grad():
         if args.world_indices:
-            idx = _indices(args.world_indices, "--world-indices", len(c.codebook_sizes_world))
+            idx = _indices(args.world_indices, "--world-indices", len(c.codebook_sizes_world), ndim=1)
             world = _decode(quantizers["World_Encoder"], idx.to(device)[None], "--world-indices").expand(R, -1)
         elif args.world == "dictionary":
             idx = dictionaries["World_Encoder"].sample((R,), args.sampling, torch.Generator().manual_seed(args.seed))
             world = quantizers["World_Encoder"].decode_indices(idx.to(device))
         else:
-            world = model.encode_world(clip).quantized.expand(R, -1)
+            world = model.encode_world(world_clip).quantized.expand(R, -1)
 
         if args.action_indices:
-            idx = _indices(args.action_indices, "--action-indices", len(c.codebook_sizes_action))
-            if idx.ndim != 2 or idx.shape[0] < T:
+            idx = _indices(args.action_indices, "--action-indices", len(c.codebook_sizes_action), ndim=2)
+            if idx.shape[0] < T:
                 raise ConfigError(f"--action-indices: {T} transitions needed ({args.context} context frames, "
-                                  f"{args.steps} steps), got {idx.shape[0] if idx.ndim == 2 else tuple(idx.shape)}")
+                                  f"{args.steps} steps), got {idx.shape[0]}")
             actions = _decode(quantizers["Action_Encoder"], idx[:T].to(device), "--action-indices")[None].expand(R, -1, -1)
         elif args.actions == "inferred":
             actions = model.encode_actions(clip[:, : T + 1]).quantized.expand(R, -1, -1)
@@ -142,11 +172,12 @@ def run(args: argparse.Namespace) -> Path:
     rows = [to_video(r) for r in rollouts]
     if clip.shape[1] == rollouts.shape[1]:
         rows.insert(0, to_video(clip[0].cpu()))
-    write_video(out, grid(rows), args.fps)
-    with h5py.File(out.with_suffix(out.suffix + ".h5"), "w") as f:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with h5py.File(out.with_suffix(out.suffix + ".h5"), "w") as f:  # the latents first: kept if the video fails
         f["latents"] = rollouts.numpy()  # [R, T, C, H, W]
         f["ground_truth"] = clip[0].cpu().numpy()
         f.attrs["source"], f.attrs["start"], f.attrs["context"] = str(args.data), args.start, args.context
+    write_video(out, grid(rows), args.fps)
     shown = (f"decoded by the {decoder.name} codec" if decoder is not None else
              f"latent channels 0-2 shown as RGB: {missing_codec(codec, str(args.data))}")
     print(f"wrote {out} ({'ground truth, then ' if len(rows) > R else ''}{R} rollouts of {args.steps} frames after "

@@ -43,3 +43,21 @@ def test_data_synth_through_the_lwm_command(tmp_path, capsys):
     manifest = json.loads((tmp_path / "s/manifest.json").read_text())
     assert len(manifest["files"]) == 4 and manifest["channels"] == 16
     assert "synthetic episodes" in capsys.readouterr().out
+
+
+def test_an_error_raised_in_a_loader_worker_prints_its_message_only():
+    from torch._utils import ExceptionWrapper
+
+    from lwm.cli import error_lines
+    from lwm.data.h5 import DataError
+
+    try:
+        raise DataError("/data/ep.h5: 'latents' unreadable at frames 0..3 (boom)")
+    except DataError:
+        wrapped = ExceptionWrapper(where="in DataLoader worker process 0")
+    try:
+        wrapped.reraise()  # what the DataLoader does in the main process
+    except DataError as e:
+        assert str(e).startswith("Caught DataError") and len(str(e).splitlines()) > 2
+        assert error_lines(e) == ["/data/ep.h5: 'latents' unreadable at frames 0..3 (boom)"]
+    assert error_lines(DataError("a\nb")) == ["a", "b"]

@@ -57,8 +57,12 @@ def test_inferred_actions_reproduce_teacher_forcing_on_the_first_step(trained):
 
 @pytest.mark.parametrize(("extra", "message"), [
     (["--action-indices", "[[9, 0], [0, 0], [0, 0]]"], "--action-indices: indices: level 0 takes codes 0..3"),
-    (["--action-indices", "[[0], [0], [0]]"], "--action-indices: each code tuple needs 2 indices"),
+    (["--action-indices", "[[0], [0], [0]]"], "--action-indices: expected shape [transitions, 2] (2 RVQ levels), got [3, 1]"),
     (["--world-indices", "[0, 99]"], "--world-indices: indices: level 1 takes codes 0..7"),
+    (["--world-indices", "[0.7, 1.9]"], "--world-indices: not a JSON list of integers"),
+    (["--world-indices", "[true, 1]"], "--world-indices: not a JSON list of integers"),
+    (["--world-indices", "[[0, 1]]"], "--world-indices: expected shape [2] (2 RVQ levels), got [1, 2]"),
+    (["--action-indices", "[[0, 1], [0]]"], "--action-indices: not a JSON list of integer code tuples"),
     (["--codes", "/nope/codes.pt"], "code dictionary not found"),
     (["--start", "50"], "14 frames, but the request reads frame 50"),
     (["--start", "12", "--actions", "inferred"], "14 frames, but the request reads frames 12 to 15"),
@@ -69,3 +73,35 @@ def test_bad_generation_requests_are_one_error_line(trained, capsys, extra, mess
                  "--out", str(tmp / "bad.gif"), *extra]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], errors
+
+
+def test_a_code_dictionary_of_another_model_is_refused_by_name(trained, capsys):
+    from lwm.codes import CodeDictionary, save_dictionaries
+
+    tmp, ckpt, data = trained
+    other = tmp / "other_codes.pt"
+    d = CodeDictionary((5, 5))
+    d.update(torch.tensor([[1, 2]]))
+    save_dictionaries(other, {"Action_Encoder": d, "World_Encoder": d}, windows=1)
+    assert main(["generate", "--ckpt_path", str(ckpt), "--data", str(data), "--steps", "3", "--codes", str(other),
+                 "--out", str(tmp / "other.gif")]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "other_codes.pt: Action_Encoder codebook sizes [5, 5]" in errors[0], errors
+
+
+def test_an_unknown_video_suffix_is_refused_before_any_work(trained, capsys):
+    tmp, ckpt, data = trained
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--ckpt_path", str(ckpt), "--data", str(data), "--out", str(tmp / "x.avi")])
+    assert exit_.value.code == 2 and "x.avi: the video must be one of .mp4, .gif" in capsys.readouterr().err
+    assert not (tmp / "x.avi.h5").exists()
+
+
+def test_the_inferred_world_does_not_depend_on_the_number_of_steps(trained):
+    """The world code is inferred from the training window's length of frames, however many are generated: the
+    first frames of a short and a long rollout with the same actions are the same."""
+    tmp, ckpt, data = trained
+    actions = "[" + ", ".join(["[1, 2]"] * 8) + "]"
+    short = _generate(ckpt, data, tmp / "w3.gif", "--steps", "3", "--rollouts", "1", "--action-indices", actions)
+    long = _generate(ckpt, data, tmp / "w8.gif", "--steps", "8", "--rollouts", "1", "--action-indices", actions)
+    assert np.allclose(short[0], long[0, :4], atol=1e-6)

@@ -100,6 +100,12 @@ def encode_videos(videos: list[str], out: str | Path, codec: str = "pixel", stri
     for video in videos:  # fail on a missing video before loading a VAE
         if not Path(video).is_file():
             raise DataError(f"{video}: video not found")
+    stems: dict[str, str] = {}
+    for video in videos:  # out/<name>.h5: two videos of one name would overwrite each other
+        other = stems.setdefault(Path(video).stem, video)
+        if other != video:
+            raise DataError(f"{video}: same name as {other}, both would be written to {Path(out) / Path(video).stem}.h5 "
+                            f"(encode them into different --out folders)")
     c = make_codec(codec, vae, size, device, dtype)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -117,8 +123,10 @@ def encode_videos(videos: list[str], out: str | Path, codec: str = "pixel", stri
 def decode_file(path: str | Path, out: str | Path, fps: int = 8, vae: str | Path | None = None,
                 device: str = "cpu") -> Path:
     """Decode an h5 file through the codec its ``codec`` attribute names and write the video."""
-    from lwm.video import write_video
+    from lwm.video import VIDEO_SUFFIXES, write_video
 
+    if Path(out).suffix not in VIDEO_SUFFIXES:  # before any decoding
+        raise DataError(f"{out}: the video must end in one of {', '.join(VIDEO_SUFFIXES)}")
     info = inspect_h5(path, check_values=False)
     with h5py.File(path, "r") as f:
         attr = f.attrs.get("codec")

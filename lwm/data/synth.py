@@ -216,6 +216,8 @@ def make_dataset(
         raise DataError(f"frames must be at least 2, got {frames}")
     if not 1 <= worlds <= K:
         raise DataError(f"worlds must lie in 1..{K}, got {worlds}")
+    if not 0.0 <= val_fraction < 1.0:  # index_directory's rule, checked before rendering anything
+        raise DataError(f"val_fraction must lie in [0, 1), got {val_fraction}")
     check_size(size)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -343,7 +343,7 @@ class WorldModel(nn.Module):
                 token = self.tokenize(frames[i][:, None]) + self.pos_embedding(1, t0 + i)  # [B, 1, N, D]
                 out, cache = self.dynamics.step(token, actions[:, i : i + 1], world, cache, window)
             else:
-                tokens = self.tokenize(torch.stack(frames, dim=1)) + self.pos_embedding(i + 1, t0)  # all again
+                tokens = self.tokenize(torch.stack(frames[: i + 1], dim=1)) + self.pos_embedding(i + 1, t0)  # all again
                 out = self.dynamics(tokens, actions[:, : i + 1], world, window)[0][:, -1:]
             if i >= c - 1:
                 frames.append(self.detokenize(out)[:, 0])

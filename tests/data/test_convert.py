@@ -51,3 +51,18 @@ def test_decode_needs_a_codec(tmp_path, capsys):
         f["latents"] = np.zeros((2, 16, 64, 64), dtype=np.float32)
     assert main(["data", "decode", str(tmp_path / "raw.h5"), "--out", str(tmp_path / "x.gif")]) == 2
     assert "raw.h5: cannot decode to pixels: the file names no codec" in capsys.readouterr().err
+
+
+def test_two_videos_of_one_name_are_refused_before_encoding(tmp_path, capsys):
+    a = write_video(tmp_path / "va/clip.gif", np.zeros((2, 16, 16, 3), dtype=np.uint8))
+    b = write_video(tmp_path / "vb/clip.gif", np.zeros((2, 16, 16, 3), dtype=np.uint8))
+    assert main(["data", "encode", str(a), str(b), "--out", str(tmp_path / "enc")]) == 2
+    assert f"{b}: same name as {a}" in capsys.readouterr().err
+    assert not (tmp_path / "enc/clip.h5").exists()
+
+
+def test_decode_refuses_an_unknown_video_suffix_first(tmp_path, capsys):
+    with h5py.File(tmp_path / "raw.h5", "w") as f:  # no codec either: the suffix is what is checked first
+        f["latents"] = np.zeros((2, 16, 64, 64), dtype=np.float32)
+    assert main(["data", "decode", str(tmp_path / "raw.h5"), "--out", str(tmp_path / "x.avi")]) == 2
+    assert "x.avi: the video must end in one of .mp4, .gif" in capsys.readouterr().err

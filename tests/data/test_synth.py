@@ -116,6 +116,12 @@ def test_bad_arguments():
         make_dataset("unused", episodes=0)
 
 
+def test_a_bad_val_fraction_is_refused_before_rendering(tmp_path):
+    with pytest.raises(DataError, match="val_fraction"):
+        make_dataset(tmp_path / "out", episodes=2, frames=4, val_fraction=1.0)
+    assert not (tmp_path / "out").exists()  # nothing rendered or written
+
+
 def test_make_dataset(tmp_path):
     out = tmp_path / "synth"
     manifest_path = make_dataset(out, episodes=8, frames=6, seed=1, val_fraction=0.25)

@@ -25,10 +25,10 @@ def _inputs(model, B=2, c=2, steps=9, seed=1):
     return context, actions, world
 
 
-@pytest.mark.parametrize("window", [None, 4])
-def test_cached_rollout_equals_full_recomputation(window):
+@pytest.mark.parametrize(("window", "c"), [(None, 2), (4, 2), (None, 3), (4, 5)])
+def test_cached_rollout_equals_full_recomputation(window, c):
     model = _model()
-    context, actions, world = _inputs(model)  # 2 + 9 = 11 frames: longer than the window of 4
+    context, actions, world = _inputs(model, c=c)  # c + 9 frames: longer than the window of 4
     cached = model.generate(context, actions, world, steps=9, t0=5, window=window)
     full = model.generate(context, actions, world, steps=9, t0=5, window=window, use_cache=False)
     assert cached.shape == (2, 9, 2, 8, 8)
