@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
@@ -321,7 +322,7 @@ def main(argv: list[str]) -> int:
     accelerator = str((cfg.get("trainer") or {}).get("accelerator", "auto"))
     device = torch.device("cuda" if torch.cuda.is_available() and accelerator != "cpu" else "cpu")
     s = Setup(cfg, device)
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 160)  # a log file gets the whole table, not 80 columns
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     console.print(f"[bold]lwm bench[/] {args.config}: {name}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; "
                   f"batch {s.batch} x {s.window} frames of [{s.net.in_channels}, {s.net.height}, {s.net.width}], "
@@ -392,7 +393,7 @@ def main(argv: list[str]) -> int:
         out = {"max_batch": max_batch, "config": args.config, "overrides": overrides, "device": name, "torch": torch.__version__,
                "date": time.strftime("%Y-%m-%d"), "batch": s.batch, "window": s.window, "precision": s.precision,
                "compile": s.compile, "net": asdict(s.net), "flops_useful": flops.useful, "flops_dense": flops.dense,
-               "flops_by_module": flops.by_module, "matmul_tflop_per_s": matmul, "matmul": matmul_what,
+               "flops_by_op": flops.by_op, "matmul_tflop_per_s": matmul, "matmul": matmul_what,
                "peak_tflop_per_s": peak / 1e12 if peak else None, "peak_memory_gib": peak_mem,
                "variants": results, "breakdown": parts}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,9 @@
 The Lightning verbs read OmegaConf/LightningCLI YAML (``parser_mode="omegaconf+"``: interpolations such as
 ``${trainer.default_root_dir}`` follow command-line overrides). Every run writes ``RUN_DIR/metrics.csv``,
 ``RUN_DIR/config.yaml`` and ``RUN_DIR/checkpoints/`` (``last.ckpt`` plus every ``checkpoint.every_n_train_steps``),
-where ``RUN_DIR`` is ``trainer.default_root_dir``; ``--ckpt_path last`` resumes from there.
+where ``RUN_DIR`` is ``trainer.default_root_dir``; ``--ckpt_path last`` resumes from there. ``validate``,
+``test`` and ``predict`` log into ``RUN_DIR/<verb>/`` (their own ``metrics.csv``, ``config.yaml``, ``videos/``),
+at the checkpoint's global step, and leave the fit's files alone.
 
 Errors exit 2 with one ``error: ...`` line per problem, naming the file or field.
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import warnings
 from typing import Any
@@ -97,6 +100,11 @@ def lightning_cli_class() -> type:
         def instantiate_trainer(self, **kwargs: Any):
             trainer_config = self._get(self.config_init, "trainer", default={})
             root = trainer_config.get("default_root_dir") or "."
+            checkpoint = self._get(self.config_init, "checkpoint", default=None)
+            if isinstance(checkpoint, ModelCheckpoint) and checkpoint.dirpath is None:  # RUN_DIR/checkpoints for
+                checkpoint.dirpath = os.path.realpath(os.path.join(root, "checkpoints"))  # every verb (ckpt_path last)
+            if self.subcommand in ("validate", "test", "predict"):  # never into the fit's metrics.csv / config.yaml
+                root = os.path.join(root, self.subcommand)
             if trainer_config.get("logger") in (None, True):
                 kwargs.setdefault("logger", make_loggers(str(root), self._get(self.config_init, "wandb")))
             strategy = trainer_config.get("strategy")

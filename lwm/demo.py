@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
 
     console.rule("[bold]3/4 validate[/]: the final checkpoint on every validation window")
     t = time.perf_counter()
-    cli = lightning_cli([*common, "--data.val_size_percent=1.0", "--rollout_videos.every_n_validations=1000000"], run=False)
+    cli = lightning_cli([*common, f"--trainer.default_root_dir={run_dir / 'validate'}",  # as `lwm validate` logs
+                         "--data.val_size_percent=1.0", "--rollout_videos.every_n_validations=1000000"], run=False)
     metrics = {k: float(v) for k, v in cli.trainer.validate(cli.model, datamodule=cli.datamodule,
                                                             ckpt_path=str(run_dir / LAST), verbose=False)[0].items()}
     dm = cli.datamodule
@@ -117,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     console.print("\n[bold]outputs[/]")
     for label, path in (
         ("data (h5 + manifest)", manifest_path.parent), ("run: metrics, config", run_dir / "metrics.csv"),
+        ("final validation: metrics", run_dir / "validate" / "metrics.csv"),
         ("checkpoint", run_dir / LAST), ("code dictionaries", run_dir / "checkpoints" / "codes.pt"),
         ("rollout videos at validation", run_dir / "videos"),
         ("rollout with inferred actions (top: ground truth)", inferred),

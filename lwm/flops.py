@@ -103,7 +103,9 @@ class StepFlops:
 
     useful: int = 0
     dense: int = 0  # equals ``useful`` when not counted
-    by_module: dict[str, int] = field(default_factory=dict)  # useful FLOPs per module (FlopCounterMode names)
+    by_module: dict[str, int] = field(default_factory=dict)  # useful FLOPs per module (FlopCounterMode names;
+    # its module attribution of backward FLOPs is not reliable in a large step: prefer by_op there)
+    by_op: dict[str, int] = field(default_factory=dict)  # useful FLOPs per aten operator
 
 
 def _eager():
@@ -121,5 +123,7 @@ def count_flops(fn: Callable[[], object], dense: bool = True) -> StepFlops:
     if dense:
         with _eager(), FlopCounterMode(display=False, custom_mapping=attention_mapping(useful=False)) as full:
             fn()
-    by_module = {name: int(sum(ops.values())) for name, ops in useful.get_flop_counts().items()}
-    return StepFlops(total, int(full.get_total_flops()) if dense else total, by_module)
+    counts = useful.get_flop_counts()
+    by_module = {name: int(sum(ops.values())) for name, ops in counts.items()}
+    by_op = {str(op): int(n) for op, n in counts.get("Global", {}).items()}
+    return StepFlops(total, int(full.get_total_flops()) if dense else total, by_module, by_op)

@@ -166,6 +166,22 @@ class WorldModelModule(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._skipped = int(checkpoint.get("lwm_skipped_steps", 0))
         self._skipped_device = self._in_a_row_device = None
+        self._checkpoint_step = int(checkpoint.get("global_step", 0))
+
+    def _at_checkpoint_step(self) -> None:
+        """``lwm validate|test CKPT``: Lightning restores the weights, not the loops, so its loggers would write
+        the metrics at step 0; put them at the checkpoint's global step (what `lwm plot` reads)."""
+        step = getattr(self, "_checkpoint_step", None)
+        loop = getattr(self._trainer.fit_loop, "epoch_loop", None) if self._trainer is not None else None
+        if step and loop is not None and hasattr(loop, "_batches_that_stepped") and not self.trainer.training:
+            loop._batches_that_stepped = step
+
+    def on_validation_start(self) -> None:
+        if self.trainer.state.fn == "validate":
+            self._at_checkpoint_step()
+
+    def on_test_start(self) -> None:
+        self._at_checkpoint_step()
 
     # ----------------------------------------------------------------------------------------------
     def step_generator(self, device: torch.device, batch_idx: int, stream: int = 0) -> torch.Generator:

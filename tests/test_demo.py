@@ -19,7 +19,8 @@ def test_the_demo_pipeline_end_to_end(tmp_path, capsys):
             "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
     assert main(argv) == 0
     printed = capsys.readouterr().out
-    for path in ("data/manifest.json", "run/metrics.csv", "run/checkpoints/last.ckpt", "run/checkpoints/codes.pt"):
+    for path in ("data/manifest.json", "run/config.yaml", "run/validate/metrics.csv", "run/checkpoints/last.ckpt",
+                 "run/checkpoints/codes.pt"):  # (12 steps log no training row into run/metrics.csv)
         assert (out / path).is_file(), path
     assert "beats copy-last-frame" in printed and "latent actions carry information" in printed
     assert str(out / "rollout_inferred.mp4") in printed.replace("\n", "")
@@ -31,7 +32,7 @@ def test_the_demo_pipeline_end_to_end(tmp_path, capsys):
     assert sampled.shape == (10, 5 * 32 + 4 * 4, 32, 3)  # ground truth and 4 sampled futures
 
     # the validation videos are decoded by the files' pixel codec: 32 px wide (a latent preview would be 16 x 4)
-    videos = sorted((out / "run" / "videos").glob("*.mp4"))
+    videos = sorted((out / "run").glob("**/videos/*.mp4"))
     assert videos and iio.imread(videos[-1], plugin="pyav").shape[2] == 32
 
     # again: the run resumes from last.ckpt (finished, so it stops at once) and reports the same numbers

@@ -38,15 +38,20 @@ def test_fit_validates_four_times_per_epoch_and_checkpoints(trained):
     assert (root / "config.yaml").is_file()
 
 
-def test_validate_test_and_predict_run_from_a_checkpoint(trained):
+def test_validate_test_and_predict_run_from_a_checkpoint_beside_the_fit(trained):
+    """In the fit's RUN_DIR they log into RUN_DIR/<verb>/, at the checkpoint's step, and leave the fit's files be."""
     manifest, root = trained
     ckpt = str(root / "checkpoints/last.ckpt")
-    for verb, prefix in (("validate", "Val_"), ("test", "Test_")):
-        out = root.parent / verb
-        assert main(tiny_args(manifest, out, f"--ckpt_path={ckpt}", verb=verb)) == 0
-        keys = set().union(*read_metrics(out))
+    fit_files = {name: (root / name).read_bytes() for name in ("metrics.csv", "config.yaml", "hparams.yaml")}
+    for verb, prefix, path in (("validate", "Val_", ckpt), ("test", "Test_", "last")):  # last: RUN_DIR/checkpoints
+        assert main(tiny_args(manifest, root, f"--ckpt_path={path}", verb=verb)) == 0
+        rows = read_metrics(root / verb)
+        keys = set().union(*rows)
         assert {f"{prefix}Total/loss", f"{prefix}Dynamics_Predictor/tf_loss", f"{prefix}World_Encoder/codebook_loss"} <= keys
-    assert main(tiny_args(manifest, root.parent / "predict", f"--ckpt_path={ckpt}", verb="predict")) == 0
+        assert {int(r["step"]) for r in rows if f"{prefix}Total/loss" in r} == {8}  # the checkpoint's global step
+        assert (root / verb / "config.yaml").is_file()
+    assert main(tiny_args(manifest, root, f"--ckpt_path={ckpt}", verb="predict")) == 0
+    assert {name: (root / name).read_bytes() for name in fit_files} == fit_files
 
 
 def test_help_lists_the_verbs(capsys):

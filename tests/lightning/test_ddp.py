@@ -99,16 +99,17 @@ def test_ddp_validation_metrics_equal_one_process_on_an_uneven_split(tmp_path):
 
     assert run(manifest, tmp_path / "one", *common, verb="validate") == 0
     run_lwm(manifest, tmp_path / "two", *common, *DDP, verb="validate")
-    one = [r for r in read_metrics(tmp_path / "one") if "Val_Total/loss" in r]
-    two = [r for r in read_metrics(tmp_path / "two") if "Val_Total/loss" in r]
+    one = [r for r in read_metrics(tmp_path / "one" / "validate") if "Val_Total/loss" in r]
+    two = [r for r in read_metrics(tmp_path / "two" / "validate") if "Val_Total/loss" in r]
     assert len(one) == len(two) == 1
     one, two = one[0], two[0]
     keys = sorted(k for k in one if k.startswith("Val_"))
     assert len(keys) >= 8 and keys == sorted(k for k in two if k.startswith("Val_"))
-    # The losses and the codebook usage are over the whole validation set, whatever the number of ranks. The
-    # sensitivities and the attention diagonality are sampled from each rank's first batch: not comparable.
-    keys = [k for k in keys if not any(s in k for s in ("psnr", "attention_diagonality"))]
-    assert {"Val_Total/loss", "Val_Action_Encoder/codebook_usage_level_0"} <= set(keys)
+    # The losses and the codebook coverage are over the whole validation set, whatever the number of ranks. The
+    # sensitivities and the attention diagonality are sampled from each rank's first batch, and the per-batch
+    # codebook usage depends on how the windows fall into batches: not comparable.
+    keys = [k for k in keys if not any(s in k for s in ("psnr", "attention_diagonality", "codebook_usage"))]
+    assert {"Val_Total/loss", "Val_Action_Encoder/codebook_coverage_level_0"} <= set(keys)
     for key in keys:
         assert math.isclose(two[key], one[key], rel_tol=1e-5, abs_tol=1e-8), (key, two[key], one[key])
     assert math.isclose(one["Val_Total/loss"], exact, rel_tol=1e-5), (one["Val_Total/loss"], exact)
