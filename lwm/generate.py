@@ -67,15 +67,20 @@ def _indices(text: str, option: str, levels: int, ndim: int) -> torch.Tensor:
     """JSON code indices: one tuple of ``levels`` integers (``ndim`` 1) or a list of them (``ndim`` 2)."""
     what = "a JSON list of integers, one per RVQ level" if ndim == 1 else "a JSON list of integer code tuples"
     try:
-        value = np.asarray(json.loads(text))
+        parsed = json.loads(text)
+        value = np.asarray(parsed)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"{option}: not {what} ({e})") from None
-    if value.dtype.kind not in "iu" or "true" in text or "false" in text:  # floats, booleans, strings, ragged lists
+    if value.dtype.kind not in "iu" or _has_bool(parsed):  # floats, strings, ragged lists; numpy reads true as 1
         raise ConfigError(f"{option}: not {what}: {text}")
     if value.ndim != ndim or value.shape[-1] != levels:
         expected = f"[{levels}]" if ndim == 1 else f"[transitions, {levels}]"
         raise ConfigError(f"{option}: expected shape {expected} ({levels} RVQ levels), got {list(value.shape)}")
     return torch.from_numpy(value.astype(np.int64))
+
+
+def _has_bool(value) -> bool:
+    return isinstance(value, bool) or (isinstance(value, list) and any(_has_bool(v) for v in value))
 
 
 def _check_dictionaries(dictionaries: dict, path: Path, model, names: list[str]) -> None:
