@@ -48,6 +48,12 @@ class WorldModelOutput:
     token_mask: Tensor | None  # [B, T, N] True where a token was replaced by the mask token (None: no masking)
 
 
+def to_half_weights(x: Tensor, weight: Tensor) -> Tensor:
+    """``x`` in the dtype of half-precision ``weight`` (bf16 weights take no fp32 input); unchanged next to fp32
+    weights, where autocast (bf16-mixed) casts what it needs itself."""
+    return x if weight.dtype == torch.float32 or x.dtype == weight.dtype else x.to(weight.dtype)
+
+
 class ActionEncoder(nn.Module):
     """ST transformer with exactly one frame of lookahead, spatial mean-pool, RVQ: tokens -> ``[B, T-1, Da]``."""
 
@@ -103,9 +109,9 @@ class DynamicsPredictor(nn.Module):
 
     def condition(self, actions: Tensor, world: Tensor) -> Tensor:
         """``W_a a + W_h h`` for ``actions [B, t, Da]``, ``world [B, Dh]``: ``[B, t, 1, D]`` (broadcast over patches).
-        The codes (fp32 codebook entries) are cast to the weights' dtype (bf16 under DeepSpeed's bf16)."""
-        dtype = self.action_proj.weight.dtype
-        return self.action_proj(actions.to(dtype))[:, :, None] + self.world_proj(world.to(dtype))[:, None, None]
+        The codes (fp32 codebook entries) are cast to half-precision weights (DeepSpeed's bf16)."""
+        actions, world = to_half_weights(actions, self.action_proj.weight), to_half_weights(world, self.world_proj.weight)
+        return self.action_proj(actions)[:, :, None] + self.world_proj(world)[:, None, None]
 
     def forward(
         self, tokens: Tensor, actions: Tensor, world: Tensor, window: int | None = None, past: list[KV] | None = None
@@ -250,10 +256,10 @@ class WorldModel(nn.Module):
             raise ValueError(f"{name}: needs at least {min_frames} frames, got T={x.shape[1]}")
 
     def tokenize(self, x: Tensor) -> Tensor:
-        """Frames ``[B, T, C, H, W]`` -> tokens ``[B, T, N, D]`` (no positional embedding). Frames are cast to the
-        weights' dtype (a no-op but for bf16 weights: DeepSpeed's bf16, ``bf16-true``)."""
+        """Frames ``[B, T, C, H, W]`` -> tokens ``[B, T, N, D]`` (no positional embedding). Frames are cast to
+        half-precision weights (DeepSpeed's bf16, ``bf16-true``)."""
         B = x.shape[0]
-        return to_sequence(self.tokenizer(x.flatten(0, 1).to(self.mask_token.dtype)), B)
+        return to_sequence(self.tokenizer(to_half_weights(x.flatten(0, 1), self.mask_token)), B)
 
     def detokenize(self, tokens: Tensor) -> Tensor:
         """Tokens ``[B, T, N, D]`` -> frames ``[B, T, C, H, W]``."""
