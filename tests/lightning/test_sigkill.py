@@ -95,13 +95,16 @@ def test_sigkill_anywhere_then_resume_equals_uninterrupted(tmp_path):
     assert not [n for n in os.listdir(ckpt_dir) if ".tmp-" in n], "stale temp files were not cleaned up"
 
     # Every step's row (the last one where a resumed process logged a step again) matches the uninterrupted run: the
-    # steps the final process trained after `resumed_from`, and those the killed processes logged before.
+    # steps the final process trained after `resumed_from`, and those the killed processes logged before. A killed
+    # process can lose the row of its last step: Lightning writes a step's checkpoint (on_train_batch_end) before it
+    # logs and flushes that step's metrics, and a resume starts after the checkpoint. At most one row per kill.
     series = train_series(root)
-    assert sorted(series) == list(range(MAX_STEPS))
-    got = torch.tensor([series[s] for s in range(MAX_STEPS)])
-    want = torch.tensor([reference[s] for s in range(MAX_STEPS)])
-    assert torch.equal(got[resumed_from:], want[resumed_from:]), (resumed_from, got, want)
-    assert torch.equal(got, want), (got, want)
+    assert set(series) <= set(range(MAX_STEPS))
+    assert set(range(resumed_from, MAX_STEPS)) <= set(series), sorted(series)
+    assert MAX_STEPS - len(series) <= kills, sorted(series)
+    got = torch.tensor([series[s] for s in sorted(series)])
+    want = torch.tensor([reference[s] for s in sorted(series)])
+    assert torch.equal(got, want), (sorted(series), got, want)
 
     a = torch.load(tmp_path / "ref/checkpoints/last.ckpt", weights_only=True)
     b = torch.load(ckpt_dir / "last.ckpt", weights_only=True)
