@@ -1,6 +1,6 @@
 """``lwm bench``: how fast a training step of a config runs, measured side by side with a plain reference.
 
-    lwm bench [--config configs/base.yaml] [--steps 20] [--warmup 5] [--json OUT.json] [--no-breakdown]
+    lwm bench [--config CFG (configs/tiny.yaml)] [--steps N (10)] [--warmup N (3)] [--json OUT.json] [--no-breakdown]
               [--max-batch] [--section.key=value ...]
 
 On random latents of the config's shape (``data.batch_size`` x ``data.window`` frames of ``model.net``'s
