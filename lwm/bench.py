@@ -7,8 +7,8 @@ On random latents of the config's shape (``data.batch_size`` x ``data.window`` f
 ``[C, H, W]``), on the GPU when there is one (else the CPU), it times
 
 * **lightning**: the real training step, ``WorldModelModule`` in a Lightning ``Trainer`` with the config's
-  precision, ``model.compile`` (on a GPU; ignored on the CPU), fused AdamW, gradient clipping and the non-finite guard (the monitoring
-  callbacks are off: ``benchmarks/monitoring.py`` measures them);
+  precision, ``model.compile`` (on a GPU; ignored on the CPU), fused AdamW, gradient clipping and the
+  non-finite guard (the monitoring callbacks are off: ``benchmarks/monitoring.py`` measures them);
 * **fast path**: the same step (autocast, compile, fused AdamW, clipping) in a plain loop, so that
   ``lightning - fast path`` is Lightning's overhead;
 * **reference**: the same model eager in fp32 with a for-loop AdamW and no compile, recomputing every
@@ -22,8 +22,8 @@ step by :mod:`lwm.flops` (``FlopCounterMode`` plus the CPU attention kernel, whi
 with masked attention counted for the pairs the mask allows; the dense count is in the JSON).
 
 The **breakdown** times each part alone, forward and backward, with the step's shapes and precision
-(eager): tokenizer, detokenizer (every rollout pass, at the positions it computes), the spatial attention, temporal attention and MLP
-sub-layers of each transformer (times its depth and calls), the quantizers (with their EMA update) and the
+(eager): tokenizer, detokenizer (every rollout pass, at the positions it computes), the spatial
+attention, temporal attention and MLP sub-layers of each transformer (times its depth and calls), the quantizers (with their EMA update) and the
 optimizer; ``other`` is the eager fast-path step minus their sum (loss, masks, positional embeddings,
 re-tokenizing the rollout inputs). Parts timed alone do not overlap as they do in a compiled step.
 

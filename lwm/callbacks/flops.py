@@ -20,8 +20,8 @@ PRECISION_DTYPES = {"bf16": torch.bfloat16, "16": torch.float16, "32": torch.flo
 class FlopCounter(L.Callback):
     """On the first training batch, counts the FLOPs of one training step (forward with teacher forcing and
     both rollout passes, and backward; :func:`lwm.flops.count_flops` on the real batch: the attention kernels
-    counted on the CPU too, and masked attention for the pairs its mask allows) without updating anything. Then logs, at the logging
-    interval, ``Train_Total/tflops`` (cumulative over all ranks: per-step FLOPs x world size x global step),
+    counted on the CPU too, and masked attention for the pairs its mask allows) without updating anything.
+    Then logs, at the logging interval, ``Train_Total/tflops`` (cumulative over all ranks: per-step FLOPs x world size x global step),
     ``Train_Total/tflops_per_s`` (per device) and ``Train_Total/mfu`` when the device's peak is known (or
     given as ``peak_tflops``, e.g. 989 for an H200's bf16 dense peak, which Lightning does not know); and
     ``Val_Total/tflops`` with every validation, so validation losses can be plotted against compute.

@@ -122,8 +122,8 @@ def index_directory(
     (at least one when there are two or more files and the fraction is positive) go to the validation split,
     chosen by a seeded shuffle. Indexing again where a manifest already is keeps every file it lists in its
     split (a run continued on the new manifest never validates on files it trained on) and draws the new
-    files' splits towards ``val_fraction`` (``resplit``: draw every file's split again). Raises :class:`DataError` naming every bad file (one line each)
-    and writes nothing in that case.
+    files' splits towards ``val_fraction`` (``resplit``: draw every file's split again). Raises
+    :class:`DataError` naming every bad file (one line each) and writes nothing in that case.
     """
     directory = Path(directory)
     if not directory.is_dir():

@@ -19,8 +19,8 @@ Per level ``l`` (codebook size ``K_l``), on the residual ``r_l`` left by the lev
 
 Dead codes (not assigned for ``dead_code_steps`` consecutive updates) are replaced by :meth:`revive`
 with random distinct encoder outputs of that level from the last training batch, and their EMA state
-reset, so the next update keeps them. Codes are never initialised or revived as duplicates of each other. Under DDP the replacements are broadcast from rank 0: all ranks hold
-identical codebooks. Everything here runs in fp32 with autocast off, and the buffers stay fp32 when the
+reset, so the next update keeps them. Codes are never initialised or revived as duplicates of each other.
+Under DDP the replacements are broadcast from rank 0: all ranks hold identical codebooks. Everything here runs in fp32 with autocast off, and the buffers stay fp32 when the
 module is cast (``.half()``, ``.bfloat16()``, DeepSpeed).
 """
 
