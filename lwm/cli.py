@@ -27,11 +27,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 import warnings
 from typing import Any
 
-from lwm.errors import LwmError, NonFiniteLossError
+from lwm.errors import ConfigError, LwmError, NonFiniteLossError
 
 LIGHTNING_VERBS = ("fit", "validate", "test", "predict")
 
@@ -65,13 +66,20 @@ def lightning_cli_class() -> type:
                 WorldModelModule,
                 LatentDataModule,
                 seed_everything_default=0,
-                parser_kwargs={"parser_mode": "omegaconf+"},
+                # A parse error raises (parse_arguments makes it one line) instead of printing ~145 lines of usage.
+                parser_kwargs={"parser_mode": "omegaconf+", "exit_on_error": False},
                 save_config_kwargs={"overwrite": True},  # a resumed run rewrites RUN_DIR/config.yaml
                 trainer_defaults={"use_distributed_sampler": False},  # the data module shards by rank itself
                 args=args,
                 run=run,
                 **kwargs,
             )
+
+        def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+            try:
+                super().parse_arguments(parser, args)
+            except argparse.ArgumentError as e:
+                raise ConfigError(parse_error_line(str(e), _option_names(parser))) from None
 
         def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
             parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
@@ -124,6 +132,34 @@ def lightning_cli_class() -> type:
             return super()._instantiate_trainer(config, callbacks)
 
     return LwmCLI
+
+
+def _option_names(parser: Any) -> list[str]:
+    """Every ``--key`` the LightningCLI parser (and its verbs' parsers) accepts."""
+    names: list[str] = []
+    for action in parser._actions:
+        names += [o for o in action.option_strings if o.startswith("--")]
+        for sub in (getattr(action, "choices", None) or {}).values() if isinstance(action, argparse._SubParsersAction) else ():
+            names += _option_names(sub)
+    return names
+
+
+def parse_error_line(message: str, options: list[str]) -> str:
+    """jsonargparse's error as one line, with the nearest known key for an unrecognized one ("--model.net.dmodel 3"
+    -> "... (did you mean --model.net.d_model?)")."""
+    line = " ".join(part.strip() for part in message.splitlines() if part.strip())
+    given: list[str] = []
+    if line.startswith("unrecognized arguments:"):  # on the command line
+        given = [a.split("=", 1)[0] for a in line.split(":", 1)[1].split() if a.startswith("--")]
+    elif match := re.search(r"does not accept option '([^']+)'", line):  # in a --config file
+        given = [f"--{match.group(1)}"]
+    if given:
+        import difflib
+
+        hints = [m[0] for g in given if (m := difflib.get_close_matches(g, set(options), n=1, cutoff=0.75))]
+        if hints:
+            line += f" (did you mean {', '.join(hints)}?)"
+    return f"{line}; see `--help` for the keys"
 
 
 def lightning_cli(args: list[str], run: bool = True):

@@ -81,6 +81,10 @@ def test_overfit_drives_the_tf_loss_towards_zero(tmp_path, capsys):
         (["--model.net.in_channels=16"], "model.net.in_channels/height/width = 16/16/16, but the files of"),
         (["--data.window=99"], "window 99 is longer than every 'train' file"),
         (["--model.optim.lr=-1"], "optim.lr must be > 0, got -1.0"),
+        # Parse errors: one line, not jsonargparse's ~145 lines of usage; a typo gets the nearest key.
+        (["--model.net.dmodel=32"], "unrecognized arguments: --model.net.dmodel=32 (did you mean --model.net.d_model?)"),
+        (["--trainer.max_steps=ten"], 'Parser key "trainer.max_steps": Expected a <class \'int\'>. Got value: ten'),
+        (["--config=configs/missing.yaml"], "configs/missing.yaml"),
     ],
 )
 def test_bad_config_is_one_error_line_before_training(tmp_path, capsys, extra, message):
