@@ -105,6 +105,15 @@ def lightning_cli_class() -> type:
             parser.set_defaults({"model_summary.max_depth": 2})
             parser.add_class_arguments(WandbConfig, "wandb")
 
+        def _check_data(self) -> None:
+            """Read and check the manifest, its files and the model's fit to them before the trainer starts
+            anything (a wandb run, a log folder): a data error leaves nothing behind. The trainer's own setup
+            repeats the rank-dependent check (validation windows for every rank)."""
+            self.datamodule.setup(self.subcommand)
+            self.model.check_data(self.datamodule.frame_shape, self.datamodule.window, str(self.datamodule.manifest_path))
+
+        before_fit = before_validate = before_test = before_predict = _check_data
+
         def instantiate_trainer(self, **kwargs: Any):
             trainer_config = self._get(self.config_init, "trainer", default={})
             root = trainer_config.get("default_root_dir") or "."

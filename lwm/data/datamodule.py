@@ -20,6 +20,7 @@ from typing import Any
 
 import lightning as L
 import numpy as np
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.utils.data import DataLoader
 
 from lwm.data.h5 import DataError, inspect_h5
@@ -125,7 +126,7 @@ class LatentDataModule(L.LightningDataModule):
             manifest = Manifest.load(self.manifest_path)
             if self.check_files:
                 problems = []
-                rank_zero = self.trainer is None or self.trainer.global_rank == 0
+                rank_zero = (self.trainer.global_rank if self.trainer is not None else rank_zero_only.rank) == 0
                 for e in checking(manifest.entries, f"checking {len(manifest.entries)} files", show=rank_zero):
                     path = manifest.resolve(e)
                     try:
@@ -166,9 +167,10 @@ class LatentDataModule(L.LightningDataModule):
         manifest = self.load_manifest()
         if stage == "fit" and self.train_set is None:
             self.train_set = H5WindowDataset(manifest, "train", self.window, self.float16_batches)
-        if stage in ("fit", "validate") and self.val_set is None and self.val_size_percent > 0:
-            self.val_set = H5WindowDataset(manifest, "val", self.window, self.float16_batches)
-            self.val_windows()  # refuse now, before training, a split too small for the ranks
+        if stage in ("fit", "validate") and self.val_size_percent > 0:
+            if self.val_set is None:
+                self.val_set = H5WindowDataset(manifest, "val", self.window, self.float16_batches)
+            self.val_windows()  # refuse now, before training, a split too small for the ranks (again once they are known)
         if stage in ("test", "predict") and self.val_set is None:
             self.val_set = H5WindowDataset(manifest, "val", self.window, self.float16_batches)
 

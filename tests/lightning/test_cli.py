@@ -111,6 +111,14 @@ def test_bad_data_is_named_before_training_and_nothing_is_lost(tmp_path, capsys)
     assert "nope.json: manifest not found" in capsys.readouterr().err
 
 
+def test_bad_data_is_refused_before_a_wandb_run_starts(tmp_path, capsys):
+    manifest = make_dataset(tmp_path / "data", files=4)
+    root = tmp_path / "run"
+    assert run(manifest, root, "--data.window=99", "--wandb.mode=offline") == 2
+    assert "window 99 is longer than every 'train' file" in capsys.readouterr().err
+    assert not (root / "wandb").exists() and not (root / "metrics.csv").exists()
+
+
 def test_plot_writes_the_figures_of_a_run(trained, capsys):
     _, root = trained
     assert main(["plot", str(root)]) == 0
