@@ -7,7 +7,10 @@ the new one, never a torn file (a leftover ``.tmp-*`` file is ignored and remove
 Loading always uses ``torch.load(weights_only=True)``.
 
 :class:`ModelCheckpoint` is Lightning's, except that the end of training always leaves ``last.ckpt`` at the
-final step (Lightning's writes it at the end only when nothing was saved during the run).
+final step (Lightning's writes it at the end only when nothing was saved during the run), and a run that ends
+at ``max_steps`` writes it from the last batch, mid-epoch: a later ``--ckpt_path last`` with a larger
+``max_steps`` then continues exactly as an uninterrupted longer run (the same batches, the same logged steps),
+where an end-of-training checkpoint would start a fresh epoch.
 """
 
 from __future__ import annotations
@@ -60,6 +63,12 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         """Write ``last.ckpt`` now (from a training-batch hook: the state a step checkpoint would hold)."""
         if self.save_last:
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any, **kwargs: Any) -> None:
+        super().on_train_batch_end(trainer, pl_module, *args, **kwargs)
+        if 0 < trainer.max_steps <= trainer.global_step and self._last_global_step_saved != trainer.global_step:
+            self.save_last_now(trainer)  # the run stops here: save the state a step checkpoint holds
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -28,3 +28,19 @@ def test_stop_and_resume_equals_uninterrupted(tmp_path, workers):
     assert a["global_step"] == b["global_step"] == 16
     for key, value in a["state_dict"].items():  # weights and codebook buffers (EMA counts, sums, dead-code clocks)
         assert torch.allclose(value.float(), b["state_dict"][key].float(), rtol=1e-4, atol=1e-6), key
+
+
+def test_extending_a_finished_run_equals_the_longer_run(tmp_path):
+    """A run that ended at max_steps (mid-epoch, no step checkpoint there), extended with a larger max_steps and
+    --ckpt_path last, draws the batches and logs the steps (training and validation) of the longer run. The
+    tiny config's schedule is still in its warmup at these steps, so the longer cosine does not differ yet."""
+    manifest = make_dataset(tmp_path / "data")
+    common = ["--checkpoint.every_n_train_steps=5", "--trainer.val_check_interval=3"]
+    assert run(manifest, tmp_path / "a", "--trainer.max_steps=9", *common) == 0
+    assert run(manifest, tmp_path / "b", "--trainer.max_steps=7", *common) == 0
+    assert run(manifest, tmp_path / "b", "--trainer.max_steps=9", "--ckpt_path=last", *common) == 0
+    for key in ("Train_Total/loss", "Val_Total/loss"):
+        full, extended = train_series(tmp_path / "a", key), train_series(tmp_path / "b", key)
+        assert sorted(extended) == sorted(full), key
+        assert torch.allclose(torch.tensor([extended[s] for s in sorted(full)]),
+                              torch.tensor([full[s] for s in sorted(full)]), rtol=1e-5, atol=1e-7), key
