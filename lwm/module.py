@@ -1,7 +1,8 @@
 """The LightningModule: owns a :class:`~lwm.modules.world_model.WorldModel`, its optimisation and its logging.
 
-* Optimiser: AdamW (fused on CUDA), weight decay on matrices and conv kernels only; linear warmup, then a
-  cosine to ``lr * min_lr_ratio`` at ``trainer.max_steps``; clipping is the trainer's ``gradient_clip_val``.
+* Optimiser: AdamW (fused on CUDA, except under fp16), weight decay on matrices and conv kernels only; linear
+  warmup, then a cosine to ``lr * min_lr_ratio`` at ``trainer.max_steps``; clipping is the trainer's
+  ``gradient_clip_val``.
 * Randomness of a training step (the requirement's random temporal-PE start and token mask) comes from a
   generator seeded by ``(seed, rank, global_step, batch_idx)``: a resumed run draws exactly what an
   uninterrupted one would, with no RNG state to save.
@@ -11,8 +12,9 @@
   it was. With a fused AdamW (the default on CUDA) this costs no host sync: the optimizer gets the verdict
   as a device tensor (``found_inf``, as ``GradScaler`` passes it) and skips the whole update on the device,
   and the count of non-finite steps in a row is read on the host at the logging interval only. Otherwise
-  (a for-loop AdamW, or fp16 with its GradScaler) the verdict is read every step and the gradients are
-  dropped.
+  (a for-loop AdamW) the verdict is read every step and the gradients are dropped. Under fp16 (``16-mixed``;
+  AdamW is not fused there, so that the GradScaler unscales before clipping) the scaler skips overflowing
+  steps itself; they are counted, and count towards ``max_nonfinite`` only once the loss scale is below 1.
 * Logs: the model's ``(loss, logs)`` under ``Train_*/`` every step and ``Val_*/`` (``Test_*/``) as exact
   means over the whole validation set across ranks (torchmetrics ``MeanMetric`` weighted by batch size).
 """
@@ -45,7 +47,7 @@ class OptimConfig:
     eps: float = 1e-8  # AdamW epsilon
     warmup_steps: int = 1000  # linear warmup from 0 to lr over this many optimizer steps
     min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio at trainer.max_steps
-    fused: bool | None = None  # fused AdamW kernel (None: on when the parameters are on a CUDA device)
+    fused: bool | None = None  # fused AdamW kernel (None: on when the parameters are on a CUDA device, except fp16)
 
     def __post_init__(self) -> None:
         problems = [f"{name} must be > 0, got {getattr(self, name)}" for name in ("lr", "eps") if getattr(self, name) <= 0]
@@ -139,7 +141,12 @@ class WorldModelModule(L.LightningModule):
             if p.requires_grad:
                 (decay if p.ndim >= 2 else no_decay).append(p)
         o = self.optim
-        fused = o.fused if o.fused is not None else all(p.device.type == "cuda" for p in decay + no_decay)
+        if o.fused and self._scaler is not None:
+            raise ConfigError("model.optim.fused=true with fp16 (trainer.precision 16-mixed): the GradScaler can "
+                              "neither unscale a fused AdamW's gradients before clipping nor check them; use "
+                              "bf16-mixed or model.optim.fused=null")
+        on_cuda = all(p.device.type == "cuda" for p in decay + no_decay)
+        fused = o.fused if o.fused is not None else (on_cuda and self._scaler is None)
         optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=fused,
@@ -211,11 +218,15 @@ class WorldModelModule(L.LightningModule):
     def _codes(out) -> dict[str, Tensor]:
         return {"Action_Encoder": out.actions.indices.detach(), "World_Encoder": out.world.indices.detach()}
 
+    @property
+    def _scaler(self) -> Any:
+        """The precision plugin's GradScaler (fp16), or None."""
+        return getattr(getattr(self._trainer, "precision_plugin", None), "scaler", None)
+
     def _sync_free(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether the optimizer can skip a step on the device: a fused AdamW, and no GradScaler of its own."""
-        scaler = getattr(getattr(self._trainer, "precision_plugin", None), "scaler", None)
         return bool(optimizer.defaults.get("fused")) and getattr(optimizer, "_step_supports_amp_scaling", False) \
-            and scaler is None
+            and self._scaler is None
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Skip the update when the gradient norm is not finite: on the device with a fused AdamW (no host
@@ -242,10 +253,18 @@ class WorldModelModule(L.LightningModule):
         if bool(torch.isfinite(norm)):
             self._nonfinite_in_a_row = 0
             return
+        self._skipped += 1
+        scaler = self._scaler
+        if scaler is not None:
+            # fp16: the GradScaler skips this step itself (its unscale_ saw the inf) and halves its scale. An
+            # overflow at a high scale is its routine; one at a scale below 1 is the loss or the data.
+            if scaler.get_scale() < 1.0:
+                self._nonfinite_in_a_row += 1
+                self._check_in_a_row(self._nonfinite_in_a_row)
+            return
         for group in optimizer.param_groups:  # AdamW skips parameters without a gradient: no update at all
             for p in group["params"]:
                 p.grad = None
-        self._skipped += 1
         self._nonfinite_in_a_row += 1
         self._check_in_a_row(self._nonfinite_in_a_row)
 

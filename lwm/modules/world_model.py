@@ -219,7 +219,9 @@ class WorldModel(nn.Module):
         self.action_encoder = ActionEncoder(c.d_model, c.n_heads, c.depth_action, c.d_code_action, c.codebook_sizes_action, c.mlp_ratio, **rvq)
         self.world_encoder = WorldEncoder(c.d_model, c.n_heads, c.depth_world, c.d_code_world, c.codebook_sizes_world, c.mlp_ratio, **rvq)
         self.dynamics = DynamicsPredictor(c.d_model, c.n_heads, c.depth_dynamics, c.d_code_action, c.d_code_world, c.mlp_ratio)
-        self.mask_token = nn.Parameter(torch.randn(c.d_model) * 0.02)
+        # Never used when mask_prob is 0: frozen then, so that DDP (find_unused_parameters=False) finds no
+        # parameter without a gradient.
+        self.mask_token = nn.Parameter(torch.randn(c.d_model) * 0.02, requires_grad=c.mask_prob > 0)
         self.register_buffer("spatial_pe", spatial_pos_embedding(*self.grid, c.d_model), persistent=False)  # [N, D]
         self.apply(self._init_weights)
         # The projections into and out of the small code spaces keep unit scale (std 1/sqrt(fan_in)) rather than

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lwm.callbacks.revival import DeadCodeRevival
-from lwm.errors import NonFiniteLossError
+from lwm.errors import ConfigError, NonFiniteLossError
 from lwm.module import OptimConfig, WorldModelModule
 from lwm.modules.world_model import WorldModelConfig
 from tests.lightning.helpers import C, H, W, make_dataset, run
@@ -121,8 +121,16 @@ class _Gradients(L.Callback):
         self.used.append([p.grad.clone() for p in pl_module.parameters() if p.grad is not None])
 
 
+def _fp16(init_scale: float = 2.0**16) -> list:
+    """fp16 mixed precision with its GradScaler, on the CPU (as ``16-mixed`` sets it up on a GPU)."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    return [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=init_scale))]
+
+
 @pytest.mark.parametrize("clip", [1e-3, 1e3])
-def test_clipping_by_norm_reuses_the_norm_of_the_non_finite_check(clip, monkeypatch):
+@pytest.mark.parametrize("fp16", [False, True])  # fp16: the callback and clipping see the unscaled gradients
+def test_clipping_by_norm_reuses_the_norm_of_the_non_finite_check(clip, fp16, monkeypatch):
     from lightning.pytorch.plugins.precision import Precision
 
     def second_norm(*args, **kwargs):
@@ -130,7 +138,7 @@ def test_clipping_by_norm_reuses_the_norm_of_the_non_finite_check(clip, monkeypa
 
     monkeypatch.setattr(Precision, "clip_grad_by_norm", second_norm)
     grads = _Gradients()
-    _train(_batches(2), callbacks=[grads], gradient_clip_val=clip)
+    _train(_batches(2), callbacks=[grads], gradient_clip_val=clip, plugins=_fp16(4.0) if fp16 else None)
     assert len(grads.raw) == len(grads.used) == 2
     for raw, used in zip(grads.raw, grads.used):
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in raw]))
@@ -138,6 +146,21 @@ def test_clipping_by_norm_reuses_the_norm_of_the_non_finite_check(clip, monkeypa
         assert (scale < 1.0) == (clip < 1.0)
         for g, u in zip(raw, used):
             assert torch.allclose(u, g * scale, rtol=1e-5, atol=1e-12)
+
+
+def test_fp16_overflows_are_the_scalers_until_its_scale_is_below_one():
+    """Under fp16 the GradScaler skips an overflowing step itself and halves its scale; lwm counts the step and
+    stops the run only for non-finite steps in a row at a scale below 1 (here 2 -> 1 -> 0.5: steps 3 and 4)."""
+    module = _train(_batches(4, nan_at={1, 2}), max_nonfinite=2, plugins=_fp16(init_scale=2.0))
+    assert module.skipped_steps == 2 and not module.trainer.optimizers[0].defaults["fused"]
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+    with pytest.raises(NonFiniteLossError, match="2 consecutive steps"):
+        _train(_batches(6, nan_at={1, 2, 3, 4, 5}), max_nonfinite=2, plugins=_fp16(init_scale=2.0))
+
+
+def test_fp16_refuses_a_fused_adamw():
+    with pytest.raises(ConfigError, match="model.optim.fused=true with fp16"):
+        _train(_batches(1), fused=True, plugins=_fp16())
 
 
 def test_non_finite_data_stops_the_cli_with_one_line_and_keeps_the_checkpoint(tmp_path, capsys):

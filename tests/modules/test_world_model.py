@@ -22,6 +22,17 @@ def clip(B=2, T=6, C=4, H=8, W=8, seed=1) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------
 # Shapes
 # --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mask_prob", [0.0, 0.5])
+def test_every_trainable_parameter_gets_a_gradient(mask_prob):
+    """DDP (find_unused_parameters=False, configs/ddp.yaml) fails on a trainable parameter without a gradient:
+    with mask_prob 0 the mask token is never used, so it is frozen."""
+    model = tiny_model(mask_prob=mask_prob).train()
+    model.compute(clip(), step=0, generator=torch.Generator().manual_seed(0)).loss.backward()
+    missing = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    assert missing == []
+    assert model.mask_token.requires_grad == (mask_prob > 0)
+
+
 def test_shapes_at_requirement_defaults():
     torch.manual_seed(0)
     model = WorldModel().eval()  # C=16, 64x64, D=512, 3 blocks each, codebooks (12,64,256) / (12,24,48,256,256,256)
