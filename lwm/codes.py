@@ -4,7 +4,10 @@ Generation samples actions (and worlds) from them: by frequency, or uniformly ov
 file (``codes.pt``, beside the checkpoints) holds plain tensors only and loads with ``weights_only=True``::
 
     {"Action_Encoder": {"tuples": [U, La] int64, "counts": [U] int64, "codebook_sizes": [La] int64},
-     "World_Encoder":  {...}, "windows": int}
+     "World_Encoder":  {...}, "windows": int, "global_step": int}
+
+``global_step`` is the step of the checkpoint whose encoders made it (``lwm generate`` warns when it uses the
+dictionary with a checkpoint of another step).
 """
 
 from __future__ import annotations
@@ -79,22 +82,34 @@ class CodeDictionary:
         return cls(tuple(int(k) for k in state["codebook_sizes"]), state["tuples"].long(), state["counts"].long())
 
 
-def save_dictionaries(path: str | Path, dictionaries: dict[str, CodeDictionary], windows: int) -> Path:
-    """Write ``codes.pt`` atomically (temp file + rename)."""
+def save_dictionaries(path: str | Path, dictionaries: dict[str, CodeDictionary], windows: int,
+                      global_step: int | None = None) -> Path:
+    """Write ``codes.pt`` atomically (temp file + rename); ``global_step``: the encoders' checkpoint step."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    torch.save({**{k: d.to_state() for k, d in dictionaries.items()}, "windows": windows}, tmp)
+    meta = {"windows": windows, **({"global_step": int(global_step)} if global_step is not None else {})}
+    torch.save({**{k: d.to_state() for k, d in dictionaries.items()}, **meta}, tmp)
     tmp.replace(path)
     return path
 
 
 def load_dictionaries(path: str | Path) -> dict[str, CodeDictionary]:
+    return _load(path)[0]
+
+
+def dictionaries_step(path: str | Path) -> int | None:
+    """The checkpoint step whose encoders made the dictionaries at ``path`` (None: not recorded)."""
+    return _load(path)[1].get("global_step")
+
+
+def _load(path: str | Path) -> tuple[dict[str, CodeDictionary], dict]:
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: code dictionary not found (`lwm codes --config CFG --ckpt_path CKPT` writes one)")
     raw = torch.load(path, weights_only=True)
-    return {k: CodeDictionary.from_state(v) for k, v in raw.items() if isinstance(v, dict)}
+    return ({k: CodeDictionary.from_state(v) for k, v in raw.items() if isinstance(v, dict)},
+            {k: v for k, v in raw.items() if not isinstance(v, dict)})
 
 
 @torch.no_grad()
@@ -138,15 +153,16 @@ def main(argv: list[str]) -> int:
     module, dm = cli.model, cli.datamodule
     dm.setup("fit")
     module.check_data(dm.frame_shape, dm.window, str(dm.manifest_path))
-    state = torch.load(ckpt_path, map_location="cpu", weights_only=True)["state_dict"]
+    checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=True)
     try:
-        module.load_state_dict(state)
+        module.load_state_dict(checkpoint["state_dict"])
     except RuntimeError as e:
         raise ConfigError(f"{ckpt_path}: does not fit the config's model ({str(e).strip().splitlines()[0]})") from None
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = module.model.to(device).eval()
     dictionaries, windows = collect(model, dm.code_loader(args.max_windows), device)
-    out = save_dictionaries(args.out or ckpt_path.parent / "codes.pt", dictionaries, windows)
+    out = save_dictionaries(args.out or ckpt_path.parent / "codes.pt", dictionaries, windows,
+                            checkpoint.get("global_step"))
     for name, d in dictionaries.items():
         possible = 1
         for k in d.codebook_sizes:

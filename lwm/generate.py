@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import h5py
 import numpy as np
 import torch
 
-from lwm.codes import load_dictionaries
+from lwm.codes import dictionaries_step, load_dictionaries
 from lwm.data.codecs import codec_from_attr, missing_codec
 from lwm.data.h5 import DataError, inspect_h5
 from lwm.errors import ConfigError
@@ -143,6 +144,11 @@ def run(args: argparse.Namespace) -> Path:
         codes_path = Path(args.codes) if args.codes else ckpt_path.parent / "codes.pt"
         dictionaries = load_dictionaries(codes_path)
         _check_dictionaries(dictionaries, codes_path, model, needed)
+        made_at = dictionaries_step(codes_path)
+        if made_at is not None and made_at != raw.get("global_step"):
+            print(f"warning: {codes_path} was made by the encoders of step {made_at}, the checkpoint is at step "
+                  f"{raw.get('global_step')}: its codes may not be the ones this model uses (`lwm codes --config "
+                  f"RUN_DIR/config.yaml --ckpt_path {ckpt_path}` makes its own)", file=sys.stderr)
 
     with torch.no_grad():
         if args.world_indices:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lwm.cli import main
-from lwm.codes import CodeDictionary, load_dictionaries, save_dictionaries
+from lwm.codes import CodeDictionary, dictionaries_step, load_dictionaries, save_dictionaries
 from lwm.errors import DataError
 from tests.lightning.helpers import make_dataset, run, tiny_args
 
@@ -62,6 +62,7 @@ def test_lwm_codes_equals_the_dictionaries_written_at_the_end_of_fit(tmp_path, c
                      verb="codes")
     assert main(args) == 0
     again = load_dictionaries(tmp_path / "c.pt")
+    assert dictionaries_step(tmp_path / "c.pt") == dictionaries_step(root / "checkpoints/codes.pt") == 3
     for name in ("Action_Encoder", "World_Encoder"):
         assert torch.equal(at_fit[name].tuples, again[name].tuples) and torch.equal(at_fit[name].counts, again[name].counts)
         assert at_fit[name].total > 0

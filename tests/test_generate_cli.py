@@ -89,6 +89,24 @@ def test_a_code_dictionary_of_another_model_is_refused_by_name(trained, capsys):
     assert len(errors) == 1 and "other_codes.pt: Action_Encoder codebook sizes [5, 5]" in errors[0], errors
 
 
+def test_a_code_dictionary_of_another_step_is_used_with_a_warning(trained, capsys):
+    import shutil
+
+    from lwm.codes import dictionaries_step, load_dictionaries, save_dictionaries
+
+    tmp, ckpt, data = trained
+    codes = ckpt.parent / "codes.pt"
+    assert dictionaries_step(codes) == torch.load(ckpt, weights_only=True)["global_step"] == 3  # written at fit end
+    capsys.readouterr()
+    _generate(ckpt, data, tmp / "same_step.gif", "--steps", "2")
+    assert "warning" not in capsys.readouterr().err
+    stale = tmp / "stale_codes.pt"
+    shutil.copy(codes, stale)
+    save_dictionaries(stale, load_dictionaries(codes), windows=1, global_step=1)
+    _generate(ckpt, data, tmp / "stale.gif", "--steps", "2", "--codes", str(stale))
+    assert f"warning: {stale} was made by the encoders of step 1, the checkpoint is at step 3" in capsys.readouterr().err
+
+
 def test_an_unknown_video_suffix_is_refused_before_any_work(trained, capsys):
     tmp, ckpt, data = trained
     with pytest.raises(SystemExit) as exit_:

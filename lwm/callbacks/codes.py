@@ -43,4 +43,4 @@ class CodeDictionaries(L.Callback):
                     windows += n
         if trainer.is_global_zero:
             directory = Path(trainer.checkpoint_callback.dirpath) if trainer.checkpoint_callback else Path(trainer.default_root_dir)
-            self.path = save_dictionaries(directory / "codes.pt", dictionaries, windows)
+            self.path = save_dictionaries(directory / "codes.pt", dictionaries, windows, trainer.global_step)
