@@ -136,6 +136,7 @@ def run(args: argparse.Namespace) -> Path:
 
     R, T = args.rollouts, args.context + args.steps - 1  # transitions needed
     generator = torch.Generator(device=device).manual_seed(args.seed)
+    draws = torch.Generator().manual_seed(args.seed)  # dictionary draws, one stream: the world's, then the actions'
     quantizers = model.quantizers
     dictionaries = None
     needed = [name for name, used in (("Action_Encoder", args.actions == "dictionary" and not args.action_indices),
@@ -155,7 +156,7 @@ def run(args: argparse.Namespace) -> Path:
             idx = _indices(args.world_indices, "--world-indices", len(c.codebook_sizes_world), ndim=1)
             world = _decode(quantizers["World_Encoder"], idx.to(device)[None], "--world-indices").expand(R, -1)
         elif args.world == "dictionary":
-            idx = dictionaries["World_Encoder"].sample((R,), args.sampling, torch.Generator().manual_seed(args.seed))
+            idx = dictionaries["World_Encoder"].sample((R,), args.sampling, draws)
             world = quantizers["World_Encoder"].decode_indices(idx.to(device))
         else:
             world = model.encode_world(world_clip).quantized.expand(R, -1)
@@ -171,7 +172,7 @@ def run(args: argparse.Namespace) -> Path:
         elif args.actions == "random":
             actions = random_codes(quantizers["Action_Encoder"], (R, T), generator)
         else:
-            idx = dictionaries["Action_Encoder"].sample((R, T), args.sampling, torch.Generator().manual_seed(args.seed))
+            idx = dictionaries["Action_Encoder"].sample((R, T), args.sampling, draws)
             actions = quantizers["Action_Encoder"].decode_indices(idx.to(device))
         context = clip[:, : args.context].expand(R, -1, -1, -1, -1)
         generated = model.generate(context, actions, world, args.steps, t0=0, window=window)  # [R, steps, C, H, W]
