@@ -109,8 +109,19 @@ def lightning_cli_class() -> type:
             """Read and check the manifest, its files and the model's fit to them before the trainer starts
             anything (a wandb run, a log folder): a data error leaves nothing behind. The trainer's own setup
             repeats the rank-dependent check (validation windows for every rank)."""
-            self.datamodule.setup(self.subcommand)
-            self.model.check_data(self.datamodule.frame_shape, self.datamodule.window, str(self.datamodule.manifest_path))
+            dm, trainer = self.datamodule, self.trainer
+            dm.setup(self.subcommand)
+            self.model.check_data(dm.frame_shape, dm.window, str(dm.manifest_path))
+            interval = trainer.val_check_interval
+            if self.subcommand == "fit" and isinstance(interval, int) and trainer.check_val_every_n_epoch is not None:
+                batches = len(dm.train_sampler(0, trainer.world_size))
+                limit = trainer.limit_train_batches
+                batches = min(batches, limit) if isinstance(limit, int) else int(batches * limit)
+                if interval > batches:  # Lightning's own check comes after the loggers start, as a traceback
+                    raise ConfigError(
+                        f"trainer.val_check_interval={interval} is more than the {batches} training batches of an "
+                        f"epoch ({dm.manifest_path}); use a fraction of the epoch (0.25), or count steps across "
+                        f"epochs with trainer.check_val_every_n_epoch=null")
 
         before_fit = before_validate = before_test = before_predict = _check_data
 

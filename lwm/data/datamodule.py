@@ -191,12 +191,15 @@ class LatentDataModule(L.LightningDataModule):
             prefetch_factor=self.prefetch_factor if workers > 0 else None,
         )
 
-    def train_dataloader(self) -> ResumableDataLoader:
+    def train_sampler(self, rank: int, world_size: int) -> FileBatchSampler:
+        """Rank ``rank``'s batch sampler of the training windows (``len``: the batches of an epoch)."""
         if self.train_set is None:
             self.setup("fit")
-        rank, world_size = self._rank()
-        sampler = FileBatchSampler(self.train_set.frames, self.window, self.batch_size, seed=self.seed, rank=rank,
-                                   world_size=world_size, batches_per_epoch=self.batches_per_epoch)
+        return FileBatchSampler(self.train_set.frames, self.window, self.batch_size, seed=self.seed, rank=rank,
+                                world_size=world_size, batches_per_epoch=self.batches_per_epoch)
+
+    def train_dataloader(self) -> ResumableDataLoader:
+        sampler = self.train_sampler(*self._rank())
         return ResumableDataLoader(self.train_set, batch_sampler=sampler, **self._loader_kwargs())
 
     def fixed_windows(self, dataset: H5WindowDataset, limit: int | None = None) -> list[tuple[int, int]]:

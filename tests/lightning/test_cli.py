@@ -85,6 +85,7 @@ def test_overfit_drives_the_tf_loss_towards_zero(tmp_path, capsys):
         (["--model.net.dmodel=32"], "unrecognized arguments: --model.net.dmodel=32 (did you mean --model.net.d_model?)"),
         (["--trainer.max_steps=ten"], 'Parser key "trainer.max_steps": Expected a <class \'int\'>. Got value: ten'),
         (["--config=configs/missing.yaml"], "configs/missing.yaml"),
+        (["--trainer.val_check_interval=50"], "trainer.val_check_interval=50 is more than the 2 training batches"),
     ],
 )
 def test_bad_config_is_one_error_line_before_training(tmp_path, capsys, extra, message):
