@@ -44,14 +44,13 @@ def lightning_cli_class() -> type:
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     # The module's on_after_batch_transfer (the dtype cast) is meant to serve with our DataModule.
     warnings.filterwarnings("ignore", message="You have overridden `on_after_batch_transfer` in `LightningModule`")
-    from lightning.pytorch.callbacks import RichModelSummary
     from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
     from lightning.pytorch.plugins.io import CheckpointIO
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
     from lwm.callbacks import (
         AttentionDiagonality, CodebookMonitor, CodeDictionaries, CopyLastBaseline, DeadCodeRevival, FlopCounter,
-        GroundTruthProbes, RolloutVideos, Sensitivity, SlurmRequeue, StepProgressBar,
+        GroundTruthProbes, ModelSummary, RolloutVideos, Sensitivity, SlurmRequeue, StepProgressBar,
     )
     from lwm.checkpoint import AtomicCheckpointIO, ModelCheckpoint
     from lwm.data.datamodule import LatentDataModule
@@ -98,7 +97,7 @@ def lightning_cli_class() -> type:
                 ("revival", DeadCodeRevival), ("codebooks", CodebookMonitor), ("diagonality", AttentionDiagonality),
                 ("sensitivity", Sensitivity), ("flops", FlopCounter), ("code_dictionaries", CodeDictionaries),
                 ("rollout_videos", RolloutVideos), ("copy_last", CopyLastBaseline), ("probes", GroundTruthProbes),
-                ("progress_bar", StepProgressBar), ("model_summary", RichModelSummary),
+                ("progress_bar", StepProgressBar), ("model_summary", ModelSummary),
                 ("slurm_requeue", SlurmRequeue),  # a no-op outside SLURM
             ):
                 parser.add_lightning_class_args(callback, key)
@@ -148,7 +147,7 @@ def lightning_cli_class() -> type:
             if config.get("enable_progress_bar") is False:
                 callbacks = [c for c in callbacks if not isinstance(c, StepProgressBar)]
             if config.get("enable_model_summary") is False:
-                callbacks = [c for c in callbacks if not isinstance(c, RichModelSummary)]
+                callbacks = [c for c in callbacks if not isinstance(c, ModelSummary)]
             return super()._instantiate_trainer(config, callbacks)
 
     return LwmCLI

@@ -9,11 +9,12 @@ from lwm.callbacks.probes import GroundTruthProbes
 from lwm.callbacks.progress import StepProgressBar
 from lwm.callbacks.revival import DeadCodeRevival
 from lwm.callbacks.sensitivity import Sensitivity
+from lwm.callbacks.summary import ModelSummary
 from lwm.callbacks.slurm import SlurmRequeue
 from lwm.callbacks.videos import RolloutVideos
 
 __all__ = [
     "AttentionDiagonality", "CodebookMonitor", "CodeDictionaries", "CopyLastBaseline", "FlopCounter",
-    "DeadCodeRevival", "GroundTruthProbes", "RolloutVideos", "Sensitivity",
+    "DeadCodeRevival", "GroundTruthProbes", "ModelSummary", "RolloutVideos", "Sensitivity",
     "SlurmRequeue", "StepProgressBar",
 ]

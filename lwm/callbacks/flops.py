@@ -9,6 +9,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.fabric.utilities.throughput import get_available_flops
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lwm.callbacks.schedule import is_logging_step
@@ -58,6 +59,8 @@ class FlopCounter(L.Callback):
         if self.flops_per_step is None:
             self.flops_per_step = self._measure(trainer, pl_module, batch["latents"]) * trainer.accumulate_grad_batches
             self._last = None
+            rank_zero_info(f"FLOPs of a training step: {self.flops_per_step / 1e9:.4g} GFLOP per device (measured on "
+                           f"the first batch; Train_Total/tflops, tflops_per_s, mfu in the logs)")
 
     def _cumulative_tflops(self, trainer: L.Trainer) -> float:
         return (self.flops_per_step or 0) * trainer.world_size * trainer.global_step / 1e12

@@ -3,6 +3,9 @@ requirement's namespaces, for training and validation; wandb is offline by defau
 
 from __future__ import annotations
 
+import logging
+import re
+
 import pytest
 
 from lwm.loggers import CSVLogger, WandbConfig, make_loggers, wandb_logged_in
@@ -51,14 +54,17 @@ def test_wandb_is_offline_without_a_login_and_can_be_disabled(tmp_path, monkeypa
     assert len(make_loggers(str(tmp_path / "r3"), WandbConfig(mode="disabled"))) == 1
 
 
-def test_tflops_are_the_measured_step_flops_times_steps(tmp_path):
+def test_tflops_are_the_measured_step_flops_times_steps(tmp_path, caplog):
     manifest = make_dataset(tmp_path / "data", files=6)
     root = tmp_path / "run"
-    assert run(manifest, root, "--trainer.max_steps=5", "--trainer.log_every_n_steps=1") == 0
+    with caplog.at_level(logging.INFO):
+        assert run(manifest, root, "--trainer.max_steps=5", "--trainer.log_every_n_steps=1") == 0
     series = {int(r["step"]): r["Train_Total/tflops"] for r in read_metrics(root) if "Train_Total/tflops" in r}
     assert len(series) >= 3
     per_step = {v / (s + 1) for s, v in series.items()}  # logged after step s: s + 1 optimizer steps done
     assert max(per_step) == pytest.approx(min(per_step), rel=1e-6) and min(per_step) > 0
+    printed = re.search(r"FLOPs of a training step: ([0-9.e+]+) GFLOP per device", caplog.text)
+    assert printed and float(printed.group(1)) == pytest.approx(min(per_step) * 1e3, rel=1e-3)
     val = [r["Val_Total/tflops"] for r in read_metrics(root) if "Val_Total/tflops" in r]
     assert val and all(v >= 0 for v in val)
 
@@ -109,3 +115,18 @@ def test_log_distribution_sends_a_histogram_to_wandb_and_min_mean_max_to_every_l
     assert logged == {"Val_Test/dist/min": 1.0, "Val_Test/dist/mean": 3.0, "Val_Test/dist/max": 6.0}
     assert len(recorded) == 1 and isinstance(recorded[0]["Val_Test/dist"], wandb.Histogram)
     assert recorded[0]["trainer/global_step"] == 0
+
+
+def test_the_model_summary_has_no_zero_flops_and_no_metric_rows(capsys):
+    from lightning.pytorch.utilities.model_summary import summarize
+
+    from lwm.callbacks import ModelSummary
+    from lwm.module import WorldModelModule
+    from tests.lightning.test_module import NET
+
+    s = summarize(WorldModelModule(net=NET), max_depth=2)
+    ModelSummary.summarize(s._get_summary_data(), s.total_parameters, s.trainable_parameters, s.model_size,
+                           s.total_training_modes, 0)
+    out = capsys.readouterr().out
+    assert "model.dynamics" in out and "Trainable params" in out
+    assert "FLOPs" not in out and "val_metrics" not in out
