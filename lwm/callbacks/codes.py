@@ -27,6 +27,8 @@ class CodeDictionaries(L.Callback):
         dm = trainer.datamodule
         if dm is None or not hasattr(dm, "code_loader"):
             return
+        if any(getattr(c, "preempted", False) for c in trainer.callbacks):  # SlurmRequeue: the job is being requeued
+            return
         was_training = pl_module.training
         pl_module.eval()
         try:

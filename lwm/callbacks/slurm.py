@@ -7,8 +7,10 @@ next batches): a run resumed from it logs every step one higher, skips batches a
 uninterrupted run. :class:`SlurmRequeue` replaces that handler (once Lightning has set it, at the start of
 training) by one that only takes note; at the next batch end, the same one on every rank, it saves the hpc
 checkpoint and ``last.ckpt`` (with the same mid-epoch state as a step checkpoint), runs ``scontrol requeue`` on
-rank 0 and stops training. Outside SLURM, or with ``SLURMEnvironment(auto_requeue=False)``, it does nothing (and
-costs nothing: no per-step collective).
+rank 0 and stops training. With several ranks they agree every ``every_n_steps`` steps (a collective and a
+host read: not every step), so the save comes at most that many steps after the signal. Outside SLURM, or
+with ``SLURMEnvironment(auto_requeue=False)``, it does nothing (and costs nothing). A preempted run skips the
+end-of-training code dictionaries (:class:`~lwm.callbacks.codes.CodeDictionaries`): the grace time is short.
 """
 
 from __future__ import annotations
@@ -30,9 +32,13 @@ log = logging.getLogger(__name__)
 
 
 class SlurmRequeue(L.Callback):
-    def __init__(self) -> None:
+    def __init__(self, every_n_steps: int = 10) -> None:
+        if every_n_steps < 1:
+            raise ValueError(f"slurm_requeue.every_n_steps must be >= 1, got {every_n_steps}")
+        self.every_n_steps = every_n_steps
         self._active = False  # our handler is installed
         self._requested = False
+        self.preempted = False  # this run stopped for a requeue
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._requested = True
@@ -52,10 +58,13 @@ class SlurmRequeue(L.Callback):
             return
         requested = self._requested
         if trainer.world_size > 1:  # ranks get the signal at different batches: agree on one
+            if trainer.global_step % self.every_n_steps:
+                return
             requested = trainer.strategy.reduce_boolean_decision(requested, all=False)
         if not requested:
             return
         self._requested = False
+        self.preempted = True
         path = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
         trainer.save_checkpoint(path)
         for callback in trainer.checkpoint_callbacks:  # else the end of fit would rewrite last.ckpt as "epoch done"

@@ -177,3 +177,37 @@ def test_probes_log_nmi_and_probe_accuracy_of_the_codes_against_the_labels():
     assert logged["Val_Action_Encoder/probe_samples"] == len(labels) - round(len(labels) / 2)
     unlabelled = _validate(_module(), GroundTruthProbes(), _batches(2))  # no labels: nothing logged
     assert not any(k.endswith("/nmi") for k in unlabelled)
+
+
+def test_slurm_requeue_ranks_agree_every_n_steps_and_skip_the_code_dictionaries(tmp_path):
+    """With several ranks the requeue decision is a collective (and a host read): taken every n steps only. A
+    signal before step 1 is acted on at step 10; the preempted run then writes no code dictionaries."""
+    import signal
+    from types import SimpleNamespace
+
+    from lwm.callbacks import CodeDictionaries, SlurmRequeue
+
+    requeue = SlurmRequeue(every_n_steps=10)
+    requeue._active = True  # as on_train_start does under SLURM with auto-requeue
+    decisions, saved = [], []
+    trainer = SimpleNamespace(
+        world_size=2, global_step=0, is_global_zero=False, should_stop=False, default_root_dir=str(tmp_path),
+        strategy=SimpleNamespace(reduce_boolean_decision=lambda d, all: decisions.append(d) or d),
+        _checkpoint_connector=SimpleNamespace(hpc_save_path=lambda root: f"{root}/hpc_ckpt_1.ckpt"),
+        save_checkpoint=saved.append, checkpoint_callbacks=[],
+    )
+    for step in range(1, 30):
+        if step == 1:
+            requeue._on_signal(signal.SIGUSR1, None)
+        trainer.global_step = step
+        requeue.on_train_batch_end(trainer)
+        if trainer.should_stop:
+            break
+    assert decisions == [True] and trainer.global_step == 10 and saved == [f"{tmp_path}/hpc_ckpt_1.ckpt"]
+    assert requeue.preempted
+
+    class NoLoader:
+        def code_loader(self, *args):
+            raise AssertionError("a preempted run encoded the training windows")
+
+    CodeDictionaries().on_train_end(SimpleNamespace(datamodule=NoLoader(), callbacks=[requeue]), None)
