@@ -50,7 +50,7 @@ def lightning_cli_class() -> type:
 
     from lwm.callbacks import (
         AttentionDiagonality, CodebookMonitor, CodeDictionaries, CopyLastBaseline, DeadCodeRevival, FlopCounter,
-        GroundTruthProbes, ModelSummary, RolloutVideos, Sensitivity, SlurmRequeue, StepProgressBar,
+        GroundTruthProbes, ModelSummary, PredictionWriter, RolloutVideos, Sensitivity, SlurmRequeue, StepProgressBar,
     )
     from lwm.checkpoint import AtomicCheckpointIO, ModelCheckpoint
     from lwm.data.datamodule import LatentDataModule
@@ -99,6 +99,7 @@ def lightning_cli_class() -> type:
                 ("rollout_videos", RolloutVideos), ("copy_last", CopyLastBaseline), ("probes", GroundTruthProbes),
                 ("progress_bar", StepProgressBar), ("model_summary", ModelSummary),
                 ("slurm_requeue", SlurmRequeue),  # a no-op outside SLURM
+                ("prediction_writer", PredictionWriter),  # lwm predict only
             ):
                 parser.add_lightning_class_args(callback, key)
             parser.set_defaults({"model_summary.max_depth": 2})
@@ -303,7 +304,10 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (LwmError, NonFiniteLossError) as e:
+    except Exception as e:
+        # Lightning's own configuration errors (e.g. `accelerator: gpu` where there is none) are one line too
+        if not isinstance(e, (LwmError, NonFiniteLossError)) and type(e).__name__ != "MisconfigurationException":
+            raise
         for line in error_lines(e):
             print(f"error: {line}", file=sys.stderr)
         return 2

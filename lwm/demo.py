@@ -124,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         ("rollout with inferred actions (top: ground truth)", inferred),
         ("rollouts with sampled actions", sampled),
     ):
-        console.print(f"  {label:<52} {path}", soft_wrap=True)
+        if path.exists():  # a very short --steps logs no training row and validates nothing during the fit
+            console.print(f"  {label:<52} {path}", soft_wrap=True)
     console.print(f"  figures: lwm plot {run_dir}", soft_wrap=True)
     return 0
 

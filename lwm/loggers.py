@@ -91,6 +91,10 @@ def make_loggers(root: str, wandb: WandbConfig = WandbConfig()) -> list:
     return loggers
 
 
+def _step(pl_module: L.LightningModule) -> int:
+    return int(getattr(pl_module, "logged_step", pl_module.global_step))
+
+
 def log_distribution(pl_module: L.LightningModule, name: str, values: torch.Tensor) -> None:
     """Log ``values`` as a distribution: ``name/min``, ``name/mean``, ``name/max`` scalars (every logger, so
     the CSV has them) and a native histogram ``name`` on wandb, at the current global step. Syncs once (the
@@ -106,7 +110,7 @@ def log_distribution(pl_module: L.LightningModule, name: str, values: torch.Tens
         if type(logger).__name__ == "WandbLogger":
             import wandb
 
-            logger.experiment.log({name: wandb.Histogram(v.cpu().numpy()), "trainer/global_step": pl_module.global_step})
+            logger.experiment.log({name: wandb.Histogram(v.cpu().numpy()), "trainer/global_step": _step(pl_module)})
 
 
 def log_video(pl_module: L.LightningModule, name: str, path: str, fps: int = 4) -> None:
@@ -118,4 +122,4 @@ def log_video(pl_module: L.LightningModule, name: str, path: str, fps: int = 4) 
         if type(logger).__name__ == "WandbLogger":
             import wandb
 
-            logger.experiment.log({name: wandb.Video(path, fps=fps), "trainer/global_step": pl_module.global_step})
+            logger.experiment.log({name: wandb.Video(path, fps=fps), "trainer/global_step": _step(pl_module)})

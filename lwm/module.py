@@ -183,6 +183,14 @@ class WorldModelModule(L.LightningModule):
         if step and loop is not None and hasattr(loop, "_batches_that_stepped") and not self.trainer.training:
             loop._batches_that_stepped = step
 
+    @property
+    def logged_step(self) -> int:
+        """The step that logs, videos and outputs are labelled with: the global step while fitting, the
+        checkpoint's under ``lwm validate|test|predict`` (where Lightning's global step reads 0)."""
+        fitting = self._trainer is None or self.trainer.state.fn == "fit"
+        step = getattr(self, "_checkpoint_step", None)
+        return self.global_step if fitting or not step else step
+
     def on_validation_start(self) -> None:
         if self.trainer.state.fn == "validate":
             self._at_checkpoint_step()

@@ -58,6 +58,6 @@ class RolloutVideos(L.Callback):
         # broadcasts: this runs on rank 0 only)
         logger = trainer.loggers[0] if trainer.loggers else None
         root = getattr(logger, "log_dir", None) or trainer.default_root_dir
-        path = Path(root) / "videos" / f"step_{trainer.global_step:07d}.mp4"
+        path = Path(root) / "videos" / f"step_{pl_module.logged_step:07d}.mp4"
         self.last_path = write_video(path, grid(rows), self.fps)
         log_video(pl_module, "Val_Dynamics_Predictor/rollout_video", str(path), self.fps)

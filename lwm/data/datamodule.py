@@ -67,7 +67,7 @@ class LatentDataModule(L.LightningDataModule):
 
     Args:
         manifest: path of the manifest JSON (`lwm data index DIR` writes one).
-        window: frames per training window T (at least 3 for TF + 2 rollouts; the model checks its own minimum).
+        window: frames per training window T (at least 2; the model needs len(rollout_weights) + 1, 4 by default).
         batch_size: windows per batch on each rank (the global batch is batch_size * world size).
         val_batch_size: windows per validation batch on each rank (None: batch_size).
         num_workers: DataLoader worker processes per rank (0: read in the main process).
@@ -98,8 +98,8 @@ class LatentDataModule(L.LightningDataModule):
         float16_batches: bool = True,
     ) -> None:
         super().__init__()
-        if window < 3:
-            raise DataError(f"data.window must be >= 3 (teacher forcing and two rollout passes), got {window}")
+        if window < 2:
+            raise DataError(f"data.window must be >= 2 (a transition; the model needs more), got {window}")
         if batch_size < 1 or (val_batch_size is not None and val_batch_size < 1):
             raise DataError(f"data.batch_size and data.val_batch_size must be >= 1, got {batch_size}, {val_batch_size}")
         if not 0.0 <= val_size_percent <= 1.0:

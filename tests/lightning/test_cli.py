@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import h5py
 import pytest
 import torch
 
@@ -50,8 +51,23 @@ def test_validate_test_and_predict_run_from_a_checkpoint_beside_the_fit(trained)
         assert {f"{prefix}Total/loss", f"{prefix}Dynamics_Predictor/tf_loss", f"{prefix}World_Encoder/codebook_loss"} <= keys
         assert {int(r["step"]) for r in rows if f"{prefix}Total/loss" in r} == {8}  # the checkpoint's global step
         assert (root / verb / "config.yaml").is_file()
+    assert [p.name for p in (root / "validate/videos").iterdir()] == ["step_0000008.mp4"]  # the checkpoint's step
     assert main(tiny_args(manifest, root, f"--ckpt_path={ckpt}", verb="predict")) == 0
     assert {name: (root / name).read_bytes() for name in fit_files} == fit_files
+    codes = torch.load(root / "predict/codes_per_window.pt", weights_only=True)
+    files = [f for f in json.loads(manifest.read_text())["files"] if f["split"] == "val"]
+    n = len(codes["file"])  # every non-overlapping validation window of 6 frames
+    assert n == sum(f["frames"] // 6 for f in files) and codes["action_indices"].shape == (n, 5, 2) and codes["world_indices"].shape == (n, 2)
+    assert codes["global_step"] == 8 and all(f.endswith(".h5") for f in codes["file"])
+    with torch.no_grad():  # the codes of the first window, computed directly
+        from lwm.module import WorldModelModule
+
+        model = WorldModelModule.load_from_checkpoint(ckpt, weights_only=True).model.eval()
+        with h5py.File(codes["file"][0]) as f:
+            start = int(codes["start"][0])
+            x = torch.from_numpy(f["latents"][start:start + 6]).float()[None]
+        assert torch.equal(model.encode_actions(x).indices[0], codes["action_indices"][0])
+        assert torch.equal(model.encode_world(x).indices[0], codes["world_indices"][0])
 
 
 def test_help_lists_the_verbs(capsys):
@@ -77,7 +93,8 @@ def test_overfit_drives_the_tf_loss_towards_zero(tmp_path, capsys):
     ("extra", "message"),
     [
         (["--model.net.codebook_sizes_action=[]"], "codebook_sizes_action needs at least one level"),
-        (["--data.window=2"], "data.window must be >= 3"),
+        (["--data.window=3"], "data.window = 3, but the model needs at least 4 frames (teacher forcing + 2 rollout"),
+        (["--data.window=1"], "data.window must be >= 2"),
         (["--model.net.in_channels=16"], "model.net.in_channels/height/width = 16/16/16, but the files of"),
         (["--data.window=99"], "window 99 is longer than every 'train' file"),
         (["--model.optim.lr=-1"], "optim.lr must be > 0, got -1.0"),
@@ -110,6 +127,14 @@ def test_bad_data_is_named_before_training_and_nothing_is_lost(tmp_path, capsys)
     assert ((root / "checkpoints/last.ckpt").read_bytes(), (root / "metrics.csv").read_text()) == before
     assert run(manifest, root, "--data.manifest=" + str(tmp_path / "nope.json")) == 2
     assert "nope.json: manifest not found" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_a_gpu_config_without_a_gpu_is_one_error_line(tmp_path, capsys):
+    manifest = make_dataset(tmp_path / "data", files=4)
+    assert run(manifest, tmp_path / "run", "--trainer.accelerator=gpu") == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert errors == ["error: No supported gpu backend found!"]
 
 
 def test_bad_data_is_refused_before_a_wandb_run_starts(tmp_path, capsys):

@@ -1,0 +1,47 @@
+"""``lwm predict``'s output: the action and world codes of every validation window, written to
+``RUN_DIR/predict/codes_per_window[_rank<r>].pt`` (plain tensors and strings; loads with ``weights_only=True``)::
+
+    {"action_indices": [N, T-1, La] int64, "world_indices": [N, Lh] int64,
+     "file": [N] (the window's h5 path), "start": [N] int64 (its first frame), "global_step": int}
+
+One file per rank (``_rank<r>`` only with several ranks): each holds its share of the windows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import BasePredictionWriter
+from typing_extensions import override
+
+
+class PredictionWriter(BasePredictionWriter):
+    def __init__(self) -> None:
+        super().__init__(write_interval="epoch")
+        self.path: Path | None = None
+
+    @override
+    def write_on_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, predictions: Any,
+                           batch_indices: Any) -> None:
+        batches = predictions[0] if predictions and isinstance(predictions[0], list) else predictions  # 1 loader
+        if not batches:
+            return
+        files = trainer.datamodule.val_set.paths if trainer.datamodule is not None else None
+        file_index = torch.cat([b["file_index"] for b in batches]).cpu()
+        out = {
+            "action_indices": torch.cat([b["action_indices"] for b in batches]).cpu(),
+            "world_indices": torch.cat([b["world_indices"] for b in batches]).cpu(),
+            "file": [files[i] for i in file_index.tolist()] if files is not None else file_index,
+            "start": torch.cat([b["start"] for b in batches]).cpu(),
+            "global_step": int(getattr(pl_module, "logged_step", trainer.global_step)),
+        }
+        logger = trainer.loggers[0] if trainer.loggers else None
+        root = Path(getattr(logger, "log_dir", None) or trainer.default_root_dir)
+        suffix = f"_rank{trainer.global_rank}" if trainer.world_size > 1 else ""
+        self.path = root / f"codes_per_window{suffix}.pt"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        torch.save(out, tmp)
+        tmp.replace(self.path)
