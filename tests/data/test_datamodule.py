@@ -125,7 +125,7 @@ def test_validation_batches_hold_the_windows_data(manifest):
 
 @pytest.mark.parametrize(
     ("kw", "field"),
-    [({"window": 2}, "data.window"), ({"batch_size": 0}, "data.batch_size"),
+    [({"window": 1}, "data.window"), ({"batch_size": 0}, "data.batch_size"),
      ({"val_size_percent": 1.5}, "data.val_size_percent"), ({"num_workers": -1}, "data.num_workers")],
 )
 def test_bad_settings_name_the_field(manifest, kw, field):
