@@ -30,6 +30,7 @@ import os
 import re
 import sys
 import warnings
+from dataclasses import asdict
 from typing import Any
 
 from lwm.errors import ConfigError, LwmError, NonFiniteLossError
@@ -105,10 +106,45 @@ def lightning_cli_class() -> type:
             parser.set_defaults({"model_summary.max_depth": 2})
             parser.add_class_arguments(WandbConfig, "wandb")
 
+        def _checkpoint_file(self, config: Any) -> str | None:
+            """``ckpt_path`` as a file: ``last`` is ``RUN_DIR/checkpoints/last.ckpt`` (None where there is none)."""
+            path = config.get("ckpt_path")
+            if path == "last":
+                checkpoint = config.get("checkpoint") or {}
+                root = config.get("trainer", {}).get("default_root_dir") or "."
+                path = os.path.join(checkpoint.get("dirpath") or os.path.join(root, "checkpoints"), "last.ckpt")
+            return path if path and os.path.isfile(path) else None
+
+        def _parse_ckpt_path(self) -> None:
+            # Lightning takes the model's hyperparameters from a checkpoint *file* given as --ckpt_path; for
+            # validate/test/predict `last` gets the same (the model is the checkpoint's, whatever the config says).
+            sub = self.config.get("subcommand")
+            if sub in ("validate", "test", "predict") and self.config[sub].get("ckpt_path") == "last":
+                path = self._checkpoint_file(self.config[sub])
+                if path is not None:
+                    self.config[sub].ckpt_path = path
+            super()._parse_ckpt_path()
+
+        def _check_checkpoint_fits(self) -> None:
+            """A checkpoint of another model shape is one line naming the fields, not a state-dict traceback."""
+            path = self._checkpoint_file(self.config[self.subcommand])
+            if path is None:
+                return
+            import torch
+
+            saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("hyper_parameters", {})
+            saved, current = saved.get("net") or {}, asdict(self.model.model.config)
+            changed = [f"model.net.{k}={current[k]!r} (the checkpoint has {saved[k]!r})" for k in current
+                       if k in saved and _plain(saved[k]) != _plain(current[k])]
+            if changed:
+                raise ConfigError(f"{path}: a model of another shape than the config's: {', '.join(changed)}; "
+                                  f"use the run's own config (--config RUN_DIR/config.yaml)")
+
         def _check_data(self) -> None:
             """Read and check the manifest, its files and the model's fit to them before the trainer starts
             anything (a wandb run, a log folder): a data error leaves nothing behind. The trainer's own setup
             repeats the rank-dependent check (validation windows for every rank)."""
+            self._check_checkpoint_fits()
             dm, trainer = self.datamodule, self.trainer
             dm.setup(self.subcommand)
             self.model.check_data(dm.frame_shape, dm.window, str(dm.manifest_path))
@@ -152,6 +188,11 @@ def lightning_cli_class() -> type:
             return super()._instantiate_trainer(config, callbacks)
 
     return LwmCLI
+
+
+def _plain(value: Any) -> Any:
+    """Tuples and lists alike (a checkpoint's hyperparameters hold lists where the config has tuples)."""
+    return [_plain(v) for v in value] if isinstance(value, (list, tuple)) else value
 
 
 def _option_names(parser: Any) -> list[str]:

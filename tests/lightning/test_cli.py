@@ -70,6 +70,20 @@ def test_validate_test_and_predict_run_from_a_checkpoint_beside_the_fit(trained)
         assert torch.equal(model.encode_world(x).indices[0], codes["world_indices"][0])
 
 
+def test_a_checkpoint_brings_its_own_model_shape_or_is_refused_by_field(trained, capsys):
+    """validate/test/predict take the model from the checkpoint (`last` too, as Lightning does for a file); a
+    fit resumed with another model shape is one error line naming the field, before anything is written."""
+    manifest, root = trained
+    other = "--model.net.d_model=48"  # the run trained 32
+    assert main(tiny_args(manifest, root, other, "--ckpt_path=last", verb="test")) == 0
+    before = (root / "checkpoints/last.ckpt").read_bytes(), (root / "metrics.csv").read_bytes()
+    capsys.readouterr()
+    assert main(tiny_args(manifest, root, other, "--ckpt_path=last", "--trainer.max_steps=12")) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "model.net.d_model=48 (the checkpoint has 32)" in errors[0], errors
+    assert ((root / "checkpoints/last.ckpt").read_bytes(), (root / "metrics.csv").read_bytes()) == before
+
+
 def test_help_lists_the_verbs(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--help"])
