@@ -149,15 +149,16 @@ def main(argv: list[str]) -> int:
     ckpt_path = Path(args.ckpt_path)
     if not ckpt_path.is_file():
         raise DataError(f"{ckpt_path}: checkpoint not found")
-    cli = lightning_cli_class()(args=rest, run=False)
-    module, dm = cli.model, cli.datamodule
+    from lwm.module import WorldModelModule
+
+    dm = lightning_cli_class()(args=rest, run=False).datamodule  # the data; the model is the checkpoint's
     dm.setup("fit")
-    module.check_data(dm.frame_shape, dm.window, str(dm.manifest_path))
-    checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+    checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
     try:
-        module.load_state_dict(checkpoint["state_dict"])
-    except RuntimeError as e:
-        raise ConfigError(f"{ckpt_path}: does not fit the config's model ({str(e).strip().splitlines()[0]})") from None
+        module = WorldModelModule.load_from_checkpoint(ckpt_path, map_location="cpu", weights_only=True)
+    except (KeyError, TypeError, RuntimeError) as e:
+        raise ConfigError(f"{ckpt_path}: not an lwm checkpoint ({str(e).strip().splitlines()[0]})") from None
+    module.check_data(dm.frame_shape, dm.window, str(dm.manifest_path))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = module.model.to(device).eval()
     dictionaries, windows = collect(model, dm.code_loader(args.max_windows), device)

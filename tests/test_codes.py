@@ -59,7 +59,7 @@ def test_lwm_codes_equals_the_dictionaries_written_at_the_end_of_fit(tmp_path, c
     assert run(manifest, root, "--trainer.max_steps=3", "--data.val_size_percent=0") == 0
     at_fit = load_dictionaries(root / "checkpoints/codes.pt")
     args = tiny_args(manifest, root, f"--ckpt_path={root / 'checkpoints/last.ckpt'}", f"--out={tmp_path / 'c.pt'}",
-                     verb="codes")
+                     "--model.net.d_model=48", verb="codes")  # the model is the checkpoint's (d_model 32)
     assert main(args) == 0
     again = load_dictionaries(tmp_path / "c.pt")
     assert dictionaries_step(tmp_path / "c.pt") == dictionaries_step(root / "checkpoints/codes.pt") == 3
