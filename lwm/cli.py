@@ -116,14 +116,22 @@ def lightning_cli_class() -> type:
             return path if path and os.path.isfile(path) else None
 
         def _parse_ckpt_path(self) -> None:
-            # Lightning takes the model's hyperparameters from a checkpoint *file* given as --ckpt_path; for
-            # validate/test/predict `last` gets the same (the model is the checkpoint's, whatever the config says).
+            # Lightning puts the hyperparameters of a checkpoint *file* given as --ckpt_path over the config. For
+            # validate/test/predict lwm does so for `last` too (the model is the checkpoint's); a fit resumes with
+            # the config's settings instead, a file or `last` alike (a changed learning rate applies; the model's
+            # shape must match: _check_checkpoint_fits).
             sub = self.config.get("subcommand")
+            if sub == "fit":
+                return
             if sub in ("validate", "test", "predict") and self.config[sub].get("ckpt_path") == "last":
                 path = self._checkpoint_file(self.config[sub])
                 if path is not None:
                     self.config[sub].ckpt_path = path
-            super()._parse_ckpt_path()
+            try:
+                super()._parse_ckpt_path()
+            except argparse.ArgumentError as e:
+                raise ConfigError(f"{self.config[sub].get('ckpt_path')}: its hyperparameters do not fit this lwm "
+                                  f"({parse_error_line(str(e), [])})") from None
 
         def _check_checkpoint_fits(self) -> None:
             """A checkpoint of another model shape is one line naming the fields, not a state-dict traceback."""
@@ -133,8 +141,9 @@ def lightning_cli_class() -> type:
             import torch
 
             saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("hyper_parameters", {})
-            saved, current = saved.get("net") or {}, asdict(self.model.model.config)
-            changed = [f"model.net.{k}={current[k]!r} (the checkpoint has {saved[k]!r})" for k in current
+            config = self.model.model.config
+            saved, current = saved.get("net") or {}, asdict(config)
+            changed = [f"model.net.{k}={current[k]!r} (the checkpoint has {saved[k]!r})" for k in config.SHAPE_FIELDS
                        if k in saved and _plain(saved[k]) != _plain(current[k])]
             if changed:
                 raise ConfigError(f"{path}: a model of another shape than the config's: {', '.join(changed)}; "
@@ -148,12 +157,14 @@ def lightning_cli_class() -> type:
             dm, trainer = self.datamodule, self.trainer
             dm.setup(self.subcommand)
             self.model.check_data(dm.frame_shape, dm.window, str(dm.manifest_path))
-            interval = trainer.val_check_interval
-            if self.subcommand == "fit" and isinstance(interval, int) and trainer.check_val_every_n_epoch is not None:
+            if self.subcommand != "fit":
+                return
+            interval = getattr(trainer, "val_check_interval", None)  # unset when validation is timed
+            if isinstance(interval, int) and trainer.check_val_every_n_epoch is not None and trainer.limit_val_batches:
                 batches = len(dm.train_sampler(0, trainer.world_size))
                 limit = trainer.limit_train_batches
                 batches = min(batches, limit) if isinstance(limit, int) else int(batches * limit)
-                if interval > batches:  # Lightning's own check comes after the loggers start, as a traceback
+                if 0 < batches < interval:  # Lightning's own check comes after the loggers start, as a traceback
                     raise ConfigError(
                         f"trainer.val_check_interval={interval} is more than the {batches} training batches of an "
                         f"epoch ({dm.manifest_path}); use a fraction of the epoch (0.25), or count steps across "

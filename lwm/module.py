@@ -137,9 +137,8 @@ class WorldModelModule(L.LightningModule):
 
     def configure_optimizers(self) -> dict[str, Any]:
         decay, no_decay = [], []
-        for p in self.parameters():
-            if p.requires_grad:
-                (decay if p.ndim >= 2 else no_decay).append(p)
+        for p in self.parameters():  # a frozen parameter too (mask_prob 0): it gets no gradient, AdamW skips it,
+            (decay if p.ndim >= 2 else no_decay).append(p)  # and the groups keep their sizes across versions
         o = self.optim
         if o.fused and self._scaler is not None:
             raise ConfigError("model.optim.fused=true with fp16 (trainer.precision 16-mixed): the GradScaler can "
@@ -180,7 +179,8 @@ class WorldModelModule(L.LightningModule):
         the metrics at step 0; put them at the checkpoint's global step (what `lwm plot` reads)."""
         step = getattr(self, "_checkpoint_step", None)
         loop = getattr(self._trainer.fit_loop, "epoch_loop", None) if self._trainer is not None else None
-        if step and loop is not None and hasattr(loop, "_batches_that_stepped") and not self.trainer.training:
+        if step and loop is not None and hasattr(loop, "_batches_that_stepped") and not self.trainer.training \
+                and self.global_step == 0:  # not after a fit in the same process
             loop._batches_that_stepped = step
 
     @property
@@ -189,7 +189,7 @@ class WorldModelModule(L.LightningModule):
         checkpoint's under ``lwm validate|test|predict`` (where Lightning's global step reads 0)."""
         fitting = self._trainer is None or self.trainer.state.fn == "fit"
         step = getattr(self, "_checkpoint_step", None)
-        return self.global_step if fitting or not step else step
+        return step if step and not fitting and self.global_step == 0 else self.global_step
 
     def on_validation_start(self) -> None:
         if self.trainer.state.fn == "validate":

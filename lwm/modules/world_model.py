@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -160,6 +161,12 @@ class WorldModelConfig:
     dead_code_steps: int = 100  # a code unused for this many updates is dead (replaced by ``revive``)
     activation_checkpointing: bool = False  # recompute every ST block's activations in the backward: less memory
     temporal_attention: str = "sdpa"  # temporal attention kernel: sdpa | matmul (the same function; speed differs)
+
+    # The fields that decide the parameters' and buffers' shapes (a checkpoint loads only where they agree).
+    SHAPE_FIELDS: ClassVar[tuple[str, ...]] = (
+        "in_channels", "height", "width", "d_model", "n_heads", "depth_action", "depth_world", "depth_dynamics",
+        "mlp_ratio", "tokenizer_hidden", "d_code_action", "d_code_world", "codebook_sizes_action",
+        "codebook_sizes_world")
 
     def __post_init__(self) -> None:
         """Refuse an invalid configuration with one line naming the field."""

@@ -84,6 +84,29 @@ def test_a_checkpoint_brings_its_own_model_shape_or_is_refused_by_field(trained,
     assert ((root / "checkpoints/last.ckpt").read_bytes(), (root / "metrics.csv").read_bytes()) == before
 
 
+def test_a_resumed_fit_keeps_the_configs_settings_and_may_change_what_is_not_shape(tmp_path, capsys):
+    """A fit resumed from a checkpoint file (as the SLURM scripts do) or `last` uses the command line's settings,
+    not the checkpoint's hyperparameters: a new learning rate and activation checkpointing apply."""
+    manifest = make_dataset(tmp_path / "data", files=4)
+    root = tmp_path / "run"
+    assert run(manifest, root, "--trainer.max_steps=2", "--data.val_size_percent=0") == 0
+    for path, steps, lr in ((root / "checkpoints/last.ckpt", 3, 0.002), ("last", 4, 0.003)):
+        assert run(manifest, root, f"--trainer.max_steps={steps}", "--data.val_size_percent=0", f"--ckpt_path={path}",
+                   f"--model.optim.lr={lr}", "--model.net.activation_checkpointing=true") == 0
+        hparams = torch.load(root / "checkpoints/last.ckpt", weights_only=True)["hyper_parameters"]
+        assert hparams["optim"]["lr"] == lr and hparams["net"]["activation_checkpointing"] is True
+
+
+def test_a_checkpoint_with_unknown_hyperparameters_is_one_error_line(trained, tmp_path, capsys):
+    manifest, root = trained
+    ckpt = torch.load(root / "checkpoints/last.ckpt", weights_only=True)
+    ckpt["hyper_parameters"]["bogus"] = 1  # e.g. a field a later lwm removed
+    torch.save(ckpt, tmp_path / "odd.ckpt")
+    assert main(tiny_args(manifest, tmp_path / "v", f"--ckpt_path={tmp_path / 'odd.ckpt'}", verb="validate")) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "odd.ckpt: its hyperparameters do not fit this lwm" in errors[0], errors
+
+
 def test_help_lists_the_verbs(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--help"])
@@ -144,6 +167,15 @@ def test_bad_data_is_named_before_training_and_nothing_is_lost(tmp_path, capsys)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+@pytest.mark.parametrize("extra", [
+    ["--trainer.val_check_interval=00:00:00:30"],  # timed validation: Lightning keeps no integer interval
+    ["--trainer.val_check_interval=50", "--trainer.limit_val_batches=0"],  # no validation: Lightning allows it
+])
+def test_validation_settings_lightning_accepts_pass_the_early_check(tmp_path, extra):
+    manifest = make_dataset(tmp_path / "data", files=4)
+    assert run(manifest, tmp_path / "run", "--trainer.max_steps=2", *extra) == 0
+
+
 def test_a_gpu_config_without_a_gpu_is_one_error_line(tmp_path, capsys):
     manifest = make_dataset(tmp_path / "data", files=4)
     assert run(manifest, tmp_path / "run", "--trainer.accelerator=gpu") == 2

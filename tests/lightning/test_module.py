@@ -42,6 +42,10 @@ def test_weight_decay_only_on_matrices_and_kernels():
     assert all(p.ndim >= 2 for p in decay) and all(p.ndim < 2 for p in no_decay)
     assert sorted(map(id, decay + no_decay)) == sorted(id(p) for p in module.parameters())
     assert any(p is module.model.mask_token for p in no_decay)
+    frozen = WorldModelModule(net=replace(NET, mask_prob=0.0))  # its mask token is frozen, still in its group:
+    frozen.trainer = module.trainer  # the groups (and resumed optimizer states) do not depend on mask_prob
+    assert [len(g["params"]) for g in frozen.configure_optimizers()["optimizer"].param_groups] == \
+        [len(decay), len(no_decay)]
 
 
 def test_step_randomness_is_a_function_of_rank_step_and_batch():
