@@ -114,6 +114,7 @@ def bench(manifest: Path, workers: int, context: str | None, window: int, batch:
     loader = dm.train_dataloader()
     t_start = time.perf_counter()
     it = iter(loader)
+    first = None  # seconds to the first batch (measured within the warmup; none without one)
     for i in range(warmup):
         b = next(it)
         if i == 0:
@@ -145,7 +146,7 @@ def bench(manifest: Path, workers: int, context: str | None, window: int, batch:
     return dict(workers=workers, context=context or "-", cache="cold" if cold else "hot", batches=batch_dtype,
                 windows_per_s=round(windows_s, 1), mb_per_s=round(windows_s * window * C * H * W * itemsize / 1e6, 1),
                 ms_per_batch=round(elapsed / batches * 1e3, 1), cpu_ms_per_batch=round(cpu / batches * 1e3, 1),
-                first_batch_s=round(first, 2), warmup=warmup)
+                first_batch_s=round(first, 2) if first is not None else None, warmup=warmup)
 
 
 def main() -> None:

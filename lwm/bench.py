@@ -1,7 +1,7 @@
 """``lwm bench``: how fast a training step of a config runs, measured side by side with a plain reference.
 
     lwm bench [--config CFG (configs/tiny.yaml)] [--steps N (10)] [--warmup N (3)] [--json OUT.json] [--no-breakdown]
-              [--max-batch] [--section.key=value ...]
+              [--no-reference] [--no-lightning] [--max-batch] [--peak-tflops P] [--section.key=value ...]
 
 On random latents of the config's shape (``data.batch_size`` x ``data.window`` frames of ``model.net``'s
 ``[C, H, W]``), on the GPU when there is one (else the CPU), it times
@@ -11,15 +11,22 @@ On random latents of the config's shape (``data.batch_size`` x ``data.window`` f
   non-finite guard (the monitoring callbacks are off: ``benchmarks/monitoring.py`` measures them);
 * **fast path**: the same step (autocast, compile, fused AdamW, clipping) in a plain loop, so that
   ``lightning - fast path`` is Lightning's overhead;
-* **reference**: the same model eager in fp32 with a for-loop AdamW and no compile, recomputing every
-  position of every rollout pass (the fast step reuses the positions the previous pass already has): every
-  speed-up is a ratio to it, measured in the same run. Its TFLOP/s counts the fast step's (useful) FLOPs.
+* **reference**: the same model eager in true fp32 (no TF32) with a for-loop AdamW and no compile, recomputing
+  every position of every rollout pass (the fast step reuses the positions the previous pass already has),
+  without the options under test (activation checkpointing, the temporal-attention kernel), so every variant
+  is compared with the same reference; where its batch does not fit in GPU memory it accumulates 2, 4, ...
+  micro-batches (said in its label). Every speed-up is a ratio to it, measured in the same run. Its TFLOP/s
+  counts the fast step's (useful) FLOPs.
 
 For each: ms/step, steps/s, frames/s, tokens/s (frames x patches), achieved TFLOP/s and MFU, against the
-device's bf16 dense peak (when Lightning knows it) and against a large matmul timed in the same run (bf16
-8192^3 on a GPU, fp32 2048^3 on a CPU), and peak memory on a GPU. FLOPs are counted once on the real
-step by :mod:`lwm.flops` (``FlopCounterMode`` plus the CPU attention kernel, which PyTorch counts as zero,
-with masked attention counted for the pairs the mask allows; the dense count is in the JSON).
+device's bf16 dense peak (when Lightning knows it, else ``--peak-tflops``) and against a large matmul timed
+in the same run (bf16 8192^3 on a GPU, fp32 2048^3 on a CPU), and each variant's peak memory on a GPU. The
+Lightning variant is timed between two synchronised batch starts with no sync in between, on float16 batches
+in pinned memory as the data module delivers them. FLOPs are counted by :mod:`lwm.flops` on one sample of the
+real step and multiplied by the batch (``FlopCounterMode`` plus the CPU attention kernel, which PyTorch counts
+as zero, with masked attention counted for the pairs the mask allows; the dense count is in the JSON; without
+activation checkpointing's recomputed forward). On a GPU, one fast-path step also runs under
+``torch.cuda.set_sync_debug_mode``: the host synchronisations it makes are counted (and listed in the JSON).
 
 The **breakdown** times each part alone, forward and backward, with the step's shapes and precision
 (eager): tokenizer, detokenizer (every rollout pass, at the positions it computes), the spatial
@@ -28,9 +35,10 @@ optimizer; ``other`` is the eager fast-path step minus their sum (loss, masks, p
 re-tokenizing the rollout inputs). Parts timed alone do not overlap as they do in a compiled step.
 
 ``--max-batch`` (GPU only) then finds the largest batch whose fast-path step fits in memory (doubling from
-``data.batch_size``, then bisecting; try it with ``--model.net.activation_checkpointing=true`` too).
+``data.batch_size``, then bisecting, up to 65535 temporal-attention sequences; try it with
+``--model.net.activation_checkpointing=true`` too; ``--no-reference --no-breakdown --no-lightning`` runs it alone).
 
-One table is printed; ``--json`` writes everything.
+One table is printed; ``--json`` writes everything, after each part (a later failure keeps what was measured).
 """
 
 from __future__ import annotations
@@ -65,6 +73,9 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--no-breakdown", action="store_true", help="skip the per-part timings")
     p.add_argument("--no-reference", action="store_true", help="skip the eager fp32 reference")
     p.add_argument("--max-batch", action="store_true", help="also find the largest batch that fits (GPU only)")
+    p.add_argument("--no-lightning", action="store_true", help="skip the Lightning variant")
+    p.add_argument("--peak-tflops", type=float, help="the device's bf16 dense peak, where Lightning does not know "
+                                                      "it (e.g. 989 for an H200)")
     args, rest = p.parse_known_args(argv)
     if args.steps < 1 or args.warmup < 0:
         raise ConfigError(f"--steps must be >= 1 and --warmup >= 0, got {args.steps}, {args.warmup}")
@@ -103,7 +114,7 @@ def matmul_tflops(device: torch.device) -> tuple[float, str]:
     n, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (2048, torch.float32)
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    seconds = timed(lambda: a @ b, steps=10 if device.type == "cuda" else 3, warmup=2, device=device)
+    seconds = timed(lambda: a @ b, steps=100 if device.type == "cuda" else 3, warmup=5, device=device)
     return 2 * n**3 / seconds / 1e12, f"{str(dtype).removeprefix('torch.')} {n}^3"
 
 
@@ -140,14 +151,21 @@ class Setup:
         return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=on)
 
 
-def plain_step(s: Setup, fast: bool, compile_: bool = True) -> tuple[Callable[[], torch.Tensor], torch.nn.Module,
-                                                                     torch.optim.Optimizer]:
+def reference_net(s: Setup):
+    """The reference's model: the config's, without the options under test (activation checkpointing, the
+    temporal-attention kernel), so that every variant is compared with the same reference."""
+    return replace(s.net, activation_checkpointing=False, temporal_attention="sdpa")
+
+
+def plain_step(s: Setup, fast: bool, compile_: bool = True, micro: int = 1) -> tuple[
+        Callable[[], torch.Tensor], torch.nn.Module, torch.optim.Optimizer]:
     """One training step in a plain loop: the fast path (the config's precision, compile unless ``compile_`` is
-    False, fused AdamW on a GPU) or the reference (eager fp32, for-loop AdamW)."""
+    False, fused AdamW on a GPU) or the reference (eager fp32, for-loop AdamW, :func:`reference_net`; its
+    batch in ``micro`` micro-batches with accumulated gradients where it does not fit in memory at once)."""
     from lwm.modules.world_model import WorldModel
 
     torch.manual_seed(0)
-    model = WorldModel(s.net).to(s.device).train()
+    model = WorldModel(s.net if fast else reference_net(s)).to(s.device).train()
     if fast and s.compile and compile_:
         model.compile_parts()
     cuda = s.device.type == "cuda"
@@ -156,9 +174,11 @@ def plain_step(s: Setup, fast: bool, compile_: bool = True) -> tuple[Callable[[]
     counter = iter(range(10**9))
 
     def step() -> torch.Tensor:
-        with s.autocast(fast and s.bf16):
-            loss = model.compute(s.x, next(counter), reuse_prefix=fast).loss
-        loss.backward()
+        i = next(counter)
+        for x in s.x.chunk(micro):
+            with s.autocast(fast and s.bf16):
+                loss = model.compute(x, i, reuse_prefix=fast).loss
+            (loss / micro).backward()
         if s.clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), float(s.clip))
         opt.step()
@@ -179,10 +199,13 @@ def lightning_seconds(s: Setup, steps: int, warmup: int) -> float:
             self.times: list[float] = []
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-            sync(s.device)
-            self.times.append(time.perf_counter())
+            if batch_idx in (warmup, warmup + steps):  # no sync in between: steps overlap as in training
+                sync(s.device)
+                self.times.append(time.perf_counter())
 
-    batch = {"latents": s.x.cpu()}
+    # as LatentDataModule delivers them: float16 in pinned memory (the module casts them on the device)
+    latents = s.x.cpu().half()
+    batch = {"latents": latents.pin_memory() if s.device.type == "cuda" else latents}
     loader = torch.utils.data.DataLoader([batch] * (warmup + steps + 1), batch_size=None)
     timer = Timer()
     torch.manual_seed(0)
@@ -193,26 +216,31 @@ def lightning_seconds(s: Setup, steps: int, warmup: int) -> float:
         gradient_clip_val=s.clip, num_sanity_val_steps=0, limit_val_batches=0,
     )
     trainer.fit(module, train_dataloaders=loader)
-    t = timer.times[warmup:]
-    return (t[-1] - t[0]) / (len(t) - 1)
+    first, last = timer.times
+    return (last - first) / steps
 
 
 def step_flops(s: Setup):
-    """FLOPs of one training step (forward with every pass, backward) on the real batch."""
-    from lwm.flops import count_flops
+    """FLOPs of one training step (forward with every pass, backward) at the real batch's shapes: counted on
+    one sample and multiplied by the batch (every counted op, matmuls, convolutions, attention, the codebook
+    distances, is linear in the batch; tested), which needs little memory where the step itself barely fits."""
+    from lwm.flops import StepFlops, count_flops
     from lwm.modules.world_model import WorldModel
 
     # On the SDPA kernel, whose masked attention lwm.flops counts for the allowed pairs: the useful work is the
-    # same whichever temporal-attention kernel runs (the plain matmul also computes the masked-out pairs).
-    model = WorldModel(replace(s.net, temporal_attention="sdpa")).to(s.device).train()
+    # same whichever temporal-attention kernel runs (the plain matmul also computes the masked-out pairs); and
+    # without activation checkpointing, whose recomputed forward is not useful work.
+    model = WorldModel(reference_net(s)).to(s.device).train()
 
     def fn() -> None:
         with s.autocast():
-            loss = model.compute(s.x, step=None).loss  # no codebook update: the count leaves nothing changed
+            loss = model.compute(s.x[:1], step=None).loss  # no codebook update: the count leaves nothing changed
         loss.backward()
         model.zero_grad(set_to_none=True)
 
-    return count_flops(fn)
+    one, b = count_flops(fn), s.x.shape[0]
+    return StepFlops(one.useful * b, one.dense * b, {k: v * b for k, v in one.by_module.items()},
+                     {k: v * b for k, v in one.by_op.items()})
 
 
 def breakdown(s: Setup, steps: int, warmup: int) -> list[dict]:
@@ -259,9 +287,13 @@ def breakdown(s: Setup, steps: int, warmup: int) -> list[dict]:
         pasts = [None] + [(kv[:, :, :k], kv[:, :, :k]) for k in range(1, len(lengths))]
         part(f"{name}: spatial attention", [lambda b=block, h=h: b.spatial(
             rearrange(b.norm_spatial(h), "b t n d -> (b t) n d"))[0] for h in hs], depth)
-        part(f"{name}: temporal attention", [lambda b=block, h=h, kv=kv: b.temporal(
-            rearrange(b.norm_temporal(h), "b t n d -> (b n) t d"), b.mask, past=kv)[0] for h, kv in zip(hs, pasts)],
-            depth)
+        masks = [b.mask for b in transformer.blocks]  # the action encoder's first block is shifted-causal
+        for mask in dict.fromkeys(masks):
+            b = transformer.blocks[masks.index(mask)]
+            label = f"{name}: temporal attention" + (f" ({mask})" if len(set(masks)) > 1 else "")
+            part(label, [lambda b=b, h=h, kv=kv: b.temporal(rearrange(b.norm_temporal(h), "b t n d -> (b n) t d"),
+                                                              b.mask, past=kv)[0] for h, kv in zip(hs, pasts)],
+                 masks.count(mask))
         part(f"{name}: MLP", [lambda b=block, h=h: b.mlp(b.norm_mlp(h)) for h in hs], depth)
     za = torch.randn(B, T - 1, s.net.d_code_action, device=s.device, requires_grad=True)
     zh = torch.randn(B, s.net.d_code_world, device=s.device, requires_grad=True)
@@ -309,6 +341,10 @@ def fits_on_gpu(s: Setup) -> Callable[[int], bool]:
             return True
         except torch.OutOfMemoryError:
             return False
+        except RuntimeError as e:  # an allocation failure reported by cuBLAS/cuDNN, or a kernel's launch limit
+            if "CUDA" in str(e) or "CUBLAS" in str(e) or "CUDNN" in str(e) or "invalid configuration" in str(e):
+                return False
+            raise
         finally:
             s.x = x
             torch.cuda.empty_cache()
@@ -332,19 +368,40 @@ def main(argv: list[str]) -> int:
     matmul, matmul_what = matmul_tflops(device)
     from lightning.fabric.utilities.throughput import get_available_flops
 
-    peak = get_available_flops(device, torch.bfloat16) if device.type == "cuda" else None
+    if args.peak_tflops:
+        peak = args.peak_tflops * 1e12
+    else:
+        peak = get_available_flops(device, torch.bfloat16) if device.type == "cuda" else None
     frames, tokens = s.batch * s.window, s.batch * s.window * s.patches
     variants: dict[str, float] = {}
-    if not args.no_reference:
-        variants["reference"] = timed(plain_step(s, fast=False)[0], args.steps, args.warmup, device)
-    variants["fast path"] = timed(plain_step(s, fast=True)[0], args.steps, args.warmup, device)
-    peak_mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    variants["lightning"] = lightning_seconds(s, args.steps, args.warmup)
+    memory: dict[str, float | None] = {}
+    notes: list[str] = []
 
-    reference = variants.get("reference")
+    def measure(label: str, run: Callable[[], float]) -> None:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        variants[label] = run()
+        memory[label] = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+    if not args.no_reference:
+        micro = reference_micro_batches(s)
+        label = "reference" if micro == 1 else f"reference ({micro} micro-batches)"
+        if micro > 1:
+            notes.append(f"the fp32 reference does not fit at batch {s.batch}: it accumulates {micro} micro-batches")
+        with fp32_matmuls():
+            measure(label, lambda: timed(plain_step(s, fast=False, micro=micro)[0], args.steps, args.warmup, device))
+    fast_step = plain_step(s, fast=True)[0]
+    measure("fast path", lambda: timed(fast_step, args.steps, args.warmup, device))
+    syncs = host_syncs(fast_step, device)
+    if not args.no_lightning:
+        measure("lightning", lambda: lightning_seconds(s, args.steps, args.warmup))
+
+    reference = next((v for k, v in variants.items() if k.startswith("reference")), None)
     table = Table(title=f"training step: {flops.useful / 1e9:.2f} GFLOP useful ({flops.dense / 1e9:.2f} dense), "
                         f"matmul roofline {matmul:.2f} TFLOP/s ({matmul_what})")
-    for col in ("variant", "ms/step", "steps/s", "frames/s", "tokens/s", "TFLOP/s", "MFU peak", "MFU mm", "speed-up"):
+    for col in ("variant", "ms/step", "steps/s", "frames/s", "tokens/s", "TFLOP/s", "MFU peak", "MFU mm", "speed-up",
+                "peak GiB"):
         table.add_column(col, justify="left" if col == "variant" else "right")
     results = []
     for label, seconds in variants.items():
@@ -352,19 +409,31 @@ def main(argv: list[str]) -> int:
         row = {"variant": label, "ms_per_step": seconds * 1e3, "steps_per_s": 1 / seconds, "frames_per_s": frames / seconds,
                "tokens_per_s": tokens / seconds, "tflop_per_s": achieved,
                "mfu_peak": achieved * 1e12 / peak if peak else None, "mfu_matmul": achieved / matmul,
-               "speedup": reference / seconds if reference else None}
+               "speedup": reference / seconds if reference else None, "peak_memory_gib": memory.get(label)}
         results.append(row)
         table.add_row(label, f"{row['ms_per_step']:.1f}", f"{row['steps_per_s']:.2f}", f"{row['frames_per_s']:.0f}",
                       f"{row['tokens_per_s']:.0f}", f"{achieved:.3f}",
                       f"{row['mfu_peak']:.1%}" if row["mfu_peak"] else "-", f"{row['mfu_matmul']:.1%}",
-                      f"{row['speedup']:.2f}x" if row["speedup"] else "-")
+                      f"{row['speedup']:.2f}x" if row["speedup"] else "-",
+                      f"{memory[label]:.1f}" if memory.get(label) is not None else "-")
     console.print(table)
     console.print("reference: eager fp32, for-loop AdamW; fast path: the config's precision and compile, fused AdamW "
                   "on a GPU, plain loop; lightning: the real training step. MFU peak: of the bf16 dense peak; "
                   "MFU mm: of the matmul roofline.", soft_wrap=True)
-    console.print(f"Lightning overhead: {variants['lightning'] * 1e3 - variants['fast path'] * 1e3:+.1f} "
-                  f"ms/step; peak memory {f'{peak_mem:.2f} GiB' if peak_mem is not None else '- (CPU)'}; "
-                  f"bf16 dense peak {f'{peak / 1e12:.0f} TFLOP/s' if peak else 'unknown here'}", soft_wrap=True)
+    overhead = (f"{variants['lightning'] * 1e3 - variants['fast path'] * 1e3:+.1f} ms/step" if "lightning" in variants
+                else "not measured")
+    console.print(f"Lightning overhead: {overhead}; bf16 dense peak "
+                  f"{f'{peak / 1e12:.0f} TFLOP/s' if peak else 'unknown here (--peak-tflops)'}; host syncs in a "
+                  f"fast-path step: {'-' if syncs is None else len(syncs)}", soft_wrap=True)
+    for note in notes:
+        console.print(f"note: {note}", soft_wrap=True)
+    out = {"config": args.config, "overrides": overrides, "device": name, "torch": torch.__version__,
+           "date": time.strftime("%Y-%m-%d"), "batch": s.batch, "window": s.window, "precision": s.precision,
+           "compile": s.compile, "net": asdict(s.net), "flops_useful": flops.useful, "flops_dense": flops.dense,
+           "flops_by_op": flops.by_op, "matmul_tflop_per_s": matmul, "matmul": matmul_what,
+           "peak_tflop_per_s": peak / 1e12 if peak else None, "variants": results, "host_syncs": syncs,
+           "notes": notes, "breakdown": [], "max_batch": None}
+    write_json(args.json, out)  # now, and again with each later part: a later failure keeps what was measured
 
     parts = [] if args.no_breakdown else breakdown(s, max(1, args.steps // 2), min(args.warmup, 2))
     if parts:
@@ -379,24 +448,78 @@ def main(argv: list[str]) -> int:
             bt.add_row(r["part"], str(r["calls"]), f"{r['ms']:.2f}", f"{r['ms'] / (eager * 1e3):.0%}",
                        f"{rate:.3f}" if rate else "-")
         console.print(bt)
+        out["breakdown"] = parts
+        write_json(args.json, out)
 
     max_batch = None
     if args.max_batch:
         if device.type != "cuda":
             console.print("--max-batch: GPU only (the CPU has no memory limit to find)")
         else:
-            max_batch = largest_batch(fits_on_gpu(s), start=s.batch)
-            console.print(f"largest batch that fits: {max_batch} x {s.window} frames (fast path, "
+            # temporal attention runs batch x patches sequences: CUDA kernels launch at most 65535 such blocks
+            limit = max(s.batch, 65535 // s.patches)
+            max_batch = largest_batch(fits_on_gpu(s), start=s.batch, limit=limit)
+            capped = " (the search's limit: 65535 temporal sequences)" if max_batch == limit else ""
+            console.print(f"largest batch that fits: {max_batch} x {s.window} frames{capped} (fast path, "
                           f"{torch.cuda.get_device_properties(device).total_memory / 2**30:.0f} GiB)")
-
+            out["max_batch"] = max_batch
+            write_json(args.json, out)
     if args.json:
-        out = {"max_batch": max_batch, "config": args.config, "overrides": overrides, "device": name, "torch": torch.__version__,
-               "date": time.strftime("%Y-%m-%d"), "batch": s.batch, "window": s.window, "precision": s.precision,
-               "compile": s.compile, "net": asdict(s.net), "flops_useful": flops.useful, "flops_dense": flops.dense,
-               "flops_by_op": flops.by_op, "matmul_tflop_per_s": matmul, "matmul": matmul_what,
-               "peak_tflop_per_s": peak / 1e12 if peak else None, "peak_memory_gib": peak_mem,
-               "variants": results, "breakdown": parts}
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=1))
         console.print(f"wrote {args.json}")
     return 0
+
+
+def write_json(path: str | None, out: dict) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(out, indent=1))
+
+
+def reference_micro_batches(s: Setup) -> int:
+    """How many micro-batches the fp32 reference needs to fit in GPU memory (1 on the CPU): the fewest of
+    1, 2, 4, ... whose step runs."""
+    if s.device.type != "cuda":
+        return 1
+    micro = 1
+    while micro < s.batch:
+        try:
+            with fp32_matmuls():
+                step = plain_step(s, fast=False, micro=micro)[0]
+                step()
+            return micro
+        except torch.OutOfMemoryError:
+            micro *= 2
+        finally:
+            step = None
+            torch.cuda.empty_cache()
+    return s.batch
+
+
+class fp32_matmuls:
+    """True fp32 on a GPU (no TF32 in matmuls and convolutions) for the reference, restored afterwards."""
+
+    def __enter__(self) -> None:
+        self.saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = self.saved
+
+
+def host_syncs(step: Callable[[], object], device: torch.device) -> list[str] | None:
+    """The host synchronisations one (warm) step makes on a GPU, as ``torch.cuda.set_sync_debug_mode`` reports
+    them (None on the CPU)."""
+    if device.type != "cuda":
+        return None
+    import warnings
+
+    sync(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    sync(device)
+    return [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]

@@ -23,22 +23,33 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 aten = torch.ops.aten
 
 
+def allowed_pairs(q_len: int, k_len: int, is_causal: bool, attn_mask: torch.Tensor | None) -> tuple[int, int]:
+    """``(allowed, of)``: the share of the ``q_len x k_len`` query/key pairs a mask allows, as integers (so
+    that a count is exact, and linear in the batch)."""
+    if attn_mask is not None:
+        allowed = attn_mask if attn_mask.dtype == torch.bool else torch.isfinite(attn_mask)  # additive: -inf
+        return int(allowed.sum()), allowed.numel()
+    if is_causal:  # SDPA's causal mask is aligned top-left: query i sees keys 0..i
+        return sum(min(i + 1, k_len) for i in range(q_len)), q_len * k_len
+    return 1, 1
+
+
 def allowed_fraction(q_len: int, k_len: int, is_causal: bool, attn_mask: torch.Tensor | None) -> float:
     """The share of the ``q_len x k_len`` query/key pairs a mask allows (1.0 unmasked)."""
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            return float(attn_mask.float().mean())
-        return float(torch.isfinite(attn_mask).float().mean())  # additive mask: -inf where not allowed
-    if is_causal:  # SDPA's causal mask is aligned top-left: query i sees keys 0..i
-        return sum(min(i + 1, k_len) for i in range(q_len)) / (q_len * k_len)
-    return 1.0
+    allowed, of = allowed_pairs(q_len, k_len, is_causal, attn_mask)
+    return allowed / of
+
+
+def _useful(dense: int, q_len: int, k_len: int, is_causal: bool, attn_mask: torch.Tensor | None) -> int:
+    allowed, of = allowed_pairs(q_len, k_len, is_causal, attn_mask)
+    return dense * allowed // of
 
 
 def _forward(get: Callable[[tuple, dict], tuple], useful: bool):
     def count(*args, out_val=None, **kwargs) -> int:
         q, k, v, is_causal, mask = get(args, kwargs)
         dense = sdpa_flop_count(q.shape, k.shape, v.shape)
-        return int(dense * allowed_fraction(q.shape[-2], k.shape[-2], is_causal, mask)) if useful else dense
+        return _useful(dense, q.shape[-2], k.shape[-2], is_causal, mask) if useful else dense
 
     count._get_raw = True  # FlopCounterMode passes tensors, not shapes: the mask's values are read
     return count
@@ -48,7 +59,7 @@ def _backward(get: Callable[[tuple, dict], tuple], useful: bool):
     def count(*args, out_val=None, **kwargs) -> int:
         grad, q, k, v, is_causal, mask = get(args, kwargs)
         dense = sdpa_backward_flop_count(grad.shape, q.shape, k.shape, v.shape)
-        return int(dense * allowed_fraction(q.shape[-2], k.shape[-2], is_causal, mask)) if useful else dense
+        return _useful(dense, q.shape[-2], k.shape[-2], is_causal, mask) if useful else dense
 
     count._get_raw = True
     return count

@@ -24,7 +24,9 @@ def test_bench_runs_at_tiny_and_writes_every_number(tmp_path, capsys):
     assert 0 < result["flops_useful"] < result["flops_dense"]
     assert sum(result["flops_by_op"].values()) == result["flops_useful"]
     parts = {r["part"] for r in result["breakdown"]}
-    assert {"tokenizer", "detokenizer", "dynamics: temporal attention", "quantizers (with EMA update)", "optimizer"} <= parts
+    assert {"tokenizer", "detokenizer", "dynamics: temporal attention", "quantizers (with EMA update)", "optimizer",
+            "action encoder: temporal attention (shifted_causal)", "action encoder: temporal attention (causal)"} <= parts
+    assert result["host_syncs"] is None and result["max_batch"] is None  # a GPU's numbers
     assert "training step" in capsys.readouterr().out
 
 
@@ -51,3 +53,34 @@ def test_largest_batch_search_finds_the_boundary_with_few_trials():
     assert largest_batch(lambda b: False, start=8) == 0
     assert largest_batch(lambda b: True, start=8, limit=100) == 100
     assert largest_batch(lambda b: b <= 50, start=32, limit=4096) == 50
+
+
+def test_step_flops_are_linear_in_the_batch_and_leave_out_checkpointing_recompute():
+    """The bench and the flop counter count one sample's step and multiply by the batch: an identity for every
+    counted op (matmuls, convolutions, attention, codebook distances); activation checkpointing's recomputed
+    forward is not counted."""
+    import torch
+
+    from lwm.bench import Setup, step_flops
+    from lwm.flops import count_flops
+    from lwm.modules.world_model import WorldModel
+
+    cfg = {"model": {"net": {"in_channels": 4, "height": 8, "width": 8, "d_model": 32, "n_heads": 2,
+                             "d_code_action": 8, "d_code_world": 8, "codebook_sizes_action": [4, 8],
+                             "codebook_sizes_world": [4, 8]}},
+           "data": {"batch_size": 3, "window": 5}}
+    s = Setup(cfg, torch.device("cpu"))
+    model = WorldModel(s.net).train()
+
+    def full_batch() -> None:
+        model.compute(s.x, step=None, generator=torch.Generator().manual_seed(0)).loss.backward()
+
+    assert step_flops(s).useful == count_flops(full_batch, dense=False).useful
+    cfg["model"]["net"]["activation_checkpointing"] = True
+    checkpointed = Setup(cfg, torch.device("cpu"))
+    assert step_flops(checkpointed).useful == step_flops(s).useful
+    model = WorldModel(checkpointed.net).train()
+    with model.checkpointing(False):
+        plain = count_flops(lambda: model.compute(s.x, step=None).loss.backward(), dense=False).useful
+    assert model.dynamics.transformer.checkpointing  # restored
+    assert count_flops(lambda: model.compute(s.x, step=None).loss.backward(), dense=False).useful > plain

@@ -34,18 +34,21 @@ class FlopCounter(L.Callback):
         self._last: tuple[float, int] | None = None  # (time, global step) at the last log
 
     def _measure(self, trainer: L.Trainer, pl_module: L.LightningModule, x: torch.Tensor) -> int:
+        """One sample's step, times the batch (every counted op is linear in the batch: little memory), with
+        activation checkpointing off (its recomputed forward is not useful work)."""
         model = pl_module.model
         backward = "deepspeed" not in type(trainer.strategy).__name__.lower()
         generator = torch.Generator(device=x.device).manual_seed(0)  # leave the run's own RNG streams alone
 
         def step() -> None:
             with trainer.precision_plugin.forward_context():
-                loss = model.compute(x, step=None, generator=generator).loss  # step=None: no codebook update
+                loss = model.compute(x[:1], step=None, generator=generator).loss  # step=None: no codebook update
             if backward:
                 loss.backward()
             pl_module.zero_grad(set_to_none=True)
 
-        flops = count_flops(step, dense=False).useful
+        with model.checkpointing(False):
+            flops = count_flops(step, dense=False).useful * x.shape[0]
         return int(flops if backward else 3 * flops)
 
     def _peak(self, trainer: L.Trainer, pl_module: L.LightningModule) -> float | None:

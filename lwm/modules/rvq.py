@@ -284,7 +284,8 @@ class ResidualVectorQuantizer(nn.Module):
         # were, decided on the device (no host sync) and identically on every rank (after the all-reduce).
         finite = torch.isfinite(packed).all()
         packed = torch.nan_to_num(packed, nan=0.0, posinf=0.0, neginf=0.0)
-        decay = torch.where(finite, torch.as_tensor(decay, dtype=torch.float32, device=packed.device), 1.0)
+        # (a Python decay stays a scalar argument: torch.as_tensor(decay, device=cuda) would be a blocking copy)
+        decay = torch.where(finite, decay, 1.0).to(torch.float32)
         offset = 0
         for cb in self.levels:
             level = packed[offset : offset + cb.size]

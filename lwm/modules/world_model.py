@@ -17,7 +17,8 @@ Conventions (see DESIGN.md, "Points the requirement leaves open"):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
@@ -241,6 +242,20 @@ class WorldModel(nn.Module):
             transformer.checkpointing = c.activation_checkpointing
             for block in transformer.blocks:
                 block.temporal.kernel = c.temporal_attention
+
+    @contextmanager
+    def checkpointing(self, on: bool) -> Iterator[None]:
+        """Activation checkpointing of every ST transformer set to ``on`` inside the block (e.g. off while
+        counting FLOPs: the recomputed forward is not useful work), as configured after it."""
+        transformers = (self.action_encoder.transformer, self.world_encoder.transformer, self.dynamics.transformer)
+        saved = [t.checkpointing for t in transformers]
+        for t in transformers:
+            t.checkpointing = on
+        try:
+            yield
+        finally:
+            for t, was in zip(transformers, saved):
+                t.checkpointing = was
 
     @staticmethod
     def _init_weights(m: nn.Module) -> None:
