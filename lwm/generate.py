@@ -192,9 +192,13 @@ def run(args: argparse.Namespace) -> Path:
     write_video(out, grid(rows), args.fps)
     shown = (f"decoded by the {decoder.name} codec" if decoder is not None else
              f"latent channels 0-2 shown as RGB: {missing_codec(codec, str(args.data))}")
-    print(f"wrote {out} ({'ground truth, then ' if len(rows) > R else ''}{R} rollouts of {args.steps} frames after "
-          f"{args.context} context frames; {shown}) and {out}.h5")
+    print(f"wrote {out} ({'ground truth, then ' if len(rows) > R else ''}{_count(R, 'rollout')} of "
+          f"{_count(args.steps, 'frame')} after {_count(args.context, 'context frame')}; {shown}) and {out}.h5")
     return out
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def main(argv: list[str]) -> int:
