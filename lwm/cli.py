@@ -282,6 +282,7 @@ _OWN_PARSERS = {
     "generate": ("lwm.generate", "play a trained model forward, write the video"),
     "plot": ("lwm.plot", "PNG figures of a run from RUN_DIR/metrics.csv"),
     "demo": ("lwm.demo", "the main job on a CPU: synthetic world, fit, validate, videos, report"),
+    "resume-info": ("lwm.resume", "RUN_DIR and the checkpoint that continues it (for the SLURM scripts)"),
     "bench": ("lwm.bench", "time a config's training step beside an eager fp32 reference; FLOPs, MFU, breakdown"),
     "data synth": ("lwm.data.synth", "make the built-in synthetic world"),
     "data atari": ("lwm.data.atari", "record Atari games (ale-py) with true actions, game id as world label"),

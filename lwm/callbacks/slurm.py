@@ -5,7 +5,7 @@ Lightning's SLURM auto-requeue (SIGUSR1, e.g. from ``sbatch --signal=USR1@90``) 
 from within the signal handler, usually in the middle of a training step (the data fetcher has already drawn the
 next batches): a run resumed from it logs every step one higher, skips batches and no longer matches an
 uninterrupted run. :class:`SlurmRequeue` replaces that handler (once Lightning has set it, at the start of
-training) by one that only takes note; at the next batch end, the same one on every rank, it saves the hpc
+training, and before the sanity check) by one that only takes note; at the next batch end, the same one on every rank, it saves the hpc
 checkpoint and ``last.ckpt`` (with the same mid-epoch state as a step checkpoint), runs ``scontrol requeue`` on
 rank 0 and stops training. With several ranks they agree every ``every_n_steps`` steps (a collective and a
 host read: not every step), so the save comes at most that many steps after the signal. Outside SLURM, or
@@ -42,6 +42,10 @@ class SlurmRequeue(L.Callback):
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._requested = True
+
+    @override
+    def on_sanity_check_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.on_train_start(trainer, pl_module)  # Lightning's handler is set by now: replace it before the check
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -14,6 +14,7 @@ validation windows from its ``val`` files, each rank its own share, the sampler 
 from __future__ import annotations
 
 import math
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,14 @@ from torch.utils.data import DataLoader
 from lwm.data.h5 import DataError, inspect_h5
 from lwm.data.manifest import Manifest, checking
 from lwm.data.windows import FileBatchSampler, H5WindowDataset, collate_windows
+
+
+def ignore_requeue_signal(worker_id: int) -> None:
+    """In a DataLoader worker: leave SLURM's requeue signal (SIGUSR1, sent to every process of the job step) to
+    the main process. A forked worker inherits Lightning's handler, which would write a checkpoint of nothing
+    and requeue the job from the worker."""
+    if hasattr(signal, "SIGUSR1"):
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
 class ResumableDataLoader(DataLoader):
@@ -189,6 +198,7 @@ class LatentDataModule(L.LightningDataModule):
             persistent_workers=workers > 0,
             multiprocessing_context=self.multiprocessing_context if workers > 0 else None,
             prefetch_factor=self.prefetch_factor if workers > 0 else None,
+            worker_init_fn=ignore_requeue_signal if workers > 0 else None,
         )
 
     def train_sampler(self, rank: int, world_size: int) -> FileBatchSampler:

@@ -187,3 +187,32 @@ def test_fewer_validation_windows_than_ranks_is_refused_at_setup(manifest):
         _on_rank(manifest, 0, windows + 1)
     tiny = [len(_on_rank(manifest, r, windows, val_size_percent=0.01).val_windows()) for r in range(windows)]
     assert tiny == [1] * windows  # a small fraction still gives every rank a window
+
+
+class _RequeueHandler(torch.utils.data.Dataset):
+    """Whether the worker that loads an item ignores SIGUSR1."""
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        import signal
+
+        return torch.tensor(signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN)
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_loader_workers_leave_the_requeue_signal_to_the_main_process(manifest, context):
+    """SLURM signals every process of the step; a forked worker inherits Lightning's SIGUSR1 handler (which
+    saves and requeues): the workers ignore it."""
+    import signal
+
+    kwargs = _dm(manifest, num_workers=1, multiprocessing_context=context)._loader_kwargs()
+    kwargs.pop("collate_fn")
+    previous = signal.signal(signal.SIGUSR1, lambda *args: None)  # as Lightning sets it in the main process
+    try:
+        loader = torch.utils.data.DataLoader(_RequeueHandler(), batch_size=None, **kwargs)
+        assert bool(next(iter(loader)))
+        assert signal.getsignal(signal.SIGUSR1) != signal.SIG_IGN  # the main process keeps its handler
+    finally:
+        signal.signal(signal.SIGUSR1, previous)

@@ -1,0 +1,44 @@
+"""`lwm resume-info`: the run directory as lwm resolves it, and the checkpoint that continues the run chosen by
+its global step, not by file times (for slurm/train.sbatch)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from lwm.cli import main
+from lwm.resume import latest_checkpoint
+
+TINY = "configs/tiny.yaml"
+
+
+def _ckpt(path, step: int, mtime: float) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"global_step": step}, path)
+    os.utime(path, (mtime, mtime))
+
+
+def test_the_highest_global_step_wins_whatever_the_file_times(tmp_path):
+    run, ckpts = tmp_path / "run", tmp_path / "run/checkpoints"
+    assert latest_checkpoint(run, ckpts) is None
+    _ckpt(run / "hpc_ckpt_1.ckpt", 5000, mtime=2000)
+    _ckpt(ckpts / "last.ckpt", 8000, mtime=1000)  # rewritten later, but (say) a skewed clock dates it earlier
+    assert latest_checkpoint(run, ckpts) == ckpts / "last.ckpt"
+    _ckpt(run / "hpc_ckpt_2.ckpt", 9000, mtime=500)
+    assert latest_checkpoint(run, ckpts) == run / "hpc_ckpt_2.ckpt"
+    (ckpts / "last.ckpt").unlink()
+    (ckpts / "last.ckpt").mkdir()  # a DeepSpeed checkpoint (a directory rewritten in place): last.ckpt first
+    assert latest_checkpoint(run, ckpts) == ckpts / "last.ckpt"
+
+
+def test_resume_info_prints_the_resolved_run_dir_and_checkpoint(tmp_path, capsys):
+    root = tmp_path / "a long run directory name with spaces that YAML would fold over two lines" / "run"
+    elsewhere = tmp_path / "elsewhere"
+    _ckpt(elsewhere / "last.ckpt", 3, mtime=1000)
+    assert main(["resume-info", "--config", TINY, f"--trainer.default_root_dir={root}"]) == 0
+    assert capsys.readouterr().out.splitlines() == [str(root), ""]
+    assert main(["resume-info", "--config", TINY, f"--trainer.default_root_dir={root}",
+                 f"--checkpoint.dirpath={elsewhere}"]) == 0
+    assert capsys.readouterr().out.splitlines() == [str(root), str(elsewhere / "last.ckpt")]
+    assert main(["resume-info", "--config", "nope.yaml"]) == 2
