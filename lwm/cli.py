@@ -10,6 +10,7 @@
     lwm data synth --out DIR --episodes N                                             the built-in world
     lwm data atari --games pong breakout --out DIR [--episodes N]                       Atari footage (ale-py)
     lwm bench [--config CFG] [--steps N] [--json OUT]                                 training-step speed, MFU
+    lwm resume-info --config CFG [overrides]                                          RUN_DIR + checkpoint (SLURM)
     lwm demo [--out runs/demo] [--steps N]                                           the main job on a CPU
 
 The Lightning verbs read OmegaConf/LightningCLI YAML (``parser_mode="omegaconf+"``: interpolations such as
