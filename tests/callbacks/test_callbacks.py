@@ -211,3 +211,31 @@ def test_slurm_requeue_ranks_agree_every_n_steps_and_skip_the_code_dictionaries(
             raise AssertionError("a preempted run encoded the training windows")
 
     CodeDictionaries().on_train_end(SimpleNamespace(datamodule=NoLoader(), callbacks=[requeue]), None)
+
+
+def test_slurm_sigterm_saves_without_requeueing(tmp_path, monkeypatch):
+    """SLURM preempts with SIGTERM by default (and scancel sends it): the run saves at the batch end and stops,
+    and leaves the requeue to SLURM (no `scontrol requeue`)."""
+    import signal
+    import subprocess
+    from types import SimpleNamespace
+
+    from lwm.callbacks import SlurmRequeue
+
+    calls = []
+    monkeypatch.setattr(subprocess, "call", lambda *a, **k: calls.append(a) or 0)
+    requeue = SlurmRequeue()
+    requeue._active = True
+    saved = []
+    trainer = SimpleNamespace(
+        world_size=1, global_step=3, is_global_zero=True, should_stop=False, default_root_dir=str(tmp_path),
+        _checkpoint_connector=SimpleNamespace(hpc_save_path=lambda root: f"{root}/hpc_ckpt_1.ckpt"),
+        save_checkpoint=saved.append, checkpoint_callbacks=[],
+    )
+    requeue._on_signal(signal.SIGTERM, None)
+    requeue.on_train_batch_end(trainer)
+    assert saved == [f"{tmp_path}/hpc_ckpt_1.ckpt"] and trainer.should_stop and calls == []
+    requeue._on_signal(signal.SIGUSR1, None)  # the requeue signal: saves and requeues
+    trainer.should_stop = False
+    requeue.on_train_batch_end(trainer)
+    assert len(saved) == 2 and trainer.should_stop and calls and calls[0][0][:2] == ["scontrol", "requeue"]

@@ -219,3 +219,33 @@ def test_preempted_job_is_requeued_and_resumes(workdir):
     steps = _train_steps(run_dir)
     assert steps.count(0) == 1, "the resumed run started again from step 0"
     assert sorted(set(steps)) == list(range(max_steps)), steps
+
+
+def test_sigterm_saves_at_a_batch_end_and_stops(workdir):
+    """SLURM's default preemption (and scancel) is SIGTERM: the run saves at the next batch end (the hpc
+    checkpoint and last.ckpt at the same step, past the last periodic checkpoint) and stops without a requeue."""
+    manifest = make_dataset(workdir / "data")
+    run_dir, out = workdir / "run", workdir / "job.out"
+    every = 4
+    env = _job_env() | {"RUN_DIR": str(run_dir)}
+    args = [*_common(manifest), "--trainer.max_steps=400", f"--checkpoint.every_n_train_steps={every}"]
+    job = _submit(["sbatch", f"--output={out}", "--job-name=lwm-test-sigterm", "slurm/train.sbatch", TINY, *args], env)
+    try:
+        first = run_dir / "checkpoints" / f"step={every:07d}.ckpt"
+        end = time.monotonic() + 150
+        while not first.exists():
+            assert time.monotonic() < end, f"no {first.name} after 150 s:\n{out.read_text() if out.exists() else ''}"
+            assert _queued(job), f"job ended early:\n{out.read_text()}"
+            time.sleep(0.5)
+        time.sleep(3)  # a few steps past the periodic checkpoint
+        subprocess.run(["scancel", "--signal=TERM", job], check=True, timeout=30)
+        _wait_gone(job, timeout=200)
+    finally:
+        _cancel(job)
+    log = out.read_text()
+    hpc = run_dir / "hpc_ckpt_1.ckpt"
+    assert hpc.is_file(), log
+    step = _global_step(hpc)
+    assert step == _global_step(run_dir / "checkpoints" / "last.ckpt") and step < 400, log
+    assert "terminated:" in log and "scontrol requeue" not in log.split("terminated:")[1], log
+    assert "(restart 1)" not in log, log
