@@ -47,7 +47,8 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -328,26 +329,40 @@ def largest_batch(fits: Callable[[int], bool], start: int = 1, limit: int = 4096
     return good
 
 
+def runs_on_gpu(make: Callable[[], Callable[[], object]], calls: int = 1) -> bool:
+    """Whether the step ``make()`` builds runs ``calls`` times without running out of GPU memory (or an
+    allocation failure reported by cuBLAS/cuDNN, or a kernel's launch limit); frees what it allocated."""
+    step = None
+    try:
+        step = make()
+        for _ in range(calls):
+            step()
+        return True
+    except torch.OutOfMemoryError:
+        return False
+    except RuntimeError as e:
+        if any(key in str(e) for key in ("CUDA", "CUBLAS", "CUDNN", "invalid configuration")):
+            return False
+        raise
+    finally:
+        step = None
+        torch.cuda.empty_cache()
+
+
 def fits_on_gpu(s: Setup) -> Callable[[int], bool]:
     """Whether a fast-path training step at batch ``b`` runs without running out of GPU memory."""
     def fits(batch: int) -> bool:
-        c = s.net
         x = s.x
-        try:
+
+        def make() -> Callable[[], object]:
+            c = s.net
             s.x = torch.rand(batch, s.window, c.in_channels, c.height, c.width, device=s.device) * 2 - 1
-            step, model, opt = plain_step(s, fast=True)
-            step()
-            step()
-            return True
-        except torch.OutOfMemoryError:
-            return False
-        except RuntimeError as e:  # an allocation failure reported by cuBLAS/cuDNN, or a kernel's launch limit
-            if "CUDA" in str(e) or "CUBLAS" in str(e) or "CUDNN" in str(e) or "invalid configuration" in str(e):
-                return False
-            raise
+            return plain_step(s, fast=True)[0]
+
+        try:
+            return runs_on_gpu(make, calls=2)
         finally:
             s.x = x
-            torch.cuda.empty_cache()
 
     return fits
 
@@ -481,29 +496,21 @@ def reference_micro_batches(s: Setup) -> int:
     if s.device.type != "cuda":
         return 1
     micro = 1
-    while micro < s.batch:
-        try:
-            with fp32_matmuls():
-                step = plain_step(s, fast=False, micro=micro)[0]
-                step()
-            return micro
-        except torch.OutOfMemoryError:
+    with fp32_matmuls():
+        while micro < s.batch and not runs_on_gpu(lambda: plain_step(s, fast=False, micro=micro)[0]):
             micro *= 2
-        finally:
-            step = None
-            torch.cuda.empty_cache()
-    return s.batch
+    return micro
 
 
-class fp32_matmuls:
+@contextmanager
+def fp32_matmuls() -> Iterator[None]:
     """True fp32 on a GPU (no TF32 in matmuls and convolutions) for the reference, restored afterwards."""
-
-    def __enter__(self) -> None:
-        self.saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-
-    def __exit__(self, *exc: Any) -> None:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = self.saved
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 def host_syncs(step: Callable[[], object], device: torch.device) -> list[str] | None:

@@ -84,3 +84,20 @@ def test_step_flops_are_linear_in_the_batch_and_leave_out_checkpointing_recomput
         plain = count_flops(lambda: model.compute(s.x, step=None).loss.backward(), dense=False).useful
     assert model.dynamics.transformer.checkpointing  # restored
     assert count_flops(lambda: model.compute(s.x, step=None).loss.backward(), dense=False).useful > plain
+
+
+def test_a_step_that_runs_out_of_memory_does_not_fit_and_other_errors_surface():
+    import torch
+
+    from lwm.bench import runs_on_gpu
+
+    def failing(error):
+        def step():
+            raise error
+        return lambda: step
+
+    assert runs_on_gpu(lambda: (lambda: None), calls=2)
+    assert not runs_on_gpu(failing(torch.OutOfMemoryError("CUDA out of memory")))
+    assert not runs_on_gpu(failing(RuntimeError("CUDA error: invalid configuration argument")))
+    with pytest.raises(RuntimeError, match="a bug"):
+        runs_on_gpu(failing(RuntimeError("a bug")))
