@@ -29,6 +29,24 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
 
+def atomic_save(obj: Any, path: str | Path) -> Path:
+    """``torch.save`` to ``.NAME.tmp-PID`` beside ``path``, fsynced, then renamed over it: readers see the old
+    file or the new one, never a torn one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(path.parent)
+    return path
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any | None = None) -> None:
@@ -39,16 +57,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         for stale in glob.glob(str(path.parent / f".{path.name}.tmp-*")):  # from a run killed mid-write
             if not _pid_alive(stale.rsplit("-", 1)[-1]):
                 Path(stale).unlink(missing_ok=True)
-        tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-        try:
-            with open(tmp, "wb") as f:
-                torch.save(checkpoint, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
-        _fsync_dir(path.parent)
+        atomic_save(checkpoint, path)
 
     @override
     def load_checkpoint(

@@ -84,14 +84,11 @@ class CodeDictionary:
 
 def save_dictionaries(path: str | Path, dictionaries: dict[str, CodeDictionary], windows: int,
                       global_step: int | None = None) -> Path:
-    """Write ``codes.pt`` atomically (temp file + rename); ``global_step``: the encoders' checkpoint step."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
+    """Write ``codes.pt`` atomically; ``global_step``: the encoders' checkpoint step."""
+    from lwm.checkpoint import atomic_save
+
     meta = {"windows": windows, **({"global_step": int(global_step)} if global_step is not None else {})}
-    torch.save({**{k: d.to_state() for k, d in dictionaries.items()}, **meta}, tmp)
-    tmp.replace(path)
-    return path
+    return atomic_save({**{k: d.to_state() for k, d in dictionaries.items()}, **meta}, path)
 
 
 def load_dictionaries(path: str | Path) -> dict[str, CodeDictionary]:

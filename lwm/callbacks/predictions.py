@@ -16,6 +16,8 @@ import torch
 from lightning.pytorch.callbacks import BasePredictionWriter
 from typing_extensions import override
 
+from lwm.checkpoint import atomic_save
+
 
 class PredictionWriter(BasePredictionWriter):
     def __init__(self) -> None:
@@ -40,8 +42,4 @@ class PredictionWriter(BasePredictionWriter):
         logger = trainer.loggers[0] if trainer.loggers else None
         root = Path(getattr(logger, "log_dir", None) or trainer.default_root_dir)
         suffix = f"_rank{trainer.global_rank}" if trainer.world_size > 1 else ""
-        self.path = root / f"codes_per_window{suffix}.pt"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        torch.save(out, tmp)
-        tmp.replace(self.path)
+        self.path = atomic_save(out, root / f"codes_per_window{suffix}.pt")
