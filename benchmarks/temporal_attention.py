@@ -106,9 +106,9 @@ def main() -> None:
     print("variant | ms | GB/s (min bytes) | % of copy bandwidth | TFLOP/s (full square) | rel. error vs fp32")
     for label, (fn, query) in variants.items():
         queries = query.shape[2]
-        # q read, k and v read, out written (forward); + out, dout read and dq, dk, dv written (backward)
+        # forward: q, k, v read, out written; backward: q, k, v, out, dout read, dq, dk, dv written
         q_bytes, kv_bytes = query.numel() * query.element_size(), 2 * k.numel() * k.element_size()
-        moved = 2 * q_bytes + kv_bytes if not grad else 5 * q_bytes + 2 * kv_bytes
+        moved = 2 * q_bytes + kv_bytes if not grad else 6 * q_bytes + 3 * kv_bytes
         flops = 4 * n * h * queries * t * e * (3 if grad else 1)  # two matmuls (backward: twice the forward)
         with torch.no_grad():
             out = fn()

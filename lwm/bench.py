@@ -176,10 +176,10 @@ def plain_step(s: Setup, fast: bool, compile_: bool = True, micro: int = 1) -> t
 
     def step() -> torch.Tensor:
         i = next(counter)
-        for x in s.x.chunk(micro):
+        for x in s.x.chunk(micro):  # the batch mean: each chunk's mean weighted by its share
             with s.autocast(fast and s.bf16):
                 loss = model.compute(x, i, reuse_prefix=fast).loss
-            (loss / micro).backward()
+            (loss * (x.shape[0] / s.x.shape[0])).backward()
         if s.clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), float(s.clip))
         opt.step()
@@ -399,8 +399,10 @@ def main(argv: list[str]) -> int:
         variants[label] = run()
         memory[label] = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
 
-    if not args.no_reference:
-        micro = reference_micro_batches(s)
+    micro = None if args.no_reference else reference_micro_batches(s)
+    if not args.no_reference and micro is None:
+        notes.append("the fp32 reference does not fit in GPU memory even one sample at a time: not measured")
+    elif micro is not None:
         label = "reference" if micro == 1 else f"reference ({micro} micro-batches)"
         if micro > 1:
             notes.append(f"the fp32 reference does not fit at batch {s.batch}: it accumulates {micro} micro-batches")
@@ -409,6 +411,7 @@ def main(argv: list[str]) -> int:
     fast_step = plain_step(s, fast=True)[0]
     measure("fast path", lambda: timed(fast_step, args.steps, args.warmup, device))
     syncs = host_syncs(fast_step, device)
+    del fast_step  # its model and optimizer state would count in the next variant's peak memory
     if not args.no_lightning:
         measure("lightning", lambda: lightning_seconds(s, args.steps, args.warmup))
 
@@ -490,16 +493,18 @@ def write_json(path: str | None, out: dict) -> None:
         Path(path).write_text(json.dumps(out, indent=1))
 
 
-def reference_micro_batches(s: Setup) -> int:
+def reference_micro_batches(s: Setup) -> int | None:
     """How many micro-batches the fp32 reference needs to fit in GPU memory (1 on the CPU): the fewest of
-    1, 2, 4, ... whose step runs."""
+    1, 2, 4, ... (up to one sample each) whose step runs; None when none does."""
     if s.device.type != "cuda":
         return 1
     micro = 1
     with fp32_matmuls():
-        while micro < s.batch and not runs_on_gpu(lambda: plain_step(s, fast=False, micro=micro)[0]):
-            micro *= 2
-    return micro
+        while not runs_on_gpu(lambda: plain_step(s, fast=False, micro=micro)[0]):
+            if micro >= s.batch:
+                return None  # not even one sample at a time
+            micro = min(2 * micro, s.batch)
+    return len(s.x.chunk(micro))
 
 
 @contextmanager

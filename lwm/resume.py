@@ -21,8 +21,8 @@ from pathlib import Path
 from lwm.errors import ConfigError
 
 
-def run_paths(config: str, overrides: list[str]) -> tuple[Path, Path]:
-    """``(RUN_DIR, CHECKPOINT_DIR)`` of ``lwm fit --config config overrides``."""
+def run_paths(args: list[str]) -> tuple[Path, Path]:
+    """``(RUN_DIR, CHECKPOINT_DIR)`` of ``lwm fit ARGS`` (``--config`` files and overrides, in their order)."""
     import yaml
 
     from lwm.cli import lightning_cli
@@ -30,10 +30,10 @@ def run_paths(config: str, overrides: list[str]) -> tuple[Path, Path]:
     out = io.StringIO()
     try:
         with contextlib.redirect_stdout(out):
-            lightning_cli(["fit", "--config", config, *overrides, "--print_config"])
+            lightning_cli(["fit", *args, "--print_config"])
     except SystemExit as e:  # --print_config exits 0 after printing
         if e.code not in (0, None):
-            raise ConfigError(f"`lwm fit --config {config} ... --print_config` failed (exit {e.code})") from None
+            raise ConfigError(f"`lwm fit {' '.join(args)} --print_config` failed (exit {e.code})") from None
     cfg = yaml.safe_load(out.getvalue()) or {}
     root = Path((cfg.get("trainer") or {}).get("default_root_dir") or ".")
     dirpath = (cfg.get("checkpoint") or {}).get("dirpath")
@@ -41,9 +41,7 @@ def run_paths(config: str, overrides: list[str]) -> tuple[Path, Path]:
 
 
 def _step(path: Path) -> int | None:
-    """The global step of a checkpoint file (None: a directory, or unreadable)."""
-    if not path.is_file():
-        return None
+    """The global step of a checkpoint file (None: unreadable)."""
     import torch
 
     try:
@@ -52,29 +50,35 @@ def _step(path: Path) -> int | None:
         return None
 
 
+def _number(path: Path) -> int:
+    digits = re.findall(r"\d+", path.name)
+    return int(digits[-1]) if digits else -1
+
+
 def latest_checkpoint(run_dir: Path, checkpoint_dir: Path) -> Path | None:
     """The checkpoint that continues the run: the highest global step among ``last.ckpt`` and the hpc ones."""
-    hpc = sorted(run_dir.glob("hpc_ckpt_*.ckpt"), key=lambda p: int(re.findall(r"\d+", p.name)[-1]))
+    hpc = sorted(run_dir.glob("hpc_ckpt_*.ckpt"), key=_number)
     candidates = [p for p in (checkpoint_dir / "last.ckpt", *reversed(hpc)) if p.exists()]
-    if not candidates:
-        return None
-    steps = {p: _step(p) for p in candidates}
-    files = [p for p in candidates if steps[p] is not None]
-    if files and len(files) == len(candidates):
-        return max(files, key=lambda p: steps[p])  # ties: last.ckpt (listed first)
-    return candidates[0]  # DeepSpeed directories: last.ckpt, else the newest hpc
+    if any(p.is_dir() for p in candidates):  # DeepSpeed directories: last.ckpt, else the newest hpc
+        return candidates[0]
+    steps = {p: s for p in candidates if (s := _step(p)) is not None}
+    if not steps:  # none readable: the first, for lwm fit to refuse loudly (never a silent fresh start)
+        return candidates[0] if candidates else None
+    return max(steps, key=lambda p: steps[p])  # ties: last.ckpt (listed first)
 
 
 def main(argv: list[str]) -> int:
-    import argparse
-
-    p = argparse.ArgumentParser(prog="lwm resume-info", description=__doc__.split("\n\n")[0],
-                                epilog="Every other argument is a `lwm fit` override (--section.key=value).")
-    p.add_argument("--config", required=True, help="the fit config")
-    args, overrides = p.parse_known_args(argv)
-    if not os.path.isfile(args.config):
-        raise ConfigError(f"--config {args.config}: not found")
-    run_dir, checkpoint_dir = run_paths(args.config, overrides)
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        return 0
+    configs = [a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else "")
+               for i, a in enumerate(argv) if a == "--config" or a.startswith("--config=")]
+    if not configs:
+        raise ConfigError("lwm resume-info needs --config CFG (and the run's overrides, as given to lwm fit)")
+    for config in configs:
+        if not os.path.isfile(config):
+            raise ConfigError(f"--config {config}: not found")
+    run_dir, checkpoint_dir = run_paths(argv)  # every argument in its order: a later --config overrides
     found = latest_checkpoint(run_dir, checkpoint_dir)
     print(run_dir)
     print(found if found is not None else "")

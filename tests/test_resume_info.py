@@ -27,6 +27,9 @@ def test_the_highest_global_step_wins_whatever_the_file_times(tmp_path):
     assert latest_checkpoint(run, ckpts) == ckpts / "last.ckpt"
     _ckpt(run / "hpc_ckpt_2.ckpt", 9000, mtime=500)
     assert latest_checkpoint(run, ckpts) == run / "hpc_ckpt_2.ckpt"
+    (run / "hpc_ckpt_3.ckpt").write_bytes(b"torn")  # unreadable: not a candidate, the others still compared
+    (run / "hpc_ckpt_backup.ckpt").write_bytes(b"x")  # no number in the name
+    assert latest_checkpoint(run, ckpts) == run / "hpc_ckpt_2.ckpt"
     (ckpts / "last.ckpt").unlink()
     (ckpts / "last.ckpt").mkdir()  # a DeepSpeed checkpoint (a directory rewritten in place): last.ckpt first
     assert latest_checkpoint(run, ckpts) == ckpts / "last.ckpt"
@@ -42,3 +45,14 @@ def test_resume_info_prints_the_resolved_run_dir_and_checkpoint(tmp_path, capsys
                  f"--checkpoint.dirpath={elsewhere}"]) == 0
     assert capsys.readouterr().out.splitlines() == [str(root), str(elsewhere / "last.ckpt")]
     assert main(["resume-info", "--config", "nope.yaml"]) == 2
+    assert main(["resume-info", f"--trainer.default_root_dir={root}"]) == 2  # no --config
+
+
+def test_resume_info_reads_layered_configs_in_order(tmp_path, capsys):
+    """`train.sbatch base.yaml --config extra.yaml ...`: every config, as lwm fit reads them."""
+    base, extra = tmp_path / "base.yaml", tmp_path / "extra.yaml"
+    base.write_text(open(TINY).read().replace("default_root_dir: runs/tiny", f"default_root_dir: {tmp_path / 'run'}"))
+    extra.write_text("data:\n  batch_size: 2\n")
+    _ckpt(tmp_path / "run/checkpoints/last.ckpt", 30, mtime=1000)
+    assert main(["resume-info", "--config", str(base), "--config", str(extra)]) == 0
+    assert capsys.readouterr().out.splitlines() == [str(tmp_path / "run"), str(tmp_path / "run/checkpoints/last.ckpt")]

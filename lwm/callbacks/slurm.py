@@ -66,14 +66,18 @@ class SlurmRequeue(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if not self._active:
             return
-        requested = self._requested
+        if trainer.fit_loop._should_accumulate():  # not inside an accumulation window (its gradients would be lost)
+            return
+        requested, requeue = self._requested, self._requeue
         if trainer.world_size > 1:  # ranks get the signal at different batches: agree on one
             if trainer.global_step % self.every_n_steps:
                 return
             requested = trainer.strategy.reduce_boolean_decision(requested, all=False)
+            if requested:  # and on whether any rank got the requeue signal (not SIGTERM alone)
+                requeue = trainer.strategy.reduce_boolean_decision(requeue, all=False)
         if not requested:
             return
-        self._requested, requeue, self._requeue = False, self._requeue, False
+        self._requested = self._requeue = False
         self.preempted = True
         path = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
         trainer.save_checkpoint(path)

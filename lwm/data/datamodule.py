@@ -14,7 +14,10 @@ validation windows from its ``val`` files, each rank its own share, the sampler 
 from __future__ import annotations
 
 import math
+import multiprocessing
+import os
 import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,11 +33,27 @@ from lwm.data.windows import FileBatchSampler, H5WindowDataset, collate_windows
 
 
 def ignore_requeue_signal(worker_id: int) -> None:
-    """In a DataLoader worker: leave SLURM's requeue signal (SIGUSR1, sent to every process of the job step) to
-    the main process. A forked worker inherits Lightning's handler, which would write a checkpoint of nothing
-    and requeue the job from the worker."""
+    """In a DataLoader worker: leave SLURM's signals (sent to every process of the job step) to the main
+    process, which saves at the next batch end (:class:`~lwm.callbacks.SlurmRequeue`). A forked worker
+    inherits Lightning's SIGUSR1 handler, which would write a checkpoint of nothing and requeue the job from
+    the worker: ignored. PyTorch's SIGTERM handler kills the worker, which fails the step before the save:
+    a SIGTERM from anyone but the process that started the worker is ignored (a thread takes it with
+    ``sigwaitinfo``, which names the sender), and one from it (shutting its workers down) ends the worker as
+    before. (A spawned worker may already run torch's threads, which do not block SIGTERM: there PyTorch's
+    handler can still take it.)"""
     if hasattr(signal, "SIGUSR1"):
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    if hasattr(signal, "sigwaitinfo") and hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        starter = multiprocessing.parent_process()  # the DataLoader's process (not a forkserver)
+        parent = starter.pid if starter is not None else os.getppid()
+
+        def take_sigterm() -> None:
+            while True:
+                if signal.sigwaitinfo({signal.SIGTERM}).si_pid == parent:
+                    os._exit(0)
+
+        threading.Thread(target=take_sigterm, name="lwm-sigterm", daemon=True).start()
 
 
 class ResumableDataLoader(DataLoader):

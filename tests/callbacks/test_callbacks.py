@@ -195,6 +195,7 @@ def test_slurm_requeue_ranks_agree_every_n_steps_and_skip_the_code_dictionaries(
         strategy=SimpleNamespace(reduce_boolean_decision=lambda d, all: decisions.append(d) or d),
         _checkpoint_connector=SimpleNamespace(hpc_save_path=lambda root: f"{root}/hpc_ckpt_1.ckpt"),
         save_checkpoint=saved.append, checkpoint_callbacks=[],
+        fit_loop=SimpleNamespace(_should_accumulate=lambda: False),
     )
     for step in range(1, 30):
         if step == 1:
@@ -203,7 +204,8 @@ def test_slurm_requeue_ranks_agree_every_n_steps_and_skip_the_code_dictionaries(
         requeue.on_train_batch_end(trainer)
         if trainer.should_stop:
             break
-    assert decisions == [True] and trainer.global_step == 10 and saved == [f"{tmp_path}/hpc_ckpt_1.ckpt"]
+    # at step 10 only: whether any rank got a signal, then whether any got the requeue one (SIGUSR1)
+    assert decisions == [True, True] and trainer.global_step == 10 and saved == [f"{tmp_path}/hpc_ckpt_1.ckpt"]
     assert requeue.preempted
 
     class NoLoader:
@@ -231,6 +233,7 @@ def test_slurm_sigterm_saves_without_requeueing(tmp_path, monkeypatch):
         world_size=1, global_step=3, is_global_zero=True, should_stop=False, default_root_dir=str(tmp_path),
         _checkpoint_connector=SimpleNamespace(hpc_save_path=lambda root: f"{root}/hpc_ckpt_1.ckpt"),
         save_checkpoint=saved.append, checkpoint_callbacks=[],
+        fit_loop=SimpleNamespace(_should_accumulate=lambda: False),
     )
     requeue._on_signal(signal.SIGTERM, None)
     requeue.on_train_batch_end(trainer)

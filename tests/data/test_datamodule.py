@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -189,30 +190,45 @@ def test_fewer_validation_windows_than_ranks_is_refused_at_setup(manifest):
     assert tiny == [1] * windows  # a small fraction still gives every rank a window
 
 
-class _RequeueHandler(torch.utils.data.Dataset):
-    """Whether the worker that loads an item ignores SIGUSR1."""
+class _WorkerSignals(torch.utils.data.Dataset):
+    """Item 0: whether the loading worker ignores SIGUSR1; item 1: its pid."""
 
     def __len__(self) -> int:
-        return 1
+        return 2
 
     def __getitem__(self, i: int) -> torch.Tensor:
+        import os
         import signal
 
-        return torch.tensor(signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN)
+        return torch.tensor(signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN if i == 0 else os.getpid())
 
 
 @pytest.mark.parametrize("context", ["fork", "spawn"])
-def test_loader_workers_leave_the_requeue_signal_to_the_main_process(manifest, context):
-    """SLURM signals every process of the step; a forked worker inherits Lightning's SIGUSR1 handler (which
-    saves and requeues): the workers ignore it."""
+def test_loader_workers_leave_slurms_signals_to_the_main_process(manifest, context):
+    """SLURM signals every process of the step. A forked worker inherits Lightning's SIGUSR1 handler (which
+    saves and requeues): ignored. PyTorch's SIGTERM handler kills a worker (failing the step before the save):
+    a SIGTERM from another process is ignored, one from the parent (shutting the workers down) still ends it."""
     import signal
+    import subprocess
 
     kwargs = _dm(manifest, num_workers=1, multiprocessing_context=context)._loader_kwargs()
     kwargs.pop("collate_fn")
     previous = signal.signal(signal.SIGUSR1, lambda *args: None)  # as Lightning sets it in the main process
+    loader = torch.utils.data.DataLoader(_WorkerSignals(), batch_size=None, **kwargs)
+    it = iter(loader)
     try:
-        loader = torch.utils.data.DataLoader(_RequeueHandler(), batch_size=None, **kwargs)
-        assert bool(next(iter(loader)))
+        assert bool(next(it))
+        pid = int(next(it))
         assert signal.getsignal(signal.SIGUSR1) != signal.SIG_IGN  # the main process keeps its handler
+        if context == "spawn":  # torch's threads in a spawned worker do not block SIGTERM (see the docstring)
+            return
+        subprocess.run(["kill", "-TERM", str(pid)], check=True)  # as SLURM: from another process
+        time.sleep(0.5)
+        assert it._workers[0].is_alive() and list(loader)  # still serving
+        worker = it._workers[0]
+        worker.terminate()  # the parent's SIGTERM (as multiprocessing's exit does for daemon workers)
+        worker.join(timeout=10)
+        assert not worker.is_alive() and worker.exitcode == 0
     finally:
+        it._shutdown_workers()
         signal.signal(signal.SIGUSR1, previous)

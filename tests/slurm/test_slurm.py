@@ -228,7 +228,8 @@ def test_sigterm_saves_at_a_batch_end_and_stops(workdir):
     run_dir, out = workdir / "run", workdir / "job.out"
     every = 4
     env = _job_env() | {"RUN_DIR": str(run_dir)}
-    args = [*_common(manifest), "--trainer.max_steps=400", f"--checkpoint.every_n_train_steps={every}"]
+    args = [*_common(manifest), "--trainer.max_steps=400", f"--checkpoint.every_n_train_steps={every}",
+            "--data.num_workers=2"]  # SLURM signals the loader workers too: they must not fail the step
     job = _submit(["sbatch", f"--output={out}", "--job-name=lwm-test-sigterm", "slurm/train.sbatch", TINY, *args], env)
     try:
         first = run_dir / "checkpoints" / f"step={every:07d}.ckpt"
