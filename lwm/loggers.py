@@ -15,6 +15,7 @@ from __future__ import annotations
 import csv
 import netrc
 import os
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Literal
 
@@ -89,6 +90,14 @@ def make_loggers(root: str, wandb: WandbConfig = WandbConfig()) -> list:
             name=wandb.name or os.path.basename(os.path.abspath(root)),
         ))
     return loggers
+
+
+def run_log_dir(trainer: L.Trainer) -> Path:
+    """Where this run's files go: the CSV logger's folder (RUN_DIR, or RUN_DIR/<verb> for validate, test and
+    predict), else ``trainer.default_root_dir``. Not ``trainer.log_dir``, which broadcasts: callers may run on
+    rank 0 only."""
+    logger = trainer.loggers[0] if trainer.loggers else None
+    return Path(getattr(logger, "log_dir", None) or trainer.default_root_dir)
 
 
 def _step(pl_module: L.LightningModule) -> int:

@@ -17,6 +17,7 @@ from lightning.pytorch.callbacks import BasePredictionWriter
 from typing_extensions import override
 
 from lwm.checkpoint import atomic_save
+from lwm.loggers import run_log_dir
 
 
 class PredictionWriter(BasePredictionWriter):
@@ -39,7 +40,6 @@ class PredictionWriter(BasePredictionWriter):
             "start": torch.cat([b["start"] for b in batches]).cpu(),
             "global_step": int(getattr(pl_module, "logged_step", trainer.global_step)),
         }
-        logger = trainer.loggers[0] if trainer.loggers else None
-        root = Path(getattr(logger, "log_dir", None) or trainer.default_root_dir)
+        root = run_log_dir(trainer)
         suffix = f"_rank{trainer.global_rank}" if trainer.world_size > 1 else ""
         self.path = atomic_save(out, root / f"codes_per_window{suffix}.pt")

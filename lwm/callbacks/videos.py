@@ -9,7 +9,7 @@ import lightning as L
 import torch
 from typing_extensions import override
 
-from lwm.loggers import log_video
+from lwm.loggers import log_video, run_log_dir
 from lwm.video import grid, latent_preview, write_video
 
 
@@ -54,10 +54,6 @@ class RolloutVideos(L.Callback):
         codec = trainer.datamodule.codec() if hasattr(trainer.datamodule, "codec") else None
         show = (lambda x: codec.decode(x.float().numpy())) if codec is not None else latent_preview  # noqa: E731
         rows = [row for gt, gen in zip(clip.cpu(), rollout) for row in (show(gt), show(gen))]
-        # RUN_DIR, or RUN_DIR/validate for `lwm validate`: the CSV logger's folder (not `trainer.log_dir`, which
-        # broadcasts: this runs on rank 0 only)
-        logger = trainer.loggers[0] if trainer.loggers else None
-        root = getattr(logger, "log_dir", None) or trainer.default_root_dir
-        path = Path(root) / "videos" / f"step_{pl_module.logged_step:07d}.mp4"
+        path = run_log_dir(trainer) / "videos" / f"step_{pl_module.logged_step:07d}.mp4"  # (rank 0 only)
         self.last_path = write_video(path, grid(rows), self.fps)
         log_video(pl_module, "Val_Dynamics_Predictor/rollout_video", str(path), self.fps)
