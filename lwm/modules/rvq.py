@@ -274,9 +274,10 @@ class ResidualVectorQuantizer(nn.Module):
         decay = self.decay_at(step)
         stats = []
         for r, idx, cb in zip(residuals, indices, self.levels):
-            counts = torch.bincount(idx, minlength=cb.size).to(torch.float32)  # n_k  [K]
-            sums = torch.zeros_like(cb.embed).index_add_(0, idx, r)  # s_k  [K, dim]
-            stats.append(torch.cat([counts[:, None], sums], dim=1))  # [K, 1 + dim]
+            # n_k and s_k in one scatter: [1, r] rows added at their codes. (torch.bincount would read the
+            # indices' min and max on the host: two blocking syncs per level on CUDA.)
+            ones_and_r = torch.cat([torch.ones_like(r[:, :1]), r], dim=1)  # [N, 1 + dim]
+            stats.append(r.new_zeros(cb.size, 1 + r.shape[1]).index_add_(0, idx, ones_and_r))  # [K, 1 + dim]
         packed = torch.cat(stats)  # one all-reduce for every level
         if self._sync():
             dist.all_reduce(packed)

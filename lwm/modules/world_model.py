@@ -56,6 +56,14 @@ def to_half_weights(x: Tensor, weight: Tensor) -> Tensor:
     return x if weight.dtype == torch.float32 or x.dtype == weight.dtype else x.to(weight.dtype)
 
 
+def code_projection(layer: nn.Linear, h: Tensor) -> Tensor:
+    """``layer(h)`` in fp32 under any autocast or weight dtype: the encoder vector the fp32 quantizer reads (its
+    EMA sums and commitment loss), not a bf16 rounding of it. ``h`` is the pooled ``[..., D]``, so it is cheap."""
+    with torch.autocast(device_type=h.device.type, enabled=False):
+        bias = None if layer.bias is None else layer.bias.float()
+        return nn.functional.linear(h.float(), layer.weight.float(), bias)
+
+
 class ActionEncoder(nn.Module):
     """ST transformer with exactly one frame of lookahead, spatial mean-pool, RVQ: tokens -> ``[B, T-1, Da]``."""
 
@@ -70,9 +78,9 @@ class ActionEncoder(nn.Module):
         self.rvq = ResidualVectorQuantizer(d_code, codebook_sizes, **rvq_kwargs)
 
     def embed(self, tokens: Tensor, return_attn: bool = False) -> tuple[Tensor, list[Tensor]]:
-        """Pre-quantization action vectors ``[B, T-1, Da]`` (and per-block temporal attention if asked)."""
+        """Pre-quantization action vectors ``[B, T-1, Da]`` in fp32 (and per-block temporal attention if asked)."""
         h, attn, _ = self.transformer(tokens, return_attn)  # [B, T, N, D]; position i has seen frames 0..i+1
-        return self.to_code(h[:, :-1].mean(dim=2)), attn  # [B, T-1, Da]
+        return code_projection(self.to_code, h[:, :-1].mean(dim=2, dtype=torch.float32)), attn  # [B, T-1, Da]
 
     def forward(self, tokens: Tensor, step: int | Tensor | None = None) -> RVQOutput:
         z, _ = self.embed(tokens)
@@ -92,9 +100,9 @@ class WorldEncoder(nn.Module):
         self.rvq = ResidualVectorQuantizer(d_code, codebook_sizes, **rvq_kwargs)
 
     def embed(self, tokens: Tensor) -> Tensor:
-        """Pre-quantization world vector ``[B, Dh]``."""
+        """Pre-quantization world vector ``[B, Dh]`` in fp32."""
         h, _, _ = self.transformer(tokens)  # [B, T, N, D]
-        return self.to_code(h.mean(dim=(1, 2)))  # [B, Dh]
+        return code_projection(self.to_code, h.mean(dim=(1, 2), dtype=torch.float32))  # [B, Dh]
 
     def forward(self, tokens: Tensor, step: int | Tensor | None = None) -> RVQOutput:
         return self.rvq(self.embed(tokens), step)
@@ -314,10 +322,29 @@ class WorldModel(nn.Module):
     # ----------------------------------------------------------------------------------------------
     # Public API
     # ----------------------------------------------------------------------------------------------
-    def encode_actions(self, x: Tensor, t0: int | Tensor = 0) -> RVQOutput:
-        """Latent actions of a clip ``[B, T, C, H, W]``: quantized ``[B, T-1, Da]``, indices ``[B, T-1, La]``."""
+    def encode_actions(self, x: Tensor, t0: int = 0, window: int | None = None) -> RVQOutput:
+        """Latent actions of a clip ``[B, T, C, H, W]``: quantized ``[B, T-1, Da]``, indices ``[B, T-1, La]``.
+
+        ``window``: the most frames the action encoder sees at once (its training window; None: the whole clip).
+        A longer clip is read as generation plays it: ``a_i`` from frames ``max(0, i+2-window)..i+1`` at their own
+        temporal positions ``t0 + frame``. The first window gives ``a_0..a_{window-2}`` (exactly what the whole
+        clip gives: the encoder is causal with one frame of lookahead), each later window its last action."""
         self.check_frames(x, min_frames=2)
-        return self.action_encoder(self.tokenize(x) + self.pos_embedding(x.shape[1], t0))
+        B, T = x.shape[:2]
+        if window is None or T <= window:
+            return self.action_encoder(self.tokenize(x) + self.pos_embedding(T, t0))
+        if window < 2:
+            raise ValueError(f"window must be >= 2 frames (one transition), got {window}")
+        z = [self.action_encoder.embed(self.tokenize(x[:, :window]) + self.pos_embedding(window, t0))[0]]
+        starts = list(range(1, T - window + 1))  # window s: frames s..s+window-1, its last action a_{s+window-2}
+        per_chunk = max(1, 512 // (B * window))  # about 512 frames through the encoder at once
+        for i in range(0, len(starts), per_chunk):
+            chunk = starts[i : i + per_chunk]
+            clips = torch.stack([x[:, s : s + window] for s in chunk], dim=1).flatten(0, 1)  # [B*n, window, C, H, W]
+            offsets = torch.tensor(chunk, device=x.device).repeat(B) + t0  # [B*n], sample-major like `clips`
+            last = self.action_encoder.embed(self.tokenize(clips) + self.pos_embedding(window, offsets))[0][:, -1]
+            z.append(last.reshape(B, len(chunk), -1))
+        return self.action_encoder.rvq(torch.cat(z, dim=1))  # [B, T-1, Da]: eval, no step: no codebook update
 
     def encode_world(self, x: Tensor, t0: int | Tensor = 0) -> RVQOutput:
         """World hypothesis of a clip: quantized ``[B, Dh]``, indices ``[B, Lh]``."""

@@ -73,3 +73,28 @@ def test_bad_generation_inputs_are_refused():
         model.generate(context, actions, world, steps=3, window=0)
     with pytest.raises(ValueError, match="context: expected shape"):
         model.generate(context[:, :, :1], actions, world, steps=3)
+
+
+def test_actions_of_a_clip_longer_than_the_window_are_read_window_by_window():
+    """``encode_actions(x, window=W)``: a_0..a_{W-2} are the first window's (= the whole clip's: causal with one
+    frame of lookahead); each later a_i is the last action of the window of frames i+2-W..i+1 at positions
+    t0 + frame, exactly what encoding that window alone gives."""
+    model = _model()
+    g = torch.Generator().manual_seed(3)
+    x = torch.rand(2, 11, 2, 8, 8, generator=g) * 2 - 1
+    W, t0 = 4, 7
+    with torch.no_grad():
+        windowed = model.encode_actions(x, t0=t0, window=W)
+        whole = model.encode_actions(x, t0=t0)
+        assert windowed.quantized.shape == (2, 10, 4) and windowed.indices.shape == (2, 10, 2)
+        z = windowed.inputs  # pre-quantization vectors
+        assert torch.allclose(z[:, : W - 1], whole.inputs[:, : W - 1], atol=1e-6)
+        for i in range(W - 1, 10):
+            s = i + 2 - W
+            alone = model.encode_actions(x[:, s : s + W], t0=t0 + s)
+            assert torch.allclose(z[:, i], alone.inputs[:, -1], atol=1e-5), i
+            assert torch.equal(windowed.indices[:, i], alone.indices[:, -1])
+        assert not torch.allclose(z[:, W - 1 :], whole.inputs[:, W - 1 :], atol=1e-4)  # the window bites
+        assert torch.equal(model.encode_actions(x[:, :W], t0=t0, window=W).indices, whole.indices[:, : W - 1])
+    with pytest.raises(ValueError, match="window must be >= 2"):
+        model.encode_actions(x, window=1)

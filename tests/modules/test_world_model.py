@@ -200,8 +200,9 @@ def test_loss_is_the_requirements_weighted_sum():
     assert torch.allclose(logs["Dynamics_Predictor/tf_loss"], tf)
     assert torch.allclose(logs["Dynamics_Predictor/rollout_1_loss"], r1)
     assert torch.allclose(logs["Dynamics_Predictor/rollout_2_loss"], r2)
-    # the requirement's sums over frames (C*H*W values each), action vectors (Da) and the world vector (Dh),
-    # divided by the (T-1)*C*H*W predicted values
+    # the requirement's sums: each pass's over the frames it scores (C*H*W values each), divided by its number of
+    # scored values (the masked means above); the commitments' over action vectors (Da) and the world vector (Dh),
+    # divided by the teacher-forcing pass's (T-1)*C*H*W predicted values
     c = model.config
     elements = c.in_channels * c.height * c.width
     predicted = target[0].numel()  # (T-1) * C * H * W
@@ -229,6 +230,23 @@ def test_token_masking_reaches_world_encoder_and_predictor_but_not_actions():
     assert abs(mask.float().mean().item() - 0.3) < 0.08
     assert torch.allclose(train.actions.inputs, ev.actions.inputs, atol=1e-6)  # action encoder unmasked
     assert not torch.allclose(train.world.inputs, ev.world.inputs, atol=1e-4)
+    # the predictor's inputs, every pass: the mask token (+ PE) exactly where the mask says, its own tokens elsewhere
+    fed = []
+    hook = model.dynamics.register_forward_pre_hook(lambda module, args: fed.append(args[0].detach()))
+    with torch.no_grad():
+        mask = model.train().compute(x, step=None, t0=0).token_mask
+    hook.remove()
+    assert len(fed) == len(model.rollout_weights)
+    pe = model.pos_embedding(6, 0)  # [T, N, D]
+    masked_input = (model.mask_token + pe).detach()
+    with torch.no_grad():
+        unmasked = model.tokenize(x) + pe  # pass 0's tokens (the ground truth's)
+    for k, inputs in enumerate(fed):  # pass k computes positions k..T-2 (the earlier ones are reused)
+        positions = mask[:, k:5]  # [B, 5 - k, N]
+        assert inputs.shape[1] == 5 - k and positions.any()
+        assert torch.allclose(inputs[positions], masked_input[k:5].expand(4, -1, -1, -1)[positions], atol=1e-6)
+        if k == 0:
+            assert torch.allclose(inputs[~positions], unmasked[:, :5][~positions], atol=1e-5)
     tokens = torch.randn(4, 6, 4, 32)
     masked = model.apply_token_mask(tokens, mask)
     assert torch.equal(masked[mask], model.mask_token.detach().expand(int(mask.sum()), 32))
@@ -268,14 +286,24 @@ def test_loss_falls_on_one_fixed_clip():
 
 def test_bf16_autocast_keeps_quantizers_fp32():
     model = tiny_model()
+    x = clip(T=5)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss, _ = model(clip(T=5), step=0)
-    loss.backward()
+        out = model.compute(x, step=0, t0=0)
+        z_raw = model.tokenize(x) + model.pos_embedding(5, 0)
+        h, _, _ = model.action_encoder.transformer(z_raw)  # what the action encoder pools
+    out.loss.backward()
     for rvq in model.quantizers.values():
         for name, buf in rvq.named_buffers():
             if buf.is_floating_point():
                 assert buf.dtype == torch.float32, name
-    assert torch.isfinite(loss)
+    assert torch.isfinite(out.loss)
+    # the quantizers read fp32 encoder vectors, not bf16 roundings of them, and their losses are fp32
+    for quantized in (out.actions, out.world):
+        assert quantized.inputs.dtype == torch.float32 and quantized.commit_loss.dtype == torch.float32
+    layer = model.action_encoder.to_code
+    expected = h[:, :-1].float().mean(dim=2) @ layer.weight.detach().t() + layer.bias.detach()
+    assert torch.allclose(out.actions.inputs, expected, atol=1e-5)
+    assert not torch.equal(out.actions.inputs, out.actions.inputs.bfloat16().float())  # not a bf16 linear's output
 
 
 # --------------------------------------------------------------------------------------------------
