@@ -13,6 +13,7 @@ stay in the file, so a resumed run repeats a few steps: readers keep the last ro
 from __future__ import annotations
 
 import csv
+import importlib.util
 import netrc
 import os
 from pathlib import Path
@@ -25,7 +26,10 @@ import torch
 from lightning.pytorch.loggers import CSVLogger as _LightningCSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
+
+from lwm.errors import ConfigError
 
 
 class _AppendingWriter(ExperimentWriter):
@@ -77,10 +81,23 @@ def wandb_logged_in() -> bool:
     return any("wandb" in host for host in hosts)
 
 
+def wandb_installed() -> bool:
+    return importlib.util.find_spec("wandb") is not None
+
+
 def make_loggers(root: str, wandb: WandbConfig = WandbConfig()) -> list:
-    """The run's loggers: our CSV logger in ``root`` and, unless disabled, a WandbLogger writing to ``root/wandb``."""
+    """The run's loggers: our CSV logger in ``root`` and, unless disabled, a WandbLogger writing to ``root/wandb``.
+    Without wandb installed, the default mode leaves it out with a warning; an explicit ``online``/``offline`` is
+    a :class:`~lwm.errors.ConfigError`."""
     loggers: list = [CSVLogger(save_dir=root)]
     mode = wandb.mode or ("online" if wandb_logged_in() else "offline")
+    if mode != "disabled" and not wandb_installed():
+        if wandb.mode is not None:
+            raise ConfigError(f"wandb.mode={wandb.mode}, but wandb is not installed (pip install wandb, or "
+                              f"wandb.mode=disabled)")
+        rank_zero_warn("wandb is not installed: logging to RUN_DIR/metrics.csv only (wandb.mode=disabled "
+                       "silences this)")
+        mode = "disabled"
     if mode != "disabled":
         from lightning.pytorch.loggers import WandbLogger
 

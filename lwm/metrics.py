@@ -34,13 +34,18 @@ def attention_diagonality(attn: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def codebook_usage(indices: Tensor, codebook_sizes: Sequence[int]) -> Tensor:
-    """``indices [..., L]`` -> ``[L]``: codes of each level used at least once / codes in the level."""
+def used_codes(indices: Tensor, codebook_sizes: Sequence[int]) -> list[Tensor]:
+    """``indices [..., L]`` -> per level a ``[K_l]`` bool mask of the codes used at least once (no host sync)."""
     if indices.shape[-1] != len(codebook_sizes):
         raise ValueError(f"indices: expected {len(codebook_sizes)} levels in the last dim, got {tuple(indices.shape)}")
     flat = indices.reshape(-1, len(codebook_sizes))
-    used = [torch.bincount(flat[:, level], minlength=k)[:k].gt(0).sum() / k for level, k in enumerate(codebook_sizes)]
-    return torch.stack(used).float()
+    return [torch.zeros(k, dtype=torch.bool, device=indices.device).index_fill_(0, flat[:, level], True)
+            for level, k in enumerate(codebook_sizes)]
+
+
+def codebook_usage(indices: Tensor, codebook_sizes: Sequence[int]) -> Tensor:
+    """``indices [..., L]`` -> ``[L]``: codes of each level used at least once / codes in the level."""
+    return torch.stack([mask.float().mean() for mask in used_codes(indices, codebook_sizes)])
 
 
 @torch.no_grad()

@@ -185,11 +185,17 @@ class WorldModelModule(L.LightningModule):
 
     @property
     def logged_step(self) -> int:
-        """The step that logs, videos and outputs are labelled with: the global step while fitting, the
-        checkpoint's under ``lwm validate|test|predict`` (where Lightning's global step reads 0)."""
-        fitting = self._trainer is None or self.trainer.state.fn == "fit"
+        """The step that logs, videos and outputs are labelled with: while fitting, the step Lightning's loggers
+        write this moment's scalars at (``_batches_that_stepped``: the optimizer steps done before this batch, so
+        one below ``global_step`` from the end of a training batch and through the validation after it); the
+        checkpoint's global step under ``lwm validate|test|predict`` (where Lightning's global step reads 0)."""
+        if self._trainer is None:
+            return self.global_step
+        if self.trainer.state.fn == "fit":
+            loop = getattr(self.trainer.fit_loop, "epoch_loop", None)
+            return int(getattr(loop, "_batches_that_stepped", self.global_step))
         step = getattr(self, "_checkpoint_step", None)
-        return step if step and not fitting and self.global_step == 0 else self.global_step
+        return step if step and self.global_step == 0 else self.global_step
 
     def on_validation_start(self) -> None:
         if self.trainer.state.fn == "validate":

@@ -7,6 +7,7 @@ from typing import Any
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from typing_extensions import override
 
 from lwm.callbacks.schedule import is_logging_step
@@ -53,7 +54,12 @@ class AttentionDiagonality(L.Callback):
 
     @override
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.sanity_checking or not self._values:
+        if trainer.sanity_checking:
             return
-        for block, values in enumerate(zip(*self._values)):
-            log_distribution(pl_module, f"Val_Action_Encoder/attention_diagonality_block_{block}", torch.cat(values))
+        blocks = [torch.cat(values) for values in zip(*self._values)]  # per block [clips]; [] on a rank without any
+        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:  # every rank's clips
+            parts = [None] * trainer.world_size
+            dist.all_gather_object(parts, [b.cpu() for b in blocks])  # a collective: every rank gets here
+            blocks = [torch.cat(values).to(pl_module.device) for values in zip(*[p for p in parts if p])]
+        for block, values in enumerate(blocks):
+            log_distribution(pl_module, f"Val_Action_Encoder/attention_diagonality_block_{block}", values)

@@ -13,19 +13,20 @@ from typing_extensions import override
 
 from lwm.callbacks.schedule import is_logging_step
 from lwm.loggers import log_distribution
-from lwm.metrics import codebook_diversity, codebook_usage
+from lwm.metrics import codebook_diversity, used_codes
 
 
 class CodebookMonitor(L.Callback):
     """Logs, for each quantizer ``Q`` (``Action_Encoder``, ``World_Encoder``) and level ``l``:
 
     * ``{Train,Val}_Q/codebook_usage_level_l``: codes used in a batch / codes in the level (the requirement's
-      "in each batch"), at the logging interval for the batch of that step, and after each validation as the
-      mean over its batches (all ranks): the two read the same way. The levels' usages also as a distribution
+      "in each batch": a batch of ``data.batch_size``, one rank's), at the logging interval for the batches of
+      that step (the mean over ranks), and after each validation as the mean over its batches (all ranks): the
+      two read the same way. The levels' usages also as a distribution
       ``{Train,Val}_Q/codebook_usage``;
     * ``Val_Q/codebook_coverage_level_l``: codes used anywhere in the validation set (any rank) / codes in the level;
     * ``{Train,Val}_Q/codebook_diversity_{min,max,mean}_level_l``: pairwise MSE between the level's codes;
-    * ``Train_Q/ema_decay``: the EMA decay at this step (a function of the step).
+    * ``Train_Q/ema_decay``: the EMA decay of this step's update (a function of the step).
 
     Device tensors only between logging steps: no host sync per step.
     """
@@ -50,10 +51,12 @@ class CodebookMonitor(L.Callback):
         if not isinstance(outputs, dict) or not is_logging_step(trainer):
             return
         for name, quantizer in pl_module.model.quantizers.items():
-            usage = codebook_usage(outputs[name], quantizer.codebook_sizes)  # [L]
+            usage = torch.stack([m.float().mean() for m in used_codes(outputs[name], quantizer.codebook_sizes)])  # [L]
+            if trainer.world_size > 1:  # each rank's batch of data.batch_size, as in validation: their mean
+                usage = trainer.strategy.reduce(usage, reduce_op="mean")
             logs = {f"Train_{name}/codebook_usage_level_{l}": u for l, u in enumerate(usage)}
             logs.update(self._diversity(pl_module, "Train", name, quantizer))
-            logs[f"Train_{name}/ema_decay"] = float(quantizer.decay_at(trainer.global_step))
+            logs[f"Train_{name}/ema_decay"] = float(quantizer.decay_at(trainer.global_step - 1))  # this step's update
             pl_module.log_dict(logs, on_step=True, on_epoch=False)
             log_distribution(pl_module, f"Train_{name}/codebook_usage", usage)
 
@@ -72,10 +75,10 @@ class CodebookMonitor(L.Callback):
         if not isinstance(outputs, dict):
             return
         for name, used in self._val_used.items():
-            flat = outputs[name].reshape(-1, len(used))
-            for level, mask in enumerate(used):
-                mask[flat[:, level]] = True
-            usage = codebook_usage(flat, pl_module.model.quantizers[name].codebook_sizes)
+            batch_used = used_codes(outputs[name], pl_module.model.quantizers[name].codebook_sizes)
+            for mask, in_batch in zip(used, batch_used):
+                mask |= in_batch
+            usage = torch.stack([m.float().mean() for m in batch_used])
             for level, metric in enumerate(self._val_usage[name]):
                 metric.update(usage[level])
 

@@ -22,9 +22,10 @@ class FlopCounter(L.Callback):
     """On the first training batch, counts the FLOPs of one training step (forward with teacher forcing and
     both rollout passes, and backward; :func:`lwm.flops.count_flops` on the real batch: the attention kernels
     counted on the CPU too, and masked attention for the pairs its mask allows) without updating anything.
-    Then logs, at the logging interval, ``Train_Total/tflops`` (cumulative over all ranks: per-step FLOPs x world size x global step),
-    ``Train_Total/tflops_per_s`` (per device) and ``Train_Total/mfu`` when the device's peak is known (or
-    given as ``peak_tflops``, e.g. 989 for an H200's bf16 dense peak, which Lightning does not know); and
+    Then logs, at the logging interval, ``Train_Total/tflops`` (cumulative over all ranks: per-step FLOPs x
+    world size x global step), ``Train_Total/tflops_per_s`` (per device, over the interval's training time: the
+    validations in it left out) and ``Train_Total/mfu`` when the device's peak is known (or given as
+    ``peak_tflops``, e.g. 989 for an H200's bf16 dense peak, which Lightning does not know); and
     ``Val_Total/tflops`` with every validation, so validation losses can be plotted against compute.
     Under DeepSpeed the backward is not run: it is counted as twice the forward."""
 
@@ -32,6 +33,8 @@ class FlopCounter(L.Callback):
         self.peak_tflops = peak_tflops
         self.flops_per_step: int | None = None  # per device
         self._last: tuple[float, int] | None = None  # (time, global step) at the last log
+        self._validation_started: float | None = None
+        self._paused = 0.0  # seconds spent validating since the last log: not training time
 
     def _measure(self, trainer: L.Trainer, pl_module: L.LightningModule, x: torch.Tensor) -> int:
         """One sample's step, times the batch (every counted op is linear in the batch: little memory), with
@@ -75,14 +78,25 @@ class FlopCounter(L.Callback):
             return
         logs = {"Train_Total/tflops": self._cumulative_tflops(trainer)}
         now, step = time.perf_counter(), trainer.global_step
-        if self._last is not None and step > self._last[1]:  # rate over the last logging interval
-            rate = self.flops_per_step * (step - self._last[1]) / (now - self._last[0])  # FLOP/s per device
+        if self._last is not None and step > self._last[1]:  # rate over the last logging interval, less validation
+            seconds = max(now - self._last[0] - self._paused, 1e-9)
+            rate = self.flops_per_step * (step - self._last[1]) / seconds  # FLOP/s per device
             logs["Train_Total/tflops_per_s"] = rate / 1e12
             peak = self._peak(trainer, pl_module)
             if peak:
                 logs["Train_Total/mfu"] = rate / peak
-        self._last = (now, step)
+        self._last, self._paused = (now, step), 0.0
         pl_module.log_dict(logs, on_step=True, on_epoch=False, rank_zero_only=True)
+
+    @override
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._validation_started = time.perf_counter()
+
+    @override
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._validation_started is not None:
+            self._paused += time.perf_counter() - self._validation_started
+            self._validation_started = None
 
     @override
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -7,7 +7,11 @@ import lightning as L
 
 def is_logging_step(trainer: L.Trainer) -> bool:
     """Whether Lightning writes this training step's logs (values logged on other steps are dropped), as seen
-    from ``on_train_batch_end``. Callbacks that sync with the host do it only then."""
+    from ``on_train_batch_end``: with gradient accumulation, only the batch that ends the step (Lightning writes
+    no logs after the others). Callbacks that sync with the host do it only then."""
+    fit_loop = getattr(trainer, "fit_loop", None)
+    if fit_loop is not None and trainer.training and fit_loop._should_accumulate():
+        return False
     connector = getattr(trainer, "_logger_connector", None)
     if connector is not None and hasattr(connector, "should_update_logs"):
         return bool(connector.should_update_logs)

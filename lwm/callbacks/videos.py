@@ -14,7 +14,8 @@ from lwm.video import grid, latent_preview, write_video
 
 
 class RolloutVideos(L.Callback):
-    """Every ``every_n_validations``-th validation (the first included), on rank 0: the first ``clips`` clips
+    """Every ``every_n_validations``-th validation of a fit (the first included; the count is checkpointed), and
+    at ``lwm validate``, on rank 0: the first ``clips`` clips
     of the first validation batch are generated from their first frame with their inferred actions and world
     code (the predictor's cached rollout, frames 1..T-1), and written as ``RUN_DIR/videos/step_NNNNNNN.mp4``
     (each clip: ground truth above, rollout below; decoded to pixels by the validation files' codec when lwm
@@ -29,8 +30,17 @@ class RolloutVideos(L.Callback):
         self._clip: torch.Tensor | None = None
         self.last_path: Path | None = None
 
-    def _due(self, trainer: L.Trainer) -> bool:
-        return not trainer.sanity_checking and trainer.is_global_zero and self._validations % self.every_n_validations == 0
+    def _due(self, trainer: L.Trainer) -> bool:  # in fit, every n-th validation; `lwm validate`'s one, always
+        cadence = trainer.state.fn != "fit" or self._validations % self.every_n_validations == 0
+        return not trainer.sanity_checking and trainer.is_global_zero and cadence
+
+    @override
+    def state_dict(self) -> dict[str, int]:  # a resumed run keeps the every-n-th-validation cadence
+        return {"validations": self._validations}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        self._validations = int(state_dict.get("validations", 0))
 
     @override
     def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,

@@ -130,3 +130,76 @@ def test_the_model_summary_has_no_zero_flops_and_no_metric_rows(capsys):
     out = capsys.readouterr().out
     assert "model.dynamics" in out and "Trainable params" in out
     assert "FLOPs" not in out and "val_metrics" not in out
+
+
+def test_tflops_per_s_leaves_the_validation_time_out(monkeypatch):
+    """On a fake clock: 2 steps of 1 s each around a 10 s validation are 2 s of training."""
+    from types import SimpleNamespace
+
+    from lwm.callbacks import flops as flops_module
+    from lwm.callbacks.flops import FlopCounter
+
+    clock = [0.0]
+    monkeypatch.setattr(flops_module.time, "perf_counter", lambda: clock[0])
+    logged = {}
+    module = SimpleNamespace(log_dict=lambda logs, **kwargs: logged.update(logs))
+    trainer = SimpleNamespace(global_step=0, log_every_n_steps=2, world_size=1, training=True)
+    counter = FlopCounter(peak_tflops=1.0)
+    counter.flops_per_step = int(3e12)
+    counter.on_train_batch_end(trainer, module, None, None, 0)  # step 0: the interval starts
+    for seconds_before in (1.0, 1.0):  # two steps of 1 s, a validation of 10 s between them
+        clock[0] += seconds_before
+        if trainer.global_step == 0:
+            counter.on_validation_start(trainer, module)
+            clock[0] += 10.0
+            counter.on_validation_end(trainer, module)
+        trainer.global_step += 1
+    counter.on_train_batch_end(trainer, module, None, None, 1)
+    assert logged["Train_Total/tflops_per_s"] == pytest.approx(3.0)  # 2 steps x 3 TFLOP in 2 s
+    assert logged["Train_Total/mfu"] == pytest.approx(3.0)
+
+
+def test_without_wandb_installed_the_default_logs_to_the_csv_and_an_explicit_mode_is_refused(tmp_path, monkeypatch):
+    import lwm.loggers
+    from lwm.errors import ConfigError
+
+    monkeypatch.setattr(lwm.loggers, "wandb_installed", lambda: False)
+    with pytest.warns(UserWarning, match="wandb is not installed"):
+        loggers = make_loggers(str(tmp_path / "run"))
+    assert len(loggers) == 1 and isinstance(loggers[0], CSVLogger)
+    for mode in ("online", "offline"):
+        with pytest.raises(ConfigError, match=f"wandb.mode={mode}, but wandb is not installed"):
+            make_loggers(str(tmp_path / "run"), WandbConfig(mode=mode))
+    assert len(make_loggers(str(tmp_path / "run"), WandbConfig(mode="disabled"))) == 1
+
+
+def test_histograms_sit_at_the_step_of_their_scalars_and_once_per_accumulated_step(tmp_path):
+    """wandb histograms carry the step Lightning writes the same moment's scalars at (training and validation
+    inside fit); with gradient accumulation the monitors run once per optimizer step."""
+    import lightning as L
+    import torch
+
+    from lwm.callbacks import AttentionDiagonality, CodebookMonitor
+    from lwm.loggers import CSVLogger as LwmCSV
+    from tests.lightning.helpers import WandbLogger
+    from lwm.module import WorldModelModule
+    from tests.lightning.test_module import NET, _batches
+
+    wandb_logger = WandbLogger()
+    csv_logger = LwmCSV(str(tmp_path))
+    trainer = L.Trainer(max_steps=4, accelerator="cpu", logger=[csv_logger, wandb_logger], log_every_n_steps=2,
+                        accumulate_grad_batches=2, val_check_interval=4, limit_val_batches=1,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                        num_sanity_val_steps=0, callbacks=[AttentionDiagonality(), CodebookMonitor()])
+    loader = torch.utils.data.DataLoader(_batches(8), batch_size=None)
+    trainer.fit(WorldModelModule(net=NET), train_dataloaders=loader, val_dataloaders=loader)
+    csv_logger.finalize("success")
+    rows = read_metrics(tmp_path)
+    for split in ("Train", "Val"):
+        key = f"{split}_Action_Encoder/attention_diagonality_block_0"
+        scalar_steps = sorted(int(r["step"]) for r in rows if f"{key}/mean" in r)
+        histogram_steps = sorted(int(sent["trainer/global_step"]) for sent in wandb_logger.sent if key in sent)
+        assert scalar_steps and histogram_steps == scalar_steps, (split, scalar_steps, histogram_steps)
+    # 4 optimizer steps of 2 batches, logged every 2 steps: one histogram per quantizer at steps 1 and 3
+    train_usage = [s["trainer/global_step"] for s in wandb_logger.sent if "Train_Action_Encoder/codebook_usage" in s]
+    assert train_usage == [1, 3]
