@@ -47,6 +47,28 @@ def atomic_save(obj: Any, path: str | Path) -> Path:
     return path
 
 
+def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> tuple[dict[str, Any], Any]:
+    """``(the checkpoint's dict, its WorldModelModule)`` of an lwm checkpoint file (``weights_only=True``), for the
+    verbs that take a model from one (``lwm codes``, ``lwm generate``). A missing, foreign or unreadable file, or
+    a DeepSpeed checkpoint directory, is a one-line :class:`~lwm.errors.DataError` naming it."""
+    from lwm.errors import DataError
+    from lwm.module import WorldModelModule
+
+    path = Path(path)
+    if path.is_dir():
+        raise DataError(f"{path}: a DeepSpeed checkpoint directory; convert it to one file first (Lightning's "
+                        f"lightning.pytorch.utilities.deepspeed.convert_zero_checkpoint_to_fp32_state_dict)")
+    if not path.is_file():
+        raise DataError(f"{path}: checkpoint not found")
+    try:
+        raw = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        module = WorldModelModule.load_from_checkpoint(path, map_location=map_location, weights_only=True)
+    except Exception as e:  # a torn, foreign or non-checkpoint file: what failed, in one line
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise DataError(f"{path}: not a readable lwm checkpoint ({type(e).__name__}: {first[:200]})") from None
+    return raw, module
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any | None = None) -> None:

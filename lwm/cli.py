@@ -32,7 +32,7 @@ import re
 import sys
 import warnings
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Optional
 
 from lwm.errors import ConfigError, LwmError, NonFiniteLossError
 
@@ -63,6 +63,9 @@ def lightning_cli_class() -> type:
         """LightningCLI for :class:`WorldModelModule` + :class:`LatentDataModule` with lwm's run layout."""
 
         def __init__(self, args: list[str] | None = None, run: bool = True, **kwargs: Any) -> None:
+            if not run and any(str(a).split("=")[0] == "--ckpt_path" for a in (args or [])):
+                raise ConfigError("--ckpt_path: this command does not take one (lwm fit --ckpt_path resumes a run)")
+            self._verb_free = not run  # our verbs (codes, overfit, bench, demo) parse a fit's options without a verb
             super().__init__(
                 WorldModelModule,
                 LatentDataModule,
@@ -106,6 +109,11 @@ def lightning_cli_class() -> type:
                 parser.add_lightning_class_args(callback, key)
             parser.set_defaults({"model_summary.max_depth": 2})
             parser.add_class_arguments(WandbConfig, "wandb")
+            if self._verb_free:  # a fit's RUN_DIR/config.yaml records its ckpt_path: accepted there, and unused
+                parser.add_argument("--ckpt_path", type=Optional[str], default=None,
+                                    help="(read from a fit's config.yaml and ignored)")
+                parser.add_argument("--weights_only", type=Optional[bool], default=None,
+                                    help="(read from a fit's config.yaml and ignored: checkpoints load weights only)")
 
         def _checkpoint_file(self, config: Any) -> str | None:
             """``ckpt_path`` as a file: ``last`` is ``RUN_DIR/checkpoints/last.ckpt`` (None where there is none)."""

@@ -91,6 +91,13 @@ def save_dictionaries(path: str | Path, dictionaries: dict[str, CodeDictionary],
     return atomic_save({**{k: d.to_state() for k, d in dictionaries.items()}, **meta}, path)
 
 
+def default_codes_path(ckpt_path: str | Path) -> Path:
+    """Where a checkpoint's code dictionaries go: ``codes.pt`` beside ``last.ckpt`` (the end of fit writes it),
+    ``NAME.codes.pt`` beside any other ``NAME.ckpt``, so one checkpoint's never replace another's."""
+    ckpt_path = Path(ckpt_path)
+    return ckpt_path.parent / ("codes.pt" if ckpt_path.name == "last.ckpt" else f"{ckpt_path.stem}.codes.pt")
+
+
 def load_dictionaries(path: str | Path) -> dict[str, CodeDictionary]:
     return _load(path)[0]
 
@@ -104,9 +111,15 @@ def _load(path: str | Path) -> tuple[dict[str, CodeDictionary], dict]:
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: code dictionary not found (`lwm codes --config CFG --ckpt_path CKPT` writes one)")
-    raw = torch.load(path, weights_only=True)
-    return ({k: CodeDictionary.from_state(v) for k, v in raw.items() if isinstance(v, dict)},
-            {k: v for k, v in raw.items() if not isinstance(v, dict)})
+    try:
+        raw = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(raw, dict):
+            raise TypeError(f"a {type(raw).__name__}")
+        return ({k: CodeDictionary.from_state(v) for k, v in raw.items() if isinstance(v, dict)},
+                {k: v for k, v in raw.items() if not isinstance(v, dict)})
+    except Exception as e:  # a torn or foreign file
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise DataError(f"{path}: not a code dictionary of `lwm codes` ({first[:200]})") from None
 
 
 @torch.no_grad()
@@ -141,25 +154,22 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--ckpt_path", required=True, help="the checkpoint whose encoders to use")
     parser.add_argument("--max-windows", type=int, default=None, help="encode at most this many windows (default: all)")
-    parser.add_argument("--out", help="output file (default: codes.pt beside the checkpoint)")
+    parser.add_argument("--out", help="output file (default: codes.pt beside last.ckpt, NAME.codes.pt beside "
+                                      "another NAME.ckpt)")
     args, rest = parser.parse_known_args(argv)
+    if args.max_windows is not None and args.max_windows < 1:
+        raise ConfigError(f"--max-windows must be >= 1 (or left out: all), got {args.max_windows}")
     ckpt_path = Path(args.ckpt_path)
-    if not ckpt_path.is_file():
-        raise DataError(f"{ckpt_path}: checkpoint not found")
-    from lwm.module import WorldModelModule
+    from lwm.checkpoint import load_checkpoint
 
     dm = lightning_cli_class()(args=rest, run=False).datamodule  # the data; the model is the checkpoint's
+    checkpoint, module = load_checkpoint(ckpt_path)
     dm.setup("fit")
-    checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
-    try:
-        module = WorldModelModule.load_from_checkpoint(ckpt_path, map_location="cpu", weights_only=True)
-    except (KeyError, TypeError, RuntimeError) as e:
-        raise ConfigError(f"{ckpt_path}: not an lwm checkpoint ({str(e).strip().splitlines()[0]})") from None
     module.check_data(dm.frame_shape, dm.window, str(dm.manifest_path))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = module.model.to(device).eval()
     dictionaries, windows = collect(model, dm.code_loader(args.max_windows), device)
-    out = save_dictionaries(args.out or ckpt_path.parent / "codes.pt", dictionaries, windows,
+    out = save_dictionaries(args.out or default_codes_path(ckpt_path), dictionaries, windows,
                             checkpoint.get("global_step"))
     for name, d in dictionaries.items():
         possible = 1

@@ -22,7 +22,7 @@ import h5py
 import numpy as np
 import torch
 
-from lwm.codes import dictionaries_step, load_dictionaries
+from lwm.codes import default_codes_path, dictionaries_step, load_dictionaries
 from lwm.data.codecs import codec_from_attr, missing_codec
 from lwm.data.h5 import DataError, inspect_h5
 from lwm.errors import ConfigError
@@ -59,6 +59,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     for name in ("context", "steps", "rollouts"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.window is not None and args.window < 1:
+        p.error(f"--window must be >= 1, got {args.window}")
     if args.out and Path(args.out).suffix not in VIDEO_SUFFIXES:
         p.error(f"--out {args.out}: the video must be one of {', '.join(VIDEO_SUFFIXES)}")
     return args
@@ -106,18 +108,15 @@ def _decode(quantizer, indices: torch.Tensor, option: str) -> torch.Tensor:
 
 
 def run(args: argparse.Namespace) -> Path:
-    from lwm.module import WorldModelModule
+    from lwm.checkpoint import load_checkpoint
 
     ckpt_path = Path(args.ckpt_path)
-    if not ckpt_path.is_file():
-        raise DataError(f"{ckpt_path}: checkpoint not found")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    raw = torch.load(ckpt_path, map_location="cpu", weights_only=True)
-    module = WorldModelModule.load_from_checkpoint(ckpt_path, map_location=device, weights_only=True)
+    raw, module = load_checkpoint(ckpt_path, map_location=device)
     model = module.model.eval()
     c = model.config
-    trained = raw.get("datamodule_hyper_parameters", {}).get("window")
-    window = args.window or (trained - 1 if trained else None)
+    trained = raw.get("datamodule_hyper_parameters", {}).get("window")  # frames per training window
+    window = args.window if args.window is not None else (trained - 1 if trained else None)  # predictor inputs
 
     info = inspect_h5(args.data, c.in_channels, c.height, c.width, check_values=False)
     need_gt = args.actions == "inferred" and not args.action_indices
@@ -133,8 +132,14 @@ def run(args: argparse.Namespace) -> Path:
         world_end = min(info.frames, args.start + max(trained or args.context + args.steps, args.context))
         world_clip = torch.from_numpy(np.asarray(ds[args.start:world_end], dtype=np.float32))[None].to(device)
         codec = f.attrs.get("codec")
+    decoder = codec_from_attr(codec, str(args.data), args.vae, str(device))  # before the work: a bad --vae fails now
 
     R, T = args.rollouts, args.context + args.steps - 1  # transitions needed
+    last_position = T - 1  # the last frame fed to the predictor sits at temporal position T - 1 (t0 = 0)
+    if trained and last_position > model.max_time_offset + trained - 2:
+        print(f"warning: the rollout feeds temporal positions up to {last_position}; training saw up to "
+              f"{model.max_time_offset + trained - 2} (model.net.max_time_offset {model.max_time_offset} + a "
+              f"{trained}-frame window): later frames are out of the trained range", file=sys.stderr)
     generator = torch.Generator(device=device).manual_seed(args.seed)
     draws = torch.Generator().manual_seed(args.seed)  # dictionary draws, one stream: the world's, then the actions'
     quantizers = model.quantizers
@@ -142,7 +147,9 @@ def run(args: argparse.Namespace) -> Path:
     needed = [name for name, used in (("Action_Encoder", args.actions == "dictionary" and not args.action_indices),
                                       ("World_Encoder", args.world == "dictionary" and not args.world_indices)) if used]
     if needed:
-        codes_path = Path(args.codes) if args.codes else ckpt_path.parent / "codes.pt"
+        codes_path = Path(args.codes) if args.codes else default_codes_path(ckpt_path)
+        if not args.codes and not codes_path.is_file() and (ckpt_path.parent / "codes.pt").is_file():
+            codes_path = ckpt_path.parent / "codes.pt"  # the end of fit's (its step is checked below)
         dictionaries = load_dictionaries(codes_path)
         _check_dictionaries(dictionaries, codes_path, model, needed)
         made_at = dictionaries_step(codes_path)
@@ -168,18 +175,22 @@ def run(args: argparse.Namespace) -> Path:
                                   f"{args.steps} steps), got {idx.shape[0]}")
             actions = _decode(quantizers["Action_Encoder"], idx[:T].to(device), "--action-indices")[None].expand(R, -1, -1)
         elif args.actions == "inferred":
-            actions = model.encode_actions(clip[:, : T + 1]).quantized.expand(R, -1, -1)
-        elif args.actions == "random":
-            actions = random_codes(quantizers["Action_Encoder"], (R, T), generator)
-        else:
-            idx = dictionaries["Action_Encoder"].sample((R, T), args.sampling, draws)
-            actions = quantizers["Action_Encoder"].decode_indices(idx.to(device))
+            actions = model.encode_actions(clip[:, : T + 1], window=trained).quantized.expand(R, -1, -1)
+        else:  # the context's own transitions are inferred from it; the rollout's are drawn
+            if args.actions == "random":
+                drawn = random_codes(quantizers["Action_Encoder"], (R, args.steps), generator)
+            else:
+                idx = dictionaries["Action_Encoder"].sample((R, args.steps), args.sampling, draws)
+                drawn = quantizers["Action_Encoder"].decode_indices(idx.to(device))
+            if args.context > 1:
+                seen = model.encode_actions(clip[:, : args.context], window=trained).quantized  # [1, c-1, Da]
+                drawn = torch.cat([seen.expand(R, -1, -1).to(drawn.dtype), drawn], dim=1)
+            actions = drawn
         context = clip[:, : args.context].expand(R, -1, -1, -1, -1)
         generated = model.generate(context, actions, world, args.steps, t0=0, window=window)  # [R, steps, C, H, W]
 
     out = Path(args.out) if args.out else ckpt_path.parent.parent / "generated" / f"{Path(args.data).stem}_{args.start}.mp4"
     rollouts = torch.cat([context, generated], dim=1).cpu()  # [R, context + steps, C, H, W]
-    decoder = codec_from_attr(codec, str(args.data), args.vae, str(device))
     to_video = (lambda x: decoder.decode(x.numpy())) if decoder is not None else latent_preview  # noqa: E731
     rows = [to_video(r) for r in rollouts]
     if clip.shape[1] == rollouts.shape[1]:

@@ -18,7 +18,8 @@ from tests.lightning.helpers import make_dataset, run
 def trained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gen")
     manifest = make_dataset(tmp / "data", files=5)
-    assert run(manifest, tmp / "run", "--trainer.max_steps=3", "--data.val_size_percent=0") == 0
+    assert run(manifest, tmp / "run", "--trainer.max_steps=3", "--data.val_size_percent=0",
+               "--checkpoint.every_n_train_steps=2") == 0  # step=0000002.ckpt, and last.ckpt at step 3
     return tmp, tmp / "run/checkpoints/last.ckpt", tmp / "data/ep00.h5"
 
 
@@ -123,3 +124,89 @@ def test_the_inferred_world_does_not_depend_on_the_number_of_steps(trained):
     short = _generate(ckpt, data, tmp / "w3.gif", "--steps", "3", "--rollouts", "1", "--action-indices", actions)
     long = _generate(ckpt, data, tmp / "w8.gif", "--steps", "8", "--rollouts", "1", "--action-indices", actions)
     assert np.allclose(short[0], long[0, :4], atol=1e-6)
+
+
+def _error_lines(capsys) -> list[str]:
+    return [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+
+
+@pytest.mark.parametrize("kind", ["text", "foreign", "directory"])
+def test_a_bad_checkpoint_is_one_error_line(trained, tmp_path, capsys, kind):
+    tmp, ckpt, data = trained
+    bad = tmp_path / "bad.ckpt"
+    if kind == "text":
+        bad.write_text("not a checkpoint")
+    elif kind == "foreign":
+        torch.save({"a": 1}, bad)
+    else:
+        bad.mkdir()  # what a DeepSpeed checkpoint is
+    for argv in (["generate", "--ckpt_path", str(bad), "--data", str(data), "--out", str(tmp_path / "x.gif")],
+                 ["codes", "--ckpt_path", str(bad), "--config", str(tmp / "run/config.yaml")]):
+        assert main(argv) == 2
+        errors = _error_lines(capsys)
+        expected = "a DeepSpeed checkpoint directory" if kind == "directory" else "not a readable lwm checkpoint"
+        assert len(errors) == 1 and f"{bad}: {expected}" in errors[0], errors
+    assert not (tmp_path / "x.gif.h5").exists()
+
+
+def test_a_bad_code_dictionary_file_and_window_are_refused(trained, tmp_path, capsys):
+    tmp, ckpt, data = trained
+    garbage = tmp_path / "codes.pt"
+    garbage.write_text("no")
+    assert main(["generate", "--ckpt_path", str(ckpt), "--data", str(data), "--codes", str(garbage),
+                 "--out", str(tmp_path / "x.gif")]) == 2
+    errors = _error_lines(capsys)
+    assert len(errors) == 1 and f"{garbage}: not a code dictionary of `lwm codes`" in errors[0], errors
+    for window in ("0", "-3"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["generate", "--ckpt_path", str(ckpt), "--data", str(data), "--window", window])
+        assert exit_.value.code == 2 and f"--window must be >= 1, got {window}" in capsys.readouterr().err
+    assert main(["codes", "--ckpt_path", str(ckpt), "--config", str(tmp / "run/config.yaml"), "--max-windows", "0"]) == 2
+    assert "--max-windows must be >= 1" in _error_lines(capsys)[0]
+
+
+def test_lwm_codes_from_the_run_config_writes_each_checkpoint_its_own_dictionary(trained, capsys):
+    """The command the step-mismatch warning suggests works on the fit's own config.yaml; a step checkpoint's
+    dictionary goes beside it under its name (codes.pt stays last.ckpt's), and generate finds it."""
+    from lwm.codes import dictionaries_step
+
+    tmp, ckpt, data = trained
+    step2 = ckpt.parent / "step=0000002.ckpt"
+    codes = ckpt.parent / "codes.pt"
+    before = codes.read_bytes()
+    assert main(["codes", "--config", str(tmp / "run/config.yaml"), "--ckpt_path", str(step2)]) == 0
+    assert codes.read_bytes() == before and dictionaries_step(codes) == 3
+    assert dictionaries_step(ckpt.parent / "step=0000002.codes.pt") == 2
+    capsys.readouterr()
+    _generate(step2, data, tmp / "step2.gif", "--steps", "2")
+    assert "warning" not in capsys.readouterr().err  # its own dictionary, not codes.pt (step 3)
+    assert main(["overfit", "--config", str(tmp / "run/config.yaml"), "--ckpt_path", str(ckpt)]) == 2
+    assert "--ckpt_path: this command does not take one" in _error_lines(capsys)[0]
+
+
+def test_the_context_transitions_keep_their_inferred_actions(trained):
+    """With several context frames and drawn actions, the transitions between context frames get the actions
+    inferred from them; the draws start at the first generated frame."""
+    from lwm.metrics import random_codes
+
+    tmp, ckpt, data = trained
+    gen = _generate(ckpt, data, tmp / "ctx.gif", "--steps", "3", "--rollouts", "1", "--actions", "random",
+                    "--context", "3", "--seed", "4")
+    model = WorldModelModule.load_from_checkpoint(ckpt, weights_only=True).model.eval()
+    with h5py.File(data) as f:
+        clip = torch.from_numpy(f["latents"][0:6])[None]
+    with torch.no_grad():
+        seen = model.encode_actions(clip[:, :3]).quantized  # a_0, a_1 from frames 0..2
+        drawn = random_codes(model.quantizers["Action_Encoder"], (1, 3), torch.Generator().manual_seed(4))
+        world = model.encode_world(clip).quantized  # the training window: 6 frames
+        expected = model.generate(clip[:, :3], torch.cat([seen, drawn], dim=1), world, 3, window=5)
+    assert np.allclose(gen[0, 3:], expected[0].numpy(), atol=1e-5)
+
+
+def test_positions_past_the_trained_range_are_warned_about(trained, capsys):
+    tmp, ckpt, data = trained  # window 6, max_time_offset 32: training fed positions up to 32 + 6 - 2 = 36
+    capsys.readouterr()
+    _generate(ckpt, data, tmp / "p37.gif", "--steps", "37", "--rollouts", "1", "--actions", "random")
+    assert "warning" not in capsys.readouterr().err  # the last frame fed sits at position 36
+    _generate(ckpt, data, tmp / "p38.gif", "--steps", "38", "--rollouts", "1", "--actions", "random")
+    assert "the rollout feeds temporal positions up to 37; training saw up to 36" in capsys.readouterr().err
