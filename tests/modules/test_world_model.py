@@ -142,8 +142,8 @@ def test_rollout_pass_k_repeats_previous_pass_on_its_first_k_positions(train):
         assert not torch.allclose(cur[:, k], prev[:, k], atol=1e-4), f"pass {k} predicts something new at {k}"
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_rollout_reusing_the_previous_pass_equals_recomputing_it(checkpointing):
+@pytest.mark.parametrize(("checkpointing", "kernel"), [(False, "sdpa"), (True, "sdpa"), (False, "matmul")])
+def test_rollout_reusing_the_previous_pass_equals_recomputing_it(checkpointing, kernel):
     """Each rollout pass computes only the positions after the ones the previous pass already has (attending to
     its keys/values there): the same predictions, losses and gradients as recomputing every position, with
     token masks and a random PE start per sample, and fewer FLOPs."""
@@ -153,7 +153,7 @@ def test_rollout_reusing_the_previous_pass_equals_recomputing_it(checkpointing):
     results = []
     for reuse in (False, True):
         model = tiny_model(mask_prob=0.3, rollout_weights=(1.0, 0.8, 0.5, 0.3),
-                           activation_checkpointing=checkpointing).train()
+                           activation_checkpointing=checkpointing, temporal_attention=kernel).train()
         out = model.compute(x, step=None, generator=torch.Generator().manual_seed(4), reuse_prefix=reuse)
         assert out.token_mask.any()
         out.loss.backward()
