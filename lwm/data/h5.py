@@ -93,10 +93,32 @@ def inspect_h5(
             if not isinstance(act, h5py.Dataset) or act.shape != (T,) or act.dtype.kind not in "iu":
                 shape = getattr(act, "shape", None)
                 raise DataError(f"{path}: '{ACTIONS_KEY}' must be integers of shape ({T},), got {shape} {getattr(act, 'dtype', '')}")
+            if check_values:
+                values = act[...]
+                if values.min() < 0 or values.max() > np.iinfo(np.int64).max:  # -1 means "no label" in batches
+                    raise DataError(f"{path}: '{ACTIONS_KEY}' must be >= 0 (and fit int64), got values in "
+                                    f"[{values.min()}, {values.max()}]")
         label = f.attrs.get("world_label")
         if label is not None:
             label = parse_world_label(label, path)
+        _check_codec(f.attrs.get("codec"), path, C, H, W)
         return H5Info(key, T, C, H, W, has_actions, label)
+
+
+def _check_codec(attr: object, path: Path, C: int, H: int, W: int) -> None:
+    """A ``codec`` attribute must parse, and the built-in pixel codec must fit the latents' shape (else the run
+    would stop at its first validation video, hours in)."""
+    from lwm.data.codecs import PixelCodec, codec_spec
+
+    spec = codec_spec(attr, str(path))
+    if spec is not None and spec["name"] == "pixel":
+        try:
+            side = PixelCodec(size=int(spec.get("size", 128))).latent_size
+        except (TypeError, ValueError):
+            raise DataError(f"{path}: attribute 'codec' has a bad pixel size: {spec.get('size')!r}") from None
+        if (C, H, W) != (16, side, side):
+            raise DataError(f"{path}: attribute 'codec' names the pixel codec of [16, {side}, {side}] latents, but "
+                            f"the dataset holds [{C}, {H}, {W}]")
 
 
 def parse_world_label(value: object, path: str | Path) -> int:
@@ -104,6 +126,8 @@ def parse_world_label(value: object, path: str | Path) -> int:
     value = np.asarray(value)
     if value.shape != () or value.dtype.kind not in "iu":
         raise DataError(f"{path}: attribute 'world_label' must be an integer, got {value!r}")
+    if value < 0 or value > np.iinfo(np.int64).max:  # -1 means "no label" in batches
+        raise DataError(f"{path}: attribute 'world_label' must be >= 0 (and fit int64), got {value}")
     return int(value)
 
 

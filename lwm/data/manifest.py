@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -67,10 +68,14 @@ class Manifest:
     def save(self, path: str | Path | None = None) -> Path:
         """Write atomically (temp file + rename) so an interrupted write never leaves a broken manifest."""
         path = Path(path or self.path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        tmp.write_text(json.dumps(self.to_json(), indent=1))
-        os.replace(tmp, path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(self.to_json(), indent=1))
+            os.replace(tmp, path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise DataError(f"{path}: cannot write the manifest ({e.strerror or e})") from None
         self.path = path
         return path
 
@@ -89,12 +94,40 @@ class Manifest:
             manifest = cls(path, int(raw["channels"]), int(raw["height"]), int(raw["width"]), entries)
         except (KeyError, TypeError, ValueError) as e:
             raise DataError(f"{path}: manifest field missing or malformed ({type(e).__name__}: {e})") from None
+        seen: set[str] = set()
         for e in entries:
+            if e.path in seen:  # in both splits, it would be validated on what it trained on
+                raise DataError(f"{path}: file {e.path} is listed twice")
+            seen.add(e.path)
             if e.split not in SPLITS:
                 raise DataError(f"{path}: file {e.path} has split {e.split!r}, expected one of {SPLITS}")
             if e.frames < 1:
                 raise DataError(f"{path}: file {e.path} has frames={e.frames}")
         return manifest
+
+
+def find_h5_files(directory: Path) -> list[Path]:
+    """Every ``*.h5``/``*.hdf5`` file under ``directory`` (any case; linked folders followed), each physical file
+    once: a link to a file already found is left out with a note (listed twice, it could land in both splits)."""
+    found: dict[Path, Path] = {}  # resolved -> the first path found
+    visited: set[Path] = set()
+    for root, dirs, names in os.walk(directory, followlinks=True):
+        real = Path(root).resolve()
+        if real in visited:  # a link back up the tree
+            dirs[:] = []
+            continue
+        visited.add(real)
+        dirs.sort()
+        for name in sorted(names):
+            p = Path(root) / name
+            if p.suffix.lower() not in (".h5", ".hdf5") or not p.is_file():
+                continue
+            target = p.resolve()
+            if target in found:
+                print(f"note: {p} is the same file as {found[target]}: indexed once", file=sys.stderr)
+                continue
+            found[target] = p
+    return sorted(found.values())
 
 
 def _previous_splits(path: Path, shape: tuple[int, int, int] | None) -> dict[str, str]:
@@ -131,7 +164,14 @@ def index_directory(
     if not 0.0 <= val_fraction < 1.0:
         raise DataError(f"val_fraction must lie in [0, 1), got {val_fraction}")
     out = Path(out) if out else directory / "manifest.json"
-    files = sorted(p for p in directory.rglob("*") if p.suffix in (".h5", ".hdf5") and p.is_file())
+    if out.is_dir():
+        raise DataError(f"--out {out}: a directory; give the manifest's file name (e.g. {out / 'manifest.json'})")
+    if out.exists():  # only a manifest (JSON) is ever overwritten, not an h5 file given by mistake
+        try:
+            json.loads(out.read_text())
+        except (OSError, ValueError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            raise DataError(f"--out {out}: exists and is not a JSON manifest; not overwritten") from None
+    files = find_h5_files(directory)
     if not files:
         raise DataError(f"{directory}: no .h5/.hdf5 files found")
     infos, problems = {}, []

@@ -210,3 +210,32 @@ def test_no_dataset_at_all(tmp_path):
     with h5py.File(p, "w") as f:
         f.create_group("g")
     assert "(datasets: none)" in refused(p)
+
+
+def test_negative_actions_and_world_label_are_refused(make_h5):
+    """-1 means "no label" in batches: a negative label in a file would be silently dropped by the probes."""
+    actions = np.arange(10, dtype=np.int64)
+    actions[4] = -1
+    refused(make_h5("act_neg.h5", 10, actions=actions), "'actions' must be >= 0")
+    refused(make_h5("label_neg.h5", 5, world_label=-1), "'world_label' must be >= 0")
+    huge = np.full(10, 2**63, dtype=np.uint64)  # does not fit the int64 batches
+    refused(make_h5("act_huge.h5", 10, actions=huge), "'actions' must be >= 0 (and fit int64)")
+
+
+def test_a_codec_attribute_must_parse_and_fit_the_latents(tmp_path):
+    import json
+
+    from tests.data.conftest import write_h5
+
+    def with_codec(name, codec, shape):
+        path = write_h5(tmp_path / name, 4, channels=shape[0], height=shape[1], width=shape[2])
+        with h5py.File(path, "a") as f:
+            f.attrs["codec"] = codec
+        return path
+
+    refused(with_codec("not_json.h5", "not json", (4, 8, 8)), "attribute 'codec' is not JSON")
+    pixel = json.dumps({"name": "pixel", "version": 1, "size": 16})  # [16, 8, 8] latents
+    refused(with_codec("wrong_shape.h5", pixel, (4, 8, 8)),
+            "attribute 'codec' names the pixel codec of [16, 8, 8] latents, but the dataset holds [4, 8, 8]")
+    assert inspect_h5(with_codec("fits.h5", pixel, (16, 8, 8))).channels == 16
+    assert inspect_h5(with_codec("vae.h5", json.dumps({"name": "wan"}), (4, 8, 8))).channels == 4  # not checked here

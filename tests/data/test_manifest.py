@@ -303,3 +303,45 @@ def test_checking_yields_every_item_with_or_without_a_progress_bar():
     assert checking(few, "x") is few  # no bar for a handful of files
     assert list(checking(many, "x")) == many
     assert checking(many, "x", show=False) is many  # e.g. on ranks other than 0
+
+
+def test_links_and_case_each_physical_file_indexed_once(tmp_path, capsys):
+    """A file linked in again is indexed once (else it could land in both splits); linked folders are followed
+    (without looping on a link back up); any case of the suffix counts."""
+    root = tmp_path / "data"
+    for i in range(4):
+        write_h5(root / f"ep_{i}.h5", offset=i / 100)
+    write_h5(root / "UPPER.H5", offset=0.07)
+    outside = tmp_path / "elsewhere"
+    write_h5(outside / "far.hdf5", offset=0.09)
+    os.symlink(root / "ep_0.h5", root / "link.h5")
+    os.symlink(outside, root / "linked_folder")
+    os.symlink(root, root / "loop")  # a link back up the tree
+    manifest = index_directory(root, val_fraction=0.4)
+    paths = sorted(e.path for e in manifest.entries)
+    # (paths point at the physical files, relative to the manifest)
+    assert paths == ["../elsewhere/far.hdf5", "UPPER.H5", "ep_0.h5", "ep_1.h5", "ep_2.h5", "ep_3.h5"]
+    assert "link.h5 is the same file as" in capsys.readouterr().err
+
+
+def test_a_manifest_listing_a_file_twice_is_refused(data_dir):
+    manifest = index_directory(data_dir)
+    doc = json.loads(manifest.path.read_text())
+    twice = dict(doc["files"][0], split="val" if doc["files"][0]["split"] == "train" else "train")
+    doc["files"].append(twice)
+    manifest.path.write_text(json.dumps(doc))
+    with pytest.raises(DataError, match=f"file {twice['path']} is listed twice"):
+        Manifest.load(manifest.path)
+
+
+def test_out_that_is_a_folder_or_not_a_manifest_is_refused_untouched(data_dir, tmp_path):
+    target = data_dir / "ep_00.h5"
+    before = target.read_bytes()
+    with pytest.raises(DataError, match="exists and is not a JSON manifest; not overwritten"):
+        index_directory(data_dir, out=target)
+    assert target.read_bytes() == before
+    folder = tmp_path / "somewhere"
+    folder.mkdir()
+    with pytest.raises(DataError, match="a directory; give the manifest's file name"):
+        index_directory(data_dir, out=folder)
+    assert list(folder.iterdir()) == []
