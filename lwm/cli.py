@@ -190,7 +190,8 @@ def lightning_cli_class() -> type:
             if self.subcommand in ("validate", "test", "predict"):  # never into the fit's metrics.csv / config.yaml
                 root = os.path.join(root, self.subcommand)
             if trainer_config.get("logger") in (None, True):
-                kwargs.setdefault("logger", make_loggers(str(root), self._get(self.config_init, "wandb")))
+                kwargs.setdefault("logger", make_loggers(str(root), self._get(self.config_init, "wandb"),
+                                                         strict=not self._verb_free))
             strategy = trainer_config.get("strategy")
             deepspeed = isinstance(strategy, DeepSpeedStrategy) or (isinstance(strategy, str) and "deepspeed" in strategy)
             plugins = trainer_config.get("plugins") or []

@@ -68,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     from lwm.generate import run as generate
 
     args, rest = parse(argv or [])
+    if any(a.split("=")[0] == "--ckpt_path" for a in rest):
+        raise ConfigError("--ckpt_path: lwm demo resumes its own run (run it again with the same --out)")
     console = Console()
     out = Path(args.out)
     run_dir, times = out / "run", {}
@@ -96,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     console.rule("[bold]3/4 validate[/]: the final checkpoint on every validation window")
     t = time.perf_counter()
     cli = lightning_cli([*common, f"--trainer.default_root_dir={run_dir / 'validate'}",  # as `lwm validate` logs
-                         "--data.val_size_percent=1.0", "--rollout_videos.every_n_validations=1000000"], run=False)
+                         "--data.val_size_percent=1.0"], run=False)
     metrics = {k: float(v) for k, v in cli.trainer.validate(cli.model, datamodule=cli.datamodule,
                                                             ckpt_path=str(run_dir / LAST), verbose=False)[0].items()}
     dm = cli.datamodule

@@ -85,14 +85,14 @@ def wandb_installed() -> bool:
     return importlib.util.find_spec("wandb") is not None
 
 
-def make_loggers(root: str, wandb: WandbConfig = WandbConfig()) -> list:
+def make_loggers(root: str, wandb: WandbConfig = WandbConfig(), strict: bool = True) -> list:
     """The run's loggers: our CSV logger in ``root`` and, unless disabled, a WandbLogger writing to ``root/wandb``.
     Without wandb installed, the default mode leaves it out with a warning; an explicit ``online``/``offline`` is
-    a :class:`~lwm.errors.ConfigError`."""
+    a :class:`~lwm.errors.ConfigError` (``strict``; else the warning too: for verbs that read a fit's config)."""
     loggers: list = [CSVLogger(save_dir=root)]
     mode = wandb.mode or ("online" if wandb_logged_in() else "offline")
     if mode != "disabled" and not wandb_installed():
-        if wandb.mode is not None:
+        if wandb.mode is not None and strict:
             raise ConfigError(f"wandb.mode={wandb.mode}, but wandb is not installed (pip install wandb, or "
                               f"wandb.mode=disabled)")
         rank_zero_warn("wandb is not installed: logging to RUN_DIR/metrics.csv only (wandb.mode=disabled "

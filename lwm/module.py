@@ -184,18 +184,24 @@ class WorldModelModule(L.LightningModule):
             loop._batches_that_stepped = step
 
     @property
-    def logged_step(self) -> int:
-        """The step that logs, videos and outputs are labelled with: while fitting, the step Lightning's loggers
-        write this moment's scalars at (``_batches_that_stepped``: the optimizer steps done before this batch, so
-        one below ``global_step`` from the end of a training batch and through the validation after it); the
-        checkpoint's global step under ``lwm validate|test|predict`` (where Lightning's global step reads 0)."""
-        if self._trainer is None:
+    def weights_step(self) -> int:
+        """The global step of the weights in use, what files are named by (checkpoints, videos, codes): Lightning's
+        global step while fitting, the checkpoint's under ``lwm validate|test|predict`` (where Lightning's reads 0)."""
+        if self._trainer is None or self.trainer.state.fn == "fit":
             return self.global_step
-        if self.trainer.state.fn == "fit":
-            loop = getattr(self.trainer.fit_loop, "epoch_loop", None)
-            return int(getattr(loop, "_batches_that_stepped", self.global_step))
         step = getattr(self, "_checkpoint_step", None)
         return step if step and self.global_step == 0 else self.global_step
+
+    @property
+    def logged_step(self) -> int:
+        """The step Lightning's loggers write this moment's scalars at, for what callbacks send themselves (wandb
+        histograms, videos): while fitting ``_batches_that_stepped``, the optimizer steps done before this batch
+        (one below ``global_step`` from the end of a training batch and through the validation after it);
+        :attr:`weights_step` under ``lwm validate|test`` (which log at the checkpoint's step)."""
+        if self._trainer is not None and self.trainer.state.fn == "fit":
+            loop = getattr(self.trainer.fit_loop, "epoch_loop", None)
+            return int(getattr(loop, "_batches_that_stepped", self.global_step))
+        return self.weights_step
 
     def on_validation_start(self) -> None:
         if self.trainer.state.fn == "validate":

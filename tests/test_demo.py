@@ -49,6 +49,8 @@ def test_bad_demo_arguments(tmp_path, capsys):
     assert "none.yaml: not found" in capsys.readouterr().err
     assert main(["demo", "--out", str(tmp_path), "--size", "40"]) == 2
     assert "multiple of 16" in capsys.readouterr().err
+    assert main(["demo", "--out", str(tmp_path), "--ckpt_path", "x.ckpt"]) == 2  # refused before any work
+    assert "lwm demo resumes its own run" in capsys.readouterr().err and not (tmp_path / "data").exists()
 
 
 def test_report_arithmetic_and_verdicts():

@@ -210,3 +210,29 @@ def test_positions_past_the_trained_range_are_warned_about(trained, capsys):
     assert "warning" not in capsys.readouterr().err  # the last frame fed sits at position 36
     _generate(ckpt, data, tmp / "p38.gif", "--steps", "38", "--rollouts", "1", "--actions", "random")
     assert "the rollout feeds temporal positions up to 37; training saw up to 36" in capsys.readouterr().err
+
+
+def test_inferred_actions_of_a_rollout_longer_than_the_window_are_read_window_by_window(trained, monkeypatch):
+    """9 frames from a model trained on windows of 6: the actions are read with encode_actions(window=6) (its own
+    test shows what that computes), and the rollout is the model's with them."""
+    from lwm.modules.world_model import WorldModel
+
+    tmp, ckpt, data = trained
+    windows = []
+    encode = WorldModel.encode_actions
+
+    def spy(self, x, t0=0, window=None):
+        windows.append((x.shape[1], window))
+        return encode(self, x, t0, window)
+
+    monkeypatch.setattr(WorldModel, "encode_actions", spy)
+    gen = _generate(ckpt, data, tmp / "long.gif", "--steps", "8", "--rollouts", "1", "--actions", "inferred")
+    assert windows == [(9, 6)]
+    model = WorldModelModule.load_from_checkpoint(ckpt, weights_only=True).model.eval()
+    with h5py.File(data) as f:
+        clip = torch.from_numpy(f["latents"][0:9])[None]
+    with torch.no_grad():
+        actions = encode(model, clip, window=6).quantized
+        world = model.encode_world(clip[:, :6]).quantized
+        expected = model.generate(clip[:, :1], actions, world, 8, window=5)
+    assert np.allclose(gen[0, 1:], expected[0].numpy(), atol=1e-5)

@@ -38,7 +38,7 @@ class PredictionWriter(BasePredictionWriter):
             "world_indices": torch.cat([b["world_indices"] for b in batches]).cpu(),
             "file": [files[i] for i in file_index.tolist()] if files is not None else file_index,
             "start": torch.cat([b["start"] for b in batches]).cpu(),
-            "global_step": int(getattr(pl_module, "logged_step", trainer.global_step)),
+            "global_step": int(getattr(pl_module, "weights_step", trainer.global_step)),
         }
         root = run_log_dir(trainer)
         suffix = f"_rank{trainer.global_rank}" if trainer.world_size > 1 else ""

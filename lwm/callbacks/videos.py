@@ -64,6 +64,6 @@ class RolloutVideos(L.Callback):
         codec = trainer.datamodule.codec() if hasattr(trainer.datamodule, "codec") else None
         show = (lambda x: codec.decode(x.float().numpy())) if codec is not None else latent_preview  # noqa: E731
         rows = [row for gt, gen in zip(clip.cpu(), rollout) for row in (show(gt), show(gen))]
-        path = run_log_dir(trainer) / "videos" / f"step_{pl_module.logged_step:07d}.mp4"  # (rank 0 only)
+        path = run_log_dir(trainer) / "videos" / f"step_{pl_module.weights_step:07d}.mp4"  # as its checkpoint; rank 0
         self.last_path = write_video(path, grid(rows), self.fps)
         log_video(pl_module, "Val_Dynamics_Predictor/rollout_video", str(path), self.fps)

@@ -136,8 +136,8 @@ def test_rollout_videos_are_written_every_n_validations_and_sent_to_wandb(tmp_pa
     loader = torch.utils.data.DataLoader(data, batch_size=None)
     trainer.fit(module, loader, loader)  # validations after steps 1, 2 and 3: the 1st and the 3rd are due
     videos = sorted(p.name for p in (tmp_path / "videos").glob("*.mp4"))
-    assert videos == ["step_0000000.mp4", "step_0000002.mp4"]  # the steps of those validations' scalars
-    assert [s["trainer/global_step"] for s in sent] == [0, 2]
+    assert videos == ["step_0000001.mp4", "step_0000003.mp4"]  # named by the weights' step, as checkpoints are
+    assert [s["trainer/global_step"] for s in sent] == [0, 2]  # at the step of those validations' scalars
     frames = iio.imread(tmp_path / "videos" / videos[0], plugin="pyav")
     assert frames.shape[0] == 6  # the clip's 6 frames: frame 0, then 5 generated
     assert isinstance(sent[0]["Val_Dynamics_Predictor/rollout_video"], wandb.Video)

@@ -306,6 +306,18 @@ def test_bf16_autocast_keeps_quantizers_fp32():
     assert not torch.equal(out.actions.inputs, out.actions.inputs.bfloat16().float())  # not a bf16 linear's output
 
 
+def test_bf16_weights_feed_the_quantizers_fp32_vectors():
+    """Half-precision weights (DeepSpeed's bf16): the code projections still give the quantizers fp32 vectors,
+    and the fp32 codes are cast back where they enter the predictor."""
+    model = tiny_model().bfloat16()
+    out = model.compute(clip(T=5).bfloat16(), step=0, t0=0)
+    out.loss.backward()
+    assert torch.isfinite(out.loss) and out.predictions[0].dtype == torch.bfloat16
+    for quantized in (out.actions, out.world):
+        assert quantized.inputs.dtype == torch.float32 and quantized.quantized.dtype == torch.float32
+    assert model.action_encoder.to_code.weight.grad.dtype == torch.bfloat16
+
+
 # --------------------------------------------------------------------------------------------------
 # Errors
 # --------------------------------------------------------------------------------------------------
