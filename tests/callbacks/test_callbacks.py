@@ -253,3 +253,28 @@ def test_slurm_sigterm_saves_without_requeueing(tmp_path, monkeypatch):
     trainer.should_stop = False
     requeue.on_train_batch_end(trainer)
     assert len(saved) == 2 and trainer.should_stop and calls and calls[0][0][:2] == ["scontrol", "requeue"]
+
+
+def test_codebook_monitor_training_usage_is_the_mean_over_ranks():
+    """Under DDP each rank's batch (of data.batch_size) gives its usage; the logged value is their mean (the
+    strategy's reduce, faked here as 2 ranks where the other rank's usage is 1.0 at every level)."""
+    from types import SimpleNamespace
+
+    module = _module()
+    reduced = []
+
+    def reduce(value, reduce_op):
+        reduced.append(reduce_op)
+        return (value + 1.0) / 2  # this rank's and a rank that uses every code
+
+    logged = {}
+    trainer = SimpleNamespace(global_step=2, log_every_n_steps=2, world_size=2, validating=False,
+                              sanity_checking=False, is_global_zero=True, strategy=SimpleNamespace(reduce=reduce))
+    pl_module = SimpleNamespace(model=module.model, trainer=trainer, loggers=[],
+                                log_dict=lambda logs, **kwargs: logged.update(logs))
+    codes = torch.tensor([[[0, 1], [0, 2]]])  # action codes: level 0 uses 1 of 4, level 1 uses 2 of 8
+    outputs = {"Action_Encoder": codes, "World_Encoder": torch.tensor([[0, 0]])}
+    CodebookMonitor().on_train_batch_end(trainer, pl_module, outputs, None, 0)
+    assert reduced[:1] == ["mean"]
+    assert logged["Train_Action_Encoder/codebook_usage_level_0"] == pytest.approx((0.25 + 1) / 2)
+    assert logged["Train_Action_Encoder/codebook_usage_level_1"] == pytest.approx((0.25 + 1) / 2)
