@@ -34,7 +34,7 @@ import warnings
 from dataclasses import asdict
 from typing import Any, Optional
 
-from lwm.errors import ConfigError, LwmError, NonFiniteLossError
+from lwm.errors import ConfigError, LwmError, NonFiniteLossError, positive_int
 
 LIGHTNING_VERBS = ("fit", "validate", "test", "predict")
 
@@ -334,7 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     encode.add_argument("--codec", default="pixel",
                         help="pixel (built in, 128x128 RGB) or a diffusers video VAE (needs --vae)")
     encode.add_argument("--out", required=True, help="folder for the h5 files (then `lwm data index` it)")
-    encode.add_argument("--stride", type=int, default=1, help="keep every N-th frame")
+    encode.add_argument("--stride", type=positive_int, default=1, help="keep every N-th frame")
     encode.add_argument("--vae", help="local folder with the VAE's diffusers weights (or a pipeline with vae/)")
     encode.add_argument("--size", type=int, help="frame size in pixels (default: 128 pixel, 512 VAEs)")
     encode.add_argument("--device", default="cpu", help="where the VAE runs (e.g. cuda)")
@@ -344,7 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
     decode = data.add_parser("decode", help="decode an h5 latent file to a video through its codec")
     decode.add_argument("file", help="h5 file with a `codec` attribute")
     decode.add_argument("--out", required=True, help="video path (.mp4 or .gif)")
-    decode.add_argument("--fps", type=int, default=8)
+    decode.add_argument("--fps", type=positive_int, default=8)
     decode.add_argument("--vae", help="the VAE's local diffusers weights, for files encoded with a VAE")
     decode.add_argument("--device", default="cpu", help="where the VAE runs")
     decode.set_defaults(func=_data_decode)
@@ -367,6 +367,12 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except OSError as e:
+        if e.filename is None:  # not about a path: a real failure, with its traceback
+            raise
+        where = f"{e.filename}" + (f" -> {e.filename2}" if e.filename2 else "")
+        print(f"error: {where}: {e.strerror or e}", file=sys.stderr)  # exists, is a folder, no permission, ...
+        return 2
     except Exception as e:
         # Lightning's own configuration errors (e.g. `accelerator: gpu` where there is none) are one line too
         if not isinstance(e, (LwmError, NonFiniteLossError)) and type(e).__name__ != "MisconfigurationException":

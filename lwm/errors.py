@@ -15,3 +15,16 @@ class ConfigError(LwmError):
 
 class NonFiniteLossError(RuntimeError):
     """Training stopped: too many consecutive steps had a non-finite loss or gradient."""
+
+
+def positive_int(text: str) -> int:
+    """An argparse ``type``: an integer >= 1 (argparse prints the refusal as one line naming the option)."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value

@@ -25,7 +25,7 @@ import torch
 from lwm.codes import default_codes_path, dictionaries_step, load_dictionaries
 from lwm.data.codecs import codec_from_attr, missing_codec
 from lwm.data.h5 import DataError, inspect_h5
-from lwm.errors import ConfigError
+from lwm.errors import ConfigError, positive_int
 from lwm.metrics import random_codes
 from lwm.video import VIDEO_SUFFIXES, grid, latent_preview, write_video
 
@@ -52,7 +52,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--codes", help="code dictionary (default: codes.pt beside the checkpoint)")
     p.add_argument("--window", type=int, help="frames the predictor attends to (default: its training window)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--fps", type=int, default=8)
+    p.add_argument("--fps", type=positive_int, default=8)
     p.add_argument("--vae", help="the VAE's local diffusers weights, to decode files encoded with a VAE")
     p.add_argument("--out", help="video path, .mp4 or .gif (default: RUN_DIR/generated/FILE_START.mp4)")
     args = p.parse_args(argv)

@@ -4,9 +4,9 @@
 
 The model, optimiser and data loading are exactly those of ``lwm fit`` with the same config (manifest + h5
 window); the only datapoint is the window ``[start, start + data.window)`` of train file ``--file``, fed as a
-batch of one at every step. Nothing is validated. Losses go to ``RUN_DIR/overfit/metrics.csv`` (``RUN_DIR`` =
-``trainer.default_root_dir``) and the first and last teacher-forcing loss are printed: a healthy model drives
-it towards zero.
+batch of one at every step. Nothing is validated. Every loss of every step goes to ``RUN_DIR/overfit/metrics.csv``
+(``RUN_DIR`` = ``trainer.default_root_dir``; ``overfit_2``, ``overfit_3``, ... when it exists) and the first and
+last teacher-forcing loss are printed: a healthy model drives it towards zero.
 """
 
 from __future__ import annotations
@@ -60,6 +60,16 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, rest
 
 
+def _fresh_folder(path: str) -> str:
+    """``path``, or ``path_2``, ``path_3``, ... the first that does not exist: a run never appends to an earlier
+    one's metrics.csv or leaves its checkpoints beside the new ones."""
+    candidate, n = path, 1
+    while os.path.exists(candidate):
+        n += 1
+        candidate = f"{path}_{n}"
+    return candidate
+
+
 def main(argv: list[str]) -> int:
     from lwm.cli import lightning_cli_class
 
@@ -68,9 +78,12 @@ def main(argv: list[str]) -> int:
     class OverfitCLI(lightning_cli_class()):
         def before_instantiate_classes(self) -> None:
             trainer = self.config.trainer
-            trainer.default_root_dir = os.path.join(trainer.default_root_dir or ".", "overfit")
+            trainer.default_root_dir = _fresh_folder(os.path.join(trainer.default_root_dir or ".", "overfit"))
             trainer.max_steps, trainer.max_epochs = args.steps, 1
             trainer.limit_val_batches, trainer.num_sanity_val_steps, trainer.val_check_interval = 0, 0, 1.0
+            # every loss of every step, --steps optimizer steps of one batch each, whatever the config says
+            trainer.log_every_n_steps, trainer.accumulate_grad_batches, trainer.limit_train_batches = 1, 1, 1.0
+            self.config.checkpoint.dirpath = None  # into the overfit folder, never over a run's checkpoints
             self.config.data.val_size_percent = 0.0
 
     cli = OverfitCLI(args=rest, run=False)

@@ -50,18 +50,27 @@ def read_metrics(path: str | Path) -> Metrics:
     if not path.is_file():
         raise DataError(f"{path}: no such file (a training run writes RUN_DIR/metrics.csv)")
     values: dict[str, dict[int, float]] = {}
-    with open(path, newline="") as f:
-        reader = csv.DictReader(f)
-        if reader.fieldnames is not None and "step" not in reader.fieldnames:
-            raise DataError(f"{path}: no 'step' column (not a Lightning metrics.csv?)")
-        for row in reader:
-            step = _parse(row.get("step"))
-            if step is None:
-                continue
-            for column, cell in row.items():
-                value = _parse(cell)
-                if column is not None and column not in _NOT_METRICS and value is not None:
-                    values.setdefault(column, {})[int(step)] = value
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as f:
+            reader = csv.DictReader(f)
+            if reader.fieldnames is None:
+                raise DataError(f"{path}: empty (the run has logged nothing yet)")
+            if "step" not in reader.fieldnames:
+                raise DataError(f"{path}: no 'step' column (not a Lightning metrics.csv?)")
+            for row in reader:
+                step = _parse(row.get("step"))
+                if step is None:
+                    continue
+                for column, cell in row.items():
+                    if column is None or column in _NOT_METRICS:  # None: a row longer than the header
+                        continue
+                    value = _parse(cell)
+                    if value is not None:
+                        values.setdefault(column, {})[int(step)] = value
+    except (UnicodeDecodeError, csv.Error) as e:
+        raise DataError(f"{path}: not a readable CSV ({e})") from None
+    if not values:
+        raise DataError(f"{path}: no logged values (the run has logged nothing yet)")
     return {column: sorted(by_step.items()) for column, by_step in values.items()}
 
 
@@ -112,7 +121,7 @@ def losses_figure(metrics: Metrics) -> Figure:
 def val_loss_vs_tflops_figure(metrics: Metrics) -> Figure:
     tflops = metrics.get("Val_Total/tflops")
     if not tflops:
-        raise _Skip("no Val_Total/tflops column (the run predates TFLOPs logging)")
+        raise _Skip("no Val_Total/tflops column (no validation during a fit, or a run from before TFLOPs logging)")
     wanted = (("val total", "Val_Total/loss"), ("val teacher-forced", "Val_Dynamics_Predictor/tf_loss"))
     lines = [(label, _against(tflops, metrics.get(key))) for label, key in wanted]
     lines = [(label, points) for label, points in lines if points]

@@ -115,3 +115,21 @@ def test_a_missing_metrics_file_or_run_dir_is_a_data_error_naming_it(tmp_path):
         main([str(tmp_path / "nowhere")])
     with pytest.raises(DataError, match="missing.csv"):
         read_metrics(tmp_path / "missing.csv")
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    (b"", "empty (the run has logged nothing yet)"),
+    (b"step,epoch\n", "no logged values"),
+    (b"\xef\xbb\xbfstep,Train_Total/loss\n0,1.5\n", None),  # a byte-order mark: read as any other
+    (b"step,Train_Total/loss\n0,1.5,9,9\n1,1.0\n", None),  # a row longer than its header: the extra cells dropped
+    (b"step,Train_Total/loss\n0,\xff\xfe\n", "not a readable CSV"),
+])
+def test_odd_metrics_files_are_read_or_refused_in_one_line(tmp_path, content, message):
+    path = tmp_path / "metrics.csv"
+    path.write_bytes(content)
+    if message is None:
+        assert read_metrics(path)["Train_Total/loss"][0] == (0, 1.5)
+        return
+    with pytest.raises(DataError) as error:
+        read_metrics(path)
+    assert message in str(error.value) and str(path) in str(error.value) and "\n" not in str(error.value)

@@ -93,6 +93,8 @@ def make_dataset(out_dir: str | Path, game_list: list[str], episodes: int = 8, f
     if episodes < 1 or frames < 2 or frame_skip < 1 or not 0.0 <= sticky <= 1.0:
         raise DataError(f"need --episodes >= 1, --frames >= 2, --frame-skip >= 1 and --sticky in [0, 1], got "
                         f"{episodes}, {frames}, {frame_skip}, {sticky}")
+    if not 0.0 <= val_fraction < 1.0:  # before any episode is recorded (index_directory would refuse it after)
+        raise DataError(f"--val-fraction must lie in [0, 1), got {val_fraction}")
     known = set(games())
     unknown = [g for g in game_list if g not in known]
     if unknown:

@@ -106,19 +106,32 @@ def inspect_h5(
 
 
 def _check_codec(attr: object, path: Path, C: int, H: int, W: int) -> None:
-    """A ``codec`` attribute must parse, and the built-in pixel codec must fit the latents' shape (else the run
-    would stop at its first validation video, hours in)."""
-    from lwm.data.codecs import PixelCodec, codec_spec
+    """A ``codec`` attribute must parse, and the codecs lwm runs (the pixel codec, the diffusers VAEs) must fit
+    the latents' shape with every field they decode by (else the run would stop at its first validation video,
+    hours in, or decoding at a traceback)."""
+    from lwm.data.codecs import codec_spec
+    from lwm.data.vae import CLASSES, SPATIAL
 
     spec = codec_spec(attr, str(path))
-    if spec is not None and spec["name"] == "pixel":
-        try:
-            side = PixelCodec(size=int(spec.get("size", 128))).latent_size
-        except (TypeError, ValueError):
-            raise DataError(f"{path}: attribute 'codec' has a bad pixel size: {spec.get('size')!r}") from None
-        if (C, H, W) != (16, side, side):
-            raise DataError(f"{path}: attribute 'codec' names the pixel codec of [16, {side}, {side}] latents, but "
-                            f"the dataset holds [{C}, {H}, {W}]")
+    if spec is None or (spec["name"] != "pixel" and spec["name"] not in CLASSES):
+        return  # none, or one lwm does not run: shown as latent channels
+    pixel = spec["name"] == "pixel"
+    size = spec.get("size", 128 if pixel else None)
+    if not isinstance(size, int) or size < 1:
+        raise DataError(f"{path}: attribute 'codec' ({spec['name']}) needs an integer 'size' (frame pixels), got {size!r}")
+    side = size // 2 if pixel else size // SPATIAL
+    channels = 16 if pixel else C
+    if (C, H, W) != (channels, side, side):
+        raise DataError(f"{path}: attribute 'codec' names the {spec['name']} codec of size {size}, for "
+                        f"[{channels}, {side}, {side}] latents, but the dataset holds [{C}, {H}, {W}]")
+    if not pixel:
+        for field in ("shift", "scale"):
+            values = spec.get(field)
+            if not isinstance(values, list) or len(values) != C or not all(isinstance(v, (int, float)) for v in values):
+                raise DataError(f"{path}: attribute 'codec' ({spec['name']}) needs '{field}': {C} numbers, one per "
+                                f"channel, got {str(values)[:60]}")
+        if any(v == 0 for v in spec["scale"]):
+            raise DataError(f"{path}: attribute 'codec' ({spec['name']}) has a zero 'scale'")
 
 
 def parse_world_label(value: object, path: str | Path) -> int:

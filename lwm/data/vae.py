@@ -81,7 +81,7 @@ def load_vae(name: str, path: str | Path, device: str | torch.device = "cpu", dt
     try:
         import diffusers
     except ImportError:
-        raise DataError(f"--codec {name} needs diffusers, an optional extra: pip install 'lwm[vae]'") from None
+        raise DataError(f"the {name} codec needs diffusers, an optional extra: pip install 'lwm[vae]'") from None
     path = Path(path)
     subfolder = "vae" if (path / "vae" / "config.json").is_file() else None
     config_file = path / (subfolder or "") / "config.json"
@@ -89,7 +89,7 @@ def load_vae(name: str, path: str | Path, device: str | torch.device = "cpu", dt
         raise DataError(f"--vae {path}: no diffusers VAE there (no config.json, nor vae/config.json)")
     declared = json.loads(config_file.read_text()).get("_class_name")
     if declared and declared != CLASSES[name]:
-        raise DataError(f"--vae {path}: holds a {declared}, but --codec {name} needs a {CLASSES[name]}")
+        raise DataError(f"--vae {path}: holds a {declared}, but the {name} codec needs a {CLASSES[name]}")
     cls = getattr(diffusers, CLASSES[name])
     try:
         vae = cls.from_pretrained(path, subfolder=subfolder, local_files_only=True, torch_dtype=dtype)
@@ -169,7 +169,13 @@ class VAECodec:
             raise DataError(f"{self.name} codec: expected latents [t, {len(self.shift)}, {h}, {h}], got {tuple(y.shape)}")
         shift, scale = self._affine(device)
         z = y.permute(1, 0, 2, 3) * scale + shift  # [C, t, h, w]
-        video = self.vae.decode(z[None].to(dtype)).sample[0].float()  # [3, F, S, S] in about [-1, 1]
+        t = z.shape[1]
+        if self.name == "cogvideox" and t % 2 == 0:
+            # diffusers' CogVideoX decodes latents in pairs, an even count without the lone first latent (frame 0):
+            # 2 latents would give 8 frames, shifted in time. One more latent (the last again) makes the count odd;
+            # the decoder is causal, so the frames of the real latents come first and the extra ones are dropped.
+            z = torch.cat([z, z[:, -1:]], dim=1)
+        video = self.vae.decode(z[None].to(dtype)).sample[0].float()[:, : video_frames(t)]  # [3, F, S, S], ~[-1, 1]
         rgb = ((video.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
         return rgb.permute(1, 2, 3, 0).contiguous().cpu().numpy()
 

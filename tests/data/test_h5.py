@@ -236,6 +236,12 @@ def test_a_codec_attribute_must_parse_and_fit_the_latents(tmp_path):
     refused(with_codec("not_json.h5", "not json", (4, 8, 8)), "attribute 'codec' is not JSON")
     pixel = json.dumps({"name": "pixel", "version": 1, "size": 16})  # [16, 8, 8] latents
     refused(with_codec("wrong_shape.h5", pixel, (4, 8, 8)),
-            "attribute 'codec' names the pixel codec of [16, 8, 8] latents, but the dataset holds [4, 8, 8]")
+            "names the pixel codec of size 16, for [16, 8, 8] latents, but the dataset holds [4, 8, 8]")
     assert inspect_h5(with_codec("fits.h5", pixel, (16, 8, 8))).channels == 16
-    assert inspect_h5(with_codec("vae.h5", json.dumps({"name": "wan"}), (4, 8, 8))).channels == 4  # not checked here
+    wan = {"name": "wan", "size": 64, "shift": [0.0] * 4, "scale": [1.0] * 4}  # [4, 8, 8] latents
+    assert inspect_h5(with_codec("wan.h5", json.dumps(wan), (4, 8, 8))).channels == 4
+    refused(with_codec("wan_nosize.h5", json.dumps({"name": "wan"}), (4, 8, 8)), "(wan) needs an integer 'size'")
+    refused(with_codec("wan_size.h5", json.dumps({**wan, "size": 128}), (4, 8, 8)), "for [4, 16, 16] latents")
+    refused(with_codec("wan_shift.h5", json.dumps({**wan, "shift": [0.0] * 3}), (4, 8, 8)), "'shift': 4 numbers")
+    refused(with_codec("wan_scale.h5", json.dumps({**wan, "scale": [1.0, 0, 1, 1]}), (4, 8, 8)), "a zero 'scale'")
+    assert inspect_h5(with_codec("other.h5", json.dumps({"name": "mine"}), (4, 8, 8))).channels == 4  # not run

@@ -75,6 +75,22 @@ def test_encode_applies_the_vaes_own_normalisation_and_decode_inverts_it(name, v
     assert np.abs(decoded.astype(int) - expected.astype(int)).max() <= 1  # float rounding only
 
 
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_decode_gives_the_frames_of_every_latent_count(name, vae_dirs):
+    """t latents decode to 1 + 4 (t - 1) frames; for the causal decoders (Wan; CogVideoX up to its frame batches)
+    the first frames of a longer clip's decode. CogVideoX decodes an even count in pairs without the lone first
+    latent (2 latents: 8 frames, shifted in time): lwm pads it. (HunyuanVideo's GroupNorms span the frames.)"""
+    codec = VAECodec.load(name, vae_dirs[name], size=SIZE)
+    y = codec.encode(frames(17))  # 5 latents
+    full = codec.decode(y)
+    assert full.shape[0] == 17
+    for t in (1, 2, 3, 4):
+        part = codec.decode(y[:t])
+        assert part.shape[0] == video_frames(t)
+        if name != "hunyuan":
+            assert np.abs(part.astype(int) - full[: len(part)].astype(int)).max() <= 8, t
+
+
 def test_frame_alignment():
     assert [latent_frames(f) for f in (1, 4, 5, 8, 9, 13)] == [1, 1, 2, 2, 3, 4]
     assert [video_frames(t) for t in (1, 2, 3)] == [1, 5, 9]
@@ -109,7 +125,7 @@ def test_bad_vae_arguments_name_the_problem(tmp_path, vae_dirs):
     video.write_bytes(b"")
     with pytest.raises(DataError, match="--codec wan needs --vae"):
         encode_videos([str(video)], tmp_path / "out", codec="wan")
-    with pytest.raises(DataError, match="holds a AutoencoderKLWan, but --codec hunyuan"):
+    with pytest.raises(DataError, match="holds a AutoencoderKLWan, but the hunyuan codec"):
         encode_videos([str(video)], tmp_path / "out", codec="hunyuan", vae=vae_dirs["wan"])
     with pytest.raises(DataError, match="no diffusers VAE there"):
         encode_videos([str(video)], tmp_path / "out", codec="wan", vae=tmp_path)

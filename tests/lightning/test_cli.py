@@ -124,6 +124,13 @@ def test_overfit_drives_the_tf_loss_towards_zero(tmp_path, capsys):
     assert len(tf) == 120
     assert min(tf[-10:]) < 0.1 * tf[0], (tf[0], tf[-10:])
     assert "overfit: teacher-forcing loss" in capsys.readouterr().out
+    # again, with a config that logs rarely and accumulates: a fresh folder, every step logged, --steps steps
+    again = tiny_args(manifest, tmp_path / "run", "--trainer.log_every_n_steps=50",
+                      "--trainer.accumulate_grad_batches=3", verb="overfit")
+    assert main([*again, "--steps", "4"]) == 0
+    rows = [r for r in read_metrics(tmp_path / "run/overfit_2") if "Train_Dynamics_Predictor/tf_loss" in r]
+    assert [int(r["step"]) for r in rows] == [0, 1, 2, 3]
+    assert len(read_metrics(tmp_path / "run/overfit")) == len(tf)  # the first run's file as it was
 
 
 @pytest.mark.parametrize(
@@ -217,3 +224,12 @@ def test_bf16_weights_train_validate_and_monitor(tmp_path):
     assert val and all(torch.isfinite(torch.tensor(r["Val_Total/loss"])) for r in val)
     assert any("Val_Action_Encoder/dpsnr" in r for r in rows)
     assert list((root / "videos").glob("*.mp4")) or list((root / "videos").glob("*.gif"))
+
+
+def test_a_path_error_is_one_line_naming_the_path(tmp_path, capsys):
+    """Outputs under a file, a folder where a file goes: `error: PATH: reason`, no traceback."""
+    (tmp_path / "afile").write_text("x")
+    assert main(["data", "synth", "--out", str(tmp_path / "afile" / "x"), "--episodes", "2", "--frames", "4",
+                 "--size", "32"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and str(tmp_path / "afile") in errors[0], errors
