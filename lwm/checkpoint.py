@@ -100,8 +100,14 @@ class ModelCheckpoint(_LightningModelCheckpoint):
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any, **kwargs: Any) -> None:
         super().on_train_batch_end(trainer, pl_module, *args, **kwargs)
-        if 0 < trainer.max_steps <= trainer.global_step and self._last_global_step_saved != trainer.global_step:
-            self.save_last_now(trainer)  # the run stops here: save the state a step checkpoint holds
+        step = trainer.global_step
+        if 0 < trainer.max_steps <= step and self._last_global_step_saved != step:  # the run stops here
+            if self._every_n_train_steps >= 1 and step % self._every_n_train_steps == 0:
+                # its step checkpoint, which Lightning defers to the end of a validation after the epoch's last
+                # batch, where the last.ckpt below would make it skip the step as saved already
+                self._save_topk_checkpoint(trainer, self._monitor_candidates(trainer))
+                self._defer_save_until_validation = False
+            self.save_last_now(trainer)  # the state a step checkpoint holds
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -34,7 +34,7 @@ import warnings
 from dataclasses import asdict
 from typing import Any, Optional
 
-from lwm.errors import ConfigError, LwmError, NonFiniteLossError, positive_int
+from lwm.errors import ConfigError, DataError, LwmError, NonFiniteLossError, positive_int
 
 LIGHTNING_VERBS = ("fit", "validate", "test", "predict")
 
@@ -130,6 +130,9 @@ def lightning_cli_class() -> type:
             # the config's settings instead, a file or `last` alike (a changed learning rate applies; the model's
             # shape must match: _check_checkpoint_fits).
             sub = self.config.get("subcommand")
+            if sub is None:
+                return
+            self._check_ckpt_path(sub)
             if sub == "fit":
                 return
             if sub in ("validate", "test", "predict") and self.config[sub].get("ckpt_path") == "last":
@@ -141,6 +144,31 @@ def lightning_cli_class() -> type:
             except argparse.ArgumentError as e:
                 raise ConfigError(f"{self.config[sub].get('ckpt_path')}: its hyperparameters do not fit this lwm "
                                   f"({parse_error_line(str(e), [])})") from None
+
+        def _check_ckpt_path(self, sub: str) -> None:
+            """A missing or unreadable ``--ckpt_path`` file is one line, before any work; so is ``last`` where the
+            run has no checkpoint under validate/test/predict (Lightning would go on with untrained weights; a fit
+            starts fresh, with Lightning's warning)."""
+            config = self.config[sub]
+            path = config.get("ckpt_path")
+            if path is None or path in ("best", "hpc", "registry") or str(path).startswith("registry:"):
+                return
+            if path == "last":
+                if sub != "fit" and self._checkpoint_file(config) is None:
+                    raise ConfigError("--ckpt_path last: no checkpoint in the run "
+                                      f"(trainer.default_root_dir={config.get('trainer', {}).get('default_root_dir')})")
+                return
+            if os.path.isdir(path):  # a DeepSpeed checkpoint
+                return
+            if not os.path.isfile(path):
+                raise DataError(f"--ckpt_path {path}: checkpoint not found")
+            import torch
+
+            try:
+                torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as e:  # torn, foreign, not a checkpoint at all
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                raise DataError(f"--ckpt_path {path}: not a readable checkpoint ({first[:200]})") from None
 
         def _check_checkpoint_fits(self) -> None:
             """A checkpoint of another model shape is one line naming the fields, not a state-dict traceback."""

@@ -123,7 +123,9 @@ def run(args: argparse.Namespace) -> Path:
     first, last = args.start, args.start + args.context + (args.steps if need_gt else 0)
     if args.start < 0 or last > info.frames:
         wanted = f"frame {first}" if last - first == 1 else f"frames {first} to {last - 1}"
-        raise DataError(f"{args.data}: {info.frames} frames, but the request reads {wanted}")
+        why = f" (--context {args.context} + --steps {args.steps} ground-truth frames for --actions inferred)" \
+            if need_gt else ""
+        raise DataError(f"{args.data}: {info.frames} frames, but the request reads {wanted}{why}")
     with h5py.File(args.data, "r") as f:
         ds = f[info.key]
         gt_end = min(info.frames, args.start + args.context + args.steps)

@@ -43,3 +43,4 @@ class PredictionWriter(BasePredictionWriter):
         root = run_log_dir(trainer)
         suffix = f"_rank{trainer.global_rank}" if trainer.world_size > 1 else ""
         self.path = atomic_save(out, root / f"codes_per_window{suffix}.pt")
+        print(f"wrote {self.path} ({len(out['start'])} windows)")

@@ -233,3 +233,22 @@ def test_a_path_error_is_one_line_naming_the_path(tmp_path, capsys):
                  "--size", "32"]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and str(tmp_path / "afile") in errors[0], errors
+
+
+def test_a_bad_ckpt_path_is_one_line_before_any_work(trained, tmp_path, capsys):
+    manifest, root = trained
+    garbage = tmp_path / "garbage.ckpt"
+    garbage.write_text("not a checkpoint")
+    empty = tmp_path / "empty_run"
+    cases = [
+        ("validate", str(tmp_path / "nope.ckpt"), root, "checkpoint not found"),
+        ("fit", str(tmp_path / "nope.ckpt"), tmp_path / "fresh", "checkpoint not found"),
+        ("test", str(garbage), root, "not a readable checkpoint"),
+        ("validate", "last", empty, "--ckpt_path last: no checkpoint in the run"),
+        ("predict", "last", empty, "--ckpt_path last: no checkpoint in the run"),
+    ]
+    for verb, path, run_dir, message in cases:
+        assert main(tiny_args(manifest, run_dir, f"--ckpt_path={path}", verb=verb)) == 2, (verb, path)
+        errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and message in errors[0], (verb, errors)
+    assert not empty.exists() and not (tmp_path / "fresh").exists()  # nothing started

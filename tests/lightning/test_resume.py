@@ -44,3 +44,19 @@ def test_extending_a_finished_run_equals_the_longer_run(tmp_path):
         assert sorted(extended) == sorted(full), key
         assert torch.allclose(torch.tensor([extended[s] for s in sorted(full)]),
                               torch.tensor([full[s] for s in sorted(full)]), rtol=1e-5, atol=1e-7), key
+
+
+def test_the_final_step_gets_its_step_checkpoint_too(tmp_path):
+    """A run ending at max_steps on an epoch's last batch (where Lightning defers the step checkpoint to the
+    validation after it) writes it, and so does its extension."""
+    import os
+
+    manifest = make_dataset(tmp_path / "data")  # epochs of 5 batches
+    common = ["--checkpoint.every_n_train_steps=5", "--data.val_size_percent=0.5"]
+    assert run(manifest, tmp_path / "run", "--trainer.max_steps=10", *common) == 0
+    names = sorted(n for n in os.listdir(tmp_path / "run/checkpoints") if n.endswith(".ckpt"))
+    assert names == ["last.ckpt", "step=0000005.ckpt", "step=0000010.ckpt"]
+    assert run(manifest, tmp_path / "run", "--trainer.max_steps=15", "--ckpt_path=last", *common) == 0
+    assert "step=0000015.ckpt" in os.listdir(tmp_path / "run/checkpoints")
+    for name in ("step=0000010.ckpt", "step=0000015.ckpt"):
+        assert torch.load(tmp_path / "run/checkpoints" / name, weights_only=True)["global_step"] == int(name[5:12])
