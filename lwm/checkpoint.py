@@ -97,17 +97,34 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         if self.save_last:
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
+    def save_stop_now(self, trainer: L.Trainer) -> None:
+        """The run stops at this training batch (``max_steps``, a preemption): write its step checkpoint if one is
+        due, then ``last.ckpt``. Lightning defers a due step checkpoint on an epoch's last batch to the end of the
+        validation after it, where the ``last.ckpt`` write would make it skip the step as saved already. (Ranked
+        by the step, the default monitor; a validation metric's ranking keeps Lightning's deferral.)"""
+        step = trainer.global_step
+        due = self._every_n_train_steps >= 1 and step % self._every_n_train_steps == 0
+        if due and self.monitor in (None, "step") and self._last_global_step_saved != step:
+            self._save_topk_checkpoint(trainer, self._monitor_candidates(trainer))
+            self._defer_save_until_validation = False
+        self.save_last_now(trainer)
+
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any, **kwargs: Any) -> None:
         super().on_train_batch_end(trainer, pl_module, *args, **kwargs)
-        step = trainer.global_step
-        if 0 < trainer.max_steps <= step and self._last_global_step_saved != step:  # the run stops here
-            if self._every_n_train_steps >= 1 and step % self._every_n_train_steps == 0:
-                # its step checkpoint, which Lightning defers to the end of a validation after the epoch's last
-                # batch, where the last.ckpt below would make it skip the step as saved already
-                self._save_topk_checkpoint(trainer, self._monitor_candidates(trainer))
-                self._defer_save_until_validation = False
-            self.save_last_now(trainer)  # the state a step checkpoint holds
+        if 0 < trainer.max_steps <= trainer.global_step and self._last_global_step_saved != trainer.global_step:
+            self.save_stop_now(trainer)  # the run stops here
+
+    @override
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if (self._defer_save_until_validation and self._last_global_step_saved == trainer.global_step
+                and trainer.state.fn == "fit" and not trainer.sanity_checking):
+            # the final step's checkpoint, deferred for a validation metric to rank it by: save_stop_now wrote
+            # last.ckpt (the batch-end state, kept) and Lightning would now skip the step as saved already
+            self._save_topk_checkpoint(trainer, self._monitor_candidates(trainer))
+            self._defer_save_until_validation = False
+            return
+        super().on_validation_end(trainer, pl_module)
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

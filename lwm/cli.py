@@ -115,13 +115,18 @@ def lightning_cli_class() -> type:
                 parser.add_argument("--weights_only", type=Optional[bool], default=None,
                                     help="(read from a fit's config.yaml and ignored: checkpoints load weights only)")
 
-        def _checkpoint_file(self, config: Any) -> str | None:
-            """``ckpt_path`` as a file: ``last`` is ``RUN_DIR/checkpoints/last.ckpt`` (None where there is none)."""
+        def _checkpoint_path(self, config: Any) -> str | None:
+            """``ckpt_path`` as a path: ``last`` is ``CHECKPOINT_DIR/last.ckpt`` (RUN_DIR/checkpoints by default)."""
             path = config.get("ckpt_path")
             if path == "last":
                 checkpoint = config.get("checkpoint") or {}
                 root = config.get("trainer", {}).get("default_root_dir") or "."
                 path = os.path.join(checkpoint.get("dirpath") or os.path.join(root, "checkpoints"), "last.ckpt")
+            return path
+
+        def _checkpoint_file(self, config: Any) -> str | None:
+            """``ckpt_path`` as a file (None where there is none, or a DeepSpeed directory)."""
+            path = self._checkpoint_path(config)
             return path if path and os.path.isfile(path) else None
 
         def _parse_ckpt_path(self) -> None:
@@ -149,16 +154,18 @@ def lightning_cli_class() -> type:
             """A missing or unreadable ``--ckpt_path`` file is one line, before any work; so is ``last`` where the
             run has no checkpoint under validate/test/predict (Lightning would go on with untrained weights; a fit
             starts fresh, with Lightning's warning)."""
+            from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
+
             config = self.config[sub]
             path = config.get("ckpt_path")
             if path is None or path in ("best", "hpc", "registry") or str(path).startswith("registry:"):
                 return
             if path == "last":
-                if sub != "fit" and self._checkpoint_file(config) is None:
-                    raise ConfigError("--ckpt_path last: no checkpoint in the run "
-                                      f"(trainer.default_root_dir={config.get('trainer', {}).get('default_root_dir')})")
+                last = self._checkpoint_path(config)
+                if sub != "fit" and not (os.path.isfile(last) or os.path.isdir(last)):  # a directory: DeepSpeed's
+                    raise ConfigError(f"--ckpt_path last: no checkpoint in the run ({last} does not exist)")
                 return
-            if os.path.isdir(path):  # a DeepSpeed checkpoint
+            if os.path.isdir(path) or not _is_local_file_protocol(str(path)):  # DeepSpeed's; a remote one (fsspec)
                 return
             if not os.path.isfile(path):
                 raise DataError(f"--ckpt_path {path}: checkpoint not found")

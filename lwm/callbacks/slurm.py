@@ -82,8 +82,8 @@ class SlurmRequeue(L.Callback):
         path = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
         trainer.save_checkpoint(path)
         for callback in trainer.checkpoint_callbacks:  # else the end of fit would rewrite last.ckpt as "epoch done"
-            if isinstance(callback, ModelCheckpoint):
-                callback.save_last_now(trainer)
+            if isinstance(callback, ModelCheckpoint):  # (and the step's own checkpoint, if one is due)
+                callback.save_stop_now(trainer)
         if trainer.is_global_zero and not requeue:
             log.warning(f"terminated: {path} at step {trainer.global_step}")
         elif trainer.is_global_zero:

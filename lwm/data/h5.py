@@ -116,10 +116,15 @@ def _check_codec(attr: object, path: Path, C: int, H: int, W: int) -> None:
     if spec is None or (spec["name"] != "pixel" and spec["name"] not in CLASSES):
         return  # none, or one lwm does not run: shown as latent channels
     pixel = spec["name"] == "pixel"
-    size = spec.get("size", 128 if pixel else None)
-    if not isinstance(size, int) or size < 1:
-        raise DataError(f"{path}: attribute 'codec' ({spec['name']}) needs an integer 'size' (frame pixels), got {size!r}")
-    side = size // 2 if pixel else size // SPATIAL
+    try:  # as the decoders read them
+        size = int(spec.get("size", 128 if pixel else None))
+        spatial = 2 if pixel else int(spec.get("spatial", SPATIAL))
+    except (TypeError, ValueError):
+        size = spatial = 0
+    if size < 1 or spatial < 1:
+        raise DataError(f"{path}: attribute 'codec' ({spec['name']}) needs an integer 'size' (frame pixels) and "
+                        f"'spatial' (compression), got {spec.get('size')!r}, {spec.get('spatial')!r}")
+    side = size // spatial
     channels = 16 if pixel else C
     if (C, H, W) != (channels, side, side):
         raise DataError(f"{path}: attribute 'codec' names the {spec['name']} codec of size {size}, for "

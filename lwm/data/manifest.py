@@ -131,14 +131,24 @@ def find_h5_files(directory: Path) -> list[Path]:
 
 
 def _previous_splits(path: Path, shape: tuple[int, int, int] | None) -> dict[str, str]:
-    """``{relative path: split}`` of the manifest at ``path`` if there is a readable one of the same frame shape."""
+    """``{relative path: split}`` of the manifest at ``path`` if there is one of the same frame shape, read
+    leniently: a file it lists twice (as earlier versions could, for a linked file) is ``val`` if either entry is,
+    so re-indexing never moves a validation file into training. Anything unreadable is said, and ignored."""
+    if not path.is_file():
+        return {}
     try:
-        old = Manifest.load(path)
-    except DataError:
+        raw = json.loads(path.read_text())
+        if (int(raw["channels"]), int(raw["height"]), int(raw["width"])) != shape:
+            return {}
+        splits: dict[str, str] = {}
+        for f in raw["files"]:
+            name, split = str(f["path"]), str(f["split"])
+            splits[name] = "val" if "val" in (split, splits.get(name)) else split
+        return splits
+    except (ValueError, KeyError, TypeError) as e:
+        print(f"note: {path}: the existing manifest is unreadable ({type(e).__name__}: {e}); splits drawn afresh",
+              file=sys.stderr)
         return {}
-    if (old.channels, old.height, old.width) != shape:
-        return {}
-    return {e.path: e.split for e in old.entries}
 
 
 def index_directory(
@@ -167,10 +177,10 @@ def index_directory(
     if out.is_dir():
         raise DataError(f"--out {out}: a directory; give the manifest's file name (e.g. {out / 'manifest.json'})")
     if out.exists():  # only a manifest (JSON) is ever overwritten, not an h5 file given by mistake
-        try:
-            json.loads(out.read_text())
-        except (OSError, ValueError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-            raise DataError(f"--out {out}: exists and is not a JSON manifest; not overwritten") from None
+        with open(out, "rb") as f:
+            head = f.read(1024).lstrip(b"\xef\xbb\xbf \t\r\n")
+        if head and not head.startswith(b"{"):
+            raise DataError(f"--out {out}: exists and is not a JSON manifest; not overwritten")
     files = find_h5_files(directory)
     if not files:
         raise DataError(f"{directory}: no .h5/.hdf5 files found")

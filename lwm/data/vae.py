@@ -173,7 +173,8 @@ class VAECodec:
         if self.name == "cogvideox" and t % 2 == 0:
             # diffusers' CogVideoX decodes latents in pairs, an even count without the lone first latent (frame 0):
             # 2 latents would give 8 frames, shifted in time. One more latent (the last again) makes the count odd;
-            # the decoder is causal, so the frames of the real latents come first and the extra ones are dropped.
+            # the decoder's convolutions are causal, so the real latents' frames come first (within a few levels:
+            # its norms span the frame batch) and the extra ones are dropped.
             z = torch.cat([z, z[:, -1:]], dim=1)
         video = self.vae.decode(z[None].to(dtype)).sample[0].float()[:, : video_frames(t)]  # [3, F, S, S], ~[-1, 1]
         rgb = ((video.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)

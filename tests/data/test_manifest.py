@@ -345,3 +345,18 @@ def test_out_that_is_a_folder_or_not_a_manifest_is_refused_untouched(data_dir, t
     with pytest.raises(DataError, match="a directory; give the manifest's file name"):
         index_directory(data_dir, out=folder)
     assert list(folder.iterdir()) == []
+
+
+def test_reindexing_over_a_manifest_listing_a_file_twice_keeps_it_in_val(data_dir, capsys):
+    """Earlier versions could list a linked file twice; re-indexing reads such a manifest leniently: a file listed
+    as val anywhere stays val (never moved into training), and the other splits are kept."""
+    manifest = index_directory(data_dir, val_fraction=0.3)
+    doc = json.loads(manifest.path.read_text())
+    train = next(f for f in doc["files"] if f["split"] == "train")
+    doc["files"].append(dict(train, split="val"))  # the same file, listed again as val
+    manifest.path.write_text(json.dumps(doc))
+    again = index_directory(data_dir, val_fraction=0.3)
+    splits = {e.path: e.split for e in again.entries}
+    assert splits[train["path"]] == "val"
+    assert all(splits[f["path"]] == "val" for f in doc["files"] if f["split"] == "val")
+    assert len(again.entries) == len(set(splits))

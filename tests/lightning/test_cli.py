@@ -252,3 +252,7 @@ def test_a_bad_ckpt_path_is_one_line_before_any_work(trained, tmp_path, capsys):
         errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and message in errors[0], (verb, errors)
     assert not empty.exists() and not (tmp_path / "fresh").exists()  # nothing started
+    deepspeed = tmp_path / "ds"
+    (deepspeed / "checkpoints" / "last.ckpt").mkdir(parents=True)  # DeepSpeed's last.ckpt is a directory
+    main(tiny_args(manifest, deepspeed, "--ckpt_path=last", verb="validate"))  # (Lightning can't load it on the CPU)
+    assert "no checkpoint in the run" not in capsys.readouterr().err

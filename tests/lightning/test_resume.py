@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.lightning.helpers import SimulatedCrash, make_dataset, run, train_series
+from tests.lightning.helpers import SimulatedCrash, make_dataset, read_metrics, run, train_series
 
 
 @pytest.mark.parametrize("workers", [0, 2])  # with workers, batches are drawn ahead of the training step
@@ -60,3 +60,18 @@ def test_the_final_step_gets_its_step_checkpoint_too(tmp_path):
     assert "step=0000015.ckpt" in os.listdir(tmp_path / "run/checkpoints")
     for name in ("step=0000010.ckpt", "step=0000015.ckpt"):
         assert torch.load(tmp_path / "run/checkpoints" / name, weights_only=True)["global_step"] == int(name[5:12])
+
+
+def test_the_final_step_checkpoint_ranked_by_a_validation_metric_gets_the_fresh_value(tmp_path):
+    import os
+
+    manifest = make_dataset(tmp_path / "data")  # epochs of 5 batches: validation after steps 5 and 10
+    common = ["--checkpoint.every_n_train_steps=5", "--data.val_size_percent=0.5", "--checkpoint.monitor=Val_Total/loss",
+              "--checkpoint.mode=min", "--checkpoint.filename={step:07d}-{Val_Total/loss:.6f}"]
+    assert run(manifest, tmp_path / "run", "--trainer.max_steps=10", *common) == 0
+    names = sorted(n for n in os.listdir(tmp_path / "run/checkpoints") if n.endswith(".ckpt") and n != "last.ckpt")
+    val = {int(r["step"]): r["Val_Total/loss"] for r in read_metrics(tmp_path / "run") if "Val_Total/loss" in r}
+    assert [int(n[:7]) for n in names] == [5, 10], names
+    for name in names:  # each file carries the validation right after its step (logged one step lower)
+        step, loss = int(name[:7]), float(name[8:].removesuffix(".ckpt"))
+        assert abs(loss - val[step - 1]) < 1e-6, (name, val[step - 1])
