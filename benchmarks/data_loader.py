@@ -150,7 +150,7 @@ def bench(manifest: Path, workers: int, context: str | None, window: int, batch:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--context", nargs="+", choices=["fork", "spawn", "forkserver"], default=["fork", "spawn"],
                    help="start methods timed for workers > 0")

@@ -49,7 +49,7 @@ def copy_bandwidth(device: str) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--frames", type=int, default=16)
     p.add_argument("--patches", type=int, default=256)

@@ -266,6 +266,7 @@ class ResidualVectorQuantizer(nn.Module):
             cb.reset(mask, rows)
             residual = residual - cb.embed[self._nearest(residual, cb.embed)]
         self.initialized.fill_(True)
+        self._init_known = True  # no host read of the flag on the next step
         if self._sync():
             self._broadcast_levels()
 

@@ -341,7 +341,7 @@ class WorldModel(nn.Module):
         for i in range(0, len(starts), per_chunk):
             chunk = starts[i : i + per_chunk]
             clips = torch.stack([x[:, s : s + window] for s in chunk], dim=1).flatten(0, 1)  # [B*n, window, C, H, W]
-            offsets = torch.tensor(chunk, device=x.device).repeat(B) + t0  # [B*n], sample-major like `clips`
+            offsets = torch.arange(chunk[0], chunk[-1] + 1, device=x.device).repeat(B) + t0  # [B*n], sample-major
             last = self.action_encoder.embed(self.tokenize(clips) + self.pos_embedding(window, offsets))[0][:, -1]
             z.append(last.reshape(B, len(chunk), -1))
         return self.action_encoder.rvq(torch.cat(z, dim=1))  # [B, T-1, Da]: eval, no step: no codebook update
