@@ -74,11 +74,22 @@ def main(argv: list[str]) -> int:
     from lwm.cli import lightning_cli_class
 
     args, rest = parse(argv)
+    inherited = "LWM_OVERFIT_DIR" in os.environ  # a DDP child of an overfit run: its parent's folder
+    try:
+        return _run(args, rest, lightning_cli_class)
+    finally:
+        if not inherited:  # a later overfit in this process picks its own folder
+            os.environ.pop("LWM_OVERFIT_DIR", None)
 
+
+def _run(args: argparse.Namespace, rest: list[str], lightning_cli_class) -> int:
     class OverfitCLI(lightning_cli_class()):
         def before_instantiate_classes(self) -> None:
             trainer = self.config.trainer
-            trainer.default_root_dir = _fresh_folder(os.path.join(trainer.default_root_dir or ".", "overfit"))
+            # one folder for every process: Lightning's DDP children inherit the parent's choice
+            folder = os.environ.get("LWM_OVERFIT_DIR") or _fresh_folder(
+                os.path.join(trainer.default_root_dir or ".", "overfit"))
+            os.environ["LWM_OVERFIT_DIR"] = trainer.default_root_dir = folder
             trainer.max_steps, trainer.max_epochs = args.steps, 1
             trainer.limit_val_batches, trainer.num_sanity_val_steps, trainer.val_check_interval = 0, 0, 1.0
             # every loss of every step, --steps optimizer steps of one batch each, whatever the config says
