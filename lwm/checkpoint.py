@@ -51,7 +51,7 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> tuple[dict[s
     """``(the checkpoint's dict, its WorldModelModule)`` of an lwm checkpoint file (``weights_only=True``), for the
     verbs that take a model from one (``lwm codes``, ``lwm generate``). A missing, foreign or unreadable file, or
     a DeepSpeed checkpoint directory, is a one-line :class:`~lwm.errors.DataError` naming it."""
-    from lwm.errors import DataError, LwmError
+    from lwm.errors import DataError, LwmError, first_line
     from lwm.module import WorldModelModule
 
     path = Path(path)
@@ -66,8 +66,7 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> tuple[dict[s
     except (LwmError, torch.OutOfMemoryError):  # a config problem says itself; memory is not the file's fault
         raise
     except Exception as e:  # a torn, foreign or non-checkpoint file: what failed, in one line
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise DataError(f"{path}: not a readable lwm checkpoint ({type(e).__name__}: {first[:200]})") from None
+        raise DataError(f"{path}: not a readable lwm checkpoint ({type(e).__name__}: {first_line(e)[:200]})") from None
     return raw, module
 
 

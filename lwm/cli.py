@@ -34,7 +34,7 @@ import warnings
 from dataclasses import asdict
 from typing import Any, Optional
 
-from lwm.errors import ConfigError, DataError, LwmError, NonFiniteLossError, positive_int
+from lwm.errors import ConfigError, DataError, LwmError, NonFiniteLossError, first_line, positive_int
 
 LIGHTNING_VERBS = ("fit", "validate", "test", "predict")
 
@@ -174,8 +174,7 @@ def lightning_cli_class() -> type:
             try:
                 torch.load(path, map_location="cpu", weights_only=True, mmap=True)
             except Exception as e:  # torn, foreign, not a checkpoint at all
-                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-                raise DataError(f"--ckpt_path {path}: not a readable checkpoint ({first[:200]})") from None
+                raise DataError(f"--ckpt_path {path}: not a readable checkpoint ({first_line(e)[:200]})") from None
 
         def _check_checkpoint_fits(self) -> None:
             """A checkpoint of another model shape is one line naming the fields, not a state-dict traceback."""

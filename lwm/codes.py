@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from lwm.errors import DataError
+from lwm.errors import DataError, first_line
 
 SAMPLING = ("frequency", "uniform")
 
@@ -118,8 +118,7 @@ def _load(path: str | Path) -> tuple[dict[str, CodeDictionary], dict]:
         return ({k: CodeDictionary.from_state(v) for k, v in raw.items() if isinstance(v, dict)},
                 {k: v for k, v in raw.items() if not isinstance(v, dict)})
     except Exception as e:  # a torn or foreign file
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise DataError(f"{path}: not a code dictionary of `lwm codes` ({first[:200]})") from None
+        raise DataError(f"{path}: not a code dictionary of `lwm codes` ({first_line(e)[:200]})") from None
 
 
 @torch.no_grad()

@@ -13,6 +13,11 @@ class ConfigError(LwmError):
     """An invalid or inconsistent configuration; the message names the field (e.g. ``model.net.d_model``)."""
 
 
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message (h5py and torch errors run over several lines), for one-line errors."""
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
 class NonFiniteLossError(RuntimeError):
     """Training stopped: too many consecutive steps had a non-finite loss or gradient."""
 

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from lwm.data.codecs import PixelCodec, codec_from_attr, missing_codec
-from lwm.data.h5 import DataError, first_line, inspect_h5
+from lwm.data.h5 import DataError, inspect_h5
+from lwm.errors import first_line
 
 CODECS = ("pixel", "wan", "cogvideox", "hunyuan")
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from lwm.errors import DataError
+from lwm.errors import DataError, first_line
 
 LATENTS_KEY = "latents"
 ACTIONS_KEY = "actions"
@@ -147,8 +147,3 @@ def parse_world_label(value: object, path: str | Path) -> int:
     if value < 0 or value > np.iinfo(np.int64).max:  # -1 means "no label" in batches
         raise DataError(f"{path}: attribute 'world_label' must be >= 0 (and fit int64), got {value}")
     return int(value)
-
-
-def first_line(e: BaseException) -> str:
-    """The first line of an exception's message (h5py errors run over several lines)."""
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
