@@ -47,6 +47,20 @@ def atomic_save(obj: Any, path: str | Path) -> Path:
     return path
 
 
+def read_checkpoint(path: str | Path, label: str = "", what: str = "checkpoint") -> dict[str, Any]:
+    """The dict of a checkpoint file (``weights_only=True``, memory-mapped: the tensors are not read); a missing or
+    unreadable (torn, foreign) file is a one-line :class:`~lwm.errors.DataError` naming ``label`` and the path."""
+    from lwm.errors import DataError, first_line
+
+    where = f"{label} {path}".strip()
+    if not Path(path).is_file():
+        raise DataError(f"{where}: checkpoint not found")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:
+        raise DataError(f"{where}: not a readable {what} ({type(e).__name__}: {first_line(e)[:200]})") from None
+
+
 def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> tuple[dict[str, Any], Any]:
     """``(the checkpoint's dict, its WorldModelModule)`` of an lwm checkpoint file (``weights_only=True``), for the
     verbs that take a model from one (``lwm codes``, ``lwm generate``). A missing, foreign or unreadable file, or
@@ -58,10 +72,8 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> tuple[dict[s
     if path.is_dir():
         raise DataError(f"{path}: a DeepSpeed checkpoint directory; convert it to one file first (Lightning's "
                         f"lightning.pytorch.utilities.deepspeed.convert_zero_checkpoint_to_fp32_state_dict)")
-    if not path.is_file():
-        raise DataError(f"{path}: checkpoint not found")
+    raw = read_checkpoint(path, what="lwm checkpoint")
     try:
-        raw = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         module = WorldModelModule.load_from_checkpoint(path, map_location=map_location, weights_only=True)
     except (LwmError, torch.OutOfMemoryError):  # a config problem says itself; memory is not the file's fault
         raise

@@ -34,7 +34,7 @@ import warnings
 from dataclasses import asdict
 from typing import Any, Optional
 
-from lwm.errors import ConfigError, DataError, LwmError, NonFiniteLossError, first_line, positive_int
+from lwm.errors import ConfigError, LwmError, NonFiniteLossError, positive_int
 
 LIGHTNING_VERBS = ("fit", "validate", "test", "predict")
 
@@ -54,7 +54,7 @@ def lightning_cli_class() -> type:
         AttentionDiagonality, CodebookMonitor, CodeDictionaries, CopyLastBaseline, DeadCodeRevival, FlopCounter,
         GroundTruthProbes, ModelSummary, PredictionWriter, RolloutVideos, Sensitivity, SlurmRequeue, StepProgressBar,
     )
-    from lwm.checkpoint import AtomicCheckpointIO, ModelCheckpoint
+    from lwm.checkpoint import AtomicCheckpointIO, ModelCheckpoint, read_checkpoint
     from lwm.data.datamodule import LatentDataModule
     from lwm.loggers import WandbConfig, make_loggers
     from lwm.module import WorldModelModule
@@ -167,23 +167,14 @@ def lightning_cli_class() -> type:
                 return
             if os.path.isdir(path) or not _is_local_file_protocol(str(path)):  # DeepSpeed's; a remote one (fsspec)
                 return
-            if not os.path.isfile(path):
-                raise DataError(f"--ckpt_path {path}: checkpoint not found")
-            import torch
-
-            try:
-                torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            except Exception as e:  # torn, foreign, not a checkpoint at all
-                raise DataError(f"--ckpt_path {path}: not a readable checkpoint ({first_line(e)[:200]})") from None
+            read_checkpoint(path, "--ckpt_path")  # missing, torn, foreign: one line
 
         def _check_checkpoint_fits(self) -> None:
             """A checkpoint of another model shape is one line naming the fields, not a state-dict traceback."""
             path = self._checkpoint_file(self.config[self.subcommand])
             if path is None:
                 return
-            import torch
-
-            saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("hyper_parameters", {})
+            saved = read_checkpoint(path).get("hyper_parameters", {})
             config = self.model.model.config
             saved, current = saved.get("net") or {}, asdict(config)
             changed = [f"model.net.{k}={current[k]!r} (the checkpoint has {saved[k]!r})" for k in config.SHAPE_FIELDS
