@@ -134,10 +134,43 @@ def collate_windows(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Ten
     return default_collate(items)
 
 
+def inclusion_probabilities(weights: np.ndarray, n: int) -> np.ndarray:
+    """Inclusion probabilities ``pi`` of ``n`` distinct draws among ``len(weights)`` items, proportional to
+    ``weights`` where that stays <= 1, items that would exceed 1 fixed at 1 (included every time) and the
+    rest shared in proportion among the others; ``sum(pi) == n``. Needs ``0 < n <= len(weights)``."""
+    if not 0 < n <= len(weights):
+        raise ValueError(f"n must lie in [1, {len(weights)}], got {n}")
+    pi, fixed = np.zeros(len(weights)), np.zeros(len(weights), dtype=bool)
+    while True:  # at most len(weights) rounds: each fixes at least one more item
+        free = ~fixed
+        pi[free] = (n - fixed.sum()) * weights[free] / weights[free].sum()
+        over = free & (pi >= 1.0)
+        if not over.any():
+            return pi
+        fixed |= over
+        pi[over] = 1.0
+
+
+def systematic_pps(pi: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """``round(sum(pi))`` distinct item indices, item ``i`` among them with probability ``pi[i]`` (each <= 1):
+    systematic sampling over a random order of the items (one uniform offset, points one apart over the
+    items' stacked probabilities), returned in that random order."""
+    order = rng.permutation(len(pi))
+    edges = np.cumsum(pi[order])
+    n = int(round(edges[-1]))
+    edges *= n / edges[-1]
+    edges[-1] = n  # exactly: the last point, < n, always lands on an item
+    points = rng.random() + np.arange(n)
+    return order[np.searchsorted(edges, points, side="right")]
+
+
 class FileBatchSampler(Sampler[list[tuple[int, int]]]):
     """Batches of ``(file_index, start)``: each element of the global batch (every rank's batch together) from a
-    different file while there are enough files (files drawn without replacement, weighted by their number of
-    windows), each start uniform in the file; rank ``r`` takes its slice of the global batch.
+    different file while there are enough files, each start uniform in the file; rank ``r`` takes its slice of the
+    global batch. A file is in a batch with probability proportional to its number of windows (so windows are
+    drawn uniformly), except that no file can be in a batch twice: a file whose share would exceed one place
+    is in every batch, and the others share the remaining places in proportion (``inclusion_probabilities``,
+    drawn by ``systematic_pps``). With fewer files than the batch, whole rounds of every file come first.
 
     ``len(sampler)`` batches make an epoch on this rank: by default the split's non-overlapping windows
     divided by the global batch (``batch_size * world_size``). Batch ``b`` of epoch ``e`` depends only on
@@ -167,6 +200,7 @@ class FileBatchSampler(Sampler[list[tuple[int, int]]]):
         self.seed, self.rank, self.world_size = seed, rank, world_size
         windows = self.frames // window
         self.weights = windows / windows.sum()
+        self._inclusion: dict[int, np.ndarray] = {}
         self.num_batches = batches_per_epoch or max(1, int(windows.sum()) // (batch_size * world_size))
         self.epoch = 0
         self.start_batch = 0  # first batch of the next iteration (resume mid-epoch)
@@ -178,13 +212,21 @@ class FileBatchSampler(Sampler[list[tuple[int, int]]]):
         """This rank's slice of the global batch ``index`` of ``epoch`` (every rank draws the same global batch)."""
         rng = np.random.default_rng([self.seed, epoch, index])
         n_files, total = len(self.frames), self.batch_size * self.world_size
+        rounds, rest = divmod(total, n_files)
         picks = []
-        while len(picks) < total:  # whole rounds without replacement when files are few
-            take = min(total - len(picks), n_files)
-            picks.extend(rng.choice(n_files, size=take, replace=False, p=self.weights).tolist())
+        for _ in range(rounds):  # whole rounds (every file once) when files are fewer than the batch
+            picks.extend(rng.permutation(n_files).tolist())
+        if rest:
+            picks.extend(systematic_pps(self.inclusion(rest), rng).tolist())
         starts = rng.integers(0, self.frames[picks] - self.window + 1)
         mine = slice(self.rank * self.batch_size, (self.rank + 1) * self.batch_size)
         return [(int(f), int(s)) for f, s in zip(picks[mine], starts[mine])]
+
+    def inclusion(self, n: int) -> np.ndarray:
+        """Each file's probability of being among ``n`` distinct files drawn for a batch (cached per ``n``)."""
+        if n not in self._inclusion:
+            self._inclusion[n] = inclusion_probabilities(self.weights, n)
+        return self._inclusion[n]
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 
 from lwm.data.h5 import DataError
 from lwm.data.manifest import Manifest, ManifestEntry, index_directory
-from lwm.data.windows import MISSING, FileBatchSampler, H5WindowDataset
+from lwm.data.windows import MISSING, FileBatchSampler, H5WindowDataset, inclusion_probabilities, systematic_pps
 from tests.data.conftest import action_pattern, pattern
 
 WINDOW = 4
@@ -449,12 +449,54 @@ def test_selection_frequency_follows_windows():
 
 
 def test_selection_frequency_with_bigger_batches():
-    """Without replacement the big file is still chosen much more often, though less than in proportion."""
-    frames = [400] + [40] * 5  # 100 and 5 x 10 windows
+    """A file whose share of a batch would exceed one place is in every batch; the others share the remaining
+    places in proportion to their windows. 100 and 5 x 10 windows, batch 2: 2 * 100/150 > 1, so the big file
+    is in all 1500 batches and each small one in a fifth of them."""
+    frames = [400] + [40] * 5
     s = FileBatchSampler(frames, WINDOW, batch_size=2, seed=1, batches_per_epoch=1500)
     counts = Counter(f for b in s for f, _ in b)
-    assert counts[0] > 0.85 * 1500  # in ~90% of the batches
-    assert all(counts[0] > 3 * counts[i] for i in range(1, 6))
+    assert counts[0] == 1500
+    assert all(300 * 0.85 < counts[i] < 300 * 1.15 for i in range(1, 6)), counts
+
+
+def test_inclusion_is_proportional_to_windows():
+    """Windows 1, 1, 2, 4 and batch 2: each file is in a batch with probability 2 * windows / 8 (0.25, 0.25,
+    0.5, 1), i.e. windows are drawn uniformly; drawing files one after another without replacement would
+    favour the small ones (the big file in 81% of the batches)."""
+    frames = [4, 4, 8, 16]
+    s = FileBatchSampler(frames, WINDOW, batch_size=2, seed=2, batches_per_epoch=4000)
+    counts = Counter(f for b in s for f, _ in b)
+    assert counts[3] == 4000
+    for f, p in ((0, 0.25), (1, 0.25), (2, 0.5)):
+        assert abs(counts[f] / 4000 - p) < 0.03, counts
+    assert all(len({f for f, _ in b}) == 2 for b in s)
+
+
+@pytest.mark.parametrize("weights, n, expected", [
+    ([1, 1, 2, 4], 2, [0.25, 0.25, 0.5, 1.0]),
+    ([10, 1, 1, 1, 1], 2, [1.0, 0.25, 0.25, 0.25, 0.25]),
+    ([10, 5, 1, 1, 1], 3, [1.0, 1.0, 1 / 3, 1 / 3, 1 / 3]),  # 5 exceeds one place only once 10 is fixed
+    ([3, 1], 2, [1.0, 1.0]),
+    ([1, 1, 1, 1], 1, [0.25] * 4),
+])
+def test_inclusion_probabilities_known_answers(weights, n, expected):
+    w = np.asarray(weights, dtype=float)
+    pi = inclusion_probabilities(w / w.sum(), n)
+    np.testing.assert_allclose(pi, expected, rtol=1e-12)
+    assert math.isclose(pi.sum(), n)
+    with pytest.raises(ValueError):
+        inclusion_probabilities(w / w.sum(), len(weights) + 1)
+
+
+def test_systematic_pps_draws_distinct_items_with_their_probabilities():
+    pi = np.array([0.9, 0.1, 0.6, 0.4, 1.0, 0.5, 0.5])  # sums to 4
+    rng = np.random.default_rng(0)
+    counts = np.zeros(len(pi))
+    for _ in range(5000):
+        picks = systematic_pps(pi, rng)
+        assert len(picks) == 4 and len(set(picks.tolist())) == 4
+        counts[picks] += 1
+    np.testing.assert_allclose(counts / 5000, pi, atol=0.025)
 
 
 def test_sampler_refuses_short_files_and_bad_batch():
