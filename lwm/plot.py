@@ -137,10 +137,10 @@ def val_loss_vs_tflops_figure(metrics: Metrics) -> Figure:
 
 
 def sensitivity_figure(metrics: Metrics) -> Figure:
-    dpsnr = {q: metrics.get(f"Val_{q}/dpsnr") for q in QUANTIZERS}
-    psnr = {(q, kind): metrics.get(f"Val_{q}/psnr_{kind}") for q in QUANTIZERS for kind in ("seq", "rand")}
+    dpsnr = {q: metrics.get(f"Val_{q}/dPSNR") for q in QUANTIZERS}
+    psnr = {(q, kind): metrics.get(f"Val_{q}/PSNR_{kind}") for q in QUANTIZERS for kind in ("seq", "rand")}
     if not any(dpsnr.values()) and not any(psnr.values()):
-        raise _Skip("no Val_*_Encoder/dpsnr or psnr_seq/psnr_rand columns")
+        raise _Skip("no Val_*_Encoder/dPSNR or PSNR_seq/PSNR_rand columns")
     fig, (left, *right) = _grid(1 + len(QUANTIZERS), ncols=3)
     for color, q, ax in zip(("C0", "C1"), QUANTIZERS, right):
         name = _quantizer_name(q)

@@ -59,6 +59,19 @@ def test_codebook_diversity():
     assert torch.isnan(codebook_diversity(torch.zeros(1, 3))).all()
 
 
+def test_codebook_diversity_at_the_real_sizes_sees_identical_codes_as_zero():
+    """At 256 codes of width 64 (cdist's matmul path above 25 rows) two identical codes still give exactly 0,
+    and the pairwise MSEs equal the brute-force ones."""
+    torch.manual_seed(2)
+    codes = torch.randn(256, 64) * 3 + 1  # with these, cdist's default gives the identical pair 0.011 apart
+    codes[200] = codes[17]
+    lo, hi, mean = codebook_diversity(codes)
+    assert lo.item() == 0.0
+    i, j = torch.triu_indices(256, 256, offset=1)
+    brute = (codes[i] - codes[j]).pow(2).mean(dim=1)
+    assert torch.allclose(torch.stack([hi, mean]), torch.stack([brute.max(), brute.mean()]), rtol=1e-5)
+
+
 def test_psnr_and_delta_psnr_known_values():
     target = torch.zeros(2, 3, 4)
     pred = torch.full_like(target, 0.1)  # MSE 0.01 -> 20 dB
@@ -67,6 +80,12 @@ def test_psnr_and_delta_psnr_known_values():
     d, seq, rand = delta_psnr(target, pred, worse).tolist()
     assert (d, seq, rand) == pytest.approx((20.0, 20.0, 0.0))
     assert delta_psnr(target, pred, pred)[0].item() == 0.0  # identical predictions: no sensitivity
+
+
+def test_psnr_is_per_sample():
+    target = torch.zeros(2, 3, 4)
+    pred = torch.stack([torch.full((3, 4), 0.1), torch.full((3, 4), 1.0)])  # MSE 0.01 and 1: 20 and 0 dB
+    assert torch.allclose(psnr(target, pred), torch.tensor([20.0, 0.0]), atol=1e-4)
 
 
 def test_random_codes_are_sums_of_one_code_per_level():
@@ -148,3 +167,20 @@ def test_copy_last_loss_known_values():
     assert copy_last_loss(still).item() == 0.0
     ramp = torch.arange(5.0).view(1, 5, 1, 1, 1).expand(2, 5, 3, 4, 4) * 0.1  # +0.1 per frame
     assert copy_last_loss(ramp).item() == pytest.approx(0.01)
+
+
+@torch.no_grad()
+def test_sensitivity_known_answers():
+    """With the predictor's world projection zeroed the world cannot matter: world dPSNR exactly 0 (its random
+    run keeps the inferred actions), action dPSNR not; PSNR_seq is frame 4 of the rollout with the inferred
+    codes against ground-truth frame 4."""
+    model = _tiny_model()
+    model.dynamics.world_proj.weight.zero_()
+    x = torch.rand(3, 6, 2, 8, 8, generator=torch.Generator().manual_seed(2)) * 2 - 1
+    out = sensitivity(model, x, t=4, generator=torch.Generator().manual_seed(0))
+    assert out["World_Encoder"][0].item() == pytest.approx(0.0, abs=1e-5)
+    assert abs(out["Action_Encoder"][0].item()) > 1e-4
+    a = model.encode_actions(x[:, :5]).quantized
+    h = model.encode_world(x).quantized
+    seq = psnr(x[:, 4], rollout_frames(model, x[:, :1], a, h, 4)[:, -1]).mean()
+    assert out["Action_Encoder"][1].item() == pytest.approx(seq.item(), abs=1e-4)

@@ -25,7 +25,7 @@ def every_column() -> list[str]:
             columns += [f"{split}_{q}_Encoder/{k}" for k in ("commit_loss", "codebook_loss")]
             columns += [f"{split}_{q}_Encoder/codebook_usage_level_{level}" for level in (0, 1)]
     for q in ("Action", "World"):
-        columns += [f"Val_{q}_Encoder/{k}" for k in ("dpsnr", "psnr_seq", "psnr_rand")]
+        columns += [f"Val_{q}_Encoder/{k}" for k in ("dPSNR", "PSNR_seq", "PSNR_rand")]
     columns += [f"Val_Action_Encoder/attention_diagonality_block_{b}/{stat}"
                 for b in (0, 1) for stat in ("min", "mean", "max")]
     return columns
@@ -52,7 +52,7 @@ def value_of(column: str, step: int, i: int) -> float:
         return 0.5 * step  # cumulative; 0 at step 0, which a log axis drops
     if "usage" in column or "diagonality" in column:
         return 0.5 + 0.05 * math.sin(step + i)
-    if "psnr" in column:
+    if "psnr" in column.lower():
         return 20.0 + step + 0.1 * i
     return 2.0 / (1 + step) + 0.01 * i  # losses
 

@@ -14,13 +14,13 @@ from lwm.seeds import seeded_generator
 
 
 class Sensitivity(L.Callback):
-    """After each validation, ``Val_Action_Encoder/{dpsnr,psnr_seq,psnr_rand}`` and the same under
-    ``Val_World_Encoder/``: frames ``1..t`` generated from frame 0 with the inferred codes vs with random ones
-    (uniform per level), PSNR at frame ``t`` (the requirement's and Genie's t = 4), averaged over the clips of
-    the first ``batches`` validation batches of every rank. The random codes are seeded, the same at every
-    validation."""
+    """After each validation, ``Val_Action_Encoder/{dPSNR,PSNR_seq,PSNR_rand}`` (the requirement's names) and the
+    same under ``Val_World_Encoder/``: frames ``1..t`` generated from frame 0 with the inferred codes vs with
+    random ones (uniform per level), PSNR at frame ``t`` (the requirement's and Genie's t = 4), averaged over the
+    clips of the first ``batches`` validation batches of every rank. The random codes are seeded, the same at
+    every validation."""
 
-    NAMES = ("dpsnr", "psnr_seq", "psnr_rand")
+    NAMES = ("dPSNR", "PSNR_seq", "PSNR_rand")
 
     def __init__(self, t: int = 4, batches: int = 1, seed: int = 0) -> None:
         if t < 1 or batches < 1:

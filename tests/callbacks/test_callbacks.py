@@ -89,8 +89,8 @@ def test_sensitivity_logs_the_metric_and_zero_when_codes_do_not_matter():
         module.model.dynamics.action_proj.weight.zero_()
         module.model.dynamics.world_proj.weight.zero_()
     logged = _validate(module, Sensitivity(t=4), data)
-    assert logged["Val_Action_Encoder/dpsnr"] == pytest.approx(0.0, abs=1e-5)
-    assert logged["Val_World_Encoder/dpsnr"] == pytest.approx(0.0, abs=1e-5)
+    assert logged["Val_Action_Encoder/dPSNR"] == pytest.approx(0.0, abs=1e-5)
+    assert logged["Val_World_Encoder/dPSNR"] == pytest.approx(0.0, abs=1e-5)
 
 
 def test_codebook_monitor_training_usage_and_ema_decay_at_the_logging_steps():

@@ -18,7 +18,7 @@ def trained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cli")
     manifest = make_dataset(tmp / "data")
     root = tmp / "run"
-    assert run(manifest, root, "--trainer.max_steps=8") == 0
+    assert run(manifest, root, "--trainer.max_steps=8", "--data.batches_per_epoch=8") == 0
     return manifest, root
 
 
@@ -26,8 +26,7 @@ def test_fit_validates_four_times_per_epoch_and_checkpoints(trained):
     manifest, root = trained
     rows = read_metrics(root)
     val_steps = [int(r["step"]) for r in rows if "Val_Total/loss" in r]
-    batches = len(json.loads(manifest.read_text())["files"])  # not needed exactly: check the spacing instead
-    assert batches and len(val_steps) >= 4 and len(set(val_steps)) == len(val_steps)
+    assert val_steps == [1, 3, 5, 7]  # one epoch of 8 batches: after batches 2, 4, 6, 8 (logged at step - 1)
     train = [r for r in rows if "Train_Total/loss" in r]
     assert [int(r["step"]) for r in train] == list(range(8))
     for key in ("Train_Dynamics_Predictor/tf_loss", "Train_Dynamics_Predictor/rollout_1_loss",
@@ -222,7 +221,7 @@ def test_bf16_weights_train_validate_and_monitor(tmp_path):
     rows = read_metrics(root)
     val = [r for r in rows if "Val_Total/loss" in r]
     assert val and all(torch.isfinite(torch.tensor(r["Val_Total/loss"])) for r in val)
-    assert any("Val_Action_Encoder/dpsnr" in r for r in rows)
+    assert any("Val_Action_Encoder/dPSNR" in r for r in rows)
     assert list((root / "videos").glob("*.mp4")) or list((root / "videos").glob("*.gif"))
 
 
@@ -256,3 +255,12 @@ def test_a_bad_ckpt_path_is_one_line_before_any_work(trained, tmp_path, capsys):
     (deepspeed / "checkpoints" / "last.ckpt").mkdir(parents=True)  # DeepSpeed's last.ckpt is a directory
     main(tiny_args(manifest, deepspeed, "--ckpt_path=last", verb="validate"))  # (Lightning can't load it on the CPU)
     assert "no checkpoint in the run" not in capsys.readouterr().err
+
+
+def test_four_validations_per_epoch_without_a_config(tmp_path, capsys):
+    """The requirement's 4 validations per epoch are the default, not only the shipped configs' setting."""
+    manifest = make_dataset(tmp_path / "data", files=2)
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit", f"--data.manifest={manifest}", "--print_config"])
+    assert exit_.value.code in (0, None)
+    assert "  val_check_interval: 0.25\n" in capsys.readouterr().out

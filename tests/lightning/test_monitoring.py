@@ -18,7 +18,7 @@ CODEBOOKS = [f"{q}/{m}_level_{l}" for q in ("Action_Encoder", "World_Encoder") f
              for m in ("codebook_usage", "codebook_diversity_min", "codebook_diversity_max", "codebook_diversity_mean")]
 DIAGONALITY = [f"Action_Encoder/attention_diagonality_block_0/{s}" for s in ("min", "mean", "max")]
 TRAIN_ONLY = ["Action_Encoder/ema_decay", "World_Encoder/ema_decay", "Total/grad_norm"]
-VAL_ONLY = [f"{q}/{m}" for q in ("Action_Encoder", "World_Encoder") for m in ("dpsnr", "psnr_seq", "psnr_rand")] + [
+VAL_ONLY = [f"{q}/{m}" for q in ("Action_Encoder", "World_Encoder") for m in ("dPSNR", "PSNR_seq", "PSNR_rand")] + [
     f"{q}/codebook_coverage_level_{l}" for q in ("Action_Encoder", "World_Encoder") for l in (0, 1)]
 
 

@@ -615,3 +615,20 @@ def test_non_finite_first_batch_does_not_initialise():
     assert not bool(q.initialized) and torch.isfinite(q.codebook(0)).all()
     q(torch.randn(16, 4), step=1)
     assert bool(q.initialized) and torch.isfinite(q.codebook(0)).all()
+
+
+def test_codebook_loss_is_measured_against_the_updated_codes():
+    """The monitored codebook loss ``||sg[z_e] - e'||^2`` uses the codebooks after this step's EMA update (the
+    residuals are still formed from the codes the step chose); against the old codes it would equal the
+    commitment loss."""
+    q = rvq(4, (4, 8), seed=4).train()
+    before = copy.deepcopy(q).eval()
+    z = torch.randn(16, 4, generator=torch.Generator().manual_seed(44))
+    out = q(z, step=0)
+    residual, expected = z.double(), 0.0
+    for level in range(2):
+        i = out.indices[:, level]
+        expected = expected + ((residual - q.codebook(level).double()[i]) ** 2).mean()
+        residual = residual - before.codebook(level).double()[i]
+    torch.testing.assert_close(out.codebook_loss.double(), expected, rtol=1e-5, atol=1e-7)
+    assert not torch.allclose(out.codebook_loss, out.commit_loss)

@@ -51,6 +51,23 @@ def test_shapes_at_requirement_defaults():
     assert loss.ndim == 0 and torch.isfinite(loss)
 
 
+def test_the_requirements_defaults():
+    """REQUIREMENT.md's defaults, read off the built model: 3 ST blocks per transformer, codebook sizes
+    (12, 64, 256) and (12, 24, 48, 256, 256, 256), 10% token masking, 2 rollout passes weighted (1, 0.8, 0.5)."""
+    from lwm.callbacks.sensitivity import Sensitivity
+    from lwm.overfit import parse
+
+    model = WorldModel()
+    for part in (model.action_encoder, model.world_encoder, model.dynamics):
+        assert len(part.transformer.blocks) == 3
+    assert [lvl.embed.shape[0] for lvl in model.action_encoder.rvq.levels] == [12, 64, 256]
+    assert [lvl.embed.shape[0] for lvl in model.world_encoder.rvq.levels] == [12, 24, 48, 256, 256, 256]
+    assert model.config.mask_prob == 0.1
+    assert model.config.rollout_weights == (1.0, 0.8, 0.5)
+    assert Sensitivity().t == 4  # "Genie uses t = 4"
+    assert parse([])[0].steps == 1000  # the overfit test's --steps
+
+
 def test_shapes_tiny_and_logs():
     model = tiny_model()
     x = clip(B=3, T=5)
@@ -393,3 +410,67 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients():
     assert grads[0].keys() == grads[1].keys()
     for name in grads[0]:  # recomputation is the same arithmetic: equal up to float reassociation
         assert torch.allclose(grads[0][name], grads[1][name], rtol=1e-5, atol=1e-7), name
+
+
+@torch.no_grad()
+def test_world_vector_is_the_mean_over_every_frame_and_patch():
+    """The world encoder pools its bidirectional transformer's output over time and space (a bidirectional
+    encoder makes every position depend on every frame, so the dependence test cannot see a wrong pool)."""
+    model = tiny_model().eval().double()
+    tokens = torch.randn(2, 6, 4, 32, dtype=torch.float64)
+    h, _, _ = model.world_encoder.transformer(tokens)
+    expected = model.world_encoder.to_code(h.mean(dim=(1, 2)))
+    torch.testing.assert_close(model.world_encoder.embed(tokens).double(), expected)
+
+
+@torch.no_grad()
+def test_compute_feeds_action_i_at_position_i():
+    """After the data-dependent init the actions differ along the clip, so feeding ``a_i`` one position off
+    would change the teacher-forced predictions."""
+    model = tiny_model()
+    x = clip(T=6)
+    model.train().compute(x, step=0)  # codebooks from this clip: distinct action codes
+    model.eval()
+    out = model.compute(x, step=None)
+    a, h = out.actions.quantized, out.world.quantized
+    assert (out.actions.indices[:, 1:] != out.actions.indices[:, :-1]).any()  # the premise
+    torch.testing.assert_close(out.predictions[0], model.predict(x[:, :-1], a, h), atol=1e-5, rtol=0)
+
+
+def test_training_draws_the_temporal_pe_start():
+    """In training the PE start is drawn (``sample_time_offset`` from the step's generator), not 0."""
+    model = tiny_model(mask_prob=0.0, max_time_offset=50).train()
+    x = clip(T=5)
+
+    def gen():
+        return torch.Generator().manual_seed(7)
+
+    drawn = model.sample_time_offset(2, torch.device("cpu"), gen())
+    assert drawn.ne(0).any()
+    a = model.compute(x, step=None, generator=gen()).loss
+    b = model.compute(x, step=None, t0=drawn, generator=gen()).loss
+    c = model.compute(x, step=None, t0=0, generator=gen()).loss
+    assert torch.equal(a, b) and not torch.allclose(a, c)
+
+
+def test_the_prediction_loss_alone_reaches_both_encoders():
+    """The teacher-forcing MSE alone (no commitment loss) has a gradient in both encoders' code projections
+    and transformers: the quantized codes reach the predictor straight-through, not detached."""
+    model = tiny_model(mask_prob=0.0).train()
+    x = clip(T=6)
+    out = model.compute(x, step=0)
+    tf = (out.predictions[0] - x[:, 1:]).pow(2).mean()
+    params = [model.action_encoder.to_code.weight, model.action_encoder.transformer.blocks[0].temporal.qkv.weight,
+              model.world_encoder.to_code.weight, model.world_encoder.transformer.blocks[0].temporal.qkv.weight]
+    for g in torch.autograd.grad(tf, params, allow_unused=True):
+        assert g is not None and g.abs().amax() > 0
+
+
+def test_rollout_gradient_flows_through_the_fed_predictions():
+    """Rollout pass 1's loss has a gradient with respect to pass 0's predictions that it reads as context."""
+    model = tiny_model(mask_prob=0.0).train()
+    x = clip(T=6)
+    out = model.compute(x, step=None)
+    r1 = (out.predictions[1][:, 1:] - x[:, 2:]).pow(2).mean()
+    (g,) = torch.autograd.grad(r1, out.predictions[0], allow_unused=True)
+    assert g is not None and g[:, :-1].abs().amax() > 0
