@@ -6,7 +6,7 @@
     lwm generate --ckpt_path CKPT --data FILE.h5 [--steps N] [--out VIDEO]             rollouts as video
     lwm plot RUN_DIR [--out DIR]                                                      figures from metrics.csv
     lwm data index DIR [--val-fraction F] [--out MANIFEST] [--seed S] [--tolerance TOL]
-    lwm data encode VIDEO... --out DIR [--codec pixel|wan|cogvideox|hunyuan --vae PATH]  |  lwm data decode FILE.h5 --out VIDEO [--vae PATH]
+    lwm data encode VIDEO... --out DIR [--codec pixel|wan|cogvideox|hunyuan --vae PATH] [--segment N]  |  lwm data decode FILE.h5 --out VIDEO [--vae PATH]
     lwm data synth --out DIR --episodes N                                             the built-in world
     lwm data atari --games pong breakout --out DIR [--episodes N]                       Atari footage (ale-py)
     lwm bench [--config CFG] [--steps N] [--json OUT]                                 training-step speed, MFU
@@ -295,7 +295,8 @@ def _data_encode(args: argparse.Namespace) -> int:
     import torch
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-    encode_videos(args.videos, args.out, args.codec, args.stride, args.vae, args.size, args.device, dtype)
+    encode_videos(args.videos, args.out, args.codec, args.stride, args.vae, args.size, args.device, dtype,
+                  segment=args.segment)
     return 0
 
 
@@ -361,6 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="pixel (built in, 128x128 RGB) or a diffusers video VAE (needs --vae)")
     encode.add_argument("--out", required=True, help="folder for the h5 files (then `lwm data index` it)")
     encode.add_argument("--stride", type=positive_int, default=1, help="keep every N-th frame")
+    encode.add_argument("--segment", type=positive_int, metavar="N",
+                        help="frames per h5 file (NAME_0000.h5, ...; for VAE codecs 1 + 4k, e.g. 257): long videos "
+                             "in bounded memory (default: one file per video)")
     encode.add_argument("--vae", help="local folder with the VAE's diffusers weights (or a pipeline with vae/)")
     encode.add_argument("--size", type=int, help="frame size in pixels (default: 128 pixel, 512 VAEs)")
     encode.add_argument("--device", default="cpu", help="where the VAE runs (e.g. cuda)")

@@ -10,6 +10,7 @@ diffusers VAEs, which need ``--vae`` with their local weights; see :mod:`lwm.dat
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import h5py
@@ -18,6 +19,7 @@ import torch
 
 from lwm.data.codecs import PixelCodec, codec_from_attr, missing_codec
 from lwm.data.h5 import DataError, inspect_h5
+from lwm.data.vae import TEMPORAL
 from lwm.errors import first_line
 
 CODECS = ("pixel", "wan", "cogvideox", "hunyuan")
@@ -36,22 +38,36 @@ def square_resize(frames: np.ndarray, size: int) -> np.ndarray:
     return np.stack([np.asarray(Image.fromarray(f).resize((size, size), Image.BILINEAR)) for f in crop])
 
 
-def read_video(path: str | Path, stride: int = 1) -> np.ndarray:
-    """All frames of a video file as ``uint8 [T, H, W, 3]`` (every ``stride``-th)."""
+def iter_video(path: str | Path, stride: int = 1) -> Iterator[np.ndarray]:
+    """The frames of a video file one at a time, ``uint8 [H, W, 3]`` (every ``stride``-th): decoded as they
+    are read, so a long video never sits in memory at its native resolution."""
     import imageio.v3 as iio
 
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: video not found")
-    try:
-        frames = iio.imread(path, index=None)
-    except Exception as e:  # imageio/PyAV raise many kinds
-        raise DataError(f"{path}: cannot be read as a video ({first_line(e)})") from None
-    if frames.ndim == 3:  # one frame (an image)
-        frames = frames[None]
-    if frames.ndim != 4 or frames.shape[-1] not in (3, 4):
-        raise DataError(f"{path}: expected colour frames [T, H, W, 3], got {frames.shape}")
-    return frames[::stride, ..., :3].astype(np.uint8)
+    frames = iio.imiter(path)
+    index = 0
+    while True:
+        try:
+            frame = next(frames)
+        except StopIteration:
+            return
+        except Exception as e:  # imageio/PyAV raise many kinds
+            raise DataError(f"{path}: cannot be read as a video at frame {index} ({first_line(e)})") from None
+        if frame.ndim != 3 or frame.shape[-1] not in (3, 4):
+            raise DataError(f"{path}: expected colour frames [H, W, 3], got {frame.shape} at frame {index}")
+        if index % stride == 0:
+            yield frame[..., :3].astype(np.uint8)
+        index += 1
+
+
+def read_video(path: str | Path, stride: int = 1) -> np.ndarray:
+    """All frames of a video file as ``uint8 [T, H, W, 3]`` (every ``stride``-th)."""
+    frames = list(iter_video(path, stride))
+    if not frames:
+        raise DataError(f"{path}: the video has no frames")
+    return np.stack(frames)
 
 
 def make_codec(codec: str = "pixel", vae: str | Path | None = None, size: int | None = None,
@@ -96,8 +112,11 @@ def write_latents(target: Path, codec, frames: np.ndarray, actions: np.ndarray |
 
 def encode_videos(videos: list[str], out: str | Path, codec: str = "pixel", stride: int = 1,
                   vae: str | Path | None = None, size: int | None = None, device: str = "cpu",
-                  dtype: torch.dtype = torch.float32, log=print) -> list[Path]:
-    """Encode each video to ``out/<name>.h5``; ``log`` gets one line per file."""
+                  dtype: torch.dtype = torch.float32, segment: int | None = None, log=print) -> list[Path]:
+    """Encode each video to ``out/<name>.h5``, or with ``segment`` to ``out/<name>_0000.h5``, ... of at most
+    ``segment`` frames each (after ``stride``; each file encoded on its own, a clip of its own); ``log`` gets one
+    line per file. Frames are read and resized one at a time: memory holds one file's frames at the codec's
+    size (``segment`` bounds it for long videos)."""
     for video in videos:  # fail on a missing video before loading a VAE
         if not Path(video).is_file():
             raise DataError(f"{video}: video not found")
@@ -107,17 +126,34 @@ def encode_videos(videos: list[str], out: str | Path, codec: str = "pixel", stri
         if other != video:
             raise DataError(f"{video}: same name as {other}, both would be written to {Path(out) / Path(video).stem}.h5 "
                             f"(encode them into different --out folders)")
+    if segment is not None and (segment < 1 or (codec in CODECS[1:] and (segment - 1) % TEMPORAL)):
+        raise DataError(f"--segment {segment}: " + ("must be >= 1" if segment < 1 else
+                        f"a VAE codec encodes 1 + {TEMPORAL}k frames (the rest of each file would be dropped); "
+                        f"e.g. --segment {1 + TEMPORAL * max(1, (segment - 1) // TEMPORAL)}"))
     c = make_codec(codec, vae, size, device, dtype)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    written = []
-    for video in videos:
-        frames = square_resize(read_video(video, stride), c.size)
-        target = out / f"{Path(video).stem}.h5"
-        clipped = write_latents(target, c, frames)
+    written: list[Path] = []
+
+    def write(target: Path, frames: list[np.ndarray], video: str) -> None:
+        if target in written:  # a segment name that another video's file already took
+            raise DataError(f"{video}: would overwrite {target}, written from another video (rename one)")
+        clipped = write_latents(target, c, np.stack(frames))
         note = f", {clipped} values clipped to [-1, 1]" if clipped else ""
         log(f"wrote {target} ({len(frames)} frames{note})")
         written.append(target)
+
+    for video in videos:
+        stem, frames, part = Path(video).stem, [], 0
+        for frame in iter_video(video, stride):
+            frames.append(square_resize(frame[None], c.size)[0])
+            if segment is not None and len(frames) == segment:
+                write(out / f"{stem}_{part:04d}.h5", frames, video)
+                frames, part = [], part + 1
+        if frames:
+            write(out / (f"{stem}_{part:04d}.h5" if segment is not None else f"{stem}.h5"), frames, video)
+        elif part == 0:
+            raise DataError(f"{video}: the video has no frames")
     return written
 
 

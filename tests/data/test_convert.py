@@ -66,3 +66,38 @@ def test_decode_refuses_an_unknown_video_suffix_first(tmp_path, capsys):
         f["latents"] = np.zeros((2, 16, 64, 64), dtype=np.float32)
     assert main(["data", "decode", str(tmp_path / "raw.h5"), "--out", str(tmp_path / "x.avi")]) == 2
     assert "x.avi: the video must end in one of .mp4, .gif" in capsys.readouterr().err
+
+
+def test_segments_split_a_video_into_files_that_decode_to_its_frames(tmp_path, capsys):
+    """--segment 3 over 7 frames: files of 3, 3 and 1 frames, whose decoded frames in order are the video's."""
+    frames = np.random.default_rng(1).integers(0, 256, (7, 40, 40, 3), dtype=np.uint8)
+    video = write_video(tmp_path / "clip.mp4", frames)
+    assert main(["data", "encode", str(video), "--out", str(tmp_path / "h5"), "--size", "16", "--segment", "3"]) == 0
+    files = sorted((tmp_path / "h5").glob("*.h5"))
+    assert [f.name for f in files] == ["clip_0000.h5", "clip_0001.h5", "clip_0002.h5"]
+    codec = PixelCodec(size=16)
+    decoded = []
+    for f in files:
+        with h5py.File(f) as h:
+            decoded.append(codec.decode(h["latents"][...]))
+    assert [len(d) for d in decoded] == [3, 3, 1]
+    assert np.array_equal(np.concatenate(decoded), square_resize(read_video(video), 16))
+    assert "clip_0002.h5 (1 frames)" in capsys.readouterr().out
+
+
+def test_frames_are_streamed_with_the_stride(tmp_path):
+    frames = np.random.default_rng(2).integers(0, 256, (5, 24, 24, 3), dtype=np.uint8)
+    video = write_video(tmp_path / "clip.gif", frames)
+    assert main(["data", "encode", str(video), "--out", str(tmp_path / "h5"), "--size", "8", "--stride", "2"]) == 0
+    with h5py.File(tmp_path / "h5/clip.h5") as h:
+        decoded = PixelCodec(size=8).decode(h["latents"][...])
+    assert np.array_equal(decoded, square_resize(read_video(video)[::2], 8)) and len(decoded) == 3
+
+
+def test_a_vae_segment_must_be_one_plus_a_multiple_of_four(tmp_path, capsys):
+    video = write_video(tmp_path / "v.mp4", np.zeros((2, 16, 16, 3), dtype=np.uint8))
+    argv = ["data", "encode", str(video), "--out", str(tmp_path / "o"), "--codec", "wan", "--vae", str(tmp_path),
+            "--segment", "6"]
+    assert main(argv) == 2
+    assert "--segment 6: a VAE codec encodes 1 + 4k frames" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()  # refused before any VAE is loaded or folder made
