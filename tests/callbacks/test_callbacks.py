@@ -4,16 +4,19 @@ equals the metric computed directly on the same batches (an identity), or a know
 from __future__ import annotations
 
 import math
+import signal
+from types import SimpleNamespace
+from unittest import mock
 
 import lightning as L
 import pytest
 import torch
 
 from lwm.callbacks import AttentionDiagonality, CodebookMonitor, DeadCodeRevival, Sensitivity
-from lwm.metrics import attention_diagonality, codebook_usage, sensitivity
+from lwm.metrics import attention_diagonality, codebook_diversity, codebook_usage, sensitivity
 from lwm.module import OptimConfig, WorldModelModule
 from lwm.seeds import seeded_generator
-from tests.lightning.test_module import NET, _batches
+from tests.lightning.test_module import NET, _batches, _fit
 
 
 def _module() -> WorldModelModule:
@@ -278,3 +281,257 @@ def test_codebook_monitor_training_usage_is_the_mean_over_ranks():
     assert reduced[:1] == ["mean"]
     assert logged["Train_Action_Encoder/codebook_usage_level_0"] == pytest.approx((0.25 + 1) / 2)
     assert logged["Train_Action_Encoder/codebook_usage_level_1"] == pytest.approx((0.25 + 1) / 2)
+
+
+# the diversity of every level is that level's codebook's (min, max, mean)
+def test_codebook_diversity_is_logged_per_level():
+    torch.manual_seed(0)
+    module = WorldModelModule(net=NET, optim=OptimConfig(warmup_steps=0))
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[CodebookMonitor()])
+    trainer.validate(module, torch.utils.data.DataLoader(_batches(2), batch_size=None), verbose=False)
+    logged = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    for name, quantizer in module.model.quantizers.items():
+        for level in range(quantizer.num_levels):
+            lo, hi, mean = codebook_diversity(quantizer.codebook(level))
+            assert lo < hi
+            for stat, value in (("min", lo), ("max", hi), ("mean", mean)):
+                assert logged[f"Val_{name}/codebook_diversity_{stat}_level_{level}"] == pytest.approx(float(value)), \
+                    (name, level, stat)
+
+
+# sensitivity is the clip-weighted mean over batches of different sizes
+def test_sensitivity_is_weighted_by_clips():
+    torch.manual_seed(0)
+    module = WorldModelModule(net=NET, optim=OptimConfig(warmup_steps=0))
+    data = _batches(2)
+    data[1] = {"latents": data[1]["latents"][:1]}
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[Sensitivity(t=4, batches=2, seed=0)])
+    trainer.validate(module, torch.utils.data.DataLoader(data, batch_size=None), verbose=False)
+    module.eval()
+    per = [sensitivity(module.model, b["latents"], 4, seeded_generator("cpu", 0, i, 0)) for i, b in enumerate(data)]
+    expected = (2 * float(per[0]["Action_Encoder"][1]) + float(per[1]["Action_Encoder"][1])) / 3
+    assert abs(float(per[0]["Action_Encoder"][1]) - float(per[1]["Action_Encoder"][1])) > 1e-3
+    assert float(trainer.callback_metrics["Val_Action_Encoder/PSNR_seq"]) == pytest.approx(expected, rel=1e-5)
+
+
+# the random codes are the same at every validation (not a function of the step)
+def test_sensitivity_random_codes_do_not_depend_on_the_step():
+    torch.manual_seed(0)
+    module = WorldModelModule(net=NET, optim=OptimConfig(warmup_steps=0))
+    expected = {}
+
+    class Expect(L.Callback):  # before Sensitivity: the same weights, the documented stream
+        def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+            if batch_idx == 0 and not trainer.sanity_checking:
+                r = sensitivity(pl_module.model, batch["latents"], 4, seeded_generator("cpu", 0, 0, 0))
+                expected["rand"] = float(r["Action_Encoder"][2])
+
+    loader = torch.utils.data.DataLoader(_batches(2), batch_size=None)
+    trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        val_check_interval=1, limit_val_batches=1, callbacks=[Expect(), Sensitivity(t=4)])
+    trainer.fit(module, loader, loader)
+    assert trainer.global_step == 2
+    assert float(trainer.callback_metrics["Val_Action_Encoder/PSNR_rand"]) == pytest.approx(expected["rand"], rel=1e-5)
+
+
+class _FakeTrainer:
+    strategy = object()
+    accumulate_grad_batches = 2
+    precision_plugin = type("P", (), {"forward_context": staticmethod(lambda: __import__("contextlib").nullcontext())})
+
+
+# a step of accumulate_grad_batches batches costs that many batches' FLOPs
+def test_flops_per_step_count_every_accumulated_batch():
+    from lwm.callbacks.flops import FlopCounter
+
+    module = WorldModelModule(net=NET).train()
+    x = torch.tanh(torch.randn(2, 6, 4, 16, 16))
+    counter = FlopCounter()
+    counter.on_train_batch_start(_FakeTrainer(), module, {"latents": x}, 0)
+    assert counter.flops_per_step == 2 * FlopCounter()._measure(_FakeTrainer(), module, x)
+
+
+# cumulative TFLOPs count every rank
+def test_cumulative_tflops_count_every_rank():
+    from lwm.callbacks.flops import FlopCounter
+
+    counter = FlopCounter()
+    counter.flops_per_step = int(1e12)
+    assert counter._cumulative_tflops(SimpleNamespace(world_size=2, global_step=3)) == pytest.approx(6.0)
+
+
+# the step's FLOPs are the useful ones (masked attention for its allowed pairs), below the dense count
+def test_flop_counter_counts_useful_attention_flops():
+    from lwm.callbacks.flops import FlopCounter
+    from lwm.flops import count_flops
+
+    module = WorldModelModule(net=NET).train()
+    x = torch.tanh(torch.randn(2, 6, 4, 16, 16))
+
+    def step():
+        loss = module.model.compute(x[:1], step=None, generator=torch.Generator().manual_seed(0)).loss
+        loss.backward()
+        module.zero_grad(set_to_none=True)
+
+    trainer = _FakeTrainer()
+    trainer.accumulate_grad_batches = 1
+    counted = count_flops(step)
+    assert counted.useful < counted.dense
+    assert FlopCounter()._measure(trainer, module, x) == counted.useful * 2
+
+
+def _slurm_trainer(tmp_path, accumulating, callbacks=()):
+    saved = []
+    trainer = SimpleNamespace(
+        world_size=1, global_step=3, is_global_zero=True, should_stop=False, default_root_dir=str(tmp_path),
+        _checkpoint_connector=SimpleNamespace(hpc_save_path=lambda root: f"{root}/hpc_ckpt_1.ckpt"),
+        save_checkpoint=saved.append, checkpoint_callbacks=list(callbacks),
+        fit_loop=SimpleNamespace(_should_accumulate=lambda: accumulating[0]),
+    )
+    return trainer, saved
+
+
+# no save inside a gradient-accumulation window; the save comes at the batch that ends the step
+def test_slurm_does_not_save_inside_an_accumulation_window(tmp_path):
+    from lwm.callbacks import SlurmRequeue
+
+    requeue = SlurmRequeue()
+    requeue._active = True
+    accumulating = [True]
+    trainer, saved = _slurm_trainer(tmp_path, accumulating)
+    requeue._on_signal(signal.SIGTERM, None)
+    requeue.on_train_batch_end(trainer)
+    assert saved == [] and not trainer.should_stop
+    accumulating[0] = False
+    requeue.on_train_batch_end(trainer)
+    assert saved == [f"{tmp_path}/hpc_ckpt_1.ckpt"] and trainer.should_stop
+
+
+# a preemption also rewrites last.ckpt (with the step checkpoint if due) through lwm's ModelCheckpoint
+def test_slurm_preemption_writes_last_ckpt_too(tmp_path):
+    from lwm.callbacks import SlurmRequeue
+    from lwm.checkpoint import ModelCheckpoint
+
+    stops = []
+
+    class Recording(ModelCheckpoint):
+        def save_stop_now(self, trainer):
+            stops.append(trainer.global_step)
+
+    requeue = SlurmRequeue()
+    requeue._active = True
+    trainer, saved = _slurm_trainer(tmp_path, [False], callbacks=[Recording()])
+    requeue._on_signal(signal.SIGTERM, None)
+    requeue.on_train_batch_end(trainer)
+    assert saved and stops == [3]
+
+
+# revival draws from stream 1 of the step's generator, at the steps divisible by every_n_steps
+def test_revival_uses_stream_one_at_its_steps():
+    from dataclasses import replace
+
+    from lwm.callbacks.revival import DeadCodeRevival
+
+    net = replace(NET, codebook_sizes_action=(16,), codebook_sizes_world=(16,), dead_code_steps=1)
+    torch.manual_seed(0)
+    module = WorldModelModule(net=net, optim=OptimConfig(warmup_steps=0))
+    calls = []
+    for name, quantizer in module.model.quantizers.items():
+        original = quantizer.revive
+
+        def revive(generator=None, _original=original):
+            step = module.global_step  # one batch per step, one epoch: the batch index is step - 1
+            want = module.step_generator(torch.device("cpu"), step - 1, stream=1).get_state()
+            calls.append((step, torch.equal(generator.get_state(), want)))
+            return _original(generator=generator)
+
+        quantizer.revive = revive
+    _fit(module, _batches(4), callbacks=[DeadCodeRevival(every_n_steps=2)])
+    assert [s for s, _ in calls] == [2, 2, 4, 4]
+    assert all(fresh for _, fresh in calls[::2])  # the first quantizer gets the fresh stream-1 generator
+
+
+# coverage is the union over every validation batch, not the last batch's (known codes, one rank)
+def test_codebook_coverage_is_the_union_of_every_batch():
+    torch.manual_seed(0)
+    module = WorldModelModule(net=NET)
+    logged = {}
+    trainer = SimpleNamespace(world_size=1, sanity_checking=False, validating=True, is_global_zero=True)
+    pl_module = SimpleNamespace(model=module.model, device=torch.device("cpu"), trainer=trainer, loggers=[],
+                                log_dict=lambda logs, **kwargs: logged.update(logs))
+    monitor = CodebookMonitor()
+    monitor.on_validation_epoch_start(trainer, pl_module)
+    world = torch.tensor([[0, 0]])
+    for action in (torch.tensor([[[0, 0], [1, 1]]]), torch.tensor([[[2, 0], [2, 0]]])):  # [B, T-1, L]
+        monitor.on_validation_batch_end(trainer, pl_module, {"Action_Encoder": action, "World_Encoder": world}, None, 0)
+    monitor.on_validation_epoch_end(trainer, pl_module)
+    assert float(logged["Val_Action_Encoder/codebook_coverage_level_0"]) == pytest.approx(3 / 4)  # codes 0, 1, 2
+    assert float(logged["Val_Action_Encoder/codebook_coverage_level_1"]) == pytest.approx(2 / 8)  # codes 0, 1
+    assert float(logged["Val_Action_Encoder/codebook_usage_level_0"]) == pytest.approx((2 / 4 + 1 / 4) / 2)
+
+
+# world codes are paired with their own clip's world label (what the NMI and the probe are computed on)
+def test_probes_pair_world_codes_with_their_clips_labels():
+    from lwm.callbacks import GroundTruthProbes
+    from lwm.metrics import code_ids, nmi
+
+    torch.manual_seed(0)
+    module = WorldModelModule(net=NET, optim=OptimConfig(warmup_steps=0))
+    g = torch.Generator().manual_seed(3)
+    data = []
+    for i, b in enumerate(_batches(3)):
+        B, T = b["latents"].shape[:2]
+        data.append({**b, "actions": torch.randint(0, 5, (B, T), generator=g), "world_label": torch.tensor([i, 5 + i])})
+    captured = []
+
+    def spy(ids, labels):
+        captured.append((ids.clone(), labels.clone()))
+        return nmi(ids, labels)
+
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[GroundTruthProbes()])
+    with mock.patch("lwm.callbacks.probes.nmi", side_effect=spy):
+        trainer.validate(module, torch.utils.data.DataLoader(data, batch_size=None), verbose=False)
+    module.eval()
+    with torch.no_grad():
+        codes = torch.cat([module.model.encode_world(b["latents"]).indices for b in data])
+    labels = torch.cat([b["world_label"] for b in data])
+    world = [c for c in captured if len(c[1]) == len(labels)]
+    assert len(world) == 1
+    assert torch.equal(world[0][1], labels)
+    assert torch.equal(world[0][0], code_ids(codes, NET.codebook_sizes_world))
+
+
+# the video's second row is the model's rollout from frame 0 (not the ground truth)
+def test_rollout_video_rows_are_ground_truth_then_generated(tmp_path):
+    from lwm.callbacks import RolloutVideos
+    from lwm.video import grid, latent_preview
+
+    torch.manual_seed(0)
+    module = WorldModelModule(net=NET, optim=OptimConfig(warmup_steps=0))
+    data = _batches(1)
+    captured = []
+
+    def spy(rows, *a, **k):
+        captured.append([r.copy() if hasattr(r, "copy") else r for r in rows])
+        return grid(rows, *a, **k)
+
+    trainer = L.Trainer(accelerator="cpu", logger=False, default_root_dir=tmp_path, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[RolloutVideos(clips=1)])
+    with mock.patch("lwm.callbacks.videos.grid", side_effect=spy):
+        trainer.validate(module, torch.utils.data.DataLoader(data, batch_size=None), verbose=False)
+    module.eval()
+    clip = data[0]["latents"][:1]
+    with torch.no_grad():
+        m = module.model
+        generated = m.generate(clip[:, :1], m.encode_actions(clip).quantized, m.encode_world(clip).quantized,
+                               steps=clip.shape[1] - 1)
+    rollout = torch.cat([clip[:, :1], generated], dim=1)[0]
+    (rows,) = captured
+    import numpy as np
+    assert np.array_equal(np.asarray(rows[0]), np.asarray(latent_preview(clip[0])))
+    assert np.allclose(np.asarray(rows[1], dtype=float), np.asarray(latent_preview(rollout), dtype=float), atol=1)
+    assert not np.array_equal(np.asarray(rows[0]), np.asarray(rows[1]))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from unittest import mock
 
 import h5py
 import lightning as L
@@ -252,3 +253,81 @@ def test_float16_batches_are_cast_on_the_device_and_train_exactly_like_float32()
     assert seen == [torch.float32] * 3  # the model and every callback see float32
     for key, value in a.state_dict().items():
         assert torch.equal(value, b.state_dict()[key]), key
+
+
+def _fit(module, batches, callbacks=(), **kw):
+    trainer = L.Trainer(max_steps=len(batches), accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        callbacks=list(callbacks), **kw)
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
+    return trainer
+
+
+# the learning rate the optimizer uses at optimizer step s is lr * lr_factor(s, max_steps)
+def test_the_optimizer_uses_the_schedule_of_its_step():
+    torch.manual_seed(0)
+    o = OptimConfig(lr=1e-3, warmup_steps=3, min_lr_ratio=0.1)
+    module = WorldModelModule(net=NET, optim=o)
+    seen = []
+
+    class LR(L.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            seen.append((trainer.global_step, optimizer.param_groups[0]["lr"]))
+
+    _fit(module, _batches(6), callbacks=[LR()])
+    assert [s for s, _ in seen] == list(range(6))
+    for step, lr in seen:
+        assert lr == pytest.approx(o.lr * o.lr_factor(step, 6)), step
+    assert seen[0][1] == pytest.approx(1e-3 / 4)  # (0 + 1) / (3 + 1)
+
+
+# the skipped-step count is written to the checkpoint (also the device-side count of the
+# sync-free path) and read back from it
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_skipped_step_count_round_trips_through_a_checkpoint(tmp_path, fused):
+    module = _train(_batches(3, nan_at={1}), fused=fused)
+    assert module.skipped_steps == 1
+    path = tmp_path / "x.ckpt"
+    module.trainer.save_checkpoint(path)
+    assert torch.load(path, weights_only=True)["lwm_skipped_steps"] == 1
+    restored = WorldModelModule.load_from_checkpoint(path, weights_only=True)
+    assert restored.skipped_steps == 1
+
+
+# training draws the random temporal-PE start from the step's generator (not t0 = 0)
+def test_training_steps_draw_a_random_temporal_pe_start():
+    torch.manual_seed(0)
+    module = WorldModelModule(net=NET)
+    starts, expected = [], []
+    original = module.model.pos_embedding
+
+    def spy(T, t0):
+        starts.append(torch.as_tensor(t0).clone())
+        return original(T, t0)
+
+    class Expect(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            g = pl_module.step_generator(torch.device("cpu"), batch_idx)
+            expected.append(pl_module.model.sample_time_offset(batch["latents"].shape[0], torch.device("cpu"), g))
+
+    with mock.patch.object(module.model, "pos_embedding", side_effect=spy):
+        _fit(module, _batches(3), callbacks=[Expect()])
+    assert len(starts) == len(expected) == 3
+    for got, want in zip(starts, expected):
+        assert torch.equal(got.flatten(), want.flatten())
+    assert any(bool((s != 0).any()) for s in starts)
+
+
+# the step's random stream depends on the global step and on the rank
+def test_step_randomness_depends_on_step_and_rank():
+    module = WorldModelModule(net=NET)
+    cpu = torch.device("cpu")
+
+    def draw(step, rank):
+        with mock.patch.object(WorldModelModule, "global_step", new=property(lambda self: step)), \
+                mock.patch.object(WorldModelModule, "global_rank", new=property(lambda self: rank)):
+            return torch.rand(8, generator=module.step_generator(cpu, 0))
+
+    assert torch.equal(draw(3, 0), draw(3, 0))
+    assert not torch.equal(draw(3, 0), draw(4, 0))
+    assert not torch.equal(draw(3, 0), draw(3, 1))
