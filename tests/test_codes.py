@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from lwm.cli import main
-from lwm.codes import CodeDictionary, dictionaries_step, load_dictionaries, save_dictionaries
+from lwm.codes import CodeDictionary, collect, dictionaries_step, load_dictionaries, save_dictionaries
 from lwm.errors import DataError
 from tests.lightning.helpers import make_dataset, run, tiny_args
 
@@ -68,3 +70,28 @@ def test_lwm_codes_equals_the_dictionaries_written_at_the_end_of_fit(tmp_path, c
         assert at_fit[name].total > 0
     assert "code tuples in use" in capsys.readouterr().out
     assert main(["codes", "--ckpt_path", str(tmp_path / "missing.ckpt")]) == 2
+
+
+def test_merge_adds_the_other_dictionarys_counts():
+    a, b = CodeDictionary((3,)), CodeDictionary((3,))
+    a.update(torch.tensor([[0], [1]]))
+    b.update(torch.tensor([[1], [1], [1], [2], [2]]))
+    a.merge(b)
+    assert a.tuples.tolist() == [[0], [1], [2]] and a.counts.tolist() == [1, 4, 2] and a.total == 7
+
+
+def test_collect_stops_at_max_windows_across_batches():
+    class Fake:
+        quantizers = {"Action_Encoder": SimpleNamespace(codebook_sizes=(4,)),
+                      "World_Encoder": SimpleNamespace(codebook_sizes=(4,))}
+
+        def encode_actions(self, x):
+            return SimpleNamespace(indices=torch.zeros(x.shape[0], x.shape[1] - 1, 1, dtype=torch.long))
+
+        def encode_world(self, x):
+            return SimpleNamespace(indices=torch.zeros(x.shape[0], 1, dtype=torch.long))
+
+    loader = [{"latents": torch.zeros(2, 3, 1, 1, 1)} for _ in range(4)]  # 8 windows in batches of 2
+    dictionaries, windows = collect(Fake(), loader, torch.device("cpu"), max_windows=5)
+    assert windows == 5 and dictionaries["World_Encoder"].total == 5
+    assert dictionaries["Action_Encoder"].total == 5 * 2

@@ -236,3 +236,60 @@ def test_inferred_actions_of_a_rollout_longer_than_the_window_are_read_window_by
         world = model.encode_world(clip[:, :6]).quantized
         expected = model.generate(clip[:, :1], actions, world, 8, window=5)
     assert np.allclose(gen[0, 1:], expected[0].numpy(), atol=1e-5)
+
+
+def test_generate_draws_actions_with_the_sampling_asked_for(trained, monkeypatch):
+    from lwm.codes import CodeDictionary
+
+    tmp, ckpt, data = trained
+    seen = []
+    sample = CodeDictionary.sample
+
+    def spy(self, shape, by="frequency", generator=None):
+        seen.append(by)
+        return sample(self, shape, by, generator)
+
+    monkeypatch.setattr(CodeDictionary, "sample", spy)
+    _generate(ckpt, data, tmp / "uni.gif", "--steps", "2", "--rollouts", "1", "--sampling", "uniform")
+    assert seen == ["uniform"]
+
+
+def test_generate_puts_the_ground_truth_on_top(trained, monkeypatch):
+    import lwm.generate as gen
+    from lwm.video import latent_preview
+
+    tmp, ckpt, data = trained
+    grids = []
+    monkeypatch.setattr(gen, "write_video", lambda path, frames, fps: grids.append(frames))
+    _generate(ckpt, data, tmp / "gt.gif", "--steps", "3", "--rollouts", "2", "--actions", "random")
+    with h5py.File(data) as f:
+        gt = latent_preview(torch.from_numpy(f["latents"][0:4]).float())
+    H = gt.shape[1]
+    assert grids[0].shape[1] == 3 * H + 2 * 4 and np.array_equal(grids[0][:, :H], gt)
+
+
+def test_generate_uses_the_first_transitions_of_longer_action_indices(trained):
+    tmp, ckpt, data = trained
+    exact = _generate(ckpt, data, tmp / "i3.gif", "--steps", "3", "--rollouts", "1",
+                      "--action-indices", "[[0, 0], [1, 2], [3, 4]]")
+    longer = _generate(ckpt, data, tmp / "i5.gif", "--steps", "3", "--rollouts", "1",
+                       "--action-indices", "[[0, 0], [1, 2], [3, 4], [2, 7], [3, 1]]")
+    assert np.array_equal(exact, longer)
+
+
+def test_generate_reads_its_context_at_start(trained):
+    tmp, ckpt, data = trained
+    out = _generate(ckpt, data, tmp / "s3.gif", "--start", "3", "--context", "2", "--steps", "2", "--rollouts", "1",
+                    "--actions", "random")
+    with h5py.File(data) as f:
+        file = f["latents"][...].astype(np.float32)
+    with h5py.File(tmp / "s3.gif.h5") as f:
+        assert np.array_equal(f["ground_truth"][...], file[3:7])
+    assert np.array_equal(out[0, :2], file[3:5])
+
+
+def test_random_actions_differ_between_rollouts(trained):
+    tmp, ckpt, data = trained
+    out = _generate(ckpt, data, tmp / "r2.gif", "--steps", "4", "--rollouts", "3", "--actions", "random")
+    assert np.array_equal(out[0, 0], out[1, 0])  # the same context frame
+    assert not np.array_equal(out[0, 1:], out[1, 1:]) and not np.array_equal(out[1, 1:], out[2, 1:])

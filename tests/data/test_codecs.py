@@ -38,3 +38,9 @@ def test_attribute_round_trip_and_bad_input():
         codec.encode(np.zeros((2, 64, 64, 3), dtype=np.uint8))
     with pytest.raises(DataError, match="expected latents"):
         codec.decode(np.zeros((2, 4, 64, 64), dtype=np.float32))
+
+
+def test_a_pixel_codec_attribute_keeps_its_size():
+    codec = codec_from_attr(PixelCodec(size=64).attr)
+    frames = np.random.default_rng(0).integers(0, 256, (2, 64, 64, 3), dtype=np.uint8)
+    assert codec.size == 64 and np.array_equal(codec.decode(PixelCodec(size=64).encode(frames)), frames)

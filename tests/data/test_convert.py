@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import h5py
 import imageio.v3 as iio
 import numpy as np
@@ -9,8 +11,9 @@ import pytest
 
 from lwm.cli import main
 from lwm.data.codecs import PixelCodec
-from lwm.data.convert import read_video, square_resize
+from lwm.data.convert import read_video, square_resize, write_latents
 from lwm.data.h5 import inspect_h5
+from lwm.data.vae import latent_actions
 from lwm.video import write_video
 
 
@@ -101,3 +104,17 @@ def test_a_vae_segment_must_be_one_plus_a_multiple_of_four(tmp_path, capsys):
     assert main(argv) == 2
     assert "--segment 6: a VAE codec encodes 1 + 4k frames" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()  # refused before any VAE is loaded or folder made
+
+
+def test_write_latents_keeps_the_action_after_frame_4k(tmp_path):
+    class FourToOne:
+        frames_per_latent, attr = 4, json.dumps({"name": "stub"})
+
+        def encode(self, frames):
+            return np.zeros((1 + (len(frames) - 1) // 4, 16, 8, 8), np.float32)
+
+    actions = np.arange(13)  # a different action after every frame
+    target = tmp_path / "x.h5"
+    write_latents(target, FourToOne(), np.zeros((13, 64, 64, 3), np.uint8), actions)
+    with h5py.File(target) as f:
+        assert f["actions"][...].tolist() == [0, 4, 8, 12] == latent_actions(actions).tolist()

@@ -232,3 +232,63 @@ def test_loader_workers_leave_slurms_signals_to_the_main_process(manifest, conte
     finally:
         it._shutdown_workers()
         signal.signal(signal.SIGUSR1, previous)
+
+
+@pytest.fixture
+def dm_manifest(tmp_path) -> Path:
+    """Train files of 18..32 frames; val: a 12- and an 18-frame file (multiples of the window 6), and a 20."""
+    d = tmp_path / "d"
+    for i in range(8):
+        write_h5(d / f"t{i}.h5", 18 + 2 * i, offset=i / 100)
+    m = index_directory(d, val_fraction=0.0)
+    for name, frames in (("v0.h5", 12), ("v1.h5", 18), ("v2.h5", 20)):
+        write_h5(d / name, frames)
+    doc = m.to_json()
+    doc["files"] += [{"path": n, "key": "latents", "frames": f, "split": "val"} for n, f in
+                     (("v0.h5", 12), ("v1.h5", 18), ("v2.h5", 20))]
+    (d / "manifest.json").write_text(json.dumps(doc))
+    return d / "manifest.json"
+
+
+def test_every_non_overlapping_val_window_is_used(dm_manifest):
+    dm = _on_rank(dm_manifest, 0, 1)
+    frames = dm.val_set.frames
+    expected = {(i, s) for i, f in enumerate(frames) for s in range(0, f - 6 + 1, 6)}
+    assert len(expected) == sum(f // 6 for f in frames) == 8
+    assert set(dm.val_windows()) == expected and len(dm.val_windows()) == 8
+
+
+def test_the_val_subset_is_a_seeded_draw(dm_manifest):
+    subsets = {tuple(sorted(_on_rank(dm_manifest, 0, 1, seed=s, val_size_percent=0.5).val_windows())) for s in range(6)}
+    assert len(subsets) > 1
+
+
+def test_ranks_share_the_same_val_subset_as_one_process(dm_manifest):
+    single = _on_rank(dm_manifest, 0, 1, val_size_percent=0.5).val_windows()
+    shards = [_on_rank(dm_manifest, r, 2, val_size_percent=0.5).val_windows() for r in range(2)]
+    assert sorted(shards[0] + shards[1]) == sorted(single) and not set(shards[0]) & set(shards[1])
+
+
+def test_a_resumed_loader_counts_on_from_where_it_resumed(dm_manifest):
+    first = _on_rank(dm_manifest, 0, 1).train_dataloader()
+    _set_sampler_epoch(first, 0)
+    it = iter(first)
+    for _ in range(2):
+        next(it)
+    state = first.state_dict()
+    loader = _on_rank(dm_manifest, 0, 1).train_dataloader()
+    loader.load_state_dict(state)
+    _set_sampler_epoch(loader, 0)
+    it = iter(loader)
+    next(it)
+    assert loader.state_dict()["batches"] == 3  # 2 before the stop + 1 after: a second resume continues right
+
+
+def test_a_state_saved_at_an_epoch_end_does_not_skip_the_next_epoch(dm_manifest):
+    fresh = _on_rank(dm_manifest, 0, 1).train_dataloader()
+    _set_sampler_epoch(fresh, 1)
+    expected = [_keys(b) for b in fresh]
+    loader = _on_rank(dm_manifest, 0, 1).train_dataloader()
+    loader.load_state_dict({"epoch": 0, "batches": len(loader), "seed": 0})  # saved after epoch 0's last batch
+    _set_sampler_epoch(loader, 1)  # Lightning restarts at epoch 1
+    assert [_keys(b) for b in loader] == expected

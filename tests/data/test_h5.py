@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from lwm.data.h5 import DataError, H5Info, inspect_h5
-from tests.data.conftest import pattern
+from tests.data.conftest import pattern, write_h5
 
 
 def refused(path, match: str | None = None, **kw) -> str:
@@ -247,3 +247,12 @@ def test_a_codec_attribute_must_parse_and_fit_the_latents(tmp_path):
     refused(with_codec("wan_shift.h5", json.dumps({**wan, "shift": [0.0] * 3}), (4, 8, 8)), "'shift': 4 numbers")
     refused(with_codec("wan_scale.h5", json.dumps({**wan, "scale": [1.0, 0, 1, 1]}), (4, 8, 8)), "a zero 'scale'")
     assert inspect_h5(with_codec("other.h5", json.dumps({"name": "mine"}), (4, 8, 8))).channels == 4  # not run
+
+
+@pytest.mark.parametrize(("frames", "bad", "chunk"), [(10, 3, 4), (10, 9, 5), (70, 63, 64)])
+def test_a_bad_value_in_the_last_frame_of_a_chunk_is_found(tmp_path, frames, bad, chunk):
+    data = pattern(frames)
+    data[bad, 0, 0, 0] = 1.5
+    p = write_h5(tmp_path / "x.h5", data=data)
+    with pytest.raises(DataError, match="outside"):
+        inspect_h5(p, chunk_frames=chunk)

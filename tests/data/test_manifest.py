@@ -10,6 +10,7 @@ import h5py
 import numpy as np
 import pytest
 
+from lwm.cli import main
 from lwm.data.h5 import DataError
 from lwm.data.manifest import Manifest, ManifestEntry, index_directory
 from tests.data.conftest import pattern, write_h5
@@ -360,3 +361,60 @@ def test_reindexing_over_a_manifest_listing_a_file_twice_keeps_it_in_val(data_di
     assert splits[train["path"]] == "val"
     assert all(splits[f["path"]] == "val" for f in doc["files"] if f["split"] == "val")
     assert len(again.entries) == len(set(splits))
+
+
+def _val(m) -> set[str]:
+    return {Path(e.path).name for e in m.split("val")}
+
+
+def _ten(d: Path) -> Path:
+    for i in range(10):
+        write_h5(d / f"ep_{i:02d}.h5", 20 + i)
+    return d
+
+
+def test_reindex_keeps_val_whichever_order_a_doubly_listed_file_has(tmp_path):
+    d = _ten(tmp_path / "d")
+    m = index_directory(d, val_fraction=0.3)
+    doc = json.loads(m.path.read_text())
+    train = next(f for f in doc["files"] if f["split"] == "train")
+    doc["files"].insert(0, dict(train, split="val"))  # the val listing FIRST, the train listing after it
+    m.path.write_text(json.dumps(doc))
+    again = index_directory(d, val_fraction=0.3)
+    assert {e.path: e.split for e in again.entries}[train["path"]] == "val"
+
+
+def test_val_count_is_the_nearest_integer_to_the_fraction(tmp_path):
+    d = _ten(tmp_path / "d")
+    assert len(index_directory(d, val_fraction=0.18).split("val")) == 2  # round(1.8), not floor
+    assert len(index_directory(d, val_fraction=0.34, resplit=True).split("val")) == 3
+
+
+def test_a_single_file_stays_train_whatever_the_fraction(tmp_path):
+    write_h5(tmp_path / "one" / "a.h5", 5)
+    for f in (0.6, 0.9):
+        m = index_directory(tmp_path / "one", val_fraction=f, resplit=True)
+        assert [e.split for e in m.entries] == ["train"]
+
+
+def test_the_split_is_a_function_of_the_seed(tmp_path):
+    d = _ten(tmp_path / "d")
+    a = index_directory(d, out=tmp_path / "a.json", val_fraction=0.3, seed=7)  # two fresh manifests: nothing kept
+    b = index_directory(d, out=tmp_path / "b.json", val_fraction=0.3, seed=7)
+    c = index_directory(d, out=tmp_path / "a.json", val_fraction=0.3, seed=7, resplit=True)
+    assert _val(a) == _val(b) == _val(c)
+
+
+def test_lwm_data_index_passes_seed_tolerance_and_resplit(tmp_path, capsys):
+    d = _ten(tmp_path / "d")
+    assert main(["data", "index", str(d), "--val-fraction", "0.3", "--seed", "5"]) == 0
+    ref = index_directory(d, out=tmp_path / "ref5.json", val_fraction=0.3, seed=5)
+    assert _val(Manifest.load(d / "manifest.json")) == _val(ref)  # CL3: --seed reached the split
+    assert main(["data", "index", str(d), "--val-fraction", "0.3", "--seed", "9", "--resplit"]) == 0
+    ref9 = index_directory(d, out=tmp_path / "ref9.json", val_fraction=0.3, seed=9)
+    assert _val(Manifest.load(d / "manifest.json")) == _val(ref9) != _val(ref)  # CL2: --resplit redrew it
+    data = pattern(5)
+    data[0, 0, 0, 0] = 1.01
+    write_h5(tmp_path / "t" / "a.h5", data=data)
+    assert main(["data", "index", str(tmp_path / "t")]) == 2
+    assert main(["data", "index", str(tmp_path / "t"), "--tolerance", "0.02"]) == 0

@@ -181,3 +181,34 @@ def test_smaller_sizes_scale_every_length(size, tmp_path):
         render_episode(0, 4, size=40)
     with pytest.raises(DataError, match="distractors"):
         render_episode(0, 4, distractors=5)
+
+
+def test_an_agent_at_a_wall_may_stay_or_move_along_it():
+    from lwm.data.synth import AGENT, SIZE, WORLDS, blocked
+
+    walls = WORLDS[0]
+    edge = SIZE - AGENT  # the bottom-right corner where the agent may stand
+    pos = np.array([edge, edge])
+    assert not blocked(pos, 0, walls)  # stay
+    assert not blocked(pos, 1, walls) and not blocked(pos, 3, walls)  # up, left: away from the walls
+    assert blocked(pos, 2, walls) and blocked(pos, 4, walls)  # down, right: into them
+
+
+def test_distractors_bounce_off_the_edges_keeping_their_speed():
+    from lwm.data.synth import DISTRACTOR_RADIUS, SIZE, simulate
+
+    hi = SIZE - 2 * DISTRACTOR_RADIUS
+    for seed in range(3):
+        *_, discs, _ = simulate(seed, 300)
+        for d in range(discs.shape[0]):
+            for axis in range(2):
+                p = discs[d, :, axis]
+                steps = np.abs(np.diff(p))
+                speed = np.bincount(steps).argmax()
+                travelled = np.minimum.reduce([  # straight on, or reflected off the top/bottom edge
+                    np.where(steps == speed, speed, 10**6),
+                    np.where(2 * hi - p[:-1] - p[1:] == speed, speed, 10**6),
+                    np.where(p[:-1] + p[1:] == speed, speed, 10**6),
+                ])
+                assert (travelled == speed).all(), (seed, d, axis)
+                assert (np.diff(np.sign(np.diff(p))) != 0).any()  # it did bounce in these 300 frames

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 
 from lwm.data.h5 import DataError
 from lwm.data.manifest import Manifest, ManifestEntry, index_directory
-from lwm.data.windows import MISSING, FileBatchSampler, H5WindowDataset, inclusion_probabilities, systematic_pps
+from lwm.data.windows import MISSING, FileBatchSampler, H5WindowDataset, collate_windows, inclusion_probabilities, systematic_pps
 from tests.data.conftest import action_pattern, pattern
 
 WINDOW = 4
@@ -504,3 +504,19 @@ def test_sampler_refuses_short_files_and_bad_batch():
         FileBatchSampler([10, 3], WINDOW, batch_size=2)
     with pytest.raises(DataError):
         FileBatchSampler([10, 30], WINDOW, batch_size=0)
+
+
+class _Items(torch.utils.data.Dataset):
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        dtype = torch.float16 if i == 0 else torch.float32
+        return {"latents": torch.full((1, 1), 0.1, dtype=dtype), "start": torch.tensor(i)}
+
+
+def test_mixed_windows_collate_to_float32_in_a_worker_too():
+    loader = torch.utils.data.DataLoader(_Items(), batch_size=2, num_workers=1, collate_fn=collate_windows)
+    batch = next(iter(loader))
+    assert batch["latents"].dtype == torch.float32
+    assert batch["latents"][1, 0, 0].item() == pytest.approx(0.1, abs=1e-8)
