@@ -16,6 +16,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 import torch
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from lwm.data.codecs import PixelCodec, codec_from_attr, missing_codec
 from lwm.data.h5 import DataError, inspect_h5
@@ -143,17 +145,23 @@ def encode_videos(videos: list[str], out: str | Path, codec: str = "pixel", stri
         log(f"wrote {target} ({len(frames)} frames{note})")
         written.append(target)
 
-    for video in videos:
-        stem, frames, part = Path(video).stem, [], 0
-        for frame in iter_video(video, stride):
-            frames.append(square_resize(frame[None], c.size)[0])
-            if segment is not None and len(frames) == segment:
-                write(out / f"{stem}_{part:04d}.h5", frames, video)
-                frames, part = [], part + 1
-        if frames:
-            write(out / (f"{stem}_{part:04d}.h5" if segment is not None else f"{stem}.h5"), frames, video)
-        elif part == 0:
-            raise DataError(f"{video}: the video has no frames")
+    columns = (TextColumn("{task.description}"), SpinnerColumn(), TextColumn("{task.completed} frames read"),
+               TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
+        for video in videos:
+            stem, frames, part = Path(video).stem, [], 0
+            task = progress.add_task(f"encoding {Path(video).name}", total=None)
+            for frame in iter_video(video, stride):
+                frames.append(square_resize(frame[None], c.size)[0])
+                progress.advance(task)
+                if segment is not None and len(frames) == segment:
+                    write(out / f"{stem}_{part:04d}.h5", frames, video)
+                    frames, part = [], part + 1
+            if frames:
+                write(out / (f"{stem}_{part:04d}.h5" if segment is not None else f"{stem}.h5"), frames, video)
+            elif part == 0:
+                raise DataError(f"{video}: the video has no frames")
+            progress.remove_task(task)
     return written
 
 
