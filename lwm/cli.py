@@ -5,7 +5,7 @@
     lwm codes --config configs/X.yaml --ckpt_path CKPT [--max-windows N] [overrides]  code dictionaries
     lwm generate --ckpt_path CKPT --data FILE.h5 [--steps N] [--out VIDEO]             rollouts as video
     lwm plot RUN_DIR [--out DIR]                                                      figures from metrics.csv
-    lwm data index DIR [--val-fraction F] [--out MANIFEST] [--seed S] [--tolerance TOL]
+    lwm data index DIR [--val-fraction F] [--out MANIFEST] [--seed S] [--tolerance TOL] [--resplit]
     lwm data encode VIDEO... --out DIR [--codec pixel|wan|cogvideox|hunyuan --vae PATH] [--segment N]  |  lwm data decode FILE.h5 --out VIDEO [--vae PATH]
     lwm data synth --out DIR --episodes N                                             the built-in world
     lwm data atari --games pong breakout --out DIR [--episodes N]                       Atari footage (ale-py)

@@ -8,7 +8,8 @@ inferred from the ground-truth clip (or drawn from the code dictionary); the act
 dictionary (``codes.pt`` beside the checkpoint, written at the end of fit or by ``lwm codes``), inferred
 from the ground truth, drawn uniformly per level, or given as indices. Rollouts longer than the trained
 window slide it. Writes the video (ground truth on top when the file has those frames, then one row per
-rollout; decoded by the file's codec, else latent channels 0-2 as RGB) and ``VIDEO.h5`` with the latents.
+rollout; decoded by the file's codec, else latent channels 0-2 as RGB) and ``VIDEO.mp4.h5`` (the video's name
++ ``.h5``) with the latents.
 """
 
 from __future__ import annotations

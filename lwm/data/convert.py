@@ -1,11 +1,12 @@
 """Videos <-> h5 latent files through a codec: ``lwm data encode`` and ``lwm data decode``.
 
     lwm data encode VIDEO... --out DIR [--codec pixel|wan|cogvideox|hunyuan] [--vae PATH] [--size S] [--stride N]
+                    [--segment N]
     lwm data decode FILE.h5 --out VIDEO.mp4|.gif [--fps 8] [--vae PATH]
 
 Frames are centre-cropped to a square and resized to the codec's size (128x128 for ``pixel``, 512x512 for the
-diffusers VAEs, which need ``--vae`` with their local weights; see :mod:`lwm.data.vae`). One h5 file per video
-(then ``lwm data index DIR``).
+diffusers VAEs, which need ``--vae`` with their local weights; see :mod:`lwm.data.vae`). One h5 file per video,
+or with ``--segment N`` one per ``N`` frames (then ``lwm data index DIR``). Frames are read one at a time.
 """
 
 from __future__ import annotations
@@ -88,26 +89,51 @@ def make_codec(codec: str = "pixel", vae: str | Path | None = None, size: int | 
     return VAECodec.load(codec, vae, size or 512, device, dtype)
 
 
+ENCODE_CHUNK = 256  # frames a frame-by-frame codec (the pixel codec) encodes at a time: bounded float32 copies
+
+
+def _encoded(codec, frames: np.ndarray) -> Iterator[tuple[np.ndarray, int]]:
+    """``(latents, clipped)`` of ``frames``: chunk by chunk for a frame-by-frame codec, in one call for a
+    temporal one (a causal video VAE encodes the clip as a whole)."""
+    step = ENCODE_CHUNK if codec.frames_per_latent == 1 else max(1, len(frames))
+    for i in range(0, len(frames), step):
+        chunk = frames[i : i + step]
+        if hasattr(codec, "encode_counting"):
+            yield codec.encode_counting(chunk)
+        else:
+            yield codec.encode(chunk), 0
+
+
 def write_latents(target: Path, codec, frames: np.ndarray, actions: np.ndarray | None = None,
                   world_label: int | None = None, attrs: dict | None = None) -> int:
     """Encode ``uint8 [F, S, S, 3]`` frames into the h5 file ``target`` (``latents`` float16, ``codec``
-    attribute; optional per-frame ``actions``, subsampled to latent steps, ``world_label`` and other ``attrs``); written to
-    a temporary name and renamed, so a failure never leaves a half-written file. Returns the clipped count."""
-    if hasattr(codec, "encode_counting"):
-        latents, clipped = codec.encode_counting(frames)
-    else:
-        latents, clipped = codec.encode(frames), 0
-    h = latents.shape[-1]
+    attribute; optional per-frame ``actions``, subsampled to latent steps, ``world_label`` and other ``attrs``);
+    written to a temporary name and renamed, so a failure never leaves a half-written file. Returns the clipped
+    count."""
     tmp = target.with_name(target.name + ".tmp")
-    with h5py.File(tmp, "w") as f:
-        f.create_dataset("latents", data=latents.astype(np.float16), chunks=(1, latents.shape[1], h, h))
-        if actions is not None:
-            f.create_dataset("actions", data=np.asarray(actions)[:: codec.frames_per_latent][: len(latents)].astype(np.int64))
-        if world_label is not None:
-            f.attrs["world_label"] = np.int64(world_label)
-        f.attrs["codec"] = codec.attr
-        for key, value in (attrs or {}).items():
-            f.attrs[key] = value
+    clipped, n = 0, 0
+    try:
+        with h5py.File(tmp, "w") as f:
+            ds = None
+            for latents, count in _encoded(codec, frames):
+                if ds is None:
+                    total = len(frames) if codec.frames_per_latent == 1 else len(latents)
+                    ds = f.create_dataset("latents", shape=(total, *latents.shape[1:]), dtype=np.float16,
+                                          chunks=(1, *latents.shape[1:]))
+                ds[n : n + len(latents)] = latents.astype(np.float16)
+                n, clipped = n + len(latents), clipped + count
+            if ds is None:
+                raise DataError(f"{target}: no frames to encode")
+            if actions is not None:
+                f.create_dataset("actions", data=np.asarray(actions)[:: codec.frames_per_latent][:n].astype(np.int64))
+            if world_label is not None:
+                f.attrs["world_label"] = np.int64(world_label)
+            f.attrs["codec"] = codec.attr
+            for key, value in (attrs or {}).items():
+                f.attrs[key] = value
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     tmp.replace(target)
     return clipped
 

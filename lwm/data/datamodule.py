@@ -104,8 +104,8 @@ class LatentDataModule(L.LightningDataModule):
         batches_per_epoch: override the epoch length in batches per rank (None: windows / global batch).
         check_files: at setup, open every file of the manifest and check its dataset and shape (headers only).
         multiprocessing_context: worker start method ("fork", "spawn", "forkserver"; None: the platform's).
-        prefetch_factor: batches each worker prepares ahead (each batch of 32 x 16 frames of 16x64x64 is 128 MiB
-            of shared memory, so workers x prefetch_factor x 128 MiB per rank).
+        prefetch_factor: batches each worker prepares ahead (each batch of 32 x 16 frames of 16x64x64 is 64 MiB
+            of shared memory from float16 files, 128 MiB from float32, so workers x prefetch_factor x that per rank).
         pin_memory: pin batches for faster host-to-GPU copies (on when training on a GPU).
     """
 

@@ -118,3 +118,18 @@ def test_write_latents_keeps_the_action_after_frame_4k(tmp_path):
     write_latents(target, FourToOne(), np.zeros((13, 64, 64, 3), np.uint8), actions)
     with h5py.File(target) as f:
         assert f["actions"][...].tolist() == [0, 4, 8, 12] == latent_actions(actions).tolist()
+
+
+def test_a_frame_by_frame_codec_is_written_in_chunks_equal_to_one_call(tmp_path, monkeypatch):
+    """The pixel codec encodes ENCODE_CHUNK frames at a time straight into the file: the same values as one call,
+    actions subsampled the same."""
+    import lwm.data.convert as convert
+
+    frames = np.random.default_rng(3).integers(0, 256, (7, 16, 16, 3), dtype=np.uint8)
+    codec = PixelCodec(size=16)
+    monkeypatch.setattr(convert, "ENCODE_CHUNK", 3)  # chunks of 3, 3 and 1
+    write_latents(tmp_path / "x.h5", codec, frames, actions=np.arange(7))
+    with h5py.File(tmp_path / "x.h5") as f:
+        assert np.array_equal(f["latents"][...], codec.encode(frames).astype(np.float16))
+        assert f["actions"][...].tolist() == list(range(7))
+    assert not (tmp_path / "x.h5.tmp").exists()
