@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
+import torch
 
 from lwm.cli import main
 
@@ -101,3 +103,165 @@ def test_a_step_that_runs_out_of_memory_does_not_fit_and_other_errors_surface():
     assert not runs_on_gpu(failing(RuntimeError("CUDA error: invalid configuration argument")))
     with pytest.raises(RuntimeError, match="a bug"):
         runs_on_gpu(failing(RuntimeError("a bug")))
+
+
+def test_timed_leaves_the_warmup_out_and_averages_over_the_timed_steps(monkeypatch):
+    import lwm.bench as bench
+
+    clock = {"t": 0.0, "calls": 0}
+
+    def fn():  # warm-up calls cost 100 s each, timed ones 1 s
+        clock["t"] += 100.0 if clock["calls"] < 2 else 1.0
+        clock["calls"] += 1
+
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: clock["t"]))
+    assert bench.timed(fn, steps=4, warmup=2, device=torch.device("cpu")) == 1.0
+    assert clock["calls"] == 6
+
+
+def test_the_matmul_roofline_counts_two_flops_per_multiply_add(monkeypatch):
+    import lwm.bench as bench
+
+    monkeypatch.setattr(bench, "timed", lambda fn, steps, warmup, device: 0.5)
+    tflops, what = bench.matmul_tflops(torch.device("cpu"))
+    assert tflops == pytest.approx(2 * 2048**3 / 0.5 / 1e12) and what == "float32 2048^3"
+
+
+def test_bench_numbers_follow_from_the_step_times_and_flops(monkeypatch, tmp_path, capsys):
+    """With every timer replaced (0.5 s a fast/reference step and a breakdown part, 2 s a Lightning step, a 4 TFLOP/s
+    matmul), each number in the JSON is a known function of the others."""
+    import lwm.bench as bench
+
+    monkeypatch.setattr(bench, "timed", lambda fn, steps, warmup, device: 0.5)
+    monkeypatch.setattr(bench, "lightning_seconds", lambda s, steps, warmup: 2.0)
+    monkeypatch.setattr(bench, "matmul_tflops", lambda device: (4.0, "fake"))
+    out = tmp_path / "bench.json"
+    B, T = 2, 5
+    argv = ["bench", "--config", "configs/tiny.yaml", "--steps", "1", "--warmup", "0", "--json", str(out),
+            "--peak-tflops", "10", "--model.net.height=16", "--model.net.width=32",  # 4 x 8 = 32 patches
+            f"--data.batch_size={B}", f"--data.window={T}"]
+    assert main(argv) == 0
+    r = json.loads(out.read_text())
+    assert r["peak_tflop_per_s"] == 10 and r["matmul_tflop_per_s"] == 4.0
+    seconds = {"reference": 0.5, "fast path": 0.5, "lightning": 2.0}
+    assert [v["variant"] for v in r["variants"]] == list(seconds)
+    for v in r["variants"]:
+        s = seconds[v["variant"]]
+        tflop = r["flops_useful"] / s / 1e12
+        assert v["ms_per_step"] == pytest.approx(s * 1e3)
+        assert v["steps_per_s"] == pytest.approx(1 / s)
+        assert v["frames_per_s"] == pytest.approx(B * T / s)
+        assert v["tokens_per_s"] == pytest.approx(B * T * 32 / s)
+        assert v["tflop_per_s"] == pytest.approx(tflop)  # the useful FLOPs, not the dense ones
+        assert v["mfu_peak"] == pytest.approx(tflop / 10)
+        assert v["mfu_matmul"] == pytest.approx(tflop / 4.0)
+        assert v["speedup"] == pytest.approx(0.5 / s)  # reference time / this variant's time
+    assert "Lightning overhead: +1500.0 ms/step" in capsys.readouterr().out
+    parts = r["breakdown"]
+    timed_parts = parts[:-1]
+    assert parts[-1]["part"].startswith("other")
+    for p in timed_parts:  # 0.5 s per call: every call of every block counted (depth x passes)
+        assert p["ms"] == pytest.approx(500 * p["calls"]), p
+    assert any(p["calls"] > 1 for p in timed_parts if "MLP" in p["part"])  # depth 2 at tiny
+    assert parts[-1]["ms"] == pytest.approx(500 - sum(p["ms"] for p in timed_parts))  # the eager step (0.5 s) minus
+
+
+def test_breakdown_counts_useful_attention_flops(monkeypatch):
+    """A part's FLOPs are its useful ones: the causal temporal attention of the dynamics predictor counts fewer
+    than the full square (the dense count of the same calls)."""
+    import lwm.bench as bench
+    import lwm.flops as flops
+
+    monkeypatch.setattr(bench, "timed", lambda fn, steps, warmup, device: 0.5)
+    cfg = {"model": {"net": {"in_channels": 4, "height": 8, "width": 8, "d_model": 32, "n_heads": 2,
+                             "depth_action": 1, "depth_world": 1, "depth_dynamics": 1, "d_code_action": 8,
+                             "d_code_world": 8, "codebook_sizes_action": [4], "codebook_sizes_world": [4]}},
+           "data": {"batch_size": 2, "window": 5}}
+    s = bench.Setup(cfg, torch.device("cpu"))
+    useful = {r["part"]: r["tflop"] for r in bench.breakdown(s, 1, 0)}
+    real = flops.count_flops
+    monkeypatch.setattr(flops, "count_flops", lambda fn, dense=True: (lambda f: flops.StepFlops(f.dense, f.dense))(real(fn)))
+    dense = {r["part"]: r["tflop"] for r in bench.breakdown(s, 1, 0)}
+    assert 0 < useful["dynamics: temporal attention"] < dense["dynamics: temporal attention"]
+    assert useful["world encoder: temporal attention"] == dense["world encoder: temporal attention"]  # unmasked
+
+
+def test_lightning_timing_starts_after_the_warmup(monkeypatch):
+    """Timed between the start of batch ``warmup`` and of batch ``warmup + steps``: with a clock that reads the
+    number of training steps run so far, exactly 1 per step."""
+    import lwm.bench as bench
+    from lwm.module import WorldModelModule
+
+    done = {"n": 0}
+    original = WorldModelModule.training_step
+
+    def training_step(self, *args, **kwargs):
+        done["n"] += 1
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(WorldModelModule, "training_step", training_step)
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: float(done["n"])))
+    cfg = {"model": {"net": {"in_channels": 4, "height": 8, "width": 8, "d_model": 16, "n_heads": 2,
+                             "depth_action": 1, "depth_world": 1, "depth_dynamics": 1, "d_code_action": 4,
+                             "d_code_world": 4, "codebook_sizes_action": [4], "codebook_sizes_world": [4]}},
+           "data": {"batch_size": 2, "window": 5}}
+    s = bench.Setup(cfg, torch.device("cpu"))
+    assert bench.lightning_seconds(s, steps=3, warmup=2) == 1.0
+
+
+def _setup(**net):
+    from lwm.bench import Setup
+
+    cfg = {"model": {"net": {"in_channels": 4, "height": 8, "width": 8, "d_model": 16, "n_heads": 2,
+                             "depth_action": 1, "depth_world": 1, "depth_dynamics": 1, "d_code_action": 4,
+                             "d_code_world": 4, "codebook_sizes_action": [4], "codebook_sizes_world": [4], **net}},
+           "data": {"batch_size": 3, "window": 5}, "trainer": {"precision": "bf16-mixed"}}
+    return Setup(cfg, torch.device("cpu"))
+
+
+def test_the_reference_is_the_plain_model_eager_fp32_for_loop_adamw_recomputing_every_pass(monkeypatch):
+    from lwm.bench import plain_step, reference_net
+
+    s = _setup(activation_checkpointing=True, temporal_attention="matmul")
+    ref = reference_net(s)
+    assert ref.activation_checkpointing is False and ref.temporal_attention == "sdpa"
+    seen = {}
+    for fast in (False, True):
+        step, model, opt = plain_step(s, fast=fast)
+        original = model.compute
+
+        def compute(x, step_, *a, fast=fast, original=original, **kw):
+            seen[fast] = (torch.is_autocast_enabled("cpu"), kw.get("reuse_prefix"))
+            return original(x, step_, *a, **kw)
+
+        model.compute = compute
+        step()
+        if not fast:
+            assert opt.defaults["foreach"] is False  # the for-loop AdamW
+    assert seen[False] == (False, False)  # the reference: fp32, every position of every pass recomputed
+    assert seen[True] == (True, True)  # the fast path: the config's bf16 autocast, prefix reused
+
+
+def test_micro_batches_weight_each_chunk_by_its_share_of_the_batch(monkeypatch):
+    """Batch 3 in 2 micro-batches (2 + 1 samples): the accumulated gradient is that of the batch mean."""
+    from lwm.bench import plain_step
+
+    s = _setup()
+    grads = {}
+    for micro in (1, 2):
+        step, model, opt = plain_step(s, fast=False, micro=micro)
+        p = next(model.parameters())
+        model.compute = lambda x, *a, p=p, **kw: types.SimpleNamespace(loss=p.sum() * x.mean())
+        opt.step = lambda micro=micro, p=p: grads.__setitem__(micro, p.grad.clone())
+        step()
+    assert torch.allclose(grads[2], grads[1]) and torch.allclose(grads[1], torch.full_like(grads[1], float(s.x.mean())))
+
+
+def test_the_fit_probe_leaves_the_setups_batch_alone(monkeypatch):
+    import lwm.bench as bench
+
+    s = _setup()
+    x = s.x
+    monkeypatch.setattr(bench, "runs_on_gpu", lambda make, calls=1: make() is not None)
+    assert bench.fits_on_gpu(s)(7)
+    assert s.x is x

@@ -1,7 +1,10 @@
+import argparse
 import json
 
 import h5py
 import numpy as np
+import pytest
+import torch
 
 from lwm.cli import main
 
@@ -61,3 +64,54 @@ def test_an_error_raised_in_a_loader_worker_prints_its_message_only():
         assert str(e).startswith("Caught DataError") and len(str(e).splitlines()) > 2
         assert error_lines(e) == ["/data/ep.h5: 'latents' unreadable at frames 0..3 (boom)"]
     assert error_lines(DataError("a\nb")) == ["a", "b"]
+
+
+def test_seeded_streams_differ_for_every_distinct_tuple_and_repeat_for_the_same():
+    from lwm.seeds import seeded_generator
+
+    tuples = [(0, 0, 1), (0, 1, 0), (1, 0, 0), (0, 0, 2), (0, 2, 0), (0, 1, 1), (1, 1, 0)]
+    draws = [tuple(torch.randint(0, 2**31, (4,), generator=seeded_generator("cpu", *t)).tolist()) for t in tuples]
+    assert len(set(draws)) == len(tuples)
+    again = torch.randint(0, 2**31, (4,), generator=seeded_generator("cpu", 0, 1, 0)).tolist()
+    assert tuple(again) == draws[1]
+
+
+def test_positive_int_and_first_line():
+    from lwm.errors import first_line, positive_int
+
+    assert positive_int("1") == 1
+    for bad in ("0", "-3", "x"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            positive_int(bad)
+    assert first_line(RuntimeError("\n  first\nsecond\n")) == "first"
+    assert first_line(RuntimeError("")) == "RuntimeError"
+
+
+def test_error_lines_take_the_last_raise_of_a_chained_worker_traceback():
+    from lwm.cli import error_lines
+    from lwm.errors import DataError
+
+    e = DataError("Caught DataError in DataLoader worker process 0.\nOriginal Traceback (most recent call last):\n"
+                  "  File ...\nlwm.errors.DataError: inner\n\nDuring handling of the above exception, another "
+                  "exception occurred:\n\nTraceback (most recent call last):\n  File ...\n"
+                  "lwm.errors.DataError: outer\nsecond line")
+    assert error_lines(e) == ["outer", "second line"]
+
+
+def test_did_you_mean_only_for_a_near_key():
+    from lwm.cli import parse_error_line
+
+    keys = ["--model.net.d_model", "--trainer.max_steps", "--data.window"]
+    assert "did you mean --model.net.d_model?" in parse_error_line("unrecognized arguments: --model.net.dmodel=3", keys)
+    assert "did you mean" not in parse_error_line("unrecognized arguments: --trainer.zz=3", keys)
+
+
+def test_an_os_error_not_about_a_path_keeps_its_traceback(monkeypatch):
+    import lwm.plot
+
+    def fail(argv):
+        raise OSError(28, "No space left on device")  # no filename: a real failure, not a one-line path error
+
+    monkeypatch.setattr(lwm.plot, "main", fail)
+    with pytest.raises(OSError, match="No space left"):
+        main(["plot", "x"])

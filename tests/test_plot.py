@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import math
+import types
 from pathlib import Path
 
 import pytest
@@ -133,3 +134,43 @@ def test_odd_metrics_files_are_read_or_refused_in_one_line(tmp_path, content, me
     with pytest.raises(DataError) as error:
         read_metrics(path)
     assert message in str(error.value) and str(path) in str(error.value) and "\n" not in str(error.value)
+
+
+def test_read_metrics_sorts_each_series_by_step(tmp_path):
+    path = tmp_path / "metrics.csv"
+    path.write_text("Val_Total/loss,step\n3.0,20\n2.0,10\n1.0,30\n")  # e.g. a resumed run's validation rows
+    assert read_metrics(path) == {"Val_Total/loss": [(10, 2.0), (20, 3.0), (30, 1.0)]}
+
+
+def test_a_log_axis_needs_every_finite_value_positive():
+    from lwm.plot import _all_positive
+
+    assert _all_positive({"a": [(0, float("nan")), (1, 1.0), (2, float("inf"))]}, "a")  # non-finite: ignored
+    assert _all_positive({"a": [(0, 1.0), (1, float("-inf"))]}, "a")  # a diverged step's -inf too
+    assert not _all_positive({"a": [(0, 1.0), (1, 0.0)]}, "a")  # zero: no log axis
+    assert not _all_positive({"a": [(0, 1.0)], "b": [(0, -1.0)]}, "a", "b")
+    assert not _all_positive({}, "a")
+
+
+def test_loss_vs_tflops_keeps_only_points_a_log_log_axis_shows():
+    from lwm.plot import _against
+
+    tflops = [(0, 0.0), (2, 1.0), (4, 2.0), (6, 3.0)]
+    loss = [(0, 5.0), (2, 4.0), (4, 0.0), (5, 9.0), (6, 3.0)]
+    assert _against(tflops, loss) == [(1.0, 4.0), (3.0, 3.0)]
+
+
+def test_the_min_max_band_pairs_values_by_step():
+    from lwm.plot import _band
+
+    calls = []
+    ax = types.SimpleNamespace(fill_between=lambda *a, **kw: calls.append(a))
+    _band(ax, [(0, 0.1), (1, 0.2), (2, 0.3)], [(1, 0.9), (2, 1.0)], color="C0")
+    assert calls == [((1, 2), (0.2, 0.3), (0.9, 1.0))]
+
+
+def test_codebook_usage_of_validation_alone_is_drawn():
+    from lwm.plot import codebook_usage_figure
+
+    fig = codebook_usage_figure({"Val_Action_Encoder/codebook_usage_level_0": [(0, 0.5), (1, 0.6)]})
+    assert [line.get_label() for line in fig.axes[0].get_lines()] == ["level 0 val"]

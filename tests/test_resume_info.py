@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 from lwm.cli import main
@@ -56,3 +57,41 @@ def test_resume_info_reads_layered_configs_in_order(tmp_path, capsys):
     _ckpt(tmp_path / "run/checkpoints/last.ckpt", 30, mtime=1000)
     assert main(["resume-info", "--config", str(base), "--config", str(extra)]) == 0
     assert capsys.readouterr().out.splitlines() == [str(tmp_path / "run"), str(tmp_path / "run/checkpoints/last.ckpt")]
+
+
+class NotAWeight:  # a pickled object weights_only refuses
+    pass
+
+
+def _save_step(path, step, extra=None):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"global_step": step, **({"x": extra} if extra is not None else {})}, path)
+
+
+def test_deepspeed_directories_pick_last_then_the_highest_hpc_number(tmp_path):
+    run, ckpts = tmp_path / "run", tmp_path / "run/checkpoints"
+    for n in (1, 9, 10, 2):
+        (run / f"hpc_ckpt_{n}.ckpt").mkdir(parents=True)
+    assert latest_checkpoint(run, ckpts) == run / "hpc_ckpt_10.ckpt"  # numerically, not as text
+
+
+def test_a_tie_goes_to_last_ckpt_and_an_unreadable_sole_candidate_is_still_returned(tmp_path):
+    run, ckpts = tmp_path / "run", tmp_path / "run/checkpoints"
+    _save_step(run / "hpc_ckpt_3.ckpt", 100)
+    _save_step(ckpts / "last.ckpt", 100)
+    assert latest_checkpoint(run, ckpts) == ckpts / "last.ckpt"
+    other = tmp_path / "other"
+    (other / "checkpoints").mkdir(parents=True)
+    (other / "checkpoints/last.ckpt").write_bytes(b"torn")
+    assert latest_checkpoint(other, other / "checkpoints") == other / "checkpoints/last.ckpt"  # lwm fit refuses it
+
+
+def test_a_checkpoint_that_needs_unpickling_is_not_read(tmp_path):
+    from lwm.checkpoint import read_checkpoint
+    from lwm.errors import DataError
+    run, ckpts = tmp_path / "run", tmp_path / "run/checkpoints"
+    _save_step(ckpts / "last.ckpt", 5)
+    _save_step(run / "hpc_ckpt_1.ckpt", 10, extra=NotAWeight())
+    assert latest_checkpoint(run, ckpts) == ckpts / "last.ckpt"
+    with pytest.raises(DataError, match="not a readable checkpoint"):
+        read_checkpoint(run / "hpc_ckpt_1.ckpt")

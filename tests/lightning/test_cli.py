@@ -264,3 +264,14 @@ def test_four_validations_per_epoch_without_a_config(tmp_path, capsys):
         main(["fit", f"--data.manifest={manifest}", "--print_config"])
     assert exit_.value.code in (0, None)
     assert "  val_check_interval: 0.25\n" in capsys.readouterr().out
+
+
+def test_lightning_verbs_edge_cases(tmp_path):
+    """A fit with --ckpt_path last and no checkpoint yet starts fresh (the SLURM script's first start); a
+    val_check_interval equal to the epoch's batches passes the early check; validate --ckpt_path last takes the
+    checkpoint's model shape over the config's."""
+    manifest = make_dataset(tmp_path / "data", files=4)  # 2 training batches per epoch at the tiny args
+    assert run(manifest, tmp_path / "fresh", "--trainer.max_steps=1", "--ckpt_path=last") == 0
+    assert run(manifest, tmp_path / "equal", "--trainer.max_steps=2", "--trainer.val_check_interval=2") == 0
+    assert main(tiny_args(manifest, tmp_path / "fresh", "--ckpt_path=last", "--model.net.d_model=64",
+                          verb="validate")) == 0

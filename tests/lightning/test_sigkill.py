@@ -135,3 +135,17 @@ def test_ckpt_path_last_in_an_empty_run_dir_starts_fresh(tmp_path):
         assert train_series(tmp_path / name) == reference, name
         steps = check_checkpoints(tmp_path / name / "checkpoints", 4)
         assert steps == {"last.ckpt": 4, "step=0000002.ckpt": 2, "step=0000004.ckpt": 4}, (name, steps)
+
+
+def test_a_save_removes_only_the_temp_files_of_dead_writers(tmp_path):
+    from lwm.checkpoint import AtomicCheckpointIO
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    live = tmp_path / f".last.ckpt.tmp-{os.getppid()}"  # a live process: a writer still at work
+    stale = tmp_path / f".last.ckpt.tmp-{dead.pid}"
+    live.write_bytes(b"x")
+    stale.write_bytes(b"x")
+    AtomicCheckpointIO().save_checkpoint({"global_step": 1}, tmp_path / "last.ckpt")
+    assert live.exists() and not stale.exists()
+    assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 1

@@ -1,0 +1,78 @@
+"""benchmarks/*.py: the numbers each benchmark prints follow from its timings (timers and clocks replaced by
+fakes: no timing is asserted), bytes and FLOPs are counted as documented, warm-up calls are left out."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+
+def test_temporal_attention_benchmark_counts_bytes_and_flops(monkeypatch, capsys):
+    """With every timing 1 ns, GB/s is the bytes moved: forward 4x q's bytes, forward + backward 12x; TFLOP/s
+    / 1000 is the FLOPs (4 n h t^2 e forward, 3x that with the backward); the copy moves 2x its bytes."""
+    import benchmarks.temporal_attention as ta
+
+    monkeypatch.setattr(ta, "timed", lambda fn, reps=20: (fn(), 1e-9)[1])
+    assert ta.copy_bandwidth("cpu") == pytest.approx(2 * 2**25 * 2 / 1e-9)
+    n, h, t, e = 2 * 4, 2, 8, 8  # --batch 2 --patches 4 --frames 8 --dim 16 --heads 2, fp32
+    q_bytes = n * h * t * e * 4
+    for backward, factor, flop_factor in ((False, 4, 1), (True, 12, 3)):
+        monkeypatch.setattr(sys, "argv", ["ta", "--batch", "2", "--patches", "4", "--frames", "8", "--dim", "16",
+                                          "--heads", "2", "--cached", "0"] + (["--backward"] if backward else []))
+        ta.main()
+        rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("sdpa is_causal")]
+        assert len(rows) == 1
+        assert float(rows[0][2]) == pytest.approx(factor * q_bytes, abs=0.5)
+        assert float(rows[0][4]) == pytest.approx(4 * n * h * t * t * e * flop_factor / 1e3, abs=0.05)
+
+
+def test_temporal_attention_benchmark_times_after_its_warmup(monkeypatch):
+    import benchmarks.temporal_attention as ta
+
+    clock = {"t": 0.0, "calls": 0}
+
+    def fn():  # 3 warm-up calls of 100 s, then 1 s each
+        clock["t"] += 100.0 if clock["calls"] < 3 else 1.0
+        clock["calls"] += 1
+
+    monkeypatch.setattr(ta, "time", types.SimpleNamespace(perf_counter=lambda: clock["t"]))
+    assert ta.timed(fn, reps=5) == 1.0
+
+
+def test_generate_benchmark_frames_per_second_and_ratio(monkeypatch, capsys):
+    import benchmarks.generate as gen
+
+    monkeypatch.setattr(gen, "time_generate", lambda model, batch, frames, window, cached, device: 1.0 if cached else 4.0)
+    monkeypatch.setattr(sys, "argv", ["gen", "--batch", "2", "--frames", "8"])
+    gen.main()
+    assert "| 2 | 8 | 16.0 | 4.0 | 4.00x |" in capsys.readouterr().out
+
+
+def test_data_loader_benchmark_rates_follow_from_the_elapsed_time(tmp_path, monkeypatch):
+    """With a clock that advances 1 s per reading, the timed batches take exactly 1 s: windows/s is batches x batch,
+    MB/s those windows' bytes in the file's dtype, ms/batch 1000 / batches."""
+    import time
+
+    import benchmarks.data_loader as dl
+
+    manifest = dl.make_dataset(tmp_path / "d", files=2, frames=12, dtype="float16", layout="contiguous")
+    clock = iter(range(10**6))
+    monkeypatch.setattr(dl, "time", types.SimpleNamespace(perf_counter=lambda: float(next(clock)),
+                                                          process_time=time.process_time))
+    row = dl.bench(manifest, workers=0, context=None, window=4, batch=2, batches=5, warmup=1, cold=False, itemsize=2)
+    assert row["warmup"] == 1 and row["cache"] == "hot" and row["batches"] == "float16"
+    assert row["windows_per_s"] == 5 * 2 and row["ms_per_batch"] == 200.0
+    assert row["mb_per_s"] == round(10 * 4 * 16 * 64 * 64 * 2 / 1e6, 1)
+    assert dl.bench(manifest, 0, None, 4, 2, 1, None, False, 2)["warmup"] == 2  # first batch + nothing prefetched
+
+
+def test_monitoring_step_timer_skips_the_first_steps(monkeypatch):
+    import benchmarks.monitoring as mon
+
+    timer = mon.StepTimer(skip=3)
+    for step in range(1, 7):  # global_step after each batch
+        timer.on_train_batch_start(types.SimpleNamespace(global_step=step - 1))
+        timer.on_train_batch_end(types.SimpleNamespace(global_step=step))
+    assert len(timer.times) == 3
