@@ -58,7 +58,7 @@ def codebook_diversity(codes: Tensor) -> Tensor:
     if K < 2:
         return torch.full((3,), float("nan"), device=codes.device)
     c = codes.float()
-    # exact differences: cdist's matmul form (its default above 25 rows) leaves ~1e-5 between identical codes
+    # exact differences: cdist's matmul form (its default above 25 rows) can put identical codes 0.01 apart
     mse = torch.cdist(c, c, compute_mode="donot_use_mm_for_euclid_dist").pow(2) / c.shape[1]  # [K, K]
     i, j = torch.triu_indices(K, K, offset=1, device=codes.device)
     pairs = mse[i, j]
