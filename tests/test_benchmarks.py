@@ -22,10 +22,16 @@ def test_temporal_attention_benchmark_counts_bytes_and_flops(monkeypatch, capsys
         monkeypatch.setattr(sys, "argv", ["ta", "--batch", "2", "--patches", "4", "--frames", "8", "--dim", "16",
                                           "--heads", "2", "--cached", "0"] + (["--backward"] if backward else []))
         ta.main()
-        rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("sdpa is_causal")]
+        lines = capsys.readouterr().out.splitlines()
+        rows = [line.split(" | ") for line in lines if line.startswith("sdpa is_causal")]
         assert len(rows) == 1
         assert float(rows[0][2]) == pytest.approx(factor * q_bytes, abs=0.5)
         assert float(rows[0][4]) == pytest.approx(4 * n * h * t * t * e * flop_factor / 1e3, abs=0.05)
+        # lwm's Triton kernel (its interpreter here): the same bytes and FLOPs, and the same attention
+        fused = [line.split(" | ") for line in lines if line.startswith("triton kernel")]
+        assert len(fused) == ta.triton_attention.interpreting()
+        for row in fused:
+            assert row[2] == rows[0][2] and row[4] == rows[0][4] and float(row[5]) < 1e-5
 
 
 def test_temporal_attention_benchmark_times_after_its_warmup(monkeypatch):

@@ -23,6 +23,8 @@ from einops import rearrange
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from lwm.modules import triton_attention
+
 TemporalMask = Literal["none", "causal", "shifted_causal"]
 TEMPORAL_MASKS: tuple[str, ...] = ("none", "causal", "shifted_causal")
 
@@ -166,16 +168,18 @@ def _sdpa_mask(kind: TemporalMask, queries: int, keys: int, device: torch.device
     return temporal_mask(kind, keys, device, window)[keys - queries:], False
 
 
-AttentionKernel = Literal["sdpa", "matmul"]
-ATTENTION_KERNELS: tuple[str, ...] = ("sdpa", "matmul")
+AttentionKernel = Literal["sdpa", "matmul", "triton"]
+ATTENTION_KERNELS: tuple[str, ...] = ("sdpa", "matmul", "triton")
 
 
 class Attention(nn.Module):
     """Multi-head self-attention over the second-to-last axis of ``[batch, L, D]``.
 
-    ``kernel``: ``sdpa`` (``scaled_dot_product_attention``) or ``matmul`` (``q k^T``, masked softmax, ``@ v`` as
+    ``kernel``: ``sdpa`` (``scaled_dot_product_attention``), ``matmul`` (``q k^T``, masked softmax, ``@ v`` as
     plain batched matmuls, which ``torch.compile`` fuses around; for many short sequences, as in temporal
-    attention, SDPA's kernels are slow: see the README's Performance section). The same function either way.
+    attention, SDPA's kernels are slow: see the README's Performance section) or ``triton`` (one Triton kernel
+    per direction for short sequences, :mod:`lwm.modules.triton_attention`; the matmul formulation where it
+    does not apply: no GPU, sequences over 128). The same function every way.
     """
 
     def __init__(self, d_model: int, n_heads: int, kernel: AttentionKernel = "sdpa") -> None:
@@ -198,23 +202,29 @@ class Attention(nn.Module):
         ``past``: the keys and values of ``p`` earlier positions (``[n, heads, p, e]`` each); ``x`` holds the
         ``l`` positions after them, and position ``p + i`` attends to the keys ``mask`` allows it among all
         ``p + l``. The returned keys and values cover all ``p + l`` positions."""
-        q, k, v = rearrange(self.qkv(x), "n l (three h e) -> three n h l e", three=3, h=self.n_heads)
+        qkv = rearrange(self.qkv(x), "n l (three h e) -> n l three h e", three=3, h=self.n_heads)
+        q, k, v = rearrange(qkv, "n l three h e -> three n h l e")  # views
         if past is not None:
             k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
         queries, keys = q.shape[2], k.shape[2]
-        if self.kernel == "sdpa" and not return_weights:
+        weights = None
+        if self.kernel == "triton" and not return_weights and triton_attention.supported(qkv, keys, q.shape[-1]):
+            # reads q, k, v in the projection's layout and writes [n, l, h, e]: no transposes either way
+            out = triton_attention.temporal_attention(qkv, *(past or (None, None)), mask, window or 0)
+            out = rearrange(out, "n l h e -> n l (h e)")
+        elif self.kernel == "sdpa" and not return_weights:
             attn_mask, is_causal = _sdpa_mask(mask, queries, keys, x.device, window)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal)
-            weights = None
-        else:  # explicit softmax (the matmul kernel; also how the weights are kept for diagnostics)
+            out = rearrange(out, "n h l e -> n l (h e)")
+        else:  # explicit softmax (the matmul kernel, and triton's fallback; also how weights are kept for diagnostics)
             scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)  # [n, h, l, p + l]
             allowed = temporal_mask(mask, keys, x.device, window)
             if allowed is not None:
                 scores = scores.masked_fill(~allowed[keys - queries:], float("-inf"))
-            weights = scores.softmax(dim=-1)  # float32 under autocast
-            out = weights.to(v.dtype) @ v
-            weights = weights if return_weights else None
-        return self.proj(rearrange(out, "n h l e -> n l (h e)")), weights, (k, v)
+            probabilities = scores.softmax(dim=-1)  # float32 under autocast
+            out = rearrange(probabilities.to(v.dtype) @ v, "n h l e -> n l (h e)")
+            weights = probabilities if return_weights else None
+        return self.proj(out), weights, (k, v)
 
 
 class TransformerBlock(nn.Module):

@@ -18,6 +18,7 @@ Conventions (see DESIGN.md, "Points the requirement leaves open"):
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import ClassVar
@@ -26,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from lwm.errors import ConfigError
+from lwm.modules import triton_attention
 from lwm.modules.rvq import ResidualVectorQuantizer, RVQOutput
 from lwm.modules.st_transformer import (
     ATTENTION_KERNELS,
@@ -169,7 +171,7 @@ class WorldModelConfig:
     ema_decay_steps: int = 5000  # length of the EMA decay schedule, in global steps
     dead_code_steps: int = 100  # a code unused for this many updates is dead (replaced by ``revive``)
     activation_checkpointing: bool = False  # recompute every ST block's activations in the backward: less memory
-    temporal_attention: str = "sdpa"  # temporal attention kernel: sdpa | matmul (the same function; speed differs)
+    temporal_attention: str = "sdpa"  # temporal attention kernel: sdpa | matmul | triton (the same function; speed differs)
 
     # The fields that decide the parameters' and buffers' shapes (a checkpoint loads only where they agree).
     SHAPE_FIELDS: ClassVar[tuple[str, ...]] = (
@@ -250,6 +252,9 @@ class WorldModel(nn.Module):
             transformer.checkpointing = c.activation_checkpointing
             for block in transformer.blocks:
                 block.temporal.kernel = c.temporal_attention
+        if c.temporal_attention == "triton" and triton_attention.triton is None:
+            warnings.warn("temporal_attention=triton: the triton package is not installed, so temporal attention runs "
+                          "as plain matmuls (the same function, slower)", stacklevel=2)
 
     @contextmanager
     def checkpointing(self, on: bool) -> Iterator[None]:

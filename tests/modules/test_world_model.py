@@ -1,7 +1,10 @@
 import pytest
 import torch
 
+from lwm.modules import triton_attention
 from lwm.modules.world_model import WorldModel
+
+TRITON = pytest.mark.skipif(not triton_attention.interpreting(), reason="needs triton with TRITON_INTERPRET=1")
 
 TINY = dict(
     in_channels=4, height=8, width=8, d_model=32, n_heads=2, tokenizer_hidden=16,
@@ -159,7 +162,8 @@ def test_rollout_pass_k_repeats_previous_pass_on_its_first_k_positions(train):
         assert not torch.allclose(cur[:, k], prev[:, k], atol=1e-4), f"pass {k} predicts something new at {k}"
 
 
-@pytest.mark.parametrize(("checkpointing", "kernel"), [(False, "sdpa"), (True, "sdpa"), (False, "matmul")])
+@pytest.mark.parametrize(("checkpointing", "kernel"), [(False, "sdpa"), (True, "sdpa"), (False, "matmul"),
+                                                     pytest.param(False, "triton", marks=TRITON)])
 def test_rollout_reusing_the_previous_pass_equals_recomputing_it(checkpointing, kernel):
     """Each rollout pass computes only the positions after the ones the previous pass already has (attending to
     its keys/values there): the same predictions, losses and gradients as recomputing every position, with
@@ -368,10 +372,14 @@ def test_bad_config_names_the_field(overrides, field):
         WorldModel(**{**TINY, **overrides})
 
 
-def test_temporal_attention_kernel_reaches_every_temporal_attention_and_gives_the_same_step():
+@TRITON
+def test_temporal_attention_kernel_reaches_every_temporal_attention_and_gives_the_same_step(monkeypatch):
+    launches = []
+    op = triton_attention.temporal_attention
+    monkeypatch.setattr(triton_attention, "temporal_attention", lambda *a: launches.append(a[3]) or op(*a))
     x = clip(T=6)
     results = []
-    for kernel in ("sdpa", "matmul"):
+    for kernel in ("sdpa", "matmul", "triton"):
         model = tiny_model(temporal_attention=kernel).train()
         blocks = [b for t in (model.action_encoder.transformer, model.world_encoder.transformer,
                               model.dynamics.transformer) for b in t.blocks]
@@ -379,10 +387,16 @@ def test_temporal_attention_kernel_reaches_every_temporal_attention_and_gives_th
         out = model.compute(x, step=None, generator=torch.Generator().manual_seed(1))
         out.loss.backward()
         results.append((out.loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
-    (l1, g1), (l2, g2) = results
-    assert torch.allclose(l1, l2, rtol=1e-5)
-    for name in g1:
-        assert torch.allclose(g1[name], g2[name], rtol=1e-4, atol=1e-6), name
+    # every temporal attention of the step ran the Triton kernel: the encoders' once, the predictor's per pass
+    passes = len(model.rollout_weights)
+    assert sorted(launches) == sorted([b.mask for b in model.action_encoder.transformer.blocks]
+                                      + [b.mask for b in model.world_encoder.transformer.blocks]
+                                      + [b.mask for b in model.dynamics.transformer.blocks] * passes)
+    (l1, g1), *others = results
+    for l2, g2 in others:
+        assert torch.allclose(l1, l2, rtol=1e-5)
+        for name in g1:
+            assert torch.allclose(g1[name], g2[name], rtol=1e-4, atol=1e-6), name
 
 
 def test_activation_checkpointing_gives_the_same_loss_and_gradients():

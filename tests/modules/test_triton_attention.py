@@ -1,0 +1,151 @@
+"""The Triton temporal-attention kernels (run by Triton's interpreter on CPU tensors: TRITON_INTERPRET=1, set in
+conftest) equal the attention they replace: outputs and gradients of q, k, v and of cached keys/values."""
+
+import pytest
+import torch
+
+from lwm.modules import triton_attention
+from lwm.modules.st_transformer import Attention, temporal_mask
+from lwm.modules.triton_attention import temporal_attention
+
+pytestmark = pytest.mark.skipif(not triton_attention.interpreting(), reason="needs triton with TRITON_INTERPRET=1")
+
+
+def reference(qkv, past_k, past_v, mask, window):
+    """Softmax attention in plain PyTorch: ``qkv [n, l, 3, h, e]`` after ``past [n, h, p, e]`` -> ``[n, l, h, e]``."""
+    q, k, v = qkv.permute(2, 0, 3, 1, 4)  # [n, h, l, e] each
+    if past_k is not None:
+        k, v = torch.cat([past_k, k], 2), torch.cat([past_v, v], 2)
+    queries, keys = q.shape[2], k.shape[2]
+    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    allowed = temporal_mask(mask, keys, window=window or None)
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed[keys - queries:], float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(1, 2)
+
+
+CASES = [  # (n, queries, heads, head size, cached, mask, window)
+    (3, 16, 2, 64, 0, "causal", 0),  # the base shape (fewer sequences)
+    (2, 5, 3, 8, 0, "none", 0),  # sizes under the 16-wide tiles: padded
+    (2, 7, 2, 16, 0, "shifted_causal", 0),
+    (2, 6, 2, 16, 3, "causal", 0),  # a rollout pass after 3 cached positions
+    (2, 4, 2, 16, 5, "causal", 3),  # a sliding window over cached positions
+    (2, 1, 2, 16, 9, "causal", 4),  # generation: one new frame
+    (2, 17, 1, 20, 0, "causal", 0),  # past one tile: 32-wide
+]
+
+
+@pytest.mark.parametrize(("n", "queries", "heads", "e", "cached", "mask", "window"), CASES)
+def test_kernel_equals_softmax_attention_with_gradients(n, queries, heads, e, cached, mask, window):
+    torch.manual_seed(0)
+    qkv = torch.randn(n, queries, 3, heads, e, requires_grad=True)
+    past = [torch.randn(n, heads, cached, e, requires_grad=True) for _ in range(2)] if cached else [None, None]
+    inputs = [t for t in (qkv, *past) if t is not None]
+    out = temporal_attention(qkv, *past, mask, window)
+    expected = reference(qkv, *past, mask, window)
+    assert out.shape == (n, queries, heads, e)
+    assert torch.allclose(out, expected, atol=2e-6)
+    grad = torch.randn_like(out)
+    for got, want in zip(torch.autograd.grad(out, inputs, grad), torch.autograd.grad(expected, inputs, grad)):
+        assert got.shape == want.shape
+        assert torch.allclose(got, want, atol=2e-6)
+
+
+def test_kernel_reads_strided_inputs_and_cached_values_in_another_layout():
+    """q, k, v as a view of a wider projection and cached keys/values with different strides (made one layout)."""
+    torch.manual_seed(1)
+    wide = torch.randn(2, 5, 4, 2, 16)[:, :, 1:]  # [n, l, 3, h, e] view, not contiguous
+    past_k = torch.randn(2, 3, 2, 16).transpose(1, 2)  # [n, h, p, e] with strides of [n, p, h, e]
+    past_v = torch.randn(2, 2, 3, 16)
+    out = temporal_attention(wide, past_k, past_v, "causal", 0)
+    assert torch.allclose(out, reference(wide, past_k, past_v, "causal", 0), atol=2e-6)
+
+
+def test_half_precision_kernel_is_close_to_fp32():
+    """fp16 inputs: tiles cast to fp16 between the two matmuls, fp32 softmax (bf16 takes the same path on a GPU;
+    Triton's interpreter computes bf16 ``tl.dot`` wrongly, so it is checked by benchmarks/temporal_attention.py)."""
+    torch.manual_seed(2)
+    qkv = torch.randn(4, 16, 3, 2, 32, requires_grad=True)
+    half = qkv.detach().half().requires_grad_()
+    out = temporal_attention(half, None, None, "causal", 0)
+    assert out.dtype == torch.float16
+    expected = reference(qkv, None, None, "causal", 0)
+    assert ((out.float() - expected).norm() / expected.norm()) < 2e-3
+    grad = torch.randn_like(expected)
+    out.backward(grad.half())
+    expected.backward(grad)
+    assert half.grad.dtype == torch.float16
+    assert ((half.grad.float() - qkv.grad).norm() / qkv.grad.norm()) < 5e-3
+
+
+def test_op_registration_passes_torch_opcheck():
+    """Schema, fake (meta) implementation and autograd registration, as torch.compile relies on them."""
+    torch.manual_seed(3)
+    qkv = torch.randn(2, 6, 3, 2, 16, requires_grad=True)
+    past = [torch.randn(2, 2, 2, 16, requires_grad=True) for _ in range(2)]
+    torch.library.opcheck(temporal_attention, (qkv, None, None, "shifted_causal", 0))
+    torch.library.opcheck(temporal_attention, (qkv, *past, "causal", 3))
+    strided = [torch.randn(2, 2, 2, 16).transpose(1, 2).requires_grad_() for _ in range(2)]  # not contiguous
+    torch.library.opcheck(temporal_attention, (qkv[:, 1:], *strided, "causal", 0))
+
+
+def test_bad_mask_and_mismatched_dtypes_are_refused():
+    qkv = torch.randn(1, 4, 3, 1, 16)
+    with pytest.raises(ValueError, match="mask must be one of"):
+        temporal_attention(qkv, None, None, "diagonal", 0)
+    past = torch.randn(1, 1, 2, 16, dtype=torch.float64)
+    with pytest.raises(ValueError, match="one dtype"):
+        temporal_attention(qkv, past, past, "causal", 0)
+
+
+def test_cpu_tensors_without_the_interpreter_get_a_clear_error(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not triton_attention.supported(torch.randn(1, device="cpu"), 16, 64)
+    with pytest.raises(RuntimeError, match="CUDA tensors"):
+        temporal_attention(torch.randn(1, 4, 3, 1, 16), None, None, "causal", 0)
+
+
+def test_attention_falls_back_to_the_matmul_formulation_where_the_kernel_does_not_apply(monkeypatch):
+    """Over 128 positions, or in float64, the ``triton`` kernel setting computes the same attention by matmuls."""
+    calls = []
+    monkeypatch.setattr(triton_attention, "temporal_attention", lambda *a: calls.append(a))
+    assert not triton_attention.supported(torch.randn(1, dtype=torch.float64), 16, 64)
+    assert not triton_attention.supported(torch.randn(1), triton_attention.MAX_POSITIONS + 1, 64)
+    torch.manual_seed(4)
+    fast, matmul = Attention(8, 2, kernel="triton"), Attention(8, 2, kernel="matmul")
+    matmul.load_state_dict(fast.state_dict())
+    for x in (torch.randn(2, triton_attention.MAX_POSITIONS + 1, 8), torch.randn(2, 5, 8, dtype=torch.float64)):
+        fast.to(x.dtype), matmul.to(x.dtype)
+        assert torch.equal(fast(x, "causal")[0], matmul(x, "causal")[0])
+    assert not calls
+
+
+def test_without_triton_the_triton_setting_warns_and_computes_the_same(monkeypatch):
+    from lwm.modules.world_model import WorldModel
+
+    monkeypatch.setattr(triton_attention, "triton", None)
+    assert not triton_attention.supported(torch.randn(1), 16, 64)
+    with pytest.warns(UserWarning, match="triton package is not installed"):
+        WorldModel(in_channels=2, height=8, width=8, d_model=16, n_heads=2, temporal_attention="triton")
+
+
+@pytest.mark.timeout(300)
+def test_inductor_compiled_attention_equals_eager():
+    """Under torch.compile (inductor: it lays out the op's inputs itself) the kernel gives eager's outputs and
+    gradients, with cached keys/values."""
+    import copy
+
+    torch.manual_seed(5)
+    eager = Attention(16, 2, kernel="triton")
+    compiled = torch.compile(copy.deepcopy(eager), backend="inductor", fullgraph=True)
+    x = torch.randn(4, 6, 16)
+    past = [torch.randn(4, 2, 3, 8) for _ in range(2)]
+    results = []
+    for attn in (eager, compiled):
+        xi, pi = x.clone().requires_grad_(), [t.clone().requires_grad_() for t in past]
+        out = attn(xi, "causal", past=tuple(pi))[0]
+        out.square().sum().backward()
+        results.append((out, xi.grad, *(t.grad for t in pi)))
+    for a, b in zip(*results):
+        assert torch.allclose(a, b, atol=1e-6)
+    assert torch.allclose(eager.qkv.weight.grad, compiled.qkv.weight.grad, atol=1e-6)
