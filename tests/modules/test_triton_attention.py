@@ -32,6 +32,8 @@ CASES = [  # (n, queries, heads, head size, cached, mask, window)
     (2, 4, 2, 16, 5, "causal", 3),  # a sliding window over cached positions
     (2, 1, 2, 16, 9, "causal", 4),  # generation: one new frame
     (2, 17, 1, 20, 0, "causal", 0),  # past one tile: 32-wide
+    (2, 5, 2, 16, 0, "none", 2),  # a window only limits causal masks (as temporal_mask)
+    (2, 5, 2, 16, 0, "shifted_causal", 2),
 ]
 
 
