@@ -37,8 +37,11 @@ try:
 except ImportError:  # pragma: no cover - torch's CUDA wheels bring triton; CPU-only installs may not
     triton = None
 
-MAX_POSITIONS = 128  # queries and keys per sequence: the whole score tile lives in registers
 MIN_BLOCK = 16  # tl.dot's smallest tile side
+# Every tile of a sequence lives in registers: the largest (keys x head size, padded to powers of two) that
+# compiles for sm_90 without spilling heavily or overflowing shared memory in the backward, by dtype size
+# (measured offline with Triton 3.9's ptxas: fp32 at 128 x 64 spills 17 KB a thread; 16-bit at 128 x 64 spills).
+MAX_TILE = {2: 4096, 4: 2048}  # element size (bytes) -> keys x head size: 64 x 64 in bf16, 32 x 64 in fp32
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SHIFTS = {"none": 0, "causal": 0, "shifted_causal": 1}  # mask -> the keys after its own a query may see
 
@@ -48,9 +51,14 @@ def interpreting() -> bool:
     return triton is not None and os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def fits(dtype: torch.dtype, keys: int, head_dim: int) -> bool:
+    """Whether a sequence of ``keys`` positions and this head size fits the kernel's registers in ``dtype``."""
+    return dtype in DTYPES and _block(keys) * _block(head_dim) <= MAX_TILE[dtype.itemsize]
+
+
 def supported(x: Tensor, keys: int, head_dim: int) -> bool:
     """Whether the kernel can run for activations ``x`` (device, dtype), ``keys`` positions and this head size."""
-    if triton is None or x.dtype not in DTYPES or keys > MAX_POSITIONS or head_dim > 256:
+    if triton is None or not fits(x.dtype, keys, head_dim):
         return False
     return x.is_cuda or (interpreting() and x.device.type == "cpu")
 
@@ -60,10 +68,13 @@ def _block(n: int) -> int:
 
 
 def _precision(dtype: torch.dtype) -> str:
-    """tl.dot's input precision for fp32 inputs: TF32 only where PyTorch's matmuls may use it."""
-    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
-        return "ieee"
-    return "tf32"
+    """tl.dot's input precision for fp32 inputs: TF32 only where PyTorch's matmuls may use it (the setting's new
+    API where torch has it: reading ``allow_tf32`` raises once a script has used the new one)."""
+    if dtype != torch.float32:
+        return "tf32"  # ignored for 16-bit operands
+    matmul = torch.backends.cuda.matmul
+    tf32 = matmul.fp32_precision == "tf32" if hasattr(matmul, "fp32_precision") else matmul.allow_tf32
+    return "tf32" if tf32 else "ieee"
 
 
 if triton is not None:
@@ -158,12 +169,10 @@ if triton is not None:
             tl.store(DPV + at, dv.to(DPV.dtype.element_ty), mask=old)
 
 
-def _launch(kernel, qkv: Tensor, past_k: Tensor | None, past_v: Tensor | None, mask: str, window: int,
-            tensors: tuple[Tensor, ...], out_strides: tuple[int, ...]) -> None:
-    if triton is None:
-        raise RuntimeError("temporal_attention=triton needs the triton package (pip install triton)")
-    if not (qkv.is_cuda or interpreting()):
-        raise RuntimeError("temporal_attention=triton runs on CUDA tensors (or on the CPU with TRITON_INTERPRET=1)")
+def kernel_arguments(qkv: Tensor, past_k: Tensor | None, past_v: Tensor | None, mask: str, window: int,
+                     tensors: tuple[Tensor, ...], out_strides: tuple[int, ...]) -> tuple[tuple, dict]:
+    """``(positional arguments, keyword arguments with the grid)`` of either kernel: ``tensors`` are the forward's
+    output, or the backward's output gradient and its three gradients; ``out_strides`` the first one's strides."""
     n, lq, _, h, e = qkv.shape
     p = 0 if past_k is None else past_k.shape[2]
     if past_k is not None and (past_k.stride() != past_v.stride() or past_k.shape != past_v.shape):
@@ -172,15 +181,28 @@ def _launch(kernel, qkv: Tensor, past_k: Tensor | None, past_v: Tensor | None, m
         raise ValueError(f"temporal attention mask must be one of {tuple(SHIFTS)}, got {mask!r}")
     if any(t is not None and t.dtype != qkv.dtype for t in (past_k, past_v, *tensors)):
         raise ValueError("temporal attention: qkv, cached keys/values and gradients need one dtype")
-    past_strides = past_k.stride() if past_k is not None else (0, 0, 0, 0)
-    dummy = qkv  # an unused pointer where there is no past
-    meta = dict(CAUSAL=mask != "none", SHIFT=SHIFTS[mask], WINDOW=window if mask == "causal" else 0, HAS_PAST=past_k is not None,
-                BQ=_block(lq), BK=_block(p + lq), BE=_block(e), PRECISION=_precision(qkv.dtype))
-    pasts = (past_k if past_k is not None else dummy, past_v if past_v is not None else dummy)
+    pasts = (qkv, qkv) if past_k is None else (past_k, past_v)  # unused pointers where there is no past
+    past_strides = (0, 0, 0, 0) if past_k is None else past_k.stride()
+    meta = dict(CAUSAL=mask != "none", SHIFT=SHIFTS[mask], WINDOW=window if mask == "causal" else 0,
+                HAS_PAST=past_k is not None, BQ=_block(lq), BK=_block(p + lq), BE=_block(e),
+                PRECISION=_precision(qkv.dtype))
+    meta["num_warps"] = 4 if meta["BK"] * meta["BE"] >= 2048 else 2
+    meta["enable_fp_fusion"] = True  # fused multiply-adds (Triton 3.9 warns when left to its default)
+    args = (qkv, *pasts, *tensors, *qkv.stride(), *past_strides, *out_strides, h, lq, p, e, 1.0 / math.sqrt(e))
+    return args, {**meta, "grid": (n * h,)}
+
+
+def _launch(kernel, *arguments) -> None:
+    """Run ``kernel`` with :func:`kernel_arguments` of ``arguments`` on their device."""
+    qkv = arguments[0]
+    if triton is None:
+        raise RuntimeError("temporal_attention=triton needs the triton package (pip install triton)")
+    if not (qkv.is_cuda or interpreting()):
+        raise RuntimeError("temporal_attention=triton runs on CUDA tensors (or on the CPU with TRITON_INTERPRET=1)")
+    args, meta = kernel_arguments(*arguments)
+    grid = meta.pop("grid")
     with torch.cuda.device(qkv.device) if qkv.is_cuda else contextlib.nullcontext():
-        kernel[(n * h,)](qkv, *pasts, *tensors, *qkv.stride(), *past_strides, *out_strides,
-                         h, lq, p, e, 1.0 / math.sqrt(e), num_warps=4 if meta["BK"] * meta["BE"] > 2048 else 2,
-                         **meta)
+        kernel[grid](*args, **meta)
 
 
 def _one_layout(past_k: Tensor | None, past_v: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
