@@ -1,7 +1,8 @@
 """``lwm bench``: how fast a training step of a config runs, measured side by side with a plain reference.
 
     lwm bench [--config CFG (configs/tiny.yaml)] [--steps N (10)] [--warmup N (3)] [--json OUT.json] [--no-breakdown]
-              [--no-reference] [--no-lightning] [--max-batch] [--peak-tflops P] [--section.key=value ...]
+              [--no-reference] [--no-lightning] [--max-batch] [--peak-tflops P] [--kernels K ...]
+              [--section.key=value ...]
 
 On random latents of the config's shape (``data.batch_size`` x ``data.window`` frames of ``model.net``'s
 ``[C, H, W]``), on the GPU when there is one (else the CPU), it times
@@ -10,7 +11,8 @@ On random latents of the config's shape (``data.batch_size`` x ``data.window`` f
   precision, ``model.compile`` (on a GPU; ignored on the CPU), fused AdamW, gradient clipping and the
   non-finite guard (the monitoring callbacks are off: ``benchmarks/monitoring.py`` measures them);
 * **fast path**: the same step (autocast, compile, fused AdamW, clipping) in a plain loop, so that
-  ``lightning - fast path`` is Lightning's overhead;
+  ``lightning - fast path`` is Lightning's overhead; with ``--kernels matmul triton`` also the fast path with
+  each of those temporal-attention kernels (``model.net.temporal_attention``), side by side;
 * **reference**: the same model eager in true fp32 (no TF32) with a for-loop AdamW and no compile, recomputing
   every position of every rollout pass (the fast step reuses the positions the previous pass already has),
   without the options under test (activation checkpointing, the temporal-attention kernel), so every variant
@@ -75,9 +77,16 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--no-reference", action="store_true", help="skip the eager fp32 reference")
     p.add_argument("--max-batch", action="store_true", help="also find the largest batch that fits (GPU only)")
     p.add_argument("--no-lightning", action="store_true", help="skip the Lightning variant")
+    p.add_argument("--kernels", nargs="+", default=[], metavar="KERNEL",
+                   help="also time the fast path with each of these temporal-attention kernels (sdpa matmul triton)")
     p.add_argument("--peak-tflops", type=float, help="the device's bf16 dense peak, where Lightning does not know "
                                                       "it (e.g. 989 for an H200)")
     args, rest = p.parse_known_args(argv)
+    from lwm.modules.st_transformer import ATTENTION_KERNELS
+
+    unknown = [k for k in args.kernels if k not in ATTENTION_KERNELS]
+    if unknown:
+        raise ConfigError(f"--kernels: {' '.join(unknown)}: not one of {' '.join(ATTENTION_KERNELS)}")
     if args.steps < 1 or args.warmup < 0:
         raise ConfigError(f"--steps must be >= 1 and --warmup >= 0, got {args.steps}, {args.warmup}")
     if not Path(args.config).is_file():
@@ -412,6 +421,15 @@ def main(argv: list[str]) -> int:
     measure("fast path", lambda: timed(fast_step, args.steps, args.warmup, device))
     syncs = host_syncs(fast_step, device)
     del fast_step  # its model and optimizer state would count in the next variant's peak memory
+    configured = s.net
+    for kernel in dict.fromkeys(k for k in args.kernels if k != configured.temporal_attention):
+        s.net = replace(configured, temporal_attention=kernel)  # the same step but for the kernel, side by side
+        try:
+            other = plain_step(s, fast=True)[0]
+            measure(f"fast path (temporal_attention={kernel})", lambda: timed(other, args.steps, args.warmup, device))
+            del other
+        finally:
+            s.net = configured
     if not args.no_lightning:
         measure("lightning", lambda: lightning_seconds(s, args.steps, args.warmup))
 

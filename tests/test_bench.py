@@ -32,6 +32,33 @@ def test_bench_runs_at_tiny_and_writes_every_number(tmp_path, capsys):
     assert "training step" in capsys.readouterr().out
 
 
+def test_bench_times_each_temporal_attention_kernel_side_by_side(monkeypatch, tmp_path):
+    """``--kernels``: one fast-path row per other kernel, each step built with that kernel (the configured one
+    not twice), the config's own restored for what follows."""
+    import lwm.bench as bench
+
+    built = []
+    real = bench.plain_step
+
+    def plain_step(s, fast, *args, **kwargs):
+        built.append((fast, s.net.temporal_attention))
+        return real(s, fast, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "plain_step", plain_step)
+    monkeypatch.setattr(bench, "timed", lambda fn, steps, warmup, device: 0.5)
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--config", "configs/tiny.yaml", "--steps", "1", "--warmup", "0", "--json", str(out),
+            "--no-lightning", "--no-breakdown", "--model.net.height=16", "--model.net.width=16",
+            "--data.batch_size=2", "--data.window=5", "--kernels", "matmul", "sdpa", "triton", "matmul"]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert [v["variant"] for v in result["variants"]] == [
+        "reference", "fast path", "fast path (temporal_attention=matmul)", "fast path (temporal_attention=triton)"]
+    assert built == [(False, "sdpa"), (True, "sdpa"), (True, "matmul"), (True, "triton")]
+    assert result["net"]["temporal_attention"] == "sdpa"
+    assert main(["bench", "--kernels", "flash"]) == 2
+
+
 def test_bench_refuses_bad_arguments(capsys):
     assert main(["bench", "--config", "nope.yaml"]) == 2
     assert "nope.yaml: not found" in capsys.readouterr().err
