@@ -303,7 +303,7 @@ def _data_encode(args: argparse.Namespace) -> int:
 def _data_decode(args: argparse.Namespace) -> int:
     from lwm.data.convert import decode_file
 
-    print(f"wrote {decode_file(args.file, args.out, args.fps, args.vae, args.device)}")
+    print(f"wrote {decode_file(args.file, args.out, args.fps, args.vae, args.vae_tiling, device=args.device)}")
     return 0
 
 
@@ -376,6 +376,9 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument("--out", required=True, help="video path (.mp4 or .gif)")
     decode.add_argument("--fps", type=positive_int, default=8)
     decode.add_argument("--vae", help="the VAE's local diffusers weights, for files encoded with a VAE")
+    decode.add_argument("--vae-tiling", action="store_true",
+                        help="decode in overlapping spatial tiles (diffusers' enable_tiling): far less GPU memory at "
+                             "512 px and up, faint seams possible")
     decode.add_argument("--device", default="cpu", help="where the VAE runs")
     decode.set_defaults(func=_data_decode)
 

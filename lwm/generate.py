@@ -55,6 +55,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fps", type=positive_int, default=8)
     p.add_argument("--vae", help="the VAE's local diffusers weights, to decode files encoded with a VAE")
+    p.add_argument("--vae-tiling", action="store_true",
+                   help="the VAE decodes in overlapping spatial tiles (far less GPU memory at 512 px and up)")
     p.add_argument("--out", help="video path, .mp4 or .gif (default: RUN_DIR/generated/FILE_START.mp4)")
     args = p.parse_args(argv)
     for name in ("context", "steps", "rollouts"):
@@ -135,7 +137,7 @@ def run(args: argparse.Namespace) -> Path:
         world_end = min(info.frames, args.start + max(trained or args.context + args.steps, args.context))
         world_clip = torch.from_numpy(np.asarray(ds[args.start:world_end], dtype=np.float32))[None].to(device)
         codec = f.attrs.get("codec")
-    decoder = codec_from_attr(codec, str(args.data), args.vae, str(device))  # before the work: a bad --vae fails now
+    decoder = codec_from_attr(codec, str(args.data), args.vae, str(device), args.vae_tiling)  # before the work: a bad --vae fails now
 
     R, T = args.rollouts, args.context + args.steps - 1  # transitions needed
     last_position = T - 1  # the last frame fed to the predictor sits at temporal position T - 1 (t0 = 0)

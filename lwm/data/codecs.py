@@ -76,9 +76,10 @@ def codec_spec(attr: object, path: str = "") -> dict | None:
     return spec
 
 
-def codec_from_attr(attr: object, path: str = "", vae: str | None = None, device: str = "cpu"):
+def codec_from_attr(attr: object, path: str = "", vae: str | None = None, device: str = "cpu", tiling: bool = False):
     """The codec a file's ``codec`` attribute names, or None when there is none, when it is unknown, or when it
-    is a diffusers VAE (:mod:`lwm.data.vae`) and no ``vae`` weights folder is given."""
+    is a diffusers VAE (:mod:`lwm.data.vae`) and no ``vae`` weights folder is given (``tiling``: the VAE decodes
+    in tiles, :func:`lwm.data.vae.load_vae`)."""
     spec = codec_spec(attr, path)
     if spec is None:
         return None
@@ -87,7 +88,7 @@ def codec_from_attr(attr: object, path: str = "", vae: str | None = None, device
     from lwm.data.vae import CLASSES, VAECodec
 
     if spec["name"] in CLASSES and vae is not None:
-        return VAECodec.from_attr(spec, vae, device)
+        return VAECodec.from_attr(spec, vae, device, tiling=tiling)
     return None
 
 

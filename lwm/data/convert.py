@@ -191,7 +191,7 @@ def encode_videos(videos: list[str], out: str | Path, codec: str = "pixel", stri
     return written
 
 
-def decode_file(path: str | Path, out: str | Path, fps: int = 8, vae: str | Path | None = None,
+def decode_file(path: str | Path, out: str | Path, fps: int = 8, vae: str | Path | None = None, tiling: bool = False,
                 device: str = "cpu") -> Path:
     """Decode an h5 file through the codec its ``codec`` attribute names and write the video."""
     from lwm.video import VIDEO_SUFFIXES, write_video
@@ -202,7 +202,7 @@ def decode_file(path: str | Path, out: str | Path, fps: int = 8, vae: str | Path
     with h5py.File(path, "r") as f:
         attr = f.attrs.get("codec")
         latents = np.asarray(f[info.key][...], dtype=np.float32)
-    codec = codec_from_attr(attr, str(path), vae, device)
+    codec = codec_from_attr(attr, str(path), vae, device, tiling)
     if codec is None:
         raise DataError(f"{path}: cannot decode to pixels: {missing_codec(attr, str(path))}")
     return write_video(out, codec.decode(latents), fps)

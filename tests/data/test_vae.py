@@ -91,6 +91,20 @@ def test_decode_gives_the_frames_of_every_latent_count(name, vae_dirs):
             assert np.abs(part.astype(int) - full[: len(part)].astype(int)).max() <= 8, t
 
 
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_tiled_decoding_splits_large_frames_and_stays_close(name, vae_dirs):
+    """``--vae-tiling`` (``tiling=True``): 320 px frames are decoded in the VAE's 256 px tiles, blended: the same
+    video up to the seams (a tiny random VAE: a few levels on average), not the same bytes (tiles were used)."""
+    size = 320
+    plain = VAECodec.load(name, vae_dirs[name], size=size)
+    tiled = codec_from_attr(plain.attr, "f.h5", vae=str(vae_dirs[name]), tiling=True)
+    assert tiled.vae.use_tiling and not plain.vae.use_tiling
+    y = np.random.default_rng(0).uniform(-0.5, 0.5, (2, 16, size // 8, size // 8)).astype(np.float32)
+    a, b = plain.decode(y).astype(int), tiled.decode(y).astype(int)
+    assert a.shape == b.shape == (5, size, size, 3)
+    assert 0 < np.abs(a - b).mean() < 8
+
+
 def test_frame_alignment():
     assert [latent_frames(f) for f in (1, 4, 5, 8, 9, 13)] == [1, 1, 2, 2, 3, 4]
     assert [video_frames(t) for t in (1, 2, 3)] == [1, 5, 9]
@@ -115,7 +129,7 @@ def test_encode_and_decode_through_the_command(tmp_path, vae_dirs):
                          capture_output=True, text=True)
     assert run.returncode == 2 and "--vae" in run.stderr and "cogvideox" in run.stderr
     run = subprocess.run([*lwm, "data", "decode", str(tmp_path / "out" / "clip.h5"), "--out", str(tmp_path / "back.mp4"),
-                          "--vae", str(vae_dirs["cogvideox"])], capture_output=True, text=True)
+                          "--vae", str(vae_dirs["cogvideox"]), "--vae-tiling"], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert iio.imread(tmp_path / "back.mp4", index=None).shape[0] == 9
 
