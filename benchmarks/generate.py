@@ -1,6 +1,7 @@
 """Generation speed: frames per second of WorldModel.generate, cached vs uncached, by batch and rollout length.
 
     python benchmarks/generate.py [--size tiny|base] [--batch 1 32] [--frames 16 64 256] [--window 15]
+                                  [--precision fp32|bf16] [--temporal-attention sdpa|matmul|triton]
 
 One context frame, random actions and world code; rollouts longer than ``--window`` slide it (the base
 predictor is trained on 15-frame inputs). Prints a markdown table; the cached/uncached ratio is the result.
@@ -47,13 +48,16 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=15)
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--uncached-max", type=int, default=64, help="skip uncached rollouts longer than this (quadratic)")
+    parser.add_argument("--temporal-attention", choices=["sdpa", "matmul", "triton"], default="sdpa",
+                        help="the temporal-attention kernel (model.net.temporal_attention)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
-    model = WorldModel(**SIZES[args.size]).to(device).eval()
+    model = WorldModel(**SIZES[args.size], temporal_attention=args.temporal_attention).to(device).eval()
     autocast = torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=args.precision == "bf16")
     name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
-    print(f"{name}, torch {torch.__version__}, {date.today()}, size {args.size}, {args.precision}, window {args.window}")
+    print(f"{name}, torch {torch.__version__}, {date.today()}, size {args.size}, {args.precision}, window {args.window}, "
+          f"temporal attention {args.temporal_attention}")
     print("| batch | frames | cached frames/s | uncached frames/s | speed-up |\n|---|---|---|---|---|")
     with autocast:
         for batch in args.batch:

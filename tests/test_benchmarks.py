@@ -82,3 +82,19 @@ def test_monitoring_step_timer_skips_the_first_steps(monkeypatch):
         timer.on_train_batch_start(types.SimpleNamespace(global_step=step - 1))
         timer.on_train_batch_end(types.SimpleNamespace(global_step=step))
     assert len(timer.times) == 3
+
+
+def test_gpu_recipe_parses_and_lists_exactly_its_stages(tmp_path):
+    """benchmarks/gpu.sh: valid bash; "all" runs every stage it defines, and an unknown stage stops it at once."""
+    import re
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    text = script.read_text()
+    defined = re.findall(r"^stage_(\w+)\(\)", text, flags=re.M)
+    listed = re.search(r'stages=\((check[^)]*)\)', text).group(1).split()
+    assert listed == defined and len(defined) == 8
+    run = subprocess.run(["bash", str(script), str(tmp_path / "out"), "nope"], capture_output=True, text=True)
+    assert run.returncode == 2 and "unknown stage nope" in run.stderr
