@@ -98,6 +98,30 @@ if triton is not None:
         return p / tl.where(total > 0, total, 1.0)[:, None]
 
     @triton.jit
+    def _offsets(z, h, i, j, e, LQ, P, E, s_n, s_l, s_3, s_h, s_e, sp_n, sp_h, sp_p, sp_e):
+        """Element offsets and masks of one (sequence ``z``, head ``h``): its queries and this call's keys in the
+        projection's layout (the keys' offsets are the queries' plus ``s_3``, the values' plus ``2 s_3``), its
+        cached keys/values in theirs."""
+        q_at = z * s_n + h * s_h + i[:, None] * s_l + e[None, :] * s_e  # [BQ, BE]
+        in_q = (i[:, None] < LQ) & (e[None, :] < E)
+        k_at = z * s_n + h * s_h + s_3 + (j[:, None] - P) * s_l + e[None, :] * s_e  # [BK, BE]
+        new = (j[:, None] >= P) & (j[:, None] < P + LQ) & (e[None, :] < E)  # key j is this call's position j - P
+        past_at = z * sp_n + h * sp_h + j[:, None] * sp_p + e[None, :] * sp_e
+        old = (j[:, None] < P) & (e[None, :] < E)  # key j is cached
+        return q_at, in_q, k_at, new, past_at, old
+
+    @triton.jit
+    def _tiles(QKV, PK, PV, q_at, in_q, k_at, new, s_3, past_at, old, HAS_PAST: tl.constexpr):
+        """q ``[BQ, BE]``, k and v ``[BK, BE]``: cached positions first, then this call's; zero where padded."""
+        q = tl.load(QKV + q_at, mask=in_q, other=0.0)
+        k = tl.load(QKV + k_at, mask=new, other=0.0)
+        v = tl.load(QKV + k_at + s_3, mask=new, other=0.0)
+        if HAS_PAST:  # the two masks never overlap: adding the zeros is exact
+            k += tl.load(PK + past_at, mask=old, other=0.0)
+            v += tl.load(PV + past_at, mask=old, other=0.0)
+        return q, k, v
+
+    @triton.jit
     def _attention_fwd(
         QKV, PK, PV, O,
         s_n, s_l, s_3, s_h, s_e,  # qkv [n, LQ, 3, H, E]
@@ -110,18 +134,9 @@ if triton is not None:
         pid = tl.program_id(0).to(tl.int64)
         z, h = pid // H, pid % H
         i, j, e = tl.arange(0, BQ), tl.arange(0, BK), tl.arange(0, BE)
-        base = QKV + z * s_n + h * s_h
-        in_q = (i[:, None] < LQ) & (e[None, :] < E)
-        q = tl.load(base + i[:, None] * s_l + e[None, :] * s_e, mask=in_q, other=0.0)
-        new = (j[:, None] >= P) & (j[:, None] < P + LQ) & (e[None, :] < E)  # keys from this call's positions
-        rows = (j[:, None] - P) * s_l + e[None, :] * s_e
-        k = tl.load(base + s_3 + rows, mask=new, other=0.0)
-        v = tl.load(base + 2 * s_3 + rows, mask=new, other=0.0)
-        if HAS_PAST:
-            old = (j[:, None] < P) & (e[None, :] < E)
-            at = z * sp_n + h * sp_h + j[:, None] * sp_p + e[None, :] * sp_e
-            k += tl.load(PK + at, mask=old, other=0.0)
-            v += tl.load(PV + at, mask=old, other=0.0)
+        q_at, in_q, k_at, new, past_at, old = _offsets(z, h, i, j, e, LQ, P, E, s_n, s_l, s_3, s_h, s_e,
+                                                       sp_n, sp_h, sp_p, sp_e)
+        q, k, v = _tiles(QKV, PK, PV, q_at, in_q, k_at, new, s_3, past_at, old, HAS_PAST)
         p = _probabilities(q, k, i, j, LQ, P, scale, CAUSAL, SHIFT, WINDOW, PRECISION)
         o = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         tl.store(O + z * so_n + h * so_h + i[:, None] * so_l + e[None, :] * so_e, o.to(O.dtype.element_ty), mask=in_q)
@@ -139,21 +154,10 @@ if triton is not None:
         pid = tl.program_id(0).to(tl.int64)
         z, h = pid // H, pid % H
         i, j, e = tl.arange(0, BQ), tl.arange(0, BK), tl.arange(0, BE)
-        base = QKV + z * s_n + h * s_h
-        dbase = DQKV + z * s_n + h * s_h
-        in_q = (i[:, None] < LQ) & (e[None, :] < E)
-        q_at = i[:, None] * s_l + e[None, :] * s_e
-        q = tl.load(base + q_at, mask=in_q, other=0.0)
+        q_at, in_q, k_at, new, past_at, old = _offsets(z, h, i, j, e, LQ, P, E, s_n, s_l, s_3, s_h, s_e,
+                                                       sp_n, sp_h, sp_p, sp_e)
+        q, k, v = _tiles(QKV, PK, PV, q_at, in_q, k_at, new, s_3, past_at, old, HAS_PAST)
         do = tl.load(DO + z * so_n + h * so_h + i[:, None] * so_l + e[None, :] * so_e, mask=in_q, other=0.0)
-        new = (j[:, None] >= P) & (j[:, None] < P + LQ) & (e[None, :] < E)
-        rows = (j[:, None] - P) * s_l + e[None, :] * s_e
-        k = tl.load(base + s_3 + rows, mask=new, other=0.0)
-        v = tl.load(base + 2 * s_3 + rows, mask=new, other=0.0)
-        if HAS_PAST:
-            old = (j[:, None] < P) & (e[None, :] < E)
-            at = z * sp_n + h * sp_h + j[:, None] * sp_p + e[None, :] * sp_e
-            k += tl.load(PK + at, mask=old, other=0.0)
-            v += tl.load(PV + at, mask=old, other=0.0)
         p = _probabilities(q, k, i, j, LQ, P, scale, CAUSAL, SHIFT, WINDOW, PRECISION)  # [BQ, BK] fp32
         dv = tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)  # [BK, BE]
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)  # [BQ, BK]
@@ -161,12 +165,12 @@ if triton is not None:
         dq = tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)  # [BQ, BE]
         dk = tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)  # [BK, BE]
         out_ty = DQKV.dtype.element_ty
-        tl.store(dbase + q_at, dq.to(out_ty), mask=in_q)
-        tl.store(dbase + s_3 + rows, dk.to(out_ty), mask=new)
-        tl.store(dbase + 2 * s_3 + rows, dv.to(out_ty), mask=new)
+        tl.store(DQKV + q_at, dq.to(out_ty), mask=in_q)
+        tl.store(DQKV + k_at, dk.to(out_ty), mask=new)
+        tl.store(DQKV + k_at + s_3, dv.to(out_ty), mask=new)
         if HAS_PAST:
-            tl.store(DPK + at, dk.to(DPK.dtype.element_ty), mask=old)
-            tl.store(DPV + at, dv.to(DPV.dtype.element_ty), mask=old)
+            tl.store(DPK + past_at, dk.to(DPK.dtype.element_ty), mask=old)
+            tl.store(DPV + past_at, dv.to(DPV.dtype.element_ty), mask=old)
 
 
 def kernel_arguments(qkv: Tensor, past_k: Tensor | None, past_v: Tensor | None, mask: str, window: int,
