@@ -35,7 +35,8 @@ stage_check() {
     done
 }
 stage_kernels() {  # the Triton kernels compiled on the GPU: against SDPA (bf16 too), and their resources
-    run $PY -m pytest -q -p no:cacheprovider tests/modules/test_triton_attention.py
+    # without the project's addopts (--strict-markers would refuse the timeout marker where pytest-timeout is missing)
+    run $PY -m pytest -q -p no:cacheprovider -o addopts=-ra tests/modules/test_triton_attention.py
     run $PY benchmarks/triton_kernels.py
 }
 stage_attention() {

@@ -62,6 +62,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lwm.errors import ConfigError
+from lwm.modules import triton_attention
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 
@@ -424,11 +425,18 @@ def main(argv: list[str]) -> int:
     configured = s.net
     for kernel in dict.fromkeys(k for k in args.kernels if k != configured.temporal_attention):
         s.net = replace(configured, temporal_attention=kernel)  # the same step but for the kernel, side by side
+        label = f"fast path (temporal_attention={kernel})"
+        activations = torch.empty(0, dtype=torch.bfloat16 if s.bf16 else torch.float32, device=device)
+        if kernel == "triton" and not triton_attention.supported(activations, s.window, s.net.d_model // s.net.n_heads):
+            notes.append(f"{label}: the Triton kernel does not run here (no GPU or triton, or tiles too large): "
+                         "the row times its matmul fallback")
         try:
             other = plain_step(s, fast=True)[0]
-            measure(f"fast path (temporal_attention={kernel})", lambda: timed(other, args.steps, args.warmup, device))
-            del other
+            measure(label, lambda: timed(other, args.steps, args.warmup, device))
+        except (RuntimeError, torch.OutOfMemoryError) as error:  # one kernel failing keeps the other rows
+            notes.append(f"{label}: failed ({str(error).splitlines()[0][:200]})")
         finally:
+            other = None
             s.net = configured
     if not args.no_lightning:
         measure("lightning", lambda: lightning_seconds(s, args.steps, args.warmup))

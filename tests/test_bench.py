@@ -56,7 +56,34 @@ def test_bench_times_each_temporal_attention_kernel_side_by_side(monkeypatch, tm
         "reference", "fast path", "fast path (temporal_attention=matmul)", "fast path (temporal_attention=triton)"]
     assert built == [(False, "sdpa"), (True, "sdpa"), (True, "matmul"), (True, "triton")]
     assert result["net"]["temporal_attention"] == "sdpa"
+    built.clear()
     assert main(["bench", "--kernels", "flash"]) == 2
+    assert not built  # refused before any step is built or timed
+
+
+def test_a_kernel_that_fails_in_bench_keeps_the_other_rows(monkeypatch, tmp_path):
+    """A kernel whose step fails (e.g. out of memory, or a compile error) becomes a note; the table and the JSON
+    keep every other row."""
+    import lwm.bench as bench
+
+    real = bench.plain_step
+
+    def plain_step(s, fast, *args, **kwargs):
+        if s.net.temporal_attention == "matmul":
+            raise RuntimeError("CUDA error: an illegal memory access\nmore")
+        return real(s, fast, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "plain_step", plain_step)
+    monkeypatch.setattr(bench, "timed", lambda fn, steps, warmup, device: 0.5)
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--config", "configs/tiny.yaml", "--steps", "1", "--warmup", "0", "--json", str(out),
+            "--no-lightning", "--no-breakdown", "--no-reference", "--model.net.height=16", "--model.net.width=16",
+            "--data.batch_size=2", "--data.window=5", "--kernels", "matmul", "triton"]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert [v["variant"] for v in result["variants"]] == ["fast path", "fast path (temporal_attention=triton)"]
+    assert any("temporal_attention=matmul): failed (CUDA error: an illegal memory access)" in n for n in result["notes"])
+    assert result["net"]["temporal_attention"] == "sdpa"
 
 
 def test_bench_refuses_bad_arguments(capsys):

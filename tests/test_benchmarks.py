@@ -32,6 +32,13 @@ def test_temporal_attention_benchmark_counts_bytes_and_flops(monkeypatch, capsys
         assert len(fused) == ta.triton_attention.interpreting()
         for row in fused:
             assert row[2] == rows[0][2] and row[4] == rows[0][4] and float(row[5]) < 1e-5
+    # a rollout pass after 2 cached positions: every formulation's answer is the fp32 SDPA's on those queries
+    monkeypatch.setattr(sys, "argv", ["ta", "--batch", "2", "--patches", "4", "--frames", "8", "--dim", "16",
+                                      "--heads", "2", "--cached", "2"])
+    ta.main()
+    passes = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("pass:")]
+    assert len(passes) == 3 + ta.triton_attention.interpreting()
+    assert all(float(row[5]) < 1e-5 for row in passes)
 
 
 def test_temporal_attention_benchmark_times_after_its_warmup(monkeypatch):
@@ -50,10 +57,20 @@ def test_temporal_attention_benchmark_times_after_its_warmup(monkeypatch):
 def test_generate_benchmark_frames_per_second_and_ratio(monkeypatch, capsys):
     import benchmarks.generate as gen
 
-    monkeypatch.setattr(gen, "time_generate", lambda model, batch, frames, window, cached, device: 1.0 if cached else 4.0)
+    kernels = []
+
+    def time_generate(model, batch, frames, window, cached, device):
+        kernels.append({b.temporal.kernel for b in model.dynamics.transformer.blocks})
+        return 1.0 if cached else 4.0
+
+    monkeypatch.setattr(gen, "time_generate", time_generate)
     monkeypatch.setattr(sys, "argv", ["gen", "--batch", "2", "--frames", "8"])
     gen.main()
     assert "| 2 | 8 | 16.0 | 4.0 | 4.00x |" in capsys.readouterr().out
+    assert kernels == [{"sdpa"}, {"sdpa"}]
+    monkeypatch.setattr(sys, "argv", ["gen", "--batch", "2", "--frames", "8", "--temporal-attention", "triton"])
+    gen.main()
+    assert "temporal attention triton" in capsys.readouterr().out and kernels[2:] == [{"triton"}, {"triton"}]
 
 
 def test_data_loader_benchmark_rates_follow_from_the_elapsed_time(tmp_path, monkeypatch):
@@ -98,3 +115,36 @@ def test_gpu_recipe_parses_and_lists_exactly_its_stages(tmp_path):
     assert listed == defined and len(defined) == 8
     run = subprocess.run(["bash", str(script), str(tmp_path / "out"), "nope"], capture_output=True, text=True)
     assert run.returncode == 2 and "unknown stage nope" in run.stderr
+
+
+def test_gpu_recipe_runs_the_documented_commands(tmp_path):
+    """Every stage with a stand-in python that records its arguments and environment: the commands the README
+    describes (compiled kernels, both attention directions, bench with every kernel, max batch with and without
+    checkpointing, generation with sdpa and triton, the loader, a DeepSpeed fit resumed from last)."""
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.sh"
+    record = tmp_path / "calls.txt"
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/bin/sh\necho "TRITON_INTERPRET=$TRITON_INTERPRET $*" >> {record}\n')
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    run = subprocess.run(["bash", str(script), str(out), "all"], capture_output=True, text=True,
+                         env={"PATH": "/usr/bin:/bin", "PYTHON": str(fake)})
+    assert run.returncode == 0, run.stderr
+    calls = record.read_text().splitlines()
+    assert all(c.startswith("TRITON_INTERPRET=0 ") for c in calls)  # compiled kernels, never the interpreter
+    joined = "\n".join(calls)
+    for expected in ("-m pytest -q -p no:cacheprovider -o addopts=-ra tests/modules/test_triton_attention.py",
+                     "benchmarks/triton_kernels.py", "benchmarks/temporal_attention.py --backward",
+                     "-m lwm.cli bench --config configs/base.yaml --steps 20 --warmup 5 --kernels matmul triton",
+                     "--max-batch --no-reference --no-breakdown --no-lightning --steps 3 --warmup 2 "
+                     "--model.net.activation_checkpointing=true",
+                     "--precision bf16 --temporal-attention sdpa", "--precision bf16 --temporal-attention triton",
+                     "benchmarks/data_loader.py --need 100 --workers 1 2 4",
+                     "-m lwm.cli data synth", "-m lwm.cli fit --config configs/deepspeed.yaml",
+                     "--trainer.max_steps 30 --ckpt_path last"):
+        assert expected in joined, expected
+    assert sorted(p.name for p in out.glob("*.log")) == sorted(
+        f"{s}.log" for s in ("check", "kernels", "attention", "bench", "maxbatch", "generate", "loader", "deepspeed"))

@@ -293,3 +293,21 @@ def test_random_actions_differ_between_rollouts(trained):
     out = _generate(ckpt, data, tmp / "r2.gif", "--steps", "4", "--rollouts", "3", "--actions", "random")
     assert np.array_equal(out[0, 0], out[1, 0])  # the same context frame
     assert not np.array_equal(out[0, 1:], out[1, 1:]) and not np.array_equal(out[1, 1:], out[2, 1:])
+
+
+@pytest.mark.parametrize("tiling", [False, True])
+def test_generate_hands_vae_and_tiling_to_the_codec(trained, monkeypatch, tiling):
+    """``--vae PATH [--vae-tiling]`` reach the codec that decodes the video (a stand-in here: no VAE weights)."""
+    import lwm.generate as gen
+
+    tmp, ckpt, data = trained
+    asked = []
+
+    def codec_from_attr(attr, path, vae, device, vae_tiling):
+        asked.append((vae, vae_tiling))
+        return None  # as for a file without a codec: latent channels are shown
+
+    monkeypatch.setattr(gen, "codec_from_attr", codec_from_attr)
+    _generate(ckpt, data, tmp / f"vae{tiling}.gif", "--steps", "2", "--rollouts", "1", "--actions", "random",
+              "--vae", "/weights/vae", *(["--vae-tiling"] if tiling else []))
+    assert asked == [("/weights/vae", tiling)]

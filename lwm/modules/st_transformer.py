@@ -179,7 +179,7 @@ class Attention(nn.Module):
     plain batched matmuls, which ``torch.compile`` fuses around; for many short sequences, as in temporal
     attention, SDPA's kernels are slow: see the README's Performance section) or ``triton`` (one Triton kernel
     per direction for short sequences, :mod:`lwm.modules.triton_attention`; the matmul formulation where it
-    does not apply: no GPU, sequences over 128). The same function every way.
+    does not apply: no GPU, float64, tiles over ``triton_attention.MAX_TILE``). The same function every way.
     """
 
     def __init__(self, d_model: int, n_heads: int, kernel: AttentionKernel = "sdpa") -> None:
@@ -202,6 +202,8 @@ class Attention(nn.Module):
         ``past``: the keys and values of ``p`` earlier positions (``[n, heads, p, e]`` each); ``x`` holds the
         ``l`` positions after them, and position ``p + i`` attends to the keys ``mask`` allows it among all
         ``p + l``. The returned keys and values cover all ``p + l`` positions."""
+        if window is not None and window < 1:
+            raise ValueError(f"attention window must be >= 1 frame (None: all), got {window}")
         qkv = rearrange(self.qkv(x), "n l (three h e) -> n l three h e", three=3, h=self.n_heads)
         q, k, v = rearrange(qkv, "n l three h e -> three n h l e")  # views
         if past is not None:

@@ -46,9 +46,18 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SHIFTS = {"none": 0, "causal": 0, "shifted_causal": 1}  # mask -> the keys after its own a query may see
 
 
+# Triton decides when a kernel is defined (at this import) whether its interpreter runs it: the state then holds.
+INTERPRETED = triton is not None and os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def interpreting() -> bool:
-    """Triton's interpreter is on (``TRITON_INTERPRET=1``): the kernels run on CPU tensors."""
-    return triton is not None and os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """Triton's interpreter runs the kernels (``TRITON_INTERPRET=1`` when this module was imported): on CPU
+    tensors; otherwise they are compiled for CUDA tensors."""
+    return INTERPRETED
+
+
+def _device() -> str:
+    return "cpu" if interpreting() else "cuda"
 
 
 def fits(dtype: torch.dtype, keys: int, head_dim: int) -> bool:
@@ -58,9 +67,7 @@ def fits(dtype: torch.dtype, keys: int, head_dim: int) -> bool:
 
 def supported(x: Tensor, keys: int, head_dim: int) -> bool:
     """Whether the kernel can run for activations ``x`` (device, dtype), ``keys`` positions and this head size."""
-    if triton is None or not fits(x.dtype, keys, head_dim):
-        return False
-    return x.is_cuda or (interpreting() and x.device.type == "cpu")
+    return triton is not None and fits(x.dtype, keys, head_dim) and x.device.type == _device()
 
 
 def _block(n: int) -> int:
@@ -201,9 +208,11 @@ def _launch(kernel, *arguments) -> None:
     qkv = arguments[0]
     if triton is None:
         raise RuntimeError("temporal_attention=triton needs the triton package (pip install triton)")
-    if not (qkv.is_cuda or interpreting()):
-        raise RuntimeError("temporal_attention=triton runs on CUDA tensors (or on the CPU with TRITON_INTERPRET=1)")
-    args, meta = kernel_arguments(*arguments)
+    args, meta = kernel_arguments(*arguments)  # bad arguments are refused whatever the device
+    if qkv.device.type != _device():
+        raise RuntimeError("temporal_attention=triton: Triton's interpreter (TRITON_INTERPRET=1) runs the kernels on "
+                           "CPU tensors" if interpreting() else "temporal_attention=triton runs on CUDA tensors (or "
+                           "on the CPU with TRITON_INTERPRET=1 set before lwm is imported)")
     grid = meta.pop("grid")
     with torch.cuda.device(qkv.device) if qkv.is_cuda else contextlib.nullcontext():
         kernel[grid](*args, **meta)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import types
 
 import h5py
 import numpy as np
@@ -103,6 +104,28 @@ def test_tiled_decoding_splits_large_frames_and_stays_close(name, vae_dirs):
     a, b = plain.decode(y).astype(int), tiled.decode(y).astype(int)
     assert a.shape == b.shape == (5, size, size, 3)
     assert 0 < np.abs(a - b).mean() < 8
+
+
+@pytest.mark.parametrize("tiling", [False, True])
+def test_decode_command_hands_vae_and_tiling_to_the_codec(tmp_path, monkeypatch, tiling):
+    """``lwm data decode --vae PATH [--vae-tiling]`` load the VAE with tiling as asked (a stand-in VAE codec)."""
+    from lwm.cli import main
+
+    path = tmp_path / "clip.h5"
+    with h5py.File(path, "w") as f:
+        f["latents"] = np.zeros((2, 16, 4, 4), np.float16)
+        f.attrs["codec"] = json.dumps({"name": "wan", "version": 1, "size": SIZE, "shift": [0.0] * 16,
+                                       "scale": [1.0] * 16})
+    asked = []
+
+    def from_attr(spec, vae_path, device="cpu", dtype=torch.float32, tiling=False):
+        asked.append((spec["name"], str(vae_path), tiling))
+        return types.SimpleNamespace(decode=lambda latents: np.zeros((5, SIZE, SIZE, 3), np.uint8))
+
+    monkeypatch.setattr(VAECodec, "from_attr", staticmethod(from_attr))
+    argv = ["data", "decode", str(path), "--out", str(tmp_path / "clip.gif"), "--vae", "/weights/wan"]
+    assert main(argv + (["--vae-tiling"] if tiling else [])) == 0
+    assert asked == [("wan", "/weights/wan", tiling)]
 
 
 def test_frame_alignment():

@@ -201,6 +201,12 @@ def test_attention_kernels_equal_sdpa(kernel, mask, window, cached, monkeypatch)
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(gp1, gp2))
 
 
+@pytest.mark.parametrize("kernel", ["sdpa", "matmul", pytest.param("triton", marks=TRITON)])
+def test_an_empty_attention_window_is_refused(kernel):
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        Attention(16, 4, kernel=kernel)(torch.randn(2, 5, 16), "causal", window=0)
+
+
 def test_unknown_attention_kernel_is_refused():
     with pytest.raises(ValueError, match="attention kernel"):
         Attention(16, 4, kernel="flash")

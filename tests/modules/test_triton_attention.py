@@ -38,6 +38,8 @@ CASES = [  # (n, queries, heads, head size, cached, mask, window)
     (2, 17, 1, 20, 0, "causal", 0),  # past one tile: 32-wide
     (2, 5, 2, 16, 0, "none", 2),  # a window only limits causal masks (as temporal_mask)
     (2, 5, 2, 16, 0, "shifted_causal", 2),
+    (2, 6, 2, 16, 12, "causal", 0),  # 18 keys: a 32-wide key tile over a 16-wide query tile
+    (2, 6, 2, 16, 12, "causal", 5),
 ]
 
 
@@ -62,13 +64,20 @@ def test_kernel_equals_softmax_attention_with_gradients(n, queries, heads, e, ca
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_kernel_reads_strided_inputs_and_cached_values_in_another_layout(device):
-    """q, k, v as a view of a wider projection and cached keys/values with different strides (made one layout)."""
+    """q, k, v as a view of a wider projection and cached keys/values with different strides (made one layout):
+    outputs and gradients."""
     torch.manual_seed(1)
     wide = torch.randn(2, 5, 4, 2, 16, device=device)[:, :, 1:]  # [n, l, 3, h, e] view, not contiguous
     past_k = torch.randn(2, 3, 2, 16, device=device).transpose(1, 2)  # [n, h, p, e] with strides of [n, p, h, e]
     past_v = torch.randn(2, 2, 3, 16, device=device)
+    wide.requires_grad_(), past_k.requires_grad_(), past_v.requires_grad_()
     out = temporal_attention(wide, past_k, past_v, "causal", 0)
-    assert torch.allclose(out, reference(wide, past_k, past_v, "causal", 0), atol=1e-5)
+    expected = reference(wide, past_k, past_v, "causal", 0)
+    assert torch.allclose(out, expected, atol=1e-5)
+    grad = torch.randn_like(out)
+    for got, want in zip(torch.autograd.grad(out, (wide, past_k, past_v), grad),
+                         torch.autograd.grad(expected, (wide, past_k, past_v), grad)):
+        assert torch.allclose(got, want, atol=1e-5)
 
 
 @pytest.mark.parametrize(("device", "dtype"), [(d, torch.float16) for d in DEVICES]
@@ -101,6 +110,11 @@ def test_op_registration_passes_torch_opcheck():
     torch.library.opcheck(temporal_attention, (qkv, *past, "causal", 3))
     strided = [torch.randn(2, 2, 2, 16).transpose(1, 2).requires_grad_() for _ in range(2)]  # not contiguous
     torch.library.opcheck(temporal_attention, (qkv[:, 1:], *strided, "causal", 0))
+    grad = torch.randn(2, 5, 2, 16)
+    wide = torch.randn(2, 5, 4, 2, 16)[:, :, 1:]  # a strided qkv: its gradient still comes out contiguous
+    for args in ((grad, qkv[:, 1:].detach(), *(t.detach() for t in strided), "causal", 0),
+                 (grad, wide, None, None, "none", 0)):
+        torch.library.opcheck(triton_attention.temporal_attention_backward, args)
 
 
 def test_fp32_precision_follows_pytorchs_tf32_setting():
@@ -119,17 +133,17 @@ def test_fp32_precision_follows_pytorchs_tf32_setting():
 
 
 def test_bad_mask_and_mismatched_dtypes_are_refused():
-    qkv = torch.randn(1, 4, 3, 1, 16)
+    qkv = torch.randn(1, 4, 3, 1, 16, device=DEVICES[0])
     with pytest.raises(ValueError, match="mask must be one of"):
         temporal_attention(qkv, None, None, "diagonal", 0)
-    past = torch.randn(1, 1, 2, 16, dtype=torch.float64)
+    past = torch.randn(1, 1, 2, 16, dtype=torch.float64, device=DEVICES[0])
     with pytest.raises(ValueError, match="one dtype"):
         temporal_attention(qkv, past, past, "causal", 0)
 
 
 @CPU
 def test_cpu_tensors_without_the_interpreter_get_a_clear_error(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(triton_attention, "INTERPRETED", False)  # as if the kernels had been compiled for CUDA
     assert not triton_attention.supported(torch.randn(1, device="cpu"), 16, 64)
     with pytest.raises(RuntimeError, match="CUDA tensors"):
         temporal_attention(torch.randn(1, 4, 3, 1, 16), None, None, "causal", 0)
@@ -152,7 +166,24 @@ def test_attention_falls_back_to_the_matmul_formulation_where_the_kernel_does_no
     for x in (torch.randn(2, 2049, 8), torch.randn(2, 5, 8, dtype=torch.float64)):  # 2049 keys x 4 (16): too many
         fast.to(x.dtype), matmul.to(x.dtype)
         assert torch.equal(fast(x, "causal")[0], matmul(x, "causal")[0])
+    # fp32, head size 64: 16 queries fit, but after 17 cached positions the 33 keys do not
+    fast, matmul = Attention(128, 2, kernel="triton"), Attention(128, 2, kernel="matmul")
+    matmul.load_state_dict(fast.state_dict())
+    x, past = torch.randn(2, 16, 128), tuple(torch.randn(2, 2, 17, 64) for _ in range(2))
+    assert torch.equal(fast(x, "causal", past=past)[0], matmul(x, "causal", past=past)[0])
     assert not calls
+
+
+@CPU
+def test_attention_weights_for_diagnostics_come_from_the_explicit_softmax():
+    """``return_weights`` (the attention-diagonality callback) takes the matmul path under the triton setting."""
+    torch.manual_seed(6)
+    fast, matmul = Attention(16, 2, kernel="triton"), Attention(16, 2, kernel="matmul")
+    matmul.load_state_dict(fast.state_dict())
+    x = torch.randn(3, 6, 16)
+    (out, weights, _), (out2, weights2, _) = fast(x, "causal", return_weights=True), matmul(x, "causal", return_weights=True)
+    assert weights is not None and torch.equal(weights, weights2) and torch.equal(out, out2)
+    assert torch.allclose(weights.sum(-1), torch.ones(3, 2, 6))
 
 
 def test_without_triton_the_triton_setting_warns_and_computes_the_same(monkeypatch):
