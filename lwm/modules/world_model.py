@@ -17,8 +17,8 @@ Conventions (see DESIGN.md, "Points the requirement leaves open"):
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
 import warnings
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import ClassVar
