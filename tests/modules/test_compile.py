@@ -93,3 +93,24 @@ def test_compiled_parts_have_no_graph_breaks_in_the_training_step(checkpointing,
         explained = torch._dynamo.explain(part.forward)(*args, **kwargs)
         assert explained.graph_break_count == 0, (name, [r.reason for r in explained.break_reasons])
         assert explained.graph_count == 1, name
+
+
+@pytest.mark.parametrize("part", ["Tokenizer", "Detokenizer"])
+def test_inductor_lays_the_base_cnn_out_channels_last_on_a_gpu(part):
+    """The CNN tokenizer's layout is left to inductor: its layout optimisation (on by default) converts a compiled
+    graph's convolutions to channels-last where its heuristic expects a gain. Its GPU heuristic (the CPU's oneDNN
+    path switched off) says yes for the base tokenizer's and detokenizer's training graphs."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from lwm.modules import st_transformer
+
+    graph_lowering = pytest.importorskip("torch._inductor.graph").GraphLowering
+    if not hasattr(graph_lowering, "decide_layout_opt"):
+        pytest.skip("this torch's inductor decides layouts elsewhere")
+    module = getattr(st_transformer, part)(16, 512)  # base: D = 512, hidden 256
+    x = torch.randn(2, 16, 16, 16) if part == "Tokenizer" else torch.randn(2, 512, 4, 4)
+    gm = make_fx(module)(x)
+    assert sum(n.target is torch.ops.aten.convolution.default for n in gm.graph.nodes) == 3
+    with torch.backends.mkldnn.flags(enabled=False):
+        assert torch._inductor.config.layout_optimization
+        assert graph_lowering.decide_layout_opt(gm, is_inference=False)
