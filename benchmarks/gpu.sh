@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU measurement the README reports, in stages (each fits a 10-minute slot), from the repository root,
-# without installing anything (the GPU image has torch, lightning and triton; lwm runs from the source tree):
+# with lwm from the source tree and the image's torch, lightning and triton; what the image lacks (omegaconf,
+# jsonargparse, deepspeed, PyAV) is installed from .whl/ when there (benchmarks/gpu_wheels.sh makes it):
 #
 #   benchmarks/gpu.sh OUT_DIR STAGE...      stages: check kernels attention bench maxbatch generate loader deepspeed
 #                                           (or: all)
@@ -15,6 +16,7 @@ shift
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TRITON_INTERPRET=0
 PY=${PYTHON:-python}
+WHEELS=${WHEELS:-.whl}
 LWM="$PY -m lwm.cli"
 BASE=configs/base.yaml
 peak() {  # Lightning knows the H100's bf16 dense peak, not the H200's (the same 989 TFLOP/s)
@@ -82,6 +84,13 @@ for s in "${stages[@]}"; do
         echo "unknown stage $s (check kernels attention bench maxbatch generate loader deepspeed, or all)" >&2
         exit 2
     fi
+done
+if compgen -G "$WHEELS/*.whl" >/dev/null; then  # packages the image lacks, from benchmarks/gpu_wheels.sh
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/lwm_site \
+        "$WHEELS"/*.whl || { echo "installing $WHEELS/ failed" >&2; exit 1; }
+    export PYTHONPATH="$PYTHONPATH:/tmp/lwm_site"
+fi
+for s in "${stages[@]}"; do
     LOG="$OUT/$s.log"
     : >"$LOG"
     echo "== $s ($(date -u +%FT%TZ))" | tee -a "$LOG"

@@ -130,12 +130,17 @@ def test_gpu_recipe_runs_the_documented_commands(tmp_path):
     fake.write_text(f'#!/bin/sh\necho "TRITON_INTERPRET=$TRITON_INTERPRET $*" >> {record}\n')
     fake.chmod(0o755)
     out = tmp_path / "out"
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "omegaconf-2.4.0-py3-none-any.whl").write_bytes(b"")
     run = subprocess.run(["bash", str(script), str(out), "all"], capture_output=True, text=True,
-                         env={"PATH": "/usr/bin:/bin", "PYTHON": str(fake)})
+                         env={"PATH": "/usr/bin:/bin", "PYTHON": str(fake), "WHEELS": str(wheels)})
     assert run.returncode == 0, run.stderr
     calls = record.read_text().splitlines()
     assert all(c.startswith("TRITON_INTERPRET=0 ") for c in calls)  # compiled kernels, never the interpreter
     joined = "\n".join(calls)
+    # the carried wheels first, into a folder on the path of every later command
+    assert calls[0].startswith(f"TRITON_INTERPRET=0 -m pip install -q --no-index --no-deps") and str(wheels) in calls[0]
     for expected in ("-m pytest -q -p no:cacheprovider -o addopts=-ra tests/modules/test_triton_attention.py",
                      "benchmarks/triton_kernels.py", "benchmarks/temporal_attention.py --backward",
                      "-m lwm.cli bench --config configs/base.yaml --steps 20 --warmup 5 --kernels matmul triton",
