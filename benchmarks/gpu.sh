@@ -32,7 +32,7 @@ run() {  # run CMD..., its output appended to the stage's log, its time and stat
 stage_check() {
     run nvidia-smi
     run $PY -c "import torch, lightning; print(torch.__version__, lightning.__version__, torch.cuda.get_device_name())"
-    for m in einops omegaconf rich h5py torchmetrics triton deepspeed pytest; do
+    for m in einops omegaconf jsonargparse rich h5py torchmetrics triton deepspeed av pytest; do
         run $PY -c "import $m; print('$m', getattr($m, '__version__', ''))"
     done
 }
