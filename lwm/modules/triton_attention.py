@@ -40,7 +40,8 @@ except ImportError:  # pragma: no cover - torch's CUDA wheels bring triton; CPU-
 MIN_BLOCK = 16  # tl.dot's smallest tile side
 # Every tile of a sequence lives in registers: the largest (keys x head size, padded to powers of two) that
 # compiles for sm_90 without spilling heavily or overflowing shared memory in the backward, by dtype size
-# (measured offline with Triton 3.9's ptxas: fp32 at 128 x 64 spills 17 KB a thread; 16-bit at 128 x 64 spills).
+# (compiled offline with Triton 3.9's ptxas, benchmarks/triton_kernels.py: fp32 at 64 x 64 spills 7-10 KB a
+# thread, 16-bit at 128 x 64 spills too; everything admitted compiles without spilling, a test checks).
 MAX_TILE = {2: 4096, 4: 2048}  # element size (bytes) -> keys x head size: 64 x 64 in bf16, 32 x 64 in fp32
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SHIFTS = {"none": 0, "causal": 0, "shifted_causal": 1}  # mask -> the keys after its own a query may see
