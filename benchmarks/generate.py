@@ -15,6 +15,7 @@ from datetime import date
 
 import torch
 
+from lwm.modules.st_transformer import ATTENTION_KERNELS
 from lwm.modules.world_model import WorldModel
 
 SIZES = {
@@ -48,7 +49,7 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=15)
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--uncached-max", type=int, default=64, help="skip uncached rollouts longer than this (quadratic)")
-    parser.add_argument("--temporal-attention", choices=["sdpa", "matmul", "triton"], default="sdpa",
+    parser.add_argument("--temporal-attention", choices=ATTENTION_KERNELS, default="sdpa",
                         help="the temporal-attention kernel (model.net.temporal_attention)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
