@@ -46,6 +46,7 @@ def lightning_cli_class() -> type:
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     # The module's on_after_batch_transfer (the dtype cast) is meant to serve with our DataModule.
     warnings.filterwarnings("ignore", message="You have overridden `on_after_batch_transfer` in `LightningModule`")
+    from lightning.pytorch.callbacks import LearningRateMonitor
     from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
     from lightning.pytorch.plugins.io import CheckpointIO
     from lightning.pytorch.strategies import DeepSpeedStrategy
@@ -105,10 +106,11 @@ def lightning_cli_class() -> type:
                 ("rollout_videos", RolloutVideos), ("copy_last", CopyLastBaseline), ("probes", GroundTruthProbes),
                 ("progress_bar", StepProgressBar), ("model_summary", ModelSummary),
                 ("slurm_requeue", SlurmRequeue),  # a no-op outside SLURM
+                ("lr_monitor", LearningRateMonitor),  # Train_Total/lr/pg1 (decayed weights), /pg2 (the rest)
                 ("prediction_writer", PredictionWriter),  # lwm predict only
             ):
                 parser.add_lightning_class_args(callback, key)
-            parser.set_defaults({"model_summary.max_depth": 2})
+            parser.set_defaults({"model_summary.max_depth": 2, "lr_monitor.logging_interval": "step"})
             parser.add_class_arguments(WandbConfig, "wandb")
             if self._verb_free:  # a fit's RUN_DIR/config.yaml records its ckpt_path: accepted there, and unused
                 parser.add_argument("--ckpt_path", type=Optional[str], default=None,

@@ -152,7 +152,28 @@ class WorldModelModule(L.LightningModule):
         )
         total = self.trainer.max_steps if self.trainer.max_steps > 0 else int(self.trainer.estimated_stepping_batches)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: o.lr_factor(step, total))
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        # "name": the key LearningRateMonitor logs the two groups' lr under (Train_Total/lr/pg1, .../pg2)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step",
+                                                         "name": "Train_Total/lr"}}
+
+    def on_train_start(self) -> None:
+        self.apply_optim_config()
+
+    def apply_optim_config(self) -> None:
+        """Make the optimiser follow ``model.optim`` after a resume: Lightning restores the checkpoint's param-group
+        settings (lr, weight decay, betas, eps) and the scheduler's ``base_lrs``, which would silently keep the old
+        run's values; the moments and step counts stay the checkpoint's. (The schedule's shape, warmup, minimum
+        and length, already follow the config: the scheduler's function is made by ``configure_optimizers``.)"""
+        o = self.optim
+        for config in self.trainer.lr_scheduler_configs:
+            scheduler = config.scheduler
+            groups = scheduler.optimizer.param_groups
+            for group, weight_decay in zip(groups, (o.weight_decay, 0.0)):
+                group.update(initial_lr=o.lr, weight_decay=weight_decay, betas=tuple(o.betas), eps=o.eps)
+            scheduler.base_lrs = [o.lr] * len(groups)
+            for group, factor in zip(groups, scheduler.lr_lambdas):  # the lr at the restored step
+                group["lr"] = o.lr * factor(scheduler.last_epoch)
+            scheduler._last_lr = [group["lr"] for group in groups]
 
     @property
     def skipped_steps(self) -> int:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lwm.cli import main
-from tests.lightning.helpers import make_dataset, read_metrics, run, tiny_args
+from tests.lightning.helpers import make_dataset, read_metrics, run, tiny_args, train_series
 
 
 @pytest.fixture(scope="module")
@@ -85,15 +85,33 @@ def test_a_checkpoint_brings_its_own_model_shape_or_is_refused_by_field(trained,
 
 def test_a_resumed_fit_keeps_the_configs_settings_and_may_change_what_is_not_shape(tmp_path, capsys):
     """A fit resumed from a checkpoint file (as the SLURM scripts do) or `last` uses the command line's settings,
-    not the checkpoint's hyperparameters: a new learning rate and activation checkpointing apply."""
+    not the checkpoint's: a new learning rate, weight decay, betas and eps reach the optimizer (Lightning restores
+    the old ones with its state), the schedule continues from the step with the new peak, and activation
+    checkpointing applies. The lr is logged every step (Train_Total/lr/pg1, /pg2)."""
+    from lwm.module import OptimConfig
+
     manifest = make_dataset(tmp_path / "data", files=4)
     root = tmp_path / "run"
     assert run(manifest, root, "--trainer.max_steps=2", "--data.val_size_percent=0") == 0
-    for path, steps, lr in ((root / "checkpoints/last.ckpt", 3, 0.002), ("last", 4, 0.003)):
+    warmup = 20  # configs/tiny.yaml
+    for path, steps, lr, wd, betas, eps in ((root / "checkpoints/last.ckpt", 3, 0.002, 0.1, (0.8, 0.9), 1e-6),
+                                            ("last", 4, 0.003, 0.2, (0.7, 0.8), 1e-7)):
         assert run(manifest, root, f"--trainer.max_steps={steps}", "--data.val_size_percent=0", f"--ckpt_path={path}",
-                   f"--model.optim.lr={lr}", "--model.net.activation_checkpointing=true") == 0
-        hparams = torch.load(root / "checkpoints/last.ckpt", weights_only=True)["hyper_parameters"]
+                   f"--model.optim.lr={lr}", f"--model.optim.weight_decay={wd}", f"--model.optim.betas=[{betas[0]}, {betas[1]}]",
+                   f"--model.optim.eps={eps}", "--model.net.activation_checkpointing=true") == 0
+        ckpt = torch.load(root / "checkpoints/last.ckpt", weights_only=True)
+        hparams = ckpt["hyper_parameters"]
         assert hparams["optim"]["lr"] == lr and hparams["net"]["activation_checkpointing"] is True
+        factor = OptimConfig(lr=lr, warmup_steps=warmup).lr_factor
+        decay, no_decay = ckpt["optimizer_states"][0]["param_groups"]
+        for group, weight_decay in ((decay, wd), (no_decay, 0.0)):
+            assert group["lr"] == pytest.approx(lr * factor(steps, steps)) and group["initial_lr"] == lr
+            assert (group["weight_decay"], tuple(group["betas"]), group["eps"]) == (weight_decay, betas, eps)
+        assert ckpt["lr_schedulers"][0]["base_lrs"] == [lr, lr] and ckpt["lr_schedulers"][0]["last_epoch"] == steps
+        logged = train_series(root, "Train_Total/lr/pg1")
+        assert logged[steps - 1] == pytest.approx(lr * factor(steps - 1, steps))  # the lr the resumed step used
+        assert train_series(root, "Train_Total/lr/pg2") == logged
+    assert logged[0] == pytest.approx(1e-3 * OptimConfig(lr=1e-3, warmup_steps=warmup).lr_factor(0, 2))  # the first run's
 
 
 def test_a_checkpoint_with_unknown_hyperparameters_is_one_error_line(trained, tmp_path, capsys):
@@ -123,13 +141,14 @@ def test_overfit_drives_the_tf_loss_towards_zero(tmp_path, capsys):
     assert len(tf) == 120
     assert min(tf[-10:]) < 0.1 * tf[0], (tf[0], tf[-10:])
     assert "overfit: teacher-forcing loss" in capsys.readouterr().out
+    first = (tmp_path / "run/overfit/metrics.csv").read_bytes()
     # again, with a config that logs rarely and accumulates: a fresh folder, every step logged, --steps steps
     again = tiny_args(manifest, tmp_path / "run", "--trainer.log_every_n_steps=50",
                       "--trainer.accumulate_grad_batches=3", verb="overfit")
     assert main([*again, "--steps", "4"]) == 0
     rows = [r for r in read_metrics(tmp_path / "run/overfit_2") if "Train_Dynamics_Predictor/tf_loss" in r]
     assert [int(r["step"]) for r in rows] == [0, 1, 2, 3]
-    assert len(read_metrics(tmp_path / "run/overfit")) == len(tf)  # the first run's file as it was
+    assert (tmp_path / "run/overfit/metrics.csv").read_bytes() == first  # the first run's file as it was
 
 
 @pytest.mark.parametrize(
