@@ -26,6 +26,7 @@ Errors exit 2 with one ``error: ...`` line per problem, naming the file or field
 from __future__ import annotations
 
 import argparse
+import glob
 import importlib
 import os
 import re
@@ -218,8 +219,12 @@ def lightning_cli_class() -> type:
             if self.subcommand in ("validate", "test", "predict"):  # never into the fit's metrics.csv / config.yaml
                 root = os.path.join(root, self.subcommand)
             if trainer_config.get("logger") in (None, True):
+                resume = None  # not a fit: a wandb run of its own
+                if self.subcommand == "fit":  # resumed (a checkpoint, or Lightning's SLURM hpc_ckpt): its wandb run
+                    path = self._checkpoint_path(self.config["fit"])
+                    resume = bool(path and os.path.exists(path)) or bool(glob.glob(os.path.join(root, "hpc_ckpt_*.ckpt")))
                 kwargs.setdefault("logger", make_loggers(str(root), self._get(self.config_init, "wandb"),
-                                                         strict=not self._verb_free))
+                                                         strict=not self._verb_free, resume=resume))
             strategy = trainer_config.get("strategy")
             deepspeed = isinstance(strategy, DeepSpeedStrategy) or (isinstance(strategy, str) and "deepspeed" in strategy)
             plugins = trainer_config.get("plugins") or []

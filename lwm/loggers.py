@@ -16,6 +16,7 @@ import csv
 import importlib.util
 import netrc
 import os
+import secrets
 from pathlib import Path
 from dataclasses import dataclass
 from typing import Literal
@@ -26,7 +27,7 @@ import torch
 from lightning.pytorch.loggers import CSVLogger as _LightningCSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
 from lwm.errors import ConfigError
@@ -85,10 +86,34 @@ def wandb_installed() -> bool:
     return importlib.util.find_spec("wandb") is not None
 
 
-def make_loggers(root: str, wandb: WandbConfig = WandbConfig(), strict: bool = True) -> list:
+RUN_ID_FILE = "wandb/run_id"  # under RUN_DIR: the fit's wandb run id, for its resumes
+
+
+def wandb_run_id(root: str, resume: bool) -> str | None:
+    """The wandb run id of the fit in ``root``: the one recorded in ``root/wandb/run_id`` when the fit resumes
+    (a requeued or restarted run continues its wandb run, online or, with ``wandb sync``, offline), else a new
+    one, recorded. Rank 0 only (the others log nothing to wandb): None elsewhere."""
+    if rank_zero_only.rank != 0:
+        return None
+    path = Path(root) / RUN_ID_FILE
+    if resume and path.is_file():
+        run_id = path.read_text().strip()
+        if run_id:
+            return run_id
+    run_id = secrets.token_hex(4)  # wandb's own ids are 8 characters of [0-9a-z]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(run_id + "\n")
+    os.replace(tmp, path)
+    return run_id
+
+
+def make_loggers(root: str, wandb: WandbConfig = WandbConfig(), strict: bool = True, resume: bool | None = None) -> list:
     """The run's loggers: our CSV logger in ``root`` and, unless disabled, a WandbLogger writing to ``root/wandb``.
     Without wandb installed, the default mode leaves it out with a warning; an explicit ``online``/``offline`` is
-    a :class:`~lwm.errors.ConfigError` (``strict``; else the warning too: for verbs that read a fit's config)."""
+    a :class:`~lwm.errors.ConfigError` (``strict``; else the warning too: for verbs that read a fit's config).
+    ``resume``: a fit, resumed (True: it continues its wandb run, :func:`wandb_run_id`) or not (False: a new run
+    id, recorded for its resumes); None: not a fit (a new wandb run, not recorded)."""
     loggers: list = [CSVLogger(save_dir=root)]
     mode = wandb.mode or ("online" if wandb_logged_in() else "offline")
     if mode != "disabled" and not wandb_installed():
@@ -105,6 +130,7 @@ def make_loggers(root: str, wandb: WandbConfig = WandbConfig(), strict: bool = T
         loggers.append(WandbLogger(
             save_dir=root, project=wandb.project, entity=wandb.entity, offline=mode == "offline",
             name=wandb.name or os.path.basename(os.path.abspath(root)),
+            id=None if resume is None else wandb_run_id(root, resume),  # WandbLogger resumes with "allow"
         ))
     return loggers
 

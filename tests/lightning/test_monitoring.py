@@ -4,12 +4,16 @@ requirement's namespaces, for training and validation; wandb is offline by defau
 from __future__ import annotations
 
 import logging
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from lwm.loggers import CSVLogger, WandbConfig, make_loggers, wandb_logged_in
-from tests.lightning.helpers import make_dataset, read_metrics, run
+from lwm.loggers import RUN_ID_FILE, CSVLogger, WandbConfig, make_loggers, wandb_logged_in, wandb_run_id
+from tests.lightning.helpers import make_dataset, read_metrics, run, tiny_args
 
 LOSSES = ["Total/loss", "Dynamics_Predictor/tf_loss", "Dynamics_Predictor/rollout_1_loss",
           "Dynamics_Predictor/rollout_2_loss", "Action_Encoder/commit_loss", "Action_Encoder/codebook_loss",
@@ -52,6 +56,31 @@ def test_wandb_is_offline_without_a_login_and_can_be_disabled(tmp_path, monkeypa
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
     assert wandb_logged_in() and not make_loggers(str(tmp_path / "r2"))[1]._offline
     assert len(make_loggers(str(tmp_path / "r3"), WandbConfig(mode="disabled"))) == 1
+
+
+def test_a_resumed_fit_continues_its_wandb_run(tmp_path):
+    """Each `lwm fit` is its own process (a requeue, a restart): the resumed one logs to the same wandb run id
+    (offline: a second offline-run folder of that id, which `wandb sync` appends); a fit that starts afresh in
+    the same RUN_DIR, or a fit elsewhere, gets a new id."""
+    manifest = make_dataset(tmp_path / "data", files=4)
+    root = tmp_path / "run"
+
+    def fit(run_dir, steps, *extra):
+        args = [a for a in tiny_args(manifest, run_dir, f"--trainer.max_steps={steps}", "--data.val_size_percent=0",
+                                     "--wandb.mode=offline", *extra) if a != "--wandb.mode=disabled"]
+        env = {**os.environ, "WANDB_SILENT": "true", "PYTHONPATH": str(Path(__file__).parents[2])}
+        done = subprocess.run([sys.executable, "-m", "lwm.cli", *args], env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return (run_dir / RUN_ID_FILE).read_text().strip()
+
+    def offline_ids(run_dir):
+        return sorted(p.name.rsplit("-", 1)[1] for p in (run_dir / "wandb").glob("offline-run-*"))
+
+    first = fit(root, 2)
+    assert fit(root, 4, "--ckpt_path=last") == first and offline_ids(root) == [first, first]
+    assert fit(tmp_path / "other", 2) != first
+    assert wandb_run_id(str(root), resume=False) != first  # a fresh start in the same RUN_DIR: a new run
+    assert (root / RUN_ID_FILE).read_text().strip() != first
 
 
 def test_tflops_are_the_measured_step_flops_times_steps(tmp_path, caplog):
