@@ -25,6 +25,7 @@ import lightning as L
 import torch
 
 from lightning.pytorch.loggers import CSVLogger as _LightningCSVLogger
+from lightning.pytorch.loggers import WandbLogger as _LightningWandbLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
@@ -89,23 +90,39 @@ def wandb_installed() -> bool:
 RUN_ID_FILE = "wandb/run_id"  # under RUN_DIR: the fit's wandb run id, for its resumes
 
 
-def wandb_run_id(root: str, resume: bool) -> str | None:
-    """The wandb run id of the fit in ``root``: the one recorded in ``root/wandb/run_id`` when the fit resumes
-    (a requeued or restarted run continues its wandb run, online or, with ``wandb sync``, offline), else a new
-    one, recorded. Rank 0 only (the others log nothing to wandb): None elsewhere."""
-    if rank_zero_only.rank != 0:
-        return None
+def wandb_run_id(root: str, resume: bool) -> str:
+    """The wandb run id of the fit in ``root``: the one recorded in ``root/wandb/run_id`` when the fit resumes (a
+    requeued or restarted run continues its wandb run, online or, with ``wandb sync``, offline), else a new one
+    (recorded once its wandb run starts: :class:`WandbLogger`)."""
     path = Path(root) / RUN_ID_FILE
     if resume and path.is_file():
         run_id = path.read_text().strip()
         if run_id:
             return run_id
-    run_id = secrets.token_hex(4)  # wandb's own ids are 8 characters of [0-9a-z]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(run_id + "\n")
-    os.replace(tmp, path)
-    return run_id
+    return secrets.token_hex(4)  # wandb's own ids are 8 characters of [0-9a-z]
+
+
+class WandbLogger(_LightningWandbLogger):
+    """Lightning's WandbLogger that records its run id in ``run_id_file`` when its run starts (rank 0), so that a
+    resumed fit continues the run; not before: a command refused before training leaves the record as it was."""
+
+    def __init__(self, *args, run_id_file: str | Path | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._run_id_file = Path(run_id_file) if run_id_file is not None else None
+
+    @property
+    @override
+    def experiment(self):
+        if self._experiment is None and self.save_dir:  # wandb writes into save_dir/wandb; made now, not earlier
+            os.makedirs(self.save_dir, exist_ok=True)
+        experiment = super().experiment
+        if self._run_id_file is not None and rank_zero_only.rank == 0 and getattr(experiment, "id", None):
+            path, self._run_id_file = self._run_id_file, None
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(f"{experiment.id}\n")
+            os.replace(tmp, path)
+        return experiment
 
 
 def make_loggers(root: str, wandb: WandbConfig = WandbConfig(), strict: bool = True, resume: bool | None = None) -> list:
@@ -124,13 +141,12 @@ def make_loggers(root: str, wandb: WandbConfig = WandbConfig(), strict: bool = T
                        "silences this)")
         mode = "disabled"
     if mode != "disabled":
-        from lightning.pytorch.loggers import WandbLogger
-
-        os.makedirs(root, exist_ok=True)
+        fit = resume is not None
         loggers.append(WandbLogger(
             save_dir=root, project=wandb.project, entity=wandb.entity, offline=mode == "offline",
             name=wandb.name or os.path.basename(os.path.abspath(root)),
-            id=None if resume is None else wandb_run_id(root, resume),  # WandbLogger resumes with "allow"
+            id=wandb_run_id(root, resume) if fit else None,  # Lightning's WandbLogger resumes with "allow"
+            run_id_file=Path(root) / RUN_ID_FILE if fit else None,
         ))
     return loggers
 

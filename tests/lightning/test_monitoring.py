@@ -65,7 +65,7 @@ def test_a_resumed_fit_continues_its_wandb_run(tmp_path):
     manifest = make_dataset(tmp_path / "data", files=4)
     root = tmp_path / "run"
 
-    def fit(run_dir, steps, *extra):
+    def fit(run_dir, steps, *extra):  # -> the run id recorded
         args = [a for a in tiny_args(manifest, run_dir, f"--trainer.max_steps={steps}", "--data.val_size_percent=0",
                                      "--wandb.mode=offline", *extra) if a != "--wandb.mode=disabled"]
         env = {**os.environ, "WANDB_SILENT": "true", "PYTHONPATH": str(Path(__file__).parents[2])}
@@ -79,8 +79,11 @@ def test_a_resumed_fit_continues_its_wandb_run(tmp_path):
     first = fit(root, 2)
     assert fit(root, 4, "--ckpt_path=last") == first and offline_ids(root) == [first, first]
     assert fit(tmp_path / "other", 2) != first
+    assert wandb_run_id(str(root), resume=True) == first
     assert wandb_run_id(str(root), resume=False) != first  # a fresh start in the same RUN_DIR: a new run
-    assert (root / RUN_ID_FILE).read_text().strip() != first
+    with pytest.raises(AssertionError, match="window 99 is longer"):  # refused before its wandb run starts:
+        fit(root, 6, "--ckpt_path=last", "--data.window=99")
+    assert (root / RUN_ID_FILE).read_text().strip() == first and offline_ids(root) == [first, first]  # as it was
 
 
 def test_tflops_are_the_measured_step_flops_times_steps(tmp_path, caplog):
