@@ -55,6 +55,8 @@ class OptimConfig:
             problems.append(f"weight_decay must be >= 0, got {self.weight_decay}")
         if self.warmup_steps < 0:
             problems.append(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            problems.append(f"betas must be two values in [0, 1), got {tuple(self.betas)}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             problems.append(f"min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio}")
         if problems:
@@ -116,6 +118,9 @@ class WorldModelModule(L.LightningModule):
         """Check that the data fits the model before any work starts."""
         from lwm.data.datamodule import LatentDataModule
 
+        clip = self.trainer.gradient_clip_val if self._trainer is not None else None
+        if clip is not None and not clip >= 0:  # a negative max norm would flip the gradients' sign
+            raise ConfigError(f"trainer.gradient_clip_val must be >= 0 (0 or null: no clipping), got {clip}")
         dm = self.trainer.datamodule if self._trainer is not None else None
         if isinstance(dm, LatentDataModule):
             self.check_data(dm.frame_shape, dm.window, str(dm.manifest_path))
@@ -124,8 +129,10 @@ class WorldModelModule(L.LightningModule):
         """Raise :class:`ConfigError` unless frames ``[C, H, W]`` and ``window`` fit the model."""
         c = self.model.config
         if tuple(frame_shape) != (c.in_channels, c.height, c.width):
+            C, H, W = frame_shape
             raise ConfigError(f"model.net.in_channels/height/width = {c.in_channels}/{c.height}/{c.width}, but the "
-                              f"files of {source} hold {list(frame_shape)} frames")
+                              f"files of {source} hold {list(frame_shape)} frames (set --model.net.in_channels={C} "
+                              f"--model.net.height={H} --model.net.width={W})")
         if window < self.model.min_frames:
             raise ConfigError(f"data.window = {window}, but the model needs at least {self.model.min_frames} frames "
                               f"(teacher forcing + {self.model.min_frames - 2} rollout passes)")

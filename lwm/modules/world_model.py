@@ -195,10 +195,19 @@ class WorldModelConfig:
             sizes = tuple(getattr(self, name))
             if not sizes or any(int(k) < 1 for k in sizes):
                 problems.append(f"{name} needs at least one level and at least one code per level, got {sizes}")
+        if self.tokenizer_hidden is not None and self.tokenizer_hidden < 1:
+            problems.append(f"tokenizer_hidden must be >= 1 (or null: d_model/2), got {self.tokenizer_hidden}")
+        if not self.mlp_ratio > 0:
+            problems.append(f"mlp_ratio must be > 0, got {self.mlp_ratio}")
+        for name in ("beta_action", "beta_world"):
+            if not getattr(self, name) >= 0:
+                problems.append(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0.0 <= self.mask_prob < 1.0:
             problems.append(f"mask_prob must lie in [0, 1), got {self.mask_prob}")
         if not self.rollout_weights:
             problems.append("rollout_weights needs at least the teacher-forcing weight")
+        elif not all(w >= 0 for w in self.rollout_weights) or not any(w > 0 for w in self.rollout_weights):
+            problems.append(f"rollout_weights must be >= 0, not all 0, got {tuple(self.rollout_weights)}")
         if self.max_time_offset < 0:
             problems.append(f"max_time_offset must be >= 0, got {self.max_time_offset}")
         if not (0.0 <= self.ema_decay_start < 1.0 and 0.0 <= self.ema_decay_end < 1.0):
