@@ -47,18 +47,26 @@ def atomic_save(obj: Any, path: str | Path) -> Path:
     return path
 
 
+LIGHTNING_KEYS = ("pytorch-lightning_version", "state_dict", "global_step")  # what every Lightning checkpoint holds
+
+
 def read_checkpoint(path: str | Path, label: str = "", what: str = "checkpoint") -> dict[str, Any]:
-    """The dict of a checkpoint file (``weights_only=True``, memory-mapped: the tensors are not read); a missing or
-    unreadable (torn, foreign) file is a one-line :class:`~lwm.errors.DataError` naming ``label`` and the path."""
+    """The dict of a Lightning checkpoint file (``weights_only=True``, memory-mapped: the tensors are not read); a
+    missing, unreadable (torn) or foreign file (another program's tensors, a code dictionary) is a one-line
+    :class:`~lwm.errors.DataError` naming ``label`` and the path."""
     from lwm.errors import DataError, first_line
 
     where = f"{label} {path}".strip()
     if not Path(path).is_file():
         raise DataError(f"{where}: checkpoint not found")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:
         raise DataError(f"{where}: not a readable {what} ({type(e).__name__}: {first_line(e)[:200]})") from None
+    missing = [k for k in LIGHTNING_KEYS if k not in checkpoint] if isinstance(checkpoint, dict) else list(LIGHTNING_KEYS)
+    if missing:
+        raise DataError(f"{where}: not a readable {what} (not a Lightning checkpoint: it has no {', '.join(missing)})")
+    return checkpoint
 
 
 def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> tuple[dict[str, Any], Any]:

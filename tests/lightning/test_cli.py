@@ -266,11 +266,17 @@ def test_a_bad_ckpt_path_is_one_line_before_any_work(trained, tmp_path, capsys):
     manifest, root = trained
     garbage = tmp_path / "garbage.ckpt"
     garbage.write_text("not a checkpoint")
+    foreign = tmp_path / "foreign.ckpt"
+    torch.save({"a": 1}, foreign)  # loads with weights_only, but no Lightning checkpoint
     empty = tmp_path / "empty_run"
+    config = (root / "config.yaml").read_bytes()
     cases = [
         ("validate", str(tmp_path / "nope.ckpt"), root, "checkpoint not found"),
         ("fit", str(tmp_path / "nope.ckpt"), tmp_path / "fresh", "checkpoint not found"),
         ("test", str(garbage), root, "not a readable checkpoint"),
+        ("validate", str(foreign), root, "not a readable checkpoint (not a Lightning checkpoint: it has no "
+                                         "pytorch-lightning_version, state_dict, global_step)"),
+        ("fit", str(foreign), root, "not a readable checkpoint (not a Lightning checkpoint"),
         ("validate", "last", empty, "--ckpt_path last: no checkpoint in the run"),
         ("predict", "last", empty, "--ckpt_path last: no checkpoint in the run"),
     ]
@@ -279,6 +285,7 @@ def test_a_bad_ckpt_path_is_one_line_before_any_work(trained, tmp_path, capsys):
         errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and message in errors[0], (verb, errors)
     assert not empty.exists() and not (tmp_path / "fresh").exists()  # nothing started
+    assert (root / "config.yaml").read_bytes() == config
     deepspeed = tmp_path / "ds"
     (deepspeed / "checkpoints" / "last.ckpt").mkdir(parents=True)  # DeepSpeed's last.ckpt is a directory
     main(tiny_args(manifest, deepspeed, "--ckpt_path=last", verb="validate"))  # (Lightning can't load it on the CPU)
