@@ -57,18 +57,17 @@ from typing import Any
 
 import torch
 from einops import rearrange
-from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
 
-from lwm.errors import ConfigError
+from lwm.errors import ArgumentParser, ConfigError
 from lwm.modules import triton_attention
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    p = argparse.ArgumentParser(prog="lwm bench", description=__doc__.split("\n\n")[0],
+    p = ArgumentParser(prog="lwm bench", description=__doc__.split("\n\n")[0],
                                 epilog="Other --section.key=value arguments override the config.")
     p.add_argument("--config", default=str(DEFAULT_CONFIG), help="a fit config (default configs/tiny.yaml)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per variant (default 10)")
@@ -90,17 +89,30 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         raise ConfigError(f"--kernels: {' '.join(unknown)}: not one of {' '.join(ATTENTION_KERNELS)}")
     if args.steps < 1 or args.warmup < 0:
         raise ConfigError(f"--steps must be >= 1 and --warmup >= 0, got {args.steps}, {args.warmup}")
+    if args.peak_tflops is not None and not args.peak_tflops > 0:
+        raise ConfigError(f"--peak-tflops must be > 0, got {args.peak_tflops}")
     if not Path(args.config).is_file():
         raise ConfigError(f"--config {args.config}: not found")
     bad = [a for a in rest if not (a.startswith("--") and "=" in a)]
     if bad:
         raise ConfigError(f"unknown argument(s) {' '.join(bad)} (overrides look like --model.net.d_model=128)")
-    return args, [a[2:] for a in rest]
+    return args, rest
 
 
-def load_config(path: str, overrides: list[str]) -> Any:
-    cfg = OmegaConf.merge(OmegaConf.load(path), OmegaConf.from_dotlist(overrides))
-    return OmegaConf.to_container(cfg, resolve=True)
+def load_config(path: str, overrides: list[str]) -> dict[str, Any]:
+    """The config as ``lwm fit`` reads and checks it (:func:`lwm.cli.read_config`; the step runs on random
+    latents, so ``data.manifest`` may be left out), and the batch and window the step needs."""
+    from lwm.cli import read_config
+    from lwm.modules.world_model import WorldModelConfig
+
+    config = read_config(["--config", path, *overrides])
+    data = config.get("data") or {}
+    if data.get("batch_size") is not None and data["batch_size"] < 1:
+        raise ConfigError(f"data.batch_size must be >= 1, got {data['batch_size']}")
+    least = len(WorldModelConfig(**((config.get("model") or {}).get("net") or {})).rollout_weights) + 1  # min_frames
+    if data.get("window") is not None and data["window"] < least:
+        raise ConfigError(f"data.window = {data['window']}, but the model needs at least {least} frames")
+    return config
 
 
 def sync(device: torch.device) -> None:

@@ -35,7 +35,7 @@ import warnings
 from dataclasses import asdict
 from typing import Any, Optional
 
-from lwm.errors import ConfigError, LwmError, NonFiniteLossError, positive_int
+from lwm.errors import ArgumentParser, ConfigError, LwmError, NonFiniteLossError, positive_int
 
 LIGHTNING_VERBS = ("fit", "validate", "test", "predict")
 
@@ -86,7 +86,9 @@ def lightning_cli_class() -> type:
             try:
                 super().parse_arguments(parser, args)
             except argparse.ArgumentError as e:
-                raise ConfigError(parse_error_line(str(e), _option_names(parser))) from None
+                line = parse_error_line(str(e), _option_names(parser))
+                broken = _broken_config_file(args or [])
+                raise ConfigError(f"--config {broken}: {line}" if broken else line) from None
 
         def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
             parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
@@ -259,6 +261,23 @@ def _option_names(parser: Any) -> list[str]:
     return names
 
 
+def _broken_config_file(args: list[str]) -> str | None:
+    """The first ``--config`` file among ``args`` that is not a YAML mapping (broken, empty), for the error line:
+    jsonargparse's own names no file."""
+    import yaml
+
+    paths = [a.split("=", 1)[1] if "=" in a else (args[i + 1] if i + 1 < len(args) else "")
+             for i, a in enumerate(map(str, args)) if a in ("-c", "--config") or a.startswith("--config=")]
+    for path in paths:
+        try:
+            with open(path) as f:
+                if not isinstance(yaml.safe_load(f), dict):
+                    return path
+        except (OSError, yaml.YAMLError):
+            return path
+    return None
+
+
 def parse_error_line(message: str, options: list[str]) -> str:
     """jsonargparse's error as one line, with the nearest known key for an unrecognized one ("--model.net.dmodel 3"
     -> "... (did you mean --model.net.d_model?)")."""
@@ -275,6 +294,37 @@ def parse_error_line(message: str, options: list[str]) -> str:
         if hints:
             line += f" (did you mean {', '.join(hints)}?)"
     return f"{line}; see `--help` for the keys"
+
+
+def read_config(args: list[str]) -> dict[str, Any]:
+    """A fit's config (``["--config", FILE, *overrides]``) read by the fit's parser, as a dict, instantiating nothing
+    (no trainer, loggers, data or model): types, unknown keys, typos and broken YAML are refused in one line as by
+    ``lwm fit``, then the model's and optimiser's own checks run. ``data.manifest`` may be left out. For verbs that
+    check a config before work of their own (``lwm bench``, ``lwm demo``)."""
+    from jsonargparse import namespace_to_dict
+
+    from lwm.module import OptimConfig
+    from lwm.modules.world_model import WorldModelConfig
+
+    class ParseOnly(lightning_cli_class()):
+        def add_arguments_to_parser(self, parser) -> None:
+            super().add_arguments_to_parser(parser)
+            parser.set_defaults({"data.manifest": ""})
+
+        def _parse_ckpt_path(self) -> None:
+            pass
+
+        def _set_seed(self) -> None:
+            pass
+
+        def instantiate_classes(self) -> None:
+            pass
+
+    config = namespace_to_dict(ParseOnly(args=args, run=False).config)
+    model = config.get("model") or {}
+    WorldModelConfig(**(model.get("net") or {}))  # their checks (ConfigError): what the module would refuse
+    OptimConfig(**(model.get("optim") or {}))
+    return config
 
 
 def lightning_cli(args: list[str], run: bool = True):
@@ -339,7 +389,7 @@ def _own_parser(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lwm", description="Latent world models from video latents.")
+    parser = ArgumentParser(prog="lwm", description="Latent world models from video latents.")
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
 
     for verb in LIGHTNING_VERBS:
@@ -404,8 +454,10 @@ def main(argv: list[str] | None = None) -> int:
     elif " ".join(argv[:2]) in _OWN_PARSERS:
         args = argparse.Namespace(verb=" ".join(argv[:2]), rest=argv[2:], func=_own_parser)
     else:
-        args = build_parser().parse_args(argv)
+        args = None
     try:
+        if args is None:
+            args = build_parser().parse_args(argv)
         return args.func(args)
     except OSError as e:
         if e.filename is None:  # not about a path: a real failure, with its traceback

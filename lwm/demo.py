@@ -30,14 +30,14 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from lwm.errors import ConfigError
+from lwm.errors import ArgumentParser, ConfigError
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 LAST = "checkpoints/last.ckpt"
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    p = argparse.ArgumentParser(prog="lwm demo", description=__doc__.split("\n\n")[0],
+    p = ArgumentParser(prog="lwm demo", description=__doc__.split("\n\n")[0],
                                 epilog="Other --section.key=value arguments go to `lwm fit`.")
     p.add_argument("--out", default="runs/demo", help="output folder (default runs/demo)")
     p.add_argument("--config", default=str(DEFAULT_CONFIG), help="the fit config (default configs/demo.yaml)")
@@ -61,7 +61,7 @@ def probe_margin(chance: float, samples: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lwm.cli import lightning_cli
+    from lwm.cli import lightning_cli, read_config
     from lwm.data.manifest import Manifest
     from lwm.data.synth import make_dataset
     from lwm.generate import parse as generate_args
@@ -75,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     run_dir, times = out / "run", {}
     resume = (run_dir / LAST).exists()  # an interrupted (or finished) demo: continue it, never start it over
 
+    shape = [f"--model.net.height={args.size // 2}", f"--model.net.width={args.size // 2}"]
+    read_config(["--config", args.config, *shape, *rest])  # a bad option: refused before the data is made
     start = time.perf_counter()
     console.rule("[bold]1/4 data[/]: the synthetic world")
     manifest_path = make_dataset(out / "data", args.episodes, args.frames, args.seed, val_fraction=0.125,
@@ -86,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     times["data"] = time.perf_counter() - start
 
     common = ["--config", args.config, f"--data.manifest={manifest_path}", f"--trainer.default_root_dir={run_dir}",
-              f"--model.net.height={args.size // 2}", f"--model.net.width={args.size // 2}", f"--seed_everything={args.seed}",
+              *shape, f"--seed_everything={args.seed}",
               *([f"--trainer.max_steps={args.steps}"] if args.steps else []), *rest]
     console.rule("[bold]2/4 fit[/]: lwm fit --config " + args.config + (" --ckpt_path last" if resume else ""))
     if resume:

@@ -1,5 +1,7 @@
 """lwm's errors. The ``lwm`` command prints them as one ``error: ...`` line per problem and exits 2."""
 
+import argparse
+
 
 class LwmError(ValueError):
     """A problem the user can fix; the message names the file or config field."""
@@ -22,10 +24,17 @@ class NonFiniteLossError(RuntimeError):
     """Training stopped: too many consecutive steps had a non-finite loss or gradient."""
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser whose refusals are one line, a :class:`ConfigError` (``error: lwm VERB: MESSAGE``, exit 2),
+    instead of the usage block and the message; ``--help`` prints the usage as usual. Subparsers are of this class
+    too."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise ConfigError(f"{self.prog}: {message} (`{self.prog} --help` for the options)")
+
+
 def positive_int(text: str) -> int:
     """An argparse ``type``: an integer >= 1 (argparse prints the refusal as one line naming the option)."""
-    import argparse
-
     try:
         value = int(text)
     except ValueError:

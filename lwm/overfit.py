@@ -18,7 +18,7 @@ from typing import Any
 import lightning as L
 from torch.utils.data import DataLoader, Dataset
 
-from lwm.errors import ConfigError
+from lwm.errors import ArgumentParser, ConfigError
 
 TF_KEY = "Train_Dynamics_Predictor/tf_loss"
 
@@ -47,7 +47,7 @@ class _Record(L.Callback):
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="lwm overfit", description=__doc__.split("\n\n")[0],
         epilog="Every other argument is a `lwm fit` option: --config FILE and dotted overrides such as --data.manifest M.",
     )

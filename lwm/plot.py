@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lwm.errors import DataError
+from lwm.errors import ArgumentParser, DataError
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -294,7 +294,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> tuple[list[P
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lwm plot", description="Plot a run's RUN_DIR/metrics.csv as PNG figures.")
+    parser = ArgumentParser(prog="lwm plot", description="Plot a run's RUN_DIR/metrics.csv as PNG figures.")
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (trainer.default_root_dir)")
     parser.add_argument("--out", metavar="DIR", help="where to write the PNGs (default: RUN_DIR/figures)")
     return parser

@@ -94,6 +94,28 @@ def test_bench_refuses_bad_arguments(capsys):
     assert "unknown argument(s) stray" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--data.batch_size=0"], "data.batch_size must be >= 1, got 0"),
+    (["--data.window=2"], "data.window = 2, but the model needs at least 4 frames"),
+    (["--modle.net.d_model=32"], "unrecognized arguments: --modle.net.d_model=32 (did you mean --model.net.d_model?)"),
+    (["--model.net.d_model=abc"], 'Parser key "model.net.d_model": Expected a <class \'int\'>. Got value: abc'),
+    (["--model.net.n_heads=3"], "d_model must be divisible by 4 and by n_heads (3)"),
+    (["--model.optim.betas=[1.5, 0.9]"], "optim.betas must be two values in [0, 1)"),
+    (["--peak-tflops=-5"], "--peak-tflops must be > 0, got -5.0"),
+    (["--config", "BROKEN"], "BROKEN: Problems parsing config"),
+])
+def test_bench_reads_the_config_as_fit_does_and_refuses_bad_values_in_one_line(tmp_path, capsys, extra, message):
+    """The config goes through `lwm fit`'s parser and checks, before anything is timed (it ignored a misspelled
+    key and failed with tracebacks on a zero batch or a short window)."""
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("model:\n  net: [\n")
+    extra = [str(broken) if a == "BROKEN" else a for a in extra]
+    message = message.replace("BROKEN", str(broken))
+    assert main(["bench", "--steps", "1", "--warmup", "0", *extra]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], errors
+
+
 def test_largest_batch_search_finds_the_boundary_with_few_trials():
     from lwm.bench import largest_batch
 

@@ -115,3 +115,29 @@ def test_an_os_error_not_about_a_path_keeps_its_traceback(monkeypatch):
     monkeypatch.setattr(lwm.plot, "main", fail)
     with pytest.raises(OSError, match="No space left"):
         main(["plot", "x"])
+
+
+@pytest.mark.parametrize("argv", [
+    ["data", "index"],  # a required argument missing
+    ["data", "index", "somewhere", "--val-fraction", "abc"],
+    ["bogus-verb"],
+    ["overfit", "--steps", "0"],
+    ["plot"],
+    ["bench", "--steps", "x"],
+    ["demo", "--steps", "x"],
+    ["data", "decode", "f.h5", "--out", "x.gif", "--fps", "0"],
+])
+def test_argument_errors_of_every_verb_are_one_line_without_the_usage_block(argv, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "--help` for the options" in errors[0] and "usage:" not in err, err
+
+
+@pytest.mark.parametrize("tolerance", ["-5", "nan", "inf"])
+def test_data_index_refuses_a_bad_tolerance_before_reading_files(tmp_path, tolerance, capsys):
+    """-5 blamed every file for values outside [-1, 1]; nan switched the range check off."""
+    (tmp_path / "d").mkdir()
+    assert main(["data", "index", str(tmp_path / "d"), "--tolerance", tolerance]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "tolerance must be a finite value >= 0" in errors[0], errors

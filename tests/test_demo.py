@@ -51,6 +51,10 @@ def test_bad_demo_arguments(tmp_path, capsys):
     assert "multiple of 16" in capsys.readouterr().err
     assert main(["demo", "--out", str(tmp_path), "--ckpt_path", "x.ckpt"]) == 2  # refused before any work
     assert "lwm demo resumes its own run" in capsys.readouterr().err and not (tmp_path / "data").exists()
+    assert main(["demo", "--out", str(tmp_path), "--model.net.dmodel=32"]) == 2  # checked before the data is made
+    assert "(did you mean --model.net.d_model?)" in capsys.readouterr().err and not (tmp_path / "data").exists()
+    assert main(["demo", "--out", str(tmp_path), "--model.net.mlp_ratio=0"]) == 2
+    assert "mlp_ratio must be > 0" in capsys.readouterr().err and not (tmp_path / "data").exists()
 
 
 def test_report_arithmetic_and_verdicts():

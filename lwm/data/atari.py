@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lwm.errors import DataError
+from lwm.errors import ArgumentParser, DataError
 
 SCREEN = (210, 160)
 
@@ -118,7 +118,7 @@ def main(argv: list[str]) -> int:
 
     from lwm.data.convert import make_codec
 
-    parser = argparse.ArgumentParser(prog="lwm data atari", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="lwm data atari", description=__doc__.splitlines()[0])
     parser.add_argument("--games", nargs="+", required=True, help="ALE game ids, e.g. pong breakout (world_label = position)")
     parser.add_argument("--out", required=True, help="output folder (h5 files and manifest.json)")
     parser.add_argument("--episodes", type=int, default=8, help="episodes per game (default 8)")

@@ -10,6 +10,7 @@ manifest while any file is bad, naming each one.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from collections import Counter
@@ -173,6 +174,8 @@ def index_directory(
         raise DataError(f"{directory}: not a directory")
     if not 0.0 <= val_fraction < 1.0:
         raise DataError(f"val_fraction must lie in [0, 1), got {val_fraction}")
+    if not 0.0 <= tolerance < math.inf:  # NaN too: it would switch the range check off
+        raise DataError(f"tolerance must be a finite value >= 0, got {tolerance}")
     out = Path(out) if out else directory / "manifest.json"
     if out.is_dir():
         raise DataError(f"--out {out}: a directory; give the manifest's file name (e.g. {out / 'manifest.json'})")
