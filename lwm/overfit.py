@@ -52,7 +52,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         epilog="Every other argument is a `lwm fit` option: --config FILE and dotted overrides such as --data.manifest M.",
     )
     parser.add_argument("--steps", type=int, default=1000, help="optimizer steps on the one datapoint (default 1000)")
-    parser.add_argument("--file", type=int, default=0, help="index of the file among the manifest's train files")
+    parser.add_argument("--file", type=int, default=0, help="index of the file among the manifest's train files that hold a whole "
+                                                           "data.window (in manifest order; shorter ones are left out)")
     parser.add_argument("--start", type=int, default=0, help="first frame of the window")
     args, rest = parser.parse_known_args(argv)
     if args.steps < 1:
@@ -61,10 +62,10 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def _fresh_folder(path: str) -> str:
-    """``path``, or ``path_2``, ``path_3``, ... the first that does not exist: a run never appends to an earlier
-    one's metrics.csv or leaves its checkpoints beside the new ones."""
+    """``path``, or ``path_2``, ``path_3``, ... the first that does not exist or is an empty folder (one a refused
+    run left): a run never appends to an earlier one's metrics.csv or leaves its checkpoints beside the new ones."""
     candidate, n = path, 1
-    while os.path.exists(candidate):
+    while os.path.exists(candidate) and not (os.path.isdir(candidate) and not any(os.scandir(candidate))):
         n += 1
         candidate = f"{path}_{n}"
     return candidate

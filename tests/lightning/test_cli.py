@@ -135,6 +135,7 @@ def test_help_lists_the_verbs(capsys):
 def test_overfit_drives_the_tf_loss_towards_zero(tmp_path, capsys):
     manifest = make_dataset(tmp_path / "data", files=4)
     args = tiny_args(manifest, tmp_path / "run", "--model.optim.lr=3e-3", verb="overfit")
+    (tmp_path / "run/overfit").mkdir(parents=True)  # empty, as a crashed run may leave it: taken, not skipped
     assert main([*args, "--steps", "120"]) == 0
     rows = [r for r in read_metrics(tmp_path / "run/overfit") if "Train_Dynamics_Predictor/tf_loss" in r]
     tf = [r["Train_Dynamics_Predictor/tf_loss"] for r in rows]
