@@ -26,6 +26,7 @@ import lightning as L
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.callbacks import ModelCheckpoint as _LightningModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 
@@ -67,6 +68,17 @@ def read_checkpoint(path: str | Path, label: str = "", what: str = "checkpoint")
     if missing:
         raise DataError(f"{where}: not a readable {what} (not a Lightning checkpoint: it has no {', '.join(missing)})")
     return checkpoint
+
+
+def warn_window_mismatch(checkpoint: dict[str, Any], window: int, path: str | Path) -> None:
+    """Warn (one line) where ``data.window`` differs from the window the checkpoint's run trained on (its data
+    module's hyperparameters): validation metrics and code dictionaries depend on it, and a command given no
+    ``--config`` has the default, 16."""
+    trained = (checkpoint.get("datamodule_hyper_parameters") or {}).get("window")
+    if trained is not None and int(trained) != int(window):
+        rank_zero_warn(f"data.window = {window}, but {path} was trained on {trained}-frame windows: working on "
+                       f"{window}-frame windows (--data.window={trained}, or the run's --config RUN_DIR/config.yaml, "
+                       f"to match)")
 
 
 def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> tuple[dict[str, Any], Any]:

@@ -56,7 +56,7 @@ def lightning_cli_class() -> type:
         AttentionDiagonality, CodebookMonitor, CodeDictionaries, CopyLastBaseline, DeadCodeRevival, FlopCounter,
         GroundTruthProbes, ModelSummary, PredictionWriter, RolloutVideos, Sensitivity, SlurmRequeue, StepProgressBar,
     )
-    from lwm.checkpoint import AtomicCheckpointIO, ModelCheckpoint, read_checkpoint
+    from lwm.checkpoint import AtomicCheckpointIO, ModelCheckpoint, read_checkpoint, warn_window_mismatch
     from lwm.data.datamodule import LatentDataModule
     from lwm.loggers import WandbConfig, make_loggers
     from lwm.module import WorldModelModule
@@ -180,7 +180,10 @@ def lightning_cli_class() -> type:
             path = self._checkpoint_file(self.config[self.subcommand])
             if path is None:
                 return
-            saved = read_checkpoint(path).get("hyper_parameters", {})
+            checkpoint = read_checkpoint(path)
+            if self.subcommand != "fit":
+                warn_window_mismatch(checkpoint, self.datamodule.window, path)
+            saved = checkpoint.get("hyper_parameters", {})
             config = self.model.model.config
             saved, current = saved.get("net") or {}, asdict(config)
             changed = [f"model.net.{k}={current[k]!r} (the checkpoint has {saved[k]!r})" for k in config.SHAPE_FIELDS

@@ -83,6 +83,16 @@ def test_a_checkpoint_brings_its_own_model_shape_or_is_refused_by_field(trained,
     assert ((root / "checkpoints/last.ckpt").read_bytes(), (root / "metrics.csv").read_bytes()) == before
 
 
+def test_validate_with_another_window_than_the_checkpoints_says_so(trained, recwarn):
+    manifest, root = trained  # trained on 6-frame windows
+    assert main(tiny_args(manifest, root, "--ckpt_path=last", "--data.window=5", verb="validate")) == 0
+    lines = [str(w.message) for w in recwarn if "was trained on" in str(w.message)]
+    assert len(lines) == 1 and "data.window = 5, but" in lines[0] and "trained on 6-frame windows" in lines[0], lines
+    recwarn.clear()
+    assert main(tiny_args(manifest, root, "--ckpt_path=last", verb="validate")) == 0
+    assert not [w for w in recwarn if "was trained on" in str(w.message)]
+
+
 def test_a_resumed_fit_keeps_the_configs_settings_and_may_change_what_is_not_shape(tmp_path, capsys):
     """A fit resumed from a checkpoint file (as the SLURM scripts do) or `last` uses the command line's settings,
     not the checkpoint's: a new learning rate, weight decay, betas and eps reach the optimizer (Lightning restores
