@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import glob
 import importlib
+import logging
 import os
 import re
 import sys
@@ -40,6 +41,15 @@ from lwm.errors import ArgumentParser, ConfigError, LwmError, NonFiniteLossError
 LIGHTNING_VERBS = ("fit", "validate", "test", "predict")
 
 
+def _drop_advert(record: logging.LogRecord) -> bool:
+    return "try installing [litlogger]" not in record.getMessage()
+
+
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    """A warning as one line (the ``lwm`` command's): Python's default adds the source line that raised it."""
+    return f"{filename}:{lineno}: {category.__name__}: {message}\n"
+
+
 def lightning_cli_class() -> type:
     # Imported lazily: `lwm data index` and `lwm --help` should not pay for importing Lightning.
     # `lwm` passes its own argv on purpose; and Lightning's pytree helper trips a torch deprecation each run.
@@ -47,6 +57,8 @@ def lightning_cli_class() -> type:
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     # The module's on_after_batch_transfer (the dtype cast) is meant to serve with our DataModule.
     warnings.filterwarnings("ignore", message="You have overridden `on_after_batch_transfer` in `LightningModule`")
+    for name in ("lightning.fabric.utilities.rank_zero", "lightning.pytorch.utilities.rank_zero"):
+        logging.getLogger(name).addFilter(_drop_advert)  # Lightning's litlogger tip, on every run
     from lightning.pytorch.callbacks import LearningRateMonitor
     from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
     from lightning.pytorch.plugins.io import CheckpointIO
@@ -450,6 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    warnings.formatwarning = _one_line_warning
     if argv and argv[0] in LIGHTNING_VERBS:
         args = argparse.Namespace(verb=argv[0], rest=argv[1:], func=_lightning)
     elif argv and argv[0] in _OWN_PARSERS:

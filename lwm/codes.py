@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from lwm.errors import DataError, first_line
+from lwm.errors import ArgumentParser, DataError, first_line
 
 SAMPLING = ("frequency", "uniform")
 
@@ -86,9 +86,46 @@ def save_dictionaries(path: str | Path, dictionaries: dict[str, CodeDictionary],
                       global_step: int | None = None) -> Path:
     """Write ``codes.pt`` atomically; ``global_step``: the encoders' checkpoint step."""
     from lwm.checkpoint import atomic_save
+    from lwm.video import check_output
 
+    check_output(path, "the code dictionary")  # a folder in the way: one line, not the rename's error on a temp name
     meta = {"windows": windows, **({"global_step": int(global_step)} if global_step is not None else {})}
     return atomic_save({**{k: d.to_state() for k, d in dictionaries.items()}, **meta}, path)
+
+
+STATE_KEYS = {"tuples", "counts", "codebook_sizes"}  # a dictionary's entry in the file
+META_KEYS = {"windows", "global_step"}
+
+
+def check_out(path: str | Path) -> Path:
+    """Refuse ``lwm codes --out`` before any encoding, with one line naming it: a ``.ckpt`` name, a folder, and an
+    existing file that is not a code dictionary (a checkpoint, a manifest, an h5 file: ``--out`` replaces only
+    its own kind of file)."""
+    from lwm.errors import ConfigError
+    from lwm.video import check_output
+
+    path = Path(path)
+    if path.suffix == ".ckpt":  # resuming (last.ckpt, hpc_ckpt_N.ckpt) and people take a .ckpt for a checkpoint
+        raise ConfigError(f"--out {path}: a .ckpt name is a checkpoint's; name the code dictionary e.g. codes.pt")
+    check_output(path, "--out")
+    if path.exists() and not is_dictionary_file(path):
+        raise DataError(f"--out {path}: exists and is not a code dictionary, refusing to replace it (remove it or "
+                        f"choose another --out)")
+    return path
+
+
+def is_dictionary_file(path: str | Path) -> bool:
+    """Whether ``path`` holds what :func:`save_dictionaries` writes (loaded with ``weights_only=True``, memory-mapped:
+    a checkpoint given by mistake is not read into memory)."""
+    try:
+        raw = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # JSON, h5, a torn file: not one of ours
+        return False
+    if not isinstance(raw, dict) or not isinstance(raw.get("windows"), int):
+        return False
+    states = [v for v in raw.values() if isinstance(v, dict)]
+    return (bool(states) and set(raw) - META_KEYS == {k for k, v in raw.items() if isinstance(v, dict)}
+            and all(set(v) == STATE_KEYS and all(isinstance(t, torch.Tensor) for t in v.values()) for v in states))
 
 
 def default_codes_path(ckpt_path: str | Path) -> Path:
@@ -142,12 +179,12 @@ def collect(model, loader, device: torch.device, max_windows: int | None = None)
 
 def main(argv: list[str]) -> int:
     """``lwm codes --config CFG --ckpt_path CKPT [--max-windows N] [--out PATH] [overrides]``."""
-    import argparse
 
     from lwm.cli import lightning_cli_class
     from lwm.errors import ConfigError
+    from lwm.video import check_output
 
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="lwm codes", description="Code dictionaries of a trained model on its training data.",
         epilog="Every other argument is a `lwm fit` option: --config FILE and dotted overrides such as --data.manifest M.",
     )
@@ -159,17 +196,19 @@ def main(argv: list[str]) -> int:
     if args.max_windows is not None and args.max_windows < 1:
         raise ConfigError(f"--max-windows must be >= 1 (or left out: all), got {args.max_windows}")
     ckpt_path = Path(args.ckpt_path)
-    from lwm.checkpoint import load_checkpoint
+    # before any work; the default path (lwm's own name beside the checkpoint) may be rewritten whatever it holds
+    out = check_out(args.out) if args.out else check_output(default_codes_path(ckpt_path), "the code dictionary")
+    from lwm.checkpoint import load_checkpoint, warn_window_mismatch
 
     dm = lightning_cli_class()(args=rest, run=False).datamodule  # the data; the model is the checkpoint's
     checkpoint, module = load_checkpoint(ckpt_path)
+    warn_window_mismatch(checkpoint, dm.window, ckpt_path)  # the codes depend on it
     dm.setup("fit")
     module.check_data(dm.frame_shape, dm.window, str(dm.manifest_path))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = module.model.to(device).eval()
     dictionaries, windows = collect(model, dm.code_loader(args.max_windows), device)
-    out = save_dictionaries(args.out or default_codes_path(ckpt_path), dictionaries, windows,
-                            checkpoint.get("global_step"))
+    out = save_dictionaries(out, dictionaries, windows, checkpoint.get("global_step"))
     for name, d in dictionaries.items():
         possible = 1
         for k in d.codebook_sizes:

@@ -26,16 +26,17 @@ import torch
 from lwm.codes import default_codes_path, dictionaries_step, load_dictionaries
 from lwm.data.codecs import codec_from_attr, missing_codec
 from lwm.data.h5 import DataError, inspect_h5
-from lwm.errors import ConfigError, positive_int
+from lwm.errors import ArgumentParser, ConfigError, positive_int
 from lwm.metrics import random_codes
-from lwm.video import VIDEO_SUFFIXES, grid, latent_preview, write_video
+from lwm.video import VIDEO_SUFFIXES, check_output, grid, latent_preview, write_video
 
 ACTIONS = ("dictionary", "inferred", "random")
 WORLDS = ("inferred", "dictionary")
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="lwm generate", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="lwm generate", description=__doc__.split("\n\n")[0],
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--ckpt_path", required=True, help="a checkpoint of `lwm fit`")
     p.add_argument("--data", required=True, help="h5 file to take the context (and ground truth) from")
     p.add_argument("--start", type=int, default=0, help="first context frame")
@@ -114,6 +115,13 @@ def run(args: argparse.Namespace) -> Path:
     from lwm.checkpoint import load_checkpoint
 
     ckpt_path = Path(args.ckpt_path)
+    out = Path(args.out) if args.out else ckpt_path.parent.parent / "generated" / f"{Path(args.data).stem}_{args.start}.mp4"
+    latents_path = out.with_suffix(out.suffix + ".h5")
+    # both outputs, before any work: a folder in the way, or an input under an output's name (`--data X.gif.h5
+    # --out X.gif` would write the latents over the file they are read from)
+    inputs = {"--data": args.data, "--ckpt_path": ckpt_path, **({"--codes": args.codes} if args.codes else {})}
+    check_output(out, "--out", inputs)
+    check_output(latents_path, f"the latents of --out {out}", inputs)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     raw, module = load_checkpoint(ckpt_path, map_location=device)
     model = module.model.eval()
@@ -121,7 +129,7 @@ def run(args: argparse.Namespace) -> Path:
     trained = raw.get("datamodule_hyper_parameters", {}).get("window")  # frames per training window
     window = args.window if args.window is not None else (trained - 1 if trained else None)  # predictor inputs
 
-    info = inspect_h5(args.data, c.in_channels, c.height, c.width, check_values=False)
+    info = inspect_h5(args.data, c.in_channels, c.height, c.width)  # values too: NaN in, NaN video out
     need_gt = args.actions == "inferred" and not args.action_indices
     first, last = args.start, args.start + args.context + (args.steps if need_gt else 0)
     if args.start < 0 or last > info.frames:
@@ -194,14 +202,13 @@ def run(args: argparse.Namespace) -> Path:
         context = clip[:, : args.context].expand(R, -1, -1, -1, -1)
         generated = model.generate(context, actions, world, args.steps, t0=0, window=window)  # [R, steps, C, H, W]
 
-    out = Path(args.out) if args.out else ckpt_path.parent.parent / "generated" / f"{Path(args.data).stem}_{args.start}.mp4"
     rollouts = torch.cat([context, generated], dim=1).cpu()  # [R, context + steps, C, H, W]
     to_video = (lambda x: decoder.decode(x.numpy())) if decoder is not None else latent_preview  # noqa: E731
     rows = [to_video(r) for r in rollouts]
     if clip.shape[1] == rollouts.shape[1]:
         rows.insert(0, to_video(clip[0].cpu()))
     out.parent.mkdir(parents=True, exist_ok=True)
-    with h5py.File(out.with_suffix(out.suffix + ".h5"), "w") as f:  # the latents first: kept if the video fails
+    with h5py.File(latents_path, "w") as f:  # the latents first: kept if the video fails
         f["latents"] = rollouts.numpy()  # [R, T, C, H, W]
         f["ground_truth"] = clip[0].cpu().numpy()
         f.attrs["source"], f.attrs["start"], f.attrs["context"] = str(args.data), args.start, args.context

@@ -109,6 +109,8 @@ class WandbLogger(_LightningWandbLogger):
     def __init__(self, *args, run_id_file: str | Path | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._run_id_file = Path(run_id_file) if run_id_file is not None else None
+        if self._wandb_init.get("anonymous") is None:  # Lightning passes None, which wandb warns has no effect
+            self._wandb_init.pop("anonymous", None)
 
     @property
     @override
@@ -181,7 +183,7 @@ def log_distribution(pl_module: L.LightningModule, name: str, values: torch.Tens
             logger.experiment.log({name: wandb.Histogram(v.cpu().numpy()), "trainer/global_step": _step(pl_module)})
 
 
-def log_video(pl_module: L.LightningModule, name: str, path: str, fps: int = 4) -> None:
+def log_video(pl_module: L.LightningModule, name: str, path: str) -> None:
     """Send an mp4/gif file to wandb as a video ``name`` at the current global step (rank 0; no other logger
     takes videos: the file itself stays in the run directory)."""
     if not pl_module.trainer.is_global_zero:
@@ -190,4 +192,4 @@ def log_video(pl_module: L.LightningModule, name: str, path: str, fps: int = 4) 
         if type(logger).__name__ == "WandbLogger":
             import wandb
 
-            logger.experiment.log({name: wandb.Video(path, fps=fps), "trainer/global_step": _step(pl_module)})
+            logger.experiment.log({name: wandb.Video(path), "trainer/global_step": _step(pl_module)})  # the file's fps

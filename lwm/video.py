@@ -3,13 +3,46 @@ beside the ground truth, and mp4 / gif files (imageio: PyAV for mp4, Pillow for 
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from lwm.errors import DataError
+
 VIDEO_SUFFIXES = (".mp4", ".gif")
+
+
+def check_output(path: str | Path, what: str = "--out", inputs: Mapping[str, str | Path] | None = None) -> Path:
+    """Refuse an output file's ``path`` before any work, with one :class:`~lwm.errors.DataError` line naming it:
+    an existing folder or other non-file, a parent that is a file or not writable, or the same file as one of
+    ``inputs`` (``{option: path}``; writing it would destroy the input). ``what`` says which output it is."""
+    path = Path(path)
+    if path.is_dir():
+        raise DataError(f"{path}: is a folder, not a file to write ({what})")
+    if path.exists() and not path.is_file():  # a device or a pipe: an atomic rename would replace the node
+        raise DataError(f"{path}: exists and is not a regular file ({what})")
+    for option, source in (inputs or {}).items():
+        if _same_file(path, Path(source)):
+            raise DataError(f"{path}: is the input {option} {source}; writing it ({what}) would destroy it")
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:  # the folders below the first existing one get made
+        parent = parent.parent
+    if not parent.is_dir():
+        raise DataError(f"{path}: cannot be created, {parent} is not a folder ({what})")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise DataError(f"{path}: cannot be created, no permission to write in {parent} ({what})")
+    return path
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """One file under two names (a hard link, a symlink, ``./x`` and ``x``), or one path where either is missing."""
+    if a.exists() and b.exists():
+        return os.path.samefile(a, b)
+    return a.resolve() == b.resolve()
 
 
 def latent_preview(latents: Tensor, scale: int = 4) -> np.ndarray:
@@ -37,17 +70,28 @@ def grid(rows: list[np.ndarray], pad: int = 4) -> np.ndarray:
 
 
 def write_video(path: str | Path, frames: np.ndarray, fps: int = 8) -> Path:
-    """Write ``uint8 [T, H, W, 3]`` as ``.mp4`` (H.264, even sizes padded) or ``.gif``."""
+    """Write ``uint8 [T, H, W, 3]`` as ``.mp4`` (H.264, even sizes padded) or ``.gif``: encoded in memory, then
+    written to a temporary name and renamed, so a failure leaves the old file (if any), never a torn one."""
     import imageio.v3 as iio
 
     path = Path(path)
     if path.suffix not in VIDEO_SUFFIXES:
         raise ValueError(f"{path}: the video must end in one of {VIDEO_SUFFIXES}")
-    path.parent.mkdir(parents=True, exist_ok=True)
+    check_output(path, "the video")
+    # imageio opening the file itself leaves an "Exception ignored" traceback when that fails (its plugin retries
+    # the write on garbage collection); encoding to bytes keeps the file out of its hands
     if path.suffix == ".mp4":
         T, H, W, _ = frames.shape
         frames = np.pad(frames, ((0, 0), (0, H % 2), (0, W % 2), (0, 0)))  # H.264 wants even sizes
-        iio.imwrite(path, frames, plugin="pyav", codec="libx264", fps=fps)
+        data = iio.imwrite("<bytes>", frames, extension=".mp4", plugin="pyav", codec="libx264", fps=fps)
     else:
-        iio.imwrite(path, frames, plugin="pillow", duration=1000 / fps, loop=0)
+        data = iio.imwrite("<bytes>", frames, extension=".gif", plugin="pillow", duration=1000 / fps, loop=0)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path

@@ -70,6 +70,8 @@ def test_lwm_codes_equals_the_dictionaries_written_at_the_end_of_fit(tmp_path, c
         assert at_fit[name].total > 0
     assert "code tuples in use" in capsys.readouterr().out
     assert main(["codes", "--ckpt_path", str(tmp_path / "missing.ckpt")]) == 2
+    with pytest.warns(UserWarning, match="data.window = 5, but .* was trained on 6-frame windows"):
+        assert main([*args, "--data.window=5"]) == 0  # another window: other codes, said
 
 
 def test_merge_adds_the_other_dictionarys_counts():
@@ -95,3 +97,67 @@ def test_collect_stops_at_max_windows_across_batches():
     dictionaries, windows = collect(Fake(), loader, torch.device("cpu"), max_windows=5)
     assert windows == 5 and dictionaries["World_Encoder"].total == 5
     assert dictionaries["Action_Encoder"].total == 5 * 2
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("codes")
+    manifest = make_dataset(tmp / "data", files=5)
+    assert run(manifest, tmp / "run", "--trainer.max_steps=3", "--data.val_size_percent=0") == 0
+    return tmp, tmp / "run/checkpoints/last.ckpt", manifest
+
+
+def _codes(tmp, ckpt, *extra) -> list[str]:
+    return ["codes", "--config", str(tmp / "run/config.yaml"), "--ckpt_path", str(ckpt), *extra]
+
+
+@pytest.mark.parametrize("target", ["checkpoint", "checkpoint as .pt", "manifest", "h5 file", "folder", "ckpt name",
+                                    "file parent"])
+def test_codes_out_that_is_not_a_code_dictionary_is_refused_before_any_work(trained, capsys, monkeypatch, target):
+    """`--out` replaced whatever it named with the dictionary (a checkpoint, the manifest, a data file: exit 0), and
+    a folder failed after all the encoding, naming a temporary file."""
+    import lwm.codes
+
+    tmp, ckpt, manifest = trained
+    copy = tmp / "weights.pt"  # the checkpoint under a name that does not say so
+    copy.write_bytes(ckpt.read_bytes())
+    out = {"checkpoint": ckpt, "checkpoint as .pt": copy, "manifest": manifest, "h5 file": tmp / "data/ep00.h5", "folder": tmp / "data",
+           "ckpt name": tmp / "new.ckpt", "file parent": manifest / "codes.pt"}[target]
+    expected = {
+        "folder": f"{out}: is a folder, not a file to write (--out)",
+        "checkpoint": f"--out {out}: a .ckpt name is a checkpoint's; name the code dictionary e.g. codes.pt",
+        "ckpt name": f"--out {out}: a .ckpt name is a checkpoint's; name the code dictionary e.g. codes.pt",
+        "file parent": f"{out}: cannot be created, {manifest} is not a folder (--out)",
+    }.get(target, f"--out {out}: exists and is not a code dictionary, refusing to replace it (remove it or choose "
+                  f"another --out)")
+    before = {p: p.read_bytes() for p in (ckpt, copy, manifest, tmp / "data/ep00.h5")}
+    monkeypatch.setattr(lwm.codes, "collect", lambda *a, **k: pytest.fail("encoded before the refusal"))
+    assert main(_codes(tmp, ckpt, "--out", str(out))) == 2
+    assert [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")] == [f"error: {expected}"]
+    assert {p: p.read_bytes() for p in before} == before and not (tmp / "new.ckpt").exists()
+
+
+def test_codes_out_rewrites_a_code_dictionary_and_the_default_path(trained):
+    """An existing dictionary at --out is replaced (as is the default codes.pt beside last.ckpt); the files are
+    the same dictionary (same windows, same step)."""
+    tmp, ckpt, manifest = trained
+    default = ckpt.parent / "codes.pt"
+    other = tmp / "other.pt"
+    save_dictionaries(other, {"Action_Encoder": CodeDictionary((3,))}, windows=1, global_step=99)
+    assert main(_codes(tmp, ckpt, "--out", str(other))) == 0
+    assert main(_codes(tmp, ckpt)) == 0
+    for path in (other, default):
+        assert dictionaries_step(path) == 3 and torch.load(path, weights_only=True)["windows"] > 1
+    assert torch.equal(load_dictionaries(other)["World_Encoder"].counts, load_dictionaries(default)["World_Encoder"].counts)
+
+
+def test_is_dictionary_file_tells_a_dictionary_from_other_files(tmp_path):
+    from lwm.codes import is_dictionary_file
+
+    d = CodeDictionary((2,))
+    d.update(torch.tensor([[1]]))
+    assert is_dictionary_file(save_dictionaries(tmp_path / "codes.pt", {"Action_Encoder": d}, windows=1))
+    torch.save({"state_dict": {"w": torch.zeros(1)}, "epoch": 0, "global_step": 3}, tmp_path / "ckpt.pt")
+    torch.save({"Action_Encoder": {"tuples": torch.zeros(1)}, "windows": 1}, tmp_path / "partial.pt")
+    (tmp_path / "m.json").write_text('{"files": []}')
+    assert not any(is_dictionary_file(tmp_path / n) for n in ("ckpt.pt", "partial.pt", "m.json", "missing.pt"))

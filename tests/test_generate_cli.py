@@ -110,9 +110,9 @@ def test_a_code_dictionary_of_another_step_is_used_with_a_warning(trained, capsy
 
 def test_an_unknown_video_suffix_is_refused_before_any_work(trained, capsys):
     tmp, ckpt, data = trained
-    with pytest.raises(SystemExit) as exit_:
-        main(["generate", "--ckpt_path", str(ckpt), "--data", str(data), "--out", str(tmp / "x.avi")])
-    assert exit_.value.code == 2 and "x.avi: the video must be one of .mp4, .gif" in capsys.readouterr().err
+    assert main(["generate", "--ckpt_path", str(ckpt), "--data", str(data), "--out", str(tmp / "x.avi")]) == 2
+    errors = _error_lines(capsys)  # one line, no usage block
+    assert len(errors) == 1 and "x.avi: the video must be one of .mp4, .gif" in errors[0], errors
     assert not (tmp / "x.avi.h5").exists()
 
 
@@ -158,9 +158,9 @@ def test_a_bad_code_dictionary_file_and_window_are_refused(trained, tmp_path, ca
     errors = _error_lines(capsys)
     assert len(errors) == 1 and f"{garbage}: not a code dictionary of `lwm codes`" in errors[0], errors
     for window in ("0", "-3"):
-        with pytest.raises(SystemExit) as exit_:
-            main(["generate", "--ckpt_path", str(ckpt), "--data", str(data), "--window", window])
-        assert exit_.value.code == 2 and f"--window must be >= 1, got {window}" in capsys.readouterr().err
+        assert main(["generate", "--ckpt_path", str(ckpt), "--data", str(data), "--window", window]) == 2
+        errors = _error_lines(capsys)
+        assert len(errors) == 1 and f"--window must be >= 1, got {window}" in errors[0], errors
     assert main(["codes", "--ckpt_path", str(ckpt), "--config", str(tmp / "run/config.yaml"), "--max-windows", "0"]) == 2
     assert "--max-windows must be >= 1" in _error_lines(capsys)[0]
 
@@ -311,3 +311,58 @@ def test_generate_hands_vae_and_tiling_to_the_codec(trained, monkeypatch, tiling
     _generate(ckpt, data, tmp / f"vae{tiling}.gif", "--steps", "2", "--rollouts", "1", "--actions", "random",
               "--vae", "/weights/vae", *(["--vae-tiling"] if tiling else []))
     assert asked == [("/weights/vae", tiling)]
+
+
+def _no_checkpoint_loaded(monkeypatch):
+    """Fail the test if the checkpoint is loaded: the refusals below come before any work."""
+    import lwm.checkpoint
+
+    def load(*args, **kwargs):
+        raise AssertionError("the checkpoint was loaded before the refusal")
+
+    monkeypatch.setattr(lwm.checkpoint, "load_checkpoint", load)
+
+
+@pytest.mark.parametrize("kind", ["latents onto the input", "video onto the input", "hard link"])
+def test_an_output_that_is_the_input_is_refused_before_any_work(trained, tmp_path, capsys, monkeypatch, kind):
+    """`--data X.gif.h5 --out X.gif` wrote the generated latents over the file they were read from."""
+    tmp, ckpt, data = trained
+    source = tmp_path / ("x.gif" if kind == "video onto the input" else "x.gif.h5")
+    source.write_bytes(data.read_bytes())
+    given = source
+    if kind == "hard link":  # the same file under another name
+        given = tmp_path / "other.h5"
+        given.hardlink_to(source)
+    written = tmp_path / "x.gif.h5" if kind != "video onto the input" else source
+    what = "the latents of --out " + str(tmp_path / "x.gif") if kind != "video onto the input" else "--out"
+    _no_checkpoint_loaded(monkeypatch)
+    before = source.read_bytes()
+    assert main(["generate", "--ckpt_path", str(ckpt), "--data", str(given), "--out", str(tmp_path / "x.gif")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: {written}: is the input --data {given}; writing it ({what}) would destroy it"]
+    assert source.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted({source.name, given.name})  # nothing written
+
+
+@pytest.mark.parametrize("folder", ["adir.gif", "adir.gif.h5"])
+def test_an_output_path_that_is_a_folder_is_refused_before_any_work(trained, tmp_path, capsys, monkeypatch, folder):
+    """A folder at --out was found after the work (the latents already written beside it), with an imageio
+    traceback after the error line."""
+    tmp, ckpt, data = trained
+    (tmp_path / folder).mkdir()
+    _no_checkpoint_loaded(monkeypatch)
+    assert main(["generate", "--ckpt_path", str(ckpt), "--data", str(data), "--out", str(tmp_path / "adir.gif")]) == 2
+    what = "--out" if folder == "adir.gif" else f"the latents of --out {tmp_path / 'adir.gif'}"
+    assert capsys.readouterr().err.splitlines() == [f"error: {tmp_path / folder}: is a folder, not a file to write ({what})"]
+    assert [p.name for p in tmp_path.iterdir()] == [folder] and not any((tmp_path / folder).iterdir())
+
+
+def test_non_finite_latents_in_the_data_are_refused(trained, tmp_path, capsys):
+    tmp, ckpt, data = trained
+    bad = tmp_path / "inf.h5"
+    bad.write_bytes(data.read_bytes())
+    with h5py.File(bad, "r+") as f:
+        f["latents"][2, 1, 0, 0] = np.inf
+    assert main(["generate", "--ckpt_path", str(ckpt), "--data", str(bad), "--out", str(tmp_path / "v.gif")]) == 2
+    assert _error_lines(capsys) == [f"error: {bad}: dataset 'latents' has NaN/inf values (first at frame 2)"]
+    assert [p.name for p in tmp_path.iterdir()] == ["inf.h5"]  # no video, no latents

@@ -1,12 +1,18 @@
-"""lwm/video.py: the grid of rows, the latent preview, the frame order of a written video (known answers)."""
+"""lwm/video.py: the grid of rows, the latent preview, the frame order of a written video (known answers), and the
+output paths refused before any work."""
 
 from __future__ import annotations
 
+import gc
+import sys
+
 import imageio.v3 as iio
 import numpy as np
+import pytest
 import torch
 
-from lwm.video import grid, latent_preview, write_video
+from lwm.errors import DataError
+from lwm.video import check_output, grid, latent_preview, write_video
 
 
 def test_grid_stacks_rows_top_to_bottom():
@@ -33,3 +39,52 @@ def test_a_gif_keeps_the_frame_order(tmp_path):
         frames[t, ..., t] = 255  # red, green, blue
     back = iio.imread(write_video(tmp_path / "v.gif", frames), index=None)[..., :3]
     assert [int(np.argmax(f[0, 0])) for f in back] == [0, 1, 2]
+
+
+def test_check_output_refuses_a_folder_a_file_parent_and_an_input(tmp_path):
+    (tmp_path / "dir.gif").mkdir()
+    (tmp_path / "file").write_text("x")
+    data = tmp_path / "in.h5"
+    data.write_bytes(b"data")
+    (tmp_path / "link.h5").hardlink_to(data)
+    with pytest.raises(DataError) as e:
+        check_output(tmp_path / "dir.gif")
+    assert str(e.value) == f"{tmp_path / 'dir.gif'}: is a folder, not a file to write (--out)"
+    with pytest.raises(DataError) as e:
+        check_output(tmp_path / "file/sub/x.gif")
+    assert str(e.value) == f"{tmp_path / 'file/sub/x.gif'}: cannot be created, {tmp_path / 'file'} is not a folder (--out)"
+    for same in (data, tmp_path / "link.h5", tmp_path / "sub/../in.h5"):  # the name itself, a hard link, a detour
+        with pytest.raises(DataError) as e:
+            check_output(same, "the latents", {"--data": data})
+        assert str(e.value) == f"{same}: is the input --data {data}; writing it (the latents) would destroy it"
+    assert check_output(tmp_path / "new/deeper/v.gif", inputs={"--data": data}) == tmp_path / "new/deeper/v.gif"
+    assert data.read_bytes() == b"data" and not (tmp_path / "new").exists()  # checks only, nothing made
+
+
+def test_write_video_into_a_folder_is_one_error_and_no_traceback(tmp_path, monkeypatch):
+    """imageio writing into a folder raised, then raised again from its plugin's __del__ ("Exception ignored ...
+    IsADirectoryError" on stderr)."""
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    (tmp_path / "v.gif").mkdir()
+    with pytest.raises(DataError, match=r"v\.gif: is a folder"):
+        write_video(tmp_path / "v.gif", np.zeros((2, 8, 8, 3), np.uint8))
+    gc.collect()
+    assert unraisable == [] and list((tmp_path / "v.gif").iterdir()) == []
+
+
+def test_a_failed_video_write_keeps_the_old_file(tmp_path, monkeypatch):
+    """The gif writer opened (and so emptied) the file before encoding into it: a failure lost the old video."""
+    from PIL import Image
+
+    old = write_video(tmp_path / "v.gif", np.zeros((2, 8, 8, 3), np.uint8)).read_bytes()
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Image.Image, "save", full)
+    monkeypatch.setattr(sys, "unraisablehook", lambda _: None)  # imageio retries the write when collected
+    with pytest.raises(OSError, match="No space left"):
+        write_video(tmp_path / "v.gif", np.full((2, 8, 8, 3), 255, np.uint8))
+    gc.collect()
+    assert (tmp_path / "v.gif").read_bytes() == old and [p.name for p in tmp_path.iterdir()] == ["v.gif"]

@@ -66,4 +66,4 @@ class RolloutVideos(L.Callback):
         rows = [row for gt, gen in zip(clip.cpu(), rollout) for row in (show(gt), show(gen))]
         path = run_log_dir(trainer) / "videos" / f"step_{pl_module.weights_step:07d}.mp4"  # as its checkpoint; rank 0
         self.last_path = write_video(path, grid(rows), self.fps)
-        log_video(pl_module, "Val_Dynamics_Predictor/rollout_video", str(path), self.fps)
+        log_video(pl_module, "Val_Dynamics_Predictor/rollout_video", str(path))  # plays at the file's own fps

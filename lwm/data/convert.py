@@ -193,12 +193,14 @@ def encode_videos(videos: list[str], out: str | Path, codec: str = "pixel", stri
 
 def decode_file(path: str | Path, out: str | Path, fps: int = 8, vae: str | Path | None = None, tiling: bool = False,
                 device: str = "cpu") -> Path:
-    """Decode an h5 file through the codec its ``codec`` attribute names and write the video."""
-    from lwm.video import VIDEO_SUFFIXES, write_video
+    """Decode an h5 file through the codec its ``codec`` attribute names and write the video. Refuses latents that
+    are not finite or outside [-1, 1] (:func:`inspect_h5`'s check): a codec would make them a wrong video, silently."""
+    from lwm.video import VIDEO_SUFFIXES, check_output, write_video
 
     if Path(out).suffix not in VIDEO_SUFFIXES:  # before any decoding
         raise DataError(f"{out}: the video must end in one of {', '.join(VIDEO_SUFFIXES)}")
-    info = inspect_h5(path, check_values=False)
+    check_output(out, "--out", {"file": path})
+    info = inspect_h5(path)
     with h5py.File(path, "r") as f:
         attr = f.attrs.get("codec")
         latents = np.asarray(f[info.key][...], dtype=np.float32)

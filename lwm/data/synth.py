@@ -218,6 +218,8 @@ def make_dataset(
         raise DataError(f"worlds must lie in 1..{K}, got {worlds}")
     if not 0.0 <= val_fraction < 1.0:  # index_directory's rule, checked before rendering anything
         raise DataError(f"val_fraction must lie in [0, 1), got {val_fraction}")
+    if not 0 <= distractors <= len(DISTRACTOR_COLOURS):  # simulate's rule, checked before the folder is made
+        raise DataError(f"distractors must lie in 0..{len(DISTRACTOR_COLOURS)}, got {distractors}")
     check_size(size)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -241,11 +243,11 @@ def make_dataset(
 def main(argv: list[str]) -> int:
     """``lwm data synth --out DIR --episodes N [--frames T] [--seed S] [--val-fraction F] [--worlds K] [--size S]
     [--distractors D]``."""
-    import argparse
+    from lwm.errors import ArgumentParser
 
     from lwm.data.manifest import Manifest
 
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="lwm data synth",
         description="Write a synthetic data set with known actions and worlds (an agent square moved by 5 actions "
                     "in K worlds of different backgrounds, speeds and edges) as pixel-codec h5 files and a manifest.",

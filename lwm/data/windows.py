@@ -29,6 +29,8 @@ MAX_OPEN_FILES = 64  # h5 handles one process keeps open (least recently used cl
 # each handle's chunk cache stay bounded however many files the dataset has
 
 
+SHORT_NAMED = 10  # short files named in the warning; the rest are counted
+
 class H5WindowDataset(Dataset):
     """``dataset[(file_index, start)] -> {"latents": [T, C, H, W], "actions": [T] int64,
     "world_label": int64 scalar, "file_index": int64, "start": int64}``.
@@ -37,7 +39,8 @@ class H5WindowDataset(Dataset):
     the bytes through the loader and to the GPU, and no conversion on the loader's CPU; the LightningModule
     casts them to float32 on the device (``WorldModelModule.on_after_batch_transfer``), exactly.
 
-    Files of the split shorter than ``window`` are left out with one warning naming each. Each process keeps at
+    Files of the split shorter than ``window`` are left out with one warning naming them (the first
+    ``SHORT_NAMED``; the rest counted). Each process keeps at
     most ``max_open`` files open (least recently used closed first).
     """
 
@@ -53,10 +56,12 @@ class H5WindowDataset(Dataset):
         if not self.entries:
             longest = max(e.frames for e in entries)
             raise DataError(f"{manifest.path}: window {window} is longer than every '{split}' file (longest: {longest} frames)")
-        for e in entries:
-            if e.frames < window:
-                warnings.warn(f"{manifest.resolve(e)}: {e.frames} frames < window {window}; left out of '{split}'",
-                              stacklevel=2)
+        short = [e for e in entries if e.frames < window]
+        if short:  # one warning for all, naming the first few: thousands of short clips would be thousands of lines
+            named = ", ".join(f"{manifest.resolve(e)} ({e.frames} frames)" for e in short[:SHORT_NAMED])
+            more = f" and {len(short) - SHORT_NAMED} more" if len(short) > SHORT_NAMED else ""
+            warnings.warn(f"{len(short)} '{split}' file(s) shorter than the window of {window} frames, left out: "
+                          f"{named}{more}", stacklevel=2)
         self.paths = [str(manifest.resolve(e)) for e in self.entries]
         self.frames = [e.frames for e in self.entries]
         self.max_open = max(1, max_open)

@@ -133,3 +133,35 @@ def test_a_frame_by_frame_codec_is_written_in_chunks_equal_to_one_call(tmp_path,
         assert np.array_equal(f["latents"][...], codec.encode(frames).astype(np.float16))
         assert f["actions"][...].tolist() == list(range(7))
     assert not (tmp_path / "x.h5.tmp").exists()
+
+
+def _pixel_file(path, frames: int = 3):
+    write_latents(path, PixelCodec(size=16), np.random.default_rng(4).integers(0, 256, (frames, 16, 16, 3), np.uint8))
+    return path
+
+
+@pytest.mark.parametrize("kind", ["folder", "file parent", "the input"])
+def test_decode_refuses_a_bad_out_before_decoding_with_one_line(tmp_path, capsys, kind):
+    """Each was found only when the video was written (a folder: "Is a directory" and an imageio traceback), or
+    not at all (an h5 file named x.gif decoded onto itself)."""
+    data = _pixel_file(tmp_path / "x.gif") if kind == "the input" else _pixel_file(tmp_path / "x.h5")
+    before = data.read_bytes()
+    out = {"folder": tmp_path / "dir.gif", "file parent": tmp_path / "x.h5/v.gif", "the input": data}[kind]
+    if kind == "folder":
+        out.mkdir()
+    expected = {"folder": f"{out}: is a folder, not a file to write (--out)",
+                "file parent": f"{out}: cannot be created, {data} is not a folder (--out)",
+                "the input": f"{out}: is the input file {data}; writing it (--out) would destroy it"}[kind]
+    assert main(["data", "decode", str(data), "--out", str(out)]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"error: {expected}"]  # and no traceback
+    assert data.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["dir.gif", data.name] if kind == "folder" else [data.name])
+
+
+def test_decode_refuses_non_finite_latents(tmp_path, capsys):
+    data = _pixel_file(tmp_path / "x.h5")
+    with h5py.File(data, "r+") as f:
+        f["latents"][1, 0, 0, 0] = np.nan
+    assert main(["data", "decode", str(data), "--out", str(tmp_path / "v.gif")]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"error: {data}: dataset 'latents' has NaN/inf values (first at frame 1)"]
+    assert not (tmp_path / "v.gif").exists()

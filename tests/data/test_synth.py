@@ -122,6 +122,16 @@ def test_a_bad_val_fraction_is_refused_before_rendering(tmp_path):
     assert not (tmp_path / "out").exists()  # nothing rendered or written
 
 
+def test_bad_distractors_are_refused_before_the_folder_is_made(tmp_path, capsys):
+    from lwm.cli import main as lwm
+
+    out = tmp_path / "out"
+    assert lwm(["data", "synth", "--out", str(out), "--episodes", "2", "--frames", "4", "--size", "32",
+                "--distractors", "9"]) == 2
+    assert capsys.readouterr().err.splitlines() == ["error: distractors must lie in 0..4, got 9"]
+    assert not out.exists()  # no empty folder left behind
+
+
 def test_make_dataset(tmp_path):
     out = tmp_path / "synth"
     manifest_path = make_dataset(out, episodes=8, frames=6, seed=1, val_fraction=0.25)

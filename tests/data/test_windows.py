@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 from lwm.data.h5 import DataError
 from lwm.data.manifest import Manifest, ManifestEntry, index_directory
 from lwm.data.windows import MISSING, FileBatchSampler, H5WindowDataset, collate_windows, inclusion_probabilities, systematic_pps
-from tests.data.conftest import action_pattern, pattern
+from tests.data.conftest import action_pattern, pattern, write_h5
 
 WINDOW = 4
 
@@ -48,13 +48,25 @@ def expected_item(ds: H5WindowDataset, spec: dict, index: int, start: int) -> di
 # ---------------------------------------------------------------- H5WindowDataset
 
 
+def test_many_short_files_are_one_warning_naming_the_first_ten(tmp_path):
+    for i in range(13):
+        write_h5(tmp_path / f"s{i:02d}.h5", 3)
+    write_h5(tmp_path / "long.h5", 20)
+    m = index_directory(tmp_path, val_fraction=0.0)
+    with pytest.warns(UserWarning) as rec:
+        H5WindowDataset(m, "train", WINDOW)
+    ours = [str(r.message) for r in rec if "left out" in str(r.message)]
+    assert len(ours) == 1 and ours[0].startswith("13 'train' file(s) shorter than the window of 4 frames, left out: ")
+    assert ours[0].count("(3 frames)") == 10 and ours[0].endswith(" and 3 more"), ours[0]
+
+
 def test_short_file_left_out_with_one_warning(manifest, window_files):
     d, _ = window_files
     with pytest.warns(UserWarning) as rec:
         ds = H5WindowDataset(manifest, "train", WINDOW)
     ours = [r for r in rec if "left out" in str(r.message)]
     assert len(ours) == 1
-    assert str((d / "d.h5").resolve()) in str(ours[0].message) and "3 frames < window 4" in str(ours[0].message)
+    assert str(ours[0].message) == f"1 'train' file(s) shorter than the window of 4 frames, left out: {(d / 'd.h5').resolve()} (3 frames)"
     assert [os.path.basename(p) for p in ds.paths] == ["a.h5", "b.h5", "c.h5"]
     assert ds.frames == [40, 23, 100]
     assert all(os.path.isabs(p) and os.path.isfile(p) for p in ds.paths)
