@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from lwm.data.windows import nonfinite_windows
 from lwm.errors import ArgumentParser, DataError, first_line
 
 SAMPLING = ("frequency", "uniform")
@@ -165,7 +166,11 @@ def collect(model, loader, device: torch.device, max_windows: int | None = None)
     quantizers = model.quantizers
     dictionaries = {name: CodeDictionary(q.codebook_sizes) for name, q in quantizers.items()}
     windows = 0
+    paths = getattr(getattr(loader, "dataset", None), "paths", None)
     for batch in loader:
+        if paths is not None and (bad := nonfinite_windows(batch, paths)):  # they would count as codes
+            raise DataError(f"non-finite latents (NaN/inf) in {len(bad)} window(s): {', '.join(bad[:5])}; run "
+                            f"`lwm data index` on the folder again")
         x = batch["latents"].to(device).float()  # float16 files stay float16 through the loader
         if max_windows is not None:
             x = x[: max_windows - windows]

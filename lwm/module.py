@@ -257,6 +257,7 @@ class WorldModelModule(L.LightningModule):
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
         """The loss, and the batch's codes for the monitoring callbacks (``outputs`` of their batch hooks)."""
         x = batch["latents"]  # [B, T, C, H, W]
+        self._last_batch = batch  # a reference, to name bad windows if the run stops on non-finite steps
         out = self.model.compute(x, self.global_step, generator=self.step_generator(x.device, batch_idx))
         self.log_dict({f"Train_{k}": v for k, v in out.logs.items()}, batch_size=x.shape[0])
         self.log("Train_Total/skipped_steps", self._skipped_tensor(x.device), batch_size=x.shape[0])
@@ -332,8 +333,19 @@ class WorldModelModule(L.LightningModule):
         if in_a_row >= self.max_nonfinite:
             raise NonFiniteLossError(
                 f"{in_a_row} consecutive steps had a non-finite loss or gradient (last at global step "
-                f"{self.global_step}); stopped. The last checkpoint is intact: lower optim.lr, check the data "
-                f"(`lwm data index`), or raise model.max_nonfinite")
+                f"{self.global_step}); stopped. {self._bad_windows_said()}The last checkpoint is intact: lower "
+                f"optim.lr, check the data (`lwm data index`), or raise model.max_nonfinite")
+
+    def _bad_windows_said(self) -> str:
+        """The windows of the last training batch holding NaN/inf, named (a file gone bad after indexing), or ""."""
+        from lwm.data.windows import nonfinite_windows
+
+        batch = getattr(self, "_last_batch", None)
+        dataset = getattr(getattr(self._trainer, "datamodule", None), "train_set", None) if self._trainer else None
+        if batch is None or "file_index" not in batch or getattr(dataset, "paths", None) is None:
+            return ""
+        bad = nonfinite_windows(batch, dataset.paths)
+        return f"The last batch has non-finite latents: {', '.join(bad[:5])}. " if bad else ""
 
     # ----------------------------------------------------------------------------------------------
     def _evaluate(self, batch: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:

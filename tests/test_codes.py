@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from types import SimpleNamespace
 
+import h5py
+import numpy as np
 import pytest
 import torch
 
@@ -72,6 +76,16 @@ def test_lwm_codes_equals_the_dictionaries_written_at_the_end_of_fit(tmp_path, c
     assert main(["codes", "--ckpt_path", str(tmp_path / "missing.ckpt")]) == 2
     with pytest.warns(UserWarning, match="data.window = 5, but .* was trained on 6-frame windows"):
         assert main([*args, "--data.window=5"]) == 0  # another window: other codes, said
+    bad = tmp_path / "bad"
+    shutil.copytree(tmp_path / "data", bad)  # (this process may still hold the originals open)
+    entry = next(e for e in json.loads(manifest.read_text())["files"] if e["split"] == "train")
+    victim = bad / entry["path"]
+    with h5py.File(victim, "r+") as f:  # goes bad after indexing: its windows would count as codes
+        f["latents"][1] = np.inf
+    capsys.readouterr()
+    assert main([*args, f"--data.manifest={bad / manifest.name}"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "non-finite latents (NaN/inf) in" in errors[0] and str(victim.resolve()) in errors[0], errors
 
 
 def test_merge_adds_the_other_dictionarys_counts():

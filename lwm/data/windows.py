@@ -29,6 +29,17 @@ MAX_OPEN_FILES = 64  # h5 handles one process keeps open (least recently used cl
 # each handle's chunk cache stay bounded however many files the dataset has
 
 
+
+def nonfinite_windows(batch: dict[str, torch.Tensor], paths: list[str]) -> list[str]:
+    """The windows of a batch (of :class:`H5WindowDataset` samples) whose latents hold NaN or inf, as
+    ``"PATH (frames a..b)"``: files gone bad after ``lwm data index`` checked them. Syncs with the device: for
+    paths that read every batch anyway, or once a step has failed."""
+    x = batch["latents"]
+    bad = (~torch.isfinite(x).flatten(1).all(1)).nonzero().flatten().tolist()
+    T = x.shape[1]
+    return [f"{paths[int(batch['file_index'][i])]} (frames {int(batch['start'][i])}..{int(batch['start'][i]) + T - 1})"
+            for i in bad]
+
 SHORT_NAMED = 10  # short files named in the warning; the rest are counted
 
 class H5WindowDataset(Dataset):

@@ -181,6 +181,7 @@ def test_non_finite_data_stops_the_cli_with_one_line_and_keeps_the_checkpoint(tm
                "--data.val_size_percent=0", "--model.max_nonfinite=3", "--ckpt_path=last") == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(err) == 1 and "3 consecutive steps had a non-finite loss or gradient" in err[0]
+    assert "The last batch has non-finite latents: " in err[0] and ".h5 (frames " in err[0], err  # named
     last = torch.load(root / "checkpoints/last.ckpt", weights_only=True)
     good = torch.load(root / "checkpoints/step=0000004.ckpt", weights_only=True)
     assert good["lwm_skipped_steps"] == 0 and last["lwm_skipped_steps"] >= 1  # the count survives resumes
