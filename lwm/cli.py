@@ -63,6 +63,7 @@ def lightning_cli_class() -> type:
     from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
     from lightning.pytorch.plugins.io import CheckpointIO
     from lightning.pytorch.strategies import DeepSpeedStrategy
+    from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
     from lwm.callbacks import (
         AttentionDiagonality, CodebookMonitor, CodeDictionaries, CopyLastBaseline, DeadCodeRevival, FlopCounter,
@@ -70,7 +71,7 @@ def lightning_cli_class() -> type:
     )
     from lwm.checkpoint import AtomicCheckpointIO, ModelCheckpoint, read_checkpoint, warn_window_mismatch
     from lwm.data.datamodule import LatentDataModule
-    from lwm.loggers import WandbConfig, make_loggers
+    from lwm.loggers import WandbConfig, make_loggers, run_log_dir
     from lwm.module import WorldModelModule
 
     class LwmCLI(LightningCLI):
@@ -180,8 +181,12 @@ def lightning_cli_class() -> type:
                 return
             if path == "last":
                 last = self._checkpoint_path(config)
-                if sub != "fit" and not (os.path.isfile(last) or os.path.isdir(last)):  # a directory: DeepSpeed's
-                    raise ConfigError(f"--ckpt_path last: no checkpoint in the run ({last} does not exist)")
+                if not (os.path.isfile(last) or os.path.isdir(last)):  # a directory: DeepSpeed's
+                    if sub != "fit":
+                        raise ConfigError(f"--ckpt_path last: no checkpoint in the run ({last} does not exist)")
+                    # (Lightning says so too, with a hint about save_last that does not apply: lwm saves it)
+                    warnings.filterwarnings("ignore", message=r".*ckpt_path=\"last\"\) is set, but there is no last")
+                    rank_zero_info(f"--ckpt_path last: no {last} yet, so this fit starts a new run")
                 return
             if os.path.isdir(path) or not _is_local_file_protocol(str(path)):  # DeepSpeed's; a remote one (fsspec)
                 return
@@ -249,6 +254,11 @@ def lightning_cli_class() -> type:
             if not deepspeed and not any(isinstance(p, CheckpointIO) for p in plugins):
                 kwargs.setdefault("plugins", plugins + [AtomicCheckpointIO()])
             return super().instantiate_trainer(**kwargs)
+
+        def _run_subcommand(self, subcommand: str) -> None:
+            super()._run_subcommand(subcommand)
+            if subcommand in ("validate", "test", "predict") and self.trainer.is_global_zero:
+                rank_zero_info(f"lwm {subcommand}: its files are in {run_log_dir(self.trainer)}")  # not RUN_DIR itself
 
         def _instantiate_trainer(self, config: dict[str, Any], callbacks: list) -> Any:
             # The rich progress bar and summary are on by default; the trainer's switches turn them off.

@@ -4,6 +4,7 @@ error line (exit 2) for each kind of bad input, before any training starts."""
 from __future__ import annotations
 
 import json
+import logging
 
 import h5py
 import pytest
@@ -83,14 +84,16 @@ def test_a_checkpoint_brings_its_own_model_shape_or_is_refused_by_field(trained,
     assert ((root / "checkpoints/last.ckpt").read_bytes(), (root / "metrics.csv").read_bytes()) == before
 
 
-def test_validate_with_another_window_than_the_checkpoints_says_so(trained, recwarn):
+def test_validate_with_another_window_than_the_checkpoints_says_so(trained, recwarn, caplog):
     manifest, root = trained  # trained on 6-frame windows
     assert main(tiny_args(manifest, root, "--ckpt_path=last", "--data.window=5", verb="validate")) == 0
     lines = [str(w.message) for w in recwarn if "was trained on" in str(w.message)]
     assert len(lines) == 1 and "data.window = 5, but" in lines[0] and "trained on 6-frame windows" in lines[0], lines
     recwarn.clear()
-    assert main(tiny_args(manifest, root, "--ckpt_path=last", verb="validate")) == 0
+    with caplog.at_level(logging.INFO):
+        assert main(tiny_args(manifest, root, "--ckpt_path=last", verb="validate")) == 0
     assert not [w for w in recwarn if "was trained on" in str(w.message)]
+    assert f"lwm validate: its files are in {root / 'validate'}" in caplog.text  # where, said
 
 
 def test_a_resumed_fit_keeps_the_configs_settings_and_may_change_what_is_not_shape(tmp_path, capsys):
@@ -312,12 +315,15 @@ def test_four_validations_per_epoch_without_a_config(tmp_path, capsys):
     assert "  val_check_interval: 0.25\n" in capsys.readouterr().out
 
 
-def test_lightning_verbs_edge_cases(tmp_path):
-    """A fit with --ckpt_path last and no checkpoint yet starts fresh (the SLURM script's first start); a
-    val_check_interval equal to the epoch's batches passes the early check; validate --ckpt_path last takes the
-    checkpoint's model shape over the config's."""
+def test_lightning_verbs_edge_cases(tmp_path, caplog, recwarn):
+    """A fit with --ckpt_path last and no checkpoint yet starts fresh (the SLURM script's first start) and says
+    so (without Lightning's save_last hint); a val_check_interval equal to the epoch's batches passes the early
+    check; validate --ckpt_path last takes the checkpoint's model shape over the config's."""
     manifest = make_dataset(tmp_path / "data", files=4)  # 2 training batches per epoch at the tiny args
-    assert run(manifest, tmp_path / "fresh", "--trainer.max_steps=1", "--ckpt_path=last") == 0
+    with caplog.at_level(logging.INFO):
+        assert run(manifest, tmp_path / "fresh", "--trainer.max_steps=1", "--ckpt_path=last") == 0
+    assert "this fit starts a new run" in caplog.text
+    assert not [w for w in recwarn if "save_last=True" in str(w.message)]
     assert run(manifest, tmp_path / "equal", "--trainer.max_steps=2", "--trainer.val_check_interval=2") == 0
     assert main(tiny_args(manifest, tmp_path / "fresh", "--ckpt_path=last", "--model.net.d_model=64",
                           verb="validate")) == 0
