@@ -258,7 +258,8 @@ class WorldModelModule(L.LightningModule):
         """The loss, and the batch's codes for the monitoring callbacks (``outputs`` of their batch hooks)."""
         x = batch["latents"]  # [B, T, C, H, W]
         self._last_batch = batch  # a reference, to name bad windows if the run stops on non-finite steps
-        out = self.model.compute(x, self.global_step, generator=self.step_generator(x.device, batch_idx))
+        out = self.model.compute(x, self.global_step, generator=self.step_generator(x.device, batch_idx),
+                                 world_phase=self.model.world_phase(self.global_step))
         self.log_dict({f"Train_{k}": v for k, v in out.logs.items()}, batch_size=x.shape[0])
         self.log("Train_Total/skipped_steps", self._skipped_tensor(x.device), batch_size=x.shape[0])
         return {"loss": out.loss, **self._codes(out)}
@@ -350,7 +351,8 @@ class WorldModelModule(L.LightningModule):
     # ----------------------------------------------------------------------------------------------
     def _evaluate(self, batch: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
         x = batch["latents"]
-        out = self.model.compute(x, step=None, t0=0)  # eval mode: no token mask, no codebook update
+        # eval mode: no token mask, no codebook update; the world as training gives it at the weights' step
+        out = self.model.compute(x, step=None, t0=0, world_phase=self.model.world_phase(self.weights_step))
         for key, value in out.logs.items():
             metric = self.val_metrics[_metric_name(key)]
             metric.update(value, weight=x.shape[0])

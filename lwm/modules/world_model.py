@@ -172,6 +172,9 @@ class WorldModelConfig:
     dead_code_steps: int = 100  # a code unused for this many updates is dead (replaced by ``revive``)
     activation_checkpointing: bool = False  # recompute every ST block's activations in the backward: less memory
     temporal_attention: str = "sdpa"  # temporal attention kernel: sdpa | matmul | triton (the same function; speed differs)
+    # Optional world-token warm-up (not the requirement's, off by default): the predictor first trains this many
+    # steps without the world token, then this many with the world encoder's output unquantized, then with the code.
+    world_curriculum: tuple[int, int] = (0, 0)
 
     # The fields that decide the parameters' and buffers' shapes (a checkpoint loads only where they agree).
     SHAPE_FIELDS: ClassVar[tuple[str, ...]] = (
@@ -212,6 +215,9 @@ class WorldModelConfig:
             problems.append(f"max_time_offset must be >= 0, got {self.max_time_offset}")
         if not (0.0 <= self.ema_decay_start < 1.0 and 0.0 <= self.ema_decay_end < 1.0):
             problems.append(f"ema_decay_start/ema_decay_end must lie in [0, 1), got {self.ema_decay_start}, {self.ema_decay_end}")
+        if len(self.world_curriculum) != 2 or any(int(n) < 0 for n in self.world_curriculum):
+            problems.append(f"world_curriculum must be two step counts >= 0 (without, then unquantized), got "
+                            f"{tuple(self.world_curriculum)}")
         if self.temporal_attention not in ATTENTION_KERNELS:
             problems.append(f"temporal_attention must be one of {ATTENTION_KERNELS}, got {self.temporal_attention!r}")
         if problems:
@@ -420,6 +426,27 @@ class WorldModel(nn.Module):
                 frames.append(self.detokenize(out)[:, 0])
         return torch.stack(frames[c:], dim=1)
 
+    def world_phase(self, step: int | None) -> str:
+        """What the predictor gets for the world at global ``step`` under ``world_curriculum`` (a pure function of
+        the step): ``"off"`` (nothing: the world token is left out), ``"unquantized"`` (the world encoder's output
+        itself), ``"quantized"`` (its code, the requirement's; always for ``step=None``)."""
+        off, unquantized = (int(n) for n in self.config.world_curriculum)
+        if step is None or step >= off + unquantized:
+            return "quantized"
+        return "off" if step < off else "unquantized"
+
+    @staticmethod
+    def world_input(world: RVQOutput, phase: str) -> Tensor:
+        """The world vector the predictor gets in a :meth:`world_phase`: the code (straight-through to the encoder),
+        the encoder's output (the same gradient path, the code's value taken out), or zeros."""
+        if phase == "quantized":
+            return world.quantized
+        if phase == "unquantized":  # value z_e, gradient as through the straight-through code
+            return world.quantized - (world.quantized - world.inputs).detach()
+        if phase == "off":
+            return torch.zeros_like(world.quantized)
+        raise ValueError(f"world phase must be off, unquantized or quantized, got {phase!r}")
+
     def forward(self, x: Tensor, step: int | Tensor, t0: int | Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
         """Training/validation loss of a batch ``x [B, T, C, H, W]`` at global ``step`` -> ``(loss, logs)``."""
         out = self.compute(x, step, t0)
@@ -427,7 +454,7 @@ class WorldModel(nn.Module):
 
     def compute(
         self, x: Tensor, step: int | Tensor | None, t0: int | Tensor | None = None,
-        generator: torch.Generator | None = None, reuse_prefix: bool = True,
+        generator: torch.Generator | None = None, reuse_prefix: bool = True, world_phase: str = "quantized",
     ) -> WorldModelOutput:
         """Everything ``forward`` computes, with the codes and per-pass predictions kept for callbacks.
 
@@ -435,7 +462,9 @@ class WorldModel(nn.Module):
         and ``t0=None`` draws a random temporal-PE start per sample; in eval mode ``t0=None`` means 0.
         ``generator`` (on ``x``'s device) draws the token mask and the PE start; None: the global RNG.
         ``reuse_prefix=False`` recomputes the positions of each rollout pass that equal the previous pass's
-        (the same loss and gradients, more compute: the reference the tests compare against).
+        (the same loss and gradients, more compute: the reference the tests compare against). ``world_phase``:
+        what the predictor gets for the world (:meth:`world_phase`; the encoder, its quantizer and commitment loss
+        run in every phase, so the codebook follows the encoder before the predictor ever sees a code).
         """
         self.check_frames(x, min_frames=self.min_frames)
         B, T = x.shape[:2]
@@ -448,6 +477,7 @@ class WorldModel(nn.Module):
         mask = self.sample_token_mask(B, T, x.device, generator)  # [B, T, N] or None
         z_masked = self.apply_token_mask(z_raw, mask) + pe
         world = self.world_encoder(z_masked, step)  # [B, Dh]
+        world_in = self.world_input(world, world_phase)  # [B, Dh]: the code, unless a warm-up phase
 
         # Pass k (0: teacher forcing) feeds [x_0, pass k-1's predictions of frames 1..T-2]. By the requirement's
         # proof its first k positions get the same inputs as pass k-1's, so (causal predictor) the same outputs
@@ -467,7 +497,7 @@ class WorldModel(nn.Module):
                 if s == 0:
                     fed = torch.cat([z_raw[:, :1], fed], dim=1)
                 inputs = self.apply_token_mask(fed, None if mask is None else mask[:, s:L]) + pe[..., s:L, :, :]
-            out, cache = self.dynamics(inputs, actions.quantized[:, s:], world.quantized, past=past)
+            out, cache = self.dynamics(inputs, actions.quantized[:, s:], world_in, past=past)
             new = self.detokenize(out)  # [B, L - s, C, H, W]: predictions of frames s+1..T-1
             pred = new if s == 0 else torch.cat([predictions[-1][:, :s], new], dim=1)
             predictions.append(pred)

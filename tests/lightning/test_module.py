@@ -332,3 +332,27 @@ def test_step_randomness_depends_on_step_and_rank():
     assert torch.equal(draw(3, 0), draw(3, 0))
     assert not torch.equal(draw(3, 0), draw(4, 0))
     assert not torch.equal(draw(3, 0), draw(3, 1))
+
+
+def test_the_world_curriculum_follows_the_global_step_in_training_and_validation(tmp_path, monkeypatch):
+    """model.net.world_curriculum=[2, 2]: steps 0-1 without the world token, 2-3 unquantized, then the code; a
+    validation gives the world as training does at the weights' step (validations after steps 2, 4, 6)."""
+    from lwm.modules.world_model import WorldModel
+
+    calls = []
+    original = WorldModel.compute
+
+    def spy(self, x, step, *args, **kwargs):
+        calls.append((self.training and step is not None, kwargs.get("world_phase")))
+        return original(self, x, step, *args, **kwargs)
+
+    monkeypatch.setattr(WorldModel, "compute", spy)
+    manifest = make_dataset(tmp_path / "data", files=4)
+    assert run(manifest, tmp_path / "run", "--trainer.max_steps=6", "--model.net.world_curriculum=[2, 2]",
+               "--trainer.val_check_interval=2", "--trainer.check_val_every_n_epoch=null",
+               "--data.val_size_percent=0.5") == 0
+    training = [phase for train, phase in calls if train]
+    assert training == ["off", "off", "unquantized", "unquantized", "quantized", "quantized"]
+    validation = [phase for train, phase in calls if not train and phase is not None]
+    per = len(validation) // 3  # the same batches each time
+    assert validation == ["unquantized"] * per + ["quantized"] * 2 * per and per >= 1, validation

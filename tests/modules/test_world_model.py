@@ -365,6 +365,8 @@ def test_bad_inputs_name_the_argument():
         (dict(rollout_weights=()), "rollout_weights"),
         (dict(depth_action=0), "depth"),
         (dict(temporal_attention="flash"), "temporal_attention"),
+        (dict(world_curriculum=(-1, 0)), "world_curriculum"),
+        (dict(world_curriculum=(5,)), "world_curriculum"),
     ],
 )
 def test_bad_config_names_the_field(overrides, field):
@@ -488,3 +490,47 @@ def test_rollout_gradient_flows_through_the_fed_predictions():
     r1 = (out.predictions[1][:, 1:] - x[:, 2:]).pow(2).mean()
     (g,) = torch.autograd.grad(r1, out.predictions[0], allow_unused=True)
     assert g is not None and g[:, :-1].abs().amax() > 0
+
+
+# --------------------------------------------------------------------------------------------------
+# World-token warm-up (world_curriculum): off, then unquantized, then the code
+# --------------------------------------------------------------------------------------------------
+def test_world_phase_is_a_pure_function_of_the_step():
+    model = tiny_model(world_curriculum=(3, 2))
+    assert [model.world_phase(s) for s in range(7)] == ["off"] * 3 + ["unquantized"] * 2 + ["quantized"] * 2
+    assert model.world_phase(None) == "quantized"
+    assert {tiny_model().world_phase(s) for s in (0, 1, 10**6)} == {"quantized"}  # the default: the requirement's
+
+
+def test_world_input_values_and_gradients_in_each_phase():
+    from lwm.modules.rvq import ResidualVectorQuantizer
+
+    rvq = ResidualVectorQuantizer(8, (4, 4)).eval()
+    for phase, expected in (("quantized", "code"), ("unquantized", "z"), ("off", "zeros")):
+        z = torch.randn(3, 8, requires_grad=True)
+        out = rvq(z)
+        w = WorldModel.world_input(out, phase)
+        want = {"code": out.quantized, "z": z, "zeros": torch.zeros_like(z)}[expected]
+        assert torch.allclose(w, want, atol=1e-6)
+        if phase == "off":
+            assert not w.requires_grad  # the predictor's loss reaches no world encoder
+        else:  # straight-through: the predictor's gradient reaches the encoder unchanged
+            (w * torch.arange(8.0)).sum().backward()
+            assert torch.equal(z.grad, torch.arange(8.0).expand(3, 8))
+    assert not torch.allclose(rvq(z).quantized, z, atol=1e-3)  # the code is not the input: the phases differ
+    with pytest.raises(ValueError, match="world phase"):
+        WorldModel.world_input(out, "later")
+
+
+def test_without_the_world_token_predictions_do_not_depend_on_the_world_encoder():
+    """Phase off: perturbing the world encoder changes no prediction; with the code or unquantized it does."""
+    x = clip(T=6)
+    for phase, depends in (("off", False), ("unquantized", True), ("quantized", True)):
+        model = tiny_model(mask_prob=0.0).eval()
+        before = model.compute(x, step=None, t0=0, world_phase=phase).predictions
+        with torch.no_grad():
+            for p in model.world_encoder.parameters():
+                p.add_(torch.randn_like(p) * 0.5)
+        after = model.compute(x, step=None, t0=0, world_phase=phase).predictions
+        same = all(torch.equal(a, b) for a, b in zip(before, after))
+        assert same != depends, phase
