@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -32,6 +33,7 @@ from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
 from lwm.callbacks.schedule import is_logging_step
+from lwm.data.windows import nonfinite_mask, nonfinite_windows, window_name
 from lwm.errors import ConfigError, NonFiniteLossError
 from lwm.modules.world_model import WorldModel, WorldModelConfig
 from lwm.seeds import seeded_generator
@@ -339,8 +341,6 @@ class WorldModelModule(L.LightningModule):
 
     def _bad_windows_said(self) -> str:
         """The windows of the last training batch holding NaN/inf, named (a file gone bad after indexing), or ""."""
-        from lwm.data.windows import nonfinite_windows
-
         batch = getattr(self, "_last_batch", None)
         dataset = getattr(getattr(self._trainer, "datamodule", None), "train_set", None) if self._trainer else None
         if batch is None or "file_index" not in batch or getattr(dataset, "paths", None) is None:
@@ -351,6 +351,8 @@ class WorldModelModule(L.LightningModule):
     # ----------------------------------------------------------------------------------------------
     def _evaluate(self, batch: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
         x = batch["latents"]
+        if "file_index" in batch:  # [B, 3]: non-finite?, file, start; read once, at the end (no sync per batch)
+            self._eval_windows.append(torch.stack([nonfinite_mask(x).long(), batch["file_index"], batch["start"]], 1))
         # eval mode: no token mask, no codebook update; the world as training gives it at the weights' step
         out = self.model.compute(x, step=None, t0=0, world_phase=self.model.world_phase(self.weights_step))
         for key, value in out.logs.items():
@@ -375,11 +377,33 @@ class WorldModelModule(L.LightningModule):
             self.log(f"{prefix}_Dynamics_Predictor/tf_psnr", 10.0 * torch.log10(1.0 / mse), on_step=False, on_epoch=True,
                      rank_zero_only=True)
 
+    def on_validation_epoch_start(self) -> None:
+        self._eval_windows = []
+
+    on_test_epoch_start = on_validation_epoch_start
+
     def on_validation_epoch_end(self) -> None:
         self._log_psnr("Val")
+        self._warn_nonfinite_windows("Val")
 
     def on_test_epoch_end(self) -> None:
         self._log_psnr("Test")
+        self._warn_nonfinite_windows("Test")
+
+    def _warn_nonfinite_windows(self, prefix: str) -> None:
+        """Name (warn) this rank's evaluated windows that hold NaN/inf, which make the epoch's metrics NaN: files
+        gone bad after `lwm data index` checked them. One host read per evaluation."""
+        windows, self._eval_windows = getattr(self, "_eval_windows", []), []
+        dataset = getattr(getattr(self._trainer, "datamodule", None), "val_set", None) if self._trainer else None
+        if not windows or getattr(dataset, "paths", None) is None:
+            return
+        rows = torch.cat(windows).cpu()
+        bad = rows[rows[:, 0] == 1].tolist()
+        if bad:
+            named = ", ".join(window_name(dataset.paths, f, s, dataset.window) for _, f, s in bad[:5])
+            warnings.warn(f"{len(bad)} {prefix.lower()} window(s) hold non-finite latents (NaN/inf), so the {prefix}_* "
+                          f"metrics are NaN: {named}{' ...' if len(bad) > 5 else ''}; run `lwm data index` on the "
+                          f"folder again", stacklevel=2)
 
     def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
         """The codes of each window: action indices ``[B, T-1, La]``, world indices ``[B, Lh]``."""

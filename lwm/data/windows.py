@@ -35,10 +35,17 @@ def nonfinite_windows(batch: dict[str, torch.Tensor], paths: list[str]) -> list[
     ``"PATH (frames a..b)"``: files gone bad after ``lwm data index`` checked them. Syncs with the device: for
     paths that read every batch anyway, or once a step has failed."""
     x = batch["latents"]
-    bad = (~torch.isfinite(x).flatten(1).all(1)).nonzero().flatten().tolist()
-    T = x.shape[1]
-    return [f"{paths[int(batch['file_index'][i])]} (frames {int(batch['start'][i])}..{int(batch['start'][i]) + T - 1})"
-            for i in bad]
+    bad = nonfinite_mask(x).nonzero().flatten().tolist()
+    return [window_name(paths, int(batch["file_index"][i]), int(batch["start"][i]), x.shape[1]) for i in bad]
+
+
+def nonfinite_mask(latents: torch.Tensor) -> torch.Tensor:
+    """``[B]`` bool, on the latents' device (no sync): which windows ``[B, T, ...]`` hold NaN or inf."""
+    return ~torch.isfinite(latents).flatten(1).all(1)
+
+
+def window_name(paths: Sequence[str], file_index: int, start: int, frames: int) -> str:
+    return f"{paths[file_index]} (frames {start}..{start + frames - 1})"
 
 SHORT_NAMED = 10  # short files named in the warning; the rest are counted
 

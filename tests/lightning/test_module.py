@@ -190,6 +190,28 @@ def test_non_finite_data_stops_the_cli_with_one_line_and_keeps_the_checkpoint(tm
         assert torch.equal(value, last["state_dict"][key]), key
 
 
+def test_validate_on_data_gone_bad_names_the_windows(tmp_path, recwarn):
+    """`lwm validate` on a file that went NaN after indexing: the metrics are NaN (it says nothing else), so it
+    warns once, naming the windows; with good data it says nothing."""
+    import json
+    import shutil
+
+    manifest = make_dataset(tmp_path / "data", files=4)
+    root = tmp_path / "run"
+    assert run(manifest, root, "--trainer.max_steps=2", "--data.val_size_percent=0") == 0
+    assert run(manifest, root, "--ckpt_path=last", verb="validate") == 0
+    assert not [w for w in recwarn if "non-finite latents" in str(w.message)]
+    bad = tmp_path / "bad"
+    shutil.copytree(tmp_path / "data", bad)
+    entry = next(e for e in json.loads(manifest.read_text())["files"] if e["split"] == "val")
+    with h5py.File(bad / entry["path"], "r+") as f:
+        f["latents"][0] = np.nan
+    assert run(bad / manifest.name, root, "--ckpt_path=last", verb="validate") == 0
+    said = [str(w.message) for w in recwarn if "non-finite latents" in str(w.message)]
+    assert len(said) == 1 and str((bad / entry["path"]).resolve()) + " (frames 0..5)" in said[0], said
+    assert "so the Val_* metrics are NaN" in said[0]
+
+
 def test_checkpoint_loads_with_weights_only(tmp_path):
     manifest = make_dataset(tmp_path / "data", files=4)
     assert run(manifest, tmp_path / "run", "--trainer.max_steps=3", "--data.val_size_percent=0") == 0
