@@ -179,6 +179,10 @@ def run(args: argparse.Namespace) -> Path:
             idx = dictionaries["World_Encoder"].sample((R,), args.sampling, draws)
             world = quantizers["World_Encoder"].decode_indices(idx.to(device))
         else:
+            if trained and world_clip.shape[1] < trained:
+                print(f"warning: --world inferred from {world_clip.shape[1]} frames of {args.data} (from --start "
+                      f"{args.start}); training inferred it from {trained}: the code may differ from a whole "
+                      f"window's", file=sys.stderr)
             world = model.encode_world(world_clip).quantized.expand(R, -1)
 
         if args.action_indices:

@@ -126,6 +126,18 @@ def test_the_inferred_world_does_not_depend_on_the_number_of_steps(trained):
     assert np.allclose(short[0], long[0, :4], atol=1e-6)
 
 
+def test_a_world_inferred_from_fewer_frames_than_training_says_so(trained, capsys):
+    tmp, ckpt, data = trained  # trained on 6-frame windows
+    with h5py.File(data) as f:
+        frames = f["latents"].shape[0]
+    capsys.readouterr()
+    _generate(ckpt, data, tmp / "few.gif", "--start", str(frames - 3), "--steps", "2", "--rollouts", "1",
+              "--actions", "random")
+    assert "warning: --world inferred from 3 frames" in capsys.readouterr().err
+    _generate(ckpt, data, tmp / "all.gif", "--steps", "2", "--rollouts", "1", "--actions", "random")
+    assert "--world inferred from" not in capsys.readouterr().err
+
+
 def _error_lines(capsys) -> list[str]:
     return [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
 
