@@ -101,6 +101,9 @@ def inspect_h5(
         label = f.attrs.get("world_label")
         if label is not None:
             label = parse_world_label(label, path)
+        elif "world_label" in f:  # written as a dataset: it would be ignored without a word
+            raise DataError(f"{path}: 'world_label' is a dataset; lwm reads an integer attribute "
+                            f"(h5py: f.attrs['world_label'] = k)")
         _check_codec(f.attrs.get("codec"), path, C, H, W)
         return H5Info(key, T, C, H, W, has_actions, label)
 

@@ -193,6 +193,13 @@ def test_world_label_not_integer(make_h5, label):
     refused(make_h5("label.h5", 5, world_label=label), "world_label")
 
 
+def test_world_label_written_as_a_dataset_is_refused_not_ignored(make_h5):
+    path = make_h5("label_ds.h5", 5)
+    with h5py.File(path, "r+") as f:
+        f["world_label"] = 3
+    refused(path, "'world_label' is a dataset; lwm reads an integer attribute")
+
+
 def test_world_label_fractional_refused(make_h5):
     refused(make_h5("label_frac.h5", 5, world_label=2.5), "world_label")
 
