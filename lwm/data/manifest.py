@@ -89,6 +89,16 @@ class Manifest:
             raw = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise DataError(f"{path}: manifest is not valid JSON ({e})") from None
+        if not isinstance(raw, dict):
+            raise DataError(f"{path}: manifest field missing or malformed (not a JSON object)")
+        version = raw.get("version", MANIFEST_VERSION)
+        if not isinstance(version, int) or version > MANIFEST_VERSION:
+            raise DataError(f"{path}: manifest version {version!r}; this lwm reads version {MANIFEST_VERSION} (index "
+                            f"the folder again, or update lwm)")
+        bad = [f for f in raw.get("files") or [] if not isinstance(f, dict) or not isinstance(f.get("path"), str)
+               or not f["path"]]
+        if bad:
+            raise DataError(f"{path}: manifest field missing or malformed (a file entry without a path: {bad[0]!r})")
         try:
             entries = [ManifestEntry(str(f["path"]), int(f["frames"]), str(f["split"]), str(f.get("key", "latents")))
                        for f in raw["files"]]

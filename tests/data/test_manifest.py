@@ -273,6 +273,23 @@ def test_load_malformed(tmp_path, doc):
     load_refused(p, "field missing or malformed")
 
 
+@pytest.mark.parametrize(("change", "message"), [
+    ({"version": 99}, "manifest version 99; this lwm reads version 1"),
+    ({"version": "1"}, "manifest version '1'"),
+    ({"path": None}, "a file entry without a path: {'path': None"),
+    ({"path": ""}, "a file entry without a path"),
+])
+def test_load_refuses_a_newer_version_and_a_pathless_entry(tmp_path, change, message):
+    raw = good_json()
+    if "version" in change:
+        raw.update(change)
+    else:
+        raw["files"][0].update(change)
+    p = tmp_path / "m.json"
+    p.write_text(json.dumps(raw))
+    load_refused(p, message)
+
+
 def test_load_key_defaults_to_latents(tmp_path):
     raw = good_json()
     del raw["files"][0]["key"]
