@@ -80,7 +80,7 @@ def make_codec(codec: str = "pixel", vae: str | Path | None = None, size: int | 
         raise DataError(f"--codec {codec}: unknown (known: {', '.join(CODECS)})")
     if codec == "pixel":
         if size is not None and (size < 2 or size % 2):
-            raise DataError(f"--size {size}: the pixel codec needs an even size")
+            raise DataError(f"--size {size}: the pixel codec needs an even size >= 2")
         return PixelCodec(size=size or 128)
     if vae is None:
         raise DataError(f"--codec {codec} needs --vae PATH, a local folder with the VAE's diffusers weights")
