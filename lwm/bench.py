@@ -401,7 +401,14 @@ def main(argv: list[str]) -> int:
                   f"batch {s.batch} x {s.window} frames of [{s.net.in_channels}, {s.net.height}, {s.net.width}], "
                   f"D={s.net.d_model}, precision {s.precision}, compile {s.compile}", soft_wrap=True)
 
+    started = time.perf_counter()
+
+    def stage(text: str) -> None:  # a line per stage: compiling and timing take minutes, in a log file too
+        console.print(f"[dim]{time.perf_counter() - started:6.1f} s  {text}[/]", soft_wrap=True, highlight=False)
+
+    stage("counting the step's FLOPs")
     flops = step_flops(s)
+    stage("timing a large matmul (the roofline)")
     matmul, matmul_what = matmul_tflops(device)
     from lightning.fabric.utilities.throughput import get_available_flops
 
@@ -415,6 +422,7 @@ def main(argv: list[str]) -> int:
     notes: list[str] = []
 
     def measure(label: str, run: Callable[[], float]) -> None:
+        stage(f"timing {label}: {args.warmup} warm-up + {args.steps} timed steps")
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
@@ -491,6 +499,8 @@ def main(argv: list[str]) -> int:
            "notes": notes, "breakdown": [], "max_batch": None}
     write_json(args.json, out)  # now, and again with each later part: a later failure keeps what was measured
 
+    if not args.no_breakdown:
+        stage("timing each part alone (the breakdown)")
     parts = [] if args.no_breakdown else breakdown(s, max(1, args.steps // 2), min(args.warmup, 2))
     if parts:
         eager = timed(plain_step(s, fast=True, compile_=False)[0], max(1, args.steps // 2), 1, device)
@@ -514,6 +524,7 @@ def main(argv: list[str]) -> int:
         else:
             # temporal attention runs batch x patches sequences: CUDA kernels launch at most 65535 such blocks
             limit = max(s.batch, 65535 // s.patches)
+            stage(f"searching the largest batch that fits (from {s.batch}, up to {limit})")
             max_batch = largest_batch(fits_on_gpu(s), start=s.batch, limit=limit)
             capped = " (the search's limit: 65535 temporal sequences)" if max_batch == limit else ""
             console.print(f"largest batch that fits: {max_batch} x {s.window} frames{capped} (fast path, "
