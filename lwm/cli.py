@@ -41,6 +41,19 @@ from lwm.errors import ArgumentParser, ConfigError, LwmError, NonFiniteLossError
 LIGHTNING_VERBS = ("fit", "validate", "test", "predict")
 
 
+def fit_resumes(ckpt_path: str | None, root: str) -> bool:
+    """Whether a fit continues a run: from ``ckpt_path`` (``last`` resolved) where that exists, or, given none, from
+    a requeue's ``RUN_DIR/hpc_ckpt_N.ckpt`` under SLURM (where Lightning resumes from it)."""
+    hpc = bool(glob.glob(os.path.join(root, "hpc_ckpt_*.ckpt")))
+    if ckpt_path == "hpc":
+        return hpc
+    if ckpt_path:
+        return os.path.exists(ckpt_path)
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    return hpc and SLURMEnvironment.detect()
+
+
 def _drop_advert(record: logging.LogRecord) -> bool:
     return "try installing [litlogger]" not in record.getMessage()
 
@@ -59,7 +72,6 @@ def lightning_cli_class() -> type:
     warnings.filterwarnings("ignore", message="You have overridden `on_after_batch_transfer` in `LightningModule`")
     for name in ("lightning.fabric.utilities.rank_zero", "lightning.pytorch.utilities.rank_zero"):
         logging.getLogger(name).addFilter(_drop_advert)  # Lightning's litlogger tip, on every run
-    from lightning.pytorch.callbacks import LearningRateMonitor
     from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
     from lightning.pytorch.plugins.io import CheckpointIO
     from lightning.pytorch.strategies import DeepSpeedStrategy
@@ -67,7 +79,8 @@ def lightning_cli_class() -> type:
 
     from lwm.callbacks import (
         AttentionDiagonality, CodebookMonitor, CodeDictionaries, CopyLastBaseline, DeadCodeRevival, FlopCounter,
-        GroundTruthProbes, ModelSummary, PredictionWriter, RolloutVideos, Sensitivity, SlurmRequeue, StepProgressBar,
+        GroundTruthProbes, LearningRateMonitor, ModelSummary, PredictionWriter, RolloutVideos, Sensitivity,
+        SlurmRequeue, StepProgressBar,
     )
     from lwm.checkpoint import AtomicCheckpointIO, ModelCheckpoint, read_checkpoint, warn_window_mismatch
     from lwm.data.datamodule import LatentDataModule
@@ -217,6 +230,7 @@ def lightning_cli_class() -> type:
             dm, trainer = self.datamodule, self.trainer
             dm.setup(self.subcommand)
             self.model.check_data(dm.frame_shape, dm.window, str(dm.manifest_path))
+            self.model.check_trainer(trainer)  # (its setup checks again, for runs without the CLI: too late here)
             if self.subcommand != "fit":
                 return
             interval = getattr(trainer, "val_check_interval", None)  # unset when validation is timed
@@ -242,9 +256,8 @@ def lightning_cli_class() -> type:
                 root = os.path.join(root, self.subcommand)
             if trainer_config.get("logger") in (None, True):
                 resume = None  # not a fit: a wandb run of its own
-                if self.subcommand == "fit":  # resumed (a checkpoint, or Lightning's SLURM hpc_ckpt): its wandb run
-                    path = self._checkpoint_path(self.config["fit"])
-                    resume = bool(path and os.path.exists(path)) or bool(glob.glob(os.path.join(root, "hpc_ckpt_*.ckpt")))
+                if self.subcommand == "fit":  # resumed: its wandb run
+                    resume = fit_resumes(self._checkpoint_path(self.config["fit"]), root)
                 kwargs.setdefault("logger", make_loggers(str(root), self._get(self.config_init, "wandb"),
                                                          strict=not self._verb_free, resume=resume))
             strategy = trainer_config.get("strategy")

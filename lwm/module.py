@@ -120,12 +120,18 @@ class WorldModelModule(L.LightningModule):
         """Check that the data fits the model before any work starts."""
         from lwm.data.datamodule import LatentDataModule
 
-        clip = self.trainer.gradient_clip_val if self._trainer is not None else None
-        if clip is not None and not clip >= 0:  # a negative max norm would flip the gradients' sign
-            raise ConfigError(f"trainer.gradient_clip_val must be >= 0 (0 or null: no clipping), got {clip}")
+        if self._trainer is not None:
+            self.check_trainer(self.trainer)
         dm = self.trainer.datamodule if self._trainer is not None else None
         if isinstance(dm, LatentDataModule):
             self.check_data(dm.frame_shape, dm.window, str(dm.manifest_path))
+
+    @staticmethod
+    def check_trainer(trainer: L.Trainer) -> None:
+        """Raise :class:`ConfigError` on trainer settings this module refuses."""
+        clip = trainer.gradient_clip_val
+        if clip is not None and not clip >= 0:  # a negative max norm would flip the gradients' sign
+            raise ConfigError(f"trainer.gradient_clip_val must be >= 0 (0 or null: no clipping), got {clip}")
 
     def check_data(self, frame_shape: tuple[int, int, int], window: int, source: str) -> None:
         """Raise :class:`ConfigError` unless frames ``[C, H, W]`` and ``window`` fit the model."""
@@ -176,9 +182,20 @@ class WorldModelModule(L.LightningModule):
         o = self.optim
         for config in self.trainer.lr_scheduler_configs:
             scheduler = config.scheduler
-            groups = scheduler.optimizer.param_groups
+            optimizer = scheduler.optimizer
+            groups = optimizer.param_groups
             for group, weight_decay in zip(groups, (o.weight_decay, 0.0)):
                 group.update(initial_lr=o.lr, weight_decay=weight_decay, betas=tuple(o.betas), eps=o.eps)
+                # the kernel as this run chose it (a CPU run resumed on a GPU, fp16 resumed as bf16): the restored
+                # group keeps the old run's, and the step counts sit where that kernel wants them
+                for key in ("fused", "foreach", "capturable"):
+                    if key in getattr(optimizer, "defaults", {}):
+                        group[key] = optimizer.defaults[key]
+                on_device = bool(group.get("fused") or group.get("capturable"))
+                for p in group["params"]:
+                    state = optimizer.state.get(p, {})
+                    if torch.is_tensor(state.get("step")):
+                        state["step"] = state["step"].to(p.device if on_device else "cpu", torch.float32)
             scheduler.base_lrs = [o.lr] * len(groups)
             for group, factor in zip(groups, scheduler.lr_lambdas):  # the lr at the restored step
                 group["lr"] = o.lr * factor(scheduler.last_epoch)
@@ -280,6 +297,9 @@ class WorldModelModule(L.LightningModule):
         return bool(optimizer.defaults.get("fused")) and getattr(optimizer, "_step_supports_amp_scaling", False) \
             and self._scaler is None
 
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._last_batch = None  # the non-finite check of this step is done: hold no batch through validation
+
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Skip the update when the gradient norm is not finite: on the device with a fused AdamW (no host
         sync; the run-stopping count is read at the logging interval), else with one host sync per step. Under
@@ -353,8 +373,9 @@ class WorldModelModule(L.LightningModule):
         x = batch["latents"]
         if "file_index" in batch:  # [B, 3]: non-finite?, file, start; read once, at the end (no sync per batch)
             self._eval_windows.append(torch.stack([nonfinite_mask(x).long(), batch["file_index"], batch["start"]], 1))
-        # eval mode: no token mask, no codebook update; the world as training gives it at the weights' step
-        out = self.model.compute(x, step=None, t0=0, world_phase=self.model.world_phase(self.weights_step))
+        # eval mode: no token mask, no codebook update; the world as the weights' last training step had it
+        phase = self.model.world_phase(max(self.weights_step - 1, 0))
+        out = self.model.compute(x, step=None, t0=0, world_phase=phase)
         for key, value in out.logs.items():
             metric = self.val_metrics[_metric_name(key)]
             metric.update(value, weight=x.shape[0])

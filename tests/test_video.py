@@ -88,3 +88,19 @@ def test_a_failed_video_write_keeps_the_old_file(tmp_path, monkeypatch):
         write_video(tmp_path / "v.gif", np.full((2, 8, 8, 3), 255, np.uint8))
     gc.collect()
     assert (tmp_path / "v.gif").read_bytes() == old and [p.name for p in tmp_path.iterdir()] == ["v.gif"]
+
+
+def test_a_video_write_cut_off_while_writing_the_file_keeps_the_old_one(tmp_path, monkeypatch):
+    """The new video goes to a temporary name and replaces the old one in one rename: a write that fails (a full
+    disk) leaves the old file whole and no temporary behind."""
+    import lwm.video
+
+    old = write_video(tmp_path / "v.mp4", np.zeros((2, 8, 8, 3), np.uint8)).read_bytes()
+
+    def cut(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(lwm.video.os, "replace", cut)
+    with pytest.raises(OSError, match="No space left"):
+        write_video(tmp_path / "v.mp4", np.full((2, 8, 8, 3), 255, np.uint8))
+    assert (tmp_path / "v.mp4").read_bytes() == old and [p.name for p in tmp_path.iterdir()] == ["v.mp4"]

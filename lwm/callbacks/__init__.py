@@ -5,6 +5,7 @@ from lwm.callbacks.baseline import CopyLastBaseline
 from lwm.callbacks.codebooks import CodebookMonitor
 from lwm.callbacks.codes import CodeDictionaries
 from lwm.callbacks.flops import FlopCounter
+from lwm.callbacks.lr import LearningRateMonitor
 from lwm.callbacks.predictions import PredictionWriter
 from lwm.callbacks.probes import GroundTruthProbes
 from lwm.callbacks.progress import StepProgressBar
@@ -16,6 +17,6 @@ from lwm.callbacks.videos import RolloutVideos
 
 __all__ = [
     "AttentionDiagonality", "CodebookMonitor", "CodeDictionaries", "CopyLastBaseline", "FlopCounter",
-    "DeadCodeRevival", "GroundTruthProbes", "ModelSummary", "PredictionWriter", "RolloutVideos", "Sensitivity",
+    "DeadCodeRevival", "GroundTruthProbes", "LearningRateMonitor", "ModelSummary", "PredictionWriter", "RolloutVideos", "Sensitivity",
     "SlurmRequeue", "StepProgressBar",
 ]

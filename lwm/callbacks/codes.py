@@ -10,6 +10,7 @@ import torch.distributed as dist
 from typing_extensions import override
 
 from lwm.codes import collect, save_dictionaries
+from lwm.errors import DataError
 
 
 class CodeDictionaries(L.Callback):
@@ -31,18 +32,24 @@ class CodeDictionaries(L.Callback):
             return
         was_training = pl_module.training
         pl_module.eval()
+        error = None
         try:
             dictionaries, windows = collect(pl_module.model, dm.code_loader(self.max_windows), pl_module.device)
+        except DataError as e:  # bad windows on this rank: every rank raises it, after the gather (no rank hangs)
+            dictionaries, windows, error = {}, 0, str(e)
         finally:
             pl_module.train(was_training)
         if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
             gathered = [None] * trainer.world_size
-            dist.all_gather_object(gathered, ({k: d.to_state() for k, d in dictionaries.items()}, windows))
-            if trainer.is_global_zero:
-                for states, n in gathered[1:]:
+            dist.all_gather_object(gathered, ({k: d.to_state() for k, d in dictionaries.items()}, windows, error))
+            error = next((e for _, _, e in gathered if e), None)
+            if trainer.is_global_zero and error is None:
+                for states, n, _ in gathered[1:]:
                     for name, state in states.items():
                         dictionaries[name].merge(type(dictionaries[name]).from_state(state))
                     windows += n
+        if error is not None:
+            raise DataError(error)
         if trainer.is_global_zero:
             directory = Path(trainer.checkpoint_callback.dirpath) if trainer.checkpoint_callback else Path(trainer.default_root_dir)
             self.path = save_dictionaries(directory / "codes.pt", dictionaries, windows, trainer.global_step)

@@ -127,6 +127,20 @@ def test_a_resumed_fit_keeps_the_configs_settings_and_may_change_what_is_not_sha
     assert logged[0] == pytest.approx(1e-3 * OptimConfig(lr=1e-3, warmup_steps=warmup).lr_factor(0, 2))  # the first run's
 
 
+def test_a_resume_may_switch_the_fused_adamw_on_and_off(tmp_path):
+    """The restored groups keep the old run's kernel choice: switching it (a CPU run resumed on a GPU, fp16
+    resumed as bf16) crashed in AdamW before the groups took this run's."""
+    manifest = make_dataset(tmp_path / "data", files=4)
+    root = tmp_path / "run"
+    for steps, fused in ((2, "false"), (4, "true"), (6, "false")):
+        assert run(manifest, root, f"--trainer.max_steps={steps}", "--data.val_size_percent=0",
+                   f"--model.optim.fused={fused}", *(["--ckpt_path=last"] if steps > 2 else [])) == 0
+        ckpt = torch.load(root / "checkpoints/last.ckpt", weights_only=True)
+        assert ckpt["global_step"] == steps
+        assert all(g["fused"] is (fused == "true") for g in ckpt["optimizer_states"][0]["param_groups"])
+        assert all(int(s["step"]) == steps for s in ckpt["optimizer_states"][0]["state"].values())
+
+
 def test_a_checkpoint_with_unknown_hyperparameters_is_one_error_line(trained, tmp_path, capsys):
     manifest, root = trained
     ckpt = torch.load(root / "checkpoints/last.ckpt", weights_only=True)
@@ -234,9 +248,11 @@ def test_a_gpu_config_without_a_gpu_is_one_error_line(tmp_path, capsys):
 def test_bad_data_is_refused_before_a_wandb_run_starts(tmp_path, capsys):
     manifest = make_dataset(tmp_path / "data", files=4)
     root = tmp_path / "run"
-    assert run(manifest, root, "--data.window=99", "--wandb.mode=offline") == 2
-    assert "window 99 is longer than every 'train' file" in capsys.readouterr().err
-    assert not (root / "wandb").exists() and not (root / "metrics.csv").exists()
+    for bad, message in (("--data.window=99", "window 99 is longer than every 'train' file"),
+                         ("--trainer.gradient_clip_val=-1", "trainer.gradient_clip_val must be >= 0")):
+        assert run(manifest, root, bad, "--wandb.mode=offline") == 2
+        assert message in capsys.readouterr().err
+        assert not (root / "wandb").exists() and not (root / "metrics.csv").exists()
 
 
 def test_plot_writes_the_figures_of_a_run(trained, capsys):
@@ -313,6 +329,14 @@ def test_four_validations_per_epoch_without_a_config(tmp_path, capsys):
         main(["fit", f"--data.manifest={manifest}", "--print_config"])
     assert exit_.value.code in (0, None)
     assert "  val_check_interval: 0.25\n" in capsys.readouterr().out
+
+
+def test_a_fit_without_a_logger_runs(tmp_path):
+    """trainer.logger=false: the always-on callbacks that log (the lr monitor among them) stay quiet."""
+    manifest = make_dataset(tmp_path / "data", files=4)
+    assert run(manifest, tmp_path / "run", "--trainer.max_steps=2", "--trainer.logger=false",
+               "--data.val_size_percent=0") == 0
+    assert torch.load(tmp_path / "run/checkpoints/last.ckpt", weights_only=True)["global_step"] == 2
 
 
 def test_lightning_verbs_edge_cases(tmp_path, caplog, recwarn):

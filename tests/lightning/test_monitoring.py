@@ -81,9 +81,29 @@ def test_a_resumed_fit_continues_its_wandb_run(tmp_path):
     assert fit(tmp_path / "other", 2) != first
     assert wandb_run_id(str(root), resume=True) == first
     assert wandb_run_id(str(root), resume=False) != first  # a fresh start in the same RUN_DIR: a new run
-    with pytest.raises(AssertionError, match="window 99 is longer"):  # refused before its wandb run starts:
-        fit(root, 6, "--ckpt_path=last", "--data.window=99")
+    for resume in (["--ckpt_path=last"], []):  # refused before its wandb run starts, a resume or a fresh fit:
+        with pytest.raises(AssertionError, match="window 99 is longer"):
+            fit(root, 6, *resume, "--data.window=99")
     assert (root / RUN_ID_FILE).read_text().strip() == first and offline_ids(root) == [first, first]  # as it was
+
+
+def test_which_fits_resume_a_run(tmp_path, monkeypatch):
+    """What decides whether a fit continues its wandb run: a checkpoint that exists, or Lightning's SLURM
+    requeue checkpoint where Lightning resumes from it (under SLURM, given no --ckpt_path)."""
+    from lwm.cli import fit_resumes
+
+    for var in ("SLURM_NTASKS", "SLURM_JOB_NAME"):
+        monkeypatch.delenv(var, raising=False)
+    root = tmp_path / "run"
+    root.mkdir()
+    assert not fit_resumes(None, str(root)) and not fit_resumes(str(root / "last.ckpt"), str(root))
+    (root / "last.ckpt").write_text("x")
+    assert fit_resumes(str(root / "last.ckpt"), str(root))
+    (root / "hpc_ckpt_1.ckpt").write_text("x")  # a stale one outside SLURM: Lightning starts afresh, so do we
+    assert not fit_resumes(None, str(root)) and fit_resumes("hpc", str(root))
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    monkeypatch.setenv("SLURM_JOB_NAME", "train")
+    assert fit_resumes(None, str(root))
 
 
 def test_tflops_are_the_measured_step_flops_times_steps(tmp_path, caplog):
