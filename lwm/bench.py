@@ -68,7 +68,7 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p = ArgumentParser(prog="lwm bench", description=__doc__.split("\n\n")[0],
-                                epilog="Other --section.key=value arguments override the config.")
+                       epilog="Other --section.key=value arguments override the config.")
     p.add_argument("--config", default=str(DEFAULT_CONFIG), help="a fit config (default configs/tiny.yaml)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per variant (default 10)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")

@@ -38,7 +38,7 @@ LAST = "checkpoints/last.ckpt"
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p = ArgumentParser(prog="lwm demo", description=__doc__.split("\n\n")[0],
-                                epilog="Other --section.key=value arguments go to `lwm fit`.")
+                       epilog="Other --section.key=value arguments go to `lwm fit`.")
     p.add_argument("--out", default="runs/demo", help="output folder (default runs/demo)")
     p.add_argument("--config", default=str(DEFAULT_CONFIG), help="the fit config (default configs/demo.yaml)")
     p.add_argument("--steps", type=int, help="training steps (default: the config's trainer.max_steps)")

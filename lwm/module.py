@@ -114,6 +114,8 @@ class WorldModelModule(L.LightningModule):
         self._in_a_row_device: Tensor | None = None
         self._compiled = False
         self._grad_norm: Tensor | None = None  # this step's gradient norm, for the non-finite check and clipping
+        self._last_batch: dict[str, Tensor] | None = None  # this training step's, to name bad windows on a stop
+        self._eval_windows: list[Tensor] = []  # per evaluated batch [B, 3]: non-finite?, file index, start
 
     # ----------------------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
@@ -361,7 +363,7 @@ class WorldModelModule(L.LightningModule):
 
     def _bad_windows_said(self) -> str:
         """The windows of the last training batch holding NaN/inf, named (a file gone bad after indexing), or ""."""
-        batch = getattr(self, "_last_batch", None)
+        batch = self._last_batch
         dataset = getattr(getattr(self._trainer, "datamodule", None), "train_set", None) if self._trainer else None
         if batch is None or "file_index" not in batch or getattr(dataset, "paths", None) is None:
             return ""
@@ -414,7 +416,7 @@ class WorldModelModule(L.LightningModule):
     def _warn_nonfinite_windows(self, prefix: str) -> None:
         """Name (warn) this rank's evaluated windows that hold NaN/inf, which make the epoch's metrics NaN: files
         gone bad after `lwm data index` checked them. One host read per evaluation."""
-        windows, self._eval_windows = getattr(self, "_eval_windows", []), []
+        windows, self._eval_windows = self._eval_windows, []
         dataset = getattr(getattr(self._trainer, "datamodule", None), "val_set", None) if self._trainer else None
         if not windows or getattr(dataset, "paths", None) is None:
             return

@@ -243,9 +243,8 @@ def make_dataset(
 def main(argv: list[str]) -> int:
     """``lwm data synth --out DIR --episodes N [--frames T] [--seed S] [--val-fraction F] [--worlds K] [--size S]
     [--distractors D]``."""
-    from lwm.errors import ArgumentParser
-
     from lwm.data.manifest import Manifest
+    from lwm.errors import ArgumentParser
 
     parser = ArgumentParser(
         prog="lwm data synth",
