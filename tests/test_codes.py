@@ -96,19 +96,22 @@ def test_merge_adds_the_other_dictionarys_counts():
     assert a.tuples.tolist() == [[0], [1], [2]] and a.counts.tolist() == [1, 4, 2] and a.total == 7
 
 
+class FakeEncoders:
+    """A stand-in world model for :func:`collect`: every window gets code 0 at one level of 4 codes."""
+
+    quantizers = {"Action_Encoder": SimpleNamespace(codebook_sizes=(4,)),
+                  "World_Encoder": SimpleNamespace(codebook_sizes=(4,))}
+
+    def encode_actions(self, x):
+        return SimpleNamespace(indices=torch.zeros(x.shape[0], x.shape[1] - 1, 1, dtype=torch.long))
+
+    def encode_world(self, x):
+        return SimpleNamespace(indices=torch.zeros(x.shape[0], 1, dtype=torch.long))
+
+
 def test_collect_stops_at_max_windows_across_batches():
-    class Fake:
-        quantizers = {"Action_Encoder": SimpleNamespace(codebook_sizes=(4,)),
-                      "World_Encoder": SimpleNamespace(codebook_sizes=(4,))}
-
-        def encode_actions(self, x):
-            return SimpleNamespace(indices=torch.zeros(x.shape[0], x.shape[1] - 1, 1, dtype=torch.long))
-
-        def encode_world(self, x):
-            return SimpleNamespace(indices=torch.zeros(x.shape[0], 1, dtype=torch.long))
-
     loader = [{"latents": torch.zeros(2, 3, 1, 1, 1)} for _ in range(4)]  # 8 windows in batches of 2
-    dictionaries, windows = collect(Fake(), loader, torch.device("cpu"), max_windows=5)
+    dictionaries, windows = collect(FakeEncoders(), loader, torch.device("cpu"), max_windows=5)
     assert windows == 5 and dictionaries["World_Encoder"].total == 5
     assert dictionaries["Action_Encoder"].total == 5 * 2
 

@@ -14,17 +14,7 @@ import torch.multiprocessing as mp
 
 from lwm.callbacks import CodeDictionaries
 from lwm.errors import DataError
-
-
-class _Model:
-    quantizers = {"Action_Encoder": SimpleNamespace(codebook_sizes=(4,)),
-                  "World_Encoder": SimpleNamespace(codebook_sizes=(4,))}
-
-    def encode_actions(self, x):
-        return SimpleNamespace(indices=torch.zeros(x.shape[0], x.shape[1] - 1, 1, dtype=torch.long))
-
-    def encode_world(self, x):
-        return SimpleNamespace(indices=torch.zeros(x.shape[0], 1, dtype=torch.long))
+from tests.test_codes import FakeEncoders
 
 
 class _Loader(list):
@@ -43,7 +33,7 @@ def _rank(rank: int, port: int, results) -> None:
     loader = _Loader([batch], [f"/data/r{rank}_a.h5", f"/data/r{rank}_b.h5"])
     trainer = SimpleNamespace(datamodule=SimpleNamespace(code_loader=lambda n: loader), callbacks=[], world_size=2,
                               is_global_zero=rank == 0, checkpoint_callback=None, default_root_dir="/nonexistent")
-    module = SimpleNamespace(model=_Model(), device=torch.device("cpu"), training=True, eval=lambda: None,
+    module = SimpleNamespace(model=FakeEncoders(), device=torch.device("cpu"), training=True, eval=lambda: None,
                              train=lambda mode=True: None)
     try:
         CodeDictionaries().on_train_end(trainer, module)
