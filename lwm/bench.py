@@ -56,7 +56,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from einops import rearrange
 from rich.console import Console
 from rich.table import Table
 
@@ -308,16 +307,14 @@ def breakdown(s: Setup, steps: int, warmup: int) -> list[dict]:
         depth, block = len(transformer.blocks), transformer.blocks[0]  # every block has the same shapes
         hs = [tokens[:, :n].clone().requires_grad_(True) for n in lengths]
         pasts = [None] + [(kv[:, :, :k], kv[:, :, :k]) for k in range(1, len(lengths))]
-        part(f"{name}: spatial attention", [lambda b=block, h=h: b.spatial(
-            rearrange(b.norm_spatial(h), "b t n d -> (b t) n d"))[0] for h in hs], depth)
+        part(f"{name}: spatial attention", [lambda b=block, h=h: b.spatial_update(h) for h in hs], depth)
         masks = [b.mask for b in transformer.blocks]  # the action encoder's first block is shifted-causal
         for mask in dict.fromkeys(masks):
             b = transformer.blocks[masks.index(mask)]
             label = f"{name}: temporal attention" + (f" ({mask})" if len(set(masks)) > 1 else "")
-            part(label, [lambda b=b, h=h, kv=kv: b.temporal(rearrange(b.norm_temporal(h), "b t n d -> (b n) t d"),
-                                                              b.mask, past=kv)[0] for h, kv in zip(hs, pasts)],
+            part(label, [lambda b=b, h=h, kv=kv: b.temporal_update(h, past=kv)[0] for h, kv in zip(hs, pasts)],
                  masks.count(mask))
-        part(f"{name}: MLP", [lambda b=block, h=h: b.mlp(b.norm_mlp(h)) for h in hs], depth)
+        part(f"{name}: MLP", [lambda b=block, h=h: b.mlp_update(h) for h in hs], depth)
     za = torch.randn(B, T - 1, s.net.d_code_action, device=s.device, requires_grad=True)
     zh = torch.randn(B, s.net.d_code_world, device=s.device, requires_grad=True)
     counter = iter(range(10**9))

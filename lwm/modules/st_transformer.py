@@ -256,16 +256,32 @@ class TransformerBlock(nn.Module):
         whole sequence would give there."""
         if past is not None and self.mask != "causal":
             raise ValueError(f"cached earlier frames need a causal block, this one is {self.mask!r}")
-        B = x.shape[0]
+        x = x + self.spatial_update(x)
+        t, w, kv = self.temporal_update(x, return_attn, window, past)
+        x = x + t
+        x = x + self.mlp_update(x)
+        return x, w, kv
+
+    # The three residual branches, each ``[B, t, N, D] -> [B, t, N, D]`` (also timed one by one in ``lwm bench``).
+    def spatial_update(self, x: Tensor) -> Tensor:
+        """Attention over the ``N`` patches of each frame."""
         s, _, _ = self.spatial(rearrange(self.norm_spatial(x), "b t n d -> (b t) n d"))
-        x = x + rearrange(s, "(b t) n d -> b t n d", b=B)
+        return rearrange(s, "(b t) n d -> b t n d", b=x.shape[0])
+
+    def temporal_update(
+        self, x: Tensor, return_attn: bool = False, window: int | None = None, past: KV | None = None
+    ) -> tuple[Tensor, Tensor | None, KV]:
+        """Attention over the frames of each patch, masked by ``self.mask``: (update, weights averaged over patches
+        ``[B, heads, t, p + t]`` or None, keys/values of all ``p + t`` frames)."""
+        B = x.shape[0]
         t, w, kv = self.temporal(rearrange(self.norm_temporal(x), "b t n d -> (b n) t d"), self.mask, return_attn,
                                  window, past)
-        x = x + rearrange(t, "(b n) t d -> b t n d", b=B)
-        x = x + self.mlp(self.norm_mlp(x))
         if w is not None:
             w = rearrange(w, "(b n) h i j -> b n h i j", b=B).mean(dim=1)  # [B, heads, t, p + t]
-        return x, w, kv
+        return rearrange(t, "(b n) t d -> b t n d", b=B), w, kv
+
+    def mlp_update(self, x: Tensor) -> Tensor:
+        return self.mlp(self.norm_mlp(x))
 
 
 class STTransformer(nn.Module):

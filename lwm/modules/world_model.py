@@ -79,14 +79,17 @@ class ActionEncoder(nn.Module):
         self.to_code = nn.Linear(d_model, d_code)
         self.rvq = ResidualVectorQuantizer(d_code, codebook_sizes, **rvq_kwargs)
 
-    def embed(self, tokens: Tensor, return_attn: bool = False) -> tuple[Tensor, list[Tensor]]:
-        """Pre-quantization action vectors ``[B, T-1, Da]`` in fp32 (and per-block temporal attention if asked)."""
-        h, attn, _ = self.transformer(tokens, return_attn)  # [B, T, N, D]; position i has seen frames 0..i+1
-        return code_projection(self.to_code, h[:, :-1].mean(dim=2, dtype=torch.float32)), attn  # [B, T-1, Da]
+    def embed(self, tokens: Tensor) -> Tensor:
+        """Pre-quantization action vectors ``[B, T-1, Da]`` in fp32."""
+        h, _, _ = self.transformer(tokens)  # [B, T, N, D]; position i has seen frames 0..i+1
+        return code_projection(self.to_code, h[:, :-1].mean(dim=2, dtype=torch.float32))  # [B, T-1, Da]
+
+    def attention(self, tokens: Tensor) -> list[Tensor]:
+        """Per-block temporal attention weights ``[B, heads, T, T]``, averaged over patches (diagnostics)."""
+        return self.transformer(tokens, return_attn=True)[1]
 
     def forward(self, tokens: Tensor, step: int | Tensor | None = None) -> RVQOutput:
-        z, _ = self.embed(tokens)
-        return self.rvq(z, step)
+        return self.rvq(self.embed(tokens), step)
 
 
 class WorldEncoder(nn.Module):
@@ -355,14 +358,14 @@ class WorldModel(nn.Module):
             return self.action_encoder(self.tokenize(x) + self.pos_embedding(T, t0))
         if window < 2:
             raise ValueError(f"window must be >= 2 frames (one transition), got {window}")
-        z = [self.action_encoder.embed(self.tokenize(x[:, :window]) + self.pos_embedding(window, t0))[0]]
+        z = [self.action_encoder.embed(self.tokenize(x[:, :window]) + self.pos_embedding(window, t0))]
         starts = list(range(1, T - window + 1))  # window s: frames s..s+window-1, its last action a_{s+window-2}
         per_chunk = max(1, 512 // (B * window))  # about 512 frames through the encoder at once
         for i in range(0, len(starts), per_chunk):
             chunk = starts[i : i + per_chunk]
             clips = torch.stack([x[:, s : s + window] for s in chunk], dim=1).flatten(0, 1)  # [B*n, window, C, H, W]
             offsets = torch.arange(chunk[0], chunk[-1] + 1, device=x.device).repeat(B) + t0  # [B*n], sample-major
-            last = self.action_encoder.embed(self.tokenize(clips) + self.pos_embedding(window, offsets))[0][:, -1]
+            last = self.action_encoder.embed(self.tokenize(clips) + self.pos_embedding(window, offsets))[:, -1]
             z.append(last.reshape(B, len(chunk), -1))
         return self.action_encoder.rvq(torch.cat(z, dim=1))  # [B, T-1, Da]: eval, no step: no codebook update
 
@@ -374,8 +377,7 @@ class WorldModel(nn.Module):
     def action_attention(self, x: Tensor, t0: int | Tensor = 0) -> list[Tensor]:
         """Temporal attention weights of each action-encoder block, ``[B, heads, T, T]`` averaged over patches."""
         self.check_frames(x, min_frames=2)
-        _, attn = self.action_encoder.embed(self.tokenize(x) + self.pos_embedding(x.shape[1], t0), return_attn=True)
-        return attn
+        return self.action_encoder.attention(self.tokenize(x) + self.pos_embedding(x.shape[1], t0))
 
     def predict(self, context: Tensor, actions: Tensor, world: Tensor, t0: int | Tensor = 0) -> Tensor:
         """One-step predictions ``[B, t, C, H, W]``: output ``i`` predicts frame ``i+1`` from

@@ -122,7 +122,7 @@ def test_action_i_depends_on_frames_up_to_i_plus_1_only():
     x = clip(T=T).double()
 
     def actions(frames):
-        z, _ = model.action_encoder.embed(model.tokenize(frames) + model.pos_embedding(T))
+        z = model.action_encoder.embed(model.tokenize(frames) + model.pos_embedding(T))
         return z  # [B, T-1, Da], before quantization
 
     base = actions(x)
