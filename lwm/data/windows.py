@@ -4,8 +4,9 @@ sampler that draws each batch element from a different file.
 * Files open lazily, in the process that reads (each DataLoader worker opens its own handles; the parent
   never opens a file), so fork and spawn workers both work.
 * A window is one slice read ``latents[start:start+T]``, never a frame-by-frame loop.
-* The sampler is deterministic per ``(seed, rank, epoch, batch index)``: it can start mid-epoch in O(1),
-  which is what resuming needs, and every rank draws its own batches.
+* The sampler is deterministic per ``(seed, epoch, batch index)``: it can start mid-epoch in O(1), which is
+  what resuming needs. Every rank draws the same global batch (distinct files across all ranks) and takes its
+  own slice of it.
 """
 
 from __future__ import annotations
@@ -27,27 +28,8 @@ from lwm.data.manifest import Manifest, ManifestEntry
 MISSING = -1  # value of `actions` / `world_label` in a batch when the file has none
 MAX_OPEN_FILES = 64  # h5 handles one process keeps open (least recently used closed first): file descriptors and
 # each handle's chunk cache stay bounded however many files the dataset has
-
-
-
-def nonfinite_windows(batch: dict[str, torch.Tensor], paths: list[str]) -> list[str]:
-    """The windows of a batch (of :class:`H5WindowDataset` samples) whose latents hold NaN or inf, as
-    ``"PATH (frames a..b)"``: files gone bad after ``lwm data index`` checked them. Syncs with the device: for
-    paths that read every batch anyway, or once a step has failed."""
-    x = batch["latents"]
-    bad = nonfinite_mask(x).nonzero().flatten().tolist()
-    return [window_name(paths, int(batch["file_index"][i]), int(batch["start"][i]), x.shape[1]) for i in bad]
-
-
-def nonfinite_mask(latents: torch.Tensor) -> torch.Tensor:
-    """``[B]`` bool, on the latents' device (no sync): which windows ``[B, T, ...]`` hold NaN or inf."""
-    return ~torch.isfinite(latents).flatten(1).all(1)
-
-
-def window_name(paths: Sequence[str], file_index: int, start: int, frames: int) -> str:
-    return f"{paths[file_index]} (frames {start}..{start + frames - 1})"
-
 SHORT_NAMED = 10  # short files named in the warning; the rest are counted
+
 
 class H5WindowDataset(Dataset):
     """``dataset[(file_index, start)] -> {"latents": [T, C, H, W], "actions": [T] int64,
@@ -270,3 +252,21 @@ class FileBatchSampler(Sampler[list[tuple[int, int]]]):
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.seed, self.epoch = int(state["seed"]), int(state["epoch"])
+
+
+def nonfinite_windows(batch: dict[str, torch.Tensor], paths: list[str]) -> list[str]:
+    """The windows of a batch (of :class:`H5WindowDataset` samples) whose latents hold NaN or inf, as
+    ``"PATH (frames a..b)"``: files gone bad after ``lwm data index`` checked them. Syncs with the device: for
+    paths that read every batch anyway, or once a step has failed."""
+    x = batch["latents"]
+    bad = nonfinite_mask(x).nonzero().flatten().tolist()
+    return [window_name(paths, int(batch["file_index"][i]), int(batch["start"][i]), x.shape[1]) for i in bad]
+
+
+def nonfinite_mask(latents: torch.Tensor) -> torch.Tensor:
+    """``[B]`` bool, on the latents' device (no sync): which windows ``[B, T, ...]`` hold NaN or inf."""
+    return ~torch.isfinite(latents).flatten(1).all(1)
+
+
+def window_name(paths: Sequence[str], file_index: int, start: int, frames: int) -> str:
+    return f"{paths[file_index]} (frames {start}..{start + frames - 1})"
