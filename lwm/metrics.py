@@ -4,7 +4,7 @@ tensors and returns tensors on the same device, so callers decide when to sync.
 * :func:`attention_diagonality`: share of each query's attention on itself and the next frame.
 * :func:`codebook_usage`: fraction of each level's codes used by a batch of indices.
 * :func:`codebook_diversity`: min / max / mean pairwise MSE between the codes of a codebook.
-* :func:`psnr`, :func:`delta_psnr`: the requirement's ``10 log10(1 / MSE)`` on latents and its difference.
+* :func:`psnr`, :func:`psnr_from_mse`, :func:`delta_psnr`: the requirement's ``10 log10(1 / MSE)`` on latents and its difference.
 * :func:`rollout_frames`: frames ``1..t`` generated autoregressively from frame 0 (for the sensitivities).
 * :func:`nmi`, :func:`linear_probe_accuracy`, :func:`code_ids`: codes against ground-truth labels.
 * :func:`copy_last_loss`: the copy-last-frame baseline, so a prediction loss means something.
@@ -68,8 +68,12 @@ def codebook_diversity(codes: Tensor) -> Tensor:
 def psnr(target: Tensor, prediction: Tensor) -> Tensor:
     """``[B, ...]`` -> ``[B]``: ``10 log10(1 / MSE)`` per sample, the MSE over all but the first dim (latents in
     [-1, 1] are used as they are: a peak of 1, as the requirement defines it)."""
-    mse = (prediction.float() - target.float()).pow(2).flatten(1).mean(dim=1)
-    return 10.0 * torch.log10(1.0 / mse)
+    return psnr_from_mse((prediction.float() - target.float()).pow(2).flatten(1).mean(dim=1))
+
+
+def psnr_from_mse(mse: Tensor) -> Tensor:
+    """``10 log10(1 / MSE)``, elementwise, in fp32 (a peak of 1)."""
+    return 10.0 * torch.log10(1.0 / mse.float())
 
 
 def delta_psnr(target: Tensor, prediction: Tensor, prediction_random: Tensor) -> Tensor:

@@ -35,6 +35,7 @@ from torchmetrics import MeanMetric
 from lwm.callbacks.schedule import is_logging_step
 from lwm.data.windows import nonfinite_mask, nonfinite_windows, window_name
 from lwm.errors import ConfigError, NonFiniteLossError
+from lwm.metrics import psnr_from_mse
 from lwm.modules.world_model import WorldModel, WorldModelConfig
 from lwm.seeds import seeded_generator
 
@@ -397,7 +398,7 @@ class WorldModelModule(L.LightningModule):
         metric = self.val_metrics[_metric_name("Dynamics_Predictor/tf_loss")]
         if metric.update_count:
             mse = metric.compute().float()
-            self.log(f"{prefix}_Dynamics_Predictor/tf_psnr", 10.0 * torch.log10(1.0 / mse), on_step=False, on_epoch=True,
+            self.log(f"{prefix}_Dynamics_Predictor/tf_psnr", psnr_from_mse(mse), on_step=False, on_epoch=True,
                      rank_zero_only=True)
 
     def on_validation_epoch_start(self) -> None:

@@ -7,9 +7,9 @@ from typing import Any
 
 import lightning as L
 import torch
-import torch.distributed as dist
 from typing_extensions import override
 
+from lwm.callbacks.ranks import every_rank
 from lwm.callbacks.schedule import is_logging_step
 from lwm.loggers import log_distribution
 from lwm.metrics import attention_diagonality
@@ -57,9 +57,8 @@ class AttentionDiagonality(L.Callback):
         if trainer.sanity_checking:
             return
         blocks = [torch.cat(values) for values in zip(*self._values)]  # per block [clips]; [] on a rank without any
-        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:  # every rank's clips
-            parts = [None] * trainer.world_size
-            dist.all_gather_object(parts, [b.cpu() for b in blocks])  # a collective: every rank gets here
+        if trainer.world_size > 1:  # every rank's clips (a collective: every rank gets here)
+            parts = every_rank(trainer, [b.cpu() for b in blocks])
             blocks = [torch.cat(values).to(pl_module.device) for values in zip(*[p for p in parts if p])]
         for block, values in enumerate(blocks):
             log_distribution(pl_module, f"Val_Action_Encoder/attention_diagonality_block_{block}", values)

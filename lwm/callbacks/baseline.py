@@ -9,7 +9,7 @@ import torch
 from torchmetrics import MeanMetric
 from typing_extensions import override
 
-from lwm.metrics import copy_last_loss
+from lwm.metrics import copy_last_loss, psnr_from_mse
 
 
 class CopyLastBaseline(L.Callback):
@@ -37,5 +37,5 @@ class CopyLastBaseline(L.Callback):
             return
         mse = self._mean.compute()
         pl_module.log("Val_Dynamics_Predictor/copy_last_loss", mse, on_step=False, on_epoch=True, rank_zero_only=True)
-        pl_module.log("Val_Dynamics_Predictor/copy_last_psnr", 10.0 * torch.log10(1.0 / mse.float()), on_step=False,
+        pl_module.log("Val_Dynamics_Predictor/copy_last_psnr", psnr_from_mse(mse), on_step=False,
                       on_epoch=True, rank_zero_only=True)

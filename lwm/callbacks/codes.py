@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import lightning as L
-import torch.distributed as dist
 from typing_extensions import override
 
+from lwm.callbacks.ranks import every_rank
 from lwm.codes import collect, save_dictionaries
 from lwm.errors import DataError
 
@@ -39,9 +39,8 @@ class CodeDictionaries(L.Callback):
             dictionaries, windows, error = {}, 0, str(e)
         finally:
             pl_module.train(was_training)
-        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
-            gathered = [None] * trainer.world_size
-            dist.all_gather_object(gathered, ({k: d.to_state() for k, d in dictionaries.items()}, windows, error))
+        if trainer.world_size > 1:
+            gathered = every_rank(trainer, ({k: d.to_state() for k, d in dictionaries.items()}, windows, error))
             error = next((e for _, _, e in gathered if e), None)
             if trainer.is_global_zero and error is None:
                 for states, n, _ in gathered[1:]:

@@ -6,9 +6,9 @@ from typing import Any
 
 import lightning as L
 import torch
-import torch.distributed as dist
 from typing_extensions import override
 
+from lwm.callbacks.ranks import every_rank
 from lwm.metrics import code_ids, linear_probe_accuracy, nmi, probe_train_size
 
 
@@ -54,15 +54,10 @@ class GroundTruthProbes(L.Callback):
     def _gathered(self, trainer: L.Trainer, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         codes = torch.cat(self._codes[name]) if self._codes[name] else None
         labels = torch.cat(self._labels[name]) if self._labels[name] else None
-        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
-            parts = [None] * trainer.world_size
-            dist.all_gather_object(parts, (codes, labels))
-            parts = [p for p in parts if p[0] is not None]
-            if not parts:
-                return None
-            codes, labels = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-        if codes is None:
+        parts = [p for p in every_rank(trainer, (codes, labels)) if p[0] is not None]
+        if not parts:
             return None
+        codes, labels = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
         return codes[: self.max_samples], labels[: self.max_samples]
 
     @override
