@@ -450,7 +450,9 @@ class WorldModel(nn.Module):
         raise ValueError(f"world phase must be off, unquantized or quantized, got {phase!r}")
 
     def forward(self, x: Tensor, step: int | Tensor, t0: int | Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
-        """Training/validation loss of a batch ``x [B, T, C, H, W]`` at global ``step`` -> ``(loss, logs)``."""
+        """Training/validation loss of a batch ``x [B, T, C, H, W]`` at global ``step`` -> ``(loss, logs)``: the
+        loss and logs of :meth:`compute` at its defaults (the predictor gets the world code; the training step
+        calls :meth:`compute` itself, for the codes and predictions the callbacks read)."""
         out = self.compute(x, step, t0)
         return out.loss, out.logs
 
@@ -481,27 +483,29 @@ class WorldModel(nn.Module):
         world = self.world_encoder(z_masked, step)  # [B, Dh]
         world_in = self.world_input(world, world_phase)  # [B, Dh]: the code, unless a warm-up phase
 
-        # Pass k (0: teacher forcing) feeds [x_0, pass k-1's predictions of frames 1..T-2]. By the requirement's
-        # proof its first k positions get the same inputs as pass k-1's, so (causal predictor) the same outputs
-        # and temporal keys/values: pass k computes positions k..T-2 only, after pass k-1's keys/values of
-        # positions 0..k-1, and scores them. ``reuse_prefix=False`` recomputes every position (the reference).
-        L = T - 1
+        # Position p (0..T-2) of every pass predicts frame p+1. Pass 0 (teacher forcing) feeds frames 0..T-2;
+        # pass k >= 1 feeds frame 0 at position 0 and pass k-1's prediction of frame p at position p >= 1. By the
+        # requirement's proof its first k positions get the same inputs as pass k-1's, so (causal predictor) the
+        # same outputs and temporal keys/values: pass k computes positions k..T-2 only, after pass k-1's
+        # keys/values of positions 0..k-1, and scores them. ``reuse_prefix=False`` recomputes every position.
+        positions = T - 1
         target = x[:, 1:]  # frames 1..T-1
-        predictions: list[Tensor] = []
+        predictions: list[Tensor] = []  # per pass [B, T-1, C, H, W]
         pass_losses: list[Tensor] = []
         past = None
         for k in range(len(self.rollout_weights)):
-            s = k if reuse_prefix else 0  # the first position this pass computes
+            first = k if reuse_prefix else 0  # the first position this pass computes
             if k == 0:
                 inputs = z_masked[:, :-1]  # frames 0..T-2
-            else:
-                fed = self.tokenize(predictions[-1][:, max(s - 1, 0) : L - 1])  # inputs of positions max(s, 1)..L-1
-                if s == 0:
+            else:  # the inputs of positions max(first, 1)..T-2: pass k-1's positions max(first-1, 0)..T-3
+                fed = self.tokenize(predictions[-1][:, max(first - 1, 0) : positions - 1])
+                if first == 0:
                     fed = torch.cat([z_raw[:, :1], fed], dim=1)
-                inputs = self.apply_token_mask(fed, None if mask is None else mask[:, s:L]) + pe[..., s:L, :, :]
-            out, cache = self.dynamics(inputs, actions.quantized[:, s:], world_in, past=past)
-            new = self.detokenize(out)  # [B, L - s, C, H, W]: predictions of frames s+1..T-1
-            pred = new if s == 0 else torch.cat([predictions[-1][:, :s], new], dim=1)
+                inputs = self.apply_token_mask(fed, None if mask is None else mask[:, first:positions])
+                inputs = inputs + pe[..., first:positions, :, :]
+            out, cache = self.dynamics(inputs, actions.quantized[:, first:], world_in, past=past)
+            new = self.detokenize(out)  # [B, T-1-first, C, H, W]: predictions of frames first+1..T-1
+            pred = new if first == 0 else torch.cat([predictions[-1][:, :first], new], dim=1)
             predictions.append(pred)
             pass_losses.append((pred[:, k:].float() - target[:, k:].float()).pow(2).mean())  # positions k..T-2
             if reuse_prefix and k + 1 < len(self.rollout_weights):  # positions 0..k, copied (not views of the rest)
