@@ -7,7 +7,7 @@ from typing import Any
 import lightning as L
 from typing_extensions import override
 
-from lwm.callbacks.schedule import is_logging_step
+from lwm.callbacks.schedule import accumulating, is_logging_step
 
 
 class DeadCodeRevival(L.Callback):
@@ -24,20 +24,19 @@ class DeadCodeRevival(L.Callback):
         if every_n_steps is not None and every_n_steps < 1:
             raise ValueError(f"revival.every_n_steps must be >= 1 (or null: the logging interval), got {every_n_steps}")
         self.every_n_steps = every_n_steps
-        self._last_step = -1
 
     def _due(self, trainer: L.Trainer) -> bool:
+        """After the batch that ends an optimizer step (never inside an accumulation window: a revival there
+        would depend on where a resumed run restarted), at the interval."""
         if self.every_n_steps is None:
             return is_logging_step(trainer)
-        return trainer.global_step % self.every_n_steps == 0
+        return not accumulating(trainer) and trainer.global_step % self.every_n_steps == 0
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        step = trainer.global_step
-        if not self._due(trainer) or step == self._last_step:  # with gradient accumulation: once per step
+        if not self._due(trainer):
             return
-        self._last_step = step
         generator = pl_module.step_generator(pl_module.device, batch_idx, stream=1)
         logs = {}
         for name, quantizer in pl_module.model.quantizers.items():

@@ -75,3 +75,22 @@ def test_the_final_step_checkpoint_ranked_by_a_validation_metric_gets_the_fresh_
     for name in names:  # each file carries the validation right after its step (logged one step lower)
         step, loss = int(name[:7]), float(name[8:].removesuffix(".ckpt"))
         assert abs(loss - val[step - 1]) < 1e-6, (name, val[step - 1])
+
+
+def test_resume_with_gradient_accumulation_and_revival_every_step(tmp_path):
+    """With ``accumulate_grad_batches`` and a revival at every optimizer step, a resumed run revives at the
+    same steps as an uninterrupted one (never after the first micro-batch of a restarted process)."""
+    manifest = make_dataset(tmp_path / "data")
+    common = ["--trainer.accumulate_grad_batches=2", "--revival.every_n_steps=1", "--model.net.dead_code_steps=2",
+              "--data.val_size_percent=0", "--checkpoint.every_n_train_steps=100"]
+    assert run(manifest, tmp_path / "a", *common, "--trainer.max_steps=6") == 0
+    assert run(manifest, tmp_path / "b", *common, "--trainer.max_steps=3") == 0
+    assert run(manifest, tmp_path / "b", *common, "--trainer.max_steps=6", "--ckpt_path=last") == 0
+    full, resumed = train_series(tmp_path / "a"), train_series(tmp_path / "b")
+    assert sorted(full) == sorted(resumed) == list(range(6))
+    assert torch.allclose(torch.tensor([resumed[s] for s in range(6)]), torch.tensor([full[s] for s in range(6)]),
+                          rtol=1e-5, atol=1e-7)
+    a = torch.load(tmp_path / "a/checkpoints/last.ckpt", weights_only=True)["state_dict"]
+    b = torch.load(tmp_path / "b/checkpoints/last.ckpt", weights_only=True)["state_dict"]
+    for key, value in a.items():
+        assert torch.allclose(value.float(), b[key].float(), rtol=1e-4, atol=1e-6), key
