@@ -24,7 +24,7 @@ from typing import Any
 
 import lightning as L
 import numpy as np
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from torch.utils.data import DataLoader
 
 from lwm.data.h5 import DataError, inspect_h5
@@ -59,8 +59,11 @@ def ignore_requeue_signal(worker_id: int) -> None:
 class ResumableDataLoader(DataLoader):
     """A DataLoader over a :class:`FileBatchSampler` that knows how many batches it has handed out this epoch.
 
-    ``state_dict() -> {"epoch", "batches"}``; after ``load_state_dict`` the next iteration of that epoch starts at
-    batch ``batches``. Lightning saves and restores it with the fit loop (it checks for these two methods).
+    ``state_dict() -> {"epoch", "batches", "seed", "global_batch"}``; after ``load_state_dict`` the next iteration
+    of that epoch starts at batch ``batches``. Lightning saves and restores it with the fit loop (it checks for
+    these two methods). A run resumed with another global batch (``batch_size`` x ranks) continues the epoch after
+    as many windows as the checkpoint's run had drawn, with a warning (its batches are not the uninterrupted
+    run's); the sampler keeps the checkpoint's seed, with a warning where ``data.seed`` differs.
     """
 
     batch_sampler: FileBatchSampler
@@ -75,19 +78,37 @@ class ResumableDataLoader(DataLoader):
     def __iter__(self) -> Iterator[Any]:
         sampler = self.batch_sampler
         if self._resume is not None and self._resume[0] == sampler.epoch:
-            sampler.start_batch = min(self._resume[1], len(sampler))
+            sampler.start_batch = min(self._resume[1], len(sampler))  # in batches of this run's global batch
         self._resume = None
         self._consumed = sampler.start_batch
         for batch in super().__iter__():
             self._consumed += 1
             yield batch
 
+    @property
+    def global_batch(self) -> int:
+        """Windows per step over every rank."""
+        return self.batch_sampler.batch_size * self.batch_sampler.world_size
+
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.batch_sampler.epoch, "batches": self._consumed, **self.batch_sampler.state_dict()}
+        return {"epoch": self.batch_sampler.epoch, "batches": self._consumed, **self.batch_sampler.state_dict(),
+                "global_batch": self.global_batch}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        seed, epoch, batches = self.batch_sampler.seed, int(state["epoch"]), int(state["batches"])
         self.batch_sampler.load_state_dict(state)
-        self._resume = (int(state["epoch"]), int(state["batches"]))
+        if self.batch_sampler.seed != seed:
+            rank_zero_warn(f"data.seed={seed} differs from the checkpoint's sampler seed {self.batch_sampler.seed}: "
+                           "the resumed run keeps drawing the checkpoint's batches (its seed)")
+        saved = int(state.get("global_batch", self.global_batch))  # checkpoints before 2026-11-23: the same
+        if saved != self.global_batch:
+            converted = round(batches * saved / self.global_batch)
+            rank_zero_warn(f"resuming with a global batch of {self.global_batch} windows (batch_size x ranks), the "
+                           f"checkpoint's run had {saved}: epoch {epoch} continues after its {batches * saved} "
+                           f"windows drawn (batch {converted} of this run), not with the batches an uninterrupted "
+                           "run would have drawn")
+            batches = converted
+        self._resume = (epoch, batches)
 
 
 class LatentDataModule(L.LightningDataModule):

@@ -292,3 +292,34 @@ def test_a_state_saved_at_an_epoch_end_does_not_skip_the_next_epoch(dm_manifest)
     loader.load_state_dict({"epoch": 0, "batches": len(loader), "seed": 0})  # saved after epoch 0's last batch
     _set_sampler_epoch(loader, 1)  # Lightning restarts at epoch 1
     assert [_keys(b) for b in loader] == expected
+
+
+def test_a_run_resumed_with_another_global_batch_continues_after_the_windows_drawn(dm_manifest):
+    """One process at batch 2 stopped after 3 batches (6 windows); resumed on 2 ranks of batch 2 (global 4),
+    epoch 0 continues at that run's batch round(6 / 4) = 2, with a warning that names both batches."""
+    first = _on_rank(dm_manifest, 0, 1, batch_size=2).train_dataloader()
+    _set_sampler_epoch(first, 0)
+    it = iter(first)
+    for _ in range(3):
+        next(it)
+    state = first.state_dict()
+    assert state["global_batch"] == 2
+    for rank in range(2):
+        loader = _on_rank(dm_manifest, rank, 2, batch_size=2).train_dataloader()
+        fresh = _on_rank(dm_manifest, rank, 2, batch_size=2).train_dataloader()
+        _set_sampler_epoch(fresh, 0)
+        expected = [_keys(b) for b in fresh][2:]
+        with pytest.warns(UserWarning, match=r"global batch of 4 windows .* had 2: epoch 0 continues after its 6 "
+                                             r"windows drawn \(batch 2 of this run\)"):
+            loader.load_state_dict(state)
+        _set_sampler_epoch(loader, 0)
+        assert [_keys(b) for b in loader] == expected and expected
+
+
+def test_a_resumed_loader_keeps_the_checkpoints_seed_and_says_so(dm_manifest):
+    first = _on_rank(dm_manifest, 0, 1, seed=3).train_dataloader()
+    state = first.state_dict()
+    loader = _on_rank(dm_manifest, 0, 1, seed=4).train_dataloader()
+    with pytest.warns(UserWarning, match=r"data.seed=4 differs from the checkpoint's sampler seed 3"):
+        loader.load_state_dict(state)
+    assert loader.batch_sampler.seed == 3
