@@ -1,0 +1,59 @@
+"""slurm/array.sbatch's own logic, without SLURM: which run a task line gets, and that a task directory
+refuses a line other than the one it was made by (run with bash, train.sbatch replaced by a stand-in)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _task(repo: Path, taskfile: Path, task: int, *common: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "SLURM_ARRAY_TASK_ID": str(task), "LWM_REPO": str(repo)}
+    env.pop("RUN_ROOT", None)
+    return subprocess.run(["bash", str(repo / "slurm/array.sbatch"), str(taskfile), *common], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def _repo(tmp_path: Path) -> Path:
+    repo = tmp_path / "repo"
+    (repo / "slurm").mkdir(parents=True)
+    shutil.copy(REPO / "slurm/array.sbatch", repo / "slurm/array.sbatch")
+    (repo / "slurm/train.sbatch").write_text('echo "train.sbatch $*"\n')  # what the task would run
+    return repo
+
+
+def test_each_task_runs_its_line_in_its_own_directory(tmp_path):
+    repo = _repo(tmp_path)
+    taskfile = repo / "sweep.txt"
+    taskfile.write_text("# a comment\nconfigs/tiny.yaml --model.optim.lr=1e-3\n\nconfigs/tiny.yaml --model.optim.lr=3e-4\n")
+    out = _task(repo, taskfile, 1, "--trainer.max_steps=5")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1] == ("train.sbatch configs/tiny.yaml --trainer.max_steps=5 "
+                                           "--trainer.default_root_dir=runs/sweep/task_1 --model.optim.lr=3e-4")
+    assert (repo / "runs/sweep/task_1/array_task").read_text().splitlines() == [
+        str(taskfile), "configs/tiny.yaml --model.optim.lr=3e-4"]
+    again = _task(repo, taskfile, 1, "--trainer.max_steps=50")  # the common overrides may change: same run
+    assert again.returncode == 0, again.stderr
+
+
+def test_a_task_directory_refuses_another_line(tmp_path):
+    repo = _repo(tmp_path)
+    taskfile = repo / "sweep.txt"
+    taskfile.write_text("configs/tiny.yaml --model.optim.lr=1e-3\nconfigs/tiny.yaml --model.optim.lr=3e-4\n")
+    assert _task(repo, taskfile, 0).returncode == 0
+    taskfile.write_text("configs/tiny.yaml --model.optim.lr=3e-4\nconfigs/tiny.yaml --model.optim.lr=1e-3\n")  # reordered
+    out = _task(repo, taskfile, 0)
+    assert out.returncode == 2 and "train.sbatch" not in out.stdout
+    error = out.stderr.strip()
+    assert len(error.splitlines()) == 1 and error.startswith("[array.sbatch] error: runs/sweep/task_0 is the run of")
+    assert "--model.optim.lr=1e-3" in error and "--model.optim.lr=3e-4" in error and "remove" in error
+    other = repo / "other" / "sweep.txt"  # another task file of the same name: the same default directory
+    other.parent.mkdir()
+    other.write_text("configs/tiny.yaml --model.optim.lr=1e-3\n")
+    assert _task(repo, other, 0).returncode == 2
+    (repo / "runs/sweep/task_0/array_task").unlink()  # the user's way to continue the run with the new line
+    assert _task(repo, taskfile, 0).returncode == 0
