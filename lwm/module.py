@@ -117,6 +117,7 @@ class WorldModelModule(L.LightningModule):
         self._grad_norm: Tensor | None = None  # this step's gradient norm, for the non-finite check and clipping
         self._last_batch: dict[str, Tensor] | None = None  # this training step's, to name bad windows on a stop
         self._eval_windows: list[Tensor] = []  # per evaluated batch [B, 3]: non-finite?, file index, start
+        self._checkpoint_step: int | None = None  # the loaded checkpoint's global step (see weights_step)
 
     # ----------------------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
@@ -227,7 +228,7 @@ class WorldModelModule(L.LightningModule):
     def _at_checkpoint_step(self) -> None:
         """``lwm validate|test CKPT``: Lightning restores the weights, not the loops, so its loggers would write
         the metrics at step 0; put them at the checkpoint's global step (what `lwm plot` reads)."""
-        step = getattr(self, "_checkpoint_step", None)
+        step = self._checkpoint_step
         loop = getattr(self._trainer.fit_loop, "epoch_loop", None) if self._trainer is not None else None
         if step and loop is not None and hasattr(loop, "_batches_that_stepped") and not self.trainer.training \
                 and self.global_step == 0:  # not after a fit in the same process
@@ -239,7 +240,7 @@ class WorldModelModule(L.LightningModule):
         global step while fitting, the checkpoint's under ``lwm validate|test|predict`` (where Lightning's reads 0)."""
         if self._trainer is None or self.trainer.state.fn == "fit":
             return self.global_step
-        step = getattr(self, "_checkpoint_step", None)
+        step = self._checkpoint_step
         return step if step and self.global_step == 0 else self.global_step
 
     @property
@@ -271,7 +272,7 @@ class WorldModelModule(L.LightningModule):
         """Latents arrive as the files hold them (float16 stays float16 through the loader) and are cast here, on
         the device, to the parameters' dtype: float32 (fp32 and the autocast precisions), or what a half-precision
         plugin already cast them to (DeepSpeed's bf16, ``bf16-true``: the weights are bf16 there)."""
-        dtype = self.model.mask_token.dtype
+        dtype = self.model.param_dtype
         if isinstance(batch, dict) and "latents" in batch and batch["latents"].dtype != dtype:
             batch = {**batch, "latents": batch["latents"].to(dtype)}
         return batch

@@ -231,9 +231,11 @@ class Attention(nn.Module):
 
 class TransformerBlock(nn.Module):
     """One pre-norm ST block on ``[B, T, N, D]``: spatial attention within each frame, temporal attention
-    within each patch (masked by ``mask``), then an MLP; each sub-layer residual."""
+    within each patch (masked by ``mask``, computed by ``temporal_attention``: :class:`Attention`'s kernels),
+    then an MLP; each sub-layer residual."""
 
-    def __init__(self, d_model: int, n_heads: int, mask: TemporalMask = "none", mlp_ratio: float = 4.0) -> None:
+    def __init__(self, d_model: int, n_heads: int, mask: TemporalMask = "none", mlp_ratio: float = 4.0,
+                 temporal_attention: AttentionKernel = "sdpa") -> None:
         super().__init__()
         if mask not in TEMPORAL_MASKS:
             raise ValueError(f"temporal mask must be one of {TEMPORAL_MASKS}, got {mask!r}")
@@ -241,7 +243,7 @@ class TransformerBlock(nn.Module):
         self.norm_spatial = nn.LayerNorm(d_model)
         self.spatial = Attention(d_model, n_heads)
         self.norm_temporal = nn.LayerNorm(d_model)
-        self.temporal = Attention(d_model, n_heads)
+        self.temporal = Attention(d_model, n_heads, temporal_attention)
         self.norm_mlp = nn.LayerNorm(d_model)
         hidden = int(d_model * mlp_ratio)
         self.mlp = nn.Sequential(nn.Linear(d_model, hidden), nn.GELU(approximate="tanh"), nn.Linear(hidden, d_model))
@@ -288,11 +290,11 @@ class STTransformer(nn.Module):
     """A stack of :class:`TransformerBlock` (one temporal mask per block) with a final LayerNorm."""
 
     def __init__(self, d_model: int, n_heads: int, masks: list[TemporalMask], mlp_ratio: float = 4.0,
-                 checkpointing: bool = False) -> None:
+                 checkpointing: bool = False, temporal_attention: AttentionKernel = "sdpa") -> None:
         super().__init__()
         if not masks:
             raise ValueError("STTransformer needs at least one block (depth >= 1)")
-        self.blocks = nn.ModuleList(TransformerBlock(d_model, n_heads, m, mlp_ratio) for m in masks)
+        self.blocks = nn.ModuleList(TransformerBlock(d_model, n_heads, m, mlp_ratio, temporal_attention) for m in masks)
         self.norm_out = nn.LayerNorm(d_model)
         self.checkpointing = checkpointing  # recompute each block's activations in the backward (memory for time)
 

@@ -52,10 +52,10 @@ class WorldModelOutput:
     token_mask: Tensor | None  # [B, T, N] True where a token was replaced by the mask token (None: no masking)
 
 
-def to_half_weights(x: Tensor, weight: Tensor) -> Tensor:
-    """``x`` in the dtype of half-precision ``weight`` (bf16 weights take no fp32 input); unchanged next to fp32
-    weights, where autocast (bf16-mixed) casts what it needs itself."""
-    return x if weight.dtype == torch.float32 or x.dtype == weight.dtype else x.to(weight.dtype)
+def to_half_weights(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """``x`` in the weights' ``dtype`` where they are half precision (bf16 weights take no fp32 input); unchanged
+    next to fp32 weights, where autocast (bf16-mixed) casts what it needs itself."""
+    return x if dtype == torch.float32 or x.dtype == dtype else x.to(dtype)
 
 
 def code_projection(layer: nn.Linear, h: Tensor) -> Tensor:
@@ -67,15 +67,17 @@ def code_projection(layer: nn.Linear, h: Tensor) -> Tensor:
 
 
 class ActionEncoder(nn.Module):
-    """ST transformer with exactly one frame of lookahead, spatial mean-pool, RVQ: tokens -> ``[B, T-1, Da]``."""
+    """ST transformer with exactly one frame of lookahead, spatial mean-pool, RVQ: tokens -> ``[B, T-1, Da]``.
+    ``st``: :class:`STTransformer` options (``checkpointing``, ``temporal_attention``); ``rvq``: the quantizer's."""
 
     def __init__(
         self, d_model: int, n_heads: int, depth: int, d_code: int, codebook_sizes: Sequence[int],
-        mlp_ratio: float = 4.0, **rvq_kwargs,
+        mlp_ratio: float = 4.0, st: dict | None = None, **rvq_kwargs,
     ) -> None:
         super().__init__()
         # The shift is applied once: stacking shifted masks would let output i see frame i + depth.
-        self.transformer = STTransformer(d_model, n_heads, ["shifted_causal"] + ["causal"] * (depth - 1), mlp_ratio)
+        masks = ["shifted_causal"] + ["causal"] * (depth - 1)
+        self.transformer = STTransformer(d_model, n_heads, masks, mlp_ratio, **(st or {}))
         self.to_code = nn.Linear(d_model, d_code)
         self.rvq = ResidualVectorQuantizer(d_code, codebook_sizes, **rvq_kwargs)
 
@@ -97,10 +99,10 @@ class WorldEncoder(nn.Module):
 
     def __init__(
         self, d_model: int, n_heads: int, depth: int, d_code: int, codebook_sizes: Sequence[int],
-        mlp_ratio: float = 4.0, **rvq_kwargs,
+        mlp_ratio: float = 4.0, st: dict | None = None, **rvq_kwargs,
     ) -> None:
         super().__init__()
-        self.transformer = STTransformer(d_model, n_heads, ["none"] * depth, mlp_ratio)
+        self.transformer = STTransformer(d_model, n_heads, ["none"] * depth, mlp_ratio, **(st or {}))
         self.to_code = nn.Linear(d_model, d_code)
         self.rvq = ResidualVectorQuantizer(d_code, codebook_sizes, **rvq_kwargs)
 
@@ -116,16 +118,18 @@ class WorldEncoder(nn.Module):
 class DynamicsPredictor(nn.Module):
     """Causal ST transformer on state tokens plus ``W_a a + W_h h`` broadcast over patches."""
 
-    def __init__(self, d_model: int, n_heads: int, depth: int, d_action: int, d_world: int, mlp_ratio: float = 4.0) -> None:
+    def __init__(self, d_model: int, n_heads: int, depth: int, d_action: int, d_world: int, mlp_ratio: float = 4.0,
+                 st: dict | None = None) -> None:
         super().__init__()
         self.action_proj = nn.Linear(d_action, d_model)  # W_a^z
         self.world_proj = nn.Linear(d_world, d_model)  # W_h^z
-        self.transformer = STTransformer(d_model, n_heads, ["causal"] * depth, mlp_ratio)
+        self.transformer = STTransformer(d_model, n_heads, ["causal"] * depth, mlp_ratio, **(st or {}))
 
     def condition(self, actions: Tensor, world: Tensor) -> Tensor:
         """``W_a a + W_h h`` for ``actions [B, t, Da]``, ``world [B, Dh]``: ``[B, t, 1, D]`` (broadcast over patches).
         The codes (fp32 codebook entries) are cast to half-precision weights (DeepSpeed's bf16)."""
-        actions, world = to_half_weights(actions, self.action_proj.weight), to_half_weights(world, self.world_proj.weight)
+        actions = to_half_weights(actions, self.action_proj.weight.dtype)
+        world = to_half_weights(world, self.world_proj.weight.dtype)
         return self.action_proj(actions)[:, :, None] + self.world_proj(world)[:, None, None]
 
     def forward(
@@ -249,12 +253,16 @@ class WorldModel(nn.Module):
         self.max_time_offset = c.max_time_offset
         rvq = dict(decay_start=c.ema_decay_start, decay_end=c.ema_decay_end, decay_steps=c.ema_decay_steps,
                    dead_code_steps=c.dead_code_steps)
+        st = dict(checkpointing=c.activation_checkpointing, temporal_attention=c.temporal_attention)
 
         self.tokenizer = Tokenizer(c.in_channels, c.d_model, c.tokenizer_hidden)
         self.detokenizer = Detokenizer(c.in_channels, c.d_model, c.tokenizer_hidden)
-        self.action_encoder = ActionEncoder(c.d_model, c.n_heads, c.depth_action, c.d_code_action, c.codebook_sizes_action, c.mlp_ratio, **rvq)
-        self.world_encoder = WorldEncoder(c.d_model, c.n_heads, c.depth_world, c.d_code_world, c.codebook_sizes_world, c.mlp_ratio, **rvq)
-        self.dynamics = DynamicsPredictor(c.d_model, c.n_heads, c.depth_dynamics, c.d_code_action, c.d_code_world, c.mlp_ratio)
+        self.action_encoder = ActionEncoder(c.d_model, c.n_heads, c.depth_action, c.d_code_action,
+                                            c.codebook_sizes_action, c.mlp_ratio, st, **rvq)
+        self.world_encoder = WorldEncoder(c.d_model, c.n_heads, c.depth_world, c.d_code_world,
+                                          c.codebook_sizes_world, c.mlp_ratio, st, **rvq)
+        self.dynamics = DynamicsPredictor(c.d_model, c.n_heads, c.depth_dynamics, c.d_code_action, c.d_code_world,
+                                          c.mlp_ratio, st)
         # Never used when mask_prob is 0: frozen then, so that DDP (find_unused_parameters=False) finds no
         # parameter without a gradient.
         self.mask_token = nn.Parameter(torch.randn(c.d_model) * 0.02, requires_grad=c.mask_prob > 0)
@@ -266,10 +274,6 @@ class WorldModel(nn.Module):
         for layer in (self.action_encoder.to_code, self.world_encoder.to_code, self.dynamics.action_proj,
                       self.dynamics.world_proj):
             nn.init.normal_(layer.weight, std=layer.in_features**-0.5)
-        for transformer in (self.action_encoder.transformer, self.world_encoder.transformer, self.dynamics.transformer):
-            transformer.checkpointing = c.activation_checkpointing
-            for block in transformer.blocks:
-                block.temporal.kernel = c.temporal_attention
         if c.temporal_attention == "triton" and triton_attention.triton is None:
             warnings.warn("temporal_attention=triton: the triton package is not installed, so temporal attention runs "
                           "as plain matmuls (the same function, slower)", stacklevel=2)
@@ -300,6 +304,12 @@ class WorldModel(nn.Module):
         """The shortest clip ``forward`` accepts: every rollout pass needs one position left to score."""
         return len(self.rollout_weights) + 1
 
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """The transformers' weight dtype: float32, or bf16/fp16 where a precision plugin cast the weights
+        (DeepSpeed's bf16, ``bf16-true``); the quantizers' codebooks stay float32 either way."""
+        return self.mask_token.dtype
+
     # ----------------------------------------------------------------------------------------------
     # Pieces
     # ----------------------------------------------------------------------------------------------
@@ -314,7 +324,7 @@ class WorldModel(nn.Module):
         """Frames ``[B, T, C, H, W]`` -> tokens ``[B, T, N, D]`` (no positional embedding). Frames are cast to
         half-precision weights (DeepSpeed's bf16, ``bf16-true``)."""
         B = x.shape[0]
-        return to_sequence(self.tokenizer(to_half_weights(x.flatten(0, 1), self.mask_token)), B)
+        return to_sequence(self.tokenizer(to_half_weights(x.flatten(0, 1), self.param_dtype)), B)
 
     def detokenize(self, tokens: Tensor) -> Tensor:
         """Tokens ``[B, T, N, D]`` -> frames ``[B, T, C, H, W]``."""
@@ -324,7 +334,7 @@ class WorldModel(nn.Module):
     def pos_embedding(self, length: int, t0: int | Tensor = 0) -> Tensor:
         """Spatial + temporal PE for frames ``t0..t0+length-1``: ``[length, N, D]`` or ``[B, length, N, D]``."""
         temporal = temporal_pos_embedding(length, self.d_model, t0, self.spatial_pe.device)  # [(B,) T, D]
-        return (temporal[..., :, None, :] + self.spatial_pe).to(self.mask_token.dtype)
+        return (temporal[..., :, None, :] + self.spatial_pe).to(self.param_dtype)
 
     def sample_time_offset(self, batch: int, device: torch.device, generator: torch.Generator | None = None) -> Tensor:
         """The requirement's random temporal-PE start, one per sample: ``[B]`` ints in [0, max_time_offset]."""
