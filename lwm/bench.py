@@ -99,9 +99,9 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def load_config(path: str, overrides: list[str]) -> dict[str, Any]:
-    """The config as ``lwm fit`` reads and checks it (:func:`lwm.cli.read_config`; the step runs on random
+    """The config as ``lwm fit`` reads and checks it (:func:`lwm.lightning_cli.read_config`; the step runs on random
     latents, so ``data.manifest`` may be left out), and the batch and window the step needs."""
-    from lwm.cli import read_config
+    from lwm.lightning_cli import read_config
     from lwm.modules.world_model import WorldModelConfig
 
     config = read_config(["--config", path, *overrides])

@@ -185,7 +185,6 @@ def collect(model, loader, device: torch.device, max_windows: int | None = None)
 def main(argv: list[str]) -> int:
     """``lwm codes --config CFG --ckpt_path CKPT [--max-windows N] [--out PATH] [overrides]``."""
 
-    from lwm.cli import lightning_cli_class
     from lwm.errors import ConfigError
     from lwm.video import check_output
 
@@ -205,7 +204,9 @@ def main(argv: list[str]) -> int:
     out = check_out(args.out) if args.out else check_output(default_codes_path(ckpt_path), "the code dictionary")
     from lwm.checkpoint import load_checkpoint, warn_window_mismatch
 
-    dm = lightning_cli_class()(args=rest, run=False).datamodule  # the data; the model is the checkpoint's
+    from lwm.lightning_cli import LwmCLI
+
+    dm = LwmCLI(args=rest, run=False).datamodule  # the data; the model is the checkpoint's
     checkpoint, module = load_checkpoint(ckpt_path)
     warn_window_mismatch(checkpoint, dm.window, ckpt_path)  # the codes depend on it
     dm.setup("fit")

@@ -61,7 +61,7 @@ def probe_margin(chance: float, samples: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lwm.cli import lightning_cli, read_config
+    from lwm.lightning_cli import lightning_cli, read_config
     from lwm.data.manifest import Manifest
     from lwm.data.synth import make_dataset
     from lwm.generate import parse as generate_args

@@ -72,19 +72,19 @@ def _fresh_folder(path: str) -> str:
 
 
 def main(argv: list[str]) -> int:
-    from lwm.cli import lightning_cli_class
-
     args, rest = parse(argv)
     inherited = "LWM_OVERFIT_DIR" in os.environ  # a DDP child of an overfit run: its parent's folder
     try:
-        return _run(args, rest, lightning_cli_class)
+        return _run(args, rest)
     finally:
         if not inherited:  # a later overfit in this process picks its own folder
             os.environ.pop("LWM_OVERFIT_DIR", None)
 
 
-def _run(args: argparse.Namespace, rest: list[str], lightning_cli_class) -> int:
-    class OverfitCLI(lightning_cli_class()):
+def _run(args: argparse.Namespace, rest: list[str]) -> int:
+    from lwm.lightning_cli import LwmCLI
+
+    class OverfitCLI(LwmCLI):
         def before_instantiate_classes(self) -> None:
             trainer = self.config.trainer
             # one folder for every process: Lightning's DDP children inherit the parent's choice

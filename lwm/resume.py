@@ -25,7 +25,7 @@ def run_paths(args: list[str]) -> tuple[Path, Path]:
     """``(RUN_DIR, CHECKPOINT_DIR)`` of ``lwm fit ARGS`` (``--config`` files and overrides, in their order)."""
     import yaml
 
-    from lwm.cli import lightning_cli
+    from lwm.lightning_cli import lightning_cli
 
     out = io.StringIO()
     try:

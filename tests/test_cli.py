@@ -99,7 +99,7 @@ def test_error_lines_take_the_last_raise_of_a_chained_worker_traceback():
 
 
 def test_did_you_mean_only_for_a_near_key():
-    from lwm.cli import parse_error_line
+    from lwm.lightning_cli import parse_error_line
 
     keys = ["--model.net.d_model", "--trainer.max_steps", "--data.window"]
     assert "did you mean --model.net.d_model?" in parse_error_line("unrecognized arguments: --model.net.dmodel=3", keys)

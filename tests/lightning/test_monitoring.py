@@ -90,7 +90,7 @@ def test_a_resumed_fit_continues_its_wandb_run(tmp_path):
 def test_which_fits_resume_a_run(tmp_path, monkeypatch):
     """What decides whether a fit continues its wandb run: a checkpoint that exists, or Lightning's SLURM
     requeue checkpoint where Lightning resumes from it (under SLURM, given no --ckpt_path)."""
-    from lwm.cli import fit_resumes
+    from lwm.lightning_cli import fit_resumes
 
     for var in ("SLURM_NTASKS", "SLURM_JOB_NAME"):
         monkeypatch.delenv(var, raising=False)

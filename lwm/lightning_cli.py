@@ -1,0 +1,344 @@
+"""The Lightning verbs' command line: :class:`LwmCLI`, a LightningCLI for :class:`WorldModelModule` and
+:class:`LatentDataModule` with lwm's run layout (RUN_DIR, always-on callbacks, checks before any work, atomic
+checkpoints, the wandb run a resumed fit continues), and :func:`read_config` / :func:`lightning_cli` for the verbs
+of our own that read a fit's config. It imports Lightning: :mod:`lwm.cli` imports it only for the verbs that need
+it (`lwm data index` and `lwm --help` should not pay for Lightning).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import logging
+import os
+import re
+import warnings
+from dataclasses import asdict
+from typing import Any, Optional
+
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch.strategies import DeepSpeedStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lwm.callbacks import (
+    AttentionDiagonality, CodebookMonitor, CodeDictionaries, CopyLastBaseline, DeadCodeRevival, FlopCounter,
+    GroundTruthProbes, LearningRateMonitor, ModelSummary, PredictionWriter, RolloutVideos, Sensitivity,
+    SlurmRequeue, StepProgressBar,
+)
+from lwm.checkpoint import AtomicCheckpointIO, ModelCheckpoint, read_checkpoint, warn_window_mismatch
+from lwm.data.datamodule import LatentDataModule
+from lwm.errors import ConfigError
+from lwm.loggers import WandbConfig, make_loggers, run_log_dir
+from lwm.module import WorldModelModule
+
+
+def _quiet_lightning() -> None:
+    """Lightning's noise that does not apply to lwm, filtered at each CLI (a test's warning filters are reset
+    after it). `lwm` passes its own argv on purpose; Lightning's pytree helper trips a torch deprecation each run;
+    the module's on_after_batch_transfer (the dtype cast) is meant to serve with our DataModule."""
+    warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+    warnings.filterwarnings("ignore", message="You have overridden `on_after_batch_transfer` in `LightningModule`")
+    for name in ("lightning.fabric.utilities.rank_zero", "lightning.pytorch.utilities.rank_zero"):
+        logging.getLogger(name).addFilter(_drop_advert)  # Lightning's litlogger tip, on every run
+
+
+def _drop_advert(record: logging.LogRecord) -> bool:
+    return "try installing [litlogger]" not in record.getMessage()
+
+
+def fit_resumes(ckpt_path: str | None, root: str) -> bool:
+    """Whether a fit continues a run: from ``ckpt_path`` (``last`` resolved) where that exists, or, given none, from
+    a requeue's ``RUN_DIR/hpc_ckpt_N.ckpt`` under SLURM (where Lightning resumes from it)."""
+    hpc = bool(glob.glob(os.path.join(root, "hpc_ckpt_*.ckpt")))
+    if ckpt_path == "hpc":
+        return hpc
+    if ckpt_path:
+        return os.path.exists(ckpt_path)
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    return hpc and SLURMEnvironment.detect()
+
+
+class LwmCLI(LightningCLI):
+    """LightningCLI for :class:`WorldModelModule` + :class:`LatentDataModule` with lwm's run layout."""
+
+    def __init__(self, args: list[str] | None = None, run: bool = True, **kwargs: Any) -> None:
+        _quiet_lightning()
+        if not run and any(str(a).split("=")[0] == "--ckpt_path" for a in (args or [])):
+            raise ConfigError("--ckpt_path: this command does not take one (lwm fit --ckpt_path resumes a run)")
+        self._verb_free = not run  # our verbs (codes, overfit, bench, demo) parse a fit's options without a verb
+        super().__init__(
+            WorldModelModule,
+            LatentDataModule,
+            seed_everything_default=0,
+            # A parse error raises (parse_arguments makes it one line) instead of printing ~145 lines of usage.
+            parser_kwargs={"parser_mode": "omegaconf+", "exit_on_error": False},
+            save_config_kwargs={"overwrite": True},  # a resumed run rewrites RUN_DIR/config.yaml
+            # the data module shards by rank itself; 4 validations per epoch (the requirement's), config or not
+            trainer_defaults={"use_distributed_sampler": False, "val_check_interval": 0.25},
+            args=args,
+            run=run,
+            **kwargs,
+        )
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        try:
+            super().parse_arguments(parser, args)
+        except argparse.ArgumentError as e:
+            line = parse_error_line(str(e), _option_names(parser))
+            broken = _broken_config_file(args or [])
+            raise ConfigError(f"--config {broken}: {line}" if broken else line) from None
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.set_defaults({
+            "checkpoint.every_n_train_steps": 1000,
+            "checkpoint.save_last": True,
+            "checkpoint.save_top_k": 3,  # the 3 most recent step checkpoints, plus last.ckpt
+            "checkpoint.monitor": "step",
+            "checkpoint.mode": "max",
+            "checkpoint.filename": "step={step:07d}",
+            "checkpoint.auto_insert_metric_name": False,
+            "checkpoint.enable_version_counter": False,  # one run per RUN_DIR: last.ckpt is always the latest
+        })
+        # Always-on callbacks, each configurable under its key (e.g. --revival.every_n_steps 10).
+        for key, callback in (
+            ("revival", DeadCodeRevival), ("codebooks", CodebookMonitor), ("diagonality", AttentionDiagonality),
+            ("sensitivity", Sensitivity), ("flops", FlopCounter), ("code_dictionaries", CodeDictionaries),
+            ("rollout_videos", RolloutVideos), ("copy_last", CopyLastBaseline), ("probes", GroundTruthProbes),
+            ("progress_bar", StepProgressBar), ("model_summary", ModelSummary),
+            ("slurm_requeue", SlurmRequeue),  # a no-op outside SLURM
+            ("lr_monitor", LearningRateMonitor),  # Train_Total/lr/pg1 (decayed weights), /pg2 (the rest)
+            ("prediction_writer", PredictionWriter),  # lwm predict only
+        ):
+            parser.add_lightning_class_args(callback, key)
+        parser.set_defaults({"model_summary.max_depth": 2, "lr_monitor.logging_interval": "step"})
+        parser.add_class_arguments(WandbConfig, "wandb")
+        if self._verb_free:  # a fit's RUN_DIR/config.yaml records its ckpt_path: accepted there, and unused
+            parser.add_argument("--ckpt_path", type=Optional[str], default=None,
+                                help="(read from a fit's config.yaml and ignored)")
+            parser.add_argument("--weights_only", type=Optional[bool], default=None,
+                                help="(read from a fit's config.yaml and ignored: checkpoints load weights only)")
+
+    def _checkpoint_path(self, config: Any) -> str | None:
+        """``ckpt_path`` as a path: ``last`` is ``CHECKPOINT_DIR/last.ckpt`` (RUN_DIR/checkpoints by default)."""
+        path = config.get("ckpt_path")
+        if path == "last":
+            checkpoint = config.get("checkpoint") or {}
+            root = config.get("trainer", {}).get("default_root_dir") or "."
+            path = os.path.join(checkpoint.get("dirpath") or os.path.join(root, "checkpoints"), "last.ckpt")
+        return path
+
+    def _checkpoint_file(self, config: Any) -> str | None:
+        """``ckpt_path`` as a file (None where there is none, or a DeepSpeed directory)."""
+        path = self._checkpoint_path(config)
+        return path if path and os.path.isfile(path) else None
+
+    def _parse_ckpt_path(self) -> None:
+        # Lightning puts the hyperparameters of a checkpoint *file* given as --ckpt_path over the config. For
+        # validate/test/predict lwm does so for `last` too (the model is the checkpoint's); a fit resumes with
+        # the config's settings instead, a file or `last` alike (a changed learning rate applies; the model's
+        # shape must match: _check_checkpoint_fits).
+        sub = self.config.get("subcommand")
+        if sub is None:
+            return
+        self._check_ckpt_path(sub)
+        if sub == "fit":
+            return
+        if sub in ("validate", "test", "predict") and self.config[sub].get("ckpt_path") == "last":
+            path = self._checkpoint_file(self.config[sub])
+            if path is not None:
+                self.config[sub].ckpt_path = path
+        try:
+            super()._parse_ckpt_path()
+        except argparse.ArgumentError as e:
+            raise ConfigError(f"{self.config[sub].get('ckpt_path')}: its hyperparameters do not fit this lwm "
+                              f"({parse_error_line(str(e), [])})") from None
+
+    def _check_ckpt_path(self, sub: str) -> None:
+        """A missing or unreadable ``--ckpt_path`` file is one line, before any work; so is ``last`` where the
+        run has no checkpoint under validate/test/predict (Lightning would go on with untrained weights; a fit
+        starts fresh, with Lightning's warning)."""
+        from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
+
+        config = self.config[sub]
+        path = config.get("ckpt_path")
+        if path is None or path in ("best", "hpc", "registry") or str(path).startswith("registry:"):
+            return
+        if path == "last":
+            last = self._checkpoint_path(config)
+            if not (os.path.isfile(last) or os.path.isdir(last)):  # a directory: DeepSpeed's
+                if sub != "fit":
+                    raise ConfigError(f"--ckpt_path last: no checkpoint in the run ({last} does not exist)")
+                # (Lightning says so too, with a hint about save_last that does not apply: lwm saves it)
+                warnings.filterwarnings("ignore", message=r".*ckpt_path=\"last\"\) is set, but there is no last")
+                rank_zero_info(f"--ckpt_path last: no {last} yet, so this fit starts a new run")
+            return
+        if os.path.isdir(path) or not _is_local_file_protocol(str(path)):  # DeepSpeed's; a remote one (fsspec)
+            return
+        read_checkpoint(path, "--ckpt_path")  # missing, torn, foreign: one line
+
+    def _check_checkpoint_fits(self) -> None:
+        """A checkpoint of another model shape is one line naming the fields, not a state-dict traceback."""
+        path = self._checkpoint_file(self.config[self.subcommand])
+        if path is None:
+            return
+        checkpoint = read_checkpoint(path)
+        if self.subcommand != "fit":
+            warn_window_mismatch(checkpoint, self.datamodule.window, path)
+        saved = checkpoint.get("hyper_parameters", {})
+        config = self.model.model.config
+        saved, current = saved.get("net") or {}, asdict(config)
+        changed = [f"model.net.{k}={current[k]!r} (the checkpoint has {saved[k]!r})" for k in config.SHAPE_FIELDS
+                   if k in saved and _plain(saved[k]) != _plain(current[k])]
+        if changed:
+            raise ConfigError(f"{path}: a model of another shape than the config's: {', '.join(changed)}; "
+                              f"use the run's own config (--config RUN_DIR/config.yaml)")
+
+    def _check_data(self) -> None:
+        """Read and check the manifest, its files and the model's fit to them before the trainer starts
+        anything (a wandb run, a log folder): a data error leaves nothing behind. The trainer's own setup
+        repeats the rank-dependent check (validation windows for every rank)."""
+        self._check_checkpoint_fits()
+        dm, trainer = self.datamodule, self.trainer
+        dm.setup(self.subcommand)
+        self.model.check_data(dm.frame_shape, dm.window, str(dm.manifest_path))
+        self.model.check_trainer(trainer)  # (its setup checks again, for runs without the CLI: too late here)
+        if self.subcommand != "fit":
+            return
+        interval = getattr(trainer, "val_check_interval", None)  # unset when validation is timed
+        if isinstance(interval, int) and trainer.check_val_every_n_epoch is not None and trainer.limit_val_batches:
+            batches = len(dm.train_sampler(0, trainer.world_size))
+            limit = trainer.limit_train_batches
+            batches = min(batches, limit) if isinstance(limit, int) else int(batches * limit)
+            if 0 < batches < interval:  # Lightning's own check comes after the loggers start, as a traceback
+                raise ConfigError(
+                    f"trainer.val_check_interval={interval} is more than the {batches} training batches of an "
+                    f"epoch ({dm.manifest_path}); use a fraction of the epoch (0.25), or count steps across "
+                    f"epochs with trainer.check_val_every_n_epoch=null")
+
+    before_fit = before_validate = before_test = before_predict = _check_data
+
+    def instantiate_trainer(self, **kwargs: Any):
+        trainer_config = self._get(self.config_init, "trainer", default={})
+        root = trainer_config.get("default_root_dir") or "."
+        checkpoint = self._get(self.config_init, "checkpoint", default=None)
+        if isinstance(checkpoint, ModelCheckpoint) and checkpoint.dirpath is None:  # RUN_DIR/checkpoints for
+            checkpoint.dirpath = os.path.realpath(os.path.join(root, "checkpoints"))  # every verb (ckpt_path last)
+        if self.subcommand in ("validate", "test", "predict"):  # never into the fit's metrics.csv / config.yaml
+            root = os.path.join(root, self.subcommand)
+        if trainer_config.get("logger") in (None, True):
+            resume = None  # not a fit: a wandb run of its own
+            if self.subcommand == "fit":  # resumed: its wandb run
+                resume = fit_resumes(self._checkpoint_path(self.config["fit"]), root)
+            kwargs.setdefault("logger", make_loggers(str(root), self._get(self.config_init, "wandb"),
+                                                     strict=not self._verb_free, resume=resume))
+        strategy = trainer_config.get("strategy")
+        deepspeed = isinstance(strategy, DeepSpeedStrategy) or (isinstance(strategy, str) and "deepspeed" in strategy)
+        plugins = trainer_config.get("plugins") or []
+        plugins = list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
+        if not deepspeed and not any(isinstance(p, CheckpointIO) for p in plugins):
+            kwargs.setdefault("plugins", plugins + [AtomicCheckpointIO()])
+        return super().instantiate_trainer(**kwargs)
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        super()._run_subcommand(subcommand)
+        if subcommand in ("validate", "test", "predict") and self.trainer.is_global_zero:
+            rank_zero_info(f"lwm {subcommand}: its files are in {run_log_dir(self.trainer)}")  # not RUN_DIR itself
+
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list) -> Any:
+        # The rich progress bar and summary are on by default; the trainer's switches turn them off.
+        if config.get("enable_progress_bar") is False:
+            callbacks = [c for c in callbacks if not isinstance(c, StepProgressBar)]
+        if config.get("enable_model_summary") is False:
+            callbacks = [c for c in callbacks if not isinstance(c, ModelSummary)]
+        return super()._instantiate_trainer(config, callbacks)
+
+
+def _plain(value: Any) -> Any:
+    """Tuples and lists alike (a checkpoint's hyperparameters hold lists where the config has tuples)."""
+    return [_plain(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+
+def _option_names(parser: Any) -> list[str]:
+    """Every ``--key`` the LightningCLI parser (and its verbs' parsers) accepts."""
+    names: list[str] = []
+    for action in parser._actions:
+        names += [o for o in action.option_strings if o.startswith("--")]
+        for sub in (getattr(action, "choices", None) or {}).values() if isinstance(action, argparse._SubParsersAction) else ():
+            names += _option_names(sub)
+    return names
+
+
+def _broken_config_file(args: list[str]) -> str | None:
+    """The first ``--config`` file among ``args`` that is not a YAML mapping (broken, empty), for the error line:
+    jsonargparse's own names no file."""
+    import yaml
+
+    paths = [a.split("=", 1)[1] if "=" in a else (args[i + 1] if i + 1 < len(args) else "")
+             for i, a in enumerate(map(str, args)) if a in ("-c", "--config") or a.startswith("--config=")]
+    for path in paths:
+        try:
+            with open(path) as f:
+                if not isinstance(yaml.safe_load(f), dict):
+                    return path
+        except (OSError, yaml.YAMLError):
+            return path
+    return None
+
+
+def parse_error_line(message: str, options: list[str]) -> str:
+    """jsonargparse's error as one line, with the nearest known key for an unrecognized one ("--model.net.dmodel 3"
+    -> "... (did you mean --model.net.d_model?)")."""
+    line = " ".join(part.strip() for part in message.splitlines() if part.strip())
+    given: list[str] = []
+    if line.startswith("unrecognized arguments:"):  # on the command line
+        given = [a.split("=", 1)[0] for a in line.split(":", 1)[1].split() if a.startswith("--")]
+    elif match := re.search(r"does not accept option '([^']+)'", line):  # in a --config file
+        given = [f"--{match.group(1)}"]
+    if given:
+        import difflib
+
+        hints = [m[0] for g in given if (m := difflib.get_close_matches(g, set(options), n=1, cutoff=0.75))]
+        if hints:
+            line += f" (did you mean {', '.join(hints)}?)"
+    return f"{line}; see `--help` for the keys"
+
+
+def read_config(args: list[str]) -> dict[str, Any]:
+    """A fit's config (``["--config", FILE, *overrides]``) read by the fit's parser, as a dict, instantiating nothing
+    (no trainer, loggers, data or model): types, unknown keys, typos and broken YAML are refused in one line as by
+    ``lwm fit``, then the model's and optimiser's own checks run. ``data.manifest`` may be left out. For verbs that
+    check a config before work of their own (``lwm bench``, ``lwm demo``)."""
+    from jsonargparse import namespace_to_dict
+
+    from lwm.module import OptimConfig
+    from lwm.modules.world_model import WorldModelConfig
+
+    class ParseOnly(LwmCLI):
+        def add_arguments_to_parser(self, parser) -> None:
+            super().add_arguments_to_parser(parser)
+            parser.set_defaults({"data.manifest": ""})
+
+        def _parse_ckpt_path(self) -> None:
+            pass
+
+        def _set_seed(self) -> None:
+            pass
+
+        def instantiate_classes(self) -> None:
+            pass
+
+    config = namespace_to_dict(ParseOnly(args=args, run=False).config)
+    model = config.get("model") or {}
+    WorldModelConfig(**(model.get("net") or {}))  # their checks (ConfigError): what the module would refuse
+    OptimConfig(**(model.get("optim") or {}))
+    return config
+
+
+def lightning_cli(args: list[str], run: bool = True):
+    """Build (and with ``run`` execute) the LightningCLI for ``args`` (``["fit", "--config", ...]``, or without
+    a verb when ``run`` is False)."""
+    return LwmCLI(args=args, run=run)
