@@ -112,6 +112,7 @@ def _decode(quantizer, indices: torch.Tensor, option: str) -> torch.Tensor:
 
 
 def run(args: argparse.Namespace) -> Path:
+    """``lwm generate``: checks, the checkpoint and the clip, the world and the actions, the rollouts, the files."""
     from lwm.checkpoint import load_checkpoint
 
     ckpt_path = Path(args.ckpt_path)
@@ -125,10 +126,36 @@ def run(args: argparse.Namespace) -> Path:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     raw, module = load_checkpoint(ckpt_path, map_location=device)
     model = module.model.eval()
-    c = model.config
     trained = raw.get("datamodule_hyper_parameters", {}).get("window")  # frames per training window
     window = args.window if args.window is not None else (trained - 1 if trained else None)  # predictor inputs
 
+    clip, world_clip, codec = _read_clips(args, model, trained, device)
+    decoder = codec_from_attr(codec, str(args.data), args.vae, str(device), args.vae_tiling)  # before the work: a bad --vae fails now
+    transitions = args.context + args.steps - 1  # actions the rollout needs: the context's, then one per step
+    last_position = transitions - 1  # the last frame fed to the predictor sits at temporal position T - 1 (t0 = 0)
+    if trained and last_position > model.max_time_offset + trained - 2:
+        print(f"warning: the rollout feeds temporal positions up to {last_position}; training saw up to "
+              f"{model.max_time_offset + trained - 2} (model.net.max_time_offset {model.max_time_offset} + a "
+              f"{trained}-frame window): later frames are out of the trained range", file=sys.stderr)
+    dictionaries = _dictionaries(args, ckpt_path, raw, model)
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+    draws = torch.Generator().manual_seed(args.seed)  # dictionary draws, one stream: the world's, then the actions'
+    with torch.no_grad():
+        world = _world(args, model, world_clip, trained, dictionaries, draws)  # [R, Dh]
+        actions = _actions(args, model, clip, trained, transitions, dictionaries, draws, generator)  # [R, T, Da]
+        context = clip[:, : args.context].expand(args.rollouts, -1, -1, -1, -1)
+        generated = model.generate(context, actions, world, args.steps, t0=0, window=window)  # [R, steps, C, H, W]
+    rollouts = torch.cat([context, generated], dim=1).cpu()  # [R, context + steps, C, H, W]
+    _write(args, out, latents_path, rollouts, clip, decoder, codec)
+    return out
+
+
+def _read_clips(args: argparse.Namespace, model, trained: int | None,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor, str | None]:
+    """From ``--data``: the clip from ``--start`` (context, and the ground truth as far as the rollout and the file
+    go) ``[1, t, C, H, W]``, the world encoder's clip (a training window's length where the file has it), and
+    the file's ``codec`` attribute. A request for frames the file lacks is one line."""
+    c = model.config
     info = inspect_h5(args.data, c.in_channels, c.height, c.width)  # values too: NaN in, NaN video out
     need_gt = args.actions == "inferred" and not args.action_indices
     first, last = args.start, args.start + args.context + (args.steps if need_gt else 0)
@@ -140,79 +167,85 @@ def run(args: argparse.Namespace) -> Path:
     with h5py.File(args.data, "r") as f:
         ds = f[info.key]
         gt_end = min(info.frames, args.start + args.context + args.steps)
-        clip = torch.from_numpy(np.asarray(ds[args.start:gt_end], dtype=np.float32))[None].to(device)  # [1, t, C, H, W]
+        clip = torch.from_numpy(np.asarray(ds[args.start:gt_end], dtype=np.float32))[None].to(device)
         # the world encoder's clip: as long as in training (whatever --steps), or what the file has from --start
         world_end = min(info.frames, args.start + max(trained or args.context + args.steps, args.context))
         world_clip = torch.from_numpy(np.asarray(ds[args.start:world_end], dtype=np.float32))[None].to(device)
         codec = f.attrs.get("codec")
-    decoder = codec_from_attr(codec, str(args.data), args.vae, str(device), args.vae_tiling)  # before the work: a bad --vae fails now
+    return clip, world_clip, codec
 
-    R, T = args.rollouts, args.context + args.steps - 1  # transitions needed
-    last_position = T - 1  # the last frame fed to the predictor sits at temporal position T - 1 (t0 = 0)
-    if trained and last_position > model.max_time_offset + trained - 2:
-        print(f"warning: the rollout feeds temporal positions up to {last_position}; training saw up to "
-              f"{model.max_time_offset + trained - 2} (model.net.max_time_offset {model.max_time_offset} + a "
-              f"{trained}-frame window): later frames are out of the trained range", file=sys.stderr)
-    generator = torch.Generator(device=device).manual_seed(args.seed)
-    draws = torch.Generator().manual_seed(args.seed)  # dictionary draws, one stream: the world's, then the actions'
-    quantizers = model.quantizers
-    dictionaries = None
+
+def _dictionaries(args: argparse.Namespace, ckpt_path: Path, raw: dict, model) -> dict | None:
+    """The code dictionaries, where ``--world`` or ``--actions`` draws from one (else None), checked against the
+    model; a dictionary made at another step than the checkpoint's is a warning."""
     needed = [name for name, used in (("Action_Encoder", args.actions == "dictionary" and not args.action_indices),
                                       ("World_Encoder", args.world == "dictionary" and not args.world_indices)) if used]
-    if needed:
-        codes_path = Path(args.codes) if args.codes else default_codes_path(ckpt_path)
-        if not args.codes and not codes_path.is_file() and (ckpt_path.parent / "codes.pt").is_file():
-            codes_path = ckpt_path.parent / "codes.pt"  # the end of fit's (its step is checked below)
-        dictionaries = load_dictionaries(codes_path)
-        _check_dictionaries(dictionaries, codes_path, model, needed)
-        made_at = dictionaries_step(codes_path)
-        if made_at is not None and made_at != raw.get("global_step"):
-            print(f"warning: {codes_path} was made by the encoders of step {made_at}, the checkpoint is at step "
-                  f"{raw.get('global_step')}: its codes may not be the ones this model uses (`lwm codes --config "
-                  f"RUN_DIR/config.yaml --ckpt_path {ckpt_path}` makes its own)", file=sys.stderr)
+    if not needed:
+        return None
+    codes_path = Path(args.codes) if args.codes else default_codes_path(ckpt_path)
+    if not args.codes and not codes_path.is_file() and (ckpt_path.parent / "codes.pt").is_file():
+        codes_path = ckpt_path.parent / "codes.pt"  # the end of fit's (its step is checked below)
+    dictionaries = load_dictionaries(codes_path)
+    _check_dictionaries(dictionaries, codes_path, model, needed)
+    made_at = dictionaries_step(codes_path)
+    if made_at is not None and made_at != raw.get("global_step"):
+        print(f"warning: {codes_path} was made by the encoders of step {made_at}, the checkpoint is at step "
+              f"{raw.get('global_step')}: its codes may not be the ones this model uses (`lwm codes --config "
+              f"RUN_DIR/config.yaml --ckpt_path {ckpt_path}` makes its own)", file=sys.stderr)
+    return dictionaries
 
-    with torch.no_grad():
-        if args.world_indices:
-            idx = _indices(args.world_indices, "--world-indices", len(c.codebook_sizes_world), ndim=1)
-            world = _decode(quantizers["World_Encoder"], idx.to(device)[None], "--world-indices").expand(R, -1)
-        elif args.world == "dictionary":
-            idx = dictionaries["World_Encoder"].sample((R,), args.sampling, draws)
-            world = quantizers["World_Encoder"].decode_indices(idx.to(device))
-        else:
-            if trained and world_clip.shape[1] < trained:
-                print(f"warning: --world inferred from {world_clip.shape[1]} frames of {args.data} (from --start "
-                      f"{args.start}); training inferred it from {trained}: the code may differ from a whole "
-                      f"window's", file=sys.stderr)
-            world = model.encode_world(world_clip).quantized.expand(R, -1)
 
-        if args.action_indices:
-            idx = _indices(args.action_indices, "--action-indices", len(c.codebook_sizes_action), ndim=2)
-            if idx.shape[0] < T:
-                raise ConfigError(f"--action-indices: {T} transitions needed ({args.context} context frames, "
-                                  f"{args.steps} steps), got {idx.shape[0]}")
-            actions = _decode(quantizers["Action_Encoder"], idx[:T].to(device), "--action-indices")[None].expand(R, -1, -1)
-        elif args.actions == "inferred":
-            actions = model.encode_actions(clip[:, : T + 1], window=trained).quantized.expand(R, -1, -1)
-        else:  # the context's own transitions are inferred from it; the rollout's are drawn
-            if args.actions == "random":
-                drawn = random_codes(quantizers["Action_Encoder"], (R, args.steps), generator)
-            else:
-                idx = dictionaries["Action_Encoder"].sample((R, args.steps), args.sampling, draws)
-                drawn = quantizers["Action_Encoder"].decode_indices(idx.to(device))
-            if args.context > 1:
-                seen = model.encode_actions(clip[:, : args.context], window=trained).quantized  # [1, c-1, Da]
-                drawn = torch.cat([seen.expand(R, -1, -1).to(drawn.dtype), drawn], dim=1)
-            actions = drawn
-        context = clip[:, : args.context].expand(R, -1, -1, -1, -1)
-        generated = model.generate(context, actions, world, args.steps, t0=0, window=window)  # [R, steps, C, H, W]
+def _world(args: argparse.Namespace, model, world_clip: torch.Tensor, trained: int | None, dictionaries: dict | None,
+           draws: torch.Generator) -> torch.Tensor:
+    """The world vector of each rollout ``[R, Dh]``: given indices, drawn from the dictionary, or inferred."""
+    R, quantizer = args.rollouts, model.quantizers["World_Encoder"]
+    if args.world_indices:
+        idx = _indices(args.world_indices, "--world-indices", len(model.config.codebook_sizes_world), ndim=1)
+        return _decode(quantizer, idx.to(world_clip.device)[None], "--world-indices").expand(R, -1)
+    if args.world == "dictionary":
+        idx = dictionaries["World_Encoder"].sample((R,), args.sampling, draws)
+        return quantizer.decode_indices(idx.to(world_clip.device))
+    if trained and world_clip.shape[1] < trained:
+        print(f"warning: --world inferred from {world_clip.shape[1]} frames of {args.data} (from --start "
+              f"{args.start}); training inferred it from {trained}: the code may differ from a whole "
+              f"window's", file=sys.stderr)
+    return model.encode_world(world_clip).quantized.expand(R, -1)
 
-    rollouts = torch.cat([context, generated], dim=1).cpu()  # [R, context + steps, C, H, W]
+
+def _actions(args: argparse.Namespace, model, clip: torch.Tensor, trained: int | None, transitions: int,
+             dictionaries: dict | None, draws: torch.Generator, generator: torch.Generator) -> torch.Tensor:
+    """The action vectors of each rollout ``[R, transitions, Da]``: given indices, inferred from the ground truth,
+    or (``random``, ``dictionary``) the context's own transitions inferred and one drawn per step."""
+    R, quantizer, device = args.rollouts, model.quantizers["Action_Encoder"], clip.device
+    if args.action_indices:
+        idx = _indices(args.action_indices, "--action-indices", len(model.config.codebook_sizes_action), ndim=2)
+        if idx.shape[0] < transitions:
+            raise ConfigError(f"--action-indices: {transitions} transitions needed ({args.context} context frames, "
+                              f"{args.steps} steps), got {idx.shape[0]}")
+        return _decode(quantizer, idx[:transitions].to(device), "--action-indices")[None].expand(R, -1, -1)
+    if args.actions == "inferred":
+        return model.encode_actions(clip[:, : transitions + 1], window=trained).quantized.expand(R, -1, -1)
+    if args.actions == "random":
+        drawn = random_codes(quantizer, (R, args.steps), generator)
+    else:
+        idx = dictionaries["Action_Encoder"].sample((R, args.steps), args.sampling, draws)
+        drawn = quantizer.decode_indices(idx.to(device))
+    if args.context > 1:
+        seen = model.encode_actions(clip[:, : args.context], window=trained).quantized  # [1, c-1, Da]
+        drawn = torch.cat([seen.expand(R, -1, -1).to(drawn.dtype), drawn], dim=1)
+    return drawn
+
+
+def _write(args: argparse.Namespace, out: Path, latents_path: Path, rollouts: torch.Tensor, clip: torch.Tensor,
+           decoder, codec: str | None) -> None:
+    """The latents (first: kept if the video fails) and the video grid, ground truth on top where it is whole."""
+    R = rollouts.shape[0]
     to_video = (lambda x: decoder.decode(x.numpy())) if decoder is not None else latent_preview  # noqa: E731
     rows = [to_video(r) for r in rollouts]
     if clip.shape[1] == rollouts.shape[1]:
         rows.insert(0, to_video(clip[0].cpu()))
     out.parent.mkdir(parents=True, exist_ok=True)
-    with h5py.File(latents_path, "w") as f:  # the latents first: kept if the video fails
+    with h5py.File(latents_path, "w") as f:
         f["latents"] = rollouts.numpy()  # [R, T, C, H, W]
         f["ground_truth"] = clip[0].cpu().numpy()
         f.attrs["source"], f.attrs["start"], f.attrs["context"] = str(args.data), args.start, args.context
@@ -221,7 +254,6 @@ def run(args: argparse.Namespace) -> Path:
              f"latent channels 0-2 shown as RGB: {missing_codec(codec, str(args.data))}")
     print(f"wrote {out} ({'ground truth, then ' if len(rows) > R else ''}{_count(R, 'rollout')} of "
           f"{_count(args.steps, 'frame')} after {_count(args.context, 'context frame')}; {shown}) and {out}.h5")
-    return out
 
 
 def _count(n: int, noun: str) -> str:
