@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
-from lwm.callbacks.schedule import is_logging_step
+from lwm.callbacks.schedule import accumulating, is_logging_step
 from lwm.data.windows import nonfinite_mask, nonfinite_windows, window_name
 from lwm.errors import ConfigError, NonFiniteLossError
 from lwm.metrics import psnr_from_mse
@@ -111,6 +111,7 @@ class WorldModelModule(L.LightningModule):
         self.val_metrics = nn.ModuleDict({_metric_name(k): MeanMetric() for k in self.model.log_keys})
         self._skipped = 0  # steps whose update was skipped (non-finite), over the run (checkpointed), read on the host
         self._nonfinite_in_a_row = 0
+        self._deepspeed_skips: int | None = None  # DeepSpeed's own count of skipped steps, as last read
         self._skipped_device: Tensor | None = None  # the sync-free path's counts, on the device
         self._in_a_row_device: Tensor | None = None
         self._compiled = False
@@ -177,6 +178,7 @@ class WorldModelModule(L.LightningModule):
 
     def on_train_start(self) -> None:
         self.apply_optim_config()
+        self._deepspeed_skips = _deepspeed_skipped_steps(self._trainer)  # restored with a resumed engine
 
     def apply_optim_config(self) -> None:
         """Make the optimiser follow ``model.optim`` after a resume: Lightning restores the checkpoint's param-group
@@ -302,7 +304,23 @@ class WorldModelModule(L.LightningModule):
             and self._scaler is None
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._count_deepspeed_skips()
         self._last_batch = None  # the non-finite check of this step is done: hold no batch through validation
+
+    def _count_deepspeed_skips(self) -> None:
+        """Under DeepSpeed (which keeps its own gradient buffers: ``on_before_optimizer_step`` sees none), the
+        steps its engine skipped on an overflow count as ours: in ``skipped_steps`` and towards
+        ``max_nonfinite`` in a row. A host integer of the engine's, read after the batch that ends a step."""
+        skips = _deepspeed_skipped_steps(self._trainer)
+        if skips is None or self._deepspeed_skips is None or accumulating(self.trainer):
+            return
+        new, self._deepspeed_skips = skips - self._deepspeed_skips, skips
+        if new <= 0:
+            self._nonfinite_in_a_row = 0
+            return
+        self._skipped += new
+        self._nonfinite_in_a_row += 1
+        self._check_in_a_row(self._nonfinite_in_a_row)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Skip the update when the gradient norm is not finite: on the device with a fused AdamW (no host
@@ -439,3 +457,10 @@ class WorldModelModule(L.LightningModule):
             "file_index": batch["file_index"],
             "start": batch["start"],
         }
+
+
+def _deepspeed_skipped_steps(trainer: L.Trainer | None) -> int | None:
+    """The DeepSpeed engine's count of the optimizer steps it skipped (None without DeepSpeed)."""
+    engine = getattr(getattr(trainer, "strategy", None), "deepspeed_engine", None) if trainer is not None else None
+    skipped = getattr(engine, "skipped_steps", None)
+    return int(skipped) if skipped is not None else None

@@ -379,3 +379,39 @@ def test_the_world_curriculum_follows_the_global_step_in_training_and_validation
     validation = [phase for train, phase in calls if not train and phase is not None]
     per = len(validation) // 3  # the same batches each time
     assert validation == ["off"] * per + ["unquantized"] * per + ["quantized"] * per and per >= 1, validation
+
+
+# under DeepSpeed the engine skips overflowing steps itself: its count is read after each step's last batch
+def test_deepspeed_skips_count_as_skipped_steps_and_stop_the_run_in_a_row():
+    from types import SimpleNamespace
+
+    module = WorldModelModule(net=NET, max_nonfinite=3)
+    engine = SimpleNamespace(skipped_steps=4)  # a resumed engine's: skips before this process are not new
+    within = [False]  # inside an accumulation window?
+    module._trainer = SimpleNamespace(strategy=SimpleNamespace(deepspeed_engine=engine), training=True, global_step=9,
+                                      fit_loop=SimpleNamespace(_should_accumulate=lambda: within[0]))
+    module._deepspeed_skips = 4  # what on_train_start reads from the engine
+    module.on_train_batch_end(None, None, 0)
+    assert module.skipped_steps == 0
+    engine.skipped_steps = 5  # one skipped step
+    module.on_train_batch_end(None, None, 1)
+    assert module.skipped_steps == 1 and module._nonfinite_in_a_row == 1
+    module.on_train_batch_end(None, None, 2)  # a step that went through: the run of skips is broken
+    assert module.skipped_steps == 1 and module._nonfinite_in_a_row == 0
+    for i in range(2):
+        engine.skipped_steps += 1
+        module.on_train_batch_end(None, None, 3 + i)
+    within[0] = True  # a micro-batch inside an accumulation window: the engine has not stepped, nothing read
+    module.on_train_batch_end(None, None, 5)
+    assert module.skipped_steps == 3 and module._nonfinite_in_a_row == 2
+    within[0] = False
+    engine.skipped_steps += 1
+    with pytest.raises(NonFiniteLossError, match="3 consecutive steps had a non-finite"):
+        module.on_train_batch_end(None, None, 6)
+
+
+def test_without_deepspeed_there_is_no_engine_count():
+    from lwm.module import _deepspeed_skipped_steps
+
+    module = _train(_batches(2))
+    assert _deepspeed_skipped_steps(module.trainer) is None and module._deepspeed_skips is None
