@@ -284,7 +284,7 @@ class WorldModelModule(L.LightningModule):
         x = batch["latents"]  # [B, T, C, H, W]
         self._last_batch = batch  # a reference, to name bad windows if the run stops on non-finite steps
         out = self.model.compute(x, self.global_step, generator=self.step_generator(x.device, batch_idx),
-                                 world_phase=self.model.world_phase(self.global_step))
+                                 world_phase=self.model.world_phase_at(self.global_step))
         self.log_dict({f"Train_{k}": v for k, v in out.logs.items()}, batch_size=x.shape[0])
         self.log("Train_Total/skipped_steps", self._skipped_tensor(x.device), batch_size=x.shape[0])
         return {"loss": out.loss, **self._codes(out)}
@@ -396,7 +396,7 @@ class WorldModelModule(L.LightningModule):
         if "file_index" in batch:  # [B, 3]: non-finite?, file, start; read once, at the end (no sync per batch)
             self._eval_windows.append(torch.stack([nonfinite_mask(x).long(), batch["file_index"], batch["start"]], 1))
         # eval mode: no token mask, no codebook update; the world as the weights' last training step had it
-        phase = self.model.world_phase(max(self.weights_step - 1, 0))
+        phase = self.model.world_phase_at(max(self.weights_step - 1, 0))
         out = self.model.compute(x, step=None, t0=0, world_phase=phase)
         for key, value in out.logs.items():
             metric = self.val_metrics[_metric_name(key)]

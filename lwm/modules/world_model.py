@@ -438,7 +438,7 @@ class WorldModel(nn.Module):
                 frames.append(self.detokenize(out)[:, 0])
         return torch.stack(frames[c:], dim=1)
 
-    def world_phase(self, step: int | None) -> str:
+    def world_phase_at(self, step: int | None) -> str:
         """What the predictor gets for the world at global ``step`` under ``world_curriculum`` (a pure function of
         the step): ``"off"`` (nothing: the world token is left out), ``"unquantized"`` (the world encoder's output
         itself), ``"quantized"`` (its code, the requirement's; always for ``step=None``)."""
@@ -449,7 +449,7 @@ class WorldModel(nn.Module):
 
     @staticmethod
     def world_input(world: RVQOutput, phase: str) -> Tensor:
-        """The world vector the predictor gets in a :meth:`world_phase`: the code (straight-through to the encoder),
+        """The world vector the predictor gets in a :meth:`world_phase_at`: the code (straight-through to the encoder),
         the encoder's output (the same gradient path, the code's value taken out), or zeros."""
         if phase == "quantized":
             return world.quantized
@@ -477,7 +477,7 @@ class WorldModel(nn.Module):
         ``generator`` (on ``x``'s device) draws the token mask and the PE start; None: the global RNG.
         ``reuse_prefix=False`` recomputes the positions of each rollout pass that equal the previous pass's
         (the same loss and gradients, more compute: the reference the tests compare against). ``world_phase``:
-        what the predictor gets for the world (:meth:`world_phase`; the encoder, its quantizer and commitment loss
+        what the predictor gets for the world (:meth:`world_phase_at`; the encoder, its quantizer and commitment loss
         run in every phase, so the codebook follows the encoder before the predictor ever sees a code).
         """
         self.check_frames(x, min_frames=self.min_frames)

@@ -497,9 +497,9 @@ def test_rollout_gradient_flows_through_the_fed_predictions():
 # --------------------------------------------------------------------------------------------------
 def test_world_phase_is_a_pure_function_of_the_step():
     model = tiny_model(world_curriculum=(3, 2))
-    assert [model.world_phase(s) for s in range(7)] == ["off"] * 3 + ["unquantized"] * 2 + ["quantized"] * 2
-    assert model.world_phase(None) == "quantized"
-    assert {tiny_model().world_phase(s) for s in (0, 1, 10**6)} == {"quantized"}  # the default: the requirement's
+    assert [model.world_phase_at(s) for s in range(7)] == ["off"] * 3 + ["unquantized"] * 2 + ["quantized"] * 2
+    assert model.world_phase_at(None) == "quantized"
+    assert {tiny_model().world_phase_at(s) for s in (0, 1, 10**6)} == {"quantized"}  # the default: the requirement's
 
 
 def test_world_input_values_and_gradients_in_each_phase():
