@@ -7,6 +7,7 @@ import os
 import pickle
 import warnings
 from collections import Counter
+from itertools import combinations
 
 import h5py
 import numpy as np
@@ -532,3 +533,27 @@ def test_mixed_windows_collate_to_float32_in_a_worker_too():
     batch = next(iter(loader))
     assert batch["latents"].dtype == torch.float32
     assert batch["latents"][1, 0, 0].item() == pytest.approx(0.1, abs=1e-8)
+
+
+def test_inclusion_follows_whole_windows_not_frames():
+    """Files of 7 and 4 frames hold one window of 4 each: each is drawn with probability 1/2, not 7/11."""
+    s = FileBatchSampler([7, 4], 4, batch_size=1)
+    np.testing.assert_allclose(s.inclusion(1), [0.5, 0.5], rtol=1e-12)
+
+
+def test_systematic_pps_draws_in_a_random_order():
+    """With equal probabilities every pair of items is drawn together and every item comes first about equally."""
+    pi = np.full(4, 0.5)
+    rng = np.random.default_rng(0)
+    draws = [systematic_pps(pi, rng) for _ in range(2000)]
+    pairs = Counter(tuple(sorted(d.tolist())) for d in draws)
+    assert set(pairs) == set(combinations(range(4), 2))
+    first = Counter(int(d[0]) for d in draws)
+    assert all(400 < first[i] < 600 for i in range(4)), first
+
+
+def test_whole_rounds_of_files_come_in_a_random_order():
+    """Fewer files than the global batch (3 files, 2 ranks x 3): rank 0's first element is each file about a third of the time."""
+    s = FileBatchSampler([40, 40, 40], 4, batch_size=3, seed=0, rank=0, world_size=2, batches_per_epoch=300)
+    first = Counter(b[0][0] for b in s)
+    assert all(70 < first[f] < 130 for f in range(3)), first

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lwm.modules.rvq import ResidualVectorQuantizer
+from lwm.modules.rvq import ResidualVectorQuantizer, _distinct_rows
 
 FLOAT_BUFFERS = ("embed", "ema_count", "ema_sum")
 
@@ -632,3 +632,11 @@ def test_codebook_loss_is_measured_against_the_updated_codes():
         residual = residual - before.codebook(level).double()[i]
     torch.testing.assert_close(out.codebook_loss.double(), expected, rtol=1e-5, atol=1e-7)
     assert not torch.allclose(out.codebook_loss, out.commit_loss)
+
+
+def test_distinct_rows_excludes_only_rows_equal_in_every_coordinate():
+    """Revival's exclusion drops a candidate row only when it equals a live code in every coordinate."""
+    rows = torch.tensor([[1.0, 2.0], [1.0, 5.0], [3.0, 2.0], [4.0, 4.0]])
+    exclude = torch.tensor([[1.0, 2.0]])  # [1, 5] and [3, 2] share one coordinate with it: they stay
+    out = _distinct_rows(rows, 10, torch.Generator().manual_seed(0), exclude=exclude)
+    assert sorted(map(tuple, out.tolist())) == [(1.0, 5.0), (3.0, 2.0), (4.0, 4.0)]

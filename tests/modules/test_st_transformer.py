@@ -2,6 +2,7 @@ import math
 
 import pytest
 import torch
+from einops import rearrange
 
 from lwm.modules import triton_attention
 from lwm.modules.st_transformer import (
@@ -210,3 +211,19 @@ def test_an_empty_attention_window_is_refused(kernel):
 def test_unknown_attention_kernel_is_refused():
     with pytest.raises(ValueError, match="attention kernel"):
         Attention(16, 4, kernel="flash")
+
+
+@torch.no_grad()
+def test_returned_temporal_attention_is_the_mean_over_patches():
+    """A block's returned temporal weights equal its per-patch attention weights averaged over the patches."""
+    torch.manual_seed(0)
+    B, T, N, D, heads = 2, 5, 3, 16, 2
+    block = TransformerBlock(D, heads, "shifted_causal").eval()
+    x = torch.randn(B, T, N, D)
+    _, w, _ = block(x, return_attn=True)
+    h = x + block.spatial_update(x)
+    seq = rearrange(block.norm_temporal(h), "b t n d -> (b n) t d")
+    _, per_patch, _ = block.temporal(seq, "shifted_causal", return_weights=True)  # [(B N), heads, T, T]
+    per_patch = per_patch.reshape(B, N, heads, T, T)
+    assert not torch.allclose(per_patch[:, 0], per_patch[:, 1], atol=1e-4)  # premise: the patches differ
+    torch.testing.assert_close(w, per_patch.mean(dim=1), rtol=0, atol=1e-6)

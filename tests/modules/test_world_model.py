@@ -534,3 +534,41 @@ def test_without_the_world_token_predictions_do_not_depend_on_the_world_encoder(
         after = model.compute(x, step=None, t0=0, world_phase=phase).predictions
         same = all(torch.equal(a, b) for a, b in zip(before, after))
         assert same != depends, phase
+
+
+@torch.no_grad()
+def test_world_encoder_transformer_is_bidirectional():
+    """The world encoder's first position sees the last frame (no causal mask; the pooled dependence test cannot tell)."""
+    torch.manual_seed(0)
+    model = WorldModel(**TINY).eval().double()
+    tokens = torch.randn(2, 6, 4, 32, dtype=torch.float64)
+    base, _, _ = model.world_encoder.transformer(tokens)
+    moved = tokens.clone()
+    moved[:, -1] += torch.randn(2, 4, 32, dtype=torch.float64)  # not a constant shift: LayerNorm removes those
+    out, _, _ = model.world_encoder.transformer(moved)
+    assert (out[:, 0] - base[:, 0]).abs().amax() > 1e-6
+
+
+def test_commitment_weights_use_each_codes_own_width():
+    """beta_a * Da / (C*H*W) for actions and beta_h * Dh / ((T-1)*C*H*W) for the world, with Da != Dh."""
+    model = WorldModel(**{**TINY, "d_code_action": 4, "d_code_world": 12}, beta_action=0.3, beta_world=0.7)
+    elements = 4 * 8 * 8
+    assert model.commitment_weights(6) == pytest.approx((0.3 * 4 / elements, 0.7 * 12 / (5 * elements)), rel=1e-12)
+
+
+@torch.no_grad()
+def test_encode_actions_over_several_chunks_equals_each_window_alone():
+    """A clip whose windows go through the encoder in several chunks (window 130, B=2: one window per chunk) gives
+    a_i = the last action of frames i+2-W..i+1 encoded alone at positions t0 + frame, T-1 actions in all."""
+    torch.manual_seed(0)
+    model = WorldModel(in_channels=2, height=8, width=8, d_model=16, n_heads=2, depth_action=1, depth_world=1,
+                       depth_dynamics=1, d_code_action=4, d_code_world=4, codebook_sizes_action=(3, 4),
+                       codebook_sizes_world=(3,)).eval()
+    W, T, t0 = 130, 133, 3  # starts 1, 2, 3 after the first window: 512 // (2 * 130) = 1 window per chunk
+    x = torch.rand(2, T, 2, 8, 8, generator=torch.Generator().manual_seed(5)) * 2 - 1
+    windowed = model.encode_actions(x, t0=t0, window=W)
+    assert windowed.inputs.shape == (2, T - 1, 4)
+    for i in range(W - 1, T - 1):
+        s = i + 2 - W
+        alone = model.action_encoder.embed(model.tokenize(x[:, s : s + W]) + model.pos_embedding(W, t0 + s))
+        torch.testing.assert_close(windowed.inputs[:, i], alone[:, -1], rtol=0, atol=1e-5)
