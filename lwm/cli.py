@@ -30,7 +30,7 @@ import importlib
 import sys
 import warnings
 
-from lwm.errors import ArgumentParser, LwmError, NonFiniteLossError, positive_int
+from lwm.errors import ArgumentParser, LwmError, NonFiniteLossError, positive_float, positive_int
 
 LIGHTNING_VERBS = ("fit", "validate", "test", "predict")
 
@@ -60,7 +60,7 @@ def _data_encode(args: argparse.Namespace) -> int:
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     encode_videos(args.videos, args.out, args.codec, args.stride, args.vae, args.size, args.device, dtype,
-                  segment=args.segment)
+                  segment=args.segment, tiling=args.vae_tiling)
     return 0
 
 
@@ -135,12 +135,16 @@ def build_parser() -> argparse.ArgumentParser:
     encode.add_argument("--size", type=int, help="frame size in pixels (default: 128 pixel, 512 VAEs)")
     encode.add_argument("--device", default="cpu", help="where the VAE runs (e.g. cuda)")
     encode.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="VAE dtype")
+    encode.add_argument("--vae-tiling", action="store_true",
+                        help="encode in overlapping spatial tiles (diffusers' enable_tiling): far less GPU memory at "
+                             "512 px and up, faint seams possible")
     encode.set_defaults(func=_data_encode)
 
     decode = data.add_parser("decode", help="decode an h5 latent file to a video through its codec")
     decode.add_argument("file", help="h5 file with a `codec` attribute")
     decode.add_argument("--out", required=True, help="video path (.mp4 or .gif)")
-    decode.add_argument("--fps", type=positive_int, default=8)
+    decode.add_argument("--fps", type=positive_float, help="frame rate (default: the file's fps, which `lwm data "
+                        "encode` records, else 8)")
     decode.add_argument("--vae", help="the VAE's local diffusers weights, for files encoded with a VAE")
     decode.add_argument("--vae-tiling", action="store_true",
                         help="decode in overlapping spatial tiles (diffusers' enable_tiling): far less GPU memory at "

@@ -1,6 +1,7 @@
 """lwm's errors. The ``lwm`` command prints them as one ``error: ...`` line per problem and exits 2."""
 
 import argparse
+import math
 
 
 class LwmError(ValueError):
@@ -41,4 +42,15 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse ``type``: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
     return value

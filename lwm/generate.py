@@ -25,8 +25,8 @@ import torch
 
 from lwm.codes import default_codes_path, dictionaries_step, load_dictionaries
 from lwm.data.codecs import codec_from_attr, missing_codec
-from lwm.data.h5 import DataError, inspect_h5
-from lwm.errors import ArgumentParser, ConfigError, positive_int
+from lwm.data.h5 import DataError, file_fps, inspect_h5
+from lwm.errors import ArgumentParser, ConfigError, positive_float
 from lwm.metrics import random_codes
 from lwm.video import VIDEO_SUFFIXES, check_output, grid, latent_preview, write_video
 
@@ -54,7 +54,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--codes", help="code dictionary (default: codes.pt beside the checkpoint)")
     p.add_argument("--window", type=int, help="frames the predictor attends to (default: its training window)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--fps", type=positive_int, default=8)
+    p.add_argument("--fps", type=positive_float, help="frame rate (default: --data's fps, which `lwm data encode` "
+                   "records, else 8)")
     p.add_argument("--vae", help="the VAE's local diffusers weights, to decode files encoded with a VAE")
     p.add_argument("--vae-tiling", action="store_true",
                    help="the VAE decodes in overlapping spatial tiles (far less GPU memory at 512 px and up)")
@@ -129,7 +130,7 @@ def run(args: argparse.Namespace) -> Path:
     trained = raw.get("datamodule_hyper_parameters", {}).get("window")  # frames per training window
     window = args.window if args.window is not None else (trained - 1 if trained else None)  # predictor inputs
 
-    clip, world_clip, codec = _read_clips(args, model, trained, device)
+    clip, world_clip, codec, fps = _read_clips(args, model, trained, device)
     decoder = codec_from_attr(codec, str(args.data), args.vae, str(device), args.vae_tiling)  # before the work: a bad --vae fails now
     transitions = args.context + args.steps - 1  # actions the rollout needs: the context's, then one per step
     last_position = transitions - 1  # the last frame fed to the predictor sits at temporal position T - 1 (t0 = 0)
@@ -146,15 +147,15 @@ def run(args: argparse.Namespace) -> Path:
         context = clip[:, : args.context].expand(args.rollouts, -1, -1, -1, -1)
         generated = model.generate(context, actions, world, args.steps, t0=0, window=window)  # [R, steps, C, H, W]
     rollouts = torch.cat([context, generated], dim=1).cpu()  # [R, context + steps, C, H, W]
-    _write(args, out, latents_path, rollouts, clip, decoder, codec)
+    _write(args, out, latents_path, rollouts, clip, decoder, codec, args.fps or fps)
     return out
 
 
 def _read_clips(args: argparse.Namespace, model, trained: int | None,
-                device: torch.device) -> tuple[torch.Tensor, torch.Tensor, str | None]:
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor, str | None, float]:
     """From ``--data``: the clip from ``--start`` (context, and the ground truth as far as the rollout and the file
-    go) ``[1, t, C, H, W]``, the world encoder's clip (a training window's length where the file has it), and
-    the file's ``codec`` attribute. A request for frames the file lacks is one line."""
+    go) ``[1, t, C, H, W]``, the world encoder's clip (a training window's length where the file has it), the
+    file's ``codec`` attribute and frame rate. A request for frames the file lacks is one line."""
     c = model.config
     info = inspect_h5(args.data, c.in_channels, c.height, c.width)  # values too: NaN in, NaN video out
     need_gt = args.actions == "inferred" and not args.action_indices
@@ -171,8 +172,8 @@ def _read_clips(args: argparse.Namespace, model, trained: int | None,
         # the world encoder's clip: as long as in training (whatever --steps), or what the file has from --start
         world_end = min(info.frames, args.start + max(trained or args.context + args.steps, args.context))
         world_clip = torch.from_numpy(np.asarray(ds[args.start:world_end], dtype=np.float32))[None].to(device)
-        codec = f.attrs.get("codec")
-    return clip, world_clip, codec
+        codec, fps = f.attrs.get("codec"), file_fps(f)
+    return clip, world_clip, codec, fps
 
 
 def _dictionaries(args: argparse.Namespace, ckpt_path: Path, raw: dict, model) -> dict | None:
@@ -237,7 +238,7 @@ def _actions(args: argparse.Namespace, model, clip: torch.Tensor, trained: int |
 
 
 def _write(args: argparse.Namespace, out: Path, latents_path: Path, rollouts: torch.Tensor, clip: torch.Tensor,
-           decoder, codec: str | None) -> None:
+           decoder, codec: str | None, fps: float) -> None:
     """The latents (first: kept if the video fails) and the video grid, ground truth on top where it is whole."""
     R = rollouts.shape[0]
     to_video = (lambda x: decoder.decode(x.numpy())) if decoder is not None else latent_preview  # noqa: E731
@@ -249,7 +250,7 @@ def _write(args: argparse.Namespace, out: Path, latents_path: Path, rollouts: to
         f["latents"] = rollouts.numpy()  # [R, T, C, H, W]
         f["ground_truth"] = clip[0].cpu().numpy()
         f.attrs["source"], f.attrs["start"], f.attrs["context"] = str(args.data), args.start, args.context
-    write_video(out, grid(rows), args.fps)
+    write_video(out, grid(rows), fps)
     shown = (f"decoded by the {decoder.name} codec" if decoder is not None else
              f"latent channels 0-2 shown as RGB: {missing_codec(codec, str(args.data))}")
     print(f"wrote {out} ({'ground truth, then ' if len(rows) > R else ''}{_count(R, 'rollout')} of "

@@ -378,3 +378,21 @@ def test_non_finite_latents_in_the_data_are_refused(trained, tmp_path, capsys):
     assert main(["generate", "--ckpt_path", str(ckpt), "--data", str(bad), "--out", str(tmp_path / "v.gif")]) == 2
     assert _error_lines(capsys) == [f"error: {bad}: dataset 'latents' has NaN/inf values (first at frame 2)"]
     assert [p.name for p in tmp_path.iterdir()] == ["inf.h5"]  # no video, no latents
+
+
+def test_generate_plays_at_the_datas_frame_rate_unless_told(trained, tmp_path, monkeypatch):
+    import shutil
+
+    import lwm.generate as gen
+
+    tmp, ckpt, data = trained
+    rates = []
+    monkeypatch.setattr(gen, "write_video", lambda path, frames, fps: rates.append(fps))
+    _generate(ckpt, data, tmp_path / "a.gif", "--steps", "2")  # the test data records no rate: 8
+    copy = tmp_path / "ep.h5"
+    shutil.copy(data, copy)
+    with h5py.File(copy, "a") as f:
+        f.attrs["fps"] = 7.5
+    _generate(ckpt, copy, tmp_path / "b.gif", "--steps", "2")
+    _generate(ckpt, copy, tmp_path / "c.gif", "--steps", "2", "--fps", "30")
+    assert rates == [8.0, 7.5, 30.0]

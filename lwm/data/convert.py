@@ -1,12 +1,14 @@
 """Videos <-> h5 latent files through a codec: ``lwm data encode`` and ``lwm data decode``.
 
     lwm data encode VIDEO... --out DIR [--codec pixel|wan|cogvideox|hunyuan] [--vae PATH] [--size S] [--stride N]
-                    [--segment N]
-    lwm data decode FILE.h5 --out VIDEO.mp4|.gif [--fps 8] [--vae PATH]
+                    [--segment N] [--vae-tiling]
+    lwm data decode FILE.h5 --out VIDEO.mp4|.gif [--fps F] [--vae PATH]
 
 Frames are centre-cropped to a square and resized to the codec's size (128x128 for ``pixel``, 512x512 for the
 diffusers VAEs, which need ``--vae`` with their local weights; see :mod:`lwm.data.vae`). One h5 file per video,
 or with ``--segment N`` one per ``N`` frames (then ``lwm data index DIR``). Frames are read one at a time.
+The files record the frame rate of the frames they encode (the source's divided by ``--stride``, where the
+container says it) as the ``fps`` attribute, which decoding and ``lwm generate`` play them at by default.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from lwm.data.codecs import PixelCodec, codec_from_attr, missing_codec
-from lwm.data.h5 import DataError, inspect_h5
-from lwm.data.vae import TEMPORAL
+from lwm.data.h5 import DataError, file_fps, inspect_h5
+from lwm.data.vae import TEMPORAL, latent_frames, video_frames
 from lwm.errors import first_line
 
 CODECS = ("pixel", "wan", "cogvideox", "hunyuan")
@@ -65,6 +67,20 @@ def iter_video(path: str | Path, stride: int = 1) -> Iterator[np.ndarray]:
         index += 1
 
 
+def source_fps(path: str | Path) -> float | None:
+    """The frame rate a video's container declares (None where it declares none; and for GIFs, whose per-frame
+    delays PyAV reports as a rate of 100)."""
+    import imageio.v3 as iio
+
+    if Path(path).suffix.lower() == ".gif":
+        return None
+    try:
+        fps = iio.immeta(path, plugin="pyav").get("fps")
+    except Exception:  # not a container PyAV reads: the frames themselves may still be readable
+        return None
+    return float(fps) if fps and np.isfinite(fps) and fps > 0 else None
+
+
 def read_video(path: str | Path, stride: int = 1) -> np.ndarray:
     """All frames of a video file as ``uint8 [T, H, W, 3]`` (every ``stride``-th)."""
     frames = list(iter_video(path, stride))
@@ -74,8 +90,9 @@ def read_video(path: str | Path, stride: int = 1) -> np.ndarray:
 
 
 def make_codec(codec: str = "pixel", vae: str | Path | None = None, size: int | None = None,
-               device: str = "cpu", dtype: torch.dtype = torch.float32):
-    """The codec ``--codec`` names: the built-in pixel codec, or a diffusers VAE loaded from ``vae``."""
+               device: str = "cpu", dtype: torch.dtype = torch.float32, tiling: bool = False):
+    """The codec ``--codec`` names: the built-in pixel codec, or a diffusers VAE loaded from ``vae`` (``tiling``:
+    it encodes in overlapping spatial tiles, see :func:`lwm.data.vae.load_vae`)."""
     if codec not in CODECS:
         raise DataError(f"--codec {codec}: unknown (known: {', '.join(CODECS)})")
     if codec == "pixel":
@@ -86,7 +103,7 @@ def make_codec(codec: str = "pixel", vae: str | Path | None = None, size: int | 
         raise DataError(f"--codec {codec} needs --vae PATH, a local folder with the VAE's diffusers weights")
     from lwm.data.vae import VAECodec
 
-    return VAECodec.load(codec, vae, size or 512, device, dtype)
+    return VAECodec.load(codec, vae, size or 512, device, dtype, tiling)
 
 
 ENCODE_CHUNK = 256  # frames a frame-by-frame codec (the pixel codec) encodes at a time: bounded float32 copies
@@ -140,7 +157,8 @@ def write_latents(target: Path, codec, frames: np.ndarray, actions: np.ndarray |
 
 def encode_videos(videos: list[str], out: str | Path, codec: str = "pixel", stride: int = 1,
                   vae: str | Path | None = None, size: int | None = None, device: str = "cpu",
-                  dtype: torch.dtype = torch.float32, segment: int | None = None, log=print) -> list[Path]:
+                  dtype: torch.dtype = torch.float32, segment: int | None = None, log=print,
+                  tiling: bool = False) -> list[Path]:
     """Encode each video to ``out/<name>.h5``, or with ``segment`` to ``out/<name>_0000.h5``, ... of at most
     ``segment`` frames each (after ``stride``; each file encoded on its own, a clip of its own); ``log`` gets one
     line per file. Frames are read and resized one at a time: memory holds one file's frames at the codec's
@@ -154,47 +172,55 @@ def encode_videos(videos: list[str], out: str | Path, codec: str = "pixel", stri
         if other != video:
             raise DataError(f"{video}: same name as {other}, both would be written to {Path(out) / Path(video).stem}.h5 "
                             f"(encode them into different --out folders)")
-    if segment is not None and (segment < 1 or (codec in CODECS[1:] and (segment - 1) % TEMPORAL)):
+    vae_codec = codec in CODECS[1:]
+    if segment is not None and (segment < 1 or (vae_codec and ((segment - 1) % TEMPORAL or segment == 1))):
         raise DataError(f"--segment {segment}: " + ("must be >= 1" if segment < 1 else
-                        f"a VAE codec encodes 1 + {TEMPORAL}k frames (the rest of each file would be dropped); "
+                        f"a VAE codec encodes 1 + {TEMPORAL}k frames, k >= 1 (the rest of each file would be "
+                        f"dropped; one frame is one latent, no transition); "
                         f"e.g. --segment {1 + TEMPORAL * max(1, (segment - 1) // TEMPORAL)}"))
-    c = make_codec(codec, vae, size, device, dtype)
+    c = make_codec(codec, vae, size, device, dtype, tiling)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
 
-    def write(target: Path, frames: list[np.ndarray], video: str) -> None:
+    def write(target: Path, frames: list[np.ndarray], video: str, fps: float | None) -> None:
         if target in written:  # a segment name that another video's file already took
             raise DataError(f"{video}: would overwrite {target}, written from another video (rename one)")
-        clipped = write_latents(target, c, np.stack(frames))
+        clipped = write_latents(target, c, np.stack(frames), attrs={"fps": fps / stride} if fps else None)
+        what = f"{len(frames)} frames"
+        if c.frames_per_latent > 1:  # a VAE: latents, and the trailing frames that fill no group of 4
+            latents, dropped = latent_frames(len(frames)), len(frames) - video_frames(latent_frames(len(frames)))
+            what += f" -> {latents} latent frame{'s' if latents > 1 else ''}" + (
+                f", the last {dropped} dropped (no whole group of {TEMPORAL})" if dropped else "")
         note = f", {clipped} values clipped to [-1, 1]" if clipped else ""
-        log(f"wrote {target} ({len(frames)} frames{note})")
+        log(f"wrote {target} ({what}{note})")
         written.append(target)
 
     columns = (TextColumn("{task.description}"), SpinnerColumn(), TextColumn("{task.completed} frames read"),
                TimeElapsedColumn())
     with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
         for video in videos:
-            stem, frames, part = Path(video).stem, [], 0
+            stem, frames, part, fps = Path(video).stem, [], 0, source_fps(video)
             task = progress.add_task(f"encoding {Path(video).name}", total=None)
             for frame in iter_video(video, stride):
                 frames.append(square_resize(frame[None], c.size)[0])
                 progress.advance(task)
                 if segment is not None and len(frames) == segment:
-                    write(out / f"{stem}_{part:04d}.h5", frames, video)
+                    write(out / f"{stem}_{part:04d}.h5", frames, video, fps)
                     frames, part = [], part + 1
             if frames:
-                write(out / (f"{stem}_{part:04d}.h5" if segment is not None else f"{stem}.h5"), frames, video)
+                write(out / (f"{stem}_{part:04d}.h5" if segment is not None else f"{stem}.h5"), frames, video, fps)
             elif part == 0:
                 raise DataError(f"{video}: the video has no frames")
             progress.remove_task(task)
     return written
 
 
-def decode_file(path: str | Path, out: str | Path, fps: int = 8, vae: str | Path | None = None, tiling: bool = False,
-                device: str = "cpu") -> Path:
-    """Decode an h5 file through the codec its ``codec`` attribute names and write the video. Refuses latents that
-    are not finite or outside [-1, 1] (:func:`inspect_h5`'s check): a codec would make them a wrong video, silently."""
+def decode_file(path: str | Path, out: str | Path, fps: float | None = None, vae: str | Path | None = None,
+                tiling: bool = False, device: str = "cpu") -> Path:
+    """Decode an h5 file through the codec its ``codec`` attribute names and write the video, at ``fps`` (None: the
+    file's ``fps`` attribute, else 8). Refuses latents that are not finite or outside [-1, 1] (:func:`inspect_h5`'s
+    check): a codec would make them a wrong video, silently."""
     from lwm.video import VIDEO_SUFFIXES, check_output, write_video
 
     if Path(out).suffix not in VIDEO_SUFFIXES:  # before any decoding
@@ -204,7 +230,9 @@ def decode_file(path: str | Path, out: str | Path, fps: int = 8, vae: str | Path
     with h5py.File(path, "r") as f:
         attr = f.attrs.get("codec")
         latents = np.asarray(f[info.key][...], dtype=np.float32)
+        fps = fps or file_fps(f)
     codec = codec_from_attr(attr, str(path), vae, device, tiling)
     if codec is None:
         raise DataError(f"{path}: cannot decode to pixels: {missing_codec(attr, str(path))}")
     return write_video(out, codec.decode(latents), fps)
+

@@ -150,3 +150,11 @@ def parse_world_label(value: object, path: str | Path) -> int:
     if value < 0 or value > np.iinfo(np.int64).max:  # -1 means "no label" in batches
         raise DataError(f"{path}: attribute 'world_label' must be >= 0 (and fit int64), got {value}")
     return int(value)
+
+DEFAULT_FPS = 8.0  # for files that record no frame rate (synthetic worlds, Atari, older files)
+
+
+def file_fps(f: h5py.File) -> float:
+    """The frame rate an open h5 file records (``fps``, written by ``lwm data encode``), else :data:`DEFAULT_FPS`."""
+    fps = f.attrs.get("fps")
+    return float(fps) if fps is not None and np.isfinite(fps) and fps > 0 else DEFAULT_FPS

@@ -74,6 +74,18 @@ def normalisation(name: str, config) -> tuple[list[float], list[float]]:
     return [0.0] * channels, [SPREAD / factor] * channels
 
 
+def geometry(name: str, config) -> tuple[int, int, int]:
+    """``(spatial compression, temporal compression, patch size)`` that the VAE ``name``'s config declares."""
+    if name == "wan":  # Wan 2.2's VAE is the same class with 16x space and 2x2 patches
+        return (int(config.get("scale_factor_spatial") or 2 ** (len(config.get("dim_mult", [1] * 4)) - 1)),
+                int(config.get("scale_factor_temporal") or TEMPORAL), int(config.get("patch_size") or 1))
+    if name == "cogvideox":  # each down block but the last halves the size
+        spatial = 2 ** (len(config.get("down_block_types", [None] * 4)) - 1)
+        return spatial, int(config.get("temporal_compression_ratio", TEMPORAL)), 1
+    return (int(config.get("spatial_compression_ratio", SPATIAL)),
+            int(config.get("temporal_compression_ratio", TEMPORAL)), 1)
+
+
 def load_vae(name: str, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
              tiling: bool = False):
     """The diffusers VAE ``name`` (``wan``, ``cogvideox``, ``hunyuan``) from the local folder ``path``, in eval mode;
@@ -95,9 +107,19 @@ def load_vae(name: str, path: str | Path, device: str | torch.device = "cpu", dt
         raise DataError(f"--vae {path}: holds a {declared}, but the {name} codec needs a {CLASSES[name]}")
     cls = getattr(diffusers, CLASSES[name])
     try:
-        vae = cls.from_pretrained(path, subfolder=subfolder, local_files_only=True, torch_dtype=dtype)
+        vae, info = cls.from_pretrained(path, subfolder=subfolder, local_files_only=True, torch_dtype=dtype,
+                                        output_loading_info=True)
     except (OSError, ValueError, RuntimeError) as e:
         raise DataError(f"--vae {path}: cannot load the {CLASSES[name]} ({str(e).splitlines()[0]})") from None
+    missing = list(info.get("missing_keys") or []) + [k for k, *_ in info.get("mismatched_keys") or []]
+    if missing:  # diffusers would go on with those weights random (it only logs them)
+        raise DataError(f"--vae {path}: the {CLASSES[name]}'s weights lack {len(missing)} tensors (e.g. "
+                        f"{missing[0]}): incomplete or of another model")
+    spatial, temporal, patch = geometry(name, vae.config)
+    if (spatial, temporal, patch) != (SPATIAL, TEMPORAL, 1):
+        raise DataError(f"--vae {path}: a {CLASSES[name]} of {spatial}x spatial and {temporal}x temporal compression"
+                        f"{f' in {patch}x{patch} patches' if patch > 1 else ''}; the {name} codec takes "
+                        f"{SPATIAL}x and {TEMPORAL}x without patches (Wan 2.1's VAE, not Wan 2.2's)")
     if tiling:
         vae.enable_tiling()
     return vae.to(device).eval()
@@ -118,11 +140,11 @@ class VAECodec:
 
     @classmethod
     def load(cls, name: str, path: str | Path, size: int = 512, device: str | torch.device = "cpu",
-             dtype: torch.dtype = torch.float32) -> VAECodec:
-        """Load the VAE and take the normalisation from its config."""
+             dtype: torch.dtype = torch.float32, tiling: bool = False) -> VAECodec:
+        """Load the VAE and take the normalisation from its config (``tiling``: see :func:`load_vae`)."""
         if size % SPATIAL:
             raise DataError(f"--size {size}: must be a multiple of {SPATIAL} (the VAE's spatial compression)")
-        vae = load_vae(name, path, device, dtype)
+        vae = load_vae(name, path, device, dtype, tiling)
         shift, scale = normalisation(name, vae.config)
         return cls(name, vae, size, tuple(shift), tuple(scale))
 

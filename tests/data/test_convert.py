@@ -97,13 +97,35 @@ def test_frames_are_streamed_with_the_stride(tmp_path):
     assert np.array_equal(decoded, square_resize(read_video(video)[::2], 8)) and len(decoded) == 3
 
 
-def test_a_vae_segment_must_be_one_plus_a_multiple_of_four(tmp_path, capsys):
+@pytest.mark.parametrize("segment", ["6", "1"])  # 1 = 1 + 4*0: one latent per file, no transition
+def test_a_vae_segment_must_be_one_plus_a_multiple_of_four(tmp_path, capsys, segment):
     video = write_video(tmp_path / "v.mp4", np.zeros((2, 16, 16, 3), dtype=np.uint8))
     argv = ["data", "encode", str(video), "--out", str(tmp_path / "o"), "--codec", "wan", "--vae", str(tmp_path),
-            "--segment", "6"]
+            "--segment", segment]
     assert main(argv) == 2
-    assert "--segment 6: a VAE codec encodes 1 + 4k frames" in capsys.readouterr().err
+    assert f"--segment {segment}: a VAE codec encodes 1 + 4k frames, k >= 1" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()  # refused before any VAE is loaded or folder made
+
+
+def test_files_record_the_frame_rate_that_decoding_plays_them_at(tmp_path):
+    """A 30 fps video kept every 2nd frame is 15 fps: recorded, and decoded at that rate unless --fps says."""
+    frames = np.random.default_rng(0).integers(0, 256, (6, 16, 16, 3), dtype=np.uint8)
+    video = tmp_path / "v.mp4"
+    video.write_bytes(iio.imwrite("<bytes>", frames, extension=".mp4", plugin="pyav", codec="libx264", fps=30))
+    assert main(["data", "encode", str(video), "--out", str(tmp_path / "h5"), "--size", "16", "--stride", "2"]) == 0
+    with h5py.File(tmp_path / "h5/v.h5") as f:
+        assert f.attrs["fps"] == 15.0
+    assert main(["data", "decode", str(tmp_path / "h5/v.h5"), "--out", str(tmp_path / "a.mp4")]) == 0
+    assert iio.immeta(tmp_path / "a.mp4", plugin="pyav")["fps"] == 15.0
+    assert main(["data", "decode", str(tmp_path / "h5/v.h5"), "--out", str(tmp_path / "b.mp4"), "--fps", "24"]) == 0
+    assert iio.immeta(tmp_path / "b.mp4", plugin="pyav")["fps"] == 24.0
+    gif = tmp_path / "g.gif"  # a GIF declares no frame rate: none recorded, decoded at 8
+    gif.write_bytes(iio.imwrite("<bytes>", frames, extension=".gif", plugin="pillow", duration=100, loop=0))
+    assert main(["data", "encode", str(gif), "--out", str(tmp_path / "h5"), "--size", "16"]) == 0
+    with h5py.File(tmp_path / "h5/g.h5") as f:
+        assert "fps" not in f.attrs
+    assert main(["data", "decode", str(tmp_path / "h5/g.h5"), "--out", str(tmp_path / "c.mp4")]) == 0
+    assert iio.immeta(tmp_path / "c.mp4", plugin="pyav")["fps"] == 8.0
 
 
 def test_write_latents_keeps_the_action_after_frame_4k(tmp_path):

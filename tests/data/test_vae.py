@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import types
@@ -180,3 +181,43 @@ def test_decoding_a_vae_file_without_weights_is_one_clear_error(tmp_path):
         f.attrs["codec"] = json.dumps({"name": "wan", "size": 32, "shift": [0.0] * 16, "scale": [1.0] * 16})
     with pytest.raises(DataError, match=r"f\.h5: cannot decode to pixels: .*wan VAE: pass --vae"):
         decode_file(path, tmp_path / "x.mp4")
+
+
+def test_a_vae_of_other_geometry_is_refused_before_any_work(tmp_path):
+    """Wan 2.2's VAE is an AutoencoderKLWan too, but of 16x space in 2x2 patches: refused, not encoded at the wrong
+    size (it wrote [T, 48, S/16, S/16] latents recorded as S/8)."""
+    torch.manual_seed(0)
+    diffusers.AutoencoderKLWan(
+        base_dim=8, decoder_base_dim=8, z_dim=48, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+        temperal_downsample=[False, True, True], is_residual=True, patch_size=2, scale_factor_spatial=16,
+        in_channels=12, out_channels=12, latents_mean=[0.0] * 48, latents_std=[1.0] * 48,
+    ).save_pretrained(tmp_path / "wan22")
+    with pytest.raises(DataError, match=r"wan22: a AutoencoderKLWan of 16x spatial and 4x temporal compression in "
+                                        r"2x2 patches; the wan codec takes 8x and 4x without patches"):
+        VAECodec.load("wan", tmp_path / "wan22", size=SIZE)
+
+
+def test_a_vae_with_missing_weights_is_refused(tmp_path, vae_dirs):
+    """A folder whose weights lack the decoder would load with a random decoder (diffusers only logs it)."""
+    from safetensors.torch import load_file, save_file
+
+    partial = tmp_path / "partial"
+    shutil.copytree(vae_dirs["hunyuan"], partial)
+    weights = next(partial.glob("*.safetensors"))
+    save_file({k: v for k, v in load_file(weights).items() if not k.startswith("decoder.")}, weights)
+    with pytest.raises(DataError, match=r"partial: the AutoencoderKLHunyuanVideo's weights lack \d+ tensors \(e.g. "
+                                        r"decoder\..*\): incomplete or of another model"):
+        VAECodec.load("hunyuan", partial, size=SIZE)
+
+
+def test_the_encode_log_says_the_latent_frames_and_the_frames_dropped(tmp_path, vae_dirs):
+    """10 frames through a VAE are 3 latent frames covering 9; the 10th fills no group of 4 and is dropped."""
+    from lwm.video import write_video
+
+    video = write_video(tmp_path / "clip.mp4", frames(10))
+    lines: list[str] = []
+    written = encode_videos([str(video)], tmp_path / "out", codec="wan", vae=vae_dirs["wan"], size=SIZE,
+                            log=lines.append, tiling=True)
+    assert lines == [f"wrote {written[0]} (10 frames -> 3 latent frames, the last 1 dropped (no whole group of 4))"]
+    with h5py.File(written[0]) as f:
+        assert f["latents"].shape[0] == 3
