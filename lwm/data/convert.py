@@ -60,10 +60,12 @@ def iter_video(path: str | Path, stride: int = 1) -> Iterator[np.ndarray]:
             return
         except Exception as e:  # imageio/PyAV raise many kinds
             raise DataError(f"{path}: cannot be read as a video at frame {index} ({first_line(e)})") from None
+        if frame.ndim == 2:  # grayscale (a GIF or PNG of one channel): the same value in R, G and B
+            frame = np.repeat(frame[..., None], 3, axis=-1)
         if frame.ndim != 3 or frame.shape[-1] not in (3, 4):
             raise DataError(f"{path}: expected colour frames [H, W, 3], got {frame.shape} at frame {index}")
         if index % stride == 0:
-            yield frame[..., :3].astype(np.uint8)
+            yield frame[..., :3].astype(np.uint8)  # RGBA: the colour, the alpha dropped (not composited)
         index += 1
 
 

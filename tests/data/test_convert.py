@@ -187,3 +187,13 @@ def test_decode_refuses_non_finite_latents(tmp_path, capsys):
     assert main(["data", "decode", str(data), "--out", str(tmp_path / "v.gif")]) == 2
     assert capsys.readouterr().err.splitlines() == [f"error: {data}: dataset 'latents' has NaN/inf values (first at frame 1)"]
     assert not (tmp_path / "v.gif").exists()
+
+
+def test_grayscale_frames_are_read_as_grey_rgb(tmp_path):
+    grey = np.random.default_rng(0).integers(0, 256, (5, 40, 60), dtype=np.uint8)
+    gif = tmp_path / "g.gif"
+    iio.imwrite(gif, grey, plugin="pillow", duration=100)  # read back as [H, W] frames
+    assert next(iio.imiter(gif)).shape == (40, 60)
+    frames = read_video(gif)
+    assert frames.shape == (5, 40, 60, 3) and np.array_equal(frames[..., 0], grey)
+    assert np.array_equal(frames[..., 0], frames[..., 1]) and np.array_equal(frames[..., 1], frames[..., 2])
