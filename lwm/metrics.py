@@ -8,6 +8,7 @@ tensors and returns tensors on the same device, so callers decide when to sync.
 * :func:`rollout_frames`: frames ``1..t`` generated autoregressively from frame 0 (for the sensitivities).
 * :func:`nmi`, :func:`linear_probe_accuracy`, :func:`code_ids`: codes against ground-truth labels.
 * :func:`copy_last_loss`: the copy-last-frame baseline, so a prediction loss means something.
+* :class:`WeightedMean`: the validation means over batches and ranks (NaN kept, no host sync).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+from torchmetrics import Metric
 
 
 @torch.no_grad()
@@ -194,3 +196,26 @@ def copy_last_loss(x: Tensor) -> Tensor:
     """The copy-last-frame baseline's one-step MSE on a clip batch ``x [B, T, ...]`` (predict frame ``i+1``
     as frame ``i``), comparable with the teacher-forcing loss."""
     return (x[:, 1:].float() - x[:, :-1].float()).pow(2).mean()
+
+
+class WeightedMean(Metric):
+    """The weighted mean of everything passed to ``update(value, weight=1)`` (each value a tensor or number, its
+    weight e.g. a batch size), summed over ranks at ``compute`` (torchmetrics' sync). Unlike torchmetrics'
+    ``MeanMetric`` it keeps NaN: a NaN value makes the mean NaN, where ``MeanMetric`` drops it (a mean over fewer
+    windows that looks finite) after a host sync to look for it in every update."""
+
+    full_state_update = False
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.add_state("total", default=torch.tensor(0.0), dist_reduce_fx="sum")
+        self.add_state("weight", default=torch.tensor(0.0), dist_reduce_fx="sum")
+
+    def update(self, value: Tensor | float, weight: Tensor | float = 1.0) -> None:
+        value = torch.as_tensor(value, device=self.device).float()
+        weight = torch.as_tensor(weight, device=self.device).float().expand_as(value)
+        self.total += (value * weight).sum()
+        self.weight += weight.sum()
+
+    def compute(self) -> Tensor:
+        return self.total / self.weight

@@ -16,7 +16,7 @@
   AdamW is not fused there, so that the GradScaler unscales before clipping) the scaler skips overflowing
   steps itself; they are counted, and count towards ``max_nonfinite`` only once the loss scale is below 1.
 * Logs: the model's ``(loss, logs)`` under ``Train_*/`` every step and ``Val_*/`` (``Test_*/``) as exact
-  means over the whole validation set across ranks (torchmetrics ``MeanMetric`` weighted by batch size).
+  means over the whole validation set across ranks (:class:`~lwm.metrics.WeightedMean`, weighted by batch size).
 """
 
 from __future__ import annotations
@@ -30,12 +30,11 @@ from typing import Any
 import lightning as L
 import torch
 from torch import Tensor, nn
-from torchmetrics import MeanMetric
 
 from lwm.callbacks.schedule import accumulating, is_logging_step
 from lwm.data.windows import nonfinite_mask, nonfinite_windows, window_name
 from lwm.errors import ConfigError, NonFiniteLossError
-from lwm.metrics import psnr_from_mse
+from lwm.metrics import WeightedMean, psnr_from_mse
 from lwm.modules.world_model import WorldModel, WorldModelConfig
 from lwm.seeds import seeded_generator
 
@@ -108,7 +107,7 @@ class WorldModelModule(L.LightningModule):
         self.model = WorldModel(net)
         self.optim = optim
         self.compile_model, self.max_nonfinite = compile, max_nonfinite
-        self.val_metrics = nn.ModuleDict({_metric_name(k): MeanMetric() for k in self.model.log_keys})
+        self.val_metrics = nn.ModuleDict({_metric_name(k): WeightedMean() for k in self.model.log_keys})
         self._skipped = 0  # steps whose update was skipped (non-finite), over the run (checkpointed), read on the host
         self._nonfinite_in_a_row = 0
         self._deepspeed_skips: int | None = None  # DeepSpeed's own count of skipped steps, as last read

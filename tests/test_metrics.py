@@ -184,3 +184,17 @@ def test_sensitivity_known_answers():
     h = model.encode_world(x).quantized
     seq = psnr(x[:, 4], rollout_frames(model, x[:, :1], a, h, 4)[:, -1]).mean()
     assert out["Action_Encoder"][1].item() == pytest.approx(seq.item(), abs=1e-4)
+
+
+def test_weighted_mean_weighs_values_and_keeps_nan():
+    from lwm.metrics import WeightedMean
+
+    m = WeightedMean()
+    m.update(torch.tensor(1.0), weight=3)
+    m.update(torch.tensor(5.0), weight=1)
+    assert m.compute().item() == 2.0 and m.update_count == 2  # (3*1 + 1*5) / 4
+    m.update(torch.tensor(float("nan")), weight=2)  # torchmetrics' MeanMetric drops it: a finite mean of fewer
+    assert torch.isnan(m.compute())
+    m.reset()
+    m.update(torch.tensor([2.0, 4.0]))  # a tensor of values, each of weight 1
+    assert m.compute().item() == 3.0

@@ -5,11 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import lightning as L
-import torch
-from torchmetrics import MeanMetric
 from typing_extensions import override
 
-from lwm.metrics import copy_last_loss, psnr_from_mse
+from lwm.metrics import WeightedMean, copy_last_loss, psnr_from_mse
 
 
 class CopyLastBaseline(L.Callback):
@@ -18,7 +16,7 @@ class CopyLastBaseline(L.Callback):
     ``copy_last_psnr``, its PSNR (of the mean MSE, as the module's ``tf_psnr``)."""
 
     def __init__(self) -> None:
-        self._mean = MeanMetric()
+        self._mean = WeightedMean()
 
     @override
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -8,12 +8,11 @@ from typing import Any
 
 import lightning as L
 import torch
-from torchmetrics import MeanMetric
 from typing_extensions import override
 
 from lwm.callbacks.schedule import is_logging_step
 from lwm.loggers import log_distribution
-from lwm.metrics import codebook_diversity, used_codes
+from lwm.metrics import WeightedMean, codebook_diversity, used_codes
 
 
 class CodebookMonitor(L.Callback):
@@ -33,7 +32,7 @@ class CodebookMonitor(L.Callback):
 
     def __init__(self) -> None:
         self._val_used: dict[str, list[torch.Tensor]] = {}  # per quantizer and level: codes seen in validation
-        self._val_usage: dict[str, list[MeanMetric]] = {}  # per quantizer and level: mean per-batch usage
+        self._val_usage: dict[str, list[WeightedMean]] = {}  # per quantizer and level: mean per-batch usage
 
     @staticmethod
     def _diversity(pl_module: L.LightningModule, prefix: str, name: str, quantizer) -> dict[str, torch.Tensor]:
@@ -66,7 +65,7 @@ class CodebookMonitor(L.Callback):
             name: [torch.zeros(k, dtype=torch.bool, device=pl_module.device) for k in q.codebook_sizes]
             for name, q in pl_module.model.quantizers.items()
         }
-        self._val_usage = {name: [MeanMetric().to(pl_module.device) for _ in q.codebook_sizes]
+        self._val_usage = {name: [WeightedMean().to(pl_module.device) for _ in q.codebook_sizes]
                            for name, q in pl_module.model.quantizers.items()}
 
     @override

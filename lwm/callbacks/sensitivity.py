@@ -6,10 +6,9 @@ from typing import Any
 
 import lightning as L
 import torch
-from torchmetrics import MeanMetric
 from typing_extensions import override
 
-from lwm.metrics import sensitivity
+from lwm.metrics import WeightedMean, sensitivity
 from lwm.seeds import seeded_generator
 
 
@@ -26,11 +25,11 @@ class Sensitivity(L.Callback):
         if t < 1 or batches < 1:
             raise ValueError(f"sensitivity.t and sensitivity.batches must be >= 1, got {t}, {batches}")
         self.t, self.batches, self.seed = t, batches, seed
-        self._means: dict[str, MeanMetric] = {}
+        self._means: dict[str, WeightedMean] = {}
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self._means = {f"{q}/{n}": MeanMetric() for q in ("Action_Encoder", "World_Encoder") for n in self.NAMES}
+        self._means = {f"{q}/{n}": WeightedMean() for q in ("Action_Encoder", "World_Encoder") for n in self.NAMES}
 
     @override
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
