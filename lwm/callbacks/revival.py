@@ -11,19 +11,22 @@ from lwm.callbacks.schedule import accumulating, is_logging_step
 
 
 class DeadCodeRevival(L.Callback):
-    """At the logging interval (or every ``every_n_steps`` optimizer steps), right after the step's EMA
-    update, call each quantizer's ``revive`` and log the codes revived per level
-    (``Train_<Quantizer>/revived_codes_level_<l>``).
+    """Every ``every_n_steps`` optimizer steps, right after the step's EMA update, call each quantizer's
+    ``revive``; log the codes revived per level since the last logged step
+    (``Train_<Quantizer>/revived_codes_level_<l>``, at the logging interval).
 
-    The rows are drawn from the step's own generator (``WorldModelModule.step_generator``, stream 1), so a
-    resumed run revives exactly what an uninterrupted one would; rank 0's draws are broadcast under DDP.
-    Each check costs one host sync per quantizer, hence not every step by default.
+    The interval is a training setting of its own: ``null`` ties it to ``trainer.log_every_n_steps``, so that
+    logging more or less often would change the training. The rows are drawn from the step's own generator
+    (``WorldModelModule.step_generator``, stream 1), so a resumed run revives exactly what an uninterrupted one
+    would; rank 0's draws are broadcast under DDP. Each check costs one host sync per quantizer, hence not every
+    step by default.
     """
 
-    def __init__(self, every_n_steps: int | None = None) -> None:
+    def __init__(self, every_n_steps: int | None = 10) -> None:
         if every_n_steps is not None and every_n_steps < 1:
             raise ValueError(f"revival.every_n_steps must be >= 1 (or null: the logging interval), got {every_n_steps}")
         self.every_n_steps = every_n_steps
+        self._revived: dict[str, int] = {}  # codes revived per quantizer and level since the last logged step
 
     def _due(self, trainer: L.Trainer) -> bool:
         """After the batch that ends an optimizer step (never inside an accumulation window: a revival there
@@ -35,11 +38,15 @@ class DeadCodeRevival(L.Callback):
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if not self._due(trainer):
-            return
-        generator = pl_module.step_generator(pl_module.device, batch_idx, stream=1)
-        logs = {}
-        for name, quantizer in pl_module.model.quantizers.items():
-            for level, n in enumerate(quantizer.revive(generator=generator)):
-                logs[f"Train_{name}/revived_codes_level_{level}"] = float(n)
-        pl_module.log_dict(logs, on_step=True, on_epoch=False)
+        quantizers = pl_module.model.quantizers
+        if not self._revived:
+            self._revived = {f"Train_{name}/revived_codes_level_{level}": 0
+                             for name, quantizer in quantizers.items() for level in range(len(quantizer.codebook_sizes))}
+        if self._due(trainer):
+            generator = pl_module.step_generator(pl_module.device, batch_idx, stream=1)
+            for name, quantizer in quantizers.items():
+                for level, n in enumerate(quantizer.revive(generator=generator)):
+                    self._revived[f"Train_{name}/revived_codes_level_{level}"] += int(n)
+        if is_logging_step(trainer):
+            pl_module.log_dict({k: float(n) for k, n in self._revived.items()}, on_step=True, on_epoch=False)
+            self._revived = {k: 0 for k in self._revived}

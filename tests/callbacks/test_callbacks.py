@@ -535,3 +535,40 @@ def test_rollout_video_rows_are_ground_truth_then_generated(tmp_path):
     assert np.array_equal(np.asarray(rows[0]), np.asarray(latent_preview(clip[0])))
     assert np.allclose(np.asarray(rows[1], dtype=float), np.asarray(latent_preview(rollout), dtype=float), atol=1)
     assert not np.array_equal(np.asarray(rows[0]), np.asarray(rows[1]))
+
+
+# revival is a training setting of its own: logging more or less often neither moves it nor loses its counts
+def test_revival_does_not_follow_the_logging_interval_and_logs_what_it_revived_since_the_last_log():
+    from dataclasses import replace
+
+    from lwm.callbacks.revival import DeadCodeRevival
+
+    net = replace(NET, codebook_sizes_action=(16,), codebook_sizes_world=(16,), dead_code_steps=1)
+    revived_at, logged = {}, []
+    for log_every in (1, 3):
+        torch.manual_seed(0)
+        module = WorldModelModule(net=net, optim=OptimConfig(warmup_steps=0))
+        steps = []
+        quantizer = module.model.quantizers["World_Encoder"]
+        original = quantizer.revive
+
+        def revive(generator=None, _original=original, _steps=steps, _module=module):
+            counts = _original(generator=generator)
+            _steps.append((_module.global_step, counts[0]))
+            return counts
+
+        quantizer.revive = revive
+
+        class Logged(L.Callback):
+            def on_train_batch_end(self, trainer, pl_module, *args):
+                if log_every == 3 and "Train_World_Encoder/revived_codes_level_0" in trainer.callback_metrics:
+                    logged.append((trainer.global_step,
+                                   float(trainer.callback_metrics["Train_World_Encoder/revived_codes_level_0"])))
+
+        _fit(module, _batches(6), callbacks=[DeadCodeRevival(every_n_steps=2), Logged()], log_every_n_steps=log_every)
+        revived_at[log_every] = steps
+    assert [s for s, _ in revived_at[1]] == [s for s, _ in revived_at[3]] == [2, 4, 6]
+    assert revived_at[1] == revived_at[3]  # the same codes revived, however often the run logs
+    counts = dict(revived_at[3])
+    assert counts[4] > 0 and counts[6] > 0  # (so that the sum below is not one of them)
+    assert dict(logged)[3] == counts[2] and dict(logged)[6] == counts[4] + counts[6]  # since the last logged step

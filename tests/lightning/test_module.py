@@ -227,7 +227,7 @@ def test_checkpoint_loads_with_weights_only(tmp_path):
 
 def test_revival_replaces_dead_codes_at_its_steps_with_distinct_batch_vectors():
     net = replace(NET, codebook_sizes_action=(16,), codebook_sizes_world=(16,), dead_code_steps=1)
-    module = _train(_batches(4), net=net, callbacks=[DeadCodeRevival(every_n_steps=2)])
+    module = _train(_batches(4), net=net, callbacks=[DeadCodeRevival(every_n_steps=2)], log_every_n_steps=2)
     revived = {k: float(v) for k, v in module.trainer.callback_metrics.items() if "revived_codes" in k}
     assert set(revived) == {"Train_Action_Encoder/revived_codes_level_0", "Train_World_Encoder/revived_codes_level_0"}
     # step 4: 2 clips give 2 world vectors for >= 14 unused world codes, and 2 x 5 action vectors
