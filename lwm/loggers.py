@@ -45,9 +45,30 @@ class _AppendingWriter(ExperimentWriter):
     def _check_log_dir_exists(self) -> None:  # appending to an existing run is what we want
         pass
 
+    @override
+    def log_metrics(self, metrics_dict: dict[str, float], step: int | None = None) -> None:
+        """One row per step: what Lightning logs in several calls at one step (the training scalars, the learning
+        rate, a validation) joins that step's row, which :meth:`save` holds back until a later step comes."""
+        pending = len(self.metrics)
+        super().log_metrics(metrics_dict, step)
+        if pending and self.metrics[-2].get("step") == self.metrics[-1]["step"]:
+            self.metrics[-2].update(self.metrics.pop())
+
+    @override
+    def save(self, final: bool = False) -> None:
+        """Write the rows of the steps before the latest (Lightning saves after every call); ``final``: all."""
+        if final or len(self.metrics) < 2:
+            if final:
+                super().save()
+            return
+        latest = self.metrics.pop()
+        super().save()
+        self.metrics = [latest]
+
 
 class CSVLogger(_LightningCSVLogger):
-    """Lightning's CSVLogger, appending to ``save_dir/name/version/metrics.csv`` across resumes."""
+    """Lightning's CSVLogger, appending to ``save_dir/name/version/metrics.csv`` across resumes, one row per step
+    (a step repeated after a resume, from its last checkpoint, is a row again: readers keep the last)."""
 
     def __init__(self, save_dir: str, name: str = "", version: int | str | None = "", **kwargs) -> None:
         super().__init__(save_dir, name=name, version=version, **kwargs)
@@ -60,6 +81,12 @@ class CSVLogger(_LightningCSVLogger):
             self._fs.makedirs(self.root_dir, exist_ok=True)
             self._experiment = _AppendingWriter(log_dir=self.log_dir)
         return self._experiment
+
+    @override
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        if self._experiment is not None:  # the held-back row of the last step too (an error's end as well)
+            self._experiment.save(final=True)
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,9 @@ def test_every_metric_reaches_the_csv_in_its_namespace(tmp_path):
         diag = [r[key] for r in rows if key in r]
         assert diag and all(0 < d <= 1 for d in diag)
         assert times is None or len(diag) == times  # training: at the logging interval only
+    steps = [int(r["step"]) for r in rows]
+    assert len(steps) == len(set(steps))  # one row per step: training, learning rate and validation joined
+    assert any("Val_Total/loss" in r and "Train_Total/loss" in r and "Train_Total/lr/pg1" in r for r in rows)
     assert not (root / "wandb").exists()  # disabled
 
 
