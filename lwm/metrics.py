@@ -25,7 +25,9 @@ from torchmetrics import Metric
 def attention_diagonality(attn: Tensor) -> Tensor:
     """``attn [B, heads, T, T]`` (rows sum to 1) -> ``[B]``: per sample, the attention mass on the main
     diagonal and the next one (query ``i`` on keys ``i`` and ``i + 1``), averaged over queries and heads.
-    1.0 when every query looks only at itself and the next frame; ``1/T`` for uniform attention over ``T``."""
+    1.0 when every query looks only at itself and the next frame. Uniform attention over the keys a mask allows
+    is far above ``1/T``: 0.301 under the action encoder's shifted-causal mask and 0.211 under a causal one at
+    ``T = 16`` (0.445 and 0.340 at ``T = 8``), the level of an encoder that attends to nothing in particular."""
     if attn.ndim != 4 or attn.shape[-1] != attn.shape[-2]:
         raise ValueError(f"attn: expected [B, heads, T, T], got {tuple(attn.shape)}")
     main = attn.diagonal(dim1=-2, dim2=-1)  # [B, heads, T]

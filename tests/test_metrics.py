@@ -198,3 +198,14 @@ def test_weighted_mean_weighs_values_and_keeps_nan():
     m.reset()
     m.update(torch.tensor([2.0, 4.0]))  # a tensor of values, each of weight 1
     assert m.compute().item() == 3.0
+
+
+def test_attention_diagonality_of_uniform_attention_over_the_allowed_keys():
+    """The levels the docs quote as "attends to nothing in particular": uniform attention under each mask."""
+    from lwm.modules.st_transformer import temporal_mask
+
+    for T, shifted, causal in ((16, 0.301, 0.211), (8, 0.445, 0.340)):
+        for kind, level in (("shifted_causal", shifted), ("causal", causal)):
+            allowed = temporal_mask(kind, T).float()
+            uniform = allowed / allowed.sum(-1, keepdim=True)
+            assert round(float(attention_diagonality(uniform[None, None])), 3) == level
