@@ -61,9 +61,10 @@ class ResumableDataLoader(DataLoader):
 
     ``state_dict() -> {"epoch", "batches", "seed", "global_batch"}``; after ``load_state_dict`` the next iteration
     of that epoch starts at batch ``batches``. Lightning saves and restores it with the fit loop (it checks for
-    these two methods). A run resumed with another global batch (``batch_size`` x ranks) continues the epoch after
-    as many windows as the checkpoint's run had drawn, with a warning (its batches are not the uninterrupted
-    run's); the sampler keeps the checkpoint's seed, with a warning where ``data.seed`` differs.
+    these two methods). A run resumed with another global batch (``batch_size`` x ranks) continues the epoch at
+    the same batch index, as Lightning's own count of the epoch's batches does, with a warning: its batches are
+    not the uninterrupted run's, and the epoch (of this run's length) holds more or fewer windows than one
+    epoch of either run. The sampler keeps the checkpoint's seed, with a warning where ``data.seed`` differs.
     """
 
     batch_sampler: FileBatchSampler
@@ -102,12 +103,9 @@ class ResumableDataLoader(DataLoader):
                            "the resumed run keeps drawing the checkpoint's batches (its seed)")
         saved = int(state.get("global_batch", self.global_batch))  # checkpoints before 2026-11-23: the same
         if saved != self.global_batch:
-            converted = round(batches * saved / self.global_batch)
             rank_zero_warn(f"resuming with a global batch of {self.global_batch} windows (batch_size x ranks), the "
-                           f"checkpoint's run had {saved}: epoch {epoch} continues after its {batches * saved} "
-                           f"windows drawn (batch {converted} of this run), not with the batches an uninterrupted "
-                           "run would have drawn")
-            batches = converted
+                           f"checkpoint's run had {saved}: epoch {epoch} continues at batch {batches} of this run's "
+                           f"{len(self.batch_sampler)}, with other batches than an uninterrupted run's")
         self._resume = (epoch, batches)
 
 

@@ -2,7 +2,8 @@
 
 A file holds ``latents [T, C, H, W]`` (float16/32/64, values in [-1, 1]); a file with a single 4-D dataset
 may name it otherwise. Optional: ``actions`` (integers ``[T]``, the ground-truth action after frame ``t``),
-an integer ``world_label`` attribute and a ``codec`` attribute (JSON: how to decode latents to pixels).
+an integer ``world_label`` attribute, a ``codec`` attribute (JSON: how to decode latents to pixels) and an
+``fps`` attribute (the frame rate videos of the file play at).
 """
 
 from __future__ import annotations
@@ -105,6 +106,8 @@ def inspect_h5(
             raise DataError(f"{path}: 'world_label' is a dataset; lwm reads an integer attribute "
                             f"(h5py: f.attrs['world_label'] = k)")
         _check_codec(f.attrs.get("codec"), path, C, H, W)
+        if "fps" in f.attrs:
+            parse_fps(f.attrs["fps"], path)
         return H5Info(key, T, C, H, W, has_actions, label)
 
 
@@ -151,10 +154,18 @@ def parse_world_label(value: object, path: str | Path) -> int:
         raise DataError(f"{path}: attribute 'world_label' must be >= 0 (and fit int64), got {value}")
     return int(value)
 
+
 DEFAULT_FPS = 8.0  # for files that record no frame rate (synthetic worlds, Atari, older files)
+
+
+def parse_fps(value: object, path: str | Path) -> float:
+    """The ``fps`` attribute as a float; anything but a finite number > 0 is refused."""
+    number = np.asarray(value)
+    if number.shape != () or number.dtype.kind not in "iuf" or not np.isfinite(number) or number <= 0:
+        raise DataError(f"{path}: attribute 'fps' must be a number > 0 (frames per second), got {value!r}")
+    return float(number)
 
 
 def file_fps(f: h5py.File) -> float:
     """The frame rate an open h5 file records (``fps``, written by ``lwm data encode``), else :data:`DEFAULT_FPS`."""
-    fps = f.attrs.get("fps")
-    return float(fps) if fps is not None and np.isfinite(fps) and fps > 0 else DEFAULT_FPS
+    return parse_fps(f.attrs["fps"], f.filename) if "fps" in f.attrs else DEFAULT_FPS

@@ -197,3 +197,17 @@ def test_grayscale_frames_are_read_as_grey_rgb(tmp_path):
     frames = read_video(gif)
     assert frames.shape == (5, 40, 60, 3) and np.array_equal(frames[..., 0], grey)
     assert np.array_equal(frames[..., 0], frames[..., 1]) and np.array_equal(frames[..., 1], frames[..., 2])
+
+
+@pytest.mark.parametrize("fps", ["fast", 0.0, float("nan"), [8.0, 8.0], True])
+def test_a_bad_fps_attribute_is_one_line_for_index_and_decode(tmp_path, capsys, fps):
+    from lwm.data.codecs import PixelCodec
+
+    path = tmp_path / "f.h5"
+    write_latents(path, PixelCodec(size=8), np.zeros((3, 8, 8, 3), dtype=np.uint8))
+    with h5py.File(path, "a") as f:
+        f.attrs["fps"] = fps
+    assert main(["data", "index", str(tmp_path)]) == 2
+    assert f"{path}: attribute 'fps' must be a number > 0" in capsys.readouterr().err
+    assert main(["data", "decode", str(path), "--out", str(tmp_path / "v.mp4"), "--fps", "8"]) == 2
+    assert f"{path}: attribute 'fps' must be a number > 0" in capsys.readouterr().err

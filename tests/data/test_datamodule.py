@@ -294,9 +294,9 @@ def test_a_state_saved_at_an_epoch_end_does_not_skip_the_next_epoch(dm_manifest)
     assert [_keys(b) for b in loader] == expected
 
 
-def test_a_run_resumed_with_another_global_batch_continues_after_the_windows_drawn(dm_manifest):
-    """One process at batch 2 stopped after 3 batches (6 windows); resumed on 2 ranks of batch 2 (global 4),
-    epoch 0 continues at that run's batch round(6 / 4) = 2, with a warning that names both batches."""
+def test_a_run_resumed_with_another_global_batch_continues_at_the_same_batch_index(dm_manifest):
+    """One process at batch 2 stopped after 3 batches; resumed on 2 ranks of batch 2 (global 4), epoch 0
+    continues at batch 3, where Lightning's count of the epoch's batches is, with a warning naming both."""
     first = _on_rank(dm_manifest, 0, 1, batch_size=2).train_dataloader()
     _set_sampler_epoch(first, 0)
     it = iter(first)
@@ -308,9 +308,9 @@ def test_a_run_resumed_with_another_global_batch_continues_after_the_windows_dra
         loader = _on_rank(dm_manifest, rank, 2, batch_size=2).train_dataloader()
         fresh = _on_rank(dm_manifest, rank, 2, batch_size=2).train_dataloader()
         _set_sampler_epoch(fresh, 0)
-        expected = [_keys(b) for b in fresh][2:]
-        with pytest.warns(UserWarning, match=r"global batch of 4 windows .* had 2: epoch 0 continues after its 6 "
-                                             r"windows drawn \(batch 2 of this run\)"):
+        expected = [_keys(b) for b in fresh][3:]
+        with pytest.warns(UserWarning, match=rf"global batch of 4 windows .* had 2: epoch 0 continues at batch 3 of "
+                                             rf"this run's {len(fresh)}, with other batches"):
             loader.load_state_dict(state)
         _set_sampler_epoch(loader, 0)
         assert [_keys(b) for b in loader] == expected and expected

@@ -94,3 +94,17 @@ def test_resume_with_gradient_accumulation_and_revival_every_step(tmp_path):
     b = torch.load(tmp_path / "b/checkpoints/last.ckpt", weights_only=True)["state_dict"]
     for key, value in a.items():
         assert torch.allclose(value.float(), b[key].float(), rtol=1e-4, atol=1e-6), key
+
+
+def test_a_resume_with_another_batch_size_finishes_the_epoch_at_the_same_batch_index(tmp_path):
+    """Stopped after 3 of 4 batches of 3 windows; resumed with batches of 2 (7 an epoch): the epoch goes on with
+    batches 3 to 6 (Lightning's count and the sampler's agree), then epoch 1; the warning says so."""
+    manifest = make_dataset(tmp_path / "data")  # 7 training files of 2 windows: 14 windows
+    common = ["--data.val_size_percent=0", "--checkpoint.every_n_train_steps=3", "--trainer.log_every_n_steps=1"]
+    assert run(manifest, tmp_path / "r", *common, "--data.batch_size=3", "--trainer.max_steps=3") == 0
+    with pytest.warns(UserWarning, match=r"global batch of 2 windows \(batch_size x ranks\), the checkpoint's run "
+                                         r"had 3: epoch 0 continues at batch 3 of this run's 7"):
+        assert run(manifest, tmp_path / "r", *common, "--data.batch_size=2", "--trainer.max_steps=8",
+                   "--ckpt_path=last") == 0
+    epochs = {int(r["step"]): int(r["epoch"]) for r in read_metrics(tmp_path / "r") if "epoch" in r}
+    assert [epochs[s] for s in range(8)] == [0] * 7 + [1]
