@@ -309,7 +309,9 @@ class WorldModelModule(L.LightningModule):
     def _count_deepspeed_skips(self) -> None:
         """Under DeepSpeed (which keeps its own gradient buffers: ``on_before_optimizer_step`` sees none), the
         steps its engine skipped on an overflow count as ours: in ``skipped_steps`` and towards
-        ``max_nonfinite`` in a row. A host integer of the engine's, read after the batch that ends a step."""
+        ``max_nonfinite`` in a row, except, as with fp16's GradScaler, an overflow while its dynamic loss scale
+        is still >= 1 (its routine way to find the scale). A host integer of the engine's, read after the batch
+        that ends a step."""
         skips = _deepspeed_skipped_steps(self._trainer)
         if skips is None or self._deepspeed_skips is None or accumulating(self.trainer):
             return
@@ -318,6 +320,8 @@ class WorldModelModule(L.LightningModule):
             self._nonfinite_in_a_row = 0
             return
         self._skipped += new
+        if _deepspeed_scaling_loss(self.trainer.strategy.deepspeed_engine):
+            return
         self._nonfinite_in_a_row += 1
         self._check_in_a_row(self._nonfinite_in_a_row)
 
@@ -463,3 +467,12 @@ def _deepspeed_skipped_steps(trainer: L.Trainer | None) -> int | None:
     engine = getattr(getattr(trainer, "strategy", None), "deepspeed_engine", None) if trainer is not None else None
     skipped = getattr(engine, "skipped_steps", None)
     return int(skipped) if skipped is not None else None
+
+
+def _deepspeed_scaling_loss(engine: Any) -> bool:
+    """Whether the engine's optimizer scales the loss dynamically (fp16) with a scale still >= 1: an overflow
+    then only lowers the scale. bf16 has no loss scale: each of its overflows is real."""
+    optimizer = getattr(engine, "optimizer", None)
+    config = getattr(optimizer, "loss_scale_config", optimizer)  # DeepSpeed >= 0.18 keeps them in a config
+    dynamic, scale = getattr(config, "dynamic_loss_scale", False), getattr(config, "cur_scale", None)
+    return bool(dynamic) and scale is not None and float(scale) >= 1.0

@@ -410,6 +410,27 @@ def test_deepspeed_skips_count_as_skipped_steps_and_stop_the_run_in_a_row():
         module.on_train_batch_end(None, None, 6)
 
 
+def test_deepspeed_fp16_overflows_count_towards_the_stop_only_below_a_loss_scale_of_one():
+    from types import SimpleNamespace
+
+    module = WorldModelModule(net=NET, max_nonfinite=2)
+    scaler = SimpleNamespace(dynamic_loss_scale=True, cur_scale=2.0**16)
+    engine = SimpleNamespace(skipped_steps=0, optimizer=SimpleNamespace(loss_scale_config=scaler))
+    module._trainer = SimpleNamespace(strategy=SimpleNamespace(deepspeed_engine=engine), training=True, global_step=3,
+                                      fit_loop=SimpleNamespace(_should_accumulate=lambda: False))
+    module._deepspeed_skips = 0
+    for i in range(4):  # the scale halving down from 2^16: skipped, counted, never a stop
+        engine.skipped_steps += 1
+        module.on_train_batch_end(None, None, i)
+    assert module.skipped_steps == 4 and module._nonfinite_in_a_row == 0
+    scaler.cur_scale = 0.5  # below one: the loss or the data, no longer the scale
+    engine.skipped_steps += 1
+    module.on_train_batch_end(None, None, 4)
+    engine.skipped_steps += 1
+    with pytest.raises(NonFiniteLossError, match="2 consecutive steps"):
+        module.on_train_batch_end(None, None, 5)
+
+
 def test_without_deepspeed_there_is_no_engine_count():
     from lwm.module import _deepspeed_skipped_steps
 
