@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from lwm.codes import default_codes_path, dictionaries_step, load_dictionaries
-from lwm.data.codecs import codec_from_attr, missing_codec
+from lwm.data.codecs import codec_from_attr, codec_spec, missing_codec
 from lwm.data.h5 import DataError, file_fps, inspect_h5
 from lwm.errors import ArgumentParser, ConfigError, positive_float
 from lwm.metrics import random_codes
@@ -147,6 +147,9 @@ def run(args: argparse.Namespace) -> Path:
         context = clip[:, : args.context].expand(args.rollouts, -1, -1, -1, -1)
         generated = model.generate(context, actions, world, args.steps, t0=0, window=window)  # [R, steps, C, H, W]
     rollouts = torch.cat([context, generated], dim=1).cpu()  # [R, context + steps, C, H, W]
+    if args.fps is None and decoder is None:  # a latent preview: one frame per latent step, each step covers
+        spec = codec_spec(codec, str(args.data)) or {}  # frames_per_latent video frames of the file's rate
+        fps = fps / max(1, int(spec.get("frames_per_latent", 1)))
     _write(args, out, latents_path, rollouts, clip, decoder, codec, args.fps or fps)
     return out
 

@@ -35,9 +35,12 @@ def test_each_task_runs_its_line_in_its_own_directory(tmp_path):
     assert out.stdout.splitlines()[-1] == ("train.sbatch configs/tiny.yaml --trainer.max_steps=5 "
                                            "--trainer.default_root_dir=runs/sweep/task_1 --model.optim.lr=3e-4")
     assert (repo / "runs/sweep/task_1/array_task").read_text().splitlines() == [
-        str(taskfile), "configs/tiny.yaml --model.optim.lr=3e-4"]
+        "sweep.txt", "configs/tiny.yaml --model.optim.lr=3e-4"]  # relative to the repository, which may move
     again = _task(repo, taskfile, 1, "--trainer.max_steps=50")  # the common overrides may change: same run
     assert again.returncode == 0, again.stderr
+    moved = tmp_path / "moved"
+    repo.rename(moved)
+    assert _task(moved, moved / "sweep.txt", 1).returncode == 0
 
 
 def test_a_task_directory_refuses_another_line(tmp_path):

@@ -3,6 +3,8 @@ bad indices refused with one line."""
 
 from __future__ import annotations
 
+import json
+
 import h5py
 import imageio.v3 as iio
 import numpy as np
@@ -396,3 +398,9 @@ def test_generate_plays_at_the_datas_frame_rate_unless_told(trained, tmp_path, m
     _generate(ckpt, copy, tmp_path / "b.gif", "--steps", "2")
     _generate(ckpt, copy, tmp_path / "c.gif", "--steps", "2", "--fps", "30")
     assert rates == [8.0, 7.5, 30.0]
+    with h5py.File(copy, "a") as f:  # a VAE's latents without --vae: a preview of one frame per latent step
+        f.attrs["codec"] = json.dumps({"name": "wan", "size": 128, "frames_per_latent": 4, "shift": [0.0] * 4,
+                                       "scale": [1.0] * 4})
+        f.attrs["fps"] = 24.0
+    _generate(ckpt, copy, tmp_path / "d.gif", "--steps", "2")
+    assert rates[-1] == 6.0  # each latent step is 4 frames of the 24 fps video

@@ -28,6 +28,14 @@ class DeadCodeRevival(L.Callback):
         self.every_n_steps = every_n_steps
         self._revived: dict[str, int] = {}  # codes revived per quantizer and level since the last logged step
 
+    @override
+    def state_dict(self) -> dict[str, Any]:  # the counts not yet logged travel with a checkpoint (a requeue)
+        return {"revived": dict(self._revived)}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._revived = {str(k): int(v) for k, v in state_dict.get("revived", {}).items()}
+
     def _due(self, trainer: L.Trainer) -> bool:
         """After the batch that ends an optimizer step (never inside an accumulation window: a revival there
         would depend on where a resumed run restarted), at the interval."""

@@ -572,3 +572,22 @@ def test_revival_does_not_follow_the_logging_interval_and_logs_what_it_revived_s
     counts = dict(revived_at[3])
     assert counts[4] > 0 and counts[6] > 0  # (so that the sum below is not one of them)
     assert dict(logged)[3] == counts[2] and dict(logged)[6] == counts[4] + counts[6]  # since the last logged step
+
+
+def test_revival_counts_not_yet_logged_travel_with_the_checkpoint():
+    from lwm.callbacks.revival import DeadCodeRevival
+
+    saved = DeadCodeRevival(every_n_steps=2)
+    saved._revived = {"Train_World_Encoder/revived_codes_level_0": 3}
+    restored = DeadCodeRevival(every_n_steps=2)
+    restored.load_state_dict(torch.load(_roundtrip(saved.state_dict()), weights_only=True))
+    assert restored._revived == {"Train_World_Encoder/revived_codes_level_0": 3}
+
+
+def _roundtrip(obj):
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return buffer
