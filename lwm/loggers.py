@@ -207,7 +207,10 @@ def log_distribution(pl_module: L.LightningModule, name: str, values: torch.Tens
         if type(logger).__name__ == "WandbLogger":
             import wandb
 
-            logger.experiment.log({name: wandb.Histogram(v.cpu().numpy()), "trainer/global_step": _step(pl_module)})
+            # commit=False: into the history row of the scalars Lightning logs right after, at the same step (one
+            # row per logged step, not one more per histogram)
+            logger.experiment.log({name: wandb.Histogram(v.cpu().numpy()), "trainer/global_step": _step(pl_module)},
+                                  commit=False)
 
 
 def log_video(pl_module: L.LightningModule, name: str, path: str) -> None:
@@ -219,4 +222,5 @@ def log_video(pl_module: L.LightningModule, name: str, path: str) -> None:
         if type(logger).__name__ == "WandbLogger":
             import wandb
 
-            logger.experiment.log({name: wandb.Video(path), "trainer/global_step": _step(pl_module)})  # the file's fps
+            logger.experiment.log({name: wandb.Video(path), "trainer/global_step": _step(pl_module)},  # the file's fps
+                                  commit=False)  # into the row of the validation's scalars, logged right after

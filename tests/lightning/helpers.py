@@ -92,14 +92,20 @@ class DumpQuantizers(L.Callback):
 
 class WandbLogger(Logger):
     """A stand-in for Lightning's WandbLogger (lwm.loggers finds it by class name): ``experiment.log`` appends
-    what it is given to ``self.sent``."""
+    what it is given to ``self.sent`` (and whether it committed a history row to ``self.commits``)."""
 
     name, version = "fake", "0"
 
     def __init__(self) -> None:
         super().__init__()
         self.sent: list[dict] = []
-        self.experiment = type("Run", (), {"log": staticmethod(self.sent.append)})()
+        self.commits: list[bool] = []
+
+        def log(data: dict, commit: bool | None = None) -> None:
+            self.sent.append(data)
+            self.commits.append(commit is not False)
+
+        self.experiment = type("Run", (), {"log": staticmethod(log)})()
 
     def log_metrics(self, metrics, step=None) -> None:
         pass

@@ -170,6 +170,7 @@ def test_log_distribution_sends_a_histogram_to_wandb_and_min_mean_max_to_every_l
     assert logged == {"Val_Test/dist/min": 1.0, "Val_Test/dist/mean": 3.0, "Val_Test/dist/max": 6.0}
     assert len(recorded) == 1 and isinstance(recorded[0]["Val_Test/dist"], wandb.Histogram)
     assert recorded[0]["trainer/global_step"] == 0
+    assert wandb_logger.commits == [False]  # joins the row of the scalars logged right after
 
 
 def test_the_model_summary_has_no_zero_flops_and_no_metric_rows(capsys):
