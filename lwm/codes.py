@@ -184,8 +184,9 @@ def collect(model, loader, device: torch.device, max_windows: int | None = None)
 
 def main(argv: list[str]) -> int:
     """``lwm codes --config CFG --ckpt_path CKPT [--max-windows N] [--out PATH] [overrides]``."""
-
+    from lwm.checkpoint import load_checkpoint, warn_window_mismatch
     from lwm.errors import ConfigError
+    from lwm.lightning_cli import LwmCLI
     from lwm.video import check_output
 
     parser = ArgumentParser(
@@ -202,10 +203,6 @@ def main(argv: list[str]) -> int:
     ckpt_path = Path(args.ckpt_path)
     # before any work; the default path (lwm's own name beside the checkpoint) may be rewritten whatever it holds
     out = check_out(args.out) if args.out else check_output(default_codes_path(ckpt_path), "the code dictionary")
-    from lwm.checkpoint import load_checkpoint, warn_window_mismatch
-
-    from lwm.lightning_cli import LwmCLI
-
     dm = LwmCLI(args=rest, run=False).datamodule  # the data; the model is the checkpoint's
     checkpoint, module = load_checkpoint(ckpt_path)
     warn_window_mismatch(checkpoint, dm.window, ckpt_path)  # the codes depend on it

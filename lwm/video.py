@@ -69,7 +69,7 @@ def grid(rows: list[np.ndarray], pad: int = 4) -> np.ndarray:
     return out
 
 
-def write_video(path: str | Path, frames: np.ndarray, fps: int = 8) -> Path:
+def write_video(path: str | Path, frames: np.ndarray, fps: float = 8) -> Path:
     """Write ``uint8 [T, H, W, 3]`` as ``.mp4`` (H.264, even sizes padded) or ``.gif``: encoded in memory, then
     written to a temporary name and renamed, so a failure leaves the old file (if any), never a torn one."""
     import imageio.v3 as iio
