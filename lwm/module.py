@@ -36,6 +36,7 @@ from lwm.data.windows import nonfinite_mask, nonfinite_windows, window_name
 from lwm.errors import ConfigError, NonFiniteLossError
 from lwm.metrics import WeightedMean, psnr_from_mse
 from lwm.modules.world_model import WorldModel, WorldModelConfig
+from lwm.nonfinite import SkippedSteps, deepspeed_scaling_loss, deepspeed_skipped_steps
 from lwm.seeds import seeded_generator
 
 
@@ -108,11 +109,7 @@ class WorldModelModule(L.LightningModule):
         self.optim = optim
         self.compile_model, self.max_nonfinite = compile, max_nonfinite
         self.val_metrics = nn.ModuleDict({_metric_name(k): WeightedMean() for k in self.model.log_keys})
-        self._skipped = 0  # steps whose update was skipped (non-finite), over the run (checkpointed), read on the host
-        self._nonfinite_in_a_row = 0
-        self._deepspeed_skips: int | None = None  # DeepSpeed's own count of skipped steps, as last read
-        self._skipped_device: Tensor | None = None  # the sync-free path's counts, on the device
-        self._in_a_row_device: Tensor | None = None
+        self.skips = SkippedSteps()  # steps whose update was skipped (non-finite), over the run and in a row
         self._compiled = False
         self._grad_norm: Tensor | None = None  # this step's gradient norm, for the non-finite check and clipping
         self._last_batch: dict[str, Tensor] | None = None  # this training step's, to name bad windows on a stop
@@ -177,7 +174,7 @@ class WorldModelModule(L.LightningModule):
 
     def on_train_start(self) -> None:
         self.apply_optim_config()
-        self._deepspeed_skips = _deepspeed_skipped_steps(self._trainer)  # restored with a resumed engine
+        self.skips.engine_start(deepspeed_skipped_steps(self._trainer))  # restored with a resumed engine
 
     def apply_optim_config(self) -> None:
         """Make the optimiser follow ``model.optim`` after a resume: Lightning restores the checkpoint's param-group
@@ -209,21 +206,13 @@ class WorldModelModule(L.LightningModule):
     @property
     def skipped_steps(self) -> int:
         """Steps whose update was skipped over the whole run (a host read of the device count, if any)."""
-        return self._skipped + (int(self._skipped_device) if self._skipped_device is not None else 0)
-
-    def _skipped_tensor(self, device: torch.device) -> Tensor:
-        """The count as a device tensor for logging, made without a host-to-device copy (``torch.tensor`` of a
-        Python number, as ``self.log`` does with one, would synchronise a CUDA stream every step)."""
-        if self._skipped_device is None:
-            self._skipped_device = torch.zeros((), device=device)
-        return self._skipped_device + self._skipped
+        return self.skips.total
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["lwm_skipped_steps"] = self.skipped_steps
+        checkpoint["lwm_skipped_steps"] = self.skips.total
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self._skipped = int(checkpoint.get("lwm_skipped_steps", 0))
-        self._skipped_device = self._in_a_row_device = None
+        self.skips = SkippedSteps(total=int(checkpoint.get("lwm_skipped_steps", 0)))
         self._checkpoint_step = int(checkpoint.get("global_step", 0))
 
     def _at_checkpoint_step(self) -> None:
@@ -285,7 +274,7 @@ class WorldModelModule(L.LightningModule):
         out = self.model.compute(x, self.global_step, generator=self.step_generator(x.device, batch_idx),
                                  world_phase=self.model.world_phase_at(self.global_step))
         self.log_dict({f"Train_{k}": v for k, v in out.logs.items()}, batch_size=x.shape[0])
-        self.log("Train_Total/skipped_steps", self._skipped_tensor(x.device), batch_size=x.shape[0])
+        self.log("Train_Total/skipped_steps", self.skips.as_tensor(x.device), batch_size=x.shape[0])
         return {"loss": out.loss, **self._codes(out)}
 
     @staticmethod
@@ -312,18 +301,11 @@ class WorldModelModule(L.LightningModule):
         ``max_nonfinite`` in a row, except, as with fp16's GradScaler, an overflow while its dynamic loss scale
         is still >= 1 (its routine way to find the scale). A host integer of the engine's, read after the batch
         that ends a step."""
-        skips = _deepspeed_skipped_steps(self._trainer)
-        if skips is None or self._deepspeed_skips is None or accumulating(self.trainer):
+        count = deepspeed_skipped_steps(self._trainer)
+        if count is None or not self.skips.reading_engine or accumulating(self.trainer):
             return
-        new, self._deepspeed_skips = skips - self._deepspeed_skips, skips
-        if new <= 0:
-            self._nonfinite_in_a_row = 0
-            return
-        self._skipped += new
-        if _deepspeed_scaling_loss(self.trainer.strategy.deepspeed_engine):
-            return
-        self._nonfinite_in_a_row += 1
-        self._check_in_a_row(self._nonfinite_in_a_row)
+        scaling = deepspeed_scaling_loss(self.trainer.strategy.deepspeed_engine)
+        self._check_in_a_row(self.skips.engine_count(count, scaling_loss=scaling))
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Skip the update when the gradient norm is not finite: on the device with a fused AdamW (no host
@@ -340,30 +322,23 @@ class WorldModelModule(L.LightningModule):
             nonfinite = ~torch.isfinite(norm)
             optimizer.found_inf = nonfinite.float()  # fused AdamW: no update at all (moments, step count) when 1
             optimizer.grad_scale = None
-            zero = torch.zeros((), device=norm.device)
-            self._skipped_device = (self._skipped_device if self._skipped_device is not None else zero) + nonfinite
-            in_a_row = self._in_a_row_device if self._in_a_row_device is not None else zero
-            self._in_a_row_device = torch.where(nonfinite, in_a_row + 1, 0.0)
+            self.skips.on_device(nonfinite)
             if is_logging_step(self.trainer):  # the one host read, at the logging interval
-                self._check_in_a_row(int(self._in_a_row_device))
+                self._check_in_a_row(self.skips.in_a_row_on_device())
             return
         if bool(torch.isfinite(norm)):
-            self._nonfinite_in_a_row = 0
+            self.skips.finite()
             return
-        self._skipped += 1
         scaler = self._scaler
         if scaler is not None:
             # fp16: the GradScaler skips this step itself (its unscale_ saw the inf) and halves its scale. An
             # overflow at a high scale is its routine; one at a scale below 1 is the loss or the data.
-            if scaler.get_scale() < 1.0:
-                self._nonfinite_in_a_row += 1
-                self._check_in_a_row(self._nonfinite_in_a_row)
+            self._check_in_a_row(self.skips.skipped(in_a_row=scaler.get_scale() < 1.0))
             return
         for group in optimizer.param_groups:  # AdamW skips parameters without a gradient: no update at all
             for p in group["params"]:
                 p.grad = None
-        self._nonfinite_in_a_row += 1
-        self._check_in_a_row(self._nonfinite_in_a_row)
+        self._check_in_a_row(self.skips.skipped())
 
     def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
                                     gradient_clip_algorithm: str | None = None) -> None:
@@ -460,19 +435,3 @@ class WorldModelModule(L.LightningModule):
             "file_index": batch["file_index"],
             "start": batch["start"],
         }
-
-
-def _deepspeed_skipped_steps(trainer: L.Trainer | None) -> int | None:
-    """The DeepSpeed engine's count of the optimizer steps it skipped (None without DeepSpeed)."""
-    engine = getattr(getattr(trainer, "strategy", None), "deepspeed_engine", None) if trainer is not None else None
-    skipped = getattr(engine, "skipped_steps", None)
-    return int(skipped) if skipped is not None else None
-
-
-def _deepspeed_scaling_loss(engine: Any) -> bool:
-    """Whether the engine's optimizer scales the loss dynamically (fp16) with a scale still >= 1: an overflow
-    then only lowers the scale. bf16 has no loss scale: each of its overflows is real."""
-    optimizer = getattr(engine, "optimizer", None)
-    config = getattr(optimizer, "loss_scale_config", optimizer)  # DeepSpeed >= 0.18 keeps them in a config
-    dynamic, scale = getattr(config, "dynamic_loss_scale", False), getattr(config, "cur_scale", None)
-    return bool(dynamic) and scale is not None and float(scale) >= 1.0

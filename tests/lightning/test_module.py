@@ -390,20 +390,20 @@ def test_deepspeed_skips_count_as_skipped_steps_and_stop_the_run_in_a_row():
     within = [False]  # inside an accumulation window?
     module._trainer = SimpleNamespace(strategy=SimpleNamespace(deepspeed_engine=engine), training=True, global_step=9,
                                       fit_loop=SimpleNamespace(_should_accumulate=lambda: within[0]))
-    module._deepspeed_skips = 4  # what on_train_start reads from the engine
+    module.skips.engine_start(4)  # what on_train_start reads from the engine
     module.on_train_batch_end(None, None, 0)
     assert module.skipped_steps == 0
     engine.skipped_steps = 5  # one skipped step
     module.on_train_batch_end(None, None, 1)
-    assert module.skipped_steps == 1 and module._nonfinite_in_a_row == 1
+    assert module.skipped_steps == 1 and module.skips.in_a_row == 1
     module.on_train_batch_end(None, None, 2)  # a step that went through: the run of skips is broken
-    assert module.skipped_steps == 1 and module._nonfinite_in_a_row == 0
+    assert module.skipped_steps == 1 and module.skips.in_a_row == 0
     for i in range(2):
         engine.skipped_steps += 1
         module.on_train_batch_end(None, None, 3 + i)
     within[0] = True  # a micro-batch inside an accumulation window: the engine has not stepped, nothing read
     module.on_train_batch_end(None, None, 5)
-    assert module.skipped_steps == 3 and module._nonfinite_in_a_row == 2
+    assert module.skipped_steps == 3 and module.skips.in_a_row == 2
     within[0] = False
     engine.skipped_steps += 1
     with pytest.raises(NonFiniteLossError, match="3 consecutive steps had a non-finite"):
@@ -418,11 +418,11 @@ def test_deepspeed_fp16_overflows_count_towards_the_stop_only_below_a_loss_scale
     engine = SimpleNamespace(skipped_steps=0, optimizer=SimpleNamespace(loss_scale_config=scaler))
     module._trainer = SimpleNamespace(strategy=SimpleNamespace(deepspeed_engine=engine), training=True, global_step=3,
                                       fit_loop=SimpleNamespace(_should_accumulate=lambda: False))
-    module._deepspeed_skips = 0
+    module.skips.engine_start(0)
     for i in range(4):  # the scale halving down from 2^16: skipped, counted, never a stop
         engine.skipped_steps += 1
         module.on_train_batch_end(None, None, i)
-    assert module.skipped_steps == 4 and module._nonfinite_in_a_row == 0
+    assert module.skipped_steps == 4 and module.skips.in_a_row == 0
     scaler.cur_scale = 0.5  # below one: the loss or the data, no longer the scale
     engine.skipped_steps += 1
     module.on_train_batch_end(None, None, 4)
@@ -432,7 +432,7 @@ def test_deepspeed_fp16_overflows_count_towards_the_stop_only_below_a_loss_scale
 
 
 def test_without_deepspeed_there_is_no_engine_count():
-    from lwm.module import _deepspeed_skipped_steps
+    from lwm.nonfinite import deepspeed_skipped_steps
 
     module = _train(_batches(2))
-    assert _deepspeed_skipped_steps(module.trainer) is None and module._deepspeed_skips is None
+    assert deepspeed_skipped_steps(module.trainer) is None and not module.skips.reading_engine

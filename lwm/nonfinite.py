@@ -1,0 +1,100 @@
+"""The count of optimizer steps skipped for a non-finite loss or gradient, and of those in a row (what stops a run).
+
+A step's verdict reaches :class:`SkippedSteps` in one of three ways (:class:`~lwm.module.WorldModelModule` picks):
+
+* on the host (:meth:`SkippedSteps.skipped`, :meth:`SkippedSteps.finite`): a for-loop AdamW, or fp16's GradScaler,
+  whose verdict is read every step;
+* on the device (:meth:`SkippedSteps.on_device`): a fused AdamW skips the update itself, so the counts stay device
+  tensors, read on the host only when asked (:meth:`SkippedSteps.in_a_row_on_device`, at the logging interval);
+* from a DeepSpeed engine (:meth:`SkippedSteps.engine_count`), which counts the steps it skipped itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+class SkippedSteps:
+    """Steps skipped over the run (``total``, checkpointed) and the latest run of them in a row (``in_a_row``)."""
+
+    def __init__(self, total: int = 0) -> None:
+        self._host_total = total
+        self.in_a_row = 0  # host verdicts and engine counts; the device path keeps its own (in_a_row_on_device)
+        self._device_total: Tensor | None = None
+        self._device_in_a_row: Tensor | None = None
+        self._engine_seen: int | None = None  # the DeepSpeed engine's count as last read
+
+    @property
+    def total(self) -> int:
+        """Steps skipped over the whole run (a host read of the device count, if there is one)."""
+        return self._host_total + (int(self._device_total) if self._device_total is not None else 0)
+
+    def as_tensor(self, device: torch.device) -> Tensor:
+        """``total`` as a device tensor for logging, made without a host-to-device copy (``torch.tensor`` of a
+        Python number, as ``self.log`` makes of one, would synchronise a CUDA stream every step)."""
+        if self._device_total is None:
+            self._device_total = torch.zeros((), device=device)
+        return self._device_total + self._host_total
+
+    # host verdicts -------------------------------------------------------------------------------
+    def finite(self) -> None:
+        """A step that went through: the run of skips in a row is broken."""
+        self.in_a_row = 0
+
+    def skipped(self, count: int = 1, in_a_row: bool = True) -> int:
+        """``count`` more skipped steps; ``in_a_row=False`` for an overflow that is a loss scaler's routine (counted,
+        neither towards the stop nor breaking the run of skips). Returns the skips in a row."""
+        self._host_total += count
+        if in_a_row:
+            self.in_a_row += 1
+        return self.in_a_row
+
+    # device verdicts -----------------------------------------------------------------------------
+    def on_device(self, nonfinite: Tensor) -> None:
+        """A step's verdict as a device bool, counted on the device (no host sync)."""
+        zero = torch.zeros((), device=nonfinite.device)
+        self._device_total = (self._device_total if self._device_total is not None else zero) + nonfinite
+        in_a_row = self._device_in_a_row if self._device_in_a_row is not None else zero
+        self._device_in_a_row = torch.where(nonfinite, in_a_row + 1, 0.0)
+
+    def in_a_row_on_device(self) -> int:
+        """The device path's skips in a row (a host read)."""
+        return int(self._device_in_a_row) if self._device_in_a_row is not None else 0
+
+    # a DeepSpeed engine's count ------------------------------------------------------------------
+    def engine_start(self, count: int | None) -> None:
+        """The engine's count when training starts (a resumed engine's): skips before it are not new."""
+        self._engine_seen = count
+
+    @property
+    def reading_engine(self) -> bool:
+        return self._engine_seen is not None
+
+    def engine_count(self, count: int, scaling_loss: bool) -> int:
+        """The engine's count after a step: new skips are ours (``scaling_loss``: a dynamic loss scale still >= 1,
+        whose overflows are its routine, so they are counted but not towards the stop). Returns the skips in a row."""
+        new = count - (self._engine_seen if self._engine_seen is not None else count)
+        self._engine_seen = count
+        if new <= 0:
+            self.finite()
+            return 0
+        return self.skipped(new, in_a_row=not scaling_loss)
+
+
+def deepspeed_skipped_steps(trainer: Any) -> int | None:
+    """The DeepSpeed engine's count of the optimizer steps it skipped (None without DeepSpeed)."""
+    engine = getattr(getattr(trainer, "strategy", None), "deepspeed_engine", None) if trainer is not None else None
+    skipped = getattr(engine, "skipped_steps", None)
+    return int(skipped) if skipped is not None else None
+
+
+def deepspeed_scaling_loss(engine: Any) -> bool:
+    """Whether the engine's optimizer scales the loss dynamically (fp16) with a scale still >= 1: an overflow
+    then only lowers the scale. bf16 has no loss scale: each of its overflows is real."""
+    optimizer = getattr(engine, "optimizer", None)
+    config = getattr(optimizer, "loss_scale_config", optimizer)  # DeepSpeed >= 0.18 keeps them in a config
+    dynamic, scale = getattr(config, "dynamic_loss_scale", False), getattr(config, "cur_scale", None)
+    return bool(dynamic) and scale is not None and float(scale) >= 1.0

@@ -1,0 +1,52 @@
+"""The skipped-step counts: the host, device and DeepSpeed-engine paths agree on one sequence of verdicts."""
+
+import torch
+
+from lwm.nonfinite import SkippedSteps, deepspeed_scaling_loss
+
+VERDICTS = [False, True, True, False, True, True, True, False]  # True: the step's gradient was not finite
+
+
+def test_host_and_device_verdicts_give_the_same_counts():
+    host, device = SkippedSteps(total=2), SkippedSteps(total=2)  # 2 from a checkpoint
+    in_a_row_host, in_a_row_device = [], []
+    for nonfinite in VERDICTS:
+        if nonfinite:
+            in_a_row_host.append(host.skipped())
+        else:
+            host.finite()
+            in_a_row_host.append(host.in_a_row)
+        device.on_device(torch.tensor(nonfinite))
+        in_a_row_device.append(device.in_a_row_on_device())
+    assert in_a_row_host == in_a_row_device == [0, 1, 2, 0, 1, 2, 3, 0]
+    assert host.total == device.total == 2 + 5
+    assert host.as_tensor(torch.device("cpu")).item() == device.as_tensor(torch.device("cpu")).item() == 7
+
+
+def test_a_loss_scalers_routine_overflow_counts_but_neither_stops_nor_breaks_a_run_of_skips():
+    skips = SkippedSteps()
+    assert skips.skipped() == 1
+    assert skips.skipped(in_a_row=False) == 1
+    assert skips.skipped() == 2 and skips.total == 3
+
+
+def test_the_engine_count_is_read_as_new_skips_since_the_last_read():
+    skips = SkippedSteps()
+    assert not skips.reading_engine
+    skips.engine_start(10)  # a resumed engine's count: not new
+    assert skips.reading_engine and skips.total == 0
+    assert [skips.engine_count(c, scaling_loss=False) for c in (10, 11, 12, 12, 13)] == [0, 1, 2, 0, 1]
+    assert skips.engine_count(14, scaling_loss=True) == 1 and skips.total == 4  # counted, not towards the stop
+
+
+def test_an_engine_scales_the_loss_only_dynamically_and_at_a_scale_of_at_least_one():
+    from types import SimpleNamespace as NS
+
+    def engine(**config):
+        return NS(optimizer=NS(loss_scale_config=NS(**config)))
+
+    assert deepspeed_scaling_loss(engine(dynamic_loss_scale=True, cur_scale=2.0**16))
+    assert not deepspeed_scaling_loss(engine(dynamic_loss_scale=True, cur_scale=0.5))
+    assert not deepspeed_scaling_loss(engine(dynamic_loss_scale=False, cur_scale=2.0**16))
+    assert not deepspeed_scaling_loss(NS(optimizer=NS()))  # bf16: no loss scale
+    assert deepspeed_scaling_loss(NS(optimizer=NS(dynamic_loss_scale=True, cur_scale=4.0)))  # DeepSpeed < 0.18
