@@ -51,7 +51,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -386,6 +386,150 @@ def fits_on_gpu(s: Setup) -> Callable[[int], bool]:
     return fits
 
 
+class Progress:
+    """One line per stage, with the seconds since the start: compiling and timing take minutes, in a log file too."""
+
+    def __init__(self, console: Console) -> None:
+        self.console, self.started = console, time.perf_counter()
+
+    def __call__(self, text: str) -> None:
+        self.console.print(f"[dim]{time.perf_counter() - self.started:6.1f} s  {text}[/]", soft_wrap=True,
+                           highlight=False)
+
+
+@dataclass
+class Timings:
+    """Seconds per step of each variant, in the order timed, with its peak GPU memory and notes on what ran."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    memory: dict[str, float | None] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    host_syncs: list[str] | None = None  # in one fast-path step (GPU only)
+
+    def measure(self, label: str, run: Callable[[], float], device: torch.device) -> None:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        self.seconds[label] = run()
+        self.memory[label] = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+def time_variants(s: Setup, args: argparse.Namespace, progress: Progress) -> Timings:
+    """The reference, the fast path (and its other kernels, with ``--kernels``) and the Lightning step, timed."""
+    device, t = s.device, Timings()
+
+    def measure(label: str, run: Callable[[], float]) -> None:
+        progress(f"timing {label}: {args.warmup} warm-up + {args.steps} timed steps")
+        t.measure(label, run, device)
+
+    micro = None if args.no_reference else reference_micro_batches(s)
+    if not args.no_reference and micro is None:
+        t.notes.append("the fp32 reference does not fit in GPU memory even one sample at a time: not measured")
+    elif micro is not None:
+        label = "reference" if micro == 1 else f"reference ({micro} micro-batches)"
+        if micro > 1:
+            t.notes.append(f"the fp32 reference does not fit at batch {s.batch}: it accumulates {micro} micro-batches")
+        with fp32_matmuls():
+            measure(label, lambda: timed(plain_step(s, fast=False, micro=micro)[0], args.steps, args.warmup, device))
+    fast_step = plain_step(s, fast=True)[0]
+    measure("fast path", lambda step=fast_step: timed(step, args.steps, args.warmup, device))
+    t.host_syncs = host_syncs(fast_step, device)
+    del fast_step  # its model and optimizer state would count in the next variant's peak memory
+    configured = s.net
+    for kernel in dict.fromkeys(k for k in args.kernels if k != configured.temporal_attention):
+        s.net = replace(configured, temporal_attention=kernel)  # the same step but for the kernel, side by side
+        label = f"fast path (temporal_attention={kernel})"
+        activations = torch.empty(0, dtype=torch.bfloat16 if s.bf16 else torch.float32, device=device)
+        if kernel == "triton" and not triton_attention.supported(activations, s.window, s.net.d_model // s.net.n_heads):
+            t.notes.append(f"{label}: the Triton kernel does not run here (no GPU or triton, or tiles too large): "
+                           "the row times its matmul fallback")
+        try:
+            other = plain_step(s, fast=True)[0]
+            measure(label, lambda: timed(other, args.steps, args.warmup, device))
+        except (RuntimeError, torch.OutOfMemoryError) as error:  # one kernel failing keeps the other rows
+            t.notes.append(f"{label}: failed ({str(error).splitlines()[0][:200]})")
+        finally:
+            other = None
+            s.net = configured
+    if not args.no_lightning:
+        measure("lightning", lambda: lightning_seconds(s, args.steps, args.warmup))
+    return t
+
+
+def variant_rows(s: Setup, t: Timings, flops_useful: float, matmul: float, peak: float | None) -> list[dict]:
+    """Each variant's rates, MFUs and speed-up over the reference (the JSON's ``variants``)."""
+    reference = next((v for k, v in t.seconds.items() if k.startswith("reference")), None)
+    frames, tokens = s.batch * s.window, s.batch * s.window * s.patches
+    rows = []
+    for label, seconds in t.seconds.items():
+        achieved = flops_useful / seconds / 1e12
+        rows.append({"variant": label, "ms_per_step": seconds * 1e3, "steps_per_s": 1 / seconds,
+                     "frames_per_s": frames / seconds, "tokens_per_s": tokens / seconds, "tflop_per_s": achieved,
+                     "mfu_peak": achieved * 1e12 / peak if peak else None, "mfu_matmul": achieved / matmul,
+                     "speedup": reference / seconds if reference else None, "peak_memory_gib": t.memory.get(label)})
+    return rows
+
+
+def print_variants(console: Console, rows: list[dict], t: Timings, flops, matmul: float, matmul_what: str,
+                   peak: float | None) -> None:
+    table = Table(title=f"training step: {flops.useful / 1e9:.2f} GFLOP useful ({flops.dense / 1e9:.2f} dense), "
+                        f"matmul roofline {matmul:.2f} TFLOP/s ({matmul_what})")
+    for col in ("variant", "ms/step", "steps/s", "frames/s", "tokens/s", "TFLOP/s", "MFU peak", "MFU mm", "speed-up",
+                "peak GiB"):
+        table.add_column(col, justify="left" if col == "variant" else "right")
+    for row in rows:
+        table.add_row(row["variant"], f"{row['ms_per_step']:.1f}", f"{row['steps_per_s']:.2f}",
+                      f"{row['frames_per_s']:.0f}", f"{row['tokens_per_s']:.0f}", f"{row['tflop_per_s']:.3f}",
+                      f"{row['mfu_peak']:.1%}" if row["mfu_peak"] else "-", f"{row['mfu_matmul']:.1%}",
+                      f"{row['speedup']:.2f}x" if row["speedup"] else "-",
+                      f"{row['peak_memory_gib']:.1f}" if row["peak_memory_gib"] is not None else "-")
+    console.print(table)
+    console.print("reference: eager fp32, for-loop AdamW; fast path: the config's precision and compile, fused AdamW "
+                  "on a GPU, plain loop; lightning: the real training step. MFU peak: of the bf16 dense peak; "
+                  "MFU mm: of the matmul roofline.", soft_wrap=True)
+    seconds = t.seconds
+    overhead = (f"{seconds['lightning'] * 1e3 - seconds['fast path'] * 1e3:+.1f} ms/step" if "lightning" in seconds
+                else "not measured")
+    console.print(f"Lightning overhead: {overhead}; bf16 dense peak "
+                  f"{f'{peak / 1e12:.0f} TFLOP/s' if peak else 'unknown here (--peak-tflops)'}; host syncs in a "
+                  f"fast-path step: {'-' if t.host_syncs is None else len(t.host_syncs)}", soft_wrap=True)
+    for note in t.notes:
+        console.print(f"note: {note}", soft_wrap=True)
+
+
+def run_breakdown(s: Setup, args: argparse.Namespace, console: Console) -> list[dict]:
+    """Each part timed alone, and ``other``: the eager step minus their sum; printed as a table."""
+    parts = breakdown(s, max(1, args.steps // 2), min(args.warmup, 2))
+    if not parts:
+        return parts
+    eager = timed(plain_step(s, fast=True, compile_=False)[0], max(1, args.steps // 2), 1, s.device)
+    total = sum(r["ms"] for r in parts)
+    parts.append({"part": "other (loss, masks, PE, glue)", "ms": eager * 1e3 - total, "tflop": None, "calls": 1})
+    table = Table(title=f"breakdown: each part alone, forward + backward, eager (step {eager * 1e3:.1f} ms)")
+    for col in ("part", "calls", "ms/step", "share", "TFLOP/s"):
+        table.add_column(col, justify="left" if col == "part" else "right")
+    for r in parts:
+        rate = r["tflop"] / (r["ms"] / 1e3) if r["tflop"] and r["ms"] > 0 else None
+        table.add_row(r["part"], str(r["calls"]), f"{r['ms']:.2f}", f"{r['ms'] / (eager * 1e3):.0%}",
+                      f"{rate:.3f}" if rate else "-")
+    console.print(table)
+    return parts
+
+
+def run_max_batch(s: Setup, console: Console, progress: Progress) -> int | None:
+    """The largest batch whose fast-path step fits in GPU memory (None on the CPU)."""
+    if s.device.type != "cuda":
+        console.print("--max-batch: GPU only (the CPU has no memory limit to find)")
+        return None
+    limit = max(s.batch, 65535 // s.patches)  # temporal attention runs batch x patches sequences: CUDA launches
+    progress(f"searching the largest batch that fits (from {s.batch}, up to {limit})")  # at most 65535 such blocks
+    max_batch = largest_batch(fits_on_gpu(s), start=s.batch, limit=limit)
+    capped = " (the search's limit: 65535 temporal sequences)" if max_batch == limit else ""
+    console.print(f"largest batch that fits: {max_batch} x {s.window} frames{capped} (fast path, "
+                  f"{torch.cuda.get_device_properties(s.device).total_memory / 2**30:.0f} GiB)")
+    return max_batch
+
+
 def main(argv: list[str]) -> int:
     args, overrides = parse(argv)
     cfg = load_config(args.config, overrides)
@@ -397,15 +541,10 @@ def main(argv: list[str]) -> int:
     console.print(f"[bold]lwm bench[/] {args.config}: {name}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; "
                   f"batch {s.batch} x {s.window} frames of [{s.net.in_channels}, {s.net.height}, {s.net.width}], "
                   f"D={s.net.d_model}, precision {s.precision}, compile {s.compile}", soft_wrap=True)
-
-    started = time.perf_counter()
-
-    def stage(text: str) -> None:  # a line per stage: compiling and timing take minutes, in a log file too
-        console.print(f"[dim]{time.perf_counter() - started:6.1f} s  {text}[/]", soft_wrap=True, highlight=False)
-
-    stage("counting the step's FLOPs")
+    progress = Progress(console)
+    progress("counting the step's FLOPs")
     flops = step_flops(s)
-    stage("timing a large matmul (the roofline)")
+    progress("timing a large matmul (the roofline)")
     matmul, matmul_what = matmul_tflops(device)
     from lightning.fabric.utilities.throughput import get_available_flops
 
@@ -413,121 +552,24 @@ def main(argv: list[str]) -> int:
         peak = args.peak_tflops * 1e12
     else:
         peak = get_available_flops(device, torch.bfloat16) if device.type == "cuda" else None
-    frames, tokens = s.batch * s.window, s.batch * s.window * s.patches
-    variants: dict[str, float] = {}
-    memory: dict[str, float | None] = {}
-    notes: list[str] = []
 
-    def measure(label: str, run: Callable[[], float]) -> None:
-        stage(f"timing {label}: {args.warmup} warm-up + {args.steps} timed steps")
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
-        variants[label] = run()
-        memory[label] = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-
-    micro = None if args.no_reference else reference_micro_batches(s)
-    if not args.no_reference and micro is None:
-        notes.append("the fp32 reference does not fit in GPU memory even one sample at a time: not measured")
-    elif micro is not None:
-        label = "reference" if micro == 1 else f"reference ({micro} micro-batches)"
-        if micro > 1:
-            notes.append(f"the fp32 reference does not fit at batch {s.batch}: it accumulates {micro} micro-batches")
-        with fp32_matmuls():
-            measure(label, lambda: timed(plain_step(s, fast=False, micro=micro)[0], args.steps, args.warmup, device))
-    fast_step = plain_step(s, fast=True)[0]
-    measure("fast path", lambda: timed(fast_step, args.steps, args.warmup, device))
-    syncs = host_syncs(fast_step, device)
-    del fast_step  # its model and optimizer state would count in the next variant's peak memory
-    configured = s.net
-    for kernel in dict.fromkeys(k for k in args.kernels if k != configured.temporal_attention):
-        s.net = replace(configured, temporal_attention=kernel)  # the same step but for the kernel, side by side
-        label = f"fast path (temporal_attention={kernel})"
-        activations = torch.empty(0, dtype=torch.bfloat16 if s.bf16 else torch.float32, device=device)
-        if kernel == "triton" and not triton_attention.supported(activations, s.window, s.net.d_model // s.net.n_heads):
-            notes.append(f"{label}: the Triton kernel does not run here (no GPU or triton, or tiles too large): "
-                         "the row times its matmul fallback")
-        try:
-            other = plain_step(s, fast=True)[0]
-            measure(label, lambda: timed(other, args.steps, args.warmup, device))
-        except (RuntimeError, torch.OutOfMemoryError) as error:  # one kernel failing keeps the other rows
-            notes.append(f"{label}: failed ({str(error).splitlines()[0][:200]})")
-        finally:
-            other = None
-            s.net = configured
-    if not args.no_lightning:
-        measure("lightning", lambda: lightning_seconds(s, args.steps, args.warmup))
-
-    reference = next((v for k, v in variants.items() if k.startswith("reference")), None)
-    table = Table(title=f"training step: {flops.useful / 1e9:.2f} GFLOP useful ({flops.dense / 1e9:.2f} dense), "
-                        f"matmul roofline {matmul:.2f} TFLOP/s ({matmul_what})")
-    for col in ("variant", "ms/step", "steps/s", "frames/s", "tokens/s", "TFLOP/s", "MFU peak", "MFU mm", "speed-up",
-                "peak GiB"):
-        table.add_column(col, justify="left" if col == "variant" else "right")
-    results = []
-    for label, seconds in variants.items():
-        achieved = flops.useful / seconds / 1e12
-        row = {"variant": label, "ms_per_step": seconds * 1e3, "steps_per_s": 1 / seconds, "frames_per_s": frames / seconds,
-               "tokens_per_s": tokens / seconds, "tflop_per_s": achieved,
-               "mfu_peak": achieved * 1e12 / peak if peak else None, "mfu_matmul": achieved / matmul,
-               "speedup": reference / seconds if reference else None, "peak_memory_gib": memory.get(label)}
-        results.append(row)
-        table.add_row(label, f"{row['ms_per_step']:.1f}", f"{row['steps_per_s']:.2f}", f"{row['frames_per_s']:.0f}",
-                      f"{row['tokens_per_s']:.0f}", f"{achieved:.3f}",
-                      f"{row['mfu_peak']:.1%}" if row["mfu_peak"] else "-", f"{row['mfu_matmul']:.1%}",
-                      f"{row['speedup']:.2f}x" if row["speedup"] else "-",
-                      f"{memory[label]:.1f}" if memory.get(label) is not None else "-")
-    console.print(table)
-    console.print("reference: eager fp32, for-loop AdamW; fast path: the config's precision and compile, fused AdamW "
-                  "on a GPU, plain loop; lightning: the real training step. MFU peak: of the bf16 dense peak; "
-                  "MFU mm: of the matmul roofline.", soft_wrap=True)
-    overhead = (f"{variants['lightning'] * 1e3 - variants['fast path'] * 1e3:+.1f} ms/step" if "lightning" in variants
-                else "not measured")
-    console.print(f"Lightning overhead: {overhead}; bf16 dense peak "
-                  f"{f'{peak / 1e12:.0f} TFLOP/s' if peak else 'unknown here (--peak-tflops)'}; host syncs in a "
-                  f"fast-path step: {'-' if syncs is None else len(syncs)}", soft_wrap=True)
-    for note in notes:
-        console.print(f"note: {note}", soft_wrap=True)
+    timings = time_variants(s, args, progress)
+    rows = variant_rows(s, timings, flops.useful, matmul, peak)
+    print_variants(console, rows, timings, flops, matmul, matmul_what, peak)
     out = {"config": args.config, "overrides": overrides, "device": name, "torch": torch.__version__,
            "date": time.strftime("%Y-%m-%d"), "batch": s.batch, "window": s.window, "precision": s.precision,
            "compile": s.compile, "net": asdict(s.net), "flops_useful": flops.useful, "flops_dense": flops.dense,
            "flops_by_op": flops.by_op, "matmul_tflop_per_s": matmul, "matmul": matmul_what,
-           "peak_tflop_per_s": peak / 1e12 if peak else None, "variants": results, "host_syncs": syncs,
-           "notes": notes, "breakdown": [], "max_batch": None}
+           "peak_tflop_per_s": peak / 1e12 if peak else None, "variants": rows, "host_syncs": timings.host_syncs,
+           "notes": timings.notes, "breakdown": [], "max_batch": None}
     write_json(args.json, out)  # now, and again with each later part: a later failure keeps what was measured
-
     if not args.no_breakdown:
-        stage("timing each part alone (the breakdown)")
-    parts = [] if args.no_breakdown else breakdown(s, max(1, args.steps // 2), min(args.warmup, 2))
-    if parts:
-        eager = timed(plain_step(s, fast=True, compile_=False)[0], max(1, args.steps // 2), 1, device)
-        total = sum(r["ms"] for r in parts)
-        parts.append({"part": "other (loss, masks, PE, glue)", "ms": eager * 1e3 - total, "tflop": None, "calls": 1})
-        bt = Table(title=f"breakdown: each part alone, forward + backward, eager (step {eager * 1e3:.1f} ms)")
-        for col in ("part", "calls", "ms/step", "share", "TFLOP/s"):
-            bt.add_column(col, justify="left" if col == "part" else "right")
-        for r in parts:
-            rate = r["tflop"] / (r["ms"] / 1e3) if r["tflop"] and r["ms"] > 0 else None
-            bt.add_row(r["part"], str(r["calls"]), f"{r['ms']:.2f}", f"{r['ms'] / (eager * 1e3):.0%}",
-                       f"{rate:.3f}" if rate else "-")
-        console.print(bt)
-        out["breakdown"] = parts
+        progress("timing each part alone (the breakdown)")
+        out["breakdown"] = run_breakdown(s, args, console)
         write_json(args.json, out)
-
-    max_batch = None
     if args.max_batch:
-        if device.type != "cuda":
-            console.print("--max-batch: GPU only (the CPU has no memory limit to find)")
-        else:
-            # temporal attention runs batch x patches sequences: CUDA kernels launch at most 65535 such blocks
-            limit = max(s.batch, 65535 // s.patches)
-            stage(f"searching the largest batch that fits (from {s.batch}, up to {limit})")
-            max_batch = largest_batch(fits_on_gpu(s), start=s.batch, limit=limit)
-            capped = " (the search's limit: 65535 temporal sequences)" if max_batch == limit else ""
-            console.print(f"largest batch that fits: {max_batch} x {s.window} frames{capped} (fast path, "
-                          f"{torch.cuda.get_device_properties(device).total_memory / 2**30:.0f} GiB)")
-            out["max_batch"] = max_batch
-            write_json(args.json, out)
+        out["max_batch"] = run_max_batch(s, console, progress)
+        write_json(args.json, out)
     if args.json:
         console.print(f"wrote {args.json}")
     return 0
