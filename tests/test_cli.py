@@ -141,3 +141,11 @@ def test_data_index_refuses_a_bad_tolerance_before_reading_files(tmp_path, toler
     assert main(["data", "index", str(tmp_path / "d"), "--tolerance", tolerance]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "tolerance must be a finite value >= 0" in errors[0], errors
+
+
+def test_python_dash_m_lwm_is_the_lwm_command():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "lwm", "data", "index"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.strip().startswith("error: lwm data index"), done.stderr
