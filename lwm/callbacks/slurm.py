@@ -1,18 +1,20 @@
-"""SLURM preemption: the requeue checkpoint is written at the end of a training batch, not inside the signal
-handler.
+"""SLURM preemption: the requeue checkpoint is written at the end of a batch, not inside the signal handler.
 
 Lightning's SLURM auto-requeue (SIGUSR1, e.g. from ``sbatch --signal=USR1@90``) saves ``RUN_DIR/hpc_ckpt_N.ckpt``
 from within the signal handler, usually in the middle of a training step (the data fetcher has already drawn the
 next batches): a run resumed from it logs every step one higher, skips batches and no longer matches an
 uninterrupted run. :class:`SlurmRequeue` replaces that handler (once Lightning has set it, before the sanity
-check and at the start of training) by one that only takes note; at the next batch end, the same one on every
-rank, it saves the hpc checkpoint and ``last.ckpt`` (with the same mid-epoch state as a step checkpoint), runs
-``scontrol requeue`` on rank 0 and stops training. SIGTERM (SLURM's default preemption, ``scancel``) saves the
-same way, without the requeue: SLURM requeues a preempted job by itself. With several ranks they agree every
-``every_n_steps`` steps (a collective and a host read: not every step), so the save comes at most that many
-steps after the signal. Outside SLURM, or with ``SLURMEnvironment(auto_requeue=False)``, it does nothing (and
-costs nothing). A preempted run skips the end-of-training code dictionaries
-(:class:`~lwm.callbacks.codes.CodeDictionaries`): the grace time is short.
+check and at the start of training) by one that only takes note; at the next training batch end, the same one on
+every rank, it saves the hpc checkpoint and ``last.ckpt`` (with the same mid-epoch state as a step checkpoint),
+runs ``scontrol requeue`` on rank 0 and stops training, without the validation Lightning would start before an
+early stop. A signal during a fit's validation (which can outlast the grace time on a large split) is answered at
+the next validation batch end the same way, and the fit ends there: the resumed run goes on training, skipping
+the rest of that validation (its metrics are not logged). SIGTERM (SLURM's default preemption, ``scancel``) saves
+the same way, without the requeue: SLURM requeues a preempted job by itself. With several ranks they agree every
+``every_n_steps`` steps (a collective and a host read: not every step), so the save comes at most that many steps
+after the signal (in a validation: every ``every_n_steps`` batches, among those every rank runs). Outside SLURM,
+or with ``SLURMEnvironment(auto_requeue=False)``, it does nothing (and costs nothing). A preempted run skips the
+end-of-training code dictionaries (:class:`~lwm.callbacks.codes.CodeDictionaries`): the grace time is short.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ import threading
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.pytorch.utilities.exceptions import _TunerExitException
 from typing_extensions import override
 
 from lwm.checkpoint import ModelCheckpoint
@@ -42,6 +46,7 @@ class SlurmRequeue(L.Callback):
         self._requested = False
         self._requeue = False  # the requeue signal came (SIGTERM alone: SLURM requeues or cancels by itself)
         self.preempted = False  # this run stopped for a requeue
+        self._val_batches: int | None = None  # validation batches every rank runs (several ranks)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._requested = True
@@ -68,15 +73,46 @@ class SlurmRequeue(L.Callback):
             return
         if trainer.fit_loop._should_accumulate():  # not inside an accumulation window (its gradients would be lost)
             return
+        if trainer.world_size > 1 and trainer.global_step % self.every_n_steps:  # ranks agree every n steps
+            return
+        if self._preempt(trainer):
+            trainer.should_stop = True
+
+    @override
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.preempted and trainer.state.fn == "fit" and not trainer.sanity_checking:
+            raise _TunerExitException  # the validation Lightning starts before any early stop: not in a grace time
+
+    @override
+    def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._val_batches = None
+        if self._active and trainer.world_size > 1 and not trainer.sanity_checking:
+            # ranks may hold a validation batch more or fewer: they agree only at batches every rank runs
+            batches = torch.tensor(float(sum(trainer.num_val_batches)), device=pl_module.device)
+            self._val_batches = int(trainer.strategy.all_gather(batches).min())
+
+    @override
+    def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
+        """A signal during a fit's validation (which can outlast SLURM's grace time on a large split): save the
+        training state at once and end the fit; the resumed run skips the rest of this validation."""
+        if not self._active or trainer.sanity_checking or trainer.state.fn != "fit":
+            return
+        if trainer.world_size > 1 and (batch_idx % self.every_n_steps or batch_idx >= (self._val_batches or 0)):
+            return
+        if self._preempt(trainer):
+            raise _TunerExitException  # Lightning's own clean early end of a fit: teardown, loggers finalized
+
+    def _preempt(self, trainer: L.Trainer) -> bool:
+        """If a signal came (to any rank: a collective with several), save the hpc checkpoint and ``last.ckpt``,
+        requeue on the requeue signal, and say so (the caller stops the run)."""
         requested, requeue = self._requested, self._requeue
         if trainer.world_size > 1:  # ranks get the signal at different batches: agree on one
-            if trainer.global_step % self.every_n_steps:
-                return
             requested = trainer.strategy.reduce_boolean_decision(requested, all=False)
             if requested:  # and on whether any rank got the requeue signal (not SIGTERM alone)
                 requeue = trainer.strategy.reduce_boolean_decision(requeue, all=False)
         if not requested:
-            return
+            return False
         self._requested = self._requeue = False
         self.preempted = True
         path = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
@@ -93,4 +129,4 @@ class SlurmRequeue(L.Callback):
             rc = subprocess.call(["scontrol", "requeue", job])
             log.warning(f"preempted: {path} at step {trainer.global_step}; scontrol requeue {job} "
                         + ("done" if rc == 0 else f"failed ({rc})"))
-        trainer.should_stop = True
+        return True

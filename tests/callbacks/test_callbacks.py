@@ -229,6 +229,46 @@ def test_slurm_requeue_ranks_agree_every_n_steps_and_skip_the_code_dictionaries(
     CodeDictionaries().on_train_end(SimpleNamespace(datamodule=NoLoader(), callbacks=[requeue]), None)
 
 
+def test_slurm_ranks_agree_in_validation_only_at_batches_every_rank_runs(tmp_path):
+    """In a fit's validation several ranks agree every n batches, and only at batches every rank runs (the ranks'
+    shares of the validation windows may differ by a batch): a collective another rank never reaches would hang."""
+    import signal
+    from types import SimpleNamespace
+
+    from lightning.pytorch.utilities.exceptions import _TunerExitException
+
+    from lwm.callbacks import SlurmRequeue
+
+    requeue = SlurmRequeue(every_n_steps=4)
+    requeue._active = True
+    decisions, saved = [], []
+    trainer = SimpleNamespace(
+        world_size=2, global_step=7, is_global_zero=False, sanity_checking=False, num_val_batches=[9],
+        state=SimpleNamespace(fn="fit"), default_root_dir=str(tmp_path),
+        strategy=SimpleNamespace(reduce_boolean_decision=lambda d, all: decisions.append(d) or d,
+                                 all_gather=lambda t: torch.stack([t, t - 1])),  # the other rank runs 8 batches
+        _checkpoint_connector=SimpleNamespace(hpc_save_path=lambda root: f"{root}/hpc_ckpt_1.ckpt"),
+        save_checkpoint=saved.append, checkpoint_callbacks=[],
+    )
+    module = SimpleNamespace(device=torch.device("cpu"))
+    requeue.on_validation_epoch_start(trainer, module)
+    for batch_idx in range(9):
+        requeue.on_validation_batch_end(trainer, module, None, None, batch_idx)
+    assert decisions == [False, False] and not saved  # at batches 0 and 4; not 8, which the other rank lacks
+    requeue.on_validation_epoch_start(trainer, module)
+    requeue.on_validation_batch_end(trainer, module, None, None, 0)
+    requeue._on_signal(signal.SIGTERM, None)
+    for batch_idx in range(1, 4):  # acted on at the next agreement, batch 4: saved, and the fit ends there
+        requeue.on_validation_batch_end(trainer, module, None, None, batch_idx)
+    with pytest.raises(_TunerExitException):
+        requeue.on_validation_batch_end(trainer, module, None, None, 4)
+    assert saved == [f"{tmp_path}/hpc_ckpt_1.ckpt"] and requeue.preempted
+    trainer.sanity_checking, requeue.preempted = True, False  # the sanity check: left to the first training batch
+    requeue._on_signal(signal.SIGTERM, None)
+    requeue.on_validation_batch_end(trainer, module, None, None, 0)
+    assert len(saved) == 1 and requeue._requested
+
+
 def test_slurm_sigterm_saves_without_requeueing(tmp_path, monkeypatch):
     """SLURM preempts with SIGTERM by default (and scancel sends it): the run saves at the batch end and stops,
     and leaves the requeue to SLURM (no `scontrol requeue`)."""

@@ -112,3 +112,33 @@ class WandbLogger(Logger):
 
     def log_hyperparams(self, params, *args, **kwargs) -> None:
         pass
+
+
+class SendSigterm(L.Callback):
+    """Sends this process SIGTERM, as SLURM preempts a job: at the first validation batch of the fit's validation
+    after ``step`` (``during="validation"``) or at the start of training batch ``step`` (``"training"``);
+    ``validation_batches_after`` records the validation batches that started after it (class-wide, for the test)."""
+
+    validation_batches_after: list[int] = []
+
+    def __init__(self, step: int, during: str = "validation") -> None:
+        self.step, self.during, self.sent = step, during, False
+        SendSigterm.validation_batches_after = []
+
+    def _send(self) -> None:
+        import signal
+
+        self.sent = True
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.during == "training" and not self.sent and trainer.global_step == self.step:
+            self._send()
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        if trainer.sanity_checking:
+            return
+        if self.sent:
+            SendSigterm.validation_batches_after.append(batch_idx)
+        elif self.during == "validation" and trainer.global_step == self.step and batch_idx == 0:
+            self._send()

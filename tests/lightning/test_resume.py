@@ -108,3 +108,41 @@ def test_a_resume_with_another_batch_size_finishes_the_epoch_at_the_same_batch_i
                    "--ckpt_path=last") == 0
     epochs = {int(r["step"]): int(r["epoch"]) for r in read_metrics(tmp_path / "r") if "epoch" in r}
     assert [epochs[s] for s in range(8)] == [0] * 7 + [1]
+
+
+SLURM_ENV = {"SLURM_NTASKS": "1", "SLURM_JOB_NAME": "train", "SLURM_NODELIST": "localhost", "SLURM_JOB_ID": "1",
+             "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NTASKS_PER_NODE": "1"}
+
+
+@pytest.mark.parametrize("during", ["validation", "training"])
+def test_a_preemption_saves_at_the_next_batch_end_runs_no_more_validation_and_resumes_exactly(
+        tmp_path, monkeypatch, during):
+    """SIGTERM under SLURM in the middle of a validation (which can outlast the grace time), or in the training
+    batch before one: the training state is saved at that batch's end and the fit ends without running (the
+    rest of) the validation; the resumed run trains exactly as an uninterrupted one (the cut validation is not
+    logged)."""
+    from tests.lightning.helpers import SendSigterm
+
+    manifest = make_dataset(tmp_path / "data")
+    common = ["--trainer.max_steps=8", "--trainer.val_check_interval=3", "--checkpoint.every_n_train_steps=100",
+              "--data.val_batch_size=1"]  # several validation batches
+    assert run(manifest, tmp_path / "a", *common) == 0
+    for name, value in SLURM_ENV.items():
+        monkeypatch.setenv(name, value)
+    signal = ["--trainer.callbacks+=tests.lightning.helpers.SendSigterm",
+              f"--trainer.callbacks.step={3 if during == 'validation' else 2}", f"--trainer.callbacks.during={during}"]
+    assert run(manifest, tmp_path / "b", *common, *signal) == 0
+    assert SendSigterm.validation_batches_after == []  # stopped at the batch where the signal came
+    saved = torch.load(tmp_path / "b/hpc_ckpt_1.ckpt", weights_only=True)
+    last = torch.load(tmp_path / "b/checkpoints/last.ckpt", weights_only=True)
+    assert saved["global_step"] == last["global_step"] == 3
+    assert run(manifest, tmp_path / "b", *common, "--ckpt_path=last") == 0
+
+    full, resumed = train_series(tmp_path / "a"), train_series(tmp_path / "b")
+    assert sorted(full) == sorted(resumed) == list(range(8))
+    assert torch.allclose(torch.tensor([resumed[s] for s in range(8)]), torch.tensor([full[s] for s in range(8)]),
+                          rtol=1e-5, atol=1e-7)
+    full_val, resumed_val = train_series(tmp_path / "a", "Val_Total/loss"), train_series(tmp_path / "b", "Val_Total/loss")
+    # validations after steps 3 and 8 (logged one lower); the cut one is not logged, the next one matches
+    assert sorted(full_val) == [2, 7] and sorted(resumed_val) == [7]
+    assert resumed_val[7] == pytest.approx(full_val[7], rel=1e-5)
