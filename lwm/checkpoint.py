@@ -1,9 +1,10 @@
 """Checkpoint files that are always complete, and that load without unpickling arbitrary objects.
 
 Lightning's own atomic save moves an fsspec temp file, which is atomic only when ``$TMPDIR`` is on the
-checkpoint's filesystem. :class:`AtomicCheckpointIO` writes ``.NAME.tmp-PID`` beside the target, fsyncs it
+checkpoint's filesystem. :class:`AtomicCheckpointIO` writes ``.NAME.tmp-HOST-PID`` beside the target, fsyncs it
 and ``os.replace``s it over the target: a run killed at any moment leaves either the previous checkpoint or
-the new one, never a torn file (a leftover ``.tmp-*`` file is ignored and removed by the next save).
+the new one, never a torn file (a leftover temp file is ignored, and the next save in its folder removes it:
+of this host, once its process is gone; of another host, an hour after its last write).
 Loading always uses ``torch.load(weights_only=True)``.
 
 :class:`ModelCheckpoint` is Lightning's, except that the end of training always leaves ``last.ckpt`` at the
@@ -15,8 +16,10 @@ where an end-of-training checkpoint would start a fresh epoch.
 
 from __future__ import annotations
 
-import glob
 import os
+import re
+import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,11 +34,11 @@ from typing_extensions import override
 
 
 def atomic_save(obj: Any, path: str | Path) -> Path:
-    """``torch.save`` to ``.NAME.tmp-PID`` beside ``path``, fsynced, then renamed over it: readers see the old
-    file or the new one, never a torn one."""
+    """``torch.save`` to ``.NAME.tmp-HOST-PID`` beside ``path``, fsynced, then renamed over it: readers see the
+    old file or the new one, never a torn one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    tmp = path.parent / f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
             torch.save(obj, f)
@@ -109,9 +112,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             return super().save_checkpoint(checkpoint, path, storage_options)
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        for stale in glob.glob(str(path.parent / f".{path.name}.tmp-*")):  # from a run killed mid-write
-            if not _pid_alive(stale.rsplit("-", 1)[-1]):
-                Path(stale).unlink(missing_ok=True)
+        for stale in stale_temp_files(path.parent):  # from runs killed mid-write (any checkpoint's name)
+            stale.unlink(missing_ok=True)
         atomic_save(checkpoint, path)
 
     @override
@@ -163,6 +165,32 @@ class ModelCheckpoint(_LightningModelCheckpoint):
             self.save_last_now(trainer)
         else:
             super().on_train_end(trainer, pl_module)
+
+
+_TEMP = re.compile(r"^\..+\.tmp-(?:(?P<host>.+)-)?(?P<pid>\d+)$")  # .NAME.tmp-HOST-PID (.NAME.tmp-PID: before hosts)
+STALE_AFTER_S = 3600.0  # another host's temp file: its writer is surely gone an hour after its last write
+
+
+def stale_temp_files(directory: Path, now: float | None = None) -> list[Path]:
+    """The temp files of :func:`atomic_save` in ``directory`` whose writers are gone: of this host (or of no
+    host named) when their process is not running; of another host (a job requeued onto another node) when not
+    written for :data:`STALE_AFTER_S` (its process cannot be asked)."""
+    now = time.time() if now is None else now
+    stale = []
+    for entry in os.scandir(directory):
+        match = _TEMP.match(entry.name)
+        if match is None or not entry.is_file(follow_symlinks=False):
+            continue
+        if match["host"] in (None, socket.gethostname()):
+            gone = not _pid_alive(match["pid"])
+        else:
+            try:
+                gone = now - entry.stat().st_mtime > STALE_AFTER_S
+            except FileNotFoundError:
+                continue
+        if gone:
+            stale.append(Path(entry.path))
+    return stale
 
 
 def _pid_alive(pid: str) -> bool:

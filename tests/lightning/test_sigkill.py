@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -36,7 +37,8 @@ def _kill_once(cmd: list[str], ckpt_dir: Path, mode: str, rng: random.Random) ->
     delay = rng.uniform(0.3, 2.5) if mode == "early" else rng.uniform(0.0, 0.15)
     start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=REPO, env=lwm_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    suffix = f".tmp-{proc.pid}"  # AtomicCheckpointIO writes .NAME.tmp-PID, then os.replace()s it
+    suffix = f".tmp-{socket.gethostname()}-{proc.pid}"  # AtomicCheckpointIO writes .NAME.tmp-HOST-PID, then
+    # os.replace()s it
     try:
         seen: set[str] = set()
         writes = 0
@@ -146,6 +148,17 @@ def test_a_save_removes_only_the_temp_files_of_dead_writers(tmp_path):
     stale = tmp_path / f".last.ckpt.tmp-{dead.pid}"
     live.write_bytes(b"x")
     stale.write_bytes(b"x")
+    host = socket.gethostname()
+    stale_step = tmp_path / f".step=0005000.ckpt.tmp-{host}-{dead.pid}"  # another checkpoint's name (each is new)
+    live_here = tmp_path / f".step=0006000.ckpt.tmp-{host}-{os.getppid()}"
+    elsewhere_old = tmp_path / f".step=0004000.ckpt.tmp-other-node-7-{os.getppid()}"  # a requeue onto another node
+    elsewhere_new = tmp_path / f".step=0007000.ckpt.tmp-other-node-7-{dead.pid}"  # maybe still writing there
+    for path in (live, stale, stale_step, live_here, elsewhere_old, elsewhere_new):
+        path.write_bytes(b"x")
+    hour = time.time() - 3601
+    os.utime(elsewhere_old, (hour, hour))
     AtomicCheckpointIO().save_checkpoint({"global_step": 1}, tmp_path / "last.ckpt")
-    assert live.exists() and not stale.exists()
+    assert live.exists() and live_here.exists() and elsewhere_new.exists()
+    assert not stale.exists() and not stale_step.exists() and not elsewhere_old.exists()
     assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 1
+    assert sorted(os.listdir(tmp_path)) == sorted(p.name for p in (live, live_here, elsewhere_new)) + ["last.ckpt"]
