@@ -23,7 +23,8 @@ class FlopCounter(L.Callback):
     both rollout passes, and backward; :func:`lwm.flops.count_flops` on the real batch: the attention kernels
     counted on the CPU too, and masked attention for the pairs its mask allows) without updating anything.
     Then logs, at the logging interval, ``Train_Total/tflops`` (cumulative over all ranks: per-step FLOPs x
-    world size x global step), ``Train_Total/tflops_per_s`` (per device, over the interval's training time: the
+    world size, summed over the steps; the sum travels with checkpoints, so a run resumed on another number of
+    GPUs goes on from it), ``Train_Total/tflops_per_s`` (per device, over the interval's training time: the
     validations in it left out) and ``Train_Total/mfu`` when the device's peak is known (or given as
     ``peak_tflops``, e.g. 989 for an H200's bf16 dense peak, which Lightning does not know); and
     ``Val_Total/tflops`` with every validation, so validation losses can be plotted against compute.
@@ -35,6 +36,16 @@ class FlopCounter(L.Callback):
         self._last: tuple[float, int] | None = None  # (time, global step) at the last log
         self._validation_started: float | None = None
         self._paused = 0.0  # seconds spent validating since the last log: not training time
+        self._tflops = 0.0  # cumulative over all ranks, up to global step _counted_step (in checkpoints)
+        self._counted_step: int | None = None  # None: nothing counted yet (a fresh run, or an older checkpoint)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"tflops": self._tflops, "counted_step": self._counted_step}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._tflops, self._counted_step = float(state_dict["tflops"]), state_dict["counted_step"]
 
     def _measure(self, trainer: L.Trainer, pl_module: L.LightningModule, x: torch.Tensor) -> int:
         """One sample's step, times the batch (every counted op is linear in the batch: little memory), with
@@ -69,14 +80,20 @@ class FlopCounter(L.Callback):
                            f"the first batch; Train_Total/tflops, tflops_per_s, mfu in the logs)")
 
     def _cumulative_tflops(self, trainer: L.Trainer) -> float:
-        return (self.flops_per_step or 0) * trainer.world_size * trainer.global_step / 1e12
+        """The sum up to this global step: the steps since the last count, at this run's world size."""
+        counted = self._counted_step if self._counted_step is not None else 0
+        if self.flops_per_step is not None and trainer.global_step > counted:
+            self._tflops += self.flops_per_step * trainer.world_size * (trainer.global_step - counted) / 1e12
+            self._counted_step = trainer.global_step
+        return self._tflops
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        tflops = self._cumulative_tflops(trainer)  # every step (host arithmetic): a checkpoint saves the sum
         if self.flops_per_step is None or not is_logging_step(trainer):
             return
-        logs = {"Train_Total/tflops": self._cumulative_tflops(trainer)}
+        logs = {"Train_Total/tflops": tflops}
         now, step = time.perf_counter(), trainer.global_step
         if self._last is not None and step > self._last[1]:  # rate over the last logging interval, less validation
             seconds = max(now - self._last[0] - self._paused, 1e-9)

@@ -403,6 +403,21 @@ def test_cumulative_tflops_count_every_rank():
     assert counter._cumulative_tflops(SimpleNamespace(world_size=2, global_step=3)) == pytest.approx(6.0)
 
 
+# a run resumed on another number of GPUs goes on from the checkpoint's sum
+def test_cumulative_tflops_travel_with_checkpoints_across_world_sizes():
+    from lwm.callbacks.flops import FlopCounter
+
+    counter = FlopCounter()
+    counter.flops_per_step = int(1e12)
+    assert counter._cumulative_tflops(SimpleNamespace(world_size=4, global_step=10)) == pytest.approx(40.0)
+    resumed = FlopCounter()
+    resumed.load_state_dict(counter.state_dict())
+    resumed.flops_per_step = int(1e12)  # measured again on the resumed run's first batch
+    assert resumed._cumulative_tflops(SimpleNamespace(world_size=1, global_step=10)) == pytest.approx(40.0)
+    assert resumed._cumulative_tflops(SimpleNamespace(world_size=1, global_step=15)) == pytest.approx(45.0)
+    assert resumed._cumulative_tflops(SimpleNamespace(world_size=1, global_step=15)) == pytest.approx(45.0)
+
+
 # the step's FLOPs are the useful ones (masked attention for its allowed pairs), below the dense count
 def test_flop_counter_counts_useful_attention_flops():
     from lwm.callbacks.flops import FlopCounter

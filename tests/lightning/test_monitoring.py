@@ -122,6 +122,11 @@ def test_tflops_are_the_measured_step_flops_times_steps(tmp_path, caplog):
     assert printed and float(printed.group(1)) == pytest.approx(min(per_step) * 1e3, rel=1e-3)
     val = [r["Val_Total/tflops"] for r in read_metrics(root) if "Val_Total/tflops" in r]
     assert val and all(v >= 0 for v in val)
+    import torch  # the sum travels with the checkpoint (a resume on another number of GPUs goes on from it)
+
+    callbacks = torch.load(root / "checkpoints/last.ckpt", weights_only=True)["callbacks"]
+    state = next(v for k, v in callbacks.items() if k.startswith("FlopCounter"))
+    assert state["counted_step"] == 5 and state["tflops"] == pytest.approx(5 * min(per_step), rel=1e-6)
 
 
 def test_flop_counter_counts_forward_and_backward_of_the_step():
