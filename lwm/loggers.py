@@ -55,6 +55,24 @@ class _AppendingWriter(ExperimentWriter):
             self.metrics[-2].update(self.metrics.pop())
 
     @override
+    def _rewrite_with_new_header(self, fieldnames: list[str]) -> None:
+        """A column appeared (the first validation, a resume of another version): the file streamed into a temp file
+        with the new header, then renamed over it (Lightning reads it all into memory and rewrites it in place,
+        where a kill mid-write loses the history)."""
+        path = Path(self.metrics_file_path)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        try:
+            with open(path, newline="") as source, open(tmp, "w", newline="") as target:
+                writer = csv.DictWriter(target, fieldnames=fieldnames)
+                writer.writeheader()
+                writer.writerows(csv.DictReader(source))
+                target.flush()
+                os.fsync(target.fileno())
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    @override
     def save(self, final: bool = False) -> None:
         """Write the rows of the steps before the latest (Lightning saves after every call); ``final``: all."""
         if final or len(self.metrics) < 2:

@@ -266,3 +266,24 @@ def test_histograms_sit_at_the_step_of_their_scalars_and_once_per_accumulated_st
     # 4 optimizer steps of 2 batches, logged every 2 steps: one histogram per quantizer at steps 1 and 3
     train_usage = [s["trainer/global_step"] for s in wandb_logger.sent if "Train_Action_Encoder/codebook_usage" in s]
     assert train_usage == [1, 3]
+
+
+def test_a_new_column_rewrites_metrics_csv_through_a_renamed_temp_file(tmp_path, monkeypatch):
+    """A column that appears late (the first validation) rewrites the file's header: streamed into a temp file that
+    replaces the file, so a kill mid-rewrite leaves the old file whole (Lightning rewrote it in place)."""
+    logger = CSVLogger(str(tmp_path))
+    for step in range(3):
+        logger.log_metrics({"Train_Total/loss": float(step)}, step=step)
+    logger.save()
+    logger.log_metrics({"Train_Total/loss": 3.0, "Val_Total/loss": 9.0}, step=3)
+    logger.log_metrics({"Train_Total/loss": 4.0}, step=4)
+    replaced = []
+    monkeypatch.setattr(os, "replace", lambda src, dst: replaced.append((Path(src).name, Path(dst).name))
+                        or os.rename(src, dst))
+    logger.save()
+    logger.finalize("success")
+    assert replaced == [(f".metrics.csv.tmp-{os.getpid()}", "metrics.csv")]
+    rows = read_metrics(tmp_path)
+    assert [(int(r["step"]), r["Train_Total/loss"], r.get("Val_Total/loss")) for r in rows] == [
+        (0, 0.0, None), (1, 1.0, None), (2, 2.0, None), (3, 3.0, 9.0), (4, 4.0, None)]
+    assert sorted(os.listdir(tmp_path)) == ["metrics.csv"]
