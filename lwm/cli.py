@@ -60,7 +60,7 @@ def _data_encode(args: argparse.Namespace) -> int:
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     encode_videos(args.videos, args.out, args.codec, args.stride, args.vae, args.size, args.device, dtype,
-                  segment=args.segment, tiling=args.vae_tiling)
+                  segment=args.segment, tiling=args.vae_tiling, overwrite=args.overwrite)
     return 0
 
 
@@ -138,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     encode.add_argument("--vae-tiling", action="store_true",
                         help="encode in overlapping spatial tiles (diffusers' enable_tiling): far less GPU memory at "
                              "512 px and up, faint seams possible")
+    encode.add_argument("--overwrite", action="store_true",
+                        help="first remove the h5 files of each video's name already in --out (NAME.h5, NAME_NNNN.h5); "
+                             "without it they are refused")
     encode.set_defaults(func=_data_encode)
 
     decode = data.add_parser("decode", help="decode an h5 latent file to a video through its codec")

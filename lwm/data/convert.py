@@ -1,18 +1,20 @@
 """Videos <-> h5 latent files through a codec: ``lwm data encode`` and ``lwm data decode``.
 
     lwm data encode VIDEO... --out DIR [--codec pixel|wan|cogvideox|hunyuan] [--vae PATH] [--size S] [--stride N]
-                    [--segment N] [--vae-tiling]
+                    [--segment N] [--vae-tiling] [--overwrite]
     lwm data decode FILE.h5 --out VIDEO.mp4|.gif [--fps F] [--vae PATH]
 
 Frames are centre-cropped to a square and resized to the codec's size (128x128 for ``pixel``, 512x512 for the
 diffusers VAEs, which need ``--vae`` with their local weights; see :mod:`lwm.data.vae`). One h5 file per video,
-or with ``--segment N`` one per ``N`` frames (then ``lwm data index DIR``). Frames are read one at a time.
+or with ``--segment N`` one per ``N`` frames (then ``lwm data index DIR``); files of a video's name already in
+``DIR`` are refused (``--overwrite``: all removed first). Frames are read one at a time.
 The files record the frame rate of the frames they encode (the source's divided by ``--stride``, where the
 container says it) as the ``fps`` attribute, which decoding and ``lwm generate`` play them at by default.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -157,14 +159,25 @@ def write_latents(target: Path, codec, frames: np.ndarray, actions: np.ndarray |
     return clipped
 
 
+def earlier_outputs(out: Path, stem: str) -> list[Path]:
+    """The files in ``out`` that encoding a video named ``stem`` writes: ``stem.h5`` and ``stem_NNNN.h5`` (its
+    segments, of any ``--segment``), sorted."""
+    if not out.is_dir():
+        return []
+    pattern = re.compile(re.escape(stem) + r"(_\d{4,})?\.h5")
+    return sorted(p for p in out.iterdir() if pattern.fullmatch(p.name) and p.is_file())
+
+
 def encode_videos(videos: list[str], out: str | Path, codec: str = "pixel", stride: int = 1,
                   vae: str | Path | None = None, size: int | None = None, device: str = "cpu",
                   dtype: torch.dtype = torch.float32, segment: int | None = None, log=print,
-                  tiling: bool = False) -> list[Path]:
+                  tiling: bool = False, overwrite: bool = False) -> list[Path]:
     """Encode each video to ``out/<name>.h5``, or with ``segment`` to ``out/<name>_0000.h5``, ... of at most
     ``segment`` frames each (after ``stride``; each file encoded on its own, a clip of its own); ``log`` gets one
     line per file. Frames are read and resized one at a time: memory holds one file's frames at the codec's
-    size (``segment`` bounds it for long videos)."""
+    size (``segment`` bounds it for long videos). Where ``out`` already holds a file of a video's name
+    (:func:`earlier_outputs`: an earlier encode's, perhaps of other segments) it is refused before any video is
+    read, unless ``overwrite``: then all of them are removed before that video is encoded."""
     for video in videos:  # fail on a missing video before loading a VAE
         if not Path(video).is_file():
             raise DataError(f"{video}: video not found")
@@ -174,6 +187,13 @@ def encode_videos(videos: list[str], out: str | Path, codec: str = "pixel", stri
         if other != video:
             raise DataError(f"{video}: same name as {other}, both would be written to {Path(out) / Path(video).stem}.h5 "
                             f"(encode them into different --out folders)")
+    earlier = {video: earlier_outputs(Path(out), Path(video).stem) for video in videos}
+    if not overwrite:
+        for video, paths in earlier.items():
+            if paths:
+                more = f" and {len(paths) - 1} more of that name" if len(paths) > 1 else ""
+                raise DataError(f"{paths[0]}{more}: already there, where {Path(video).name} would be encoded "
+                                f"(--overwrite removes them all first, or encode into another --out)")
     vae_codec = codec in CODECS[1:]
     if segment is not None and (segment < 1 or (vae_codec and ((segment - 1) % TEMPORAL or segment == 1))):
         raise DataError(f"--segment {segment}: " + ("must be >= 1" if segment < 1 else
@@ -202,6 +222,9 @@ def encode_videos(videos: list[str], out: str | Path, codec: str = "pixel", stri
                TimeElapsedColumn())
     with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
         for video in videos:
+            for stale in earlier[video]:  # old segments would be indexed beside the new ones
+                if stale not in written:  # (not one this command just wrote from another video)
+                    stale.unlink(missing_ok=True)
             stem, frames, part, fps = Path(video).stem, [], 0, source_fps(video)
             task = progress.add_task(f"encoding {Path(video).name}", total=None)
             for frame in iter_video(video, stride):

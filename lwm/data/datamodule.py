@@ -121,7 +121,8 @@ class LatentDataModule(L.LightningDataModule):
         val_size_percent: fraction of the validation windows used at each validation, 0 (none) to 1 (all).
         seed: seed of the training sampler and of the validation subset.
         batches_per_epoch: override the epoch length in batches per rank (None: windows / global batch).
-        check_files: at setup, open every file of the manifest and check its dataset and shape (headers only).
+        check_files: at setup, open every file of the manifest and check its dataset (under the manifest's ``key``)
+            and shape (headers only).
         multiprocessing_context: worker start method ("fork", "spawn", "forkserver"; None: the platform's).
         prefetch_factor: batches each worker prepares ahead (each batch of 32 x 16 frames of 16x64x64 is 64 MiB
             of shared memory from float16 files, 128 MiB from float32, so workers x prefetch_factor x that per rank).
@@ -151,6 +152,8 @@ class LatentDataModule(L.LightningDataModule):
             raise DataError(f"data.batch_size and data.val_batch_size must be >= 1, got {batch_size}, {val_batch_size}")
         if not 0.0 <= val_size_percent <= 1.0:
             raise DataError(f"data.val_size_percent must lie in [0, 1], got {val_size_percent}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:  # numpy's generators take none below 0
+            raise DataError(f"data.seed must be an integer >= 0, got {seed!r}")
         if num_workers < 0 or prefetch_factor < 1:
             raise DataError(f"data.num_workers must be >= 0 and data.prefetch_factor >= 1, got {num_workers}, {prefetch_factor}")
         self.save_hyperparameters()
@@ -177,7 +180,8 @@ class LatentDataModule(L.LightningDataModule):
                 for e in checking(manifest.entries, f"checking {len(manifest.entries)} files", show=rank_zero):
                     path = manifest.resolve(e)
                     try:
-                        info = inspect_h5(path, manifest.channels, manifest.height, manifest.width, check_values=False)
+                        info = inspect_h5(path, manifest.channels, manifest.height, manifest.width, check_values=False,
+                                          key=e.key)
                     except DataError as err:
                         problems.append(str(err))
                         continue

@@ -21,6 +21,13 @@ ACTIONS_KEY = "actions"
 FLOAT_DTYPES = (np.float16, np.float32, np.float64)
 
 
+class GeneratedFile(DataError):
+    """The file is the rollout latents ``lwm generate`` writes beside its video (``VIDEO.mp4.h5``), not a clip."""
+
+
+GENERATED_ATTRS = ("source", "start", "context")  # what `lwm generate` records in its latents file
+
+
 @dataclass(frozen=True)
 class H5Info:
     key: str  # name of the latents dataset
@@ -51,10 +58,13 @@ def inspect_h5(
     tolerance: float = 1e-3,
     check_values: bool = True,
     chunk_frames: int = 64,
+    key: str | None = None,
 ) -> H5Info:
-    """Open ``path`` and check it: the latents are 4-D float of the expected ``C, H, W`` (when given), finite
+    """Open ``path`` and check it: the latents (the dataset ``key``, e.g. a manifest's; None: found by
+    :func:`find_latents_key`) are 4-D float of the expected ``C, H, W`` (when given), none of them 0, finite
     and within [-1 - tolerance, 1 + tolerance] (read in chunks); ``actions``, if present, are integers [T].
-    Raises :class:`DataError` with one line naming the file and the problem."""
+    Raises :class:`DataError` with one line naming the file and the problem (:class:`GeneratedFile` for the
+    rollouts ``lwm generate`` writes)."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: file not found")
@@ -63,8 +73,15 @@ def inspect_h5(
     except OSError as e:
         raise DataError(f"{path}: cannot be opened as HDF5 ({first_line(e)})") from None
     with f:
-        key = find_latents_key(f, path)
+        if key is None:
+            key = find_latents_key(f, path)
+        elif not isinstance(f.get(key), h5py.Dataset):
+            found = ", ".join(f"{n}{tuple(o.shape)}" for n, o in f.items() if isinstance(o, h5py.Dataset)) or "none"
+            raise DataError(f"{path}: no dataset '{key}' (the key the manifest names; datasets: {found})")
         ds = f[key]
+        if ds.ndim == 5 and all(a in f.attrs for a in GENERATED_ATTRS):
+            raise GeneratedFile(f"{path}: rollouts written by `lwm generate` ('{key}' {ds.shape}: [rollouts, T, C, "
+                                f"H, W]), not a clip")
         if ds.ndim != 4:
             raise DataError(f"{path}: dataset '{key}' must be 4-D [T, C, H, W], got shape {ds.shape}")
         T, C, H, W = ds.shape
@@ -75,6 +92,9 @@ def inspect_h5(
                 raise DataError(f"{path}: dataset '{key}' has {name} {got}, expected {want} (shape {ds.shape})")
         if T == 0:
             raise DataError(f"{path}: dataset '{key}' has no frames")
+        if 0 in (C, H, W):
+            raise DataError(f"{path}: dataset '{key}' has an empty frame (shape {ds.shape}: channels, height and "
+                            f"width must be >= 1)")
         if check_values:
             for start in range(0, T, chunk_frames):
                 try:

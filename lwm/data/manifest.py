@@ -23,7 +23,7 @@ import numpy as np
 from rich.console import Console
 from rich.progress import track
 
-from lwm.data.h5 import DataError, inspect_h5
+from lwm.data.h5 import LATENTS_KEY, DataError, GeneratedFile, inspect_h5
 
 T = TypeVar("T")
 SPLITS = ("train", "val")
@@ -92,35 +92,88 @@ class Manifest:
         if not isinstance(raw, dict):
             raise DataError(f"{path}: manifest field missing or malformed (not a JSON object)")
         version = raw.get("version", MANIFEST_VERSION)
-        if not isinstance(version, int) or version > MANIFEST_VERSION:
+        if not _is_int(version) or version < 1:
+            raise DataError(f"{path}: manifest version {version!r} is not a version (an integer >= 1; this lwm reads "
+                            f"version {MANIFEST_VERSION}: index the folder again)")
+        if version > MANIFEST_VERSION:
             raise DataError(f"{path}: manifest version {version!r}; this lwm reads version {MANIFEST_VERSION} (index "
                             f"the folder again, or update lwm)")
-        bad = [f for f in raw.get("files") or [] if not isinstance(f, dict) or not isinstance(f.get("path"), str)
-               or not f["path"]]
+        shape = [_positive(path, "", name, raw.get(name, _MISSING)) for name in ("channels", "height", "width")]
+        files = raw.get("files", _MISSING)
+        if not isinstance(files, list):
+            raise DataError(f"{path}: manifest field missing or malformed ('files' must be a list of file entries, "
+                            f"got {_shown(files)})")
+        bad = [f for f in files if not isinstance(f, dict) or not isinstance(f.get("path"), str) or not f["path"]]
         if bad:
             raise DataError(f"{path}: manifest field missing or malformed (a file entry without a path: {bad[0]!r})")
-        try:
-            entries = [ManifestEntry(str(f["path"]), int(f["frames"]), str(f["split"]), str(f.get("key", "latents")))
-                       for f in raw["files"]]
-            manifest = cls(path, int(raw["channels"]), int(raw["height"]), int(raw["width"]), entries)
-        except (KeyError, TypeError, ValueError) as e:
-            raise DataError(f"{path}: manifest field missing or malformed ({type(e).__name__}: {e})") from None
-        seen: set[str] = set()
-        for e in entries:
-            if e.path in seen:  # in both splits, it would be validated on what it trained on
-                raise DataError(f"{path}: file {e.path} is listed twice")
-            seen.add(e.path)
-            if e.split not in SPLITS:
-                raise DataError(f"{path}: file {e.path} has split {e.split!r}, expected one of {SPLITS}")
-            if e.frames < 1:
-                raise DataError(f"{path}: file {e.path} has frames={e.frames}")
+        entries = []
+        for f in files:
+            where = f"file {f['path']}: "
+            frames = f.get("frames", _MISSING)
+            if _is_int(frames) and frames < 1:
+                raise DataError(f"{path}: file {f['path']} has frames={frames}")
+            frames = _positive(path, where, "frames", frames)
+            split, key = f.get("split", _MISSING), f.get("key", LATENTS_KEY)
+            if split is _MISSING:
+                raise DataError(f"{path}: manifest field missing or malformed ({where}'split' missing)")
+            if split not in SPLITS:
+                raise DataError(f"{path}: file {f['path']} has split {split!r}, expected one of {SPLITS}")
+            if not isinstance(key, str) or not key:
+                raise DataError(f"{path}: manifest field missing or malformed ({where}'key' must be the name of "
+                                f"the latents dataset, got {_shown(key)})")
+            entries.append(ManifestEntry(f["path"], frames, split, key))
+        manifest = cls(path, *shape, entries)
+        manifest.check_duplicates()
         return manifest
+
+    def check_duplicates(self) -> None:
+        """Refuse two entries of one file, naming both: the same path, spelled alike or not (``./a.h5``, an
+        absolute path), a link to it or a hard link (the same device and inode). Listed twice, a file is drawn
+        twice as often, and in both splits the run validates on what it trained on."""
+        seen: dict[object, ManifestEntry] = {}
+        for e in self.entries:
+            resolved = self.resolve(e)
+            try:
+                st = resolved.stat()
+                ids: list[object] = [resolved, (st.st_dev, st.st_ino)]
+            except OSError:  # missing: named by the file checks
+                ids = [resolved]
+            other = next((seen[i] for i in ids if i in seen), None)
+            if other is not None:
+                if other.path == e.path:
+                    what = f"file {e.path} is listed twice ({other.split} and {e.split})"
+                else:
+                    what = f"files {other.path} ({other.split}) and {e.path} ({e.split}) are the same file, listed twice"
+                both = ": it would be validated on what it trained on" if other.split != e.split else ""
+                raise DataError(f"{self.path}: {what}{both} (index the folder again)")
+            seen.update((i, e) for i in ids)
+
+
+_MISSING = object()
+
+
+def _is_int(value: object) -> bool:
+    """A JSON integer (``true`` is not one, nor ``16.0`` or ``"16"``)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _shown(value: object) -> str:
+    return "nothing" if value is _MISSING else repr(value)
+
+
+def _positive(path: Path, where: str, name: str, value: object) -> int:
+    """``value`` of the manifest field ``name`` as an integer >= 1, else :class:`DataError` naming the field."""
+    if not _is_int(value) or value < 1:
+        raise DataError(f"{path}: manifest field missing or malformed ({where}'{name}' must be an integer >= 1, "
+                        f"got {_shown(value)})")
+    return value
 
 
 def find_h5_files(directory: Path) -> list[Path]:
     """Every ``*.h5``/``*.hdf5`` file under ``directory`` (any case; linked folders followed), each physical file
-    once: a link to a file already found is left out with a note (listed twice, it could land in both splits)."""
-    found: dict[Path, Path] = {}  # resolved -> the first path found
+    once: a link (or hard link) to a file already found is left out with a note (listed twice, it could land in
+    both splits)."""
+    found: dict[object, Path] = {}  # resolved path, and (device, inode) -> the first path found
     visited: set[Path] = set()
     for root, dirs, names in os.walk(directory, followlinks=True):
         real = Path(root).resolve()
@@ -133,12 +186,14 @@ def find_h5_files(directory: Path) -> list[Path]:
             p = Path(root) / name
             if p.suffix.lower() not in (".h5", ".hdf5") or not p.is_file():
                 continue
-            target = p.resolve()
-            if target in found:
-                print(f"note: {p} is the same file as {found[target]}: indexed once", file=sys.stderr)
+            st = p.stat()
+            ids = (p.resolve(), (st.st_dev, st.st_ino))
+            first = next((found[i] for i in ids if i in found), None)
+            if first is not None:
+                print(f"note: {p} is the same file as {first}: indexed once", file=sys.stderr)
                 continue
-            found[target] = p
-    return sorted(found.values())
+            found.update((i, p) for i in ids)
+    return sorted(set(found.values()))
 
 
 def _previous_splits(path: Path, shape: tuple[int, int, int] | None) -> dict[str, str]:
@@ -186,6 +241,8 @@ def index_directory(
         raise DataError(f"val_fraction must lie in [0, 1), got {val_fraction}")
     if not 0.0 <= tolerance < math.inf:  # NaN too: it would switch the range check off
         raise DataError(f"tolerance must be a finite value >= 0, got {tolerance}")
+    if not _is_int(seed) or seed < 0:  # numpy's generators take none below 0
+        raise DataError(f"seed must be an integer >= 0, got {seed!r}")
     out = Path(out) if out else directory / "manifest.json"
     if out.is_dir():
         raise DataError(f"--out {out}: a directory; give the manifest's file name (e.g. {out / 'manifest.json'})")
@@ -201,8 +258,12 @@ def index_directory(
     for p in checking(files, f"checking {len(files)} files"):
         try:
             infos[p] = inspect_h5(p, tolerance=tolerance)
+        except GeneratedFile as e:  # `lwm generate`'s output, beside its video in the data folder
+            print(f"note: {e}: skipped", file=sys.stderr)
         except DataError as e:
             problems.append(str(e))
+    if not infos and not problems:
+        raise DataError(f"{directory}: no .h5/.hdf5 files to index (only `lwm generate`'s rollouts, skipped)")
     shapes = Counter((i.channels, i.height, i.width) for i in infos.values())
     shape = shapes.most_common(1)[0][0] if shapes else None
     for p, info in list(infos.items()):  # the odd files out are named, not the majority
@@ -234,4 +295,14 @@ def index_directory(
     ]
     manifest = Manifest(out, *shape, entries)
     manifest.save(out)
+    if not val:  # not an error: a folder may be indexed for training only
+        if len(good) == 1:
+            why = "a single file is never split"
+        elif val_fraction == 0:
+            why = "--val-fraction 0"
+        else:
+            why = "the files the existing manifest lists keep their train split (--resplit draws them again)"
+        print(f"warning: {out}: no val files ({why}); `lwm fit` needs some: index more files, give a larger "
+              f"--val-fraction, or cut long videos into several files (`lwm data encode VIDEO --segment N`); or "
+              f"train without validation (data.val_size_percent=0)", file=sys.stderr)
     return manifest

@@ -1,6 +1,6 @@
 """A built-in synthetic world with known actions and known world factors: ``lwm data synth``.
 
-    lwm data synth --out DIR --episodes N [--frames T] [--seed S] [--val-fraction F] [--worlds K]
+    lwm data synth --out DIR --episodes N [--frames T] [--seed S] [--val-fraction F] [--worlds K] [--overwrite]
 
 Each episode is a 128x128 RGB clip (encoded with :class:`~lwm.data.codecs.PixelCodec` to ``[T, 16, 64, 64]``;
 ``size`` renders the same world at another resolution, every length scaled by ``size / 128``, e.g. 64x64 for
@@ -24,6 +24,7 @@ with another world gives the same start, distractors and (where no wall blocks) 
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from functools import lru_cache
@@ -201,15 +202,42 @@ def agent_position(frame: np.ndarray) -> tuple[int, int]:
     return pos[0], pos[1]
 
 
+SETTINGS_ATTR = "synth"  # JSON of the settings an episode file was made with
+
+
+def _settings_of(path: Path) -> dict | None:
+    """The settings an existing episode file was made with (its ``synth`` attribute), None where it has none."""
+    import h5py
+
+    try:
+        with h5py.File(path, "r") as f:
+            return json.loads(f.attrs[SETTINGS_ATTR]) if SETTINGS_ATTR in f.attrs else None
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def _latent_shape(path: Path) -> tuple[int, ...] | None:
+    import h5py
+
+    try:
+        with h5py.File(path, "r") as f:
+            return tuple(f["latents"].shape)
+    except (OSError, KeyError, ValueError, TypeError):
+        return None
+
+
 def make_dataset(
     out_dir: str | Path, episodes: int = 64, frames: int = 32, seed: int = 0, val_fraction: float = 0.125,
-    worlds: int = K, size: int = SIZE, distractors: int = DISTRACTORS,
+    worlds: int = K, size: int = SIZE, distractors: int = DISTRACTORS, overwrite: bool = False,
 ) -> Path:
     """Write ``episodes`` files ``out_dir/ep_XXXX.h5`` (``latents`` float16 through the pixel codec, ``actions``
-    int64 ``[T]``, attributes ``world_label`` and ``codec``) and index them; returns the manifest's path.
+    int64 ``[T]``, attributes ``world_label``, ``codec`` and ``synth``: the settings) and index them; returns
+    the manifest's path.
 
     Episode ``i`` uses :func:`episode_seed` ``(seed, i)`` and world ``i % worlds`` (balanced). Refuses a folder
-    that already holds other h5 files (they would join the manifest)."""
+    that already holds other h5 files (they would join the manifest), and episode files (or a manifest) made
+    with other settings, before writing anything, unless ``overwrite``; the same settings again rewrite the
+    same files."""
     if episodes < 1:
         raise DataError(f"episodes must be at least 1, got {episodes}")
     if frames < 2:
@@ -220,6 +248,8 @@ def make_dataset(
         raise DataError(f"val_fraction must lie in [0, 1), got {val_fraction}")
     if not 0 <= distractors <= len(DISTRACTOR_COLOURS):  # simulate's rule, checked before the folder is made
         raise DataError(f"distractors must lie in 0..{len(DISTRACTOR_COLOURS)}, got {distractors}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:  # numpy's seeds are >= 0
+        raise DataError(f"seed must be an integer >= 0, got {seed!r}")
     check_size(size)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -229,20 +259,37 @@ def make_dataset(
     if others:
         shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
         raise DataError(f"{out}: already holds other h5 files ({shown}); synthesise into an empty folder")
+    settings = {"seed": seed, "frames": frames, "size": size, "worlds": worlds, "distractors": distractors}
+    existing = [i for i in range(episodes) if (out / f"ep_{i:04d}.h5").exists()]
+    if not overwrite:  # never replace the files of another data set without being asked
+        for i in existing:
+            made = _settings_of(out / f"ep_{i:04d}.h5")
+            if made is None and _latent_shape(out / f"ep_{i:04d}.h5") == (frames, 16, size // 2, size // 2):
+                continue  # an earlier lwm's file of this shape (before settings were recorded): rewritten, as then
+            if made != {**settings, "episode": i}:
+                was = ("no record of its settings" if made is None else
+                       ", ".join(f"{k} {made.get(k)}" for k in settings if made.get(k) != settings[k]))
+                now = ", ".join(f"{k} {v}" for k, v in settings.items() if made is None or made.get(k) != v)
+                raise DataError(f"{out / f'ep_{i:04d}.h5'}: exists, made with {was} (this run: {now}); --overwrite "
+                                f"replaces it, or synthesise into another folder")
+        if not existing and (out / "manifest.json").exists():
+            raise DataError(f"{out / 'manifest.json'}: exists; --overwrite replaces it, or synthesise into another "
+                            f"folder")
     from lwm.data.convert import write_latents
     from lwm.data.manifest import index_directory
 
     codec = PixelCodec(size=size)
     for i in range(episodes):
         video, actions, label = render_episode(episode_seed(seed, i), frames, i % worlds, size=size, distractors=distractors)
-        write_latents(out / f"ep_{i:04d}.h5", codec, video, actions, world_label=label)
+        write_latents(out / f"ep_{i:04d}.h5", codec, video, actions, world_label=label,
+                      attrs={SETTINGS_ATTR: json.dumps({**settings, "episode": i})})
 
     return index_directory(out, val_fraction=val_fraction, seed=seed).path
 
 
 def main(argv: list[str]) -> int:
     """``lwm data synth --out DIR --episodes N [--frames T] [--seed S] [--val-fraction F] [--worlds K] [--size S]
-    [--distractors D]``."""
+    [--distractors D] [--overwrite]``."""
     from lwm.data.manifest import Manifest
     from lwm.errors import ArgumentParser
 
@@ -259,10 +306,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--worlds", type=int, default=K, help=f"number of worlds used, 1..{K} (default {K})")
     parser.add_argument("--size", type=int, default=SIZE, help=f"frame size in pixels, a multiple of 16 (default {SIZE}; latents are size/2)")
     parser.add_argument("--distractors", type=int, default=DISTRACTORS, help=f"drifting discs, 0..4 (default {DISTRACTORS})")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace episode files (and the manifest) in --out made with other settings (default: "
+                             "refused; the same settings again rewrite the same files)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     path = make_dataset(args.out, args.episodes, args.frames, args.seed, args.val_fraction, args.worlds, args.size,
-                        args.distractors)
+                        args.distractors, overwrite=args.overwrite)
     manifest = Manifest.load(path)
     print(f"{path}: {args.episodes} synthetic episodes x {args.frames} frames in {args.worlds} worlds "
           f"({len(manifest.split('train'))} train, {len(manifest.split('val'))} val), "

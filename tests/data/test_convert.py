@@ -211,3 +211,32 @@ def test_a_bad_fps_attribute_is_one_line_for_index_and_decode(tmp_path, capsys, 
     assert f"{path}: attribute 'fps' must be a number > 0" in capsys.readouterr().err
     assert main(["data", "decode", str(path), "--out", str(tmp_path / "v.mp4"), "--fps", "8"]) == 2
     assert f"{path}: attribute 'fps' must be a number > 0" in capsys.readouterr().err
+
+
+def test_encoding_again_where_a_videos_files_are_is_refused_before_reading_unless_overwrite(tmp_path, capsys,
+                                                                                            monkeypatch):
+    """--segment 3 then --segment 5 would leave long_0002.h5 of the first beside the second's files (its frames
+    indexed twice): refused, naming a file; with overwrite, all of that name's old files go first."""
+    from lwm.data import convert
+
+    frames = np.random.default_rng(3).integers(0, 256, (7, 24, 24, 3), dtype=np.uint8)
+    video = write_video(tmp_path / "long.gif", frames)
+    out = tmp_path / "h5"
+    assert main(["data", "encode", str(video), "--out", str(out), "--size", "16", "--segment", "3"]) == 0
+    (out / "long_final.h5").write_bytes(b"not this video's")  # another name: untouched
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    capsys.readouterr()
+    read = []
+    monkeypatch.setattr(convert, "iter_video", lambda *a, **k: read.append(a) or iter(()))
+    for segment in (["--segment", "5"], []):
+        assert main(["data", "encode", str(video), "--out", str(out), "--size", "16", *segment]) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert err == [f"error: {out / 'long_0000.h5'} and 2 more of that name: already there, where long.gif "
+                       f"would be encoded (--overwrite removes them all first, or encode into another --out)"]
+    assert not read and {p.name: p.read_bytes() for p in out.iterdir()} == before
+    monkeypatch.undo()
+    convert.encode_videos([str(video)], out, size=16, segment=5, log=lambda line: None, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == ["long_0000.h5", "long_0001.h5", "long_final.h5"]
+    assert [inspect_h5(out / f"long_000{i}.h5").frames for i in range(2)] == [5, 2]
+    convert.encode_videos([str(video)], out, size=16, log=lambda line: None, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == ["long.h5", "long_final.h5"]

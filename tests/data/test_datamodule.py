@@ -323,3 +323,25 @@ def test_a_resumed_loader_keeps_the_checkpoints_seed_and_says_so(dm_manifest):
     with pytest.warns(UserWarning, match=r"data.seed=4 differs from the checkpoint's sampler seed 3"):
         loader.load_state_dict(state)
     assert loader.batch_sampler.seed == 3
+
+
+@pytest.mark.parametrize(("key", "message"), [
+    ("nope", "no dataset 'nope' (the key the manifest names"),
+    ("actions", "dataset 'actions' must be 4-D [T, C, H, W], got shape"),
+])
+def test_the_manifests_key_is_checked_at_setup(manifest, key, message):
+    """The setup check opens each file's dataset under the manifest's key, not the one the file would offer."""
+    write_h5(manifest.parent / _entries(manifest)[0]["path"], 18, actions=True)
+    doc = json.loads(manifest.read_text())
+    doc["files"][0]["key"] = key
+    manifest.write_text(json.dumps(doc))
+    victim = manifest.parent / doc["files"][0]["path"]
+    with pytest.raises(DataError, match=rf"1 of 8 files in .* refused:\n{victim}: .*") as exc:
+        _dm(manifest).setup("fit")
+    assert message in str(exc.value)
+
+
+@pytest.mark.parametrize("seed", [-1, True, 1.5])
+def test_a_bad_seed_is_refused_naming_the_field(manifest, seed):
+    with pytest.raises(DataError, match=rf"data\.seed must be an integer >= 0, got {seed!r}"):
+        _dm(manifest, seed=seed)

@@ -263,3 +263,35 @@ def test_a_bad_value_in_the_last_frame_of_a_chunk_is_found(tmp_path, frames, bad
     p = write_h5(tmp_path / "x.h5", data=data)
     with pytest.raises(DataError, match="outside"):
         inspect_h5(p, chunk_frames=chunk)
+
+
+# ---------------------------------------------------------------- the manifest's key, empty frames, generate's files
+
+
+def test_the_key_given_must_name_a_4d_dataset(make_h5):
+    path = make_h5("k.h5", 6, actions=True)
+    assert inspect_h5(path, key="latents").key == "latents"
+    assert "no dataset 'nope' (the key the manifest names; datasets: actions(6,), latents(6, 4, 8, 8))" in \
+        refused(path, key="nope")
+    refused(path, "dataset 'actions' must be 4-D [T, C, H, W], got shape (6,)", key="actions")
+
+
+@pytest.mark.parametrize("shape", [(4, 0, 8, 8), (4, 4, 0, 8), (4, 4, 8, 0)])
+def test_an_empty_frame_is_refused_in_one_line(make_h5, shape):
+    path = make_h5("empty.h5", data=np.zeros(shape, dtype=np.float32))
+    refused(path, f"has an empty frame (shape {shape}")
+
+
+def test_generate_rollouts_are_recognised_by_their_attributes(tmp_path):
+    from lwm.data.h5 import GeneratedFile
+
+    path = tmp_path / "run.mp4.h5"  # as lwm/generate.py writes it
+    with h5py.File(path, "w") as f:
+        f["latents"] = np.zeros((2, 5, 4, 8, 8), dtype=np.float32)
+        f["ground_truth"] = np.zeros((5, 4, 8, 8), dtype=np.float32)
+        f.attrs["source"], f.attrs["start"], f.attrs["context"] = "x.h5", 0, 1
+    with pytest.raises(GeneratedFile, match="rollouts written by `lwm generate`"):
+        inspect_h5(path)
+    del_attrs = tmp_path / "plain5d.h5"  # a 5-D file of anyone else: the usual refusal
+    write_h5(del_attrs, data=np.zeros((2, 5, 4, 8, 8), dtype=np.float32))
+    assert "must be 4-D" in refused(del_attrs)

@@ -435,3 +435,90 @@ def test_lwm_data_index_passes_seed_tolerance_and_resplit(tmp_path, capsys):
     write_h5(tmp_path / "t" / "a.h5", data=data)
     assert main(["data", "index", str(tmp_path / "t")]) == 2
     assert main(["data", "index", str(tmp_path / "t"), "--tolerance", "0.02"]) == 0
+
+
+# ---------------------------------------------------------------- one file twice, strict fields, flags, warnings
+
+
+def _with(manifest: Path, *extra: dict) -> Path:
+    doc = json.loads(manifest.read_text())
+    doc["files"].extend(extra)
+    manifest.write_text(json.dumps(doc))
+    return manifest
+
+
+@pytest.mark.parametrize("spelling", ["./{}", "sub/../{}", "{abs}"])
+def test_one_file_under_two_spellings_is_refused_naming_both(data_dir, spelling):
+    m = index_directory(data_dir, val_fraction=0.0)
+    first = m.entries[0]
+    other = spelling.format(first.path, abs=data_dir / first.path)
+    (data_dir / "sub").mkdir()
+    _with(m.path, {"path": other, "frames": first.frames, "split": "val", "key": "latents"})
+    msg = load_refused(m.path, f"files {first.path} (train) and {other} (val) are the same file")
+    assert "validated on what it trained on" in msg
+
+
+def test_a_hard_link_is_indexed_once_and_refused_in_a_manifest(data_dir, capsys):
+    os.link(data_dir / "ep_03.h5", data_dir / "zz_hard.h5")
+    m = index_directory(data_dir, val_fraction=0.2)
+    assert "zz_hard.h5" not in {e.path for e in m.entries} and len(m.entries) == 10
+    assert "zz_hard.h5 is the same file as" in capsys.readouterr().err
+    _with(m.path, {"path": "zz_hard.h5", "frames": 29, "split": "train"})  # as an older lwm would have listed it
+    load_refused(m.path, "files ep_03.h5 (")
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("frames", 16.9, "file a.h5: 'frames' must be an integer >= 1, got 16.9"),
+    ("frames", True, "file a.h5: 'frames' must be an integer >= 1, got True"),
+    ("frames", "10", "file a.h5: 'frames' must be an integer >= 1, got '10'"),
+    ("split", ["train"], "file a.h5 has split ['train']"),
+    ("key", "", "file a.h5: 'key' must be the name of the latents dataset, got ''"),
+    ("key", 3, "'key' must be the name of the latents dataset, got 3"),
+    ("channels", "16", "'channels' must be an integer >= 1, got '16'"),
+    ("height", 0, "'height' must be an integer >= 1, got 0"),
+    ("width", 8.0, "'width' must be an integer >= 1, got 8.0"),
+    ("version", -7, "manifest version -7 is not a version"),
+    ("version", 0, "manifest version 0 is not a version"),
+    ("version", True, "manifest version True is not a version"),
+    ("files", {"a.h5": 10}, "'files' must be a list of file entries"),
+])
+def test_load_refuses_wrong_types_and_values_naming_the_field(tmp_path, field, value, message):
+    raw = good_json()
+    (raw if field in raw else raw["files"][0])[field] = value
+    p = tmp_path / "m.json"
+    p.write_text(json.dumps(raw))
+    assert str(p) in load_refused(p, message)
+
+
+def test_a_negative_seed_is_refused_before_any_file_is_read(tmp_path, capsys, monkeypatch):
+    d = _ten(tmp_path / "d")
+    monkeypatch.setattr("lwm.data.manifest.inspect_h5", lambda *a, **k: pytest.fail("a file was read"))
+    assert main(["data", "index", str(d), "--seed", "-1"]) == 2
+    assert capsys.readouterr().err.splitlines() == ["error: seed must be an integer >= 0, got -1"]
+    assert not (d / "manifest.json").exists()
+
+
+@pytest.mark.parametrize(("files", "fraction", "why"), [
+    (1, "0.1", "a single file is never split"), (3, "0", "--val-fraction 0")])
+def test_an_empty_val_split_is_warned_about_at_index_time(tmp_path, capsys, files, fraction, why):
+    for i in range(files):
+        write_h5(tmp_path / "d" / f"a{i}.h5", 6)
+    assert main(["data", "index", str(tmp_path / "d"), "--val-fraction", fraction]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"warning: {tmp_path / 'd' / 'manifest.json'}: no val files ({why})")
+    assert "--val-fraction" in err[0] and "lwm data encode VIDEO --segment N" in err[0]
+    write_h5(tmp_path / "d" / "b.h5", 6)
+    assert main(["data", "index", str(tmp_path / "d"), "--val-fraction", "0.5", "--resplit"]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_generate_rollouts_in_the_folder_are_skipped_with_a_note(data_dir, capsys):
+    path = data_dir / "ep_00.mp4.h5"  # what `lwm generate --data ep_00.h5 --out ep_00.mp4` leaves beside its video
+    with h5py.File(path, "w") as f:
+        f["latents"] = np.zeros((4, 6, 4, 8, 8), dtype=np.float32)
+        f["ground_truth"] = np.zeros((6, 4, 8, 8), dtype=np.float32)
+        f.attrs["source"], f.attrs["start"], f.attrs["context"] = "ep_00.h5", 0, 1
+    m = index_directory(data_dir)
+    assert len(m.entries) == 10 and "ep_00.mp4.h5" not in {e.path for e in m.entries}
+    notes = [line for line in capsys.readouterr().err.splitlines() if "ep_00.mp4.h5" in line]
+    assert len(notes) == 1 and notes[0].startswith("note: ") and notes[0].endswith(": skipped")

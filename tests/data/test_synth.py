@@ -9,6 +9,7 @@ import h5py
 import numpy as np
 import pytest
 
+from lwm.cli import main as lwm
 from lwm.data.codecs import PixelCodec
 from lwm.data.h5 import DataError, inspect_h5
 from lwm.data.manifest import Manifest
@@ -222,3 +223,49 @@ def test_distractors_bounce_off_the_edges_keeping_their_speed():
                 ])
                 assert (travelled == speed).all(), (seed, d, axis)
                 assert (np.diff(np.sign(np.diff(p))) != 0).any()  # it did bounce in these 300 frames
+
+
+def _contents(out) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(out.iterdir())}
+
+
+def test_other_settings_over_an_earlier_synth_are_refused_unless_overwrite(tmp_path, capsys):
+    out = tmp_path / "s"
+    assert lwm(["data", "synth", "--out", str(out), "--episodes", "4", "--frames", "6", "--size", "32"]) == 0
+    before = _contents(out)
+    assert lwm(["data", "synth", "--out", str(out), "--episodes", "4", "--frames", "6", "--size", "32"]) == 0  # the same: fine
+    capsys.readouterr()
+    for other in (["--frames", "8", "--size", "32"], ["--frames", "6", "--size", "64"], ["--frames", "6", "--size",
+                                                                                           "32", "--seed", "3"]):
+        assert lwm(["data", "synth", "--out", str(out), "--episodes", "4", *other]) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: {out / 'ep_0000.h5'}: exists, made with "), err
+        assert "--overwrite replaces it" in err[0]
+        assert _contents(out) == before  # nothing written
+    assert lwm(["data", "synth", "--out", str(out), "--episodes", "4", "--frames", "8", "--size", "32", "--overwrite"]) == 0
+    assert all(e.frames == 8 for e in Manifest.load(out / "manifest.json").entries)
+
+
+def test_files_without_a_settings_record_or_a_lone_manifest_are_not_replaced(tmp_path):
+    out = tmp_path / "s"
+    make_dataset(out, episodes=2, frames=4, size=32)
+    with h5py.File(out / "ep_0001.h5", "a") as f:  # as files from before the record (or anyone else's)
+        del f.attrs["synth"]
+    make_dataset(out, episodes=2, frames=4, size=32)  # of this shape: an earlier lwm's synth (a demo resumed)
+    for name in ("ep_0000.h5", "ep_0001.h5"):
+        with h5py.File(out / name, "a") as f:
+            del f.attrs["synth"]
+    with pytest.raises(DataError, match="ep_0000.h5: exists, made with no record of its settings"):
+        make_dataset(out, episodes=2, frames=6, size=32)  # of another shape: another data set
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    (lone / "manifest.json").write_text("{}")
+    with pytest.raises(DataError, match="manifest.json: exists; --overwrite replaces it"):
+        make_dataset(lone, episodes=2, frames=4, size=32)
+    assert (lone / "manifest.json").read_text() == "{}" and not list(lone.glob("*.h5"))
+
+
+def test_a_negative_seed_is_refused_before_anything_is_written(tmp_path, capsys):
+    assert lwm(["data", "synth", "--out", str(tmp_path / "s"), "--episodes", "2", "--seed", "-1"]) == 2
+    assert capsys.readouterr().err.splitlines() == ["error: seed must be an integer >= 0, got -1"]
+    assert not (tmp_path / "s").exists()
