@@ -91,6 +91,12 @@ class LwmCLI(LightningCLI):
             broken = _broken_config_file(args or [])
             raise ConfigError(f"--config {broken}: {line}" if broken else line) from None
 
+    def _set_seed(self) -> None:
+        seed = self._get(self.config, "seed_everything")
+        if isinstance(seed, int) and not isinstance(seed, bool) and not 0 <= seed < 2**32:  # numpy's bounds
+            raise ConfigError(f"seed_everything must lie in [0, {2**32 - 1}] (or true: a random seed), got {seed}")
+        super()._set_seed()
+
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
         parser.set_defaults({
@@ -206,6 +212,9 @@ class LwmCLI(LightningCLI):
         dm.setup(self.subcommand)
         self.model.check_data(dm.frame_shape, dm.window, str(dm.manifest_path))
         self.model.check_trainer(trainer)  # (its setup checks again, for runs without the CLI: too late here)
+        for callback in trainer.callbacks:
+            if isinstance(callback, Sensitivity):
+                callback.check_window(dm.window)
         if self.subcommand != "fit":
             return
         interval = getattr(trainer, "val_check_interval", None)  # unset when validation is timed

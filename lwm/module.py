@@ -53,8 +53,13 @@ class OptimConfig:
     fused: bool | None = None  # fused AdamW kernel (None: on when the parameters are on a CUDA device, except fp16)
 
     def __post_init__(self) -> None:
-        problems = [f"{name} must be > 0, got {getattr(self, name)}" for name in ("lr", "eps") if getattr(self, name) <= 0]
-        if self.weight_decay < 0:
+        """Refuse invalid values, one line per problem naming the field (``model.optim.X``)."""
+        # (betas and min_lr_ratio: their ranges refuse inf and nan as they are)
+        nonfinite = [name for name in ("lr", "eps", "weight_decay") if not math.isfinite(getattr(self, name))]
+        problems = [f"{name} must be a finite number, got {getattr(self, name)}" for name in nonfinite]
+        problems += [f"{name} must be > 0, got {getattr(self, name)}" for name in ("lr", "eps")
+                     if name not in nonfinite and getattr(self, name) <= 0]
+        if "weight_decay" not in nonfinite and self.weight_decay < 0:
             problems.append(f"weight_decay must be >= 0, got {self.weight_decay}")
         if self.warmup_steps < 0:
             problems.append(f"warmup_steps must be >= 0, got {self.warmup_steps}")
@@ -63,7 +68,7 @@ class OptimConfig:
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             problems.append(f"min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio}")
         if problems:
-            raise ConfigError("\n".join(f"optim.{p}" for p in problems))
+            raise ConfigError("\n".join(f"model.optim.{p}" for p in problems))
 
     def lr_factor(self, step: int, total_steps: int) -> float:
         """Multiplier of ``lr`` at an optimizer step: linear warmup, then cosine to ``min_lr_ratio``."""
@@ -129,10 +134,22 @@ class WorldModelModule(L.LightningModule):
 
     @staticmethod
     def check_trainer(trainer: L.Trainer) -> None:
-        """Raise :class:`ConfigError` on trainer settings this module refuses."""
+        """Raise :class:`ConfigError` on trainer settings this module refuses (those Lightning accepts and then
+        divides by, or ignores: its own refusals, e.g. a negative ``val_check_interval``, come first)."""
         clip = trainer.gradient_clip_val
         if clip is not None and not clip >= 0:  # a negative max norm would flip the gradients' sign
             raise ConfigError(f"trainer.gradient_clip_val must be >= 0 (0 or null: no clipping), got {clip}")
+        interval = getattr(trainer, "val_check_interval", None)  # unset when validation is timed; null: 1.0
+        if isinstance(interval, (int, float)) and not interval > 0:  # 0 divides by zero; 0.0 validates every batch
+            raise ConfigError(f"trainer.val_check_interval must be > 0 (an integer: training batches between "
+                              f"validations, a fraction in (0, 1] of the epoch, or null: once per epoch), got "
+                              f"{interval}")
+        accumulate = trainer.accumulate_grad_batches
+        if not accumulate >= 1:
+            raise ConfigError(f"trainer.accumulate_grad_batches must be >= 1 (1: no accumulation), got {accumulate}")
+        if not trainer.barebones and not trainer.log_every_n_steps >= 1:  # (barebones: Lightning sets 0)
+            raise ConfigError(f"trainer.log_every_n_steps must be >= 1 (the interval, in steps, of the "
+                              f"Train_* logs), got {trainer.log_every_n_steps}")
 
     def check_data(self, frame_shape: tuple[int, int, int], window: int, source: str) -> None:
         """Raise :class:`ConfigError` unless frames ``[C, H, W]`` and ``window`` fit the model."""

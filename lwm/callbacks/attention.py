@@ -11,6 +11,7 @@ from typing_extensions import override
 
 from lwm.callbacks.ranks import every_rank
 from lwm.callbacks.schedule import is_logging_step
+from lwm.errors import ConfigError
 from lwm.loggers import log_distribution
 from lwm.metrics import attention_diagonality
 
@@ -24,7 +25,7 @@ class AttentionDiagonality(L.Callback):
 
     def __init__(self, batches: int = 1) -> None:
         if batches < 1:
-            raise ValueError(f"diagonality.batches must be >= 1, got {batches}")
+            raise ConfigError(f"diagonality.batches must be >= 1, got {batches}")
         self.batches = batches
         self._values: list[list[torch.Tensor]] = []
 

@@ -10,7 +10,7 @@ from typing_extensions import override
 
 from lwm.callbacks.ranks import every_rank
 from lwm.codes import collect, save_dictionaries
-from lwm.errors import DataError
+from lwm.errors import ConfigError, DataError
 
 
 class CodeDictionaries(L.Callback):
@@ -19,7 +19,7 @@ class CodeDictionaries(L.Callback):
 
     def __init__(self, max_windows: int | None = 4096) -> None:
         if max_windows is not None and max_windows < 1:
-            raise ValueError(f"code_dictionaries.max_windows must be >= 1 (or null: all), got {max_windows}")
+            raise ConfigError(f"code_dictionaries.max_windows must be >= 1 (or null: all), got {max_windows}")
         self.max_windows = max_windows
         self.path: Path | None = None
 

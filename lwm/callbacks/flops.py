@@ -3,6 +3,7 @@ training TFLOPs (all ranks) against which validation losses can be plotted, and 
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -13,6 +14,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lwm.callbacks.schedule import is_logging_step
+from lwm.errors import ConfigError
 from lwm.flops import count_flops
 
 PRECISION_DTYPES = {"bf16": torch.bfloat16, "16": torch.float16, "32": torch.float32, "64": torch.float64}
@@ -31,6 +33,9 @@ class FlopCounter(L.Callback):
     Under DeepSpeed the backward is not run: it is counted as twice the forward."""
 
     def __init__(self, peak_tflops: float | None = None) -> None:
+        if peak_tflops is not None and not (math.isfinite(peak_tflops) and peak_tflops > 0):
+            raise ConfigError(f"flops.peak_tflops must be a finite number > 0 (the device's peak TFLOP/s; null: "
+                              f"Lightning's figure for the device), got {peak_tflops}")
         self.peak_tflops = peak_tflops
         self.flops_per_step: int | None = None  # per device
         self._last: tuple[float, int] | None = None  # (time, global step) at the last log

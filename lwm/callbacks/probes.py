@@ -9,6 +9,7 @@ import torch
 from typing_extensions import override
 
 from lwm.callbacks.ranks import every_rank
+from lwm.errors import ConfigError
 from lwm.metrics import code_ids, linear_probe_accuracy, nmi, probe_train_size
 
 
@@ -23,10 +24,14 @@ class GroundTruthProbes(L.Callback):
       ``.../probe_samples`` held-out samples;
     * the same under ``Val_World_Encoder/`` for world codes and world labels.
 
-    Up to ``max_samples`` codes per quantizer, gathered from every rank; the probe trains on half of them.
+    Up to ``max_samples`` codes per quantizer, gathered from every rank; the probe trains on half of them
+    (at least 4: fewer give no held-out accuracy).
     """
 
     def __init__(self, max_samples: int = 20000) -> None:
+        if max_samples < 4:
+            raise ConfigError(f"probes.max_samples must be >= 4 (the probe trains on half of them and tests on the "
+                              f"rest), got {max_samples}")
         self.max_samples = max_samples
         self._codes: dict[str, list[torch.Tensor]] = {}
         self._labels: dict[str, list[torch.Tensor]] = {}

@@ -8,6 +8,7 @@ import lightning as L
 from typing_extensions import override
 
 from lwm.callbacks.schedule import accumulating, is_logging_step
+from lwm.errors import ConfigError
 
 
 class DeadCodeRevival(L.Callback):
@@ -24,7 +25,7 @@ class DeadCodeRevival(L.Callback):
 
     def __init__(self, every_n_steps: int | None = 10) -> None:
         if every_n_steps is not None and every_n_steps < 1:
-            raise ValueError(f"revival.every_n_steps must be >= 1 (or null: the logging interval), got {every_n_steps}")
+            raise ConfigError(f"revival.every_n_steps must be >= 1 (or null: the logging interval), got {every_n_steps}")
         self.every_n_steps = every_n_steps
         self._revived: dict[str, int] = {}  # codes revived per quantizer and level since the last logged step
 

@@ -8,6 +8,7 @@ import lightning as L
 import torch
 from typing_extensions import override
 
+from lwm.errors import ConfigError
 from lwm.metrics import WeightedMean, sensitivity
 from lwm.seeds import seeded_generator
 
@@ -22,14 +23,26 @@ class Sensitivity(L.Callback):
     NAMES = ("dPSNR", "PSNR_seq", "PSNR_rand")
 
     def __init__(self, t: int = 4, batches: int = 1, seed: int = 0) -> None:
-        if t < 1 or batches < 1:
-            raise ValueError(f"sensitivity.t and sensitivity.batches must be >= 1, got {t}, {batches}")
+        bad = [f"sensitivity.{name} must be >= 1, got {value}" for name, value in (("t", t), ("batches", batches))
+               if value < 1]
+        if bad:
+            raise ConfigError("\n".join(bad))
         self.t, self.batches, self.seed = t, batches, seed
         self._means: dict[str, WeightedMean] = {}
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        window = getattr(trainer.datamodule, "window", None)
+        if stage in ("fit", "validate") and isinstance(window, int):
+            self.check_window(window)
         self._means = {f"{q}/{n}": WeightedMean() for q in ("Action_Encoder", "World_Encoder") for n in self.NAMES}
+
+    def check_window(self, window: int) -> None:
+        """Raise :class:`ConfigError` unless validation windows of ``window`` frames hold frame ``t`` (else
+        nothing would be logged)."""
+        if self.t >= window:
+            raise ConfigError(f"sensitivity.t must be < data.window ({window}: frames 0..{window - 1}; frame t is "
+                              f"generated from frame 0), got {self.t}")
 
     @override
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

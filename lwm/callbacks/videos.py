@@ -9,6 +9,7 @@ import lightning as L
 import torch
 from typing_extensions import override
 
+from lwm.errors import ConfigError
 from lwm.loggers import log_video, run_log_dir
 from lwm.video import grid, latent_preview, write_video
 
@@ -23,8 +24,10 @@ class RolloutVideos(L.Callback):
     logged to wandb as ``Val_Dynamics_Predictor/rollout_video``."""
 
     def __init__(self, every_n_validations: int = 4, clips: int = 2, fps: int = 4) -> None:
-        if every_n_validations < 1 or clips < 1 or fps < 1:
-            raise ValueError("rollout_videos: every_n_validations, clips and fps must be >= 1")
+        bad = [f"rollout_videos.{name} must be >= 1, got {value}" for name, value in
+               (("every_n_validations", every_n_validations), ("clips", clips), ("fps", fps)) if value < 1]
+        if bad:
+            raise ConfigError("\n".join(bad))
         self.every_n_validations, self.clips, self.fps = every_n_validations, clips, fps
         self._validations = 0
         self._clip: torch.Tensor | None = None

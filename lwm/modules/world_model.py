@@ -17,6 +17,7 @@ Conventions (see DESIGN.md, "Points the requirement leaves open"):
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -190,10 +191,16 @@ class WorldModelConfig:
         "codebook_sizes_world")
 
     def __post_init__(self) -> None:
-        """Refuse an invalid configuration with one line naming the field."""
+        """Refuse an invalid configuration, one line per problem naming the field (``model.net.X``)."""
+        nonfinite = [name for name in self.__dataclass_fields__ if _nonfinite(getattr(self, name))]
         problems = []
+        for name in nonfinite:  # (the range checks below skip these)
+            value = getattr(self, name)
+            what = "finite numbers" if isinstance(value, (tuple, list)) else "a finite number"
+            problems.append(f"{name} must be {what}, got {_plain(value)}")
         if self.height % 4 or self.width % 4 or min(self.height, self.width) < 4:
-            problems.append(f"height/width must be positive multiples of 4 (the tokenizer downsamples by 4), got {self.height}x{self.width}")
+            problems.append(f"height and model.net.width must be positive multiples of 4 (the tokenizer downsamples "
+                            f"by 4), got {self.height}x{self.width}")
         if self.d_model < 4 or self.d_model % 4 or self.n_heads < 1 or self.d_model % self.n_heads:
             problems.append(f"d_model must be divisible by 4 and by n_heads ({self.n_heads}), got {self.d_model}")
         for name in ("in_channels", "depth_action", "depth_world", "depth_dynamics", "d_code_action", "d_code_world",
@@ -207,28 +214,46 @@ class WorldModelConfig:
                 problems.append(f"{name} needs at least one level and at least one code per level, got {sizes}")
         if self.tokenizer_hidden is not None and self.tokenizer_hidden < 1:
             problems.append(f"tokenizer_hidden must be >= 1 (or null: d_model/2), got {self.tokenizer_hidden}")
-        if not self.mlp_ratio > 0:
-            problems.append(f"mlp_ratio must be > 0, got {self.mlp_ratio}")
+        if "mlp_ratio" not in nonfinite:
+            if not self.mlp_ratio > 0:
+                problems.append(f"mlp_ratio must be > 0, got {self.mlp_ratio}")
+            elif self.d_model >= 1 and int(self.d_model * self.mlp_ratio) < 1:  # (the MLP's hidden width)
+                problems.append(f"mlp_ratio must give an MLP hidden width int(d_model * mlp_ratio) >= 1, got "
+                                f"{self.mlp_ratio} (width {int(self.d_model * self.mlp_ratio)} at d_model "
+                                f"{self.d_model})")
         for name in ("beta_action", "beta_world"):
-            if not getattr(self, name) >= 0:
+            if name not in nonfinite and not getattr(self, name) >= 0:
                 problems.append(f"{name} must be >= 0, got {getattr(self, name)}")
-        if not 0.0 <= self.mask_prob < 1.0:
+        if "mask_prob" not in nonfinite and not 0.0 <= self.mask_prob < 1.0:
             problems.append(f"mask_prob must lie in [0, 1), got {self.mask_prob}")
         if not self.rollout_weights:
             problems.append("rollout_weights needs at least the teacher-forcing weight")
-        elif not all(w >= 0 for w in self.rollout_weights) or not any(w > 0 for w in self.rollout_weights):
-            problems.append(f"rollout_weights must be >= 0, not all 0, got {tuple(self.rollout_weights)}")
+        elif "rollout_weights" not in nonfinite and (not all(w >= 0 for w in self.rollout_weights)
+                                                     or not any(w > 0 for w in self.rollout_weights)):
+            problems.append(f"rollout_weights must be >= 0, not all 0, got {_plain(self.rollout_weights)}")
         if self.max_time_offset < 0:
             problems.append(f"max_time_offset must be >= 0, got {self.max_time_offset}")
-        if not (0.0 <= self.ema_decay_start < 1.0 and 0.0 <= self.ema_decay_end < 1.0):
-            problems.append(f"ema_decay_start/ema_decay_end must lie in [0, 1), got {self.ema_decay_start}, {self.ema_decay_end}")
+        for name in ("ema_decay_start", "ema_decay_end"):
+            if name not in nonfinite and not 0.0 <= getattr(self, name) < 1.0:
+                problems.append(f"{name} must lie in [0, 1), got {getattr(self, name)}")
         if len(self.world_curriculum) != 2 or any(int(n) < 0 for n in self.world_curriculum):
             problems.append(f"world_curriculum must be two step counts >= 0 (without, then unquantized), got "
                             f"{tuple(self.world_curriculum)}")
         if self.temporal_attention not in ATTENTION_KERNELS:
             problems.append(f"temporal_attention must be one of {ATTENTION_KERNELS}, got {self.temporal_attention!r}")
         if problems:
-            raise ConfigError("\n".join(problems))
+            raise ConfigError("\n".join(f"model.net.{p}" for p in problems))
+
+
+def _nonfinite(value: object) -> bool:
+    """Whether a float field (or a tuple field's float) is inf or nan."""
+    values = value if isinstance(value, (tuple, list)) else (value,)
+    return any(isinstance(v, float) and not math.isfinite(v) for v in values)
+
+
+def _plain(value: object) -> object:
+    """A tuple field as a tuple (configs give lists), for messages."""
+    return tuple(value) if isinstance(value, list) else value
 
 
 class WorldModel(nn.Module):

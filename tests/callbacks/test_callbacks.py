@@ -12,7 +12,11 @@ import lightning as L
 import pytest
 import torch
 
-from lwm.callbacks import AttentionDiagonality, CodebookMonitor, DeadCodeRevival, Sensitivity
+from lwm.callbacks import (
+    AttentionDiagonality, CodebookMonitor, CodeDictionaries, DeadCodeRevival, FlopCounter, GroundTruthProbes,
+    RolloutVideos, Sensitivity, SlurmRequeue,
+)
+from lwm.errors import ConfigError
 from lwm.metrics import attention_diagonality, codebook_diversity, codebook_usage, sensitivity
 from lwm.module import OptimConfig, WorldModelModule
 from lwm.seeds import seeded_generator
@@ -119,8 +123,46 @@ def test_codebook_monitor_training_usage_and_ema_decay_at_the_logging_steps():
 
 
 def test_revival_validates_its_interval():
-    with pytest.raises(ValueError, match="every_n_steps"):
+    with pytest.raises(ConfigError, match=r"^revival\.every_n_steps must be >= 1"):
         DeadCodeRevival(every_n_steps=0)
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: DeadCodeRevival(every_n_steps=0),
+         "revival.every_n_steps must be >= 1 (or null: the logging interval), got 0"),
+        (lambda: Sensitivity(t=0), "sensitivity.t must be >= 1, got 0"),
+        (lambda: Sensitivity(batches=0), "sensitivity.batches must be >= 1, got 0"),
+        (lambda: RolloutVideos(clips=0), "rollout_videos.clips must be >= 1, got 0"),
+        (lambda: RolloutVideos(fps=0), "rollout_videos.fps must be >= 1, got 0"),
+        (lambda: RolloutVideos(every_n_validations=0), "rollout_videos.every_n_validations must be >= 1, got 0"),
+        (lambda: CodeDictionaries(max_windows=0), "code_dictionaries.max_windows must be >= 1 (or null: all), got 0"),
+        (lambda: AttentionDiagonality(batches=-1), "diagonality.batches must be >= 1, got -1"),
+        (lambda: SlurmRequeue(every_n_steps=0), "slurm_requeue.every_n_steps must be >= 1, got 0"),
+        (lambda: FlopCounter(peak_tflops=-1.0), "flops.peak_tflops must be a finite number > 0 (the device's peak "
+                                                "TFLOP/s; null: Lightning's figure for the device), got -1.0"),
+        (lambda: FlopCounter(peak_tflops=math.inf), "flops.peak_tflops must be a finite number > 0"),
+        (lambda: GroundTruthProbes(max_samples=0), "probes.max_samples must be >= 4 (the probe trains on half of "
+                                                   "them and tests on the rest), got 0"),
+    ],
+)
+def test_callback_settings_are_refused_naming_the_config_key(make, message):
+    """A ConfigError (one `error:` line from the CLI) naming the key as users type it, not a ValueError traceback."""
+    with pytest.raises(ConfigError) as e:
+        make()
+    assert str(e.value).startswith(message)
+
+
+def test_sensitivity_frame_must_lie_in_the_window():
+    """t >= data.window logged nothing at all; refused at setup, where the data module's window is known."""
+    trainer = SimpleNamespace(datamodule=SimpleNamespace(window=6))
+    with pytest.raises(ConfigError) as e:
+        Sensitivity(t=6).setup(trainer, None, "fit")
+    assert str(e.value) == "sensitivity.t must be < data.window (6: frames 0..5; frame t is generated from frame 0), got 6"
+    Sensitivity(t=5).setup(trainer, None, "fit")
+    Sensitivity(t=6).setup(trainer, None, "predict")  # no validation there
+    Sensitivity(t=6).setup(SimpleNamespace(datamodule=None), None, "validate")  # no window known: nothing to check
 
 
 def test_rollout_videos_are_written_every_n_validations_and_sent_to_wandb(tmp_path):

@@ -436,3 +436,48 @@ def test_without_deepspeed_there_is_no_engine_count():
 
     module = _train(_batches(2))
     assert deepspeed_skipped_steps(module.trainer) is None and not module.skips.reading_engine
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (dict(lr=math.inf), "model.optim.lr must be a finite number, got inf"),  # NaNs every weight at step 0
+        (dict(lr=math.nan), "model.optim.lr must be a finite number, got nan"),  # passed `lr <= 0`
+        (dict(eps=math.inf), "model.optim.eps must be a finite number, got inf"),
+        (dict(weight_decay=math.inf), "model.optim.weight_decay must be a finite number, got inf"),
+        (dict(betas=(math.nan, 0.9)), "model.optim.betas must be two values in [0, 1), got (nan, 0.9)"),
+        (dict(min_lr_ratio=math.inf), "model.optim.min_lr_ratio must lie in [0, 1], got inf"),
+        (dict(lr=-1.0), "model.optim.lr must be > 0, got -1.0"),  # the dotted path users type
+    ],
+)
+def test_optim_config_refuses_non_finite_and_names_the_field(fields, message):
+    with pytest.raises(ConfigError) as e:
+        OptimConfig(**fields)
+    assert str(e.value) == message
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (dict(val_check_interval=0), "trainer.val_check_interval must be > 0 (an integer: training batches between "
+                                     "validations, a fraction in (0, 1] of the epoch, or null: once per epoch), got 0"),
+        (dict(val_check_interval=0.0), "trainer.val_check_interval must be > 0"),  # validated after every batch
+        (dict(accumulate_grad_batches=0), "trainer.accumulate_grad_batches must be >= 1 (1: no accumulation), got 0"),
+        (dict(accumulate_grad_batches=-2), "trainer.accumulate_grad_batches must be >= 1 (1: no accumulation), got -2"),
+        (dict(log_every_n_steps=0), "trainer.log_every_n_steps must be >= 1 (the interval, in steps, of the Train_* "
+                                    "logs), got 0"),
+    ],
+)
+def test_check_trainer_refuses_intervals_lightning_accepts(settings, message):
+    """Lightning accepts these at construction, then divides by zero in the first epoch (or logs nothing)."""
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, **settings)
+    with pytest.raises(ConfigError) as e:
+        WorldModelModule.check_trainer(trainer)
+    assert str(e.value).startswith(message)
+
+
+@pytest.mark.parametrize("settings", [dict(), dict(val_check_interval=None), dict(val_check_interval=3),
+                                      dict(val_check_interval=0.25), dict(val_check_interval="00:00:00:30"),
+                                      dict(accumulate_grad_batches=2, log_every_n_steps=1)])
+def test_check_trainer_accepts_valid_intervals(settings):
+    WorldModelModule.check_trainer(L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, **settings))

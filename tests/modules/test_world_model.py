@@ -1,8 +1,11 @@
+import math
+
 import pytest
 import torch
 
+from lwm.errors import ConfigError
 from lwm.modules import triton_attention
-from lwm.modules.world_model import WorldModel
+from lwm.modules.world_model import WorldModel, WorldModelConfig
 
 TRITON = pytest.mark.skipif(not triton_attention.interpreting(), reason="needs triton with TRITON_INTERPRET=1")
 
@@ -370,8 +373,38 @@ def test_bad_inputs_name_the_argument():
     ],
 )
 def test_bad_config_names_the_field(overrides, field):
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(ConfigError, match=f"^model\\.net\\.{field}"):  # the dotted path users type
         WorldModel(**{**TINY, **overrides})
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(beta_action=math.inf), "model.net.beta_action must be a finite number, got inf"),
+        (dict(rollout_weights=(1.0, math.inf)), "model.net.rollout_weights must be finite numbers, got (1.0, inf)"),
+        (dict(rollout_weights=[1.0, math.nan]), "model.net.rollout_weights must be finite numbers, got (1.0, nan)"),
+        (dict(mlp_ratio=math.inf), "model.net.mlp_ratio must be a finite number, got inf"),  # was an OverflowError
+        (dict(mlp_ratio=0.01), "model.net.mlp_ratio must give an MLP hidden width int(d_model * mlp_ratio) >= 1, "
+                               "got 0.01 (width 0 at d_model 32)"),  # was a zero-width MLP
+        (dict(mask_prob=math.nan), "model.net.mask_prob must be a finite number, got nan"),
+        (dict(ema_decay_end=math.inf), "model.net.ema_decay_end must be a finite number, got inf"),
+        (dict(height=18), "model.net.height and model.net.width must be positive multiples of 4 (the tokenizer "
+                          "downsamples by 4), got 18x8"),
+        (dict(in_channels=0), "model.net.in_channels must be >= 1, got 0"),
+        (dict(mlp_ratio=0.0), "model.net.mlp_ratio must be > 0, got 0.0"),
+    ],
+)
+def test_bad_config_is_refused_with_the_dotted_field(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        WorldModelConfig(**{**TINY, **overrides})
+    assert str(e.value) == message
+
+
+def test_several_problems_are_one_line_each():
+    with pytest.raises(ConfigError) as e:
+        WorldModelConfig(**{**TINY, "beta_world": math.nan, "depth_world": 0})
+    assert str(e.value).splitlines() == ["model.net.beta_world must be a finite number, got nan",
+                                         "model.net.depth_world must be >= 1, got 0"]
 
 
 @TRITON

@@ -1,0 +1,43 @@
+"""Bad settings through `lwm fit`: one `error:` line naming the config key as users type it, before any work
+(no config.yaml, no checkpoint, no metrics.csv), instead of a traceback, a crash mid-run or a silently empty log."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.lightning.helpers import make_dataset, run
+
+
+@pytest.fixture(scope="module")
+def manifest(tmp_path_factory):
+    return make_dataset(tmp_path_factory.mktemp("data"), files=4)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        # non-finite numbers passed the `<= 0` checks (lr=inf NaNs every weight at step 0)
+        (["--model.optim.lr=.inf"], "model.optim.lr must be a finite number, got inf"),
+        (["--model.net.rollout_weights=[1, .inf]"], "model.net.rollout_weights must be finite numbers, got (1.0, inf)"),
+        (["--model.net.mlp_ratio=.inf"], "model.net.mlp_ratio must be a finite number, got inf"),  # OverflowError
+        (["--model.net.height=18"], "model.net.height and model.net.width must be positive multiples of 4"),
+        # trainer settings Lightning accepts, then divides by (ZeroDivisionError) or logs nothing with
+        (["--trainer.val_check_interval=0"], "trainer.val_check_interval must be > 0"),
+        (["--trainer.accumulate_grad_batches=0"], "trainer.accumulate_grad_batches must be >= 1"),
+        (["--trainer.log_every_n_steps=0"], "trainer.log_every_n_steps must be >= 1"),
+        # callbacks: a ValueError traceback, or nothing logged
+        (["--revival.every_n_steps=0"], "revival.every_n_steps must be >= 1"),
+        (["--flops.peak_tflops=-1"], "flops.peak_tflops must be a finite number > 0"),  # a negative MFU
+        (["--probes.max_samples=0"], "probes.max_samples must be >= 4"),  # no probes at all
+        (["--sensitivity.t=6", "--wandb.mode=offline"], "sensitivity.t must be < data.window (6: frames 0..5"),  # nothing logged
+        (["--seed_everything=-5"], "seed_everything must lie in [0, 4294967295] (or true: a random seed), got -5"),
+    ],
+)
+def test_bad_setting_is_one_error_line_naming_the_key(manifest, tmp_path, capsys, extra, message):
+    root = tmp_path / "run"
+    assert run(manifest, root, "--trainer.max_steps=2", *extra) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: {message}"), errors
+    assert "Traceback" not in err
+    assert not root.exists() or not any(root.iterdir())  # nothing written (a wandb folder neither)
