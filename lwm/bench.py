@@ -92,6 +92,12 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         raise ConfigError(f"--peak-tflops must be > 0, got {args.peak_tflops}")
     if not Path(args.config).is_file():
         raise ConfigError(f"--config {args.config}: not found")
+    if args.json is not None:  # before minutes of timing: a path that cannot be written, or the config itself
+        from lwm.video import check_output
+
+        if Path(args.json).suffix != ".json":
+            raise ConfigError(f"--json {args.json}: not a .json file name")
+        check_output(args.json, "--json", inputs={"--config": args.config})
     bad = [a for a in rest if not (a.startswith("--") and "=" in a)]
     if bad:
         raise ConfigError(f"unknown argument(s) {' '.join(bad)} (overrides look like --model.net.d_model=128)")

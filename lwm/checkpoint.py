@@ -84,6 +84,23 @@ def warn_window_mismatch(checkpoint: dict[str, Any], window: int, path: str | Pa
                        f"to match)")
 
 
+def checkpoint_file(path: str | Path, checkpoints: str | Path | None = None) -> Path:
+    """A ``--ckpt_path`` as the file to read: a run's folder (RUN_DIR) or its checkpoint folder is its ``last.ckpt``,
+    and ``last`` is ``checkpoints/last.ckpt`` where the verb knows the run's checkpoint folder; else as given."""
+    from lwm.errors import ConfigError
+
+    if str(path) == "last":
+        if checkpoints is None:
+            raise ConfigError("--ckpt_path last: this command has no run folder to look in; give the run's folder "
+                              "(RUN_DIR) or a checkpoint file")
+        path = Path(checkpoints)
+    path = Path(path)
+    for last in (path / "checkpoints" / "last.ckpt", path / "last.ckpt"):
+        if path.is_dir() and last.is_file():
+            return last
+    return path
+
+
 def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> tuple[dict[str, Any], Any]:
     """``(the checkpoint's dict, its WorldModelModule)`` of an lwm checkpoint file (``weights_only=True``), for the
     verbs that take a model from one (``lwm codes``, ``lwm generate``). A missing, foreign or unreadable file, or
@@ -92,9 +109,12 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> tuple[dict[s
     from lwm.module import WorldModelModule
 
     path = Path(path)
-    if path.is_dir():
+    if path.is_dir() and ((path / "latest").is_file() or (path / "checkpoint").is_dir()):
         raise DataError(f"{path}: a DeepSpeed checkpoint directory; convert it to one file first (Lightning's "
                         f"lightning.pytorch.utilities.deepspeed.convert_zero_checkpoint_to_fp32_state_dict)")
+    if path.is_dir():
+        raise DataError(f"{path}: a folder without a checkpoint (a run's folder holds checkpoints/last.ckpt); give a "
+                        f"checkpoint file")
     raw = read_checkpoint(path, what="lwm checkpoint")
     try:
         module = WorldModelModule.load_from_checkpoint(path, map_location=map_location, weights_only=True)

@@ -187,8 +187,16 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(e, (LwmError, NonFiniteLossError)) and type(e).__name__ != "MisconfigurationException":
             raise
         for line in error_lines(e):
-            print(f"error: {line}", file=sys.stderr)
+            print(f"error: {line}{_hint(line)}", file=sys.stderr)
         return 2
+
+
+def _hint(line: str) -> str:
+    """What to do about a Lightning error whose message does not say it."""
+    if line.startswith("No supported gpu backend found"):
+        return (" (trainer.accelerator=gpu, as in configs/base.yaml, ddp.yaml and deepspeed.yaml, but this machine has "
+                "no GPU: use configs/tiny.yaml or --trainer.accelerator=cpu)")
+    return ""
 
 
 def error_lines(e: BaseException) -> list[str]:

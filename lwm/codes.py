@@ -184,7 +184,7 @@ def collect(model, loader, device: torch.device, max_windows: int | None = None)
 
 def main(argv: list[str]) -> int:
     """``lwm codes --config CFG --ckpt_path CKPT [--max-windows N] [--out PATH] [overrides]``."""
-    from lwm.checkpoint import load_checkpoint, warn_window_mismatch
+    from lwm.checkpoint import checkpoint_file, load_checkpoint, warn_window_mismatch
     from lwm.errors import ConfigError
     from lwm.lightning_cli import LwmCLI
     from lwm.video import check_output
@@ -193,17 +193,19 @@ def main(argv: list[str]) -> int:
         prog="lwm codes", description="Code dictionaries of a trained model on its training data.",
         epilog="Every other argument is a `lwm fit` option: --config FILE and dotted overrides such as --data.manifest M.",
     )
-    parser.add_argument("--ckpt_path", required=True, help="the checkpoint whose encoders to use")
+    parser.add_argument("--ckpt_path", required=True, help="the checkpoint whose encoders to use: a file, a run's "
+                                                           "folder or `last` (the run's last.ckpt)")
     parser.add_argument("--max-windows", type=int, default=None, help="encode at most this many windows (default: all)")
     parser.add_argument("--out", help="output file (default: codes.pt beside last.ckpt, NAME.codes.pt beside "
                                       "another NAME.ckpt)")
     args, rest = parser.parse_known_args(argv)
     if args.max_windows is not None and args.max_windows < 1:
         raise ConfigError(f"--max-windows must be >= 1 (or left out: all), got {args.max_windows}")
-    ckpt_path = Path(args.ckpt_path)
+    cli = LwmCLI(args=rest, run=False)
+    dm = cli.datamodule  # the data; the model is the checkpoint's
+    ckpt_path = checkpoint_file(args.ckpt_path, cli.checkpoint_dir(cli.config))
     # before any work; the default path (lwm's own name beside the checkpoint) may be rewritten whatever it holds
     out = check_out(args.out) if args.out else check_output(default_codes_path(ckpt_path), "the code dictionary")
-    dm = LwmCLI(args=rest, run=False).datamodule  # the data; the model is the checkpoint's
     checkpoint, module = load_checkpoint(ckpt_path)
     warn_window_mismatch(checkpoint, dm.window, ckpt_path)  # the codes depend on it
     dm.setup("fit")

@@ -37,7 +37,7 @@ WORLDS = ("inferred", "dictionary")
 def parse(argv: list[str]) -> argparse.Namespace:
     p = ArgumentParser(prog="lwm generate", description=__doc__.split("\n\n")[0],
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--ckpt_path", required=True, help="a checkpoint of `lwm fit`")
+    p.add_argument("--ckpt_path", required=True, help="a checkpoint of `lwm fit`, or a run's folder (its last.ckpt)")
     p.add_argument("--data", required=True, help="h5 file to take the context (and ground truth) from")
     p.add_argument("--start", type=int, default=0, help="first context frame")
     p.add_argument("--context", type=int, default=1, help="ground-truth frames given to the model")
@@ -114,9 +114,9 @@ def _decode(quantizer, indices: torch.Tensor, option: str) -> torch.Tensor:
 
 def run(args: argparse.Namespace) -> Path:
     """``lwm generate``: checks, the checkpoint and the clip, the world and the actions, the rollouts, the files."""
-    from lwm.checkpoint import load_checkpoint
+    from lwm.checkpoint import checkpoint_file, load_checkpoint
 
-    ckpt_path = Path(args.ckpt_path)
+    ckpt_path = checkpoint_file(args.ckpt_path)  # a run's folder: its last.ckpt
     out = Path(args.out) if args.out else ckpt_path.parent.parent / "generated" / f"{Path(args.data).stem}_{args.start}.mp4"
     latents_path = out.with_suffix(out.suffix + ".h5")
     # both outputs, before any work: a folder in the way, or an input under an output's name (`--data X.gif.h5

@@ -131,11 +131,13 @@ class LwmCLI(LightningCLI):
     def _checkpoint_path(self, config: Any) -> str | None:
         """``ckpt_path`` as a path: ``last`` is ``CHECKPOINT_DIR/last.ckpt`` (RUN_DIR/checkpoints by default)."""
         path = config.get("ckpt_path")
-        if path == "last":
-            checkpoint = config.get("checkpoint") or {}
-            root = config.get("trainer", {}).get("default_root_dir") or "."
-            path = os.path.join(checkpoint.get("dirpath") or os.path.join(root, "checkpoints"), "last.ckpt")
-        return path
+        return os.path.join(self.checkpoint_dir(config), "last.ckpt") if path == "last" else path
+
+    @staticmethod
+    def checkpoint_dir(config: Any) -> str:
+        """The run's checkpoint folder: ``checkpoint.dirpath``, by default ``RUN_DIR/checkpoints``."""
+        root = config.get("trainer", {}).get("default_root_dir") or "."
+        return (config.get("checkpoint") or {}).get("dirpath") or os.path.join(root, "checkpoints")
 
     def _checkpoint_file(self, config: Any) -> str | None:
         """``ckpt_path`` as a file (None where there is none, or a DeepSpeed directory)."""
@@ -171,6 +173,8 @@ class LwmCLI(LightningCLI):
 
         config = self.config[sub]
         path = config.get("ckpt_path")
+        if path is None and sub == "fit":
+            self._check_no_run_yet(config)
         if path is None or path in ("best", "hpc", "registry") or str(path).startswith("registry:"):
             return
         if path == "last":
@@ -185,6 +189,21 @@ class LwmCLI(LightningCLI):
         if os.path.isdir(path) or not _is_local_file_protocol(str(path)):  # DeepSpeed's; a remote one (fsspec)
             return
         read_checkpoint(path, "--ckpt_path")  # missing, torn, foreign: one line
+
+    def _check_no_run_yet(self, config: Any) -> None:
+        """A fit without ``--ckpt_path`` into a RUN_DIR whose checkpoint folder already holds a run's checkpoints
+        is refused: it would start over, replace ``last.ckpt`` and the code dictionaries, and splice a second run
+        into ``metrics.csv``. (Under SLURM, Lightning resumes from a requeue's ``hpc_ckpt_N.ckpt`` instead.)"""
+        root = config.get("trainer", {}).get("default_root_dir") or "."
+        if fit_resumes(None, root):
+            return
+        directory = self.checkpoint_dir(config)
+        found = sorted(glob.glob(os.path.join(glob.escape(directory), "*.ckpt")))
+        if found:
+            name = "last.ckpt" if any(os.path.basename(f) == "last.ckpt" for f in found) else os.path.basename(found[-1])
+            raise ConfigError(f"{os.path.join(directory, name)}: trainer.default_root_dir={root} already holds a run; "
+                              f"continue it with --ckpt_path last, or start a new one in another "
+                              f"trainer.default_root_dir")
 
     def _check_checkpoint_fits(self) -> None:
         """A checkpoint of another model shape is one line naming the fields, not a state-dict traceback."""

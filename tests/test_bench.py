@@ -103,13 +103,15 @@ def test_bench_refuses_bad_arguments(capsys):
     (["--model.optim.betas=[1.5, 0.9]"], "optim.betas must be two values in [0, 1)"),
     (["--peak-tflops=-5"], "--peak-tflops must be > 0, got -5.0"),
     (["--config", "BROKEN"], "BROKEN: Problems parsing config"),
+    (["--json", "configs/tiny.yaml"], "--json configs/tiny.yaml: not a .json file name"),  # (it overwrote the config)
+    (["--json", "BROKEN/out.json"], "BROKEN/out.json: cannot be created, BROKEN is not a folder (--json)"),
 ])
 def test_bench_reads_the_config_as_fit_does_and_refuses_bad_values_in_one_line(tmp_path, capsys, extra, message):
     """The config goes through `lwm fit`'s parser and checks, before anything is timed (it ignored a misspelled
     key and failed with tracebacks on a zero batch or a short window)."""
     broken = tmp_path / "broken.yaml"
     broken.write_text("model:\n  net: [\n")
-    extra = [str(broken) if a == "BROKEN" else a for a in extra]
+    extra = [a.replace("BROKEN", str(broken)) for a in extra]
     message = message.replace("BROKEN", str(broken))
     assert main(["bench", "--steps", "1", "--warmup", "0", *extra]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]

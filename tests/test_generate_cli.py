@@ -144,7 +144,7 @@ def _error_lines(capsys) -> list[str]:
     return [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
 
 
-@pytest.mark.parametrize("kind", ["text", "foreign", "directory"])
+@pytest.mark.parametrize("kind", ["text", "foreign", "deepspeed", "folder"])
 def test_a_bad_checkpoint_is_one_error_line(trained, tmp_path, capsys, kind):
     tmp, ckpt, data = trained
     bad = tmp_path / "bad.ckpt"
@@ -152,13 +152,17 @@ def test_a_bad_checkpoint_is_one_error_line(trained, tmp_path, capsys, kind):
         bad.write_text("not a checkpoint")
     elif kind == "foreign":
         torch.save({"a": 1}, bad)
+    elif kind == "deepspeed":  # what a DeepSpeed checkpoint is: a folder of the ranks' shards
+        (bad / "checkpoint").mkdir(parents=True)
+        (bad / "latest").write_text("checkpoint")
     else:
-        bad.mkdir()  # what a DeepSpeed checkpoint is
+        bad.mkdir()
     for argv in (["generate", "--ckpt_path", str(bad), "--data", str(data), "--out", str(tmp_path / "x.gif")],
                  ["codes", "--ckpt_path", str(bad), "--config", str(tmp / "run/config.yaml")]):
         assert main(argv) == 2
         errors = _error_lines(capsys)
-        expected = "a DeepSpeed checkpoint directory" if kind == "directory" else "not a readable lwm checkpoint"
+        expected = {"deepspeed": "a DeepSpeed checkpoint directory", "folder": "a folder without a checkpoint"}.get(
+            kind, "not a readable lwm checkpoint")
         assert len(errors) == 1 and f"{bad}: {expected}" in errors[0], errors
     assert not (tmp_path / "x.gif.h5").exists()
 
@@ -404,3 +408,17 @@ def test_generate_plays_at_the_datas_frame_rate_unless_told(trained, tmp_path, m
         f.attrs["fps"] = 24.0
     _generate(ckpt, copy, tmp_path / "d.gif", "--steps", "2")
     assert rates[-1] == 6.0  # each latent step is 4 frames of the 24 fps video
+
+
+def test_a_run_folder_or_last_stands_for_the_runs_last_checkpoint(trained, tmp_path, capsys):
+    tmp, ckpt, data = trained
+    by_file = _generate(ckpt, data, tmp_path / "file.gif", "--steps", "2", "--rollouts", "1", "--actions", "random")
+    by_folder = _generate(tmp / "run", data, tmp_path / "run.gif", "--steps", "2", "--rollouts", "1",
+                          "--actions", "random")
+    assert np.array_equal(by_file, by_folder)
+    assert main(["generate", "--ckpt_path", "last", "--data", str(data), "--out", str(tmp_path / "x.gif")]) == 2
+    assert _error_lines(capsys) == ["error: --ckpt_path last: this command has no run folder to look in; give the "
+                                    "run's folder (RUN_DIR) or a checkpoint file"]
+    out = tmp_path / "codes.pt"  # lwm codes knows the run's folder from its config
+    assert main(["codes", "--ckpt_path", "last", "--config", str(tmp / "run/config.yaml"), "--out", str(out)]) == 0
+    assert f"wrote {out}" in capsys.readouterr().out

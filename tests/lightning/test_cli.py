@@ -224,7 +224,7 @@ def test_bad_data_is_named_before_training_and_nothing_is_lost(tmp_path, capsys)
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert any(str(victim) in line for line in errors), errors
     assert ((root / "checkpoints/last.ckpt").read_bytes(), (root / "metrics.csv").read_text()) == before
-    assert run(manifest, root, "--data.manifest=" + str(tmp_path / "nope.json")) == 2
+    assert run(manifest, root, "--data.manifest=" + str(tmp_path / "nope.json"), "--ckpt_path=last") == 2
     assert "nope.json: manifest not found" in capsys.readouterr().err
 
 
@@ -242,7 +242,9 @@ def test_a_gpu_config_without_a_gpu_is_one_error_line(tmp_path, capsys):
     manifest = make_dataset(tmp_path / "data", files=4)
     assert run(manifest, tmp_path / "run", "--trainer.accelerator=gpu") == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert errors == ["error: No supported gpu backend found!"]
+    assert errors == ["error: No supported gpu backend found! (trainer.accelerator=gpu, as in configs/base.yaml, "
+                      "ddp.yaml and deepspeed.yaml, but this machine has no GPU: use configs/tiny.yaml or "
+                      "--trainer.accelerator=cpu)"]
 
 
 def test_bad_data_is_refused_before_a_wandb_run_starts(tmp_path, capsys):
@@ -351,3 +353,24 @@ def test_lightning_verbs_edge_cases(tmp_path, caplog, recwarn):
     assert run(manifest, tmp_path / "equal", "--trainer.max_steps=2", "--trainer.val_check_interval=2") == 0
     assert main(tiny_args(manifest, tmp_path / "fresh", "--ckpt_path=last", "--model.net.d_model=64",
                           verb="validate")) == 0
+
+
+def test_a_fresh_fit_into_a_run_dir_holding_a_run_is_refused(tmp_path, capsys):
+    """Without --ckpt_path, a fit into a RUN_DIR whose checkpoints exist would start over, replace last.ckpt and
+    splice a second run into metrics.csv: one line instead, nothing touched; --ckpt_path last continues it."""
+    manifest = make_dataset(tmp_path / "data", files=4)
+    root = tmp_path / "run"
+    common = ["--data.val_size_percent=0", "--checkpoint.every_n_train_steps=1"]
+    assert run(manifest, root, "--trainer.max_steps=2", *common) == 0
+    before = {p.name: p.read_bytes() for p in [*(root / "checkpoints").iterdir(), root / "metrics.csv"]}
+    capsys.readouterr()
+    assert run(manifest, root, "--trainer.max_steps=1", *common) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: {root}/checkpoints/last.ckpt: trainer.default_root_dir={root} already holds a run; "
+                      "continue it with --ckpt_path last, or start a new one in another trainer.default_root_dir"]
+    assert {p.name: p.read_bytes() for p in [*(root / "checkpoints").iterdir(), root / "metrics.csv"]} == before
+    (root / "checkpoints/last.ckpt").unlink()  # a step checkpoint alone is a run too
+    assert run(manifest, root, "--trainer.max_steps=1", *common) == 2
+    assert "step=0000002.ckpt: trainer.default_root_dir" in capsys.readouterr().err
+    assert run(manifest, root, "--trainer.max_steps=3", *common, "--ckpt_path=last") == 0  # (starts fresh: no last)
+    assert run(manifest, tmp_path / "other", "--trainer.max_steps=1", *common) == 0  # a new RUN_DIR is fine
