@@ -74,8 +74,10 @@ def _data_decode(args: argparse.Namespace) -> int:
 def _lightning(args: argparse.Namespace) -> int:
     from lwm.lightning_cli import lightning_cli
 
-    lightning_cli([args.verb, *args.rest])
-    return 0
+    from lwm.callbacks.slurm import interrupted_by
+
+    signum = interrupted_by(getattr(lightning_cli([args.verb, *args.rest]), "trainer", None))
+    return 128 + signum if signum else 0  # a fit stopped by Ctrl-C or kill (after saving): 130, 143
 
 
 # Verbs that parse their own arguments: verb -> (the module whose ``main(argv)`` runs it, its help line).

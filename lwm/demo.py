@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import signal
 import time
 from pathlib import Path
 
@@ -61,6 +62,7 @@ def probe_margin(chance: float, samples: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from lwm.callbacks.slurm import interrupted_by
     from lwm.lightning_cli import lightning_cli, read_config
     from lwm.data.manifest import Manifest
     from lwm.data.synth import make_dataset
@@ -94,8 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     if resume:
         console.print(f"{run_dir / LAST} exists: resuming that run (it stops at once if it had finished)", soft_wrap=True)
     t = time.perf_counter()
-    lightning_cli(["fit", *common, *(["--ckpt_path", "last"] if resume else [])])
+    fit = lightning_cli(["fit", *common, *(["--ckpt_path", "last"] if resume else [])])
     times["fit"] = time.perf_counter() - t
+    signum = interrupted_by(fit.trainer)
+    if signum:
+        console.print(f"stopped by {signal.Signals(signum).name}: run the same command again to continue the demo")
+        return 128 + signum
 
     console.rule("[bold]3/4 validate[/]: the final checkpoint on every validation window")
     t = time.perf_counter()

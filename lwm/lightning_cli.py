@@ -115,7 +115,7 @@ class LwmCLI(LightningCLI):
             ("sensitivity", Sensitivity), ("flops", FlopCounter), ("code_dictionaries", CodeDictionaries),
             ("rollout_videos", RolloutVideos), ("copy_last", CopyLastBaseline), ("probes", GroundTruthProbes),
             ("progress_bar", StepProgressBar), ("model_summary", ModelSummary),
-            ("slurm_requeue", SlurmRequeue),  # a no-op outside SLURM
+            ("slurm_requeue", SlurmRequeue),  # preemption, requeue; outside SLURM Ctrl-C and kill save too
             ("lr_monitor", LearningRateMonitor),  # Train_Total/lr/pg1 (decayed weights), /pg2 (the rest)
             ("prediction_writer", PredictionWriter),  # lwm predict only
         ):

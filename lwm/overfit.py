@@ -82,6 +82,7 @@ def main(argv: list[str]) -> int:
 
 
 def _run(args: argparse.Namespace, rest: list[str]) -> int:
+    from lwm.callbacks.slurm import interrupted_by
     from lwm.lightning_cli import LwmCLI
 
     class OverfitCLI(LwmCLI):
@@ -115,10 +116,11 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
     cli.trainer.callbacks.append(record)
     cli.trainer.fit(model, train_dataloaders=loader)
     dm.teardown("fit")
+    signum = interrupted_by(cli.trainer)
 
     tf = record.tf_losses
     if tf:
         print(f"overfit: teacher-forcing loss {tf[0]:.4g} -> {tf[-1]:.4g} (min {min(tf):.4g}) in {len(tf)} steps "
               f"on one window ({files.paths[args.file]}, frames {args.start}..{args.start + dm.window - 1}); "
               f"every loss in {cli.trainer.default_root_dir}/metrics.csv")
-    return 0
+    return 128 + signum if signum else 0  # stopped by Ctrl-C or kill

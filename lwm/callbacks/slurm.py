@@ -1,4 +1,5 @@
-"""SLURM preemption: the requeue checkpoint is written at the end of a batch, not inside the signal handler.
+"""Stopping on a signal with a checkpoint written at the end of a batch, not inside the signal handler: a SLURM
+preemption or requeue, and outside SLURM an interrupt (Ctrl-C, ``kill``).
 
 Lightning's SLURM auto-requeue (SIGUSR1, e.g. from ``sbatch --signal=USR1@90``) saves ``RUN_DIR/hpc_ckpt_N.ckpt``
 from within the signal handler, usually in the middle of a training step (the data fetcher has already drawn the
@@ -12,9 +13,14 @@ the next validation batch end the same way, and the fit ends there: the resumed 
 the rest of that validation (its metrics are not logged). SIGTERM (SLURM's default preemption, ``scancel``) saves
 the same way, without the requeue: SLURM requeues a preempted job by itself. With several ranks they agree every
 ``every_n_steps`` steps (a collective and a host read: not every step), so the save comes at most that many steps
-after the signal (in a validation: every ``every_n_steps`` batches, among those every rank runs). Outside SLURM,
-or with ``SLURMEnvironment(auto_requeue=False)``, it does nothing (and costs nothing). A preempted run skips the
-end-of-training code dictionaries (:class:`~lwm.callbacks.codes.CodeDictionaries`): the grace time is short.
+after the signal (in a validation: every ``every_n_steps`` batches, among those every rank runs). A preempted run
+skips the end-of-training code dictionaries (:class:`~lwm.callbacks.codes.CodeDictionaries`): the grace time is
+short.
+
+Outside SLURM (``interrupts``, on by default), SIGTERM and a first Ctrl-C (SIGINT) are answered the same way
+without the hpc checkpoint (``last.ckpt`` is what ``--ckpt_path last`` continues), and ``lwm fit`` exits with
+128 + the signal's number (130 for Ctrl-C, 143 for SIGTERM); a second Ctrl-C stops at once, unsaved (Lightning's
+KeyboardInterrupt). Lightning's own handling loses the steps since the last checkpoint.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import threading
 from typing import Any
 
@@ -33,24 +40,36 @@ from lightning.pytorch.utilities.exceptions import _TunerExitException
 from typing_extensions import override
 
 from lwm.checkpoint import ModelCheckpoint
+from lwm.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 
 class SlurmRequeue(L.Callback):
-    def __init__(self, every_n_steps: int = 10) -> None:
+    def __init__(self, every_n_steps: int = 10, interrupts: bool = True) -> None:
         if every_n_steps < 1:
-            raise ValueError(f"slurm_requeue.every_n_steps must be >= 1, got {every_n_steps}")
-        self.every_n_steps = every_n_steps
+            raise ConfigError(f"slurm_requeue.every_n_steps must be >= 1, got {every_n_steps}")
+        self.every_n_steps, self.interrupts = every_n_steps, interrupts
         self._active = False  # our handler is installed
+        self._slurm = False  # under SLURM with auto-requeue
+        self._rank_zero = True
         self._requested = False
+        self._signal: int | None = None  # the last one that came
+        self._requeue_signal: int | None = getattr(signal, "SIGUSR1", None)  # SLURMEnvironment's, set at the start
         self._requeue = False  # the requeue signal came (SIGTERM alone: SLURM requeues or cancels by itself)
-        self.preempted = False  # this run stopped for a requeue
+        self.preempted = False  # this run stopped on a signal, with its checkpoints written
+        self.interrupted: int | None = None  # outside SLURM: the signal that stopped the run (exit code 128 + it)
         self._val_batches: int | None = None  # validation batches every rank runs (several ranks)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        self._requested = True
-        self._requeue = self._requeue or signum != signal.SIGTERM
+        if signum == signal.SIGINT and self._requested and self._signal == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now, unsaved
+        if not self._slurm and not self._requested and self._rank_zero:
+            again = " (Ctrl-C again: stop at once, unsaved)" if signum == signal.SIGINT else ""
+            sys.stderr.write(f"\n{signal.Signals(signum).name}: stopping after a checkpoint at the end of this batch"
+                             f"{again}\n")
+        self._requested, self._signal = True, signum
+        self._requeue = self._requeue or signum == self._requeue_signal
 
     @override
     def on_sanity_check_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -58,14 +77,21 @@ class SlurmRequeue(L.Callback):
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if threading.current_thread() is not threading.main_thread():  # (signal handlers live there)
+            return
         env = trainer._accelerator_connector.cluster_environment
-        if (isinstance(env, SLURMEnvironment) and env.auto_requeue
-                and threading.current_thread() is threading.main_thread()):
-            # Lightning restores its own handlers at teardown. SIGTERM (how SLURM preempts by default, and
-            # scancel) saves too: Lightning's handler only stops, losing the steps since the last checkpoint.
-            signal.signal(env.requeue_signal or signal.SIGUSR1, self._on_signal)
+        self._slurm = isinstance(env, SLURMEnvironment) and env.auto_requeue
+        self._rank_zero = trainer.is_global_zero
+        # Lightning restores every handler at teardown. SIGTERM (how SLURM preempts by default, scancel, kill)
+        # saves too: Lightning's handler only stops, losing the steps since the last checkpoint.
+        if self._slurm:
+            self._requeue_signal = env.requeue_signal or signal.SIGUSR1
+            signal.signal(self._requeue_signal, self._on_signal)
+        if self._slurm or self.interrupts:
             signal.signal(signal.SIGTERM, self._on_signal)
             self._active = True
+        if self.interrupts:
+            signal.signal(signal.SIGINT, self._on_signal)
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
@@ -104,8 +130,8 @@ class SlurmRequeue(L.Callback):
             raise _TunerExitException  # Lightning's own clean early end of a fit: teardown, loggers finalized
 
     def _preempt(self, trainer: L.Trainer) -> bool:
-        """If a signal came (to any rank: a collective with several), save the hpc checkpoint and ``last.ckpt``,
-        requeue on the requeue signal, and say so (the caller stops the run)."""
+        """If a signal came (to any rank: a collective with several), save the hpc checkpoint (under SLURM) and
+        ``last.ckpt``, requeue on the requeue signal, and say so (the caller stops the run)."""
         requested, requeue = self._requested, self._requeue
         if trainer.world_size > 1:  # ranks get the signal at different batches: agree on one
             requested = trainer.strategy.reduce_boolean_decision(requested, all=False)
@@ -115,11 +141,22 @@ class SlurmRequeue(L.Callback):
             return False
         self._requested = self._requeue = False
         self.preempted = True
-        path = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
-        trainer.save_checkpoint(path)
+        if self._slurm:
+            path = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
+            trainer.save_checkpoint(path)
+        saved = []
         for callback in trainer.checkpoint_callbacks:  # else the end of fit would rewrite last.ckpt as "epoch done"
             if isinstance(callback, ModelCheckpoint):  # (and the step's own checkpoint, if one is due)
                 callback.save_stop_now(trainer)
+                saved.append(callback.last_model_path)
+        if not self._slurm:
+            self.interrupted = self._signal or signal.SIGTERM  # (another rank's signal: SIGTERM, as from kill)
+            if trainer.is_global_zero:
+                name = signal.Signals(self.interrupted).name
+                log.warning(f"{name}: stopped at step {trainer.global_step}; " + (
+                    f"saved {saved[0]}: continue with --ckpt_path last" if saved and saved[0] else "nothing saved "
+                    "(no checkpointing)"))
+            return True
         if trainer.is_global_zero and not requeue:
             log.warning(f"terminated: {path} at step {trainer.global_step}")
         elif trainer.is_global_zero:
@@ -130,3 +167,9 @@ class SlurmRequeue(L.Callback):
             log.warning(f"preempted: {path} at step {trainer.global_step}; scontrol requeue {job} "
                         + ("done" if rc == 0 else f"failed ({rc})"))
         return True
+
+
+def interrupted_by(trainer: Any) -> int | None:
+    """The signal that stopped ``trainer``'s fit outside SLURM, after its checkpoint (None if none did): the
+    command then exits with 128 + it."""
+    return next((c.interrupted for c in getattr(trainer, "callbacks", []) if getattr(c, "interrupted", None)), None)

@@ -33,16 +33,18 @@ from lwm.data.windows import FileBatchSampler, H5WindowDataset, collate_windows
 
 
 def ignore_requeue_signal(worker_id: int) -> None:
-    """In a DataLoader worker: leave SLURM's signals (sent to every process of the job step) to the main
+    """In a DataLoader worker: leave SLURM's signals (sent to every process of the job step) and Ctrl-C to the main
     process, which saves at the next batch end (:class:`~lwm.callbacks.SlurmRequeue`). A forked worker
     inherits Lightning's SIGUSR1 handler, which would write a checkpoint of nothing and requeue the job from
     the worker: ignored. PyTorch's SIGTERM handler kills the worker, which fails the step before the save:
     a SIGTERM from anyone but the process that started the worker is ignored (a thread takes it with
     ``sigwaitinfo``, which names the sender), and one from it (shutting its workers down) ends the worker as
     before. (A spawned worker may already run torch's threads, which do not block SIGTERM: there PyTorch's
-    handler can still take it.)"""
+    handler can still take it.) Ctrl-C reaches every process of the terminal's group: a worker ignores it (the
+    main process saves and stops; torch's worker loop would end quietly and fail the next batch it owes)."""
     if hasattr(signal, "SIGUSR1"):
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if hasattr(signal, "sigwaitinfo") and hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
         starter = multiprocessing.parent_process()  # the DataLoader's process (not a forkserver)

@@ -244,7 +244,7 @@ def test_slurm_requeue_ranks_agree_every_n_steps_and_skip_the_code_dictionaries(
     from lwm.callbacks import CodeDictionaries, SlurmRequeue
 
     requeue = SlurmRequeue(every_n_steps=10)
-    requeue._active = True  # as on_train_start does under SLURM with auto-requeue
+    requeue._active = requeue._slurm = True  # as on_train_start does under SLURM with auto-requeue
     decisions, saved = [], []
     trainer = SimpleNamespace(
         world_size=2, global_step=0, is_global_zero=False, should_stop=False, default_root_dir=str(tmp_path),
@@ -282,7 +282,7 @@ def test_slurm_ranks_agree_in_validation_only_at_batches_every_rank_runs(tmp_pat
     from lwm.callbacks import SlurmRequeue
 
     requeue = SlurmRequeue(every_n_steps=4)
-    requeue._active = True
+    requeue._active = requeue._slurm = True  # under SLURM
     decisions, saved = [], []
     trainer = SimpleNamespace(
         world_size=2, global_step=7, is_global_zero=False, sanity_checking=False, num_val_batches=[9],
@@ -323,7 +323,7 @@ def test_slurm_sigterm_saves_without_requeueing(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(subprocess, "call", lambda *a, **k: calls.append(a) or 0)
     requeue = SlurmRequeue()
-    requeue._active = True
+    requeue._active = requeue._slurm = True  # under SLURM
     saved = []
     trainer = SimpleNamespace(
         world_size=1, global_step=3, is_global_zero=True, should_stop=False, default_root_dir=str(tmp_path),
@@ -496,7 +496,7 @@ def test_slurm_does_not_save_inside_an_accumulation_window(tmp_path):
     from lwm.callbacks import SlurmRequeue
 
     requeue = SlurmRequeue()
-    requeue._active = True
+    requeue._active = requeue._slurm = True  # under SLURM
     accumulating = [True]
     trainer, saved = _slurm_trainer(tmp_path, accumulating)
     requeue._on_signal(signal.SIGTERM, None)
@@ -519,7 +519,7 @@ def test_slurm_preemption_writes_last_ckpt_too(tmp_path):
             stops.append(trainer.global_step)
 
     requeue = SlurmRequeue()
-    requeue._active = True
+    requeue._active = requeue._slurm = True  # under SLURM
     trainer, saved = _slurm_trainer(tmp_path, [False], callbacks=[Recording()])
     requeue._on_signal(signal.SIGTERM, None)
     requeue.on_train_batch_end(trainer)
@@ -688,3 +688,23 @@ def _roundtrip(obj):
     torch.save(obj, buffer)
     buffer.seek(0)
     return buffer
+
+
+# outside SLURM the first Ctrl-C asks for a save at the batch end; a second one stops at once, unsaved
+def test_a_second_ctrl_c_stops_at_once(capsys):
+    import signal
+
+    from lwm.callbacks import SlurmRequeue
+
+    requeue = SlurmRequeue()
+    requeue._active = True
+    requeue._on_signal(signal.SIGINT, None)
+    assert requeue._requested and not requeue._requeue
+    assert "SIGINT: stopping after a checkpoint at the end of this batch (Ctrl-C again" in capsys.readouterr().err
+    with pytest.raises(KeyboardInterrupt):
+        requeue._on_signal(signal.SIGINT, None)
+    term = SlurmRequeue()
+    term._active = True
+    term._on_signal(signal.SIGTERM, None)
+    term._on_signal(signal.SIGTERM, None)  # SIGTERM again: still the save at the batch end
+    assert term._requested and term._signal == signal.SIGTERM

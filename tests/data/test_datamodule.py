@@ -191,7 +191,7 @@ def test_fewer_validation_windows_than_ranks_is_refused_at_setup(manifest):
 
 
 class _WorkerSignals(torch.utils.data.Dataset):
-    """Item 0: whether the loading worker ignores SIGUSR1; item 1: its pid."""
+    """Item 0: whether the loading worker ignores SIGUSR1 and Ctrl-C (SIGINT); item 1: its pid."""
 
     def __len__(self) -> int:
         return 2
@@ -200,13 +200,15 @@ class _WorkerSignals(torch.utils.data.Dataset):
         import os
         import signal
 
-        return torch.tensor(signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN if i == 0 else os.getpid())
+        if i == 0:
+            return torch.tensor(all(signal.getsignal(s) == signal.SIG_IGN for s in (signal.SIGUSR1, signal.SIGINT)))
+        return torch.tensor(os.getpid())
 
 
 @pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_loader_workers_leave_slurms_signals_to_the_main_process(manifest, context):
-    """SLURM signals every process of the step. A forked worker inherits Lightning's SIGUSR1 handler (which
-    saves and requeues): ignored. PyTorch's SIGTERM handler kills a worker (failing the step before the save):
+    """SLURM signals every process of the step, and Ctrl-C every process of the terminal's group. A forked worker
+    inherits Lightning's SIGUSR1 handler (which saves and requeues): ignored, as is SIGINT. PyTorch's SIGTERM handler kills a worker (failing the step before the save):
     a SIGTERM from another process is ignored, one from the parent (shutting the workers down) still ends it."""
     import signal
     import subprocess

@@ -114,22 +114,23 @@ class WandbLogger(Logger):
         pass
 
 
-class SendSigterm(L.Callback):
-    """Sends this process SIGTERM, as SLURM preempts a job: at the first validation batch of the fit's validation
-    after ``step`` (``during="validation"``) or at the start of training batch ``step`` (``"training"``);
-    ``validation_batches_after`` records the validation batches that started after it (class-wide, for the test)."""
+class SendSignal(L.Callback):
+    """Sends this process ``name`` (SIGTERM, as SLURM preempts a job; SIGINT, as Ctrl-C): at the first validation
+    batch of the fit's validation after ``step`` (``during="validation"``) or at the start of training batch
+    ``step`` (``"training"``); ``validation_batches_after`` records the validation batches that started after it
+    (class-wide, for the test)."""
 
     validation_batches_after: list[int] = []
 
-    def __init__(self, step: int, during: str = "validation") -> None:
-        self.step, self.during, self.sent = step, during, False
-        SendSigterm.validation_batches_after = []
+    def __init__(self, step: int, during: str = "validation", name: str = "SIGTERM") -> None:
+        self.step, self.during, self.name, self.sent = step, during, name, False
+        SendSignal.validation_batches_after = []
 
     def _send(self) -> None:
         import signal
 
         self.sent = True
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), getattr(signal, self.name))
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.during == "training" and not self.sent and trainer.global_step == self.step:
@@ -139,6 +140,6 @@ class SendSigterm(L.Callback):
         if trainer.sanity_checking:
             return
         if self.sent:
-            SendSigterm.validation_batches_after.append(batch_idx)
+            SendSignal.validation_batches_after.append(batch_idx)
         elif self.during == "validation" and trainer.global_step == self.step and batch_idx == 0:
             self._send()

@@ -121,7 +121,7 @@ def test_a_preemption_saves_at_the_next_batch_end_runs_no_more_validation_and_re
     batch before one: the training state is saved at that batch's end and the fit ends without running (the
     rest of) the validation; the resumed run trains exactly as an uninterrupted one (the cut validation is not
     logged)."""
-    from tests.lightning.helpers import SendSigterm
+    from tests.lightning.helpers import SendSignal
 
     manifest = make_dataset(tmp_path / "data")
     common = ["--trainer.max_steps=8", "--trainer.val_check_interval=3", "--checkpoint.every_n_train_steps=100",
@@ -129,10 +129,10 @@ def test_a_preemption_saves_at_the_next_batch_end_runs_no_more_validation_and_re
     assert run(manifest, tmp_path / "a", *common) == 0
     for name, value in SLURM_ENV.items():
         monkeypatch.setenv(name, value)
-    signal = ["--trainer.callbacks+=tests.lightning.helpers.SendSigterm",
+    signal = ["--trainer.callbacks+=tests.lightning.helpers.SendSignal",
               f"--trainer.callbacks.step={3 if during == 'validation' else 2}", f"--trainer.callbacks.during={during}"]
     assert run(manifest, tmp_path / "b", *common, *signal) == 0
-    assert SendSigterm.validation_batches_after == []  # stopped at the batch where the signal came
+    assert SendSignal.validation_batches_after == []  # stopped at the batch where the signal came
     saved = torch.load(tmp_path / "b/hpc_ckpt_1.ckpt", weights_only=True)
     last = torch.load(tmp_path / "b/checkpoints/last.ckpt", weights_only=True)
     assert saved["global_step"] == last["global_step"] == 3
@@ -146,3 +146,28 @@ def test_a_preemption_saves_at_the_next_batch_end_runs_no_more_validation_and_re
     # validations after steps 3 and 8 (logged one lower); the cut one is not logged, the next one matches
     assert sorted(full_val) == [2, 7] and sorted(resumed_val) == [7]
     assert resumed_val[7] == pytest.approx(full_val[7], rel=1e-5)
+
+
+@pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
+def test_an_interrupt_outside_slurm_saves_last_ckpt_at_the_batch_end_and_resumes_exactly(tmp_path, name):
+    """Ctrl-C or kill outside SLURM: last.ckpt is written at the end of that batch (no hpc checkpoint), the fit
+    stops with 128 + the signal's number, no validation started, and --ckpt_path last continues exactly."""
+    import signal as signals
+
+    from tests.lightning.helpers import SendSignal
+
+    manifest = make_dataset(tmp_path / "data")
+    common = ["--trainer.max_steps=8", "--trainer.val_check_interval=3", "--checkpoint.every_n_train_steps=100",
+              "--data.num_workers=1"]  # a worker too: Ctrl-C reaches it as well (it ignores it)
+    assert run(manifest, tmp_path / "a", *common) == 0
+    signal = ["--trainer.callbacks+=tests.lightning.helpers.SendSignal", "--trainer.callbacks.step=2",
+              "--trainer.callbacks.during=training", f"--trainer.callbacks.name={name}"]
+    assert run(manifest, tmp_path / "b", *common, *signal) == 128 + getattr(signals, name)
+    assert SendSignal.validation_batches_after == []  # (the validation after step 3: not started)
+    assert torch.load(tmp_path / "b/checkpoints/last.ckpt", weights_only=True)["global_step"] == 3
+    assert not list((tmp_path / "b").glob("hpc_ckpt_*.ckpt"))
+    assert run(manifest, tmp_path / "b", *common, "--ckpt_path=last") == 0
+    full, resumed = train_series(tmp_path / "a"), train_series(tmp_path / "b")
+    assert sorted(full) == sorted(resumed) == list(range(8))
+    assert torch.allclose(torch.tensor([resumed[s] for s in range(8)]), torch.tensor([full[s] for s in range(8)]),
+                          rtol=1e-5, atol=1e-7)
