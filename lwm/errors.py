@@ -25,10 +25,27 @@ class NonFiniteLossError(RuntimeError):
     """Training stopped: too many consecutive steps had a non-finite loss or gradient."""
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows each option's default, except where its help says it already or there is none to show
+    (None, False: an unset option, a flag)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if ("(default" in text or default is None or default is False or default == [] or default == argparse.SUPPRESS
+                or not action.option_strings):
+            return text
+        return super()._get_help_string(action)
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse's parser whose refusals are one line, a :class:`ConfigError` (``error: lwm VERB: MESSAGE``, exit 2),
-    instead of the usage block and the message; ``--help`` prints the usage as usual. Subparsers are of this class
-    too."""
+    instead of the usage block and the message; ``--help`` prints the usage, each option with its default
+    (:class:`HelpFormatter`), as usual. Subparsers are of this class too."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):  # type: ignore[override]
         raise ConfigError(f"{self.prog}: {message} (`{self.prog} --help` for the options)")

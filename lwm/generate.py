@@ -35,8 +35,7 @@ WORLDS = ("inferred", "dictionary")
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    p = ArgumentParser(prog="lwm generate", description=__doc__.split("\n\n")[0],
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = ArgumentParser(prog="lwm generate", description=__doc__.split("\n\n")[0])
     p.add_argument("--ckpt_path", required=True, help="a checkpoint of `lwm fit`, or a run's folder (its last.ckpt)")
     p.add_argument("--data", required=True, help="h5 file to take the context (and ground truth) from")
     p.add_argument("--start", type=int, default=0, help="first context frame")

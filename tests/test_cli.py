@@ -149,3 +149,17 @@ def test_python_dash_m_lwm_is_the_lwm_command():
 
     done = subprocess.run([sys.executable, "-m", "lwm", "data", "index"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.strip().startswith("error: lwm data index"), done.stderr
+
+
+def test_help_shows_each_default_once(capsys):
+    for argv in (["data", "index", "--help"], ["generate", "--help"], ["bench", "--help"], ["codes", "--help"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        text = " ".join(capsys.readouterr().out.split())  # (argparse wraps the lines)
+        assert "(default: None)" not in text and "(default: False)" not in text and "(default: [])" not in text, argv
+        for option in text.split(" --")[1:]:
+            assert option.count("(default") <= 1, (argv, option)
+    with pytest.raises(SystemExit):
+        main(["data", "index", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "fraction of files in the val split (default: 0.1)" in text
