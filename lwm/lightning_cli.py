@@ -173,6 +173,10 @@ class LwmCLI(LightningCLI):
 
         config = self.config[sub]
         path = config.get("ckpt_path")
+        if sub == "fit":
+            directory = self.checkpoint_dir(config)
+            if os.path.exists(directory) and not os.path.isdir(directory):  # else found at the first save
+                raise ConfigError(f"checkpoint.dirpath={directory}: exists and is not a folder")
         if path is None and sub == "fit":
             self._check_no_run_yet(config)
         if path is None or path in ("best", "hpc", "registry") or str(path).startswith("registry:"):

@@ -158,6 +158,13 @@ class LatentDataModule(L.LightningDataModule):
             raise DataError(f"data.seed must be an integer >= 0, got {seed!r}")
         if num_workers < 0 or prefetch_factor < 1:
             raise DataError(f"data.num_workers must be >= 0 and data.prefetch_factor >= 1, got {num_workers}, {prefetch_factor}")
+        if batches_per_epoch is not None and batches_per_epoch < 1:
+            raise DataError(f"data.batches_per_epoch must be >= 1 (or null: the windows / the global batch), got "
+                            f"{batches_per_epoch}")
+        methods = multiprocessing.get_all_start_methods()
+        if multiprocessing_context is not None and multiprocessing_context not in methods:
+            raise DataError(f"data.multiprocessing_context must be one of {', '.join(methods)} (or null: the "
+                            f"platform's), got {multiprocessing_context!r}")
         self.save_hyperparameters()
         self.manifest_path = Path(manifest)
         self.window, self.batch_size = window, batch_size

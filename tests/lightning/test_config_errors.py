@@ -41,3 +41,20 @@ def test_bad_setting_is_one_error_line_naming_the_key(manifest, tmp_path, capsys
     assert len(errors) == 1 and errors[0].startswith(f"error: {message}"), errors
     assert "Traceback" not in err
     assert not root.exists() or not any(root.iterdir())  # nothing written (a wandb folder neither)
+
+
+def test_a_checkpoint_dirpath_or_data_setting_found_only_later_is_refused_first(manifest, tmp_path, capsys):
+    """A checkpoint folder that is a file failed at the first save, after the training; a negative epoch length
+    or an unknown worker start method crashed after config.yaml was written."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for extra, message in (([f"--checkpoint.dirpath={afile}"], f"checkpoint.dirpath={afile}: exists and is not a "
+                                                                 "folder"),
+                           (["--data.batches_per_epoch=-3"], "data.batches_per_epoch must be >= 1"),
+                           (["--data.multiprocessing_context=bogus", "--data.num_workers=1"],
+                            "data.multiprocessing_context must be one of")):
+        root = tmp_path / "run"
+        assert run(manifest, root, "--trainer.max_steps=2", *extra) == 2
+        errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and errors[0].startswith(f"error: {message}"), errors
+        assert not root.exists() or not any(root.iterdir())
