@@ -60,6 +60,13 @@ class SlurmRequeue(L.Callback):
         self.preempted = False  # this run stopped on a signal, with its checkpoints written
         self.interrupted: int | None = None  # outside SLURM: the signal that stopped the run (exit code 128 + it)
         self._val_batches: int | None = None  # validation batches every rank runs (several ranks)
+        self._previous: dict[int, Any] = {}  # the handlers ours replaced, put back when training is over
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage == "fit":  # (a second fit of the same trainer starts afresh)
+            self._requested = self._requeue = self.preempted = False
+            self._signal = self.interrupted = None
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if signum == signal.SIGINT and self._requested and self._signal == signal.SIGINT:
@@ -86,12 +93,29 @@ class SlurmRequeue(L.Callback):
         # saves too: Lightning's handler only stops, losing the steps since the last checkpoint.
         if self._slurm:
             self._requeue_signal = env.requeue_signal or signal.SIGUSR1
-            signal.signal(self._requeue_signal, self._on_signal)
+            self._install(self._requeue_signal)
         if self._slurm or self.interrupts:
-            signal.signal(signal.SIGTERM, self._on_signal)
+            self._install(signal.SIGTERM)
             self._active = True
-        if self.interrupts:
-            signal.signal(signal.SIGINT, self._on_signal)
+        if self.interrupts and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # (`lwm fit &`: left so)
+            self._install(signal.SIGINT)
+
+    def _install(self, signum: int) -> None:
+        current = signal.signal(signum, self._on_signal)
+        if current != self._on_signal:  # (installed again at the start of training, after the sanity check)
+            self._previous[signum] = current
+
+    @override
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """After the last training batch (and its validation), the signals go back to the handlers ours replaced:
+        nothing is left to save at a batch end (a Ctrl-C during the end-of-training code dictionaries stops)."""
+        max_epochs = trainer.max_epochs if trainer.max_epochs is not None and trainer.max_epochs >= 0 else None
+        over = (trainer.should_stop or 0 < trainer.max_steps <= trainer.global_step
+                or (max_epochs is not None and trainer.current_epoch + 1 >= max_epochs))
+        if over and threading.current_thread() is threading.main_thread():
+            for signum, handler in self._previous.items():
+                signal.signal(signum, handler)
+            self._previous, self._active = {}, False
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:

@@ -708,3 +708,39 @@ def test_a_second_ctrl_c_stops_at_once(capsys):
     term._on_signal(signal.SIGTERM, None)
     term._on_signal(signal.SIGTERM, None)  # SIGTERM again: still the save at the batch end
     assert term._requested and term._signal == signal.SIGTERM
+
+
+# the handlers go in at the start of training and back out when training is over; an ignored SIGINT stays so
+def test_interrupt_handlers_are_put_back_when_training_is_over():
+    import signal
+    from types import SimpleNamespace
+
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    from lwm.callbacks import SlurmRequeue
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    trainer = SimpleNamespace(_accelerator_connector=SimpleNamespace(cluster_environment=LightningEnvironment()),
+                              is_global_zero=True, should_stop=False, max_steps=10, global_step=4, max_epochs=-1,
+                              current_epoch=0)
+    try:
+        requeue = SlurmRequeue()
+        requeue.on_sanity_check_start(trainer, None)
+        requeue.on_train_start(trainer, None)  # installed again: what it replaced is still the original
+        assert signal.getsignal(signal.SIGINT) == requeue._on_signal == signal.getsignal(signal.SIGTERM)
+        requeue.on_train_epoch_end(trainer, None)  # an epoch ends, training goes on
+        assert signal.getsignal(signal.SIGINT) == requeue._on_signal
+        trainer.global_step = 10  # max_steps: training is over (the code dictionaries may follow)
+        requeue.on_train_epoch_end(trainer, None)
+        assert {s: signal.getsignal(s) for s in saved} == saved and not requeue._active
+
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # as `lwm fit &` in a script starts
+        SlurmRequeue().on_train_start(trainer, None)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+
+        requeue.preempted, requeue.interrupted, requeue._requested = True, signal.SIGINT, True
+        requeue.setup(trainer, None, "fit")  # a second fit of the same trainer starts afresh
+        assert not requeue.preempted and requeue.interrupted is None and not requeue._requested
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
