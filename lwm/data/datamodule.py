@@ -184,6 +184,7 @@ class LatentDataModule(L.LightningDataModule):
         if self.manifest is None:
             manifest = Manifest.load(self.manifest_path)
             if self.check_files:
+                manifest.check_duplicates(files=True)  # links and hard links too (a stat per file: here only)
                 problems = []
                 rank_zero = (self.trainer.global_rank if self.trainer is not None else rank_zero_only.rank) == 0
                 for e in checking(manifest.entries, f"checking {len(manifest.entries)} files", show=rank_zero):

@@ -126,18 +126,22 @@ class Manifest:
         manifest.check_duplicates()
         return manifest
 
-    def check_duplicates(self) -> None:
+    def check_duplicates(self, files: bool = False) -> None:
         """Refuse two entries of one file, naming both: the same path, spelled alike or not (``./a.h5``, an
-        absolute path), a link to it or a hard link (the same device and inode). Listed twice, a file is drawn
-        twice as often, and in both splits the run validates on what it trained on."""
+        absolute path); with ``files`` (a stat and a path resolution per entry, where the files are opened anyway:
+        fit's setup check) also a link to it or a hard link (the same device and inode). Listed twice, a file is
+        drawn twice as often, and in both splits the run validates on what it trained on."""
         seen: dict[object, ManifestEntry] = {}
         for e in self.entries:
-            resolved = self.resolve(e)
-            try:
-                st = resolved.stat()
-                ids: list[object] = [resolved, (st.st_dev, st.st_ino)]
-            except OSError:  # missing: named by the file checks
-                ids = [resolved]
+            spelled = os.path.normpath(os.path.join(os.path.abspath(self.path.parent), e.path))  # no file system
+            ids: list[object] = [spelled]
+            if files:
+                resolved = self.resolve(e)
+                try:
+                    st = resolved.stat()
+                    ids += [resolved, (st.st_dev, st.st_ino)]
+                except OSError:  # missing: named by the file checks
+                    ids.append(resolved)
             other = next((seen[i] for i in ids if i in seen), None)
             if other is not None:
                 if other.path == e.path:
