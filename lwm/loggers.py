@@ -17,6 +17,7 @@ import importlib.util
 import netrc
 import os
 import secrets
+import socket
 from pathlib import Path
 from dataclasses import dataclass
 from typing import Literal
@@ -37,6 +38,11 @@ from lwm.errors import ConfigError
 class _AppendingWriter(ExperimentWriter):
     def __init__(self, log_dir: str) -> None:
         super().__init__(log_dir)
+        from lwm.checkpoint import stale_temp_files
+
+        for stale in stale_temp_files(Path(log_dir)):  # a header rewrite killed mid-way (the file itself is whole)
+            if stale.name.startswith(f".{Path(self.metrics_file_path).name}.tmp-"):
+                stale.unlink(missing_ok=True)
         if os.path.isfile(self.metrics_file_path):
             with open(self.metrics_file_path, newline="") as f:
                 self.metrics_keys = next(csv.reader(f), [])
@@ -60,7 +66,7 @@ class _AppendingWriter(ExperimentWriter):
         with the new header, then renamed over it (Lightning reads it all into memory and rewrites it in place,
         where a kill mid-write loses the history)."""
         path = Path(self.metrics_file_path)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp = path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
         try:
             with open(path, newline="") as source, open(tmp, "w", newline="") as target:
                 writer = csv.DictWriter(target, fieldnames=fieldnames)

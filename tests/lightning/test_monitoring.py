@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -282,8 +283,13 @@ def test_a_new_column_rewrites_metrics_csv_through_a_renamed_temp_file(tmp_path,
                         or os.rename(src, dst))
     logger.save()
     logger.finalize("success")
-    assert replaced == [(f".metrics.csv.tmp-{os.getpid()}", "metrics.csv")]
+    assert replaced == [(f".metrics.csv.tmp-{socket.gethostname()}-{os.getpid()}", "metrics.csv")]
     rows = read_metrics(tmp_path)
     assert [(int(r["step"]), r["Train_Total/loss"], r.get("Val_Total/loss")) for r in rows] == [
         (0, 0.0, None), (1, 1.0, None), (2, 2.0, None), (3, 3.0, 9.0), (4, 4.0, None)]
+    assert sorted(os.listdir(tmp_path)) == ["metrics.csv"]
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (tmp_path / f".metrics.csv.tmp-{socket.gethostname()}-{dead.pid}").write_text("torn")  # a rewrite killed mid-way
+    CSVLogger(str(tmp_path)).experiment  # the next run's writer removes it
     assert sorted(os.listdir(tmp_path)) == ["metrics.csv"]
