@@ -85,20 +85,24 @@ def warn_window_mismatch(checkpoint: dict[str, Any], window: int, path: str | Pa
 
 
 def checkpoint_file(path: str | Path, checkpoints: str | Path | None = None) -> Path:
-    """A ``--ckpt_path`` as the file to read: a run's folder (RUN_DIR) or its checkpoint folder is its ``last.ckpt``,
-    and ``last`` is ``checkpoints/last.ckpt`` where the verb knows the run's checkpoint folder; else as given."""
+    """A ``--ckpt_path`` as the file to read: a run's folder (RUN_DIR) or its checkpoint folder is the run's latest
+    checkpoint (:func:`lwm.resume.latest_checkpoint`: ``last.ckpt``, or a newer step or hpc one), and so is
+    ``last`` where the verb knows the run's checkpoint folder; else as given."""
     from lwm.errors import ConfigError
+    from lwm.resume import latest_checkpoint
 
     if str(path) == "last":
         if checkpoints is None:
             raise ConfigError("--ckpt_path last: this command has no run folder to look in; give the run's folder "
                               "(RUN_DIR) or a checkpoint file")
-        path = Path(checkpoints)
+        folder = Path(checkpoints)
+        found = latest_checkpoint(folder.parent, folder)
+        return found if found is not None else folder / "last.ckpt"  # (missing: named by the loader)
     path = Path(path)
-    for last in (path / "checkpoints" / "last.ckpt", path / "last.ckpt"):
-        if path.is_dir() and last.is_file():
-            return last
-    return path
+    if not path.is_dir() or (path / "latest").is_file() or (path / "checkpoint").is_dir():  # a file; DeepSpeed's
+        return path
+    folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    return latest_checkpoint(folder.parent if folder != path else path, folder) or path
 
 
 def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> tuple[dict[str, Any], Any]:

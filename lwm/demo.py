@@ -63,6 +63,7 @@ def probe_margin(chance: float, samples: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     from lwm.callbacks.slurm import interrupted_by
+    from lwm.resume import latest_checkpoint
     from lwm.lightning_cli import lightning_cli, read_config
     from lwm.data.manifest import Manifest
     from lwm.data.synth import make_dataset
@@ -75,14 +76,16 @@ def main(argv: list[str] | None = None) -> int:
     console = Console()
     out = Path(args.out)
     run_dir, times = out / "run", {}
-    resume = (run_dir / LAST).exists()  # an interrupted (or finished) demo: continue it, never start it over
+    # an interrupted (or finished) demo: continue it from its latest checkpoint, never start it over
+    resume = latest_checkpoint(run_dir, run_dir / "checkpoints")
 
     shape = [f"--model.net.height={args.size // 2}", f"--model.net.width={args.size // 2}"]
     read_config(["--config", args.config, *shape, *rest])  # a bad option: refused before the data is made
     start = time.perf_counter()
     console.rule("[bold]1/4 data[/]: the synthetic world")
     manifest_path = make_dataset(out / "data", args.episodes, args.frames, args.seed, val_fraction=0.125,
-                                 size=args.size, distractors=args.distractors)
+                                 size=args.size, distractors=args.distractors,
+                                 remedy="run the demo with its earlier settings, or into another --out")
     manifest = Manifest.load(manifest_path)
     console.print(f"{len(manifest.entries)} episodes x {args.frames} frames of [16, {args.size // 2}, {args.size // 2}] "
                   f"latents ({len(manifest.split('train'))} train, {len(manifest.split('val'))} val): {manifest_path}",
@@ -94,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
               *([f"--trainer.max_steps={args.steps}"] if args.steps else []), *rest]
     console.rule("[bold]2/4 fit[/]: lwm fit --config " + args.config + (" --ckpt_path last" if resume else ""))
     if resume:
-        console.print(f"{run_dir / LAST} exists: resuming that run (it stops at once if it had finished)", soft_wrap=True)
+        console.print(f"{resume} exists: resuming that run (it stops at once if it had finished)", soft_wrap=True)
     t = time.perf_counter()
     fit = lightning_cli(["fit", *common, *(["--ckpt_path", "last"] if resume else [])])
     times["fit"] = time.perf_counter() - t

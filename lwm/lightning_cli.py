@@ -69,6 +69,7 @@ class LwmCLI(LightningCLI):
         if not run and any(str(a).split("=")[0] == "--ckpt_path" for a in (args or [])):
             raise ConfigError("--ckpt_path: this command does not take one (lwm fit --ckpt_path resumes a run)")
         self._verb_free = not run  # our verbs (codes, overfit, bench, demo) parse a fit's options without a verb
+        self._latest: dict[tuple[str, str], str] = {}  # (RUN_DIR, CHECKPOINT_DIR) -> what `last` resolves to
         super().__init__(
             WorldModelModule,
             LatentDataModule,
@@ -129,9 +130,22 @@ class LwmCLI(LightningCLI):
                                 help="(read from a fit's config.yaml and ignored: checkpoints load weights only)")
 
     def _checkpoint_path(self, config: Any) -> str | None:
-        """``ckpt_path`` as a path: ``last`` is ``CHECKPOINT_DIR/last.ckpt`` (RUN_DIR/checkpoints by default)."""
+        """``ckpt_path`` as a path: ``last`` is the run's latest checkpoint (:func:`lwm.resume.latest_checkpoint`:
+        the highest global step among ``CHECKPOINT_DIR/last.ckpt``, else the step checkpoints beside it, and the
+        hpc ones), ``CHECKPOINT_DIR/last.ckpt`` (RUN_DIR/checkpoints by default) where there is none yet."""
+        from pathlib import Path
+
+        from lwm.resume import latest_checkpoint
+
         path = config.get("ckpt_path")
-        return os.path.join(self.checkpoint_dir(config), "last.ckpt") if path == "last" else path
+        if path != "last":
+            return path
+        root = config.get("trainer", {}).get("default_root_dir") or "."
+        key = (root, self.checkpoint_dir(config))
+        if key not in self._latest:  # (each candidate's step is read from its file: once)
+            found = latest_checkpoint(Path(root), Path(key[1]))
+            self._latest[key] = str(found) if found is not None else os.path.join(key[1], "last.ckpt")
+        return self._latest[key]
 
     @staticmethod
     def checkpoint_dir(config: Any) -> str:
@@ -154,6 +168,8 @@ class LwmCLI(LightningCLI):
             return
         self._check_ckpt_path(sub)
         if sub == "fit":
+            if self.config[sub].get("ckpt_path") == "last" and os.path.exists(self._checkpoint_path(self.config[sub])):
+                self.config[sub].ckpt_path = self._checkpoint_path(self.config[sub])  # (Lightning's: last.ckpt only)
             return
         if sub in ("validate", "test", "predict") and self.config[sub].get("ckpt_path") == "last":
             path = self._checkpoint_file(self.config[sub])
@@ -193,11 +209,20 @@ class LwmCLI(LightningCLI):
         if os.path.isdir(path) or not _is_local_file_protocol(str(path)):  # DeepSpeed's; a remote one (fsspec)
             return
         read_checkpoint(path, "--ckpt_path")  # missing, torn, foreign: one line
+        if sub == "fit" and not self._of_this_run(config, path):
+            self._check_no_run_yet(config, f" (--ckpt_path {path} is not one of its checkpoints)")
 
-    def _check_no_run_yet(self, config: Any) -> None:
-        """A fit without ``--ckpt_path`` into a RUN_DIR whose checkpoint folder already holds a run's checkpoints
-        is refused: it would start over, replace ``last.ckpt`` and the code dictionaries, and splice a second run
-        into ``metrics.csv``. (Under SLURM, Lightning resumes from a requeue's ``hpc_ckpt_N.ckpt`` instead.)"""
+    def _of_this_run(self, config: Any, path: str) -> bool:
+        """Whether ``path`` is one of the run's own checkpoints (in its checkpoint folder, or an hpc one)."""
+        root = config.get("trainer", {}).get("default_root_dir") or "."
+        folder = os.path.realpath(os.path.dirname(os.path.abspath(path)))
+        return folder in (os.path.realpath(self.checkpoint_dir(config)), os.path.realpath(root))
+
+    def _check_no_run_yet(self, config: Any, why: str = "") -> None:
+        """A fit without ``--ckpt_path`` (or from another run's checkpoint) into a RUN_DIR whose checkpoint folder
+        already holds a run's checkpoints is refused: it would start over, replace ``last.ckpt`` and the code
+        dictionaries, and splice a second run into ``metrics.csv``. (Under SLURM, Lightning resumes from a
+        requeue's ``hpc_ckpt_N.ckpt`` instead.)"""
         root = config.get("trainer", {}).get("default_root_dir") or "."
         if fit_resumes(None, root):
             return
@@ -205,8 +230,8 @@ class LwmCLI(LightningCLI):
         found = sorted(glob.glob(os.path.join(glob.escape(directory), "*.ckpt")))
         if found:
             name = "last.ckpt" if any(os.path.basename(f) == "last.ckpt" for f in found) else os.path.basename(found[-1])
-            raise ConfigError(f"{os.path.join(directory, name)}: trainer.default_root_dir={root} already holds a run; "
-                              f"continue it with --ckpt_path last, or start a new one in another "
+            raise ConfigError(f"{os.path.join(directory, name)}: trainer.default_root_dir={root} already holds a "
+                              f"run{why}; continue it with --ckpt_path last, or start a new one in another "
                               f"trainer.default_root_dir")
 
     def _check_checkpoint_fits(self) -> None:

@@ -3,8 +3,9 @@ SLURM scripts (``slurm/train.sbatch`` runs it at every start of a job, first or 
 
 Prints two lines: ``RUN_DIR`` (``trainer.default_root_dir`` as lwm resolves the config, overrides and
 interpolations; ``.`` when unset) and the checkpoint to resume from, or an empty line when the run has none.
-The candidates are ``CHECKPOINT_DIR/last.ckpt`` (``checkpoint.dirpath``, by default ``RUN_DIR/checkpoints``)
-and ``RUN_DIR/hpc_ckpt_N.ckpt`` (written when SLURM preempts); the one at the highest global step wins, read
+The candidates are ``CHECKPOINT_DIR/last.ckpt`` (``checkpoint.dirpath``, by default ``RUN_DIR/checkpoints``;
+where there is none, the step checkpoints beside it) and ``RUN_DIR/hpc_ckpt_N.ckpt`` (written when SLURM
+preempts); the one at the highest global step wins (ties: ``last.ckpt``), read
 from the file (``weights_only``, memory-mapped), not from its modification time, which a DeepSpeed
 checkpoint (a directory rewritten in place) or a shared filesystem's clock skew would get wrong. DeepSpeed
 checkpoint directories: ``last.ckpt`` first, else the highest ``N``.
@@ -56,10 +57,15 @@ def _number(path: Path) -> int:
 
 
 def latest_checkpoint(run_dir: Path, checkpoint_dir: Path) -> Path | None:
-    """The checkpoint that continues the run: the highest global step among ``last.ckpt`` and the hpc ones."""
+    """The checkpoint that continues the run: the highest global step among ``last.ckpt`` (where there is none,
+    the step checkpoints: a kill during the first ``last.ckpt`` write leaves only a step one) and the hpc ones.
+    (A ``last.ckpt`` a save behind a step checkpoint, killed between a step's two writes, still wins: the
+    resumed run redoes that step, and the checkpoint callback keeps counting the step files it wrote.)"""
     hpc = sorted(run_dir.glob("hpc_ckpt_*.ckpt"), key=_number)
-    candidates = [p for p in (checkpoint_dir / "last.ckpt", *reversed(hpc)) if p.exists()]
-    if any(p.is_dir() for p in candidates):  # DeepSpeed directories: last.ckpt, else the newest hpc
+    last = checkpoint_dir / "last.ckpt"
+    steps = [] if last.exists() else sorted(checkpoint_dir.glob("*.ckpt"), key=_number, reverse=True)
+    candidates = [p for p in (last, *reversed(hpc), *steps) if p.exists()]
+    if any(p.is_dir() for p in candidates):  # DeepSpeed directories: last.ckpt, else the newest hpc, else a step's
         return candidates[0]
     steps = {p: s for p in candidates if (s := _step(p)) is not None}
     if not steps:  # none readable: the first, for lwm fit to refuse loudly (never a silent fresh start)

@@ -36,6 +36,18 @@ def test_the_highest_global_step_wins_whatever_the_file_times(tmp_path):
     assert latest_checkpoint(run, ckpts) == ckpts / "last.ckpt"
 
 
+def test_without_last_ckpt_the_latest_step_checkpoint_continues_the_run(tmp_path):
+    """A kill during the first last.ckpt write leaves a step checkpoint alone: it continues the run. Beside a
+    last.ckpt a save behind (a kill between a step's two writes), last.ckpt still wins: resumed from a step file,
+    the checkpoint callback would never count (nor delete) that file."""
+    run, ckpts = tmp_path / "run", tmp_path / "run/checkpoints"
+    _ckpt(ckpts / "step=0000100.ckpt", 100, mtime=2000)
+    _ckpt(ckpts / "step=0000200.ckpt", 200, mtime=1000)
+    assert latest_checkpoint(run, ckpts) == ckpts / "step=0000200.ckpt"
+    _ckpt(ckpts / "last.ckpt", 100, mtime=1000)
+    assert latest_checkpoint(run, ckpts) == ckpts / "last.ckpt"
+
+
 def test_resume_info_prints_the_resolved_run_dir_and_checkpoint(tmp_path, capsys):
     root = tmp_path / "a long run directory name with spaces that YAML would fold over two lines" / "run"
     elsewhere = tmp_path / "elsewhere"

@@ -229,6 +229,7 @@ def _latent_shape(path: Path) -> tuple[int, ...] | None:
 def make_dataset(
     out_dir: str | Path, episodes: int = 64, frames: int = 32, seed: int = 0, val_fraction: float = 0.125,
     worlds: int = K, size: int = SIZE, distractors: int = DISTRACTORS, overwrite: bool = False,
+    remedy: str = "--overwrite replaces it, or synthesise into another folder",
 ) -> Path:
     """Write ``episodes`` files ``out_dir/ep_XXXX.h5`` (``latents`` float16 through the pixel codec, ``actions``
     int64 ``[T]``, attributes ``world_label``, ``codec`` and ``synth``: the settings) and index them; returns
@@ -237,7 +238,7 @@ def make_dataset(
     Episode ``i`` uses :func:`episode_seed` ``(seed, i)`` and world ``i % worlds`` (balanced). Refuses a folder
     that already holds other h5 files (they would join the manifest), and episode files (or a manifest) made
     with other settings, before writing anything, unless ``overwrite``; the same settings again rewrite the
-    same files."""
+    same files. ``remedy``: what the refusal suggests."""
     if episodes < 1:
         raise DataError(f"episodes must be at least 1, got {episodes}")
     if frames < 2:
@@ -270,11 +271,9 @@ def make_dataset(
                 was = ("no record of its settings" if made is None else
                        ", ".join(f"{k} {made.get(k)}" for k in settings if made.get(k) != settings[k]))
                 now = ", ".join(f"{k} {v}" for k, v in settings.items() if made is None or made.get(k) != v)
-                raise DataError(f"{out / f'ep_{i:04d}.h5'}: exists, made with {was} (this run: {now}); --overwrite "
-                                f"replaces it, or synthesise into another folder")
+                raise DataError(f"{out / f'ep_{i:04d}.h5'}: exists, made with {was} (this run: {now}); {remedy}")
         if not existing and (out / "manifest.json").exists():
-            raise DataError(f"{out / 'manifest.json'}: exists; --overwrite replaces it, or synthesise into another "
-                            f"folder")
+            raise DataError(f"{out / 'manifest.json'}: exists; {remedy}")
     from lwm.data.convert import write_latents
     from lwm.data.manifest import index_directory
 

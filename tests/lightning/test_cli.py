@@ -369,8 +369,14 @@ def test_a_fresh_fit_into_a_run_dir_holding_a_run_is_refused(tmp_path, capsys):
     assert errors == [f"error: {root}/checkpoints/last.ckpt: trainer.default_root_dir={root} already holds a run; "
                       "continue it with --ckpt_path last, or start a new one in another trainer.default_root_dir"]
     assert {p.name: p.read_bytes() for p in [*(root / "checkpoints").iterdir(), root / "metrics.csv"]} == before
-    (root / "checkpoints/last.ckpt").unlink()  # a step checkpoint alone is a run too
+    assert run(manifest, tmp_path / "other", "--trainer.max_steps=1", *common) == 0  # a new RUN_DIR is fine
+    other = tmp_path / "other/checkpoints/last.ckpt"  # another run's checkpoint into this one: refused too
+    assert run(manifest, root, "--trainer.max_steps=3", *common, f"--ckpt_path={other}") == 2
+    assert f"already holds a run (--ckpt_path {other} is not one of its checkpoints)" in capsys.readouterr().err
+    # a kill during the first last.ckpt write leaves a step checkpoint alone: `last` continues from it
+    (root / "checkpoints/last.ckpt").unlink()
     assert run(manifest, root, "--trainer.max_steps=1", *common) == 2
     assert "step=0000002.ckpt: trainer.default_root_dir" in capsys.readouterr().err
-    assert run(manifest, root, "--trainer.max_steps=3", *common, "--ckpt_path=last") == 0  # (starts fresh: no last)
-    assert run(manifest, tmp_path / "other", "--trainer.max_steps=1", *common) == 0  # a new RUN_DIR is fine
+    assert run(manifest, root, "--trainer.max_steps=3", *common, "--ckpt_path=last") == 0
+    assert torch.load(root / "checkpoints/last.ckpt", weights_only=True)["global_step"] == 3
+    assert [int(r["step"]) for r in read_metrics(root) if "Train_Total/loss" in r] == [0, 1, 2]  # no second run
