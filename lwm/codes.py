@@ -209,7 +209,7 @@ def main(argv: list[str]) -> int:
     checkpoint, module = load_checkpoint(ckpt_path)
     warn_window_mismatch(checkpoint, dm.window, ckpt_path)  # the codes depend on it
     dm.setup("fit")
-    module.check_data(dm.frame_shape, dm.window, str(dm.manifest_path))
+    module.check_data(dm.frame_shape, dm.window, str(dm.manifest_path), model_from=str(ckpt_path))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = module.model.to(device).eval()
     dictionaries, windows = collect(model, dm.code_loader(args.max_windows), device)

@@ -258,7 +258,8 @@ class LwmCLI(LightningCLI):
         self._check_checkpoint_fits()
         dm, trainer = self.datamodule, self.trainer
         dm.setup(self.subcommand)
-        self.model.check_data(dm.frame_shape, dm.window, str(dm.manifest_path))
+        from_checkpoint = self._checkpoint_file(self.config[self.subcommand]) if self.subcommand != "fit" else None
+        self.model.check_data(dm.frame_shape, dm.window, str(dm.manifest_path), model_from=from_checkpoint)
         self.model.check_trainer(trainer)  # (its setup checks again, for runs without the CLI: too late here)
         for callback in trainer.callbacks:
             if isinstance(callback, Sensitivity):

@@ -151,11 +151,17 @@ class WorldModelModule(L.LightningModule):
             raise ConfigError(f"trainer.log_every_n_steps must be >= 1 (the interval, in steps, of the "
                               f"Train_* logs), got {trainer.log_every_n_steps}")
 
-    def check_data(self, frame_shape: tuple[int, int, int], window: int, source: str) -> None:
-        """Raise :class:`ConfigError` unless frames ``[C, H, W]`` and ``window`` fit the model."""
+    def check_data(self, frame_shape: tuple[int, int, int], window: int, source: str,
+                   model_from: str | None = None) -> None:
+        """Raise :class:`ConfigError` unless frames ``[C, H, W]`` and ``window`` fit the model (``model_from``: the
+        checkpoint the model came from, whose shape no setting changes)."""
         c = self.model.config
         if tuple(frame_shape) != (c.in_channels, c.height, c.width):
             C, H, W = frame_shape
+            if model_from is not None:
+                raise ConfigError(f"{model_from}: its model takes [{c.in_channels}, {c.height}, {c.width}] frames, but "
+                                  f"the files of {source} hold {list(frame_shape)} (use data of the checkpoint's "
+                                  f"shape, or a checkpoint trained on this data)")
             raise ConfigError(f"model.net.in_channels/height/width = {c.in_channels}/{c.height}/{c.width}, but the "
                               f"files of {source} hold {list(frame_shape)} frames (set --model.net.in_channels={C} "
                               f"--model.net.height={H} --model.net.width={W})")

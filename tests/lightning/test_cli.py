@@ -84,6 +84,21 @@ def test_a_checkpoint_brings_its_own_model_shape_or_is_refused_by_field(trained,
     assert ((root / "checkpoints/last.ckpt").read_bytes(), (root / "metrics.csv").read_bytes()) == before
 
 
+def test_data_of_another_shape_than_the_checkpoints_model_names_the_checkpoint(trained, tmp_path, capsys):
+    """Under validate (and lwm codes) the model is the checkpoint's: no --model.net setting changes its shape, so
+    the refusal names the checkpoint, not settings to change."""
+    _, root = trained
+    other = make_dataset(tmp_path / "big", files=4, shape=(4, 32, 32))
+    ckpt = root / "checkpoints/last.ckpt"
+    for argv in (tiny_args(other, root, "--ckpt_path=last", verb="validate"),
+                 ["codes", "--ckpt_path", str(ckpt), "--config", str(root / "config.yaml"), f"--data.manifest={other}",
+                  "--out", str(tmp_path / "codes.pt")]):
+        assert main(argv) == 2
+        errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+        assert errors == [f"error: {ckpt}: its model takes [4, 16, 16] frames, but the files of {other} hold "
+                          "[4, 32, 32] (use data of the checkpoint's shape, or a checkpoint trained on this data)"], argv
+
+
 def test_validate_with_another_window_than_the_checkpoints_says_so(trained, recwarn, caplog):
     manifest, root = trained  # trained on 6-frame windows
     assert main(tiny_args(manifest, root, "--ckpt_path=last", "--data.window=5", verb="validate")) == 0
