@@ -72,10 +72,13 @@ def _data_decode(args: argparse.Namespace) -> int:
 
 
 def _lightning(args: argparse.Namespace) -> int:
+    from lwm.callbacks.slurm import interrupted_by
     from lwm.lightning_cli import lightning_cli
 
-    from lwm.callbacks.slurm import interrupted_by
+    if not sys.stdout.isatty():  # a log file: Lightning's results table whole (rich cuts it to 80 columns)
+        import rich
 
+        rich.reconfigure(width=200)
     signum = interrupted_by(getattr(lightning_cli([args.verb, *args.rest]), "trainer", None))
     return 128 + signum if signum else 0  # a fit stopped by Ctrl-C or kill (after saving): 130, 143
 

@@ -395,3 +395,12 @@ def test_a_fresh_fit_into_a_run_dir_holding_a_run_is_refused(tmp_path, capsys):
     assert run(manifest, root, "--trainer.max_steps=3", *common, "--ckpt_path=last") == 0
     assert torch.load(root / "checkpoints/last.ckpt", weights_only=True)["global_step"] == 3
     assert [int(r["step"]) for r in read_metrics(root) if "Train_Total/loss" in r] == [0, 1, 2]  # no second run
+
+
+def test_validates_results_table_is_whole_in_a_log(trained, tmp_path, capsys):
+    """Not on a terminal (a log file, SLURM's output) rich cut Lightning's table to 80 columns: six rows read
+    `Val_Action_Encoder/attention_diagona…`, which no one can tell apart."""
+    manifest, root = trained
+    assert main(tiny_args(manifest, root, "--ckpt_path=last", verb="validate")) == 0
+    out = capsys.readouterr().out
+    assert "…" not in out and "Val_Action_Encoder/attention_diagonality_block_0/mean" in out
