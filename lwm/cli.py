@@ -26,9 +26,12 @@ Errors exit 2 with one ``error: ...`` line per problem, naming the file or field
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import os
 import sys
 import warnings
+from collections.abc import Iterator
 
 from lwm.errors import ArgumentParser, LwmError, NonFiniteLossError, positive_float, positive_int
 
@@ -75,12 +78,32 @@ def _lightning(args: argparse.Namespace) -> int:
     from lwm.callbacks.slurm import interrupted_by
     from lwm.lightning_cli import lightning_cli
 
-    if not sys.stdout.isatty():  # a log file: Lightning's results table whole (rich cuts it to 80 columns)
-        import rich
-
-        rich.reconfigure(width=200)
-    signum = interrupted_by(getattr(lightning_cli([args.verb, *args.rest]), "trainer", None))
+    with _wide_output():
+        signum = interrupted_by(getattr(lightning_cli([args.verb, *args.rest]), "trainer", None))
     return 128 + signum if signum else 0  # a fit stopped by Ctrl-C or kill (after saving): 130, 143
+
+
+@contextlib.contextmanager
+def _wide_output() -> Iterator[None]:
+    """Not on a terminal (a log file, SLURM's output), 200 columns for Lightning's results table, which it sizes by
+    the terminal (``COLUMNS``, else 80 or 120) and rich cuts to 80: six rows read
+    ``Val_Action_Encoder/attention_diagona…``."""
+    if sys.stdout.isatty():
+        yield
+        return
+    import rich
+
+    columns = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = "200"
+    rich.reconfigure(width=200)
+    try:
+        yield
+    finally:
+        rich.reconfigure()
+        if columns is None:
+            os.environ.pop("COLUMNS", None)
+        else:
+            os.environ["COLUMNS"] = columns
 
 
 # Verbs that parse their own arguments: verb -> (the module whose ``main(argv)`` runs it, its help line).
