@@ -17,7 +17,6 @@ import importlib.util
 import netrc
 import os
 import secrets
-import socket
 from pathlib import Path
 from dataclasses import dataclass
 from typing import Literal
@@ -33,6 +32,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
 from lwm.errors import ConfigError
+from lwm.files import atomic_write
 
 
 class _AppendingWriter(ExperimentWriter):
@@ -65,18 +65,13 @@ class _AppendingWriter(ExperimentWriter):
         """A column appeared (the first validation, a resume of another version): the file streamed into a temp file
         with the new header, then renamed over it (Lightning reads it all into memory and rewrites it in place,
         where a kill mid-write loses the history)."""
-        path = Path(self.metrics_file_path)
-        tmp = path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
-        try:
-            with open(path, newline="") as source, open(tmp, "w", newline="") as target:
+        def rewrite(target) -> None:
+            with open(self.metrics_file_path, newline="") as source:
                 writer = csv.DictWriter(target, fieldnames=fieldnames)
                 writer.writeheader()
                 writer.writerows(csv.DictReader(source))
-                target.flush()
-                os.fsync(target.fileno())
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+
+        atomic_write(self.metrics_file_path, rewrite, mode="w", newline="")
 
     @override
     def save(self, final: bool = False) -> None:
@@ -171,10 +166,7 @@ class WandbLogger(_LightningWandbLogger):
         experiment = super().experiment
         if self._run_id_file is not None and rank_zero_only.rank == 0 and getattr(experiment, "id", None):
             path, self._run_id_file = self._run_id_file, None
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text(f"{experiment.id}\n")
-            os.replace(tmp, path)
+            atomic_write(path, lambda f: f.write(f"{experiment.id}\n"), mode="w")
         return experiment
 
 

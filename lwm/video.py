@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from lwm.errors import DataError
+from lwm.files import atomic_write
 
 VIDEO_SUFFIXES = (".mp4", ".gif")
 
@@ -86,12 +87,4 @@ def write_video(path: str | Path, frames: np.ndarray, fps: float = 8) -> Path:
         data = iio.imwrite("<bytes>", frames, extension=".mp4", plugin="pyav", codec="libx264", fps=fps)
     else:
         data = iio.imwrite("<bytes>", frames, extension=".gif", plugin="pillow", duration=1000 / fps, loop=0)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+    return atomic_write(path, lambda f: f.write(data))

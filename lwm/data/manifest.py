@@ -23,6 +23,7 @@ import numpy as np
 from rich.console import Console
 from rich.progress import track
 
+from lwm.files import atomic_write
 from lwm.data.h5 import LATENTS_KEY, DataError, GeneratedFile, inspect_h5
 
 T = TypeVar("T")
@@ -69,13 +70,9 @@ class Manifest:
     def save(self, path: str | Path | None = None) -> Path:
         """Write atomically (temp file + rename) so an interrupted write never leaves a broken manifest."""
         path = Path(path or self.path)
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps(self.to_json(), indent=1))
-            os.replace(tmp, path)
+            atomic_write(path, lambda f: f.write(json.dumps(self.to_json(), indent=1)), mode="w")
         except OSError as e:
-            tmp.unlink(missing_ok=True)
             raise DataError(f"{path}: cannot write the manifest ({e.strerror or e})") from None
         self.path = path
         return path
