@@ -15,7 +15,11 @@ Per level ``l`` (codebook size ``K_l``), on the residual ``r_l`` left by the lev
       N_k <- g N_k + (1 - g) n_k ;   M_k <- g M_k + (1 - g) s_k ;   e_k <- M_k / (N_k + eps)
 
   with the decay ``g`` a linear function of the global step (:meth:`decay_at`). Accumulators start at
-  ``N = 1, M = e`` so unused codes stay where they are instead of collapsing to zero.
+  ``N = 1, M = e`` (from zero, an unused code would be ``0 / eps``). A code left unused for ``t`` updates is
+  scaled by ``g^t / (g^t + eps)``: it stays in place while ``g^t >> eps`` (at ``g = 0.99`` some 700 updates,
+  at ``0.9`` some 60; after 100 at 0.9 it is at 0.73 of its length) and then shrinks towards zero, which the
+  requirement's formula implies; dead-code revival replaces it first (``WorldModelConfig`` warns where
+  ``decay_start ** dead_code_steps < eps``, a code less than half its length before it counts as dead).
 
 Dead codes (not assigned for ``dead_code_steps`` consecutive updates) are replaced by :meth:`revive`
 with random distinct encoder outputs of that level from the last training batch, and their EMA state
@@ -59,9 +63,9 @@ class Codebook(nn.Module):
 
     def __init__(self, size: int, dim: int) -> None:
         super().__init__()
-        embed = torch.randn(size, dim) / dim**0.5
+        embed = torch.randn(size, dim, dtype=torch.float32) / dim**0.5  # fp32 whatever the default dtype
         self.register_buffer("embed", embed)  # e   [K, dim]
-        self.register_buffer("ema_count", torch.ones(size))  # N   [K]
+        self.register_buffer("ema_count", torch.ones(size, dtype=torch.float32))  # N   [K]
         self.register_buffer("ema_sum", embed.clone())  # M   [K, dim]
         self.register_buffer("unused_steps", torch.zeros(size, dtype=torch.long))  # updates since last use
 
@@ -100,6 +104,9 @@ def _distinct_rows(rows: Tensor, wanted: int, generator: torch.Generator | None 
     return rows[pick]
 
 
+RVQ_EPS = 1e-5  # the requirement's epsilon in e = M / (N + eps)
+
+
 def _ddp_world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
@@ -126,7 +133,7 @@ class ResidualVectorQuantizer(nn.Module):
         decay_start: float = 0.9,
         decay_end: float = 0.99,
         decay_steps: int = 5000,
-        eps: float = 1e-5,
+        eps: float = RVQ_EPS,
         dead_code_steps: int = 100,
         init_from_data: bool = True,
         sync_ddp: bool = True,

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from lwm.errors import ConfigError
 from lwm.modules import triton_attention
-from lwm.modules.rvq import ResidualVectorQuantizer, RVQOutput
+from lwm.modules.rvq import RVQ_EPS, ResidualVectorQuantizer, RVQOutput
 from lwm.modules.st_transformer import (
     ATTENTION_KERNELS,
     KV,
@@ -243,6 +243,12 @@ class WorldModelConfig:
             problems.append(f"temporal_attention must be one of {ATTENTION_KERNELS}, got {self.temporal_attention!r}")
         if problems:
             raise ConfigError("\n".join(f"model.net.{p}" for p in problems))
+        decay = self.ema_decay_start if self.ema_decay_steps else self.ema_decay_end  # (the lowest decay)
+        if decay ** self.dead_code_steps < RVQ_EPS:  # see lwm/modules/rvq.py: unused codes shrink by g^t/(g^t+eps)
+            warnings.warn(f"model.net.dead_code_steps={self.dead_code_steps} at an EMA decay of {decay}: a code "
+                          f"unused that long shrinks below half its length (decay^steps < eps = {RVQ_EPS}) before it "
+                          f"counts as dead and is revived; unused codes drift to zero. Fewer dead_code_steps or a "
+                          f"higher ema_decay_start avoid it", stacklevel=2)
 
 
 def _nonfinite(value: object) -> bool:

@@ -338,6 +338,32 @@ def test_fp32_under_autocast_and_after_module_casts():
     assert all(getattr(cb, n).dtype == torch.float32 for cb in q.levels for n in FLOAT_BUFFERS)
 
 
+def test_codebooks_are_fp32_under_a_float64_default_dtype():
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        q = rvq(4, (4, 8), seed=6).train()
+        out = q(torch.randn(2, 3, 4), step=0)  # a float64 input: quantized in fp32, returned as float64
+    finally:
+        torch.set_default_dtype(previous)
+    assert all(getattr(cb, n).dtype == torch.float32 for cb in q.levels for n in FLOAT_BUFFERS)
+    assert out.quantized.dtype == torch.float64 and out.commit_loss.dtype == torch.float32
+
+
+def test_an_unused_code_shrinks_by_the_formulas_factor():
+    # e = M / (N + eps) with N, M both decayed by g per update and no assignment: g^t / (g^t + eps) of the code
+    g, eps, steps = 0.9, 1e-5, 120
+    q = rvq(2, (2,), decay_start=g, decay_end=g, decay_steps=0, eps=eps, dead_code_steps=1000).train()
+    codes = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    set_codes(q, 0, codes)
+    z = torch.tensor([[1.0, 0.0]])  # always nearest code 0; code 1 is never used
+    for step in range(steps):
+        q(z, step=step)
+    expected = g**steps / (g**steps + eps)  # 0.150: shrunk towards zero, not kept in place
+    torch.testing.assert_close(q.codebook(0)[1], codes[1] * expected, rtol=1e-4, atol=0)
+    torch.testing.assert_close(q.codebook(0)[0], codes[0])  # the used code stays on its input
+
+
 # --------------------------------------------------------------------------------------------------
 # 7. decay schedule: a pure function of the global step
 # --------------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
 import math
+import warnings
 
 import pytest
 import torch
@@ -398,6 +399,15 @@ def test_bad_config_is_refused_with_the_dotted_field(overrides, message):
     with pytest.raises(ConfigError) as e:
         WorldModelConfig(**{**TINY, **overrides})
     assert str(e.value) == message
+
+
+def test_dead_code_steps_that_let_unused_codes_collapse_are_warned():
+    with pytest.warns(UserWarning, match=r"^model\.net\.dead_code_steps=120 at an EMA decay of 0\.9"):
+        WorldModelConfig(**{**TINY, "dead_code_steps": 120})  # 0.9^120 = 3e-6 < eps 1e-5
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        WorldModelConfig(**{**TINY, "dead_code_steps": 100})  # the default: 0.9^100 = 2.7e-5, 0.73 of the code
+        WorldModelConfig(**{**TINY, "dead_code_steps": 300, "ema_decay_steps": 0})  # decay_end 0.99 from step 0
 
 
 def test_several_problems_are_one_line_each():
