@@ -7,7 +7,9 @@
   generator seeded by ``(seed, rank, global_step, batch_idx)``: a resumed run draws exactly what an
   uninterrupted one would, with no RNG state to save.
 * A step whose gradient norm is not finite (a NaN/inf loss or gradient) skips the update (the quantizers skip
-  their EMA update on their own) and is counted in ``Train_Total/skipped_steps``; ``max_nonfinite`` such
+  their EMA update on their own where their inputs are not finite; a step that turns non-finite after them, in
+  the predictor, keeps the EMA update its finite encoder outputs made) and is counted in
+  ``Train_Total/skipped_steps`` (on the row of the step it skipped); ``max_nonfinite`` such
   steps in a row stop the run with :class:`~lwm.errors.NonFiniteLossError`, leaving the last checkpoint as
   it was. With a fused AdamW (the default on CUDA) this costs no host sync: the optimizer gets the verdict
   as a device tensor (``found_inf``, as ``GradScaler`` passes it) and skips the whole update on the device,
@@ -15,7 +17,8 @@
   (a for-loop AdamW) the verdict is read every step and the gradients are dropped. Under fp16 (``16-mixed``;
   AdamW is not fused there, so that the GradScaler unscales before clipping) the scaler skips overflowing
   steps itself; they are counted, and count towards ``max_nonfinite`` only once the loss scale is below 1.
-* Logs: the model's ``(loss, logs)`` under ``Train_*/`` every step and ``Val_*/`` (``Test_*/``) as exact
+* Logs: the model's ``(loss, logs)`` under ``Train_*/`` every step (with gradient accumulation, the mean over the
+  step's micro-batches weighted by their windows: the loss the optimizer step used) and ``Val_*/`` (``Test_*/``) as exact
   means over the whole validation set across ranks (:class:`~lwm.metrics.WeightedMean`, weighted by batch size).
 """
 
@@ -118,6 +121,7 @@ class WorldModelModule(L.LightningModule):
         self._compiled = False
         self._grad_norm: Tensor | None = None  # this step's gradient norm, for the non-finite check and clipping
         self._last_batch: dict[str, Tensor] | None = None  # this training step's, to name bad windows on a stop
+        self._accumulated: tuple[dict[str, Tensor], int] | None = None  # within an accumulation window: sums, windows
         self._eval_windows: list[Tensor] = []  # per evaluated batch [B, 3]: non-finite?, file index, start
         self._checkpoint_step: int | None = None  # the loaded checkpoint's global step (see weights_step)
 
@@ -296,9 +300,21 @@ class WorldModelModule(L.LightningModule):
         self._last_batch = batch  # a reference, to name bad windows if the run stops on non-finite steps
         out = self.model.compute(x, self.global_step, generator=self.step_generator(x.device, batch_idx),
                                  world_phase=self.model.world_phase_at(self.global_step))
-        self.log_dict({f"Train_{k}": v for k, v in out.logs.items()}, batch_size=x.shape[0])
-        self.log("Train_Total/skipped_steps", self.skips.as_tensor(x.device), batch_size=x.shape[0])
+        self._log_train(out.logs, x.shape[0])
         return {"loss": out.loss, **self._codes(out)}
+
+    def _log_train(self, logs: dict[str, Tensor], windows: int) -> None:
+        """Log this batch's ``Train_*`` values; within a gradient-accumulation window, sum them (weighted by
+        windows) and log the step's mean at the batch that ends it, as Lightning writes only that batch's logs."""
+        if self._accumulated is None and not accumulating(self.trainer):  # the plain case: one batch, one step
+            self.log_dict({f"Train_{k}": v for k, v in logs.items()}, batch_size=windows)
+            return
+        sums, seen = self._accumulated or ({}, 0)
+        sums = {k: sums.get(k, 0.0) + v * windows for k, v in logs.items()}  # device tensors: no host sync
+        seen += windows
+        self._accumulated = (sums, seen) if accumulating(self.trainer) else None
+        if self._accumulated is None:
+            self.log_dict({f"Train_{k}": v / seen for k, v in sums.items()}, batch_size=seen)
 
     @staticmethod
     def _codes(out) -> dict[str, Tensor]:
@@ -317,6 +333,8 @@ class WorldModelModule(L.LightningModule):
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._count_deepspeed_skips()
         self._last_batch = None  # the non-finite check of this step is done: hold no batch through validation
+        if not accumulating(self.trainer):  # after this step's verdict: a skip shows on the row of the step it skipped
+            self.log("Train_Total/skipped_steps", self.skips.as_tensor(self.device))
 
     def _count_deepspeed_skips(self) -> None:
         """Under DeepSpeed (which keeps its own gradient buffers: ``on_before_optimizer_step`` sees none), the

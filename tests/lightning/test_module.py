@@ -72,9 +72,10 @@ def _train(batches, max_nonfinite: int = 5, net: WorldModelConfig = NET, callbac
     torch.manual_seed(0)
     optim = OptimConfig(warmup_steps=0, min_lr_ratio=1.0, fused=fused)
     module = WorldModelModule(net=net, optim=optim, max_nonfinite=max_nonfinite)
-    trainer = L.Trainer(max_steps=len(batches), accelerator="cpu", logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        callbacks=list(callbacks), log_every_n_steps=log_every_n_steps, **trainer_kwargs)
+    trainer_kwargs = {"max_steps": len(batches), "logger": False, **trainer_kwargs}
+    trainer = L.Trainer(accelerator="cpu", enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, callbacks=list(callbacks),
+                        log_every_n_steps=log_every_n_steps, **trainer_kwargs)
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
     return module
 
@@ -110,6 +111,45 @@ def test_the_sync_free_path_reads_the_count_at_the_logging_interval_only():
     # ... and 3 in a row that recover before a logging step are counted but do not stop the run
     module = _train(_batches(8, nan_at={4, 5, 6}), max_nonfinite=3, fused=True, log_every_n_steps=4)
     assert module.skipped_steps == 3
+
+
+def _csv_rows(tmp_path, batches, **kwargs) -> list[dict[str, str]]:
+    """Train like ``_train`` with Lightning's CSVLogger under ``tmp_path``: metrics.csv's rows."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    _train(batches, logger=CSVLogger(tmp_path, name="", version=""), **kwargs)
+    with open(tmp_path / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_skipped_step_is_counted_on_its_own_row(tmp_path, fused):
+    rows = _csv_rows(tmp_path, _batches(3, nan_at={1}), fused=fused, log_every_n_steps=1)
+    by_step = {int(r["step"]): r for r in rows if r["Train_Total/skipped_steps"]}
+    assert [float(by_step[s]["Train_Total/skipped_steps"]) for s in (0, 1, 2)] == [0.0, 1.0, 1.0]
+    assert math.isnan(float(by_step[1]["Train_Total/grad_norm"]))  # the same row as the NaN it skipped
+
+
+def test_accumulated_steps_log_the_mean_of_their_micro_batches(tmp_path, monkeypatch):
+    from lwm.modules.world_model import WorldModel
+
+    seen = []  # every micro-batch's total loss, as the model returns it
+    original = WorldModel.compute
+
+    def spy(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        seen.append(float(out.logs["Total/loss"]))
+        return out
+
+    monkeypatch.setattr(WorldModel, "compute", spy)
+    rows = _csv_rows(tmp_path, _batches(4), accumulate_grad_batches=2, log_every_n_steps=1, max_steps=2)
+    logged = {int(r["step"]): float(r["Train_Total/loss"]) for r in rows if r["Train_Total/loss"]}
+    assert len(seen) == 4 and sorted(logged) == [0, 1]  # two optimizer steps of two equal micro-batches each
+    assert logged[0] == pytest.approx((seen[0] + seen[1]) / 2, rel=1e-6)
+    assert logged[1] == pytest.approx((seen[2] + seen[3]) / 2, rel=1e-6)
+    assert logged[0] != pytest.approx(seen[1], rel=1e-6)  # not the last micro-batch's alone
 
 
 class _Gradients(L.Callback):
@@ -390,6 +430,7 @@ def test_deepspeed_skips_count_as_skipped_steps_and_stop_the_run_in_a_row():
     within = [False]  # inside an accumulation window?
     module._trainer = SimpleNamespace(strategy=SimpleNamespace(deepspeed_engine=engine), training=True, global_step=9,
                                       fit_loop=SimpleNamespace(_should_accumulate=lambda: within[0]))
+    module.log = lambda *args, **kwargs: None  # (this stand-in trainer has no logger connector)
     module.skips.engine_start(4)  # what on_train_start reads from the engine
     module.on_train_batch_end(None, None, 0)
     assert module.skipped_steps == 0
@@ -418,6 +459,7 @@ def test_deepspeed_fp16_overflows_count_towards_the_stop_only_below_a_loss_scale
     engine = SimpleNamespace(skipped_steps=0, optimizer=SimpleNamespace(loss_scale_config=scaler))
     module._trainer = SimpleNamespace(strategy=SimpleNamespace(deepspeed_engine=engine), training=True, global_step=3,
                                       fit_loop=SimpleNamespace(_should_accumulate=lambda: False))
+    module.log = lambda *args, **kwargs: None  # (this stand-in trainer has no logger connector)
     module.skips.engine_start(0)
     for i in range(4):  # the scale halving down from 2^16: skipped, counted, never a stop
         engine.skipped_steps += 1
