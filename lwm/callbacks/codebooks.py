@@ -1,5 +1,5 @@
 """Codebook monitoring: usage per level (codes used in a batch: the logged training batch; the mean over the
-validation batches), coverage of the validation set, diversity per level (pairwise MSE between the codes), and
+validation set's batches of ``data.batch_size`` windows), coverage of the validation set, diversity per level (pairwise MSE between the codes), and
 the EMA decay of both quantizers."""
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ class CodebookMonitor(L.Callback):
 
     * ``{Train,Val}_Q/codebook_usage_level_l``: codes used in a batch / codes in the level (the requirement's
       "in each batch": a batch of ``data.batch_size``, one rank's), at the logging interval for the batches of
-      that step (the mean over ranks), and after each validation as the mean over its batches (all ranks): the
-      two read the same way. The levels' usages also as a distribution
+      that step (the mean over ranks), and after each validation as the mean over consecutive runs of
+      ``data.batch_size`` validation windows on each rank (whatever ``data.val_batch_size``; a rank's last,
+      shorter run counts only where it has no full one), over all ranks: the two read the same way, and a
+      partial last batch does not pull the mean down. The levels' usages also as a distribution
       ``{Train,Val}_Q/codebook_usage``;
     * ``Val_Q/codebook_coverage_level_l``: codes used anywhere in the validation set (any rank) / codes in the level;
     * ``{Train,Val}_Q/codebook_diversity_{min,max,mean}_level_l``: pairwise MSE between the level's codes;
@@ -33,6 +35,8 @@ class CodebookMonitor(L.Callback):
     def __init__(self) -> None:
         self._val_used: dict[str, list[torch.Tensor]] = {}  # per quantizer and level: codes seen in validation
         self._val_usage: dict[str, list[WeightedMean]] = {}  # per quantizer and level: mean per-batch usage
+        self._val_pending: dict[str, torch.Tensor | None] = {}  # per quantizer: windows' codes not yet in a batch
+        self._val_runs = 0  # full runs of batch_size windows counted in this validation (per quantizer, the same)
 
     @staticmethod
     def _diversity(pl_module: L.LightningModule, prefix: str, name: str, quantizer) -> dict[str, torch.Tensor]:
@@ -67,19 +71,32 @@ class CodebookMonitor(L.Callback):
         }
         self._val_usage = {name: [WeightedMean().to(pl_module.device) for _ in q.codebook_sizes]
                            for name, q in pl_module.model.quantizers.items()}
+        self._val_pending = {name: None for name in pl_module.model.quantizers}
+        self._val_runs = 0
 
     @override
     def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:
         if not isinstance(outputs, dict):
             return
+        run = getattr(getattr(trainer, "datamodule", None), "batch_size", None)  # windows per training batch
         for name, used in self._val_used.items():
-            batch_used = used_codes(outputs[name], pl_module.model.quantizers[name].codebook_sizes)
-            for mask, in_batch in zip(used, batch_used):
+            sizes = pl_module.model.quantizers[name].codebook_sizes
+            for mask, in_batch in zip(used, used_codes(outputs[name], sizes)):
                 mask |= in_batch
-            usage = torch.stack([m.float().mean() for m in batch_used])
-            for level, metric in enumerate(self._val_usage[name]):
-                metric.update(usage[level])
+            pending = outputs[name] if self._val_pending[name] is None else torch.cat([self._val_pending[name],
+                                                                                       outputs[name]])
+            run = run or len(outputs[name])  # (no datamodule: the batches' own size)
+            runs = len(pending) // run
+            for i in range(runs):
+                self._count_usage(name, pending[i * run: (i + 1) * run], sizes)
+            self._val_pending[name] = pending[runs * run:]
+        self._val_runs += runs
+
+    def _count_usage(self, name: str, indices: torch.Tensor, sizes) -> None:
+        usage = torch.stack([m.float().mean() for m in used_codes(indices, sizes)])  # [L]
+        for level, metric in enumerate(self._val_usage[name]):
+            metric.update(usage[level])
 
     @override
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -87,6 +104,9 @@ class CodebookMonitor(L.Callback):
             return
         for name, used in self._val_used.items():
             quantizer = pl_module.model.quantizers[name]
+            pending = self._val_pending.get(name)
+            if self._val_runs == 0 and pending is not None and len(pending):  # fewer windows than one batch
+                self._count_usage(name, pending, quantizer.codebook_sizes)
             masks = torch.cat(used).to(torch.uint8)
             if trainer.world_size > 1:  # codes used on any rank
                 masks = trainer.strategy.reduce(masks.float(), reduce_op="max").to(torch.uint8)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import lightning as L
+import numpy as np
 import torch
 from typing_extensions import override
 
@@ -25,7 +26,10 @@ class GroundTruthProbes(L.Callback):
     * the same under ``Val_World_Encoder/`` for world codes and world labels.
 
     Up to ``max_samples`` codes per quantizer, gathered from every rank; the probe trains on half of them
-    (at least 4: fewer give no held-out accuracy).
+    (at least 4: fewer give no held-out accuracy). The samples are put in one canonical order before the probe's
+    seeded split and the ``max_samples`` cut: a pseudo-random order of ``(file, frame)`` (the batches' ``file_index``
+    and ``start``), so the numbers do not depend on how the windows were dealt to ranks or batched; batches
+    without ``file_index`` keep the order they came in.
     """
 
     def __init__(self, max_samples: int = 20000) -> None:
@@ -35,35 +39,71 @@ class GroundTruthProbes(L.Callback):
         self.max_samples = max_samples
         self._codes: dict[str, list[torch.Tensor]] = {}
         self._labels: dict[str, list[torch.Tensor]] = {}
+        self._keys: dict[str, list[torch.Tensor]] = {}  # per sample, its place in the canonical order
+        self._arrivals = 0  # samples seen, the order of batches without file_index
 
     @override
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._codes = {"Action_Encoder": [], "World_Encoder": []}
         self._labels = {"Action_Encoder": [], "World_Encoder": []}
+        self._keys = {"Action_Encoder": [], "World_Encoder": []}
+        self._arrivals = 0
 
     @override
     def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:
         if not isinstance(outputs, dict) or "actions" not in batch:
             return
+        B, T = batch["actions"].shape
         pairs = {
-            "Action_Encoder": (outputs["Action_Encoder"], batch["actions"][:, :-1]),  # [B, T-1, L], [B, T-1]
-            "World_Encoder": (outputs["World_Encoder"], batch["world_label"]),  # [B, L], [B]
-        }
-        for name, (codes, labels) in pairs.items():
+            "Action_Encoder": (outputs["Action_Encoder"], batch["actions"][:, :-1], self._order(batch, T - 1)),
+            "World_Encoder": (outputs["World_Encoder"], batch["world_label"], self._order(batch, 1)[:, 0]),
+        }  # codes [B, T-1, L] / [B, L], labels and keys [B, T-1] / [B]
+        self._arrivals += B * T
+        for name, (codes, labels, keys) in pairs.items():
             keep = labels >= 0
-            if keep.any() and sum(len(c) for c in self._codes[name]) < self.max_samples:
+            if keep.any():
                 self._codes[name].append(codes[keep].cpu())
                 self._labels[name].append(labels[keep].cpu())
+                self._keys[name].append(keys[keep.cpu()])
+                if sum(len(k) for k in self._keys[name]) > 2 * self.max_samples:  # keep the first max_samples
+                    self._compact(name)
+
+    def _order(self, batch: dict[str, torch.Tensor], frames: int) -> torch.Tensor:
+        """``[B, frames]`` int64 keys of the samples of a batch: a fixed pseudo-random function of (file, frame)
+        (splitmix64), or the order of arrival when the batch does not say where its windows come from."""
+        B = batch["actions"].shape[0]
+        if "file_index" not in batch or "start" not in batch:
+            return self._arrivals + torch.arange(B * frames).reshape(B, frames)
+        files = batch["file_index"].cpu().numpy().astype(np.uint64)[:, None]
+        frame = (batch["start"].cpu().numpy()[:, None] + np.arange(frames)).astype(np.uint64)
+        z = (files << np.uint64(32)) + frame + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return torch.from_numpy((z ^ (z >> np.uint64(31))).view(np.int64))
+
+    def _compact(self, name: str) -> None:
+        """Keep this rank's ``max_samples`` samples first in the canonical order (which every rank's cut keeps in
+        the cut of all of them)."""
+        keys = torch.cat(self._keys[name])
+        first = keys.argsort()[: self.max_samples]
+        self._keys[name] = [keys[first]]
+        self._codes[name] = [torch.cat(self._codes[name])[first]]
+        self._labels[name] = [torch.cat(self._labels[name])[first]]
 
     def _gathered(self, trainer: L.Trainer, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
-        codes = torch.cat(self._codes[name]) if self._codes[name] else None
-        labels = torch.cat(self._labels[name]) if self._labels[name] else None
-        parts = [p for p in every_rank(trainer, (codes, labels)) if p[0] is not None]
+        """The first ``max_samples`` samples of every rank in the canonical order: ``(codes, labels)``."""
+        if self._keys[name]:
+            self._compact(name)
+            mine = (self._codes[name][0], self._labels[name][0], self._keys[name][0])
+        else:
+            mine = None
+        parts = [p for p in every_rank(trainer, mine) if p is not None]
         if not parts:
             return None
-        codes, labels = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-        return codes[: self.max_samples], labels[: self.max_samples]
+        codes, labels, keys = (torch.cat([p[i] for p in parts]) for i in range(3))
+        first = keys.argsort()[: self.max_samples]
+        return codes[first], labels[first]
 
     @override
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

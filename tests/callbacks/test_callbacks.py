@@ -602,6 +602,75 @@ def test_probes_pair_world_codes_with_their_clips_labels():
     assert torch.equal(world[0][0], code_ids(codes, NET.codebook_sizes_world))
 
 
+def _probe_windows(n=12, T=4, L=2, seed=0) -> list[dict]:
+    """Validation windows as a LatentDataModule batches them (file_index, start), with labels and made-up codes."""
+    g = torch.Generator().manual_seed(seed)
+    return [{"file_index": torch.tensor(i // 2), "start": torch.tensor(4 * (i % 2)),
+             "actions": torch.randint(0, 3, (T,), generator=g), "world_label": torch.tensor(i % 3),
+             "Action_Encoder": torch.randint(0, 4, (T - 1, L), generator=g),
+             "World_Encoder": torch.randint(0, 4, (L,), generator=g)} for i in range(n)]
+
+
+def _feed(callback, windows, batch_size, trainer=None, pl_module=None) -> None:
+    """Run ``callback``'s validation-batch hook over ``windows`` in batches of ``batch_size``."""
+    trainer = trainer or SimpleNamespace(world_size=1, sanity_checking=False)
+    callback.on_validation_epoch_start(trainer, pl_module)
+    for i in range(0, len(windows), batch_size):
+        batch = {k: torch.stack([w[k] for w in windows[i: i + batch_size]]) for k in windows[0]}
+        outputs = {k: batch.pop(k) for k in ("Action_Encoder", "World_Encoder")}
+        callback.on_validation_batch_end(trainer, pl_module, outputs, batch, i // batch_size)
+
+
+# the probes' samples (what their split and max_samples cut see) do not depend on the ranks or the batching
+@pytest.mark.parametrize("max_samples", [20000, 10])
+def test_probe_samples_are_the_same_on_one_rank_and_two(monkeypatch, max_samples):
+    from lwm.callbacks import GroundTruthProbes
+    from lwm.callbacks import probes
+
+    windows = _probe_windows()
+    one = GroundTruthProbes(max_samples=max_samples)
+    _feed(one, windows, batch_size=4)
+    ranks = [GroundTruthProbes(max_samples=max_samples) for _ in range(2)]
+    for r, callback in enumerate(ranks):
+        _feed(callback, windows[r::2], batch_size=3)  # dealt round-robin, other batches
+    sent = []
+    monkeypatch.setattr(probes, "every_rank", lambda trainer, obj: sent.append(obj) or [obj])
+    ranks[1]._gathered(None, "Action_Encoder"), ranks[1]._gathered(None, "World_Encoder")
+    for name, theirs in zip(("Action_Encoder", "World_Encoder"), sent):
+        monkeypatch.setattr(probes, "every_rank", lambda trainer, obj, theirs=theirs: [obj, theirs])
+        codes, labels = ranks[0]._gathered(None, name)
+        monkeypatch.setattr(probes, "every_rank", lambda trainer, obj: [obj])
+        expected_codes, expected_labels = one._gathered(None, name)
+        assert torch.equal(codes, expected_codes) and torch.equal(labels, expected_labels), name
+        assert len(labels) == min(max_samples, 12 * (3 if name == "Action_Encoder" else 1))
+
+
+# validation codebook usage: runs of data.batch_size windows, whatever the validation batches
+def test_validation_codebook_usage_counts_runs_of_the_training_batch_size():
+    torch.manual_seed(0)
+    model = WorldModelModule(net=NET).model
+    windows = _probe_windows(n=10)
+    logged = {}
+    trainer = SimpleNamespace(world_size=1, sanity_checking=False, validating=True, is_global_zero=True,
+                              datamodule=SimpleNamespace(batch_size=4))
+    pl_module = SimpleNamespace(model=model, device=torch.device("cpu"), trainer=trainer, loggers=[],
+                                log_dict=lambda logs, **kwargs: logged.update(logs))
+    results = []
+    for val_batch_size in (3, 4, 10):  # 10 windows: runs of 4 at 0..3 and 4..7; the last 2 are left over
+        monitor = CodebookMonitor()
+        _feed(monitor, windows, val_batch_size, trainer, pl_module)
+        monitor.on_validation_epoch_end(trainer, pl_module)
+        results.append(float(logged["Val_Action_Encoder/codebook_usage_level_0"]))
+    codes = torch.stack([w["Action_Encoder"] for w in windows])
+    runs = [codebook_usage(codes[i: i + 4], NET.codebook_sizes_action)[0] for i in (0, 4)]
+    assert results == [pytest.approx(float(sum(runs) / 2))] * 3
+    short = CodebookMonitor()  # fewer windows than one batch: their usage
+    _feed(short, windows[:3], 3, trainer, pl_module)
+    short.on_validation_epoch_end(trainer, pl_module)
+    assert float(logged["Val_Action_Encoder/codebook_usage_level_0"]) == pytest.approx(
+        float(codebook_usage(codes[:3], NET.codebook_sizes_action)[0]))
+
+
 # the video's second row is the model's rollout from frame 0 (not the ground truth)
 def test_rollout_video_rows_are_ground_truth_then_generated(tmp_path):
     from lwm.callbacks import RolloutVideos
