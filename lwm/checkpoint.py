@@ -50,7 +50,7 @@ def read_checkpoint(path: str | Path, label: str = "", what: str = "checkpoint")
     """The dict of a Lightning checkpoint file (``weights_only=True``, memory-mapped: the tensors are not read); a
     missing, unreadable (torn) or foreign file (another program's tensors, a code dictionary) is a one-line
     :class:`~lwm.errors.DataError` naming ``label`` and the path."""
-    from lwm.errors import DataError, first_line
+    from lwm.errors import DataError, torch_load_failure
 
     where = f"{label} {path}".strip()
     if not Path(path).is_file():
@@ -58,7 +58,7 @@ def read_checkpoint(path: str | Path, label: str = "", what: str = "checkpoint")
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:
-        raise DataError(f"{where}: not a readable {what} ({type(e).__name__}: {first_line(e)[:200]})") from None
+        raise DataError(f"{where}: not a readable {what} ({torch_load_failure(e)})") from None
     missing = [k for k in LIGHTNING_KEYS if k not in checkpoint] if isinstance(checkpoint, dict) else list(LIGHTNING_KEYS)
     if missing:
         raise DataError(f"{where}: not a readable {what} (not a Lightning checkpoint: it has no {', '.join(missing)})")

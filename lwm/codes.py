@@ -7,7 +7,8 @@ file (``codes.pt``, beside the checkpoints) holds plain tensors only and loads w
      "World_Encoder":  {...}, "windows": int, "global_step": int}
 
 ``global_step`` is the step of the checkpoint whose encoders made it (``lwm generate`` warns when it uses the
-dictionary with a checkpoint of another step).
+dictionary with a checkpoint of another step). Loading checks each dictionary's tensors (:func:`check_state`): an
+edited or torn file is refused by name, not when one of its bad tuples happens to be drawn.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 from torch import Tensor
 
 from lwm.data.windows import nonfinite_windows
-from lwm.errors import ArgumentParser, DataError, first_line
+from lwm.errors import ArgumentParser, DataError, torch_load_failure
 
 SAMPLING = ("frequency", "uniform")
 
@@ -80,7 +81,43 @@ class CodeDictionary:
 
     @classmethod
     def from_state(cls, state: dict[str, Tensor]) -> CodeDictionary:
+        """The dictionary of :meth:`to_state`'s tensors, checked: a ``ValueError`` says what is wrong in one line."""
+        check_state(state)
         return cls(tuple(int(k) for k in state["codebook_sizes"]), state["tuples"].long(), state["counts"].long())
+
+
+def _integer(t: Tensor) -> bool:
+    return not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
+
+
+def check_state(state: dict[str, Tensor]) -> None:
+    """Refuse a dictionary's tensors that sampling or decoding would trip on: ``codebook_sizes [L]`` integers >= 1,
+    ``tuples [U, L]`` integers with each level's codes in ``0..K_l-1``, ``counts [U]`` integers >= 0 with a
+    positive sum (where there are tuples). Raises a one-line ``ValueError``."""
+    if set(state) != STATE_KEYS:
+        raise ValueError(f"expected the tensors {', '.join(sorted(STATE_KEYS))}, got {', '.join(map(str, state))}")
+    if bad := [k for k in sorted(state) if not isinstance(state[k], Tensor)]:
+        raise ValueError(f"{', '.join(bad)}: not a tensor")
+    sizes, tuples, counts = state["codebook_sizes"], state["tuples"], state["counts"]
+    if not _integer(sizes) or sizes.ndim != 1 or sizes.numel() == 0 or int(sizes.min()) < 1:
+        raise ValueError(f"codebook_sizes must be integers >= 1, one per RVQ level, got {sizes.tolist()}")
+    L = sizes.numel()
+    if not _integer(tuples) or tuples.ndim != 2 or tuples.shape[1] != L:
+        raise ValueError(f"tuples must be integers of shape [U, {L}] (one code per RVQ level), got {tuples.dtype} "
+                         f"{list(tuples.shape)}")
+    U = tuples.shape[0]
+    if not _integer(counts) or counts.shape != (U,):
+        raise ValueError(f"counts must be integers of shape [{U}] (one per tuple), got {counts.dtype} "
+                         f"{list(counts.shape)}")
+    if U and int(counts.min()) < 0:
+        raise ValueError(f"counts must be >= 0, got {int(counts.min())}")
+    if U and counts.double().sum() <= 0:
+        raise ValueError(f"the counts of its {U} tuples sum to 0")
+    for level, k in enumerate(sizes.tolist()):
+        if (bad := ((tuples[:, level] < 0) | (tuples[:, level] >= k)).nonzero()).numel():
+            i = int(bad[0])
+            raise ValueError(f"tuple {i} {tuples[i].tolist()} has code {int(tuples[i, level])} at level {level}, "
+                             f"which takes codes 0..{k - 1}")
 
 
 def save_dictionaries(path: str | Path, dictionaries: dict[str, CodeDictionary], windows: int,
@@ -151,12 +188,22 @@ def _load(path: str | Path) -> tuple[dict[str, CodeDictionary], dict]:
         raise DataError(f"{path}: code dictionary not found (`lwm codes --config CFG --ckpt_path CKPT` writes one)")
     try:
         raw = torch.load(path, map_location="cpu", weights_only=True)
-        if not isinstance(raw, dict):
-            raise TypeError(f"a {type(raw).__name__}")
-        return ({k: CodeDictionary.from_state(v) for k, v in raw.items() if isinstance(v, dict)},
-                {k: v for k, v in raw.items() if not isinstance(v, dict)})
     except Exception as e:  # a torn or foreign file
-        raise DataError(f"{path}: not a code dictionary of `lwm codes` ({first_line(e)[:200]})") from None
+        raise DataError(f"{path}: not a code dictionary of `lwm codes` ({torch_load_failure(e)})") from None
+    if not isinstance(raw, dict):
+        raise DataError(f"{path}: not a code dictionary of `lwm codes` (a {type(raw).__name__})")
+    dictionaries = {}
+    for name, state in raw.items():
+        if not isinstance(state, dict):
+            continue
+        if set(state) != STATE_KEYS:  # a checkpoint's state_dict, say
+            raise DataError(f"{path}: not a code dictionary of `lwm codes` ({name} holds "
+                            f"{', '.join(map(str, state))[:100]}, not {', '.join(sorted(STATE_KEYS))})")
+        try:
+            dictionaries[name] = CodeDictionary.from_state(state)
+        except ValueError as e:  # an edited or corrupted file: refused now, not when a bad tuple is drawn
+            raise DataError(f"{path}: {name}: {e}") from None
+    return dictionaries, {k: v for k, v in raw.items() if not isinstance(v, dict)}
 
 
 @torch.no_grad()

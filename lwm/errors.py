@@ -21,6 +21,20 @@ def first_line(e: BaseException) -> str:
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
+def torch_load_failure(e: BaseException) -> str:
+    """Why ``torch.load(weights_only=True)`` refused a file, in one line (``Type: reason``), without torch's advice
+    to load it with ``weights_only=False`` (lwm never unpickles arbitrary objects: a file that needs that is not
+    one of ours) or its terminal escape codes."""
+    text = str(e)
+    if "WeightsUnpickler error:" in text:  # torch's message: its advice, then the reason
+        lines = [line.strip() for line in text.split("WeightsUnpickler error:", 1)[1].splitlines() if line.strip()]
+        reason = lines[0].split(". Please use", 1)[0] if lines else "unsupported content"
+        return f"torch.load with weights_only=True: {reason[:200]}"
+    if text.startswith("Weights only load failed"):  # another torch's wording: no reason to quote, no advice
+        return "torch.load with weights_only=True refused it"
+    return f"{type(e).__name__}: {first_line(e)[:200]}"
+
+
 class NonFiniteLossError(RuntimeError):
     """Training stopped: too many consecutive steps had a non-finite loss or gradient."""
 

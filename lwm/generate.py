@@ -28,10 +28,12 @@ from lwm.data.codecs import codec_from_attr, codec_spec, missing_codec
 from lwm.data.h5 import DataError, file_fps, inspect_h5
 from lwm.errors import ArgumentParser, ConfigError, positive_float
 from lwm.metrics import random_codes
+from lwm.seeds import seeded_generator
 from lwm.video import VIDEO_SUFFIXES, check_output, grid, latent_preview, write_video
 
 ACTIONS = ("dictionary", "inferred", "random")
 WORLDS = ("inferred", "dictionary")
+WORLD_DRAWS = 1  # seeded_generator(--seed, WORLD_DRAWS): the world's dictionary draws, a stream of their own
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -67,11 +69,16 @@ def parse(argv: list[str]) -> argparse.Namespace:
         p.error(f"--window must be >= 1, got {args.window}")
     if args.out and Path(args.out).suffix not in VIDEO_SUFFIXES:
         p.error(f"--out {args.out}: the video must be one of {', '.join(VIDEO_SUFFIXES)}")
+    for option, text, ndim in (("--action-indices", args.action_indices, 2),
+                               ("--world-indices", args.world_indices, 1)):
+        if text:
+            _parse_indices(text, option, ndim)  # the JSON now; its shape and codes against the checkpoint's codebooks
     return args
 
 
-def _indices(text: str, option: str, levels: int, ndim: int) -> torch.Tensor:
-    """JSON code indices: one tuple of ``levels`` integers (``ndim`` 1) or a list of them (``ndim`` 2)."""
+def _parse_indices(text: str, option: str, ndim: int) -> np.ndarray:
+    """JSON integers (a tuple for ``ndim`` 1, a list of tuples for ``ndim`` 2); floats, bools, strings and ragged
+    lists are refused in one line. Needs no model: ``parse`` checks it before any work."""
     what = "a JSON list of integers, one per RVQ level" if ndim == 1 else "a JSON list of integer code tuples"
     try:
         parsed = json.loads(text)
@@ -80,6 +87,12 @@ def _indices(text: str, option: str, levels: int, ndim: int) -> torch.Tensor:
         raise ConfigError(f"{option}: not {what} ({e})") from None
     if value.dtype.kind not in "iu" or _has_bool(parsed):  # floats, strings, ragged lists; numpy reads true as 1
         raise ConfigError(f"{option}: not {what}: {text}")
+    return value
+
+
+def _indices(text: str, option: str, levels: int, ndim: int) -> torch.Tensor:
+    """JSON code indices: one tuple of ``levels`` integers (``ndim`` 1) or a list of them (``ndim`` 2)."""
+    value = _parse_indices(text, option, ndim)
     if value.ndim != ndim or value.shape[-1] != levels:
         expected = f"[{levels}]" if ndim == 1 else f"[transitions, {levels}]"
         raise ConfigError(f"{option}: expected shape {expected} ({levels} RVQ levels), got {list(value.shape)}")
@@ -128,21 +141,27 @@ def run(args: argparse.Namespace) -> Path:
     model = module.model.eval()
     trained = raw.get("datamodule_hyper_parameters", {}).get("window")  # frames per training window
     window = args.window if args.window is not None else (trained - 1 if trained else None)  # predictor inputs
+    transitions = args.context + args.steps - 1  # actions the rollout needs: the context's, then one per step
 
+    # everything the checkpoint and the files can refuse, then the codec (a VAE: seconds and GPU memory to build)
+    given_world, given_actions = _given_codes(args, model, transitions, device)
+    dictionaries = _dictionaries(args, ckpt_path, raw, model)
     clip, world_clip, codec, fps = _read_clips(args, model, trained, device)
     decoder = codec_from_attr(codec, str(args.data), args.vae, str(device), args.vae_tiling)  # before the work: a bad --vae fails now
-    transitions = args.context + args.steps - 1  # actions the rollout needs: the context's, then one per step
     last_position = transitions - 1  # the last frame fed to the predictor sits at temporal position T - 1 (t0 = 0)
     if trained and last_position > model.max_time_offset + trained - 2:
         print(f"warning: the rollout feeds temporal positions up to {last_position}; training saw up to "
               f"{model.max_time_offset + trained - 2} (model.net.max_time_offset {model.max_time_offset} + a "
               f"{trained}-frame window): later frames are out of the trained range", file=sys.stderr)
-    dictionaries = _dictionaries(args, ckpt_path, raw, model)
-    generator = torch.Generator(device=device).manual_seed(args.seed)
-    draws = torch.Generator().manual_seed(args.seed)  # dictionary draws, one stream: the world's, then the actions'
+    generator = torch.Generator(device=device).manual_seed(args.seed)  # --actions random
+    # dictionary draws: the world's and the actions' in streams of their own, each a function of --seed alone, so
+    # --world inferred and --world dictionary play the same drawn actions
+    world_draws = seeded_generator("cpu", args.seed, WORLD_DRAWS)
+    action_draws = torch.Generator().manual_seed(args.seed)  # the stream they had: --world inferred plays as before
     with torch.no_grad():
-        world = _world(args, model, world_clip, trained, dictionaries, draws)  # [R, Dh]
-        actions = _actions(args, model, clip, trained, transitions, dictionaries, draws, generator)  # [R, T, Da]
+        world = _world(args, model, world_clip, trained, given_world, dictionaries, world_draws)  # [R, Dh]
+        actions = _actions(args, model, clip, trained, transitions, given_actions, dictionaries, action_draws,
+                           generator)  # [R, T, Da]
         context = clip[:, : args.context].expand(args.rollouts, -1, -1, -1, -1)
         generated = model.generate(context, actions, world, args.steps, t0=0, window=window)  # [R, steps, C, H, W]
     rollouts = torch.cat([context, generated], dim=1).cpu()  # [R, context + steps, C, H, W]
@@ -178,6 +197,24 @@ def _read_clips(args: argparse.Namespace, model, trained: int | None,
     return clip, world_clip, codec, fps
 
 
+@torch.no_grad()
+def _given_codes(args: argparse.Namespace, model, transitions: int,
+                 device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The codes of ``--world-indices`` ``[1, Dh]`` and of the first ``transitions`` of ``--action-indices``
+    ``[transitions, Da]`` (None where not given), checked against the checkpoint's codebooks."""
+    world = actions = None
+    if args.world_indices:
+        idx = _indices(args.world_indices, "--world-indices", len(model.config.codebook_sizes_world), ndim=1)
+        world = _decode(model.quantizers["World_Encoder"], idx.to(device)[None], "--world-indices")
+    if args.action_indices:
+        idx = _indices(args.action_indices, "--action-indices", len(model.config.codebook_sizes_action), ndim=2)
+        if idx.shape[0] < transitions:
+            raise ConfigError(f"--action-indices: {transitions} transitions needed ({args.context} context frames, "
+                              f"{args.steps} steps), got {idx.shape[0]}")
+        actions = _decode(model.quantizers["Action_Encoder"], idx[:transitions].to(device), "--action-indices")
+    return world, actions
+
+
 def _dictionaries(args: argparse.Namespace, ckpt_path: Path, raw: dict, model) -> dict | None:
     """The code dictionaries, where ``--world`` or ``--actions`` draws from one (else None), checked against the
     model; a dictionary made at another step than the checkpoint's is a warning."""
@@ -198,13 +235,13 @@ def _dictionaries(args: argparse.Namespace, ckpt_path: Path, raw: dict, model) -
     return dictionaries
 
 
-def _world(args: argparse.Namespace, model, world_clip: torch.Tensor, trained: int | None, dictionaries: dict | None,
-           draws: torch.Generator) -> torch.Tensor:
-    """The world vector of each rollout ``[R, Dh]``: given indices, drawn from the dictionary, or inferred."""
+def _world(args: argparse.Namespace, model, world_clip: torch.Tensor, trained: int | None,
+           given: torch.Tensor | None, dictionaries: dict | None, draws: torch.Generator) -> torch.Tensor:
+    """The world vector of each rollout ``[R, Dh]``: given (``--world-indices``' codes ``[1, Dh]``), drawn from the
+    dictionary, or inferred."""
     R, quantizer = args.rollouts, model.quantizers["World_Encoder"]
-    if args.world_indices:
-        idx = _indices(args.world_indices, "--world-indices", len(model.config.codebook_sizes_world), ndim=1)
-        return _decode(quantizer, idx.to(world_clip.device)[None], "--world-indices").expand(R, -1)
+    if given is not None:
+        return given.expand(R, -1)
     if args.world == "dictionary":
         idx = dictionaries["World_Encoder"].sample((R,), args.sampling, draws)
         return quantizer.decode_indices(idx.to(world_clip.device))
@@ -216,16 +253,14 @@ def _world(args: argparse.Namespace, model, world_clip: torch.Tensor, trained: i
 
 
 def _actions(args: argparse.Namespace, model, clip: torch.Tensor, trained: int | None, transitions: int,
-             dictionaries: dict | None, draws: torch.Generator, generator: torch.Generator) -> torch.Tensor:
-    """The action vectors of each rollout ``[R, transitions, Da]``: given indices, inferred from the ground truth,
-    or (``random``, ``dictionary``) the context's own transitions inferred and one drawn per step."""
+             given: torch.Tensor | None, dictionaries: dict | None, draws: torch.Generator,
+             generator: torch.Generator) -> torch.Tensor:
+    """The action vectors of each rollout ``[R, transitions, Da]``: given (``--action-indices``' codes
+    ``[transitions, Da]``), inferred from the ground truth, or (``random``, ``dictionary``) the context's own
+    transitions inferred and one drawn per step."""
     R, quantizer, device = args.rollouts, model.quantizers["Action_Encoder"], clip.device
-    if args.action_indices:
-        idx = _indices(args.action_indices, "--action-indices", len(model.config.codebook_sizes_action), ndim=2)
-        if idx.shape[0] < transitions:
-            raise ConfigError(f"--action-indices: {transitions} transitions needed ({args.context} context frames, "
-                              f"{args.steps} steps), got {idx.shape[0]}")
-        return _decode(quantizer, idx[:transitions].to(device), "--action-indices")[None].expand(R, -1, -1)
+    if given is not None:
+        return given[None].expand(R, -1, -1)
     if args.actions == "inferred":
         return model.encode_actions(clip[:, : transitions + 1], window=trained).quantized.expand(R, -1, -1)
     if args.actions == "random":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
 import h5py
@@ -178,3 +179,65 @@ def test_is_dictionary_file_tells_a_dictionary_from_other_files(tmp_path):
     torch.save({"Action_Encoder": {"tuples": torch.zeros(1)}, "windows": 1}, tmp_path / "partial.pt")
     (tmp_path / "m.json").write_text('{"files": []}')
     assert not any(is_dictionary_file(tmp_path / n) for n in ("ckpt.pt", "partial.pt", "m.json", "missing.pt"))
+
+
+def _edited(tmp_path, edit) -> Path:
+    """A good dictionary file, loaded, its Action_Encoder state edited by ``edit``, saved again."""
+    d = CodeDictionary((4, 8))
+    d.update(torch.tensor([[0, 1], [3, 7], [2, 2], [0, 1]]))  # tuples (0,1) x2, (2,2), (3,7)
+    raw = torch.load(save_dictionaries(tmp_path / "good.pt", {"Action_Encoder": d}, windows=2), weights_only=True)
+    edit(raw["Action_Encoder"])
+    torch.save(raw, tmp_path / "edited.pt")
+    return tmp_path / "edited.pt"
+
+
+def _set(key, value):
+    return lambda state: state.__setitem__(key, value(state[key]))
+
+
+def _poke(key, where, value):
+    return lambda state: state[key].__setitem__(where, value)
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (_poke("tuples", (0, 1), 8), "tuple 0 [0, 8] has code 8 at level 1, which takes codes 0..7"),
+    (_poke("tuples", (2, 0), -1), "tuple 2 [-1, 7] has code -1 at level 0, which takes codes 0..3"),
+    (_set("tuples", lambda t: t[:, :1]), "tuples must be integers of shape [U, 2] (one code per RVQ level), got "
+                                         "torch.int64 [3, 1]"),
+    (_set("tuples", lambda t: t.float()), "tuples must be integers of shape [U, 2] (one code per RVQ level), got "
+                                          "torch.float32 [3, 2]"),
+    (_poke("counts", 1, -3), "counts must be >= 0, got -3"),
+    (_set("counts", lambda c: c[:-1]), "counts must be integers of shape [3] (one per tuple), got torch.int64 [2]"),
+    (_set("counts", lambda c: c * 0), "the counts of its 3 tuples sum to 0"),
+    (_set("counts", lambda c: torch.tensor([2.0, float("nan"), 1.0])),
+     "counts must be integers of shape [3] (one per tuple), got torch.float32 [3]"),
+    (_set("codebook_sizes", lambda k: torch.tensor([4, 0])), "codebook_sizes must be integers >= 1, one per RVQ "
+                                                             "level, got [4, 0]"),
+])
+def test_an_edited_dictionary_is_refused_on_load_naming_the_file_and_the_entry(tmp_path, edit, message):
+    """Out-of-range codes failed only when drawn, a wrong width or negative counts with a traceback, counts
+    shorter than the tuples left the last tuples silently never drawn."""
+    path = _edited(tmp_path, edit)
+    with pytest.raises(DataError) as e:
+        load_dictionaries(path)
+    assert str(e.value) == f"{path}: Action_Encoder: {message}"
+    assert load_dictionaries(tmp_path / "good.pt")["Action_Encoder"].counts.tolist() == [2, 1, 1]  # the unedited
+
+
+def test_a_file_torch_will_not_load_with_weights_only_is_refused_without_torchs_advice(tmp_path):
+    """torch's message advised loading with weights_only=False: wrong here, a code dictionary is plain tensors."""
+    import argparse
+
+    pickled, text = tmp_path / "namespace.pt", tmp_path / "text.pt"
+    torch.save({"Action_Encoder": argparse.Namespace(tuples=1)}, pickled)  # an object torch will not unpickle
+    text.write_text("no")
+    namespace = "Unsupported global: GLOBAL argparse.Namespace was not an allowed global by default"
+    for path, reason in ((pickled, namespace), (text, "Unsupported operand 110")):
+        with pytest.raises(DataError) as e:
+            load_dictionaries(path)
+        assert str(e.value) == (f"{path}: not a code dictionary of `lwm codes` (torch.load with weights_only=True: "
+                                f"{reason})")
+    torch.save({"state_dict": {"w": torch.zeros(1)}, "windows": 1}, tmp_path / "ckpt.pt")  # loads, is not one
+    with pytest.raises(DataError, match=r"not a code dictionary of `lwm codes` \(state_dict holds w, not "
+                                        r"codebook_sizes, counts, tuples\)"):
+        load_dictionaries(tmp_path / "ckpt.pt")

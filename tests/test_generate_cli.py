@@ -66,16 +66,119 @@ def test_inferred_actions_reproduce_teacher_forcing_on_the_first_step(trained):
     (["--world-indices", "[true, 1]"], "--world-indices: not a JSON list of integers"),
     (["--world-indices", "[[0, 1]]"], "--world-indices: expected shape [2] (2 RVQ levels), got [1, 2]"),
     (["--action-indices", "[[0, 1], [0]]"], "--action-indices: not a JSON list of integer code tuples"),
+    (["--action-indices", "[[0, 0], [0, 0]]"],
+     "--action-indices: 3 transitions needed (1 context frames, 3 steps), got 2"),
     (["--codes", "/nope/codes.pt"], "code dictionary not found"),
+    (["--actions", "random", "--world", "dictionary", "--codes", "DATA"],
+     "ep00.h5: not a code dictionary of `lwm codes`"),
+    (["--codes", "CKPT"], "last.ckpt: not a code dictionary of `lwm codes`"),
     (["--start", "50"], "14 frames, but the request reads frame 50"),
     (["--start", "12", "--actions", "inferred"], "14 frames, but the request reads frames 12 to 15"),
 ])
-def test_bad_generation_requests_are_one_error_line(trained, capsys, extra, message):
+def test_bad_generation_requests_are_one_error_line(trained, capsys, monkeypatch, extra, message):
+    """Each refused in one line before the codec is built (a VAE: seconds and GPU memory before the refusal)."""
     tmp, ckpt, data = trained
+    built = _no_codec_built(monkeypatch)
+    extra = [{"DATA": str(data), "CKPT": str(ckpt)}.get(a, a) for a in extra]
     assert main(["generate", "--ckpt_path", str(ckpt), "--data", str(data), "--steps", "3",
                  "--out", str(tmp / "bad.gif"), *extra]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], errors
+    assert built == [] and not (tmp / "bad.gif.h5").exists()
+
+
+def _no_codec_built(monkeypatch) -> list:
+    """Record each codec built by `lwm generate` (none here: a stand-in that shows latent channels)."""
+    import lwm.generate as gen
+
+    built = []
+    monkeypatch.setattr(gen, "codec_from_attr", lambda *args: built.append(args))
+    return built
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--world-indices", "[0.7, 1.9]"], "--world-indices: not a JSON list of integers, one per RVQ level: [0.7, 1.9]"),
+    (["--world-indices", "[true, 1]"], "--world-indices: not a JSON list of integers, one per RVQ level: [true, 1]"),
+    (["--action-indices", "[[0, 1], [0]]"], "--action-indices: not a JSON list of integer code tuples (setting an "
+                                            "array element with a sequence"),  # ragged
+    (["--action-indices", "[[0, 1],"], "--action-indices: not a JSON list of integer code tuples (Expecting value"),
+])
+def test_index_json_that_is_not_integers_is_refused_before_the_checkpoint_is_loaded(trained, capsys, monkeypatch,
+                                                                                   extra, message):
+    tmp, ckpt, data = trained
+    _no_checkpoint_loaded(monkeypatch)
+    assert main(["generate", "--ckpt_path", str(ckpt), "--data", str(data), "--out", str(tmp / "j.gif"), *extra]) == 2
+    errors = _error_lines(capsys)
+    assert len(errors) == 1 and errors[0].startswith(f"error: {message}"), errors
+
+
+@pytest.mark.parametrize(("name", "edit", "message"), [
+    ("Action_Encoder", "out of range", "tuple 0 [T0, 8] has code 8 at level 1, which takes codes 0..7"),
+    ("World_Encoder", "out of range", "tuple 0 [T0, 8] has code 8 at level 1, which takes codes 0..7"),
+    ("Action_Encoder", "narrow",
+     "tuples must be integers of shape [U, 2] (one code per RVQ level), got torch.int64 [U, 1]"),
+    ("Action_Encoder", "negative count", "counts must be >= 0, got -1"),
+    ("Action_Encoder", "short counts", "counts must be integers of shape [U] (one per tuple), got torch.int64 [U-1]"),
+])
+def test_an_edited_code_dictionary_is_refused_before_the_codec(trained, tmp_path, capsys, monkeypatch, name, edit,
+                                                                message):
+    """A codes.pt whose tuples hold an out-of-range code failed with a traceback when that tuple was drawn; a wrong
+    width or a negative count with a traceback; counts shorter than the tuples never drew the last tuples."""
+    tmp, ckpt, data = trained
+    raw = torch.load(ckpt.parent / "codes.pt", weights_only=True)
+    state = raw[name]
+    U, first = state["tuples"].shape[0], state["tuples"][0, 0].item()
+    if edit == "out of range":
+        state["tuples"][0, 1] = 8
+    elif edit == "narrow":
+        state["tuples"] = state["tuples"][:, :1]
+    elif edit == "negative count":
+        state["counts"][0] = -1
+    else:
+        state["counts"] = state["counts"][:-1]
+    bad = tmp_path / "edited_codes.pt"
+    torch.save(raw, bad)
+    built = _no_codec_built(monkeypatch)
+    assert main(["generate", "--ckpt_path", str(ckpt), "--data", str(data), "--steps", "2", "--codes", str(bad),
+                 "--world", "dictionary", "--out", str(tmp_path / "x.gif")]) == 2
+    message = message.replace("T0", str(first)).replace("U-1", str(U - 1)).replace("[U]", f"[{U}]")
+    message = message.replace("[U, 1]", f"[{U}, 1]")
+    assert _error_lines(capsys) == [f"error: {bad}: {name}: {message}"]
+    assert built == []
+
+
+def test_dictionary_actions_do_not_depend_on_where_the_world_comes_from(trained, tmp_path, monkeypatch):
+    """With --world dictionary the world's draws came first from the actions' generator: the same --seed drew
+    other actions than with --world inferred. The world and the actions draw from streams of their own."""
+    from lwm.codes import CodeDictionary, save_dictionaries
+
+    tmp, ckpt, data = trained
+    every = CodeDictionary((4, 8))  # every tuple once: draws that tell the streams apart
+    every.update(torch.cartesian_prod(torch.arange(4), torch.arange(8)))
+    codes = save_dictionaries(tmp_path / "every.pt", {"Action_Encoder": every, "World_Encoder": every}, windows=32,
+                              global_step=3)
+    draws = []
+    sample = CodeDictionary.sample
+
+    def spy(self, shape, by="frequency", generator=None):
+        drawn = sample(self, shape, by, generator)
+        draws[-1]["actions" if len(shape) == 2 else "world"] = drawn
+        return drawn
+
+    monkeypatch.setattr(CodeDictionary, "sample", spy)
+
+    def drawn(world, actions="dictionary", seed=0):
+        draws.append({})
+        _generate(ckpt, data, tmp_path / "d.gif", "--steps", "4", "--rollouts", "3", "--codes", str(codes),
+                  "--world", world, "--actions", actions, "--seed", str(seed))
+        return draws[-1]
+
+    inferred, dictionary, other_seed = drawn("inferred"), drawn("dictionary"), drawn("inferred", seed=1)
+    assert inferred["actions"].shape == (3, 4, 2) and dictionary["world"].shape == (3, 2)
+    assert torch.equal(inferred["actions"], dictionary["actions"])
+    assert not torch.equal(inferred["actions"], other_seed["actions"])
+    assert torch.equal(drawn("dictionary", actions="random")["world"], dictionary["world"])  # a function of --seed
+    assert not torch.equal(drawn("dictionary", seed=1)["world"], dictionary["world"])
 
 
 def test_a_code_dictionary_of_another_model_is_refused_by_name(trained, capsys):
