@@ -78,6 +78,8 @@ def _lightning(args: argparse.Namespace) -> int:
     from lwm.callbacks.slurm import interrupted_by
     from lwm.lightning_cli import lightning_cli
 
+    if args.verb != "fit":  # evaluating a checkpoint needs none of its callbacks' states (Lightning asks for them)
+        warnings.filterwarnings("ignore", message="Be aware that when using `ckpt_path`, callbacks used to create")
     with _wide_output():
         signum = interrupted_by(getattr(lightning_cli([args.verb, *args.rest]), "trainer", None))
     return 128 + signum if signum else 0  # a fit stopped by Ctrl-C or kill (after saving): 130, 143

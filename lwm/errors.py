@@ -59,6 +59,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("formatter_class", HelpFormatter)
+        kwargs.setdefault("allow_abbrev", False)  # `--step` is not `--steps`: a prefix is refused, not guessed
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):  # type: ignore[override]

@@ -40,12 +40,19 @@ def _quiet_lightning() -> None:
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     warnings.filterwarnings("ignore", message="You have overridden `on_after_batch_transfer` in `LightningModule`")
+    # every resume: a fit that would start over in a folder with checkpoints is refused before this (fit_resumes)
+    warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
     for name in ("lightning.fabric.utilities.rank_zero", "lightning.pytorch.utilities.rank_zero"):
-        logging.getLogger(name).addFilter(_drop_advert)  # Lightning's litlogger tip, on every run
+        logging.getLogger(name).addFilter(_drop_advert)
+
+
+_ADVERTS = ("try installing [litlogger]",  # Lightning's logger tip, on every run
+            "Trainer already configured with model summary callbacks")  # ours is configured on purpose
 
 
 def _drop_advert(record: logging.LogRecord) -> bool:
-    return "try installing [litlogger]" not in record.getMessage()
+    message = record.getMessage()
+    return not any(advert in message for advert in _ADVERTS)
 
 
 def fit_resumes(ckpt_path: str | None, root: str) -> bool:
@@ -75,7 +82,7 @@ class LwmCLI(LightningCLI):
             LatentDataModule,
             seed_everything_default=0,
             # A parse error raises (parse_arguments makes it one line) instead of printing ~145 lines of usage.
-            parser_kwargs={"parser_mode": "omegaconf+", "exit_on_error": False},
+            parser_kwargs={"parser_mode": "omegaconf+", "exit_on_error": False, "allow_abbrev": False},
             save_config_kwargs={"overwrite": True},  # a resumed run rewrites RUN_DIR/config.yaml
             # the data module shards by rank itself; 4 validations per epoch (the requirement's), config or not
             trainer_defaults={"use_distributed_sampler": False, "val_check_interval": 0.25},

@@ -126,6 +126,7 @@ def test_an_os_error_not_about_a_path_keeps_its_traceback(monkeypatch):
     ["bench", "--steps", "x"],
     ["demo", "--steps", "x"],
     ["data", "decode", "f.h5", "--out", "x.gif", "--fps", "0"],
+    ["data", "synth", "--out", "x", "--episode", "4"],  # a prefix of --episodes: refused, not guessed
 ])
 def test_argument_errors_of_every_verb_are_one_line_without_the_usage_block(argv, capsys):
     assert main(argv) == 2

@@ -19,8 +19,8 @@ short.
 
 Outside SLURM (``interrupts``, on by default), SIGTERM and a first Ctrl-C (SIGINT) are answered the same way
 without the hpc checkpoint (``last.ckpt`` is what ``--ckpt_path last`` continues), and ``lwm fit`` exits with
-128 + the signal's number (130 for Ctrl-C, 143 for SIGTERM); a second Ctrl-C stops at once, unsaved (Lightning's
-KeyboardInterrupt). Lightning's own handling loses the steps since the last checkpoint.
+128 + the signal's number (130 for Ctrl-C, 143 for SIGTERM); a second Ctrl-C stops at once, unsaved (exit 130
+too). Lightning's own handling loses the steps since the last checkpoint.
 """
 
 from __future__ import annotations
@@ -70,7 +70,11 @@ class SlurmRequeue(L.Callback):
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if signum == signal.SIGINT and self._requested and self._signal == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C: stop now, unsaved
+            # a second Ctrl-C: stop now, unsaved. SystemExit, not KeyboardInterrupt: Lightning tears down on either,
+            # but on KeyboardInterrupt it prints its own "graceful shutdown" and exits 1, where a Ctrl-C exits 130
+            if self._rank_zero:
+                sys.stderr.write("\nSIGINT again: stopping now, unsaved\n")
+            raise SystemExit(128 + signal.SIGINT)
         if not self._slurm and not self._requested and self._rank_zero:
             again = " (Ctrl-C again: stop at once, unsaved)" if signum == signal.SIGINT else ""
             sys.stderr.write(f"\n{signal.Signals(signum).name}: stopping after a checkpoint at the end of this batch"

@@ -214,6 +214,8 @@ def test_overfit_drives_the_tf_loss_towards_zero(tmp_path, capsys):
         (["--trainer.gradient_clip_val=-1"], "trainer.gradient_clip_val must be >= 0 (0 or null: no clipping), got -1"),
         # Parse errors: one line, not jsonargparse's ~145 lines of usage; a typo gets the nearest key.
         (["--model.net.dmodel=32"], "unrecognized arguments: --model.net.dmodel=32 (did you mean --model.net.d_model?)"),
+        # a prefix of a key is a typo too, not that key (argparse's abbreviations: --trainer.max_step 8 trained 8 steps)
+        (["--trainer.max_step=8"], "unrecognized arguments: --trainer.max_step=8 (did you mean --trainer.max_steps?)"),
         (["--trainer.max_steps=ten"], 'Parser key "trainer.max_steps": Expected a <class \'int\'>. Got value: ten'),
         (["--config=configs/missing.yaml"], "configs/missing.yaml"),
         (["--trainer.val_check_interval=50"], "trainer.val_check_interval=50 is more than the 2 training batches"),
@@ -367,7 +369,15 @@ def test_lightning_verbs_edge_cases(tmp_path, caplog, recwarn):
     assert not [w for w in recwarn if "save_last=True" in str(w.message)]
     assert run(manifest, tmp_path / "equal", "--trainer.max_steps=2", "--trainer.val_check_interval=2") == 0
     assert main(tiny_args(manifest, tmp_path / "fresh", "--ckpt_path=last", "--model.net.d_model=64",
-                          verb="validate")) == 0
+                          "--checkpoint.every_n_train_steps=7", verb="validate")) == 0
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        assert run(manifest, tmp_path / "fresh", "--trainer.max_steps=2", "--ckpt_path=last") == 0  # a resume
+    # Lightning's notes that do not apply: the resume's checkpoint folder is not empty, of course; validating
+    # needs none of the checkpoint's callback states (another checkpoint setting above); our model summary
+    noise = ("exists and is not empty", "callbacks used to create the checkpoint", "already configured with model summary")
+    assert not [w for w in recwarn if any(n in str(w.message) for n in noise)], [str(w.message) for w in recwarn]
+    assert not any(n in caplog.text for n in noise)
 
 
 def test_a_fresh_fit_into_a_run_dir_holding_a_run_is_refused(tmp_path, capsys):
