@@ -30,6 +30,7 @@ import contextlib
 import importlib
 import os
 import sys
+import time
 import warnings
 from collections.abc import Iterator
 
@@ -80,8 +81,15 @@ def _lightning(args: argparse.Namespace) -> int:
 
     if args.verb != "fit":  # evaluating a checkpoint needs none of its callbacks' states (Lightning asks for them)
         warnings.filterwarnings("ignore", message="Be aware that when using `ckpt_path`, callbacks used to create")
+    start = time.monotonic()
     with _wide_output():
-        signum = interrupted_by(getattr(lightning_cli([args.verb, *args.rest]), "trainer", None))
+        trainer = getattr(lightning_cli([args.verb, *args.rest]), "trainer", None)
+    signum = interrupted_by(trainer)
+    stopped = any(getattr(c, "preempted", False) for c in getattr(trainer, "callbacks", []))  # SLURM: requeued
+    if args.verb == "fit" and trainer is not None and trainer.is_global_zero and not signum and not stopped:
+        from lwm.callbacks.progress import fit_summary
+
+        print(fit_summary(trainer, time.monotonic() - start))
     return 128 + signum if signum else 0  # a fit stopped by Ctrl-C or kill (after saving): 130, 143
 
 

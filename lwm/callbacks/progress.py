@@ -1,18 +1,100 @@
-"""The rich progress bar, labelled with the global step for step-based runs."""
+"""The rich progress bar, labelled with the global step for step-based runs, with plain progress lines where the
+output is not a terminal (a log file, SLURM's output), and the one-line summary at the end of a fit."""
 
 from __future__ import annotations
 
+import datetime
+import time
 from typing import Any
 
 import lightning as L
 from lightning.pytorch.callbacks import RichProgressBar
+from lightning.pytorch.callbacks.progress.rich_progress import RichProgressBarTheme
 from typing_extensions import override
+
+VAL_KEYS = ("Val_Total/loss", "Val_Dynamics_Predictor/tf_loss", "Val_Dynamics_Predictor/copy_last_loss")
+
+
+def _clock(seconds: float) -> str:
+    return str(datetime.timedelta(seconds=int(seconds)))
+
+
+def _metrics(trainer: L.Trainer, keys: tuple[str, ...]) -> str:
+    """``key value`` of those of ``keys`` the trainer has logged, `` · ``-separated (one host read each)."""
+    metrics = trainer.callback_metrics
+    return " · ".join(f"{key} {float(metrics[key]):.4g}" for key in keys if key in metrics)
+
+
+def fit_summary(trainer: L.Trainer, seconds: float) -> str:
+    """One line at the end of a fit: where it got, how long it took, its last losses and where its checkpoint is."""
+    steps = f"step {trainer.global_step}" + (f"/{trainer.max_steps}" if trainer.max_steps and trainer.max_steps > 0 else "")
+    parts = [f"fit done: {steps} in {_clock(seconds)}", _metrics(trainer, ("Train_Total/loss", *VAL_KEYS))]
+    checkpoint = getattr(trainer.checkpoint_callback, "last_model_path", "") or ""
+    if checkpoint:
+        parts.append(f"checkpoint {checkpoint}")
+    return " · ".join(p for p in parts if p)
 
 
 class StepProgressBar(RichProgressBar):
     """``Epoch 3 · step 1200/100000`` instead of Lightning's ``Epoch 3/-2`` when only ``max_steps`` is set, and one
     validation task at a time (Lightning's bar keeps each finished validation's hidden task: over days of training,
-    thousands, each one more to render at every refresh)."""
+    thousands, each one more to render at every refresh).
+
+    Where the output is not a terminal (a log file, SLURM's output), rich shows the bar only when it ends: there a
+    plain line every ``text_every_s`` seconds of training says the step, the speed, the loss and the time to go,
+    and one after each validation its losses (``text_every_s: 0``: none)."""
+
+    def __init__(self, refresh_rate: int = 1, leave: bool = False,
+                 theme: RichProgressBarTheme = RichProgressBarTheme(), console_kwargs: dict[str, Any] | None = None,
+                 text_every_s: float = 60.0) -> None:
+        super().__init__(refresh_rate=refresh_rate, leave=leave, theme=theme, console_kwargs=console_kwargs)
+        if not text_every_s >= 0:
+            from lwm.errors import ConfigError
+
+            raise ConfigError(f"progress_bar.text_every_s must be >= 0 (0: no plain progress lines), got {text_every_s}")
+        self.text_every_s = text_every_s
+        self._start: tuple[float, int] | None = None  # (time, global step) of this process's first training batch
+        self._last_text = 0.0
+
+    def _plain(self) -> bool:
+        """Whether this rank's progress goes, as plain lines, to output that is not a terminal."""
+        return bool(self.text_every_s) and self.is_enabled and self._console is not None \
+            and not self._console.is_terminal
+
+    def _say(self, line: str) -> None:
+        self._console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+    def progress_line(self, trainer: L.Trainer, now: float) -> str:
+        """``step 1200/100000 · epoch 3 · 2.14 steps/s · Train_Total/loss 0.0123 · 0:09:20 elapsed, 12:48:00 to go``:
+        the speed over this process's steps so far (validations included: the time to go is wall-clock)."""
+        t0, step0 = self._start if self._start is not None else (now, trainer.global_step)
+        done, seconds = trainer.global_step - step0, max(now - t0, 1e-9)
+        text = f"step {trainer.global_step}"
+        if trainer.max_steps is not None and trainer.max_steps > 0:
+            text += f"/{trainer.max_steps}"
+        text += f" · epoch {trainer.current_epoch} · {done / seconds:.3g} steps/s"
+        loss = _metrics(trainer, ("Train_Total/loss",))
+        text += f" · {loss}" if loss else ""
+        text += f" · {_clock(seconds)} elapsed"
+        if done and trainer.max_steps is not None and trainer.max_steps > 0:
+            text += f", {_clock((trainer.max_steps - trainer.global_step) * seconds / done)} to go"
+        return text
+
+    @override
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        if self._start is None:
+            self._start = (time.monotonic(), trainer.global_step)
+            self._last_text = self._start[0]
+
+    @override
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_validation_end(trainer, pl_module)
+        if self._plain() and not trainer.sanity_checking and trainer.state.fn == "fit":
+            losses = _metrics(trainer, VAL_KEYS)
+            if losses:
+                self._say(f"validation at step {trainer.global_step}: {losses}")
 
     @override
     def _get_train_description(self, current_epoch: int) -> str:
@@ -32,6 +114,10 @@ class StepProgressBar(RichProgressBar):
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if self.progress is not None and self.train_progress_bar_id is not None:
             self.progress.update(self.train_progress_bar_id, description=self._get_train_description(trainer.current_epoch))
+        now = time.monotonic()
+        if self._plain() and now - self._last_text >= self.text_every_s:
+            self._last_text = now
+            self._say(self.progress_line(trainer, now))
 
     @override
     def on_validation_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int,

@@ -166,6 +166,30 @@ def test_a_checkpoint_with_unknown_hyperparameters_is_one_error_line(trained, tm
     assert len(errors) == 1 and "odd.ckpt: its hyperparameters do not fit this lwm" in errors[0], errors
 
 
+def test_a_fit_into_a_log_file_prints_plain_progress_lines_and_a_summary(tmp_path, capsys):
+    """Not on a terminal (SLURM's output, nohup), rich shows its bar only at the end: plain lines say how far the fit
+    is, each validation's losses, and where it ended."""
+    manifest = make_dataset(tmp_path / "data", files=4)  # 2 training batches per epoch
+    assert run(manifest, tmp_path / "run", "--trainer.max_steps=4", "--trainer.enable_progress_bar=true",
+               "--progress_bar.text_every_s=1e-9", "--trainer.val_check_interval=2",
+               "--trainer.check_val_every_n_epoch=null") == 0
+    lines = capsys.readouterr().out.splitlines()
+    progress = [line for line in lines if line.startswith("step ")]
+    assert [line.split(" · ")[0] for line in progress] == ["step 1/4", "step 2/4", "step 3/4", "step 4/4"], lines
+    assert all(" steps/s · Train_Total/loss " in line and " elapsed, " in line and " to go" in line for line in progress)
+    validations = [line for line in lines if line.startswith("validation at step ")]
+    assert [line.split(":")[0] for line in validations] == ["validation at step 2", "validation at step 4"], lines
+    assert all("Val_Dynamics_Predictor/tf_loss" in v and "copy_last_loss" in v for v in validations)
+    done = [line for line in lines if line.startswith("fit done: step 4/4 in 0:")]
+    assert len(done) == 1 and done[0].endswith(f" · checkpoint {tmp_path / 'run/checkpoints/last.ckpt'}")
+    assert main(tiny_args(manifest, tmp_path / "quiet", "--trainer.max_steps=1", "--trainer.enable_progress_bar=true",
+                          "--progress_bar.text_every_s=0")) == 0  # none, but the summary
+    out = capsys.readouterr().out
+    assert "steps/s" not in out and "fit done: step 1/1" in out
+    assert main(tiny_args(manifest, tmp_path / "bad", "--progress_bar.text_every_s=-1")) == 2
+    assert "progress_bar.text_every_s must be >= 0" in capsys.readouterr().err
+
+
 def test_help_lists_the_verbs(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--help"])
