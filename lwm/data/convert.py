@@ -5,9 +5,11 @@
     lwm data decode FILE.h5 --out VIDEO.mp4|.gif [--fps F] [--vae PATH]
 
 Frames are centre-cropped to a square and resized to the codec's size (128x128 for ``pixel``, 512x512 for the
-diffusers VAEs, which need ``--vae`` with their local weights; see :mod:`lwm.data.vae`). One h5 file per video,
-or with ``--segment N`` one per ``N`` frames (then ``lwm data index DIR``); files of a video's name already in
-``DIR`` are refused (``--overwrite``: all removed first). Frames are read one at a time.
+diffusers VAEs, which need ``--vae`` with their local weights; see :mod:`lwm.data.vae`). A ``--size`` whose latents
+the model cannot train on (height and width multiples of 4: ``pixel`` needs a multiple of 8, the VAEs one of 32)
+is refused before any video is read. One h5 file per video, or with ``--segment N`` one per ``N`` frames (then
+``lwm data index DIR``), each logged in one line with its latent shape and any crop; files of a video's name
+already in ``DIR`` are refused (``--overwrite``: all removed first). Frames are read one at a time.
 The files record the frame rate of the frames they encode (the source's divided by ``--stride``, where the
 container says it) as the ``fps`` attribute, which decoding and ``lwm generate`` play them at by default.
 """
@@ -25,11 +27,33 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from lwm.data.codecs import PixelCodec, codec_from_attr, missing_codec
-from lwm.data.h5 import DataError, file_fps, inspect_h5
-from lwm.data.vae import TEMPORAL, latent_frames, video_frames
+from lwm.data.h5 import MODEL_MULTIPLE, DataError, file_fps, inspect_h5
+from lwm.data.vae import SPATIAL, TEMPORAL, latent_frames, video_frames
 from lwm.errors import first_line
 
 CODECS = ("pixel", "wan", "cogvideox", "hunyuan")
+
+
+def check_size(codec: str, size: int | None) -> None:
+    """Refuse a ``--size`` that gives latents the model cannot train on (height and width positive multiples of
+    :data:`MODEL_MULTIPLE`): the pixel codec's latents are ``size/2``, a VAE's ``size/8``, so ``size`` must be a
+    positive multiple of 8 or 32; the message names the nearest valid sizes. None (the codec's default) and
+    unknown codecs (refused by :func:`make_codec`) pass."""
+    if size is None or codec not in CODECS:
+        return
+    cell = 2 if codec == "pixel" else SPATIAL  # pixels per latent cell
+    step = cell * MODEL_MULTIPLE
+    if size > 0 and size % step == 0:
+        return
+    below = size // step * step
+    nearest = f"{below} or {below + step}" if below > 0 else f"{step}"
+    if size > 0 and size % cell == 0:
+        why = (f"the {codec} codec makes {size // cell}x{size // cell} latents, and the model needs latents in "
+               f"multiples of {MODEL_MULTIPLE} (the tokenizer downsamples by {MODEL_MULTIPLE})")
+    else:
+        why = (f"the {codec} codec needs a positive multiple of {step} ({cell}x{cell} pixels per latent, and the "
+               f"model needs latents in multiples of {MODEL_MULTIPLE}: the tokenizer downsamples by {MODEL_MULTIPLE})")
+    raise DataError(f"--size {size}: {why}: use --size {nearest}")
 
 
 def square_resize(frames: np.ndarray, size: int) -> np.ndarray:
@@ -43,6 +67,17 @@ def square_resize(frames: np.ndarray, size: int) -> np.ndarray:
     if side == size:
         return np.ascontiguousarray(crop)
     return np.stack([np.asarray(Image.fromarray(f).resize((size, size), Image.BILINEAR)) for f in crop])
+
+
+def framing(source: tuple[int, int], size: int) -> str:
+    """What :func:`square_resize` did to frames of ``(height, width)`` ``source``, for a log line: ``"; 160x96
+    frames centre-cropped to 96x96, then resized to 128x128"`` (width x height), or ``""`` where nothing."""
+    H, W = source
+    side = min(H, W)
+    steps = [f"centre-cropped to {side}x{side}"] if H != W else []
+    if side != size:
+        steps.append(f"{'then ' if steps else ''}resized to {size}x{size}")
+    return f"; {W}x{H} frames {', '.join(steps)}" if steps else ""
 
 
 def iter_video(path: str | Path, stride: int = 1) -> Iterator[np.ndarray]:
@@ -96,12 +131,12 @@ def read_video(path: str | Path, stride: int = 1) -> np.ndarray:
 def make_codec(codec: str = "pixel", vae: str | Path | None = None, size: int | None = None,
                device: str = "cpu", dtype: torch.dtype = torch.float32, tiling: bool = False):
     """The codec ``--codec`` names: the built-in pixel codec, or a diffusers VAE loaded from ``vae`` (``tiling``:
-    it encodes in overlapping spatial tiles, see :func:`lwm.data.vae.load_vae`)."""
+    it encodes in overlapping spatial tiles, see :func:`lwm.data.vae.load_vae`); ``size`` is checked first
+    (:func:`check_size`)."""
     if codec not in CODECS:
         raise DataError(f"--codec {codec}: unknown (known: {', '.join(CODECS)})")
+    check_size(codec, size)  # before a VAE (or diffusers) is loaded
     if codec == "pixel":
-        if size is not None and (size < 2 or size % 2):
-            raise DataError(f"--size {size}: the pixel codec needs an even size >= 2")
         return PixelCodec(size=size or 128)
     if vae is None:
         raise DataError(f"--codec {codec} needs --vae PATH, a local folder with the VAE's diffusers weights")
@@ -177,7 +212,9 @@ def encode_videos(videos: list[str], out: str | Path, codec: str = "pixel", stri
     line per file. Frames are read and resized one at a time: memory holds one file's frames at the codec's
     size (``segment`` bounds it for long videos). Where ``out`` already holds a file of a video's name
     (:func:`earlier_outputs`: an earlier encode's, perhaps of other segments) it is refused before any video is
-    read, unless ``overwrite``: then all of them are removed before that video is encoded."""
+    read, unless ``overwrite``: then all of them are removed before that video is encoded. A ``size`` whose
+    latents the model cannot train on is refused first (:func:`check_size`)."""
+    check_size(codec, size)
     for video in videos:  # fail on a missing video before loading a VAE
         if not Path(video).is_file():
             raise DataError(f"{video}: video not found")
@@ -205,7 +242,7 @@ def encode_videos(videos: list[str], out: str | Path, codec: str = "pixel", stri
     out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
 
-    def write(target: Path, frames: list[np.ndarray], video: str, fps: float | None) -> None:
+    def write(target: Path, frames: list[np.ndarray], video: str, fps: float | None, source: tuple[int, int]) -> None:
         if target in written:  # a segment name that another video's file already took
             raise DataError(f"{video}: would overwrite {target}, written from another video (rename one)")
         clipped = write_latents(target, c, np.stack(frames), attrs={"fps": fps / stride} if fps else None)
@@ -214,8 +251,10 @@ def encode_videos(videos: list[str], out: str | Path, codec: str = "pixel", stri
             latents, dropped = latent_frames(len(frames)), len(frames) - video_frames(latent_frames(len(frames)))
             what += f" -> {latents} latent frame{'s' if latents > 1 else ''}" + (
                 f", the last {dropped} dropped (no whole group of {TEMPORAL})" if dropped else "")
+        with h5py.File(target, "r") as f:
+            what += f", latents {list(f['latents'].shape)}"
         note = f", {clipped} values clipped to [-1, 1]" if clipped else ""
-        log(f"wrote {target} ({what}{note})")
+        log(f"wrote {target} ({what}{note}{framing(source, c.size)})")
         written.append(target)
 
     columns = (TextColumn("{task.description}"), SpinnerColumn(), TextColumn("{task.completed} frames read"),
@@ -226,15 +265,18 @@ def encode_videos(videos: list[str], out: str | Path, codec: str = "pixel", stri
                 if stale not in written:  # (not one this command just wrote from another video)
                     stale.unlink(missing_ok=True)
             stem, frames, part, fps = Path(video).stem, [], 0, source_fps(video)
+            source = (0, 0)  # (height, width) of the frames read, for the log line
             task = progress.add_task(f"encoding {Path(video).name}", total=None)
             for frame in iter_video(video, stride):
                 frames.append(square_resize(frame[None], c.size)[0])
+                source = frame.shape[:2]
                 progress.advance(task)
                 if segment is not None and len(frames) == segment:
-                    write(out / f"{stem}_{part:04d}.h5", frames, video, fps)
+                    write(out / f"{stem}_{part:04d}.h5", frames, video, fps, source)
                     frames, part = [], part + 1
             if frames:
-                write(out / (f"{stem}_{part:04d}.h5" if segment is not None else f"{stem}.h5"), frames, video, fps)
+                write(out / (f"{stem}_{part:04d}.h5" if segment is not None else f"{stem}.h5"), frames, video, fps,
+                      source)
             elif part == 0:
                 raise DataError(f"{video}: the video has no frames")
             progress.remove_task(task)

@@ -19,6 +19,7 @@ from lwm.errors import DataError, first_line
 LATENTS_KEY = "latents"
 ACTIONS_KEY = "actions"
 FLOAT_DTYPES = (np.float16, np.float32, np.float64)
+MODEL_MULTIPLE = 4  # lwm's model trains on latents of heights and widths multiples of this (its tokenizer: 4x down)
 
 
 class GeneratedFile(DataError):

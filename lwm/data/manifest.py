@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.progress import track
 
 from lwm.files import atomic_write
-from lwm.data.h5 import LATENTS_KEY, DataError, GeneratedFile, inspect_h5
+from lwm.data.h5 import LATENTS_KEY, MODEL_MULTIPLE, DataError, GeneratedFile, inspect_h5
 
 T = TypeVar("T")
 SPLITS = ("train", "val")
@@ -232,7 +232,8 @@ def index_directory(
     (at least one when there are two or more files and the fraction is positive) go to the validation split,
     chosen by a seeded shuffle. Indexing again where a manifest already is keeps every file it lists in its
     split (a run continued on the new manifest never validates on files it trained on) and draws the new
-    files' splits towards ``val_fraction`` (``resplit``: draw every file's split again). Raises
+    files' splits towards ``val_fraction`` (``resplit``: draw every file's split again). Latents whose height or
+    width is not a multiple of 4 are indexed with a warning: lwm's model cannot train on them. Raises
     :class:`DataError` naming every bad file (one line each) and writes nothing in that case.
     """
     directory = Path(directory)
@@ -296,6 +297,11 @@ def index_directory(
     ]
     manifest = Manifest(out, *shape, entries)
     manifest.save(out)
+    if shape[1] % MODEL_MULTIPLE or shape[2] % MODEL_MULTIPLE:  # valid latents, perhaps for another tool
+        print(f"warning: {out}: the files' latents are {list(shape)}, and lwm's model cannot train on them (it needs a "
+              f"height and width that are multiples of {MODEL_MULTIPLE}: its tokenizer downsamples by "
+              f"{MODEL_MULTIPLE}); indexed all the same (to train on them, encode them again at another --size)",
+              file=sys.stderr)
     if not val:  # not an error: a folder may be indexed for training only
         if len(good) == 1:
             why = "a single file is never split"

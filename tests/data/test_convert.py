@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import h5py
 import imageio.v3 as iio
@@ -10,9 +11,10 @@ import numpy as np
 import pytest
 
 from lwm.cli import main
+from lwm.data import convert
 from lwm.data.codecs import PixelCodec
-from lwm.data.convert import read_video, square_resize, write_latents
-from lwm.data.h5 import inspect_h5
+from lwm.data.convert import framing, make_codec, read_video, square_resize, write_latents
+from lwm.data.h5 import DataError, inspect_h5
 from lwm.data.vae import latent_actions
 from lwm.video import write_video
 
@@ -85,7 +87,9 @@ def test_segments_split_a_video_into_files_that_decode_to_its_frames(tmp_path, c
             decoded.append(codec.decode(h["latents"][...]))
     assert [len(d) for d in decoded] == [3, 3, 1]
     assert np.array_equal(np.concatenate(decoded), square_resize(read_video(video), 16))
-    assert "clip_0002.h5 (1 frames)" in capsys.readouterr().out
+    out = capsys.readouterr().out.splitlines()  # 40x40 frames: square, resized
+    assert out == [f"wrote {tmp_path / 'h5' / name} ({n} frames, latents [{n}, 16, 8, 8]; 40x40 frames resized to 16x16)"
+                   for name, n in (("clip_0000.h5", 3), ("clip_0001.h5", 3), ("clip_0002.h5", 1))]
 
 
 def test_frames_are_streamed_with_the_stride(tmp_path):
@@ -240,3 +244,66 @@ def test_encoding_again_where_a_videos_files_are_is_refused_before_reading_unles
     assert [inspect_h5(out / f"long_000{i}.h5").frames for i in range(2)] == [5, 2]
     convert.encode_videos([str(video)], out, size=16, log=lambda line: None, overwrite=True)
     assert sorted(p.name for p in out.iterdir()) == ["long.h5", "long_final.h5"]
+
+
+PIXEL_100 = ("--size 100: the pixel codec makes 50x50 latents, and the model needs latents in multiples of 4 (the "
+             "tokenizer downsamples by 4): use --size 96 or 104")
+
+
+@pytest.mark.parametrize(("codec", "size", "message"), [
+    ("pixel", 100, PIXEL_100),
+    ("pixel", 99, "--size 99: the pixel codec needs a positive multiple of 8 (2x2 pixels per latent, and the model "
+                  "needs latents in multiples of 4: the tokenizer downsamples by 4): use --size 96 or 104"),
+    ("pixel", 4, "--size 4: the pixel codec makes 2x2 latents, and the model needs latents in multiples of 4 (the "
+                 "tokenizer downsamples by 4): use --size 8"),
+    ("pixel", 0, "--size 0: the pixel codec needs a positive multiple of 8 (2x2 pixels per latent, and the model "
+                 "needs latents in multiples of 4: the tokenizer downsamples by 4): use --size 8"),
+    ("wan", 520, "--size 520: the wan codec makes 65x65 latents, and the model needs latents in multiples of 4 (the "
+                 "tokenizer downsamples by 4): use --size 512 or 544"),
+    ("hunyuan", 36, "--size 36: the hunyuan codec needs a positive multiple of 32 (8x8 pixels per latent, and the "
+                    "model needs latents in multiples of 4: the tokenizer downsamples by 4): use --size 32 or 64"),
+])
+def test_a_size_whose_latents_the_model_cannot_train_on_is_refused_before_any_video_is_read(
+        tmp_path, capsys, monkeypatch, codec, size, message):
+    """`--size 100` wrote 50x50 latents, which no model can train on (the tokenizer downsamples by 4): refused with
+    the nearest valid sizes, before a video is read, a folder made or a VAE (or diffusers) loaded."""
+    video = write_video(tmp_path / "v.mp4", np.zeros((2, 16, 16, 3), dtype=np.uint8))
+    monkeypatch.setattr(convert, "iter_video", lambda *a, **k: pytest.fail("a video was read"))
+    monkeypatch.setattr(convert, "source_fps", lambda *a, **k: pytest.fail("a video was read"))
+    monkeypatch.setitem(sys.modules, "diffusers", None)  # importing it fails: the check needs no diffusers
+    argv = ["data", "encode", str(video), "--out", str(tmp_path / "o"), "--codec", codec, "--size", str(size)]
+    assert main(argv + (["--vae", str(tmp_path)] if codec != "pixel" else [])) == 2
+    assert capsys.readouterr().err.splitlines() == [f"error: {message}"]
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(DataError) as e:  # `lwm data atari` makes its codec so
+        make_codec(codec, tmp_path, size)
+    assert str(e.value) == message
+
+
+@pytest.mark.parametrize(("codec", "size", "latents"), [("pixel", 8, 4), ("pixel", 96, 48), ("wan", 32, 4),
+                                                       ("cogvideox", 544, 68)])
+def test_sizes_whose_latents_are_multiples_of_four_pass(codec, size, latents):
+    convert.check_size(codec, size)  # no error
+    assert size // (2 if codec == "pixel" else 8) == latents and latents % 4 == 0
+
+
+@pytest.mark.parametrize(("source", "size", "note"), [
+    ((96, 160), 128, "; 160x96 frames centre-cropped to 96x96, then resized to 128x128"),  # (height, width)
+    ((160, 96), 32, "; 96x160 frames centre-cropped to 96x96, then resized to 32x32"),
+    ((16, 24), 16, "; 24x16 frames centre-cropped to 16x16"),
+    ((40, 40), 16, "; 40x40 frames resized to 16x16"),
+    ((128, 128), 128, ""),
+])
+def test_framing_says_the_crop_and_the_resize(source, size, note):
+    assert framing(source, size) == note
+
+
+def test_the_encode_line_gives_the_latent_shape_and_the_centre_crop(tmp_path, capsys):
+    """A 160x96 video lost 40% of its width to the centre crop, and the line said only `(3 frames)`."""
+    video = write_video(tmp_path / "wide.mp4", np.zeros((3, 96, 160, 3), dtype=np.uint8))
+    assert main(["data", "encode", str(video), "--out", str(tmp_path / "d")]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        f"wrote {tmp_path / 'd' / 'wide.h5'} (3 frames, latents [3, 16, 64, 64]; 160x96 frames centre-cropped to 96x96, "
+        f"then resized to 128x128)"]
+    with h5py.File(tmp_path / "d" / "wide.h5") as f:
+        assert f["latents"].shape == (3, 16, 64, 64)

@@ -525,3 +525,21 @@ def test_generate_rollouts_in_the_folder_are_skipped_with_a_note(data_dir, capsy
     assert len(m.entries) == 10 and "ep_00.mp4.h5" not in {e.path for e in m.entries}
     notes = [line for line in capsys.readouterr().err.splitlines() if "ep_00.mp4.h5" in line]
     assert len(notes) == 1 and notes[0].startswith("note: ") and notes[0].endswith(": skipped")
+
+
+def test_latents_the_model_cannot_train_on_are_indexed_with_one_warning(tmp_path, capsys):
+    """[16, 50, 50] latents (the pixel codec at --size 100) are valid files, maybe for another tool: indexed, with
+    one warning naming the shape, since lwm's tokenizer downsamples by 4."""
+    for i in range(3):
+        write_h5(tmp_path / "d" / f"a{i}.h5", 6, channels=16, height=50, width=50)
+    assert main(["data", "index", str(tmp_path / "d"), "--val-fraction", "0.4"]) == 0
+    out = tmp_path / "d" / "manifest.json"
+    assert capsys.readouterr().err.splitlines() == [
+        f"warning: {out}: the files' latents are [16, 50, 50], and lwm's model cannot train on them (it needs a height "
+        f"and width that are multiples of 4: its tokenizer downsamples by 4); indexed all the same (to train on them, "
+        f"encode them again at another --size)"]
+    assert len(Manifest.load(out).entries) == 3
+    for i in range(3):  # one side alone off too
+        write_h5(tmp_path / "w" / f"a{i}.h5", 6, height=8, width=6)
+    index_directory(tmp_path / "w", val_fraction=0.4)
+    assert "[4, 8, 6], and lwm's model cannot train on them" in capsys.readouterr().err

@@ -218,6 +218,7 @@ def test_the_encode_log_says_the_latent_frames_and_the_frames_dropped(tmp_path, 
     lines: list[str] = []
     written = encode_videos([str(video)], tmp_path / "out", codec="wan", vae=vae_dirs["wan"], size=SIZE,
                             log=lines.append, tiling=True)
-    assert lines == [f"wrote {written[0]} (10 frames -> 3 latent frames, the last 1 dropped (no whole group of 4))"]
+    assert lines == [f"wrote {written[0]} (10 frames -> 3 latent frames, the last 1 dropped (no whole group of 4), "
+                     f"latents [3, 16, 4, 4])"]
     with h5py.File(written[0]) as f:
         assert f["latents"].shape[0] == 3
