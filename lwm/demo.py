@@ -119,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     t = time.perf_counter()
     episode = str(manifest.resolve(manifest.split("val")[0]))
     steps = min(args.frames - 1, 2 * (dm.window - 1))
-    common_gen = ["--ckpt_path", str(run_dir / LAST), "--data", episode, "--steps", str(steps), "--fps", "4"]
+    common_gen = ["--ckpt_path", str(run_dir / LAST), "--data", episode, "--steps", str(steps), "--fps", "4",
+                  "--overwrite"]  # the demo's own videos: a second run writes them again
     inferred = generate(generate_args([*common_gen, "--actions", "inferred", "--rollouts", "1",
                                        "--out", str(out / "rollout_inferred.mp4")]))
     sampled = generate(generate_args([*common_gen, "--actions", "dictionary", "--rollouts", "4",

@@ -1,20 +1,23 @@
 """``lwm generate``: play a trained world model forward from frames of an h5 file and write the video.
 
     lwm generate --ckpt_path CKPT --data FILE.h5 [--start 0] [--context 1] [--steps 16] [--rollouts 4]
-                 [--actions dictionary|inferred|random] [--world inferred|dictionary] [--out VIDEO]
+                 [--actions dictionary|inferred|random] [--world inferred|dictionary] [--out VIDEO] [--overwrite]
 
 Only the predictor runs (with the tokenizer and detokenizer), with its key/value cache. The world code is
 inferred from the ground-truth clip (or drawn from the code dictionary); the actions are drawn from the code
 dictionary (``codes.pt`` beside the checkpoint, written at the end of fit or by ``lwm codes``), inferred
 from the ground truth, drawn uniformly per level, or given as indices. Rollouts longer than the trained
-window slide it. Writes the video (ground truth on top when the file has those frames, then one row per
-rollout; decoded by the file's codec, else latent channels 0-2 as RGB) and ``VIDEO.mp4.h5`` (the video's name
-+ ``.h5``) with the latents.
+window slide it. Writes the video (the ground truth on top, as far as the file has it, blank after its last
+frame; then one row per rollout; decoded by the file's codec, else latent channels 0-2 as RGB) and
+``VIDEO.mp4.h5`` (the video's name + ``.h5``) with the latents. The default video,
+``RUN_DIR/generated/FILE_START_ACTIONS-WORLD_seedS.mp4``, names where the codes come from; an existing video or
+latents file is refused before any work unless ``--overwrite``.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -60,7 +63,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--vae", help="the VAE's local diffusers weights, to decode files encoded with a VAE")
     p.add_argument("--vae-tiling", action="store_true",
                    help="the VAE decodes in overlapping spatial tiles (far less GPU memory at 512 px and up)")
-    p.add_argument("--out", help="video path, .mp4 or .gif (default: RUN_DIR/generated/FILE_START.mp4)")
+    p.add_argument("--out", help="video path, .mp4 or .gif (default: RUN_DIR/generated/FILE_START_ACTIONS-WORLD_seedS"
+                   ".mp4, e.g. clip_0_dictionary-inferred_seed0.mp4; given indices: given-HASH)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing video and its latents (VIDEO.h5); without it they are refused")
     args = p.parse_args(argv)
     for name in ("context", "steps", "rollouts"):
         if getattr(args, name) < 1:
@@ -74,6 +80,25 @@ def parse(argv: list[str]) -> argparse.Namespace:
         if text:
             _parse_indices(text, option, ndim)  # the JSON now; its shape and codes against the checkpoint's codebooks
     return args
+
+
+def default_name(args: argparse.Namespace) -> str:
+    """The default video's name, ``FILE_START_ACTIONS-WORLD[_uniform]_seedS.mp4``: runs that take their codes
+    from other sources, or draw them otherwise, get other names. Given indices are ``given-`` and 6 hex digits of
+    a hash of the codes played (the first context + steps - 1 action tuples), so other indices are another name."""
+    transitions = args.context + args.steps - 1
+
+    def source(text: str | None, option: str, ndim: int, chosen: str) -> str:
+        if not text:
+            return chosen
+        value = _parse_indices(text, option, ndim)
+        played = value[:transitions] if ndim == 2 and value.ndim == 2 else value
+        return "given-" + hashlib.sha1(json.dumps(played.tolist()).encode()).hexdigest()[:6]
+
+    actions = source(args.action_indices, "--action-indices", 2, args.actions)
+    world = source(args.world_indices, "--world-indices", 1, args.world)
+    uniform = args.sampling == "uniform" and "dictionary" in (actions, world)  # draws of another distribution
+    return f"{Path(args.data).stem}_{args.start}_{actions}-{world}{'_uniform' if uniform else ''}_seed{args.seed}.mp4"
 
 
 def _parse_indices(text: str, option: str, ndim: int) -> np.ndarray:
@@ -129,13 +154,18 @@ def run(args: argparse.Namespace) -> Path:
     from lwm.checkpoint import checkpoint_file, load_checkpoint
 
     ckpt_path = checkpoint_file(args.ckpt_path)  # a run's folder: its last.ckpt
-    out = Path(args.out) if args.out else ckpt_path.parent.parent / "generated" / f"{Path(args.data).stem}_{args.start}.mp4"
+    out = Path(args.out) if args.out else ckpt_path.parent.parent / "generated" / default_name(args)
     latents_path = out.with_suffix(out.suffix + ".h5")
     # both outputs, before any work: a folder in the way, or an input under an output's name (`--data X.gif.h5
-    # --out X.gif` would write the latents over the file they are read from)
+    # --out X.gif` would write the latents over the file they are read from), or an earlier run's files
     inputs = {"--data": args.data, "--ckpt_path": ckpt_path, **({"--codes": args.codes} if args.codes else {})}
     check_output(out, "--out", inputs)
     check_output(latents_path, f"the latents of --out {out}", inputs)
+    earlier = [path for path in (out, latents_path) if path.exists()]
+    if earlier and not args.overwrite:
+        more = f" and its latents {latents_path.name}" if len(earlier) > 1 else ""
+        raise ConfigError(f"{earlier[0]}{more}: already there, where this rollout would be written (--overwrite "
+                          f"replaces {'them' if more else 'it'}, or give another --out)")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     raw, module = load_checkpoint(ckpt_path, map_location=device)
     model = module.model.eval()
@@ -276,12 +306,12 @@ def _actions(args: argparse.Namespace, model, clip: torch.Tensor, trained: int |
 
 def _write(args: argparse.Namespace, out: Path, latents_path: Path, rollouts: torch.Tensor, clip: torch.Tensor,
            decoder, codec: str | None, fps: float) -> None:
-    """The latents (first: kept if the video fails) and the video grid, ground truth on top where it is whole."""
-    R = rollouts.shape[0]
+    """The latents (first: kept if the video fails) and the video grid: the ground truth on top, as far as the
+    file has it (``clip``: the context, then up to ``--steps`` frames; blank cells after its last frame), then the
+    rollouts. The latents file holds the same ground truth, ``[frames the file has, C, H, W]``."""
+    R, T = rollouts.shape[:2]
     to_video = (lambda x: decoder.decode(x.numpy())) if decoder is not None else latent_preview  # noqa: E731
-    rows = [to_video(r) for r in rollouts]
-    if clip.shape[1] == rollouts.shape[1]:
-        rows.insert(0, to_video(clip[0].cpu()))
+    rows = [to_video(clip[0].cpu())] + [to_video(r) for r in rollouts]  # grid blanks the end of a short one
     out.parent.mkdir(parents=True, exist_ok=True)
     with h5py.File(latents_path, "w") as f:
         f["latents"] = rollouts.numpy()  # [R, T, C, H, W]
@@ -290,7 +320,8 @@ def _write(args: argparse.Namespace, out: Path, latents_path: Path, rollouts: to
     write_video(out, grid(rows), fps)
     shown = (f"decoded by the {decoder.name} codec" if decoder is not None else
              f"latent channels 0-2 shown as RGB: {missing_codec(codec, str(args.data))}")
-    print(f"wrote {out} ({'ground truth, then ' if len(rows) > R else ''}{_count(R, 'rollout')} of "
+    truth = "ground truth" if clip.shape[1] == T else f"ground truth: {clip.shape[1]} of {T} frames"
+    print(f"wrote {out} ({truth}, then {_count(R, 'rollout')} of "
           f"{_count(args.steps, 'frame')} after {_count(args.context, 'context frame')}; {shown}) and {out}.h5")
 
 

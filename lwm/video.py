@@ -59,14 +59,21 @@ def latent_preview(latents: Tensor, scale: int = 4) -> np.ndarray:
     return rgb.permute(0, 2, 3, 1).contiguous().cpu().numpy()
 
 
+BLANK = 0  # the value of a grid cell with no frame (black): a row shorter than the video, after its last frame
+
+
 def grid(rows: list[np.ndarray], pad: int = 4) -> np.ndarray:
-    """Stack videos ``[T, H, W, 3]`` (same shape) top to bottom with ``pad`` white pixels between rows."""
-    T, H, W, _ = rows[0].shape
+    """Stack videos ``[T, H, W, 3]`` (the same ``H, W``) top to bottom with ``pad`` white pixels between rows. The
+    video is as long as the longest row; a shorter row (a ground truth the file has only part of) shows its
+    frames, then :data:`BLANK` cells."""
+    _, H, W, _ = rows[0].shape
+    T = max(row.shape[0] for row in rows)
     out = np.full((T, len(rows) * H + (len(rows) - 1) * pad, W, 3), 255, dtype=np.uint8)
     for i, row in enumerate(rows):
-        if row.shape != rows[0].shape:
-            raise ValueError(f"row {i}: shape {row.shape} differs from {rows[0].shape}")
-        out[:, i * (H + pad) : i * (H + pad) + H] = row
+        if row.shape[1:] != rows[0].shape[1:]:
+            raise ValueError(f"row {i}: frames of shape {row.shape[1:]} differ from {rows[0].shape[1:]}")
+        out[:, i * (H + pad) : i * (H + pad) + H] = BLANK
+        out[: row.shape[0], i * (H + pad) : i * (H + pad) + H] = row
     return out
 
 

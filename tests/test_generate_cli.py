@@ -1,5 +1,6 @@
 """`lwm generate` from a trained tiny checkpoint: video + latents written, seeded, exact on its first step,
-bad indices refused with one line."""
+bad indices refused with one line, default names that tell settings apart, earlier outputs kept unless
+--overwrite, a ground truth the file has only part of shown as far as it goes."""
 
 from __future__ import annotations
 
@@ -170,7 +171,7 @@ def test_dictionary_actions_do_not_depend_on_where_the_world_comes_from(trained,
     def drawn(world, actions="dictionary", seed=0):
         draws.append({})
         _generate(ckpt, data, tmp_path / "d.gif", "--steps", "4", "--rollouts", "3", "--codes", str(codes),
-                  "--world", world, "--actions", actions, "--seed", str(seed))
+                  "--world", world, "--actions", actions, "--seed", str(seed), "--overwrite")
         return draws[-1]
 
     inferred, dictionary, other_seed = drawn("inferred"), drawn("dictionary"), drawn("inferred", seed=1)
@@ -525,3 +526,125 @@ def test_a_run_folder_or_last_stands_for_the_runs_last_checkpoint(trained, tmp_p
     out = tmp_path / "codes.pt"  # lwm codes knows the run's folder from its config
     assert main(["codes", "--ckpt_path", "last", "--config", str(tmp / "run/config.yaml"), "--out", str(out)]) == 0
     assert f"wrote {out}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("extra", "name"), [
+    ([], "ep00_0_dictionary-inferred_seed0.mp4"),
+    (["--actions", "inferred", "--world", "dictionary", "--start", "2", "--seed", "3"],
+     "ep00_2_inferred-dictionary_seed3.mp4"),
+    (["--actions", "random"], "ep00_0_random-inferred_seed0.mp4"),
+    (["--sampling", "uniform"], "ep00_0_dictionary-inferred_uniform_seed0.mp4"),
+    (["--sampling", "uniform", "--actions", "random"], "ep00_0_random-inferred_seed0.mp4"),  # nothing drawn so
+    (["--world-indices", "[1, 2]"], "ep00_0_dictionary-given-1bc866_seed0.mp4"),
+    (["--world-indices", " [1,2] ", "--world", "dictionary"], "ep00_0_dictionary-given-1bc866_seed0.mp4"),
+    (["--steps", "2", "--action-indices", "[[0, 0], [1, 2]]", "--seed", "5"], "ep00_0_given-3eb702-inferred_seed5.mp4"),
+])
+def test_the_default_video_name_tells_the_codes_sources_and_seed_apart(extra, name):
+    from lwm.generate import default_name, parse
+
+    assert default_name(parse(["--ckpt_path", "c.ckpt", "--data", "d/ep00.h5", *extra])) == name
+
+
+def test_given_action_indices_are_named_by_the_tuples_played():
+    from lwm.generate import default_name, parse
+
+    def name(indices, steps="2"):
+        return default_name(parse(["--ckpt_path", "c", "--data", "ep00.h5", "--steps", steps,
+                                   "--action-indices", indices]))
+
+    played = name("[[0, 0], [1, 2]]")
+    assert played.startswith("ep00_0_given-") and played.endswith("-inferred_seed0.mp4")
+    assert name("[[0,0],[1,2],[3,3]]") == played  # a third tuple is not played in 2 steps
+    assert name("[[0, 0], [1, 3]]") != played and name("[[0, 0], [1, 2], [3, 3]]", steps="3") != played
+
+
+def test_runs_of_other_settings_write_other_default_videos_and_the_same_again_is_refused(trained, capsys,
+                                                                                        monkeypatch):
+    """Six runs of other --actions/--world on one clip each wrote RUN_DIR/generated/ep00_0.mp4 over the last."""
+    tmp, ckpt, data = trained
+    generated = tmp / "run/generated"
+    for actions, world in (("dictionary", "inferred"), ("random", "inferred"), ("random", "dictionary")):
+        assert main(["generate", "--ckpt_path", str(ckpt), "--data", str(data), "--steps", "2", "--rollouts", "1",
+                     "--actions", actions, "--world", world]) == 0
+    assert sorted(p.name for p in generated.iterdir()) == [
+        "ep00_0_dictionary-inferred_seed0.mp4", "ep00_0_dictionary-inferred_seed0.mp4.h5",
+        "ep00_0_random-dictionary_seed0.mp4", "ep00_0_random-dictionary_seed0.mp4.h5",
+        "ep00_0_random-inferred_seed0.mp4", "ep00_0_random-inferred_seed0.mp4.h5"]
+    before = {p.name: p.read_bytes() for p in generated.iterdir()}
+    capsys.readouterr()
+    _no_checkpoint_loaded(monkeypatch)
+    assert main(["generate", "--ckpt_path", str(ckpt), "--data", str(data), "--actions", "random"]) == 2
+    video = generated / "ep00_0_random-inferred_seed0.mp4"
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: {video} and its latents {video.name}.h5: already there, where this rollout would be written "
+        f"(--overwrite replaces them, or give another --out)"]
+    assert {p.name: p.read_bytes() for p in generated.iterdir()} == before
+
+
+@pytest.mark.parametrize("there", ["video", "latents", "both"])
+def test_an_existing_out_is_refused_before_any_work_and_overwrite_replaces_it(trained, tmp_path, capsys,
+                                                                             monkeypatch, there):
+    tmp, ckpt, data = trained
+    out, latents = tmp_path / "v.gif", tmp_path / "v.gif.h5"
+    for path in {"video": [out], "latents": [latents], "both": [out, latents]}[there]:
+        path.write_bytes(b"earlier")
+    argv = ["generate", "--ckpt_path", str(ckpt), "--data", str(data), "--steps", "2", "--rollouts", "1",
+            "--out", str(out)]
+    with monkeypatch.context() as m:
+        _no_checkpoint_loaded(m)
+        assert main(argv) == 2
+    first = {"video": f"{out}", "latents": f"{latents}", "both": f"{out} and its latents v.gif.h5"}[there]
+    it = "them" if there == "both" else "it"
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: {first}: already there, where this rollout would be written (--overwrite replaces {it}, or give "
+        f"another --out)"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        {"video": ["v.gif"], "latents": ["v.gif.h5"], "both": ["v.gif", "v.gif.h5"]}[there])
+    assert all(p.read_bytes() == b"earlier" for p in tmp_path.iterdir())
+    assert main(argv + ["--overwrite"]) == 0
+    assert iio.imread(out, index=None).shape[0] == 3
+    with h5py.File(latents) as f:
+        assert f["latents"].shape == (1, 3, 4, 16, 16)
+
+
+class _Decoder:
+    """A stand-in codec decoding each latent to 2 video frames (the first to 1, as a causal VAE): frame values are
+    the latent's channel 0 at (0, 0), mapped to 1..255."""
+    name = "stand-in"
+
+    def decode(self, latents: np.ndarray) -> np.ndarray:
+        values = np.clip(np.round((latents[:, 0, 0, 0] + 1) * 127 + 1), 1, 255).astype(np.uint8)
+        frames = np.concatenate([values[:1], np.repeat(values[1:], 2)])
+        return np.broadcast_to(frames[:, None, None, None], (len(frames), 6, 5, 3)).copy()
+
+
+@pytest.mark.parametrize("codec", ["latent preview", "decoded"])
+def test_a_ground_truth_the_file_has_in_part_is_shown_then_blank(trained, tmp_path, capsys, monkeypatch, codec):
+    """--steps 60 --context 3 on a 40-frame file left the ground truth out of the video: here frames 10..13 of a
+    14-frame file, 4 of the 7 the rollout covers, then blank cells; the latents file holds the same 4."""
+    import lwm.generate as gen
+    from lwm.video import BLANK, latent_preview
+
+    tmp, ckpt, data = trained
+    grids = []
+    monkeypatch.setattr(gen, "write_video", lambda path, frames, fps: grids.append(frames))
+    if codec == "decoded":
+        monkeypatch.setattr(gen, "codec_from_attr", lambda *args: _Decoder())
+    out = tmp_path / "part.gif"
+    rollouts = _generate(ckpt, data, out, "--start", "10", "--steps", "6", "--rollouts", "2", "--actions", "random")
+    with h5py.File(data) as f:
+        truth = f["latents"][10:14].astype(np.float32)
+    with h5py.File(f"{out}.h5") as f:
+        assert np.array_equal(f["ground_truth"][...], truth) and f["latents"].shape == (2, 7, 4, 16, 16)
+    to_video = _Decoder().decode if codec == "decoded" else (lambda x: latent_preview(torch.from_numpy(x)))
+    top, rows = to_video(truth), [to_video(r) for r in rollouts]
+    (g,) = grids
+    H = top.shape[1]
+    assert g.shape[:2] == (len(rows[0]), 3 * H + 2 * 4)  # 7 latent frames: 7 previews, or 13 decoded frames
+    assert np.array_equal(g[: len(top), :H], top) and (g[len(top):, :H] == BLANK).all()
+    assert len(top) == {"latent preview": 4, "decoded": 7}[codec] and BLANK == 0
+    for i, row in enumerate(rows):
+        assert np.array_equal(g[:, (i + 1) * (H + 4) : (i + 1) * (H + 4) + H], row)
+    shown = "decoded by the stand-in codec" if codec == "decoded" else "latent channels 0-2 shown as RGB"
+    assert (f"wrote {out} (ground truth: 4 of 7 frames, then 2 rollouts of 6 frames after 1 context frame; {shown}"
+            in capsys.readouterr().out)

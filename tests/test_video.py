@@ -22,6 +22,19 @@ def test_grid_stacks_rows_top_to_bottom():
     assert (g[:, :4] == 10).all() and (g[:, 4] == 255).all() and (g[:, 5:] == 200).all()
 
 
+def test_grid_shows_a_short_row_then_blank_cells():
+    """A ground truth the file has only part of: its frames, then blank (BLANK, black) cells; the video is as long as
+    the longest row."""
+    from lwm.video import BLANK
+
+    a, b = np.full((3, 4, 5, 3), 10, np.uint8), np.full((1, 4, 5, 3), 200, np.uint8)
+    g = grid([b, a], pad=1)
+    assert g.shape == (3, 9, 5, 3) and BLANK == 0
+    assert (g[0, :4] == 200).all() and (g[1:, :4] == 0).all() and (g[:, 4] == 255).all() and (g[:, 5:] == 10).all()
+    with pytest.raises(ValueError, match=r"row 1: frames of shape \(4, 6, 3\) differ from \(4, 5, 3\)"):
+        grid([a, np.zeros((3, 4, 6, 3), np.uint8)])
+
+
 def test_latent_preview_maps_channels_0_1_2_to_rgb_in_place():
     x = -torch.ones(1, 4, 2, 3)
     x[0, 0, 0, 2] = 1.0  # channel 0 (red) at row 0, column 2
