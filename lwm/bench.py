@@ -20,14 +20,17 @@ On random latents of the config's shape (``data.batch_size`` x ``data.window`` f
   micro-batches (said in its label). Every speed-up is a ratio to it, measured in the same run. Its TFLOP/s
   counts the fast step's (useful) FLOPs.
 
-For each: ms/step, steps/s, frames/s, tokens/s (frames x patches), achieved TFLOP/s and MFU, against the
-device's bf16 dense peak (when Lightning knows it, else ``--peak-tflops``) and against a large matmul timed
-in the same run (bf16 8192^3 on a GPU, fp32 2048^3 on a CPU), and each variant's peak memory on a GPU. The
-Lightning variant is timed between two synchronised batch starts with no sync in between, on float16 batches
-in pinned memory as the data module delivers them. FLOPs are counted by :mod:`lwm.flops` on one sample of the
-real step and multiplied by the batch (``FlopCounterMode`` plus the CPU attention kernel, which PyTorch counts
-as zero, with masked attention counted for the pairs the mask allows; the dense count is in the JSON; without
-activation checkpointing's recomputed forward). On a GPU, one fast-path step also runs under
+For each: ms/step (the mean of the timed steps, with their median, min and max), steps/s, frames/s, tokens/s
+(frames x patches), achieved TFLOP/s and MFU (rates of the mean), against the device's bf16 dense peak (when
+Lightning knows it, else ``--peak-tflops``) and against a large matmul timed in the same run (bf16 8192^3 on a
+GPU, fp32 2048^3 on a CPU), and each variant's peak memory on a GPU. Each step is timed with no sync in between
+(CUDA events on a GPU, the clock on a CPU); the Lightning variant from batch start to batch start, on float16
+batches in pinned memory as the data module delivers them. The speed-ups and Lightning's overhead are of the
+medians; a negative overhead, or a variant whose slowest step takes over 1.5x its fastest, prints a warning
+that the timings are noisy (another process competing): rerun them. FLOPs are counted by :mod:`lwm.flops` on
+one sample of the real step and multiplied by the batch (``FlopCounterMode`` plus the CPU attention kernel,
+which PyTorch counts as zero, with masked attention counted for the pairs the mask allows; the dense count is
+in the JSON; without activation checkpointing's recomputed forward). On a GPU, one fast-path step also runs under
 ``torch.cuda.set_sync_debug_mode``: the host synchronisations it makes are counted (and listed in the JSON).
 
 The **breakdown** times each part alone, forward and backward, with the step's shapes and precision
@@ -47,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -125,16 +129,45 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed(fn: Callable[[], object], steps: int, warmup: int, device: torch.device) -> float:
-    """Seconds per call of ``fn`` after ``warmup`` untimed calls."""
+class StepClock:
+    """Marks between steps, read once at the end, with no sync in between (steps overlap as in training): CUDA
+    events on a GPU (each marks when the GPU reaches it, i.e. when the steps before it have run), else the clock."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def intervals(self) -> list[float]:
+        """Seconds between consecutive marks."""
+        if self.device.type == "cuda":
+            sync(self.device)
+            return [start.elapsed_time(end) / 1e3 for start, end in zip(self.marks, self.marks[1:])]
+        return [end - start for start, end in zip(self.marks, self.marks[1:])]
+
+
+def step_times(fn: Callable[[], object], steps: int, warmup: int, device: torch.device) -> list[float]:
+    """Seconds of each of ``steps`` calls of ``fn`` after ``warmup`` untimed calls (:class:`StepClock`)."""
     for _ in range(warmup):
         fn()
-    sync(device)
-    start = time.perf_counter()
+    clock = StepClock(device)
+    clock.mark()
     for _ in range(steps):
         fn()
-    sync(device)
-    return (time.perf_counter() - start) / steps
+        clock.mark()
+    return clock.intervals()
+
+
+def timed(fn: Callable[[], object], steps: int, warmup: int, device: torch.device) -> float:
+    """Seconds per call of ``fn`` after ``warmup`` untimed calls (the mean of :func:`step_times`)."""
+    return sum(step_times(fn, steps, warmup, device)) / steps
 
 
 def matmul_tflops(device: torch.device) -> tuple[float, str]:
@@ -216,20 +249,19 @@ def plain_step(s: Setup, fast: bool, compile_: bool = True, micro: int = 1) -> t
     return step, model, opt
 
 
-def lightning_seconds(s: Setup, steps: int, warmup: int) -> float:
-    """Seconds per step of the real Lightning training step (timed from batch start to batch start)."""
+def lightning_step_times(s: Setup, steps: int, warmup: int) -> list[float]:
+    """Seconds of each timed step of the real Lightning training step (from batch start to batch start)."""
     import lightning as L
 
     from lwm.module import WorldModelModule
 
     class Timer(L.Callback):
         def __init__(self) -> None:
-            self.times: list[float] = []
+            self.clock = StepClock(s.device)
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-            if batch_idx in (warmup, warmup + steps):  # no sync in between: steps overlap as in training
-                sync(s.device)
-                self.times.append(time.perf_counter())
+            if warmup <= batch_idx <= warmup + steps:  # no sync in between: steps overlap as in training
+                self.clock.mark()
 
     # as LatentDataModule delivers them: float16 in pinned memory (the module casts them on the device)
     latents = s.x.cpu().half()
@@ -244,8 +276,7 @@ def lightning_seconds(s: Setup, steps: int, warmup: int) -> float:
         gradient_clip_val=s.clip, num_sanity_val_steps=0, limit_val_batches=0,
     )
     trainer.fit(module, train_dataloaders=loader)
-    first, last = timer.times
-    return (last - first) / steps
+    return timer.clock.intervals()
 
 
 def step_flops(s: Setup):
@@ -405,18 +436,19 @@ class Progress:
 
 @dataclass
 class Timings:
-    """Seconds per step of each variant, in the order timed, with its peak GPU memory and notes on what ran."""
+    """The seconds of each timed step of each variant, in the order timed, with its peak GPU memory and notes on
+    what ran."""
 
-    seconds: dict[str, float] = field(default_factory=dict)
+    seconds: dict[str, list[float]] = field(default_factory=dict)
     memory: dict[str, float | None] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     host_syncs: list[str] | None = None  # in one fast-path step (GPU only)
 
-    def measure(self, label: str, run: Callable[[], float], device: torch.device) -> None:
+    def measure(self, label: str, run: Callable[[], list[float]], device: torch.device) -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
-        self.seconds[label] = run()
+        self.seconds[label] = list(run())
         self.memory[label] = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
 
 
@@ -436,9 +468,10 @@ def time_variants(s: Setup, args: argparse.Namespace, progress: Progress) -> Tim
         if micro > 1:
             t.notes.append(f"the fp32 reference does not fit at batch {s.batch}: it accumulates {micro} micro-batches")
         with fp32_matmuls():
-            measure(label, lambda: timed(plain_step(s, fast=False, micro=micro)[0], args.steps, args.warmup, device))
+            measure(label, lambda: step_times(plain_step(s, fast=False, micro=micro)[0], args.steps, args.warmup,
+                                              device))
     fast_step = plain_step(s, fast=True)[0]
-    measure("fast path", lambda step=fast_step: timed(step, args.steps, args.warmup, device))
+    measure("fast path", lambda step=fast_step: step_times(step, args.steps, args.warmup, device))
     t.host_syncs = host_syncs(fast_step, device)
     del fast_step  # its model and optimizer state would count in the next variant's peak memory
     configured = s.net
@@ -451,54 +484,94 @@ def time_variants(s: Setup, args: argparse.Namespace, progress: Progress) -> Tim
                            "the row times its matmul fallback")
         try:
             other = plain_step(s, fast=True)[0]
-            measure(label, lambda: timed(other, args.steps, args.warmup, device))
+            measure(label, lambda: step_times(other, args.steps, args.warmup, device))
         except (RuntimeError, torch.OutOfMemoryError) as error:  # one kernel failing keeps the other rows
             t.notes.append(f"{label}: failed ({str(error).splitlines()[0][:200]})")
         finally:
             other = None
             s.net = configured
     if not args.no_lightning:
-        measure("lightning", lambda: lightning_seconds(s, args.steps, args.warmup))
+        measure("lightning", lambda: lightning_step_times(s, args.steps, args.warmup))
     return t
 
 
+NOISY_SPREAD = 1.5  # a variant whose slowest timed step takes this many times its fastest: noisy timings
+
+
+def step_stats(seconds: list[float]) -> dict:
+    """The spread of a variant's timed steps, in ms: mean, median, min, max, max / min and every step."""
+    ms = [x * 1e3 for x in seconds]
+    low, high = min(ms), max(ms)
+    return {"ms_per_step": sum(ms) / len(ms), "ms_median": statistics.median(ms), "ms_min": low, "ms_max": high,
+            "max_over_min": high / low if low > 0 else None, "ms_steps": ms}
+
+
 def variant_rows(s: Setup, t: Timings, flops_useful: float, matmul: float, peak: float | None) -> list[dict]:
-    """Each variant's rates, MFUs and speed-up over the reference (the JSON's ``variants``)."""
-    reference = next((v for k, v in t.seconds.items() if k.startswith("reference")), None)
+    """Each variant's step times (mean, median, min, max), rates and MFUs (of the mean: the throughput of the
+    timed steps) and speed-up over the reference (of the medians: one step slowed by another process moves
+    the mean, not the median); the JSON's ``variants``."""
+    stats = {label: step_stats(seconds) for label, seconds in t.seconds.items()}
+    reference = next((v["ms_median"] for k, v in stats.items() if k.startswith("reference")), None)
     frames, tokens = s.batch * s.window, s.batch * s.window * s.patches
     rows = []
-    for label, seconds in t.seconds.items():
+    for label, st in stats.items():
+        seconds = st["ms_per_step"] / 1e3
         achieved = flops_useful / seconds / 1e12
-        rows.append({"variant": label, "ms_per_step": seconds * 1e3, "steps_per_s": 1 / seconds,
+        rows.append({"variant": label, **st, "steps_per_s": 1 / seconds,
                      "frames_per_s": frames / seconds, "tokens_per_s": tokens / seconds, "tflop_per_s": achieved,
                      "mfu_peak": achieved * 1e12 / peak if peak else None, "mfu_matmul": achieved / matmul,
-                     "speedup": reference / seconds if reference else None, "peak_memory_gib": t.memory.get(label)})
+                     "speedup": reference / st["ms_median"] if reference else None,
+                     "peak_memory_gib": t.memory.get(label)})
     return rows
 
 
+def lightning_overhead_ms(rows: list[dict]) -> float | None:
+    """The Lightning step's median ms minus the fast path's (None without both)."""
+    median = {row["variant"]: row["ms_median"] for row in rows}
+    if "lightning" not in median or "fast path" not in median:
+        return None
+    return median["lightning"] - median["fast path"]
+
+
+def noise_warning(rows: list[dict], overhead: float | None) -> str | None:
+    """One line when the timings cannot be trusted: a negative Lightning overhead (the real step cannot be faster
+    than the same step without Lightning), or a variant whose slowest step took over ``NOISY_SPREAD`` times its
+    fastest; None otherwise."""
+    reasons = [f"Lightning overhead {overhead:+.1f} ms/step < 0"] if overhead is not None and overhead < 0 else []
+    reasons += [f"{row['variant']}: slowest step {row['max_over_min']:.2f}x the fastest" for row in rows
+                if row["max_over_min"] is not None and row["max_over_min"] > NOISY_SPREAD]
+    if not reasons:
+        return None
+    return (f"warning: the timings are noisy ({'; '.join(reasons)}): another process is probably competing for the "
+            "device or the CPU; rerun on a quiet machine (more --steps steady the medians)")
+
+
 def print_variants(console: Console, rows: list[dict], t: Timings, flops, matmul: float, matmul_what: str,
-                   peak: float | None) -> None:
+                   peak: float | None, overhead: float | None, warning: str | None) -> None:
     table = Table(title=f"training step: {flops.useful / 1e9:.2f} GFLOP useful ({flops.dense / 1e9:.2f} dense), "
                         f"matmul roofline {matmul:.2f} TFLOP/s ({matmul_what})")
-    for col in ("variant", "ms/step", "steps/s", "frames/s", "tokens/s", "TFLOP/s", "MFU peak", "MFU mm", "speed-up",
-                "peak GiB"):
+    for col in ("variant", "ms/step", "median", "min", "max", "steps/s", "frames/s", "tokens/s", "TFLOP/s",
+                "MFU peak", "MFU mm", "speed-up", "peak GiB"):
         table.add_column(col, justify="left" if col == "variant" else "right")
     for row in rows:
-        table.add_row(row["variant"], f"{row['ms_per_step']:.1f}", f"{row['steps_per_s']:.2f}",
+        table.add_row(row["variant"], f"{row['ms_per_step']:.1f}", f"{row['ms_median']:.1f}", f"{row['ms_min']:.1f}",
+                      f"{row['ms_max']:.1f}", f"{row['steps_per_s']:.2f}",
                       f"{row['frames_per_s']:.0f}", f"{row['tokens_per_s']:.0f}", f"{row['tflop_per_s']:.3f}",
                       f"{row['mfu_peak']:.1%}" if row["mfu_peak"] else "-", f"{row['mfu_matmul']:.1%}",
                       f"{row['speedup']:.2f}x" if row["speedup"] else "-",
                       f"{row['peak_memory_gib']:.1f}" if row["peak_memory_gib"] is not None else "-")
     console.print(table)
     console.print("reference: eager fp32, for-loop AdamW; fast path: the config's precision and compile, fused AdamW "
-                  "on a GPU, plain loop; lightning: the real training step. MFU peak: of the bf16 dense peak; "
-                  "MFU mm: of the matmul roofline.", soft_wrap=True)
-    seconds = t.seconds
-    overhead = (f"{seconds['lightning'] * 1e3 - seconds['fast path'] * 1e3:+.1f} ms/step" if "lightning" in seconds
-                else "not measured")
-    console.print(f"Lightning overhead: {overhead}; bf16 dense peak "
-                  f"{f'{peak / 1e12:.0f} TFLOP/s' if peak else 'unknown here (--peak-tflops)'}; host syncs in a "
-                  f"fast-path step: {'-' if t.host_syncs is None else len(t.host_syncs)}", soft_wrap=True)
+                  "on a GPU, plain loop; lightning: the real training step. ms/step: the mean of the timed steps "
+                  "(median, min, max beside it); the rates and MFUs are of the mean, the speed-up and the Lightning "
+                  "overhead of the medians. MFU peak: of the bf16 dense peak; MFU mm: of the matmul roofline.",
+                  soft_wrap=True)
+    console.print(f"Lightning overhead: {'not measured' if overhead is None else f'{overhead:+.1f} ms/step (medians)'}"
+                  f"; bf16 dense peak {f'{peak / 1e12:.0f} TFLOP/s' if peak else 'unknown here (--peak-tflops)'}; "
+                  f"host syncs in a fast-path step: {'-' if t.host_syncs is None else len(t.host_syncs)}",
+                  soft_wrap=True)
+    if warning:
+        console.print(warning, soft_wrap=True, highlight=False, markup=False)
     for note in t.notes:
         console.print(f"note: {note}", soft_wrap=True)
 
@@ -542,7 +615,7 @@ def main(argv: list[str]) -> int:
     accelerator = str((cfg.get("trainer") or {}).get("accelerator", "auto"))
     device = torch.device("cuda" if torch.cuda.is_available() and accelerator != "cpu" else "cpu")
     s = Setup(cfg, device)
-    console = Console(width=None if sys.stdout.isatty() else 160)  # a log file gets the whole table, not 80 columns
+    console = Console(width=None if sys.stdout.isatty() else 200)  # a log file gets the whole table, not 80 columns
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     console.print(f"[bold]lwm bench[/] {args.config}: {name}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; "
                   f"batch {s.batch} x {s.window} frames of [{s.net.in_channels}, {s.net.height}, {s.net.width}], "
@@ -561,12 +634,15 @@ def main(argv: list[str]) -> int:
 
     timings = time_variants(s, args, progress)
     rows = variant_rows(s, timings, flops.useful, matmul, peak)
-    print_variants(console, rows, timings, flops, matmul, matmul_what, peak)
+    overhead = lightning_overhead_ms(rows)
+    warning = noise_warning(rows, overhead)
+    print_variants(console, rows, timings, flops, matmul, matmul_what, peak, overhead, warning)
     out = {"config": args.config, "overrides": overrides, "device": name, "torch": torch.__version__,
            "date": time.strftime("%Y-%m-%d"), "batch": s.batch, "window": s.window, "precision": s.precision,
            "compile": s.compile, "net": asdict(s.net), "flops_useful": flops.useful, "flops_dense": flops.dense,
            "flops_by_op": flops.by_op, "matmul_tflop_per_s": matmul, "matmul": matmul_what,
-           "peak_tflop_per_s": peak / 1e12 if peak else None, "variants": rows, "host_syncs": timings.host_syncs,
+           "peak_tflop_per_s": peak / 1e12 if peak else None, "variants": rows, "lightning_overhead_ms": overhead,
+           "noise_warning": warning, "host_syncs": timings.host_syncs,
            "notes": timings.notes, "breakdown": [], "max_batch": None}
     write_json(args.json, out)  # now, and again with each later part: a later failure keeps what was measured
     if not args.no_breakdown:

@@ -3,7 +3,8 @@
 Writes, into ``--out`` (default ``RUN_DIR/figures``):
 
 * ``losses.png``: train vs val total, teacher-forced, rollout-1/2 and prediction losses, and the commitment and
-  codebook losses of both quantizers, against the step;
+  codebook losses of both quantizers, against the step; the teacher-forced panel also has the copy-last-frame
+  baseline (``Val_Dynamics_Predictor/copy_last_loss``, dashed) that the val loss must beat, where it was logged;
 * ``val_loss_vs_tflops.png``: the val total and teacher-forced losses against the cumulative training TFLOPs
   (log-log);
 * ``sensitivity.png``: Delta-PSNR, PSNR with the clip's own codes (seq) and with random codes (rand), of the
@@ -105,6 +106,12 @@ _USAGE = re.compile(r"^(Train|Val)_(\w+?)/codebook_usage_level_(\d+)$")
 _DIAGONALITY = re.compile(r"^(\w+?)/attention_diagonality_block_(\d+)/mean$")
 
 
+# what a panel's val loss must beat, drawn dashed beside it where the run logged it (the callbacks' baseline)
+LOSS_BASELINES: dict[str, tuple[str, str]] = {
+    "Dynamics_Predictor/tf_loss": ("copy-last-frame baseline (val)", "Val_Dynamics_Predictor/copy_last_loss"),
+}
+
+
 def losses_figure(metrics: Metrics) -> Figure:
     panels = [(title, key) for title, key in LOSS_PANELS if f"Train_{key}" in metrics or f"Val_{key}" in metrics]
     if not panels:
@@ -113,7 +120,11 @@ def losses_figure(metrics: Metrics) -> Figure:
     for ax, (title, key) in zip(axes, panels):
         _plot(ax, metrics.get(f"Train_{key}"), label="train")
         _plot(ax, metrics.get(f"Val_{key}"), label="val")
-        _style(ax, title, xlabel="step", ylabel="loss", log_y=_all_positive(metrics, f"Train_{key}", f"Val_{key}"))
+        baseline_label, baseline = LOSS_BASELINES.get(key, (None, None))
+        if baseline is not None:
+            _plot(ax, metrics.get(baseline), label=baseline_label, color="grey", linestyle="--")
+        log_y = _all_positive(metrics, f"Train_{key}", f"Val_{key}", *([baseline] if baseline else []))
+        _style(ax, title, xlabel="step", ylabel="loss", log_y=log_y)
     fig.suptitle("Losses: train vs val")
     return fig
 

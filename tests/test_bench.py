@@ -45,7 +45,7 @@ def test_bench_times_each_temporal_attention_kernel_side_by_side(monkeypatch, tm
         return real(s, fast, *args, **kwargs)
 
     monkeypatch.setattr(bench, "plain_step", plain_step)
-    monkeypatch.setattr(bench, "timed", lambda fn, steps, warmup, device: 0.5)
+    monkeypatch.setattr(bench, "step_times", lambda fn, steps, warmup, device: [0.5] * steps)
     out = tmp_path / "bench.json"
     argv = ["bench", "--config", "configs/tiny.yaml", "--steps", "1", "--warmup", "0", "--json", str(out),
             "--no-lightning", "--no-breakdown", "--model.net.height=16", "--model.net.width=16",
@@ -74,7 +74,7 @@ def test_a_kernel_that_fails_in_bench_keeps_the_other_rows(monkeypatch, tmp_path
         return real(s, fast, *args, **kwargs)
 
     monkeypatch.setattr(bench, "plain_step", plain_step)
-    monkeypatch.setattr(bench, "timed", lambda fn, steps, warmup, device: 0.5)
+    monkeypatch.setattr(bench, "step_times", lambda fn, steps, warmup, device: [0.5] * steps)
     out = tmp_path / "bench.json"
     argv = ["bench", "--config", "configs/tiny.yaml", "--steps", "1", "--warmup", "0", "--json", str(out),
             "--no-lightning", "--no-breakdown", "--no-reference", "--model.net.height=16", "--model.net.width=16",
@@ -197,6 +197,81 @@ def test_timed_leaves_the_warmup_out_and_averages_over_the_timed_steps(monkeypat
     assert clock["calls"] == 6
 
 
+def test_step_times_are_each_timed_step_after_the_warmup(monkeypatch):
+    import lwm.bench as bench
+
+    clock = {"t": 0.0, "calls": 0}
+
+    def fn():  # 2 warm-up calls of 100 s, then 1, 2, 3 s
+        clock["calls"] += 1
+        clock["t"] += 100.0 if clock["calls"] <= 2 else clock["calls"] - 2.0
+
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: clock["t"]))
+    assert bench.step_times(fn, steps=3, warmup=2, device=torch.device("cpu")) == [1.0, 2.0, 3.0]
+    assert clock["calls"] == 5
+
+
+def test_bench_reports_each_variants_spread_and_warns_when_the_timings_are_noisy(monkeypatch, tmp_path, capsys):
+    """The case a user met on a busy machine: one fast-path step slowed 19x by another process made its mean larger
+    than Lightning's and the overhead negative. The median, min and max of the timed steps are in the table and the
+    JSON; the speed-ups and the overhead are of the medians, and a one-line warning says the timings are noisy."""
+    import lwm.bench as bench
+
+    times = iter([[1.0, 1.2, 1.1], [0.4, 7.6, 0.5]])  # the reference, then the fast path (seconds per step)
+    monkeypatch.setattr(bench, "step_times", lambda fn, steps, warmup, device: next(times))
+    monkeypatch.setattr(bench, "lightning_step_times", lambda s, steps, warmup: [0.7, 0.6, 0.65])
+    monkeypatch.setattr(bench, "matmul_tflops", lambda device: (4.0, "fake"))
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--config", "configs/tiny.yaml", "--steps", "3", "--warmup", "0", "--json", str(out),
+            "--no-breakdown", "--model.net.height=16", "--model.net.width=16", "--data.batch_size=2",
+            "--data.window=5"]
+    assert main(argv) == 0
+    r = json.loads(out.read_text())
+    v = {row["variant"]: row for row in r["variants"]}
+    assert v["fast path"]["ms_steps"] == pytest.approx([400.0, 7600.0, 500.0])
+    for label, mean, median, low, high in (("reference", 1100.0, 1100.0, 1000.0, 1200.0),
+                                           ("fast path", 2833.333, 500.0, 400.0, 7600.0),
+                                           ("lightning", 650.0, 650.0, 600.0, 700.0)):
+        row = v[label]
+        assert (row["ms_per_step"], row["ms_median"], row["ms_min"], row["ms_max"]) == pytest.approx(
+            (mean, median, low, high)), label
+        assert row["max_over_min"] == pytest.approx(high / low)
+        assert row["steps_per_s"] == pytest.approx(1e3 / mean)  # the rates: of the mean
+        assert row["speedup"] == pytest.approx(1100.0 / median)  # the ratios: of the medians
+    assert r["lightning_overhead_ms"] == pytest.approx(150.0)  # of the medians (the means give -2183.3)
+    warning = ("warning: the timings are noisy (fast path: slowest step 19.00x the fastest): another process is "
+               "probably competing for the device or the CPU; rerun on a quiet machine (more --steps steady the "
+               "medians)")
+    assert r["noise_warning"] == warning
+    printed = capsys.readouterr().out
+    assert warning in printed.splitlines()  # one line
+    assert "Lightning overhead: +150.0 ms/step (medians)" in printed
+    table = next(line for line in printed.splitlines() if line.startswith("│ fast path"))
+    assert [cell.strip() for cell in table.split("│")[2:6]] == ["2833.3", "500.0", "400.0", "7600.0"]
+
+
+@pytest.mark.parametrize(("medians", "spreads", "expected"), [
+    ({"fast path": 650.0, "lightning": 640.0}, (1.0, 1.5), "(Lightning overhead -10.0 ms/step < 0)"),
+    ({"fast path": 600.0, "lightning": 650.0}, (1.51, 1.0), "(fast path: slowest step 1.51x the fastest)"),
+    ({"fast path": 600.0, "lightning": 550.0}, (2.0, 3.0), "(Lightning overhead -50.0 ms/step < 0; fast path: "
+                                                             "slowest step 2.00x the fastest; lightning: slowest step "
+                                                             "3.00x the fastest)"),
+    ({"fast path": 600.0, "lightning": 650.0}, (1.5, 1.5), None),  # at most 1.5x, and a positive overhead: quiet
+    ({"fast path": 600.0}, (1.0, None), None),  # Lightning not measured
+])
+def test_the_noise_warning_names_each_reason(medians, spreads, expected):
+    from lwm.bench import lightning_overhead_ms, noise_warning
+
+    rows = [{"variant": k, "ms_median": m, "max_over_min": spread} for (k, m), spread in zip(medians.items(), spreads)]
+    overhead = lightning_overhead_ms(rows)
+    assert overhead == (medians["lightning"] - medians["fast path"] if "lightning" in medians else None)
+    warning = noise_warning(rows, overhead)
+    if expected is None:
+        assert warning is None
+    else:
+        assert warning.startswith(f"warning: the timings are noisy {expected}: another process") and "\n" not in warning
+
+
 def test_the_matmul_roofline_counts_two_flops_per_multiply_add(monkeypatch):
     import lwm.bench as bench
 
@@ -210,8 +285,8 @@ def test_bench_numbers_follow_from_the_step_times_and_flops(monkeypatch, tmp_pat
     matmul), each number in the JSON is a known function of the others."""
     import lwm.bench as bench
 
-    monkeypatch.setattr(bench, "timed", lambda fn, steps, warmup, device: 0.5)
-    monkeypatch.setattr(bench, "lightning_seconds", lambda s, steps, warmup: 2.0)
+    monkeypatch.setattr(bench, "step_times", lambda fn, steps, warmup, device: [0.5] * steps)
+    monkeypatch.setattr(bench, "lightning_step_times", lambda s, steps, warmup: [2.0] * steps)
     monkeypatch.setattr(bench, "matmul_tflops", lambda device: (4.0, "fake"))
     out = tmp_path / "bench.json"
     B, T = 2, 5
@@ -234,7 +309,10 @@ def test_bench_numbers_follow_from_the_step_times_and_flops(monkeypatch, tmp_pat
         assert v["mfu_peak"] == pytest.approx(tflop / 10)
         assert v["mfu_matmul"] == pytest.approx(tflop / 4.0)
         assert v["speedup"] == pytest.approx(0.5 / s)  # reference time / this variant's time
-    assert "Lightning overhead: +1500.0 ms/step" in capsys.readouterr().out
+        assert v["ms_median"] == v["ms_min"] == v["ms_max"] == v["ms_per_step"] and v["max_over_min"] == 1.0
+    assert r["lightning_overhead_ms"] == pytest.approx(1500.0) and r["noise_warning"] is None
+    printed = capsys.readouterr().out
+    assert "Lightning overhead: +1500.0 ms/step" in printed and "noisy" not in printed
     parts = r["breakdown"]
     timed_parts = parts[:-1]
     assert parts[-1]["part"].startswith("other")
@@ -265,8 +343,8 @@ def test_breakdown_counts_useful_attention_flops(monkeypatch):
 
 
 def test_lightning_timing_starts_after_the_warmup(monkeypatch):
-    """Timed between the start of batch ``warmup`` and of batch ``warmup + steps``: with a clock that reads the
-    number of training steps run so far, exactly 1 per step."""
+    """Each step timed from its batch start to the next, from batch ``warmup`` to batch ``warmup + steps``: with a
+    clock that reads the square of the number of training steps run so far, 2^2..5^2 at those starts."""
     import lwm.bench as bench
     from lwm.module import WorldModelModule
 
@@ -278,13 +356,13 @@ def test_lightning_timing_starts_after_the_warmup(monkeypatch):
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(WorldModelModule, "training_step", training_step)
-    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: float(done["n"])))
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: float(done["n"] ** 2)))
     cfg = {"model": {"net": {"in_channels": 4, "height": 8, "width": 8, "d_model": 16, "n_heads": 2,
                              "depth_action": 1, "depth_world": 1, "depth_dynamics": 1, "d_code_action": 4,
                              "d_code_world": 4, "codebook_sizes_action": [4], "codebook_sizes_world": [4]}},
            "data": {"batch_size": 2, "window": 5}}
     s = bench.Setup(cfg, torch.device("cpu"))
-    assert bench.lightning_seconds(s, steps=3, warmup=2) == 1.0
+    assert bench.lightning_step_times(s, steps=3, warmup=2) == [9.0 - 4.0, 16.0 - 9.0, 25.0 - 16.0]
 
 
 def _setup(**net):

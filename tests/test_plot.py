@@ -14,11 +14,12 @@ from lwm.plot import FIGURES, main, plot_run, read_metrics
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 TFLOPS = ("Train_Total/tflops", "Val_Total/tflops")
+BASELINE = "Val_Dynamics_Predictor/copy_last_loss"
 
 
 def every_column() -> list[str]:
-    """Each metric column the figures read (two RVQ levels, two attention blocks)."""
-    columns = [*TFLOPS, "Train_Total/loss", "Val_Total/loss"]
+    """Each metric column the figures read (two RVQ levels, two attention blocks, the copy-last baseline)."""
+    columns = [*TFLOPS, "Train_Total/loss", "Val_Total/loss", BASELINE]
     for split in ("Train", "Val"):
         columns += [f"{split}_Dynamics_Predictor/{k}" for k in ("tf_loss", "rollout_1_loss", "rollout_2_loss",
                                                                 "prediction_loss")]
@@ -174,3 +175,30 @@ def test_codebook_usage_of_validation_alone_is_drawn():
 
     fig = codebook_usage_figure({"Val_Action_Encoder/codebook_usage_level_0": [(0, 0.5), (1, 0.6)]})
     assert [line.get_label() for line in fig.axes[0].get_lines()] == ["level 0 val"]
+
+
+def test_the_teacher_forced_panel_draws_the_copy_last_frame_baseline_from_the_csv(tmp_path):
+    """The val TF loss must beat copy-last-frame: its panel draws the logged baseline dashed, at the CSV's steps and
+    values; the other panels, and a run that did not log it, have no such line."""
+    from lwm.plot import losses_figure
+
+    tf = ["Train_Dynamics_Predictor/tf_loss", "Val_Dynamics_Predictor/tf_loss"]
+    run_dir = write_run(tmp_path / "run", ["Train_Total/loss", "Val_Total/loss", *tf, BASELINE])
+    with open(run_dir / "metrics.csv", newline="") as f:
+        expected = [(int(row["step"]), float(row[BASELINE])) for row in csv.DictReader(f) if row[BASELINE]]
+    assert [step for step, _ in expected] == [0, 2, 4, 6]  # the validation rows
+    fig = losses_figure(read_metrics(run_dir / "metrics.csv"))
+    panels = {ax.get_title(): ax for ax in fig.axes if ax.get_visible()}
+    assert sorted(panels) == ["Teacher-forced loss", "Total loss"]
+    lines = {line.get_label(): line for line in panels["Teacher-forced loss"].get_lines()}
+    assert list(lines) == ["train", "val", "copy-last-frame baseline (val)"]
+    baseline = lines["copy-last-frame baseline (val)"]
+    assert list(zip(baseline.get_xdata(), baseline.get_ydata())) == expected
+    assert baseline.get_linestyle() == "--"
+    assert [line.get_label() for line in panels["Total loss"].get_lines()] == ["train", "val"]
+    assert panels["Teacher-forced loss"].get_yscale() == "log"  # every loss and baseline value > 0
+
+    without = write_run(tmp_path / "old", ["Train_Total/loss", "Val_Total/loss", *tf])
+    fig = losses_figure(read_metrics(without / "metrics.csv"))
+    tf_panel = next(ax for ax in fig.axes if ax.get_title() == "Teacher-forced loss")
+    assert [line.get_label() for line in tf_panel.get_lines()] == ["train", "val"]
