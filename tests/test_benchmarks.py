@@ -140,7 +140,7 @@ def test_gpu_recipe_runs_the_documented_commands(tmp_path):
     assert all(c.startswith("TRITON_INTERPRET=0 ") for c in calls)  # compiled kernels, never the interpreter
     joined = "\n".join(calls)
     # the carried wheels first, into a folder on the path of every later command
-    assert calls[0].startswith(f"TRITON_INTERPRET=0 -m pip install -q --no-index --no-deps") and str(wheels) in calls[0]
+    assert calls[0].startswith("TRITON_INTERPRET=0 -m pip install -q --no-index --no-deps") and str(wheels) in calls[0]
     for expected in ("-m pytest -q -p no:cacheprovider -o addopts=-ra tests/modules/test_triton_attention.py",
                      "benchmarks/triton_kernels.py", "benchmarks/temporal_attention.py --backward",
                      "-m lwm.cli bench --config configs/base.yaml --steps 20 --warmup 5 --kernels matmul triton",

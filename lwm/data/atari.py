@@ -114,8 +114,6 @@ def make_dataset(out_dir: str | Path, game_list: list[str], episodes: int = 8, f
 
 def main(argv: list[str]) -> int:
     """``lwm data atari --games G... --out DIR ...``."""
-    import argparse
-
     from lwm.data.convert import make_codec
 
     parser = ArgumentParser(prog="lwm data atari", description=__doc__.splitlines()[0])
