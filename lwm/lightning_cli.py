@@ -309,9 +309,26 @@ class LwmCLI(LightningCLI):
         return super().instantiate_trainer(**kwargs)
 
     def _run_subcommand(self, subcommand: str) -> None:
+        if subcommand in ("validate", "test", "predict") and self.trainer.is_global_zero:
+            self._warn_other_run(subcommand)
         super()._run_subcommand(subcommand)
         if subcommand in ("validate", "test", "predict") and self.trainer.is_global_zero:
             rank_zero_info(f"lwm {subcommand}: its files are in {run_log_dir(self.trainer)}")  # not RUN_DIR itself
+
+    def _warn_other_run(self, subcommand: str) -> None:
+        """Warn (one line) where ``--ckpt_path`` is another run's checkpoint (``RUN/checkpoints/X.ckpt``, RUN holding
+        a config.yaml): this command's files go under the config's ``trainer.default_root_dir``, not beside it."""
+        from pathlib import Path
+
+        path = self._checkpoint_file(self.config[subcommand])
+        if path is None:
+            return
+        ckpt, root = Path(path).resolve(), Path(self.trainer.default_root_dir).resolve()
+        run = ckpt.parent.parent
+        if ckpt.parent.name == "checkpoints" and (run / "config.yaml").is_file() and not ckpt.is_relative_to(root):
+            warnings.warn(f"--ckpt_path {path} is the run {run}'s, but this {subcommand} writes its files under "
+                          f"trainer.default_root_dir {root / subcommand} (--trainer.default_root_dir={run} puts them "
+                          f"beside its checkpoints)", stacklevel=2)
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list) -> Any:
         # The rich progress bar and summary are on by default; the trainer's switches turn them off.

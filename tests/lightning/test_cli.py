@@ -382,6 +382,19 @@ def test_a_fit_without_a_logger_runs(tmp_path):
     assert torch.load(tmp_path / "run/checkpoints/last.ckpt", weights_only=True)["global_step"] == 2
 
 
+def test_validating_another_runs_checkpoint_says_where_its_files_go(trained, tmp_path, recwarn):
+    manifest, root = trained
+    ckpt = root / "checkpoints/last.ckpt"
+    assert main(tiny_args(manifest, tmp_path / "elsewhere", f"--ckpt_path={ckpt}", verb="validate")) == 0
+    lines = [str(w.message) for w in recwarn if "writes its files under" in str(w.message)]
+    assert lines == [f"--ckpt_path {ckpt} is the run {root}'s, but this validate writes its files under "
+                     f"trainer.default_root_dir {tmp_path / 'elsewhere/validate'} (--trainer.default_root_dir={root} "
+                     f"puts them beside its checkpoints)"]
+    recwarn.clear()
+    assert main(tiny_args(manifest, root, f"--ckpt_path={ckpt}", verb="validate")) == 0  # its own run: no warning
+    assert not [w for w in recwarn if "writes its files under" in str(w.message)]
+
+
 def test_lightning_verbs_edge_cases(tmp_path, caplog, recwarn):
     """A fit with --ckpt_path last and no checkpoint yet starts fresh (the SLURM script's first start) and says
     so (without Lightning's save_last hint); a val_check_interval equal to the epoch's batches passes the early
