@@ -1,6 +1,6 @@
 """Codebook monitoring: usage per level (codes used in a batch: the logged training batch; the mean over the
-validation set's batches of ``data.batch_size`` windows), coverage of the validation set, diversity per level (pairwise MSE between the codes), and
-the EMA decay of both quantizers."""
+validation set's batches of ``data.batch_size`` windows), coverage of the validation set, diversity per level
+(pairwise MSE between the codes), and the EMA decay of both quantizers."""
 
 from __future__ import annotations
 
@@ -80,6 +80,7 @@ class CodebookMonitor(L.Callback):
         if not isinstance(outputs, dict):
             return
         run = getattr(getattr(trainer, "datamodule", None), "batch_size", None)  # windows per training batch
+        runs = 0
         for name, used in self._val_used.items():
             sizes = pl_module.model.quantizers[name].codebook_sizes
             for mask, in_batch in zip(used, used_codes(outputs[name], sizes)):

@@ -25,10 +25,15 @@ def _metrics(trainer: L.Trainer, keys: tuple[str, ...]) -> str:
     return " · ".join(f"{key} {float(metrics[key]):.4g}" for key in keys if key in metrics)
 
 
+def _step(trainer: L.Trainer) -> str:
+    """``step 1200/100000`` (``step 1200`` without ``max_steps``)."""
+    limit = trainer.max_steps if trainer.max_steps is not None and trainer.max_steps > 0 else None
+    return f"step {trainer.global_step}" + (f"/{limit}" if limit else "")
+
+
 def fit_summary(trainer: L.Trainer, seconds: float) -> str:
     """One line at the end of a fit: where it got, how long it took, its last losses and where its checkpoint is."""
-    steps = f"step {trainer.global_step}" + (f"/{trainer.max_steps}" if trainer.max_steps and trainer.max_steps > 0 else "")
-    parts = [f"fit done: {steps} in {_clock(seconds)}", _metrics(trainer, ("Train_Total/loss", *VAL_KEYS))]
+    parts = [f"fit done: {_step(trainer)} in {_clock(seconds)}", _metrics(trainer, ("Train_Total/loss", *VAL_KEYS))]
     checkpoint = getattr(trainer.checkpoint_callback, "last_model_path", "") or ""
     if checkpoint:
         parts.append(f"checkpoint {checkpoint}")
@@ -51,7 +56,8 @@ class StepProgressBar(RichProgressBar):
         if not text_every_s >= 0:
             from lwm.errors import ConfigError
 
-            raise ConfigError(f"progress_bar.text_every_s must be >= 0 (0: no plain progress lines), got {text_every_s}")
+            raise ConfigError(f"progress_bar.text_every_s must be >= 0 (0: no plain progress lines), got "
+                              f"{text_every_s}")
         self.text_every_s = text_every_s
         self._start: tuple[float, int] | None = None  # (time, global step) of this process's first training batch
         self._last_text = 0.0
@@ -65,14 +71,11 @@ class StepProgressBar(RichProgressBar):
         self._console.print(line, markup=False, highlight=False, soft_wrap=True)
 
     def progress_line(self, trainer: L.Trainer, now: float) -> str:
-        """``step 1200/100000 · epoch 3 · 2.14 steps/s · Train_Total/loss 0.0123 · 0:09:20 elapsed, 12:48:00 to go``:
-        the speed over this process's steps so far (validations included: the time to go is wall-clock)."""
+        """``step 1200/100000 · epoch 3 · 2.14 steps/s · Train_Total/loss 0.0123 · 0:09:20 elapsed, 12:48:00 to
+        go``: the speed over this process's steps so far (validations included: the time to go is wall-clock)."""
         t0, step0 = self._start if self._start is not None else (now, trainer.global_step)
         done, seconds = trainer.global_step - step0, max(now - t0, 1e-9)
-        text = f"step {trainer.global_step}"
-        if trainer.max_steps is not None and trainer.max_steps > 0:
-            text += f"/{trainer.max_steps}"
-        text += f" · epoch {trainer.current_epoch} · {done / seconds:.3g} steps/s"
+        text = f"{_step(trainer)} · epoch {trainer.current_epoch} · {done / seconds:.3g} steps/s"
         loss = _metrics(trainer, ("Train_Total/loss",))
         text += f" · {loss}" if loss else ""
         text += f" · {_clock(seconds)} elapsed"
@@ -113,7 +116,8 @@ class StepProgressBar(RichProgressBar):
                            batch_idx: int) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if self.progress is not None and self.train_progress_bar_id is not None:
-            self.progress.update(self.train_progress_bar_id, description=self._get_train_description(trainer.current_epoch))
+            description = self._get_train_description(trainer.current_epoch)
+            self.progress.update(self.train_progress_bar_id, description=description)
         now = time.monotonic()
         if self._plain() and now - self._last_text >= self.text_every_s:
             self._last_text = now
