@@ -533,15 +533,18 @@ def lightning_overhead_ms(rows: list[dict]) -> float | None:
     return median["lightning"] - median["fast path"]
 
 
-def noise_warning(rows: list[dict], overhead: float | None) -> str | None:
+def noise_warning(rows: list[dict], overhead: float | None, warmup: int = 1) -> str | None:
     """One line when the timings cannot be trusted: a negative Lightning overhead (the real step cannot be faster
     than the same step without Lightning), or a variant whose slowest step took over ``NOISY_SPREAD`` times its
-    fastest; None otherwise."""
+    fastest; None otherwise. With ``warmup`` 0 the first timed steps carry first-call costs: said as the cause."""
     reasons = [f"Lightning overhead {overhead:+.1f} ms/step < 0"] if overhead is not None and overhead < 0 else []
     reasons += [f"{row['variant']}: slowest step {row['max_over_min']:.2f}x the fastest" for row in rows
                 if row["max_over_min"] is not None and row["max_over_min"] > NOISY_SPREAD]
     if not reasons:
         return None
+    if warmup < 1:
+        return (f"warning: the timings are noisy ({'; '.join(reasons)}): with --warmup 0 the first timed step pays "
+                "for compilation and first-call allocations; rerun with --warmup 1 or more")
     return (f"warning: the timings are noisy ({'; '.join(reasons)}): another process is probably competing for the "
             "device or the CPU; rerun on a quiet machine (more --steps steady the medians)")
 
@@ -635,7 +638,7 @@ def main(argv: list[str]) -> int:
     timings = time_variants(s, args, progress)
     rows = variant_rows(s, timings, flops.useful, matmul, peak)
     overhead = lightning_overhead_ms(rows)
-    warning = noise_warning(rows, overhead)
+    warning = noise_warning(rows, overhead, args.warmup)
     print_variants(console, rows, timings, flops, matmul, matmul_what, peak, overhead, warning)
     out = {"config": args.config, "overrides": overrides, "device": name, "torch": torch.__version__,
            "date": time.strftime("%Y-%m-%d"), "batch": s.batch, "window": s.window, "precision": s.precision,

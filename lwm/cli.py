@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import importlib
 import os
+import signal
 import sys
 import time
 import warnings
@@ -76,14 +77,19 @@ def _data_decode(args: argparse.Namespace) -> int:
 
 
 def _lightning(args: argparse.Namespace) -> int:
-    from lwm.callbacks.slurm import interrupted_by
+    from lwm.callbacks.slurm import hard_stopped, interrupted_by
     from lwm.lightning_cli import lightning_cli
 
     if args.verb != "fit":  # evaluating a checkpoint needs none of its callbacks' states (Lightning asks for them)
         warnings.filterwarnings("ignore", message="Be aware that when using `ckpt_path`, callbacks used to create")
     start = time.monotonic()
-    with _wide_output():
-        trainer = getattr(lightning_cli([args.verb, *args.rest]), "trainer", None)
+    try:
+        with _wide_output():
+            trainer = getattr(lightning_cli([args.verb, *args.rest]), "trainer", None)
+    except SystemExit as e:  # Lightning's exit 1 after a second Ctrl-C (its processes killed): a Ctrl-C's 130
+        if e.code == 1 and hard_stopped():
+            return 128 + signal.SIGINT
+        raise
     signum = interrupted_by(trainer)
     stopped = any(getattr(c, "preempted", False) for c in getattr(trainer, "callbacks", []))  # SLURM: requeued
     if args.verb == "fit" and trainer is not None and trainer.is_global_zero and not signum and not stopped:

@@ -92,8 +92,8 @@ def _integer(t: Tensor) -> bool:
 
 def check_state(state: dict[str, Tensor]) -> None:
     """Refuse a dictionary's tensors that sampling or decoding would trip on: ``codebook_sizes [L]`` integers >= 1,
-    ``tuples [U, L]`` integers with each level's codes in ``0..K_l-1``, ``counts [U]`` integers >= 0 with a
-    positive sum (where there are tuples). Raises a one-line ``ValueError``."""
+    ``tuples [U, L]`` distinct integers with each level's codes in ``0..K_l-1``, ``counts [U]`` integers >= 1 (the
+    tuples used: uniform draws are over them). Raises a one-line ``ValueError``."""
     if set(state) != STATE_KEYS:
         raise ValueError(f"expected the tensors {', '.join(sorted(STATE_KEYS))}, got {', '.join(map(str, state))}")
     if bad := [k for k in sorted(state) if not isinstance(state[k], Tensor)]:
@@ -109,10 +109,10 @@ def check_state(state: dict[str, Tensor]) -> None:
     if not _integer(counts) or counts.shape != (U,):
         raise ValueError(f"counts must be integers of shape [{U}] (one per tuple), got {counts.dtype} "
                          f"{list(counts.shape)}")
-    if U and int(counts.min()) < 0:
-        raise ValueError(f"counts must be >= 0, got {int(counts.min())}")
-    if U and counts.double().sum() <= 0:
-        raise ValueError(f"the counts of its {U} tuples sum to 0")
+    if U and int(counts.min()) < 1:  # a listed tuple was used: uniform draws are over the used tuples
+        raise ValueError(f"counts must be >= 1 (each tuple was used), got {int(counts.min())}")
+    if U and torch.unique(tuples, dim=0).shape[0] != U:
+        raise ValueError(f"tuples must be distinct, got {U - torch.unique(tuples, dim=0).shape[0]} repeated")
     for level, k in enumerate(sizes.tolist()):
         if (bad := ((tuples[:, level] < 0) | (tuples[:, level] >= k)).nonzero()).numel():
             i = int(bad[0])

@@ -71,6 +71,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     for name in ("context", "steps", "rollouts"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if not 0 <= args.seed < 2**63:  # (the draws' generators take non-negative seeds)
+        p.error(f"--seed must be >= 0, got {args.seed}")
     if args.window is not None and args.window < 1:
         p.error(f"--window must be >= 1, got {args.window}")
     if args.out and Path(args.out).suffix not in VIDEO_SUFFIXES:

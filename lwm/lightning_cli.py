@@ -51,7 +51,11 @@ _ADVERTS = ("try installing [litlogger]",  # Lightning's logger tip, on every ru
 
 
 def _drop_advert(record: logging.LogRecord) -> bool:
+    from lwm.callbacks.slurm import hard_stopped
+
     message = record.getMessage()
+    if hard_stopped() and "Detected KeyboardInterrupt, attempting graceful shutdown" in message:
+        return False  # a second Ctrl-C: our line said it ("stopping now, unsaved"); nothing graceful is attempted
     return not any(advert in message for advert in _ADVERTS)
 
 
@@ -325,7 +329,7 @@ class LwmCLI(LightningCLI):
             return
         ckpt, root = Path(path).resolve(), Path(self.trainer.default_root_dir).resolve()
         run = ckpt.parent.parent
-        if ckpt.parent.name == "checkpoints" and (run / "config.yaml").is_file() and not ckpt.is_relative_to(root):
+        if ckpt.parent.name == "checkpoints" and (run / "config.yaml").is_file() and run != root:
             warnings.warn(f"--ckpt_path {path} is the run {run}'s, but this {subcommand} writes its files under "
                           f"trainer.default_root_dir {root / subcommand} (--trainer.default_root_dir={run} puts them "
                           f"beside its checkpoints)", stacklevel=2)

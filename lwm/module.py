@@ -18,7 +18,7 @@
   AdamW is not fused there, so that the GradScaler unscales before clipping) the scaler skips overflowing
   steps itself; they are counted, and count towards ``max_nonfinite`` only once the loss scale is below 1.
 * Logs: the model's ``(loss, logs)`` under ``Train_*/`` every step (with gradient accumulation, the mean over the
-  step's micro-batches weighted by their windows: the loss the optimizer step used) and ``Val_*/`` (``Test_*/``) as exact
+  step's micro-batches, weighted by their windows) and ``Val_*/`` (``Test_*/``) as exact
   means over the whole validation set across ranks (:class:`~lwm.metrics.WeightedMean`, weighted by batch size).
 """
 

@@ -222,7 +222,7 @@ def test_bench_reports_each_variants_spread_and_warns_when_the_timings_are_noisy
     monkeypatch.setattr(bench, "lightning_step_times", lambda s, steps, warmup: [0.7, 0.6, 0.65])
     monkeypatch.setattr(bench, "matmul_tflops", lambda device: (4.0, "fake"))
     out = tmp_path / "bench.json"
-    argv = ["bench", "--config", "configs/tiny.yaml", "--steps", "3", "--warmup", "0", "--json", str(out),
+    argv = ["bench", "--config", "configs/tiny.yaml", "--steps", "3", "--warmup", "1", "--json", str(out),
             "--no-breakdown", "--model.net.height=16", "--model.net.width=16", "--data.batch_size=2",
             "--data.window=5"]
     assert main(argv) == 0
@@ -270,6 +270,10 @@ def test_the_noise_warning_names_each_reason(medians, spreads, expected):
         assert warning is None
     else:
         assert warning.startswith(f"warning: the timings are noisy {expected}: another process") and "\n" not in warning
+        # without warm-up steps the first timed step paid for compilation: that is named as the cause
+        assert noise_warning(rows, overhead, warmup=0) == (f"warning: the timings are noisy {expected}: with --warmup 0 "
+                                                           "the first timed step pays for compilation and first-call "
+                                                           "allocations; rerun with --warmup 1 or more")
 
 
 def test_the_matmul_roofline_counts_two_flops_per_multiply_add(monkeypatch):

@@ -206,9 +206,10 @@ def _poke(key, where, value):
                                          "torch.int64 [3, 1]"),
     (_set("tuples", lambda t: t.float()), "tuples must be integers of shape [U, 2] (one code per RVQ level), got "
                                           "torch.float32 [3, 2]"),
-    (_poke("counts", 1, -3), "counts must be >= 0, got -3"),
+    (_poke("counts", 1, -3), "counts must be >= 1 (each tuple was used), got -3"),
+    (_poke("counts", 1, 0), "counts must be >= 1 (each tuple was used), got 0"),  # never drawn by frequency, but
+    (_set("tuples", lambda t: t[[0, 0, 1]]), "tuples must be distinct, got 1 repeated"),  # uniformly: not "used"
     (_set("counts", lambda c: c[:-1]), "counts must be integers of shape [3] (one per tuple), got torch.int64 [2]"),
-    (_set("counts", lambda c: c * 0), "the counts of its 3 tuples sum to 0"),
     (_set("counts", lambda c: torch.tensor([2.0, float("nan"), 1.0])),
      "counts must be integers of shape [3] (one per tuple), got torch.float32 [3]"),
     (_set("codebook_sizes", lambda k: torch.tensor([4, 0])), "codebook_sizes must be integers >= 1, one per RVQ "

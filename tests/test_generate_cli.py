@@ -74,6 +74,7 @@ def test_inferred_actions_reproduce_teacher_forcing_on_the_first_step(trained):
      "ep00.h5: not a code dictionary of `lwm codes`"),
     (["--codes", "CKPT"], "last.ckpt: not a code dictionary of `lwm codes`"),
     (["--start", "50"], "14 frames, but the request reads frame 50"),
+    (["--seed", "-1"], "--seed must be >= 0, got -1"),  # (it was a traceback after the checkpoint had loaded)
     (["--start", "12", "--actions", "inferred"], "14 frames, but the request reads frames 12 to 15"),
 ])
 def test_bad_generation_requests_are_one_error_line(trained, capsys, monkeypatch, extra, message):
@@ -118,7 +119,7 @@ def test_index_json_that_is_not_integers_is_refused_before_the_checkpoint_is_loa
     ("World_Encoder", "out of range", "tuple 0 [T0, 8] has code 8 at level 1, which takes codes 0..7"),
     ("Action_Encoder", "narrow",
      "tuples must be integers of shape [U, 2] (one code per RVQ level), got torch.int64 [U, 1]"),
-    ("Action_Encoder", "negative count", "counts must be >= 0, got -1"),
+    ("Action_Encoder", "negative count", "counts must be >= 1 (each tuple was used), got -1"),
     ("Action_Encoder", "short counts", "counts must be integers of shape [U] (one per tuple), got torch.int64 [U-1]"),
 ])
 def test_an_edited_code_dictionary_is_refused_before_the_codec(trained, tmp_path, capsys, monkeypatch, name, edit,

@@ -65,16 +65,19 @@ class SlurmRequeue(L.Callback):
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage == "fit":  # (a second fit of the same trainer starts afresh)
-            self._requested = self._requeue = self.preempted = False
+            global _HARD_STOP
+            self._requested = self._requeue = self.preempted = _HARD_STOP = False
             self._signal = self.interrupted = None
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if signum == signal.SIGINT and self._requested and self._signal == signal.SIGINT:
-            # a second Ctrl-C: stop now, unsaved. SystemExit, not KeyboardInterrupt: Lightning tears down on either,
-            # but on KeyboardInterrupt it prints its own "graceful shutdown" and exits 1, where a Ctrl-C exits 130
+            # a second Ctrl-C: stop now, unsaved. Lightning's KeyboardInterrupt handling ignores further ones, kills
+            # the processes it launched (several GPUs without torchrun/srun) and exits 1: `lwm` makes that 130
+            global _HARD_STOP
+            _HARD_STOP = True
             if self._rank_zero:
                 sys.stderr.write("\nSIGINT again: stopping now, unsaved\n")
-            raise SystemExit(128 + signal.SIGINT)
+            raise KeyboardInterrupt
         if not self._slurm and not self._requested and self._rank_zero:
             again = " (Ctrl-C again: stop at once, unsaved)" if signum == signal.SIGINT else ""
             sys.stderr.write(f"\n{signal.Signals(signum).name}: stopping after a checkpoint at the end of this batch"
@@ -195,6 +198,14 @@ class SlurmRequeue(L.Callback):
             log.warning(f"preempted: {path} at step {trainer.global_step}; scontrol requeue {job} "
                         + ("done" if rc == 0 else f"failed ({rc})"))
         return True
+
+
+_HARD_STOP = False  # a second Ctrl-C raised KeyboardInterrupt in this process (Lightning then exits 1)
+
+
+def hard_stopped() -> bool:
+    """Whether a second Ctrl-C stopped a fit of this process at once (unsaved)."""
+    return _HARD_STOP
 
 
 def interrupted_by(trainer: Any) -> int | None:

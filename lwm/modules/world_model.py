@@ -243,7 +243,7 @@ class WorldModelConfig:
             problems.append(f"temporal_attention must be one of {ATTENTION_KERNELS}, got {self.temporal_attention!r}")
         if problems:
             raise ConfigError("\n".join(f"model.net.{p}" for p in problems))
-        decay = self.ema_decay_start if self.ema_decay_steps else self.ema_decay_end  # (the lowest decay)
+        decay = min(self.ema_decay_start, self.ema_decay_end) if self.ema_decay_steps else self.ema_decay_end
         if decay ** self.dead_code_steps < RVQ_EPS:  # see lwm/modules/rvq.py: unused codes shrink by g^t/(g^t+eps)
             warnings.warn(f"model.net.dead_code_steps={self.dead_code_steps} at an EMA decay of {decay}: a code "
                           f"unused that long shrinks below half its length (decay^steps < eps = {RVQ_EPS}) before it "

@@ -763,16 +763,24 @@ def _roundtrip(obj):
 def test_a_second_ctrl_c_stops_at_once(capsys):
     import signal
 
-    from lwm.callbacks import SlurmRequeue
+    from lwm.callbacks import SlurmRequeue, slurm
+    from lwm.cli import main
 
     requeue = SlurmRequeue()
     requeue._active = True
     requeue._on_signal(signal.SIGINT, None)
     assert requeue._requested and not requeue._requeue
     assert "SIGINT: stopping after a checkpoint at the end of this batch (Ctrl-C again" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as stop:  # (Lightning's KeyboardInterrupt handling would exit 1)
+    with pytest.raises(KeyboardInterrupt):  # Lightning's handling: kills the processes it launched, exits 1
         requeue._on_signal(signal.SIGINT, None)
-    assert stop.value.code == 130 and "SIGINT again: stopping now, unsaved" in capsys.readouterr().err
+    assert "SIGINT again: stopping now, unsaved" in capsys.readouterr().err
+    assert slurm.hard_stopped()  # `lwm` makes Lightning's exit 1 a 130
+    with mock.patch("lwm.lightning_cli.lightning_cli", side_effect=SystemExit(1)):
+        assert main(["fit"]) == 130
+    requeue.setup(None, None, "fit")  # the next fit starts afresh
+    assert not slurm.hard_stopped()
+    with mock.patch("lwm.lightning_cli.lightning_cli", side_effect=SystemExit(1)), pytest.raises(SystemExit):
+        main(["fit"])  # any other exit 1 stays what it was
     term = SlurmRequeue()
     term._active = True
     term._on_signal(signal.SIGTERM, None)

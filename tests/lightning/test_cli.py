@@ -390,6 +390,10 @@ def test_validating_another_runs_checkpoint_says_where_its_files_go(trained, tmp
     assert lines == [f"--ckpt_path {ckpt} is the run {root}'s, but this validate writes its files under "
                      f"trainer.default_root_dir {tmp_path / 'elsewhere/validate'} (--trainer.default_root_dir={root} "
                      f"puts them beside its checkpoints)"]
+    recwarn.clear()  # a folder above the run is not the run either: its files would go to PARENT/validate
+    assert main(tiny_args(manifest, root.parent, f"--ckpt_path={ckpt}", verb="validate")) == 0
+    assert [w for w in recwarn if f"writes its files under trainer.default_root_dir {root.parent / 'validate'}"
+            in str(w.message)]
     recwarn.clear()
     assert main(tiny_args(manifest, root, f"--ckpt_path={ckpt}", verb="validate")) == 0  # its own run: no warning
     assert not [w for w in recwarn if "writes its files under" in str(w.message)]

@@ -150,6 +150,11 @@ def test_accumulated_steps_log_the_mean_of_their_micro_batches(tmp_path, monkeyp
     assert logged[0] == pytest.approx((seen[0] + seen[1]) / 2, rel=1e-6)
     assert logged[1] == pytest.approx((seen[2] + seen[3]) / 2, rel=1e-6)
     assert logged[0] != pytest.approx(seen[1], rel=1e-6)  # not the last micro-batch's alone
+    # an epoch of 3 batches: its last step has one micro-batch (Lightning steps at the epoch's end), logged alone
+    seen.clear()
+    rows = _csv_rows(tmp_path / "odd", _batches(3), accumulate_grad_batches=2, log_every_n_steps=1, max_steps=2)
+    logged = {int(r["step"]): float(r["Train_Total/loss"]) for r in rows if r["Train_Total/loss"]}
+    assert logged[0] == pytest.approx((seen[0] + seen[1]) / 2, rel=1e-6) and logged[1] == pytest.approx(seen[2], rel=1e-6)
 
 
 class _Gradients(L.Callback):

@@ -404,6 +404,8 @@ def test_bad_config_is_refused_with_the_dotted_field(overrides, message):
 def test_dead_code_steps_that_let_unused_codes_collapse_are_warned():
     with pytest.warns(UserWarning, match=r"^model\.net\.dead_code_steps=120 at an EMA decay of 0\.9"):
         WorldModelConfig(**{**TINY, "dead_code_steps": 120})  # 0.9^120 = 3e-6 < eps 1e-5
+    with pytest.warns(UserWarning, match=r"at an EMA decay of 0\.8:"):  # a schedule falling to 0.8: 0.8^100 = 2e-10
+        WorldModelConfig(**{**TINY, "ema_decay_start": 0.99, "ema_decay_end": 0.8})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         WorldModelConfig(**{**TINY, "dead_code_steps": 100})  # the default: 0.9^100 = 2.7e-5, 0.73 of the code
