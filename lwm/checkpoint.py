@@ -11,15 +11,12 @@ Loading always uses ``torch.load(weights_only=True)``.
 final step (Lightning's writes it at the end only when nothing was saved during the run), and a run that ends
 at ``max_steps`` writes it from the last batch, mid-epoch: a later ``--ckpt_path last`` with a larger
 ``max_steps`` then continues exactly as an uninterrupted longer run (the same batches, the same logged steps),
-where an end-of-training checkpoint would start a fresh epoch.
+where an end-of-training checkpoint would start a fresh epoch. A step checkpoint due on an epoch's last batch is
+written there, not deferred (as Lightning does) to a validation that may never follow.
 """
 
 from __future__ import annotations
 
-import os
-import re
-import socket
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,14 +29,14 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lwm.files import atomic_write
+from lwm.files import atomic_write, fsync_dir, stale_temp_files
 
 
 def atomic_save(obj: Any, path: str | Path) -> Path:
     """``torch.save`` to ``.NAME.tmp-HOST-PID`` beside ``path``, fsynced, then renamed over it: readers see the
     old file or the new one, never a torn one."""
     path = atomic_write(path, lambda f: torch.save(obj, f))
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return path
 
 
@@ -161,6 +158,18 @@ class ModelCheckpoint(_LightningModelCheckpoint):
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any, **kwargs: Any) -> None:
         super().on_train_batch_end(trainer, pl_module, *args, **kwargs)
+        step = trainer.global_step
+        if (self._defer_save_until_validation and self._last_global_step_saved != step
+                and self._every_n_train_steps >= 1 and step % self._every_n_train_steps == 0):
+            # Lightning deferred this step's checkpoint (an epoch's last batch) to the validation it assumes follows.
+            # Ranked by the step, it needs no validation; ranked by a validation metric, it waits only where one
+            # does follow: with step-based validation (check_val_every_n_epoch: null) or an epoch whose length
+            # val_check_interval does not divide, none does, and every checkpoint would wait for the next one.
+            candidates = self._monitor_candidates(trainer)
+            if self.monitor in (None, "step") or (self.monitor in candidates and not _validation_follows(trainer)):
+                self._save_topk_checkpoint(trainer, candidates)
+                self._save_last_checkpoint(trainer, candidates)
+                self._defer_save_until_validation = False
         if 0 < trainer.max_steps <= trainer.global_step and self._last_global_step_saved != trainer.global_step:
             self.save_stop_now(trainer)  # the run stops here
 
@@ -183,50 +192,13 @@ class ModelCheckpoint(_LightningModelCheckpoint):
             super().on_train_end(trainer, pl_module)
 
 
-_TEMP = re.compile(r"^\..+\.tmp-(?:(?P<host>.+)-)?(?P<pid>\d+)$")  # .NAME.tmp-HOST-PID (.NAME.tmp-PID: before hosts)
-STALE_AFTER_S = 3600.0  # another host's temp file: its writer is surely gone an hour after its last write
-
-
-def stale_temp_files(directory: Path, now: float | None = None) -> list[Path]:
-    """The temp files of :func:`atomic_save` in ``directory`` whose writers are gone: of this host (or of no
-    host named) when their process is not running; of another host (a job requeued onto another node) when not
-    written for :data:`STALE_AFTER_S` (its process cannot be asked)."""
-    now = time.time() if now is None else now
-    stale = []
-    for entry in os.scandir(directory):
-        match = _TEMP.match(entry.name)
-        if match is None or not entry.is_file(follow_symlinks=False):
-            continue
-        if match["host"] in (None, socket.gethostname()):
-            gone = not _pid_alive(match["pid"])
-        else:
-            try:
-                gone = now - entry.stat().st_mtime > STALE_AFTER_S
-            except FileNotFoundError:
-                continue
-        if gone:
-            stale.append(Path(entry.path))
-    return stale
-
-
-def _pid_alive(pid: str) -> bool:
+def _validation_follows(trainer: L.Trainer) -> bool:
+    """Whether the fit loop validates after the current training batch (Lightning's own decision, asked early; where
+    its private API has moved, ``True``: Lightning's assumption)."""
+    loop = trainer.fit_loop.epoch_loop
     try:
-        os.kill(int(pid), 0)
-    except (ValueError, ProcessLookupError):
-        return False
-    except PermissionError:
+        follows = loop._should_check_val_fx(trainer.fit_loop._data_fetcher) and not loop._skip_next_val
+    except (AttributeError, TypeError):
         return True
-    return True
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    batches = trainer.num_val_batches
+    return bool(follows and trainer.enable_validation and sum(batches if isinstance(batches, list) else [batches]))

@@ -77,6 +77,43 @@ def test_the_final_step_checkpoint_ranked_by_a_validation_metric_gets_the_fresh_
         assert abs(loss - val[step - 1]) < 1e-6, (name, val[step - 1])
 
 
+def _step_checkpoints(folder) -> list[int]:
+    return sorted(int(n.split("=")[1].split("-")[0].removesuffix(".ckpt")) if n.startswith("step=") else int(n[:7])
+                  for n in (p.name for p in folder.glob("*.ckpt")) if n != "last.ckpt")
+
+
+def test_step_checkpoints_on_an_epochs_last_batch_are_written_with_step_based_validation(tmp_path):
+    """Validation every 1000 steps across epochs (check_val_every_n_epoch: null), a checkpoint every 5 steps on
+    epochs of 5 batches: each falls on an epoch's last batch, which Lightning defers to a validation that does not
+    follow. They are written there; a crash later resumes from the newest one."""
+    manifest = make_dataset(tmp_path / "data")  # epochs of 5 batches
+    common = ["--trainer.check_val_every_n_epoch=null", "--trainer.val_check_interval=1000",
+              "--checkpoint.every_n_train_steps=5", "--checkpoint.save_top_k=-1", "--trainer.max_steps=20"]
+    crash = ["--trainer.callbacks+=tests.lightning.helpers.CrashAtStep", "--trainer.callbacks.step=11"]
+    with pytest.raises(SimulatedCrash):
+        run(manifest, tmp_path / "run", *common, *crash)
+    assert _step_checkpoints(tmp_path / "run/checkpoints") == [5, 10]
+    assert torch.load(tmp_path / "run/checkpoints/last.ckpt", weights_only=True)["global_step"] == 10
+    assert run(manifest, tmp_path / "run", *common, "--ckpt_path=last") == 0
+    assert _step_checkpoints(tmp_path / "run/checkpoints") == [5, 10, 15, 20]
+
+
+def test_a_checkpoint_ranked_by_a_validation_metric_waits_only_for_a_validation_that_follows(tmp_path):
+    """Validation after steps 7 and 14 (check_val_every_n_epoch: null): the step-5 checkpoint waits for the first
+    validation (no metric to rank it by before it), the step-10 one (an epoch's last batch, no validation after it)
+    is written at step 10 with the step-7 value, not at step 14."""
+    manifest = make_dataset(tmp_path / "data")  # epochs of 5 batches
+    common = ["--trainer.check_val_every_n_epoch=null", "--trainer.val_check_interval=7",
+              "--data.val_size_percent=0.5", "--checkpoint.every_n_train_steps=5", "--checkpoint.save_top_k=-1",
+              "--checkpoint.monitor=Val_Total/loss", "--checkpoint.mode=min",
+              "--checkpoint.filename={step:07d}-{Val_Total/loss:.6f}", "--trainer.max_steps=12"]
+    assert run(manifest, tmp_path / "run", *common) == 0
+    names = sorted(p.name for p in (tmp_path / "run/checkpoints").glob("0*.ckpt"))
+    val = {int(r["step"]): r["Val_Total/loss"] for r in read_metrics(tmp_path / "run") if "Val_Total/loss" in r}
+    assert [int(n[:7]) for n in names] == [7, 10], names
+    assert abs(float(names[1][8:].removesuffix(".ckpt")) - val[6]) < 1e-6  # the validation after step 7
+
+
 def test_resume_with_gradient_accumulation_and_revival_every_step(tmp_path):
     """With ``accumulate_grad_batches`` and a revival at every optimizer step, a resumed run revives at the
     same steps as an uninterrupted one (never after the first micro-batch of a restarted process)."""
