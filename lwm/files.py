@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
 
 def temp_path(path: Path) -> Path:
-    """``.NAME.tmp-HOST-PID`` beside ``path``: whose it is, for :func:`lwm.checkpoint.stale_temp_files`."""
+    """``.NAME.tmp-HOST-PID`` beside ``path``: whose it is, for :func:`stale_temp_files`."""
     return path.parent / f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}"
 
 
@@ -29,3 +31,55 @@ def atomic_write(path: str | Path, write: Callable[[IO[Any]], object], mode: str
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+# .NAME.tmp-HOST-PID (.NAME.tmp-PID: before hosts), NAME the target
+_TEMP = re.compile(r"^\.(?P<target>.+)\.tmp-(?:(?P<host>.+)-)?(?P<pid>\d+)$")
+STALE_AFTER_S = 3600.0  # another host's temp file: its writer is surely gone an hour after its last write
+
+
+def stale_temp_files(directory: str | Path, now: float | None = None,
+                     target: Callable[[str], bool] | None = None) -> list[Path]:
+    """The temp files of :func:`atomic_write` in ``directory`` whose writers are gone: of this host (or of no
+    host named) when their process is not running; of another host (a job requeued onto another node) when not
+    written for :data:`STALE_AFTER_S` (its process cannot be asked). ``target``: only those whose target's name
+    it accepts (the file a temp file was to become)."""
+    now = time.time() if now is None else now
+    stale = []
+    for entry in os.scandir(directory):
+        match = _TEMP.match(entry.name)
+        if match is None or not entry.is_file(follow_symlinks=False) or (target and not target(match["target"])):
+            continue
+        if match["host"] in (None, socket.gethostname()):
+            gone = not _pid_alive(match["pid"])
+        else:
+            try:
+                gone = now - entry.stat().st_mtime > STALE_AFTER_S
+            except FileNotFoundError:
+                continue
+        if gone:
+            stale.append(Path(entry.path))
+    return stale
+
+
+def _pid_alive(pid: str) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

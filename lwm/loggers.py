@@ -32,17 +32,15 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
 from lwm.errors import ConfigError
-from lwm.files import atomic_write
+from lwm.files import atomic_write, stale_temp_files
 
 
 class _AppendingWriter(ExperimentWriter):
     def __init__(self, log_dir: str) -> None:
         super().__init__(log_dir)
-        from lwm.checkpoint import stale_temp_files
-
-        for stale in stale_temp_files(Path(log_dir)):  # a header rewrite killed mid-way (the file itself is whole)
-            if stale.name.startswith(f".{Path(self.metrics_file_path).name}.tmp-"):
-                stale.unlink(missing_ok=True)
+        name = Path(self.metrics_file_path).name
+        for stale in stale_temp_files(log_dir, target=name.__eq__):  # a header rewrite killed mid-way (file whole)
+            stale.unlink(missing_ok=True)
         if os.path.isfile(self.metrics_file_path):
             with open(self.metrics_file_path, newline="") as f:
                 self.metrics_keys = next(csv.reader(f), [])
@@ -54,11 +52,15 @@ class _AppendingWriter(ExperimentWriter):
     @override
     def log_metrics(self, metrics_dict: dict[str, float], step: int | None = None) -> None:
         """One row per step: what Lightning logs in several calls at one step (the training scalars, the learning
-        rate, a validation) joins that step's row, which :meth:`save` holds back until a later step comes."""
+        rate, a validation) joins that step's row, which :meth:`save` holds back until a later step comes; the
+        earlier rows are written then (a logger that logs directly, the learning-rate monitor, is not followed by a
+        save: a kill before the next one would lose them too)."""
         pending = len(self.metrics)
         super().log_metrics(metrics_dict, step)
         if pending and self.metrics[-2].get("step") == self.metrics[-1]["step"]:
             self.metrics[-2].update(self.metrics.pop())
+        elif pending:
+            self.save()
 
     @override
     def _rewrite_with_new_header(self, fieldnames: list[str]) -> None:

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from lwm.errors import DataError
-from lwm.files import atomic_write
+from lwm.files import atomic_write, stale_temp_files
 
 VIDEO_SUFFIXES = (".mp4", ".gif")
 
@@ -94,4 +94,7 @@ def write_video(path: str | Path, frames: np.ndarray, fps: float = 8) -> Path:
         data = iio.imwrite("<bytes>", frames, extension=".mp4", plugin="pyav", codec="libx264", fps=fps)
     else:
         data = iio.imwrite("<bytes>", frames, extension=".gif", plugin="pillow", duration=1000 / fps, loop=0)
-    return atomic_write(path, lambda f: f.write(data))
+    atomic_write(path, lambda f: f.write(data))
+    for stale in stale_temp_files(path.parent, target=lambda name: Path(name).suffix in VIDEO_SUFFIXES):
+        stale.unlink(missing_ok=True)  # of a video write killed mid-way (any video's name)
+    return path

@@ -117,3 +117,22 @@ def test_a_video_write_cut_off_while_writing_the_file_keeps_the_old_one(tmp_path
     with pytest.raises(OSError, match="No space left"):
         write_video(tmp_path / "v.mp4", np.full((2, 8, 8, 3), 255, np.uint8))
     assert (tmp_path / "v.mp4").read_bytes() == old and [p.name for p in tmp_path.iterdir()] == ["v.mp4"]
+
+
+def test_a_video_write_removes_the_temp_videos_of_dead_writers_only(tmp_path):
+    """A run killed while writing ``videos/step_N.mp4`` leaves its temp file; the next video write in that folder
+    removes it (any video's name), not a live writer's, nor another file's."""
+    import os
+    import socket
+    import subprocess
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    host = socket.gethostname()
+    stale = [tmp_path / f".step_0000500.mp4.tmp-{host}-{dead.pid}", tmp_path / f".a.gif.tmp-{host}-{dead.pid}"]
+    kept = [tmp_path / f".step_0000600.mp4.tmp-{host}-{os.getppid()}",  # still being written
+            tmp_path / f".notes.txt.tmp-{host}-{dead.pid}"]  # not a video
+    for path in stale + kept:
+        path.write_bytes(b"torn")
+    write_video(tmp_path / "step_0001000.mp4", np.zeros((2, 8, 8, 3), np.uint8))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["step_0001000.mp4"] + [p.name for p in kept])
