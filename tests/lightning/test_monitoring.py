@@ -277,10 +277,10 @@ def test_a_new_column_rewrites_metrics_csv_through_a_renamed_temp_file(tmp_path,
         logger.log_metrics({"Train_Total/loss": float(step)}, step=step)
     logger.save()
     logger.log_metrics({"Train_Total/loss": 3.0, "Val_Total/loss": 9.0}, step=3)
-    logger.log_metrics({"Train_Total/loss": 4.0}, step=4)
     replaced = []
     monkeypatch.setattr(os, "replace", lambda src, dst: replaced.append((Path(src).name, Path(dst).name))
                         or os.rename(src, dst))
+    logger.log_metrics({"Train_Total/loss": 4.0}, step=4)  # step 3's row written as step 4's begins
     logger.save()
     logger.finalize("success")
     assert replaced == [(f".metrics.csv.tmp-{socket.gethostname()}-{os.getpid()}", "metrics.csv")]
