@@ -42,6 +42,12 @@ def _quiet_lightning() -> None:
     warnings.filterwarnings("ignore", message="You have overridden `on_after_batch_transfer` in `LightningModule`")
     # every resume: a fit that would start over in a folder with checkpoints is refused before this (fit_resumes)
     warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
+    # recent torch, under configs/ddp.yaml: its replacement (forward_sync_buffers) is not in older torch, and the
+    # quantizers need no buffer sync in the forward (they all-reduce their EMA statistics themselves)
+    warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated")
+    # under DDP, a hint per epoch-level key: lwm's are reduced across ranks before they are logged (torchmetrics, or
+    # gathered by the callback and logged by rank 0); tests/lightning/test_ddp.py checks 2 ranks == 1 process
+    warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\('(Train|Val)_.*sync_dist=True")
     for name in ("lightning.fabric.utilities.rank_zero", "lightning.pytorch.utilities.rank_zero"):
         logging.getLogger(name).addFilter(_drop_advert)
 

@@ -34,11 +34,11 @@ import threading
 from typing import Any
 
 import lightning as L
-import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities.exceptions import _TunerExitException
 from typing_extensions import override
 
+from lwm.callbacks.ranks import every_rank
 from lwm.checkpoint import ModelCheckpoint
 from lwm.errors import ConfigError
 
@@ -145,8 +145,7 @@ class SlurmRequeue(L.Callback):
         self._val_batches = None
         if self._active and trainer.world_size > 1 and not trainer.sanity_checking:
             # ranks may hold a validation batch more or fewer: they agree only at batches every rank runs
-            batches = torch.tensor(float(sum(trainer.num_val_batches)), device=pl_module.device)
-            self._val_batches = int(trainer.strategy.all_gather(batches).min())
+            self._val_batches = min(every_rank(trainer, int(sum(trainer.num_val_batches))))
 
     @override
     def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,

@@ -271,7 +271,7 @@ def test_slurm_requeue_ranks_agree_every_n_steps_and_skip_the_code_dictionaries(
     CodeDictionaries().on_train_end(SimpleNamespace(datamodule=NoLoader(), callbacks=[requeue]), None)
 
 
-def test_slurm_ranks_agree_in_validation_only_at_batches_every_rank_runs(tmp_path):
+def test_slurm_ranks_agree_in_validation_only_at_batches_every_rank_runs(tmp_path, monkeypatch):
     """In a fit's validation several ranks agree every n batches, and only at batches every rank runs (the ranks'
     shares of the validation windows may differ by a batch): a collective another rank never reaches would hang."""
     import signal
@@ -287,11 +287,11 @@ def test_slurm_ranks_agree_in_validation_only_at_batches_every_rank_runs(tmp_pat
     trainer = SimpleNamespace(
         world_size=2, global_step=7, is_global_zero=False, sanity_checking=False, num_val_batches=[9],
         state=SimpleNamespace(fn="fit"), default_root_dir=str(tmp_path),
-        strategy=SimpleNamespace(reduce_boolean_decision=lambda d, all: decisions.append(d) or d,
-                                 all_gather=lambda t: torch.stack([t, t - 1])),  # the other rank runs 8 batches
+        strategy=SimpleNamespace(reduce_boolean_decision=lambda d, all: decisions.append(d) or d),
         _checkpoint_connector=SimpleNamespace(hpc_save_path=lambda root: f"{root}/hpc_ckpt_1.ckpt"),
         save_checkpoint=saved.append, checkpoint_callbacks=[],
     )
+    monkeypatch.setattr("lwm.callbacks.slurm.every_rank", lambda trainer, n: [n, n - 1])  # the other rank runs 8
     module = SimpleNamespace(device=torch.device("cpu"))
     requeue.on_validation_epoch_start(trainer, module)
     for batch_idx in range(9):

@@ -33,12 +33,14 @@ DEAD_CODE_STEPS = 3
 def test_ddp_ranks_keep_identical_quantizers_and_train_on_different_windows(tmp_path):
     manifest = make_dataset(tmp_path / "data")
     dumps, windows = tmp_path / "quantizers", tmp_path / "windows"
-    run_lwm(manifest, tmp_path / "run", *DDP,
-            "--trainer.max_steps=12", f"--model.net.dead_code_steps={DEAD_CODE_STEPS}", "--revival.every_n_steps=1",
-            "--data.val_batch_size=2",  # validation (every epoch of 2 batches) with 3 windows on rank 0, 2 on rank 1
-            "--trainer.callbacks+=tests.lightning.helpers.DumpQuantizers", f"--trainer.callbacks.directory={dumps}",
-            "--trainer.callbacks+=tests.lightning.procs.RecordBatches", f"--trainer.callbacks.directory={windows}")
+    out = run_lwm(manifest, tmp_path / "run", *DDP,
+                  "--trainer.max_steps=12", f"--model.net.dead_code_steps={DEAD_CODE_STEPS}", "--revival.every_n_steps=1",
+                  "--data.val_batch_size=2",  # validation (every epoch of 2 batches) with 3 windows on rank 0, 2 on rank 1
+                  "--trainer.callbacks+=tests.lightning.helpers.DumpQuantizers", f"--trainer.callbacks.directory={dumps}",
+                  "--trainer.callbacks+=tests.lightning.procs.RecordBatches", f"--trainer.callbacks.directory={windows}")
 
+    for noise in ("sync_dist=True", "broadcast_buffers", "deprecated"):  # Lightning's hints that do not apply
+        assert noise not in out, out
     drawn = [json.loads((windows / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert len(drawn[0]) == len(drawn[1]) == 12 * 3
     assert drawn[0] != drawn[1], "both ranks trained on the same windows"
