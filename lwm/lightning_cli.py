@@ -33,6 +33,49 @@ from lwm.loggers import WandbConfig, make_loggers, run_log_dir
 from lwm.module import WorldModelModule
 
 
+def _interpolations_within_the_config() -> None:
+    """``${trainer.default_root_dir}`` in a config names a key of that same config under every verb: jsonargparse
+    resolves interpolations over the whole command's config (``fit.trainer...`` under ``lwm fit``, no prefix under
+    our own verbs), so they are rewritten relative to where they stand (``${..trainer.default_root_dir}``) as a file
+    is read. (A jsonargparse before that setting: write the relative form.)"""
+    import jsonargparse
+
+    try:
+        jsonargparse.set_parsing_settings(omegaconf_absolute_to_relative_paths=True)
+    except TypeError:
+        pass
+
+
+_ABSOLUTE = re.compile(r"\$\{([A-Za-z_][\w.]*)\}")  # ${trainer.default_root_dir}, not ${..x} nor ${oc.env:X}
+
+
+def relative_interpolations(args: list[str]) -> list[str]:
+    """Command-line values with ``${a.b}`` rewritten relative to their key, as config files are (``--checkpoint.dirpath
+    '${trainer.default_root_dir}/c'`` -> ``${..trainer.default_root_dir}/c``): the same under every verb."""
+    out = list(args)
+    for i, arg in enumerate(out):
+        if "${" not in str(arg):
+            continue
+        if str(arg).startswith("--") and "=" in arg:
+            key, value = arg[2:].split("=", 1)
+        elif i and str(out[i - 1]).startswith("--") and "=" not in out[i - 1]:
+            key, value = out[i - 1][2:], arg
+        else:
+            continue
+        path = key.split(".")
+
+        def relative(match: re.Match) -> str:
+            target = match[1].split(".")
+            common = 0
+            while common < min(len(path), len(target)) and path[common] == target[common]:
+                common += 1
+            return "${" + "." * max(1, len(path) - common) + ".".join(target[common:]) + "}"
+
+        value = _ABSOLUTE.sub(relative, value)
+        out[i] = f"--{key}={value}" if str(arg).startswith("--") else value
+    return out
+
+
 def _quiet_lightning() -> None:
     """Lightning's noise that does not apply to lwm, filtered at each CLI (a test's warning filters are reset
     after it). `lwm` passes its own argv on purpose; Lightning's pytree helper trips a torch deprecation each run;
@@ -85,6 +128,8 @@ class LwmCLI(LightningCLI):
         _quiet_lightning()
         if not run and any(str(a).split("=")[0] == "--ckpt_path" for a in (args or [])):
             raise ConfigError("--ckpt_path: this command does not take one (lwm fit --ckpt_path resumes a run)")
+        _interpolations_within_the_config()
+        args = relative_interpolations(args) if args is not None else None
         self._verb_free = not run  # our verbs (codes, overfit, bench, demo) parse a fit's options without a verb
         self._latest: dict[tuple[str, str], str] = {}  # (RUN_DIR, CHECKPOINT_DIR) -> what `last` resolves to
         super().__init__(
@@ -102,8 +147,16 @@ class LwmCLI(LightningCLI):
         )
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        from omegaconf.errors import OmegaConfBaseException
+
         try:
             super().parse_arguments(parser, args)
+        except OmegaConfBaseException as e:  # an interpolation that names no key, say
+            key = re.sub(r"^(fit|validate|test|predict)\.", "", str(getattr(e, "full_key", "") or ""))
+            message = (str(getattr(e, "msg", "") or e).strip().splitlines() or [type(e).__name__])[0]
+            missing = re.match(r"Interpolation key '\.*([^']+)' not found", message)
+            message = f"${{{missing[1]}}} names no key of the config" if missing else message
+            raise ConfigError(f"{key}: {message}" if key else message) from None
         except argparse.ArgumentError as e:
             line = parse_error_line(str(e), _option_names(parser))
             broken = _broken_config_file(args or [])

@@ -31,6 +31,8 @@ def manifest(tmp_path_factory):
         (["--probes.max_samples=0"], "probes.max_samples must be >= 4"),  # no probes at all
         (["--sensitivity.t=6", "--wandb.mode=offline"], "sensitivity.t must be < data.window (6: frames 0..5"),  # nothing logged
         (["--seed_everything=-5"], "seed_everything must lie in [0, 4294967295] (or true: a random seed), got -5"),
+        (["--checkpoint.dirpath=${trainer.nothere}/c"], "checkpoint.dirpath: ${trainer.nothere} names no key of the "
+                                                        "config"),  # an omegaconf traceback
     ],
 )
 def test_bad_setting_is_one_error_line_naming_the_key(manifest, tmp_path, capsys, extra, message):
@@ -58,3 +60,26 @@ def test_a_checkpoint_dirpath_or_data_setting_found_only_later_is_refused_first(
         errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and errors[0].startswith(f"error: {message}"), errors
         assert not root.exists() or not any(root.iterdir())
+
+
+def test_an_interpolation_names_a_key_of_the_same_config_under_every_verb(manifest, tmp_path, capsys):
+    """``${trainer.default_root_dir}`` in a config file (or on the command line) follows the command line's
+    override under fit and under our verbs (jsonargparse resolves over ``fit.*`` under lwm fit: it was a traceback);
+    an interpolation naming no key is one line."""
+    from lwm.cli import main
+    from lwm.lightning_cli import relative_interpolations
+    from tests.lightning.helpers import TINY
+
+    config = tmp_path / "c.yaml"
+    config.write_text("checkpoint:\n  dirpath: ${trainer.default_root_dir}/ckpts\n")
+    root = tmp_path / "run"
+    assert run(manifest, root, "--config", str(config), "--trainer.max_steps=1") == 0
+    assert (root / "ckpts/last.ckpt").is_file() and not (root / "checkpoints").exists()
+    capsys.readouterr()
+    assert main(["resume-info", "--config", str(TINY), "--config", str(config), f"--trainer.default_root_dir={root}"]) == 0
+    assert capsys.readouterr().out.split() == [str(root), str(root / "ckpts/last.ckpt")]
+
+    assert relative_interpolations(["--checkpoint.dirpath=${trainer.default_root_dir}/c", "--a.b", "${a.c}-${x}",
+                                    "--e=${oc.env:HOME}", "${trainer.x}"]) == [
+        "--checkpoint.dirpath=${..trainer.default_root_dir}/c", "--a.b", "${.c}-${..x}", "--e=${oc.env:HOME}",
+        "${trainer.x}"]
