@@ -102,10 +102,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         if Path(args.json).suffix != ".json":
             raise ConfigError(f"--json {args.json}: not a .json file name")
         check_output(args.json, "--json", inputs={"--config": args.config})
-    bad = [a for a in rest if not (a.startswith("--") and "=" in a)]
-    if bad:
-        raise ConfigError(f"unknown argument(s) {' '.join(bad)} (overrides look like --model.net.d_model=128)")
-    return args, rest
+    return args, rest  # the config's overrides (--key=value or --key value), read and checked by load_config
 
 
 def load_config(path: str, overrides: list[str]) -> dict[str, Any]:
