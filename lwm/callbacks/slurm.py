@@ -174,6 +174,8 @@ class SlurmRequeue(L.Callback):
         if self._slurm:
             path = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
             trainer.save_checkpoint(path)
+            if trainer.is_global_zero:
+                _remove_older_hpc_checkpoints(path)
         saved = []
         for callback in trainer.checkpoint_callbacks:  # else the end of fit would rewrite last.ckpt as "epoch done"
             if isinstance(callback, ModelCheckpoint):  # (and the step's own checkpoint, if one is due)
@@ -211,3 +213,23 @@ def interrupted_by(trainer: Any) -> int | None:
     """The signal that stopped ``trainer``'s fit outside SLURM, after its checkpoint (None if none did): the
     command then exits with 128 + it."""
     return next((c.interrupted for c in getattr(trainer, "callbacks", []) if getattr(c, "interrupted", None)), None)
+
+
+def _remove_older_hpc_checkpoints(path: str) -> None:
+    """The hpc checkpoints before ``path`` (``hpc_ckpt_N.ckpt``, one per preemption: Lightning keeps them all and
+    resumes from the highest N), now that it is written: each is a whole training state, and a run preempted
+    every few hours for days would fill its disk."""
+    import re
+    import shutil
+    from pathlib import Path
+
+    new = Path(path)
+    number = re.fullmatch(r"hpc_ckpt_(\d+)\.ckpt", new.name)
+    if number is None or not new.exists():
+        return
+    for old in new.parent.glob("hpc_ckpt_*.ckpt"):
+        match = re.fullmatch(r"hpc_ckpt_(\d+)\.ckpt", old.name)
+        if match and int(match[1]) < int(number[1]) and old.is_dir():  # DeepSpeed's: a folder
+            shutil.rmtree(old, ignore_errors=True)
+        elif match and int(match[1]) < int(number[1]):
+            old.unlink(missing_ok=True)

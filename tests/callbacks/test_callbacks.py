@@ -340,6 +340,32 @@ def test_slurm_sigterm_saves_without_requeueing(tmp_path, monkeypatch):
     assert len(saved) == 2 and trainer.should_stop and calls and calls[0][0][:2] == ["scontrol", "requeue"]
 
 
+def test_a_preemption_removes_the_older_hpc_checkpoints_once_its_own_is_written(tmp_path):
+    """One hpc checkpoint per preemption (Lightning resumes from the highest number and keeps the rest): the new
+    one written, the older ones (files, or DeepSpeed folders) are removed; others' files stay."""
+    import signal
+    from types import SimpleNamespace
+
+    from lwm.callbacks import SlurmRequeue
+
+    (tmp_path / "hpc_ckpt_1.ckpt").write_text("x")
+    (tmp_path / "hpc_ckpt_2.ckpt").mkdir()  # DeepSpeed's
+    (tmp_path / "hpc_ckpt_2.ckpt/state.pt").write_text("x")
+    (tmp_path / "hpc_ckpt_x.ckpt").write_text("x")
+    requeue = SlurmRequeue()
+    requeue._active = requeue._slurm = True
+    trainer = SimpleNamespace(
+        world_size=1, global_step=3, is_global_zero=True, should_stop=False, default_root_dir=str(tmp_path),
+        _checkpoint_connector=SimpleNamespace(hpc_save_path=lambda root: f"{root}/hpc_ckpt_3.ckpt"),
+        save_checkpoint=lambda path: open(path, "w").close(), checkpoint_callbacks=[],
+        fit_loop=SimpleNamespace(_should_accumulate=lambda: False),
+    )
+    requeue._on_signal(signal.SIGTERM, None)
+    requeue.on_train_batch_end(trainer)
+    assert trainer.should_stop
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hpc_ckpt_3.ckpt", "hpc_ckpt_x.ckpt"]
+
+
 def test_codebook_monitor_training_usage_is_the_mean_over_ranks():
     """Under DDP each rank's batch (of data.batch_size) gives its usage; the logged value is their mean (the
     strategy's reduce, faked here as 2 ranks where the other rank's usage is 1.0 at every level)."""
