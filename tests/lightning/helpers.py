@@ -57,6 +57,15 @@ def read_metrics(root: Path) -> list[dict[str, float]]:
     return rows
 
 
+def process_starts(root: Path, key: str = "Train_Total/loss") -> list[int]:
+    """The step each process began logging ``key`` at, from metrics.csv's rows in file order: a process's steps
+    increase, so a row whose step is not above the one before opens the next process's run. A run resumed where
+    the last left off adds no start; one resumed from an earlier checkpoint starts at its step; a run that
+    silently started afresh starts at 0 again."""
+    steps = [int(r["step"]) for r in read_metrics(root) if key in r]
+    return [s for i, s in enumerate(steps) if i == 0 or s <= steps[i - 1]]
+
+
 def train_series(root: Path, key: str = "Train_Total/loss") -> dict[int, float]:
     """``{step: value}`` of a training metric; a step logged twice (before and after a resume) keeps the last."""
     return {int(r["step"]): r[key] for r in read_metrics(root) if key in r}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.lightning.helpers import SimulatedCrash, make_dataset, read_metrics, run, train_series
+from tests.lightning.helpers import SimulatedCrash, make_dataset, process_starts, read_metrics, run, train_series
 
 
 @pytest.mark.parametrize("workers", [0, 2])  # with workers, batches are drawn ahead of the training step
@@ -21,6 +21,7 @@ def test_stop_and_resume_equals_uninterrupted(tmp_path, workers):
 
     full, resumed = train_series(tmp_path / "a"), train_series(tmp_path / "b")
     assert sorted(full) == list(range(16)) and sorted(resumed) == list(range(16))
+    assert process_starts(tmp_path / "b") == [0]  # resumed at step 7, where the crash left off (not afresh)
     assert torch.allclose(torch.tensor([resumed[s] for s in range(16)]), torch.tensor([full[s] for s in range(16)]),
                           rtol=1e-5, atol=1e-7)
     a = torch.load(tmp_path / "a/checkpoints/last.ckpt", weights_only=True)
@@ -39,6 +40,7 @@ def test_extending_a_finished_run_equals_the_longer_run(tmp_path):
     assert run(manifest, tmp_path / "a", "--trainer.max_steps=9", *common) == 0
     assert run(manifest, tmp_path / "b", "--trainer.max_steps=7", *common) == 0
     assert run(manifest, tmp_path / "b", "--trainer.max_steps=9", "--ckpt_path=last", *common) == 0
+    assert process_starts(tmp_path / "b") == [0]
     for key in ("Train_Total/loss", "Val_Total/loss"):
         full, extended = train_series(tmp_path / "a", key), train_series(tmp_path / "b", key)
         assert sorted(extended) == sorted(full), key
@@ -58,6 +60,7 @@ def test_the_final_step_gets_its_step_checkpoint_too(tmp_path):
     assert names == ["last.ckpt", "step=0000005.ckpt", "step=0000010.ckpt"]
     assert run(manifest, tmp_path / "run", "--trainer.max_steps=15", "--ckpt_path=last", *common) == 0
     assert "step=0000015.ckpt" in os.listdir(tmp_path / "run/checkpoints")
+    assert process_starts(tmp_path / "run") == [0]
     for name in ("step=0000010.ckpt", "step=0000015.ckpt"):
         assert torch.load(tmp_path / "run/checkpoints" / name, weights_only=True)["global_step"] == int(name[5:12])
 
@@ -96,6 +99,7 @@ def test_step_checkpoints_on_an_epochs_last_batch_are_written_with_step_based_va
     assert torch.load(tmp_path / "run/checkpoints/last.ckpt", weights_only=True)["global_step"] == 10
     assert run(manifest, tmp_path / "run", *common, "--ckpt_path=last") == 0
     assert _step_checkpoints(tmp_path / "run/checkpoints") == [5, 10, 15, 20]
+    assert process_starts(tmp_path / "run") == [0, 10]  # step 10 logged by the crashed run, then from its checkpoint
 
 
 def test_a_checkpoint_ranked_by_a_validation_metric_waits_only_for_a_validation_that_follows(tmp_path):
@@ -124,7 +128,7 @@ def test_resume_with_gradient_accumulation_and_revival_every_step(tmp_path):
     assert run(manifest, tmp_path / "b", *common, "--trainer.max_steps=3") == 0
     assert run(manifest, tmp_path / "b", *common, "--trainer.max_steps=6", "--ckpt_path=last") == 0
     full, resumed = train_series(tmp_path / "a"), train_series(tmp_path / "b")
-    assert sorted(full) == sorted(resumed) == list(range(6))
+    assert sorted(full) == sorted(resumed) == list(range(6)) and process_starts(tmp_path / "b") == [0]
     assert torch.allclose(torch.tensor([resumed[s] for s in range(6)]), torch.tensor([full[s] for s in range(6)]),
                           rtol=1e-5, atol=1e-7)
     a = torch.load(tmp_path / "a/checkpoints/last.ckpt", weights_only=True)["state_dict"]
@@ -177,6 +181,7 @@ def test_a_preemption_saves_at_the_next_batch_end_runs_no_more_validation_and_re
 
     full, resumed = train_series(tmp_path / "a"), train_series(tmp_path / "b")
     assert sorted(full) == sorted(resumed) == list(range(8))
+    assert process_starts(tmp_path / "b") == [0]  # at step 3, where the stopped run left off
     assert torch.allclose(torch.tensor([resumed[s] for s in range(8)]), torch.tensor([full[s] for s in range(8)]),
                           rtol=1e-5, atol=1e-7)
     full_val, resumed_val = train_series(tmp_path / "a", "Val_Total/loss"), train_series(tmp_path / "b", "Val_Total/loss")
@@ -206,5 +211,6 @@ def test_an_interrupt_outside_slurm_saves_last_ckpt_at_the_batch_end_and_resumes
     assert run(manifest, tmp_path / "b", *common, "--ckpt_path=last") == 0
     full, resumed = train_series(tmp_path / "a"), train_series(tmp_path / "b")
     assert sorted(full) == sorted(resumed) == list(range(8))
+    assert process_starts(tmp_path / "b") == [0]  # at step 3, where the stopped run left off
     assert torch.allclose(torch.tensor([resumed[s] for s in range(8)]), torch.tensor([full[s] for s in range(8)]),
                           rtol=1e-5, atol=1e-7)

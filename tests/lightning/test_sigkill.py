@@ -87,10 +87,13 @@ def test_sigkill_anywhere_then_resume_equals_uninterrupted(tmp_path):
         print(f"{mode}: killed={killed} left={left_tmp} checkpoints={steps}")  # shown when the test fails
     assert kills == 4, "a run finished before it could be killed"
     assert mid_write >= 1, "no kill landed during a checkpoint write"
-    resumed_from = check_checkpoints(ckpt_dir, MAX_STEPS).get("last.ckpt", 0)
+    left = check_checkpoints(ckpt_dir, MAX_STEPS)
+    resumed_from = left.get("last.ckpt", 0)
     assert resumed_from < MAX_STEPS
 
-    run_lwm(manifest, root, *COMMON, "--ckpt_path=last")
+    out = run_lwm(manifest, root, *COMMON, "--ckpt_path=last")
+    if left:  # (not a fresh start that happens to compute the same numbers)
+        assert f"Restored all states from the checkpoint at {ckpt_dir}" in out, out[-3000:]
     steps = check_checkpoints(ckpt_dir, MAX_STEPS)
     assert steps["last.ckpt"] == MAX_STEPS
     assert sorted(n for n in steps if n != "last.ckpt") == [f"step={s:07d}.ckpt" for s in range(MAX_STEPS - 2, MAX_STEPS + 1)]
