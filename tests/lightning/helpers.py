@@ -88,15 +88,24 @@ class CrashAtStep(L.Callback):
 
 
 class DumpQuantizers(L.Callback):
-    """At the end of fit, each rank writes its quantizer buffers to ``directory/rank{r}.pt``."""
+    """At the end of fit, each rank writes its quantizer buffers to ``directory/rank{r}.pt``; and before the first
+    optimizer step (the codebooks initialised from data and updated once, before any revival, whose broadcast
+    would hide ranks that disagree) to ``directory/first_step_rank{r}.pt``."""
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
 
-    def on_train_end(self, trainer, pl_module) -> None:
+    def _dump(self, trainer, pl_module, prefix: str = "") -> None:
         state = {k: v.detach().cpu() for k, v in pl_module.model.state_dict().items() if ".rvq." in k}
         os.makedirs(self.directory, exist_ok=True)
-        torch.save(state, os.path.join(self.directory, f"rank{trainer.global_rank}.pt"))
+        torch.save(state, os.path.join(self.directory, f"{prefix}rank{trainer.global_rank}.pt"))
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if trainer.global_step == 0:
+            self._dump(trainer, pl_module, "first_step_")
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._dump(trainer, pl_module)
 
 
 class WandbLogger(Logger):

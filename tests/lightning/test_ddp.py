@@ -45,6 +45,9 @@ def test_ddp_ranks_keep_identical_quantizers_and_train_on_different_windows(tmp_
     assert len(drawn[0]) == len(drawn[1]) == 12 * 3
     assert drawn[0] != drawn[1], "both ranks trained on the same windows"
 
+    first = [torch.load(dumps / f"first_step_rank{r}.pt", weights_only=True) for r in (0, 1)]
+    for key in first[0]:  # initialised from each rank's data: rank 0's codes broadcast, then one shared EMA update
+        assert torch.equal(first[0][key], first[1][key]), f"{key} differs between the ranks after the first step"
     q0, q1 = (torch.load(dumps / f"rank{r}.pt", weights_only=True) for r in (0, 1))
     assert sorted(q0) == sorted(q1)
     kinds = {k.rsplit(".", 1)[-1] for k in q0}
