@@ -12,7 +12,7 @@ final step (Lightning's writes it at the end only when nothing was saved during 
 at ``max_steps`` writes it from the last batch, mid-epoch: a later ``--ckpt_path last`` with a larger
 ``max_steps`` then continues exactly as an uninterrupted longer run (the same batches, the same logged steps),
 where an end-of-training checkpoint would start a fresh epoch. A step checkpoint due on an epoch's last batch is
-written there, not deferred (as Lightning does) to a validation that may never follow.
+written there where no validation follows it (Lightning defers it to one, which may not come for a long time).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lwm.files import atomic_write, fsync_dir, stale_temp_files
+from lwm.files import atomic_write, fsync_dir, remove_stale_temp_files
 
 
 def atomic_save(obj: Any, path: str | Path) -> Path:
@@ -125,8 +125,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             return super().save_checkpoint(checkpoint, path, storage_options)
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        for stale in stale_temp_files(path.parent):  # from runs killed mid-write (any checkpoint's name)
-            stale.unlink(missing_ok=True)
+        remove_stale_temp_files(path.parent)  # from runs killed mid-write (any checkpoint's name)
         atomic_save(checkpoint, path)
 
     @override
@@ -161,12 +160,12 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         step = trainer.global_step
         if (self._defer_save_until_validation and self._last_global_step_saved != step
                 and self._every_n_train_steps >= 1 and step % self._every_n_train_steps == 0):
-            # Lightning deferred this step's checkpoint (an epoch's last batch) to the validation it assumes follows.
-            # Ranked by the step, it needs no validation; ranked by a validation metric, it waits only where one
-            # does follow: with step-based validation (check_val_every_n_epoch: null) or an epoch whose length
-            # val_check_interval does not divide, none does, and every checkpoint would wait for the next one.
+            # Lightning deferred this step's checkpoint (an epoch's last batch) to the validation it assumes follows
+            # (its metrics fresh; a kill during it then redoes the steps and the validation). Where none follows
+            # (step-based validation, check_val_every_n_epoch: null; an epoch whose length val_check_interval does
+            # not divide) every checkpoint would wait for the next validation: it is written here.
             candidates = self._monitor_candidates(trainer)
-            if self.monitor in (None, "step") or (self.monitor in candidates and not _validation_follows(trainer)):
+            if self.monitor in candidates and not _validation_follows(trainer):
                 self._save_topk_checkpoint(trainer, candidates)
                 self._save_last_checkpoint(trainer, candidates)
                 self._defer_save_until_validation = False
@@ -194,7 +193,11 @@ class ModelCheckpoint(_LightningModelCheckpoint):
 
 def _validation_follows(trainer: L.Trainer) -> bool:
     """Whether the fit loop validates after the current training batch (Lightning's own decision, asked early; where
-    its private API has moved, ``True``: Lightning's assumption)."""
+    its private API has moved, ``True``: Lightning's assumption). Timed validation (``val_check_interval`` a
+    duration) may fall due during the save, on each rank's own clock: ``True`` too (Lightning's deferral to the
+    next validation, at most that interval away)."""
+    if getattr(trainer, "_val_check_time_interval", None) is not None:
+        return True
     loop = trainer.fit_loop.epoch_loop
     try:
         follows = loop._should_check_val_fx(trainer.fit_loop._data_fetcher) and not loop._skip_next_val

@@ -83,3 +83,13 @@ def fsync_dir(directory: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def remove_stale_temp_files(directory: str | Path, target: Callable[[str], bool] | None = None) -> None:
+    """Remove :func:`stale_temp_files`, best effort: one that cannot be removed (another user's, in a shared
+    folder) is left, never failing the write that swept."""
+    for stale in stale_temp_files(directory, target=target):
+        try:
+            stale.unlink(missing_ok=True)
+        except OSError:
+            pass

@@ -32,15 +32,14 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
 from lwm.errors import ConfigError
-from lwm.files import atomic_write, stale_temp_files
+from lwm.files import atomic_write, remove_stale_temp_files
 
 
 class _AppendingWriter(ExperimentWriter):
     def __init__(self, log_dir: str) -> None:
         super().__init__(log_dir)
         name = Path(self.metrics_file_path).name
-        for stale in stale_temp_files(log_dir, target=name.__eq__):  # a header rewrite killed mid-way (file whole)
-            stale.unlink(missing_ok=True)
+        remove_stale_temp_files(log_dir, target=name.__eq__)  # of a header rewrite killed mid-way (the file is whole)
         if os.path.isfile(self.metrics_file_path):
             with open(self.metrics_file_path, newline="") as f:
                 self.metrics_keys = next(csv.reader(f), [])

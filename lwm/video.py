@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from lwm.errors import DataError
-from lwm.files import atomic_write, stale_temp_files
+from lwm.files import atomic_write, remove_stale_temp_files
 
 VIDEO_SUFFIXES = (".mp4", ".gif")
 
@@ -95,6 +95,6 @@ def write_video(path: str | Path, frames: np.ndarray, fps: float = 8) -> Path:
     else:
         data = iio.imwrite("<bytes>", frames, extension=".gif", plugin="pillow", duration=1000 / fps, loop=0)
     atomic_write(path, lambda f: f.write(data))
-    for stale in stale_temp_files(path.parent, target=lambda name: Path(name).suffix in VIDEO_SUFFIXES):
-        stale.unlink(missing_ok=True)  # of a video write killed mid-way (any video's name)
+    # of a video write killed mid-way (any video's name)
+    remove_stale_temp_files(path.parent, target=lambda name: Path(name).suffix in VIDEO_SUFFIXES)
     return path

@@ -136,3 +136,27 @@ def test_a_video_write_removes_the_temp_videos_of_dead_writers_only(tmp_path):
         path.write_bytes(b"torn")
     write_video(tmp_path / "step_0001000.mp4", np.zeros((2, 8, 8, 3), np.uint8))
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["step_0001000.mp4"] + [p.name for p in kept])
+
+
+def test_a_temp_video_that_cannot_be_removed_does_not_fail_the_write(tmp_path, monkeypatch):
+    """Another user's stale temp file in a shared folder (not ours to remove): the video is written and returned."""
+    import os
+    import pathlib
+    import socket
+    import subprocess
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    theirs = tmp_path / f".other.mp4.tmp-{socket.gethostname()}-{dead.pid}"
+    theirs.write_bytes(b"torn")
+    unlink = pathlib.Path.unlink
+
+    def refuse(self, missing_ok=False):
+        if self == theirs:
+            raise PermissionError(1, "Operation not permitted", str(self))
+        return unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(pathlib.Path, "unlink", refuse)
+    path = write_video(tmp_path / "mine.mp4", np.zeros((2, 8, 8, 3), np.uint8))
+    assert path == tmp_path / "mine.mp4" and path.is_file() and theirs.exists()
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".mine.mp4.tmp-")]

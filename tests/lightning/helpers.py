@@ -77,14 +77,19 @@ class SimulatedCrash(RuntimeError):
 
 class CrashAtStep(L.Callback):
     """Raises :class:`SimulatedCrash` at the start of the batch after ``global_step`` reached ``step`` (after
-    that step's checkpoint was written), like a process dying mid-epoch."""
+    that step's checkpoint was written), like a process dying mid-epoch; ``during="validation"``: at the first
+    batch of a fit's validation from that step on."""
 
-    def __init__(self, step: int) -> None:
-        self.step = step
+    def __init__(self, step: int, during: str = "training") -> None:
+        self.step, self.during = step, during
 
     def on_train_batch_start(self, trainer, *args) -> None:
-        if trainer.global_step >= self.step:
+        if self.during == "training" and trainer.global_step >= self.step:
             raise SimulatedCrash(f"simulated crash at global step {trainer.global_step}")
+
+    def on_validation_batch_start(self, trainer, *args, **kwargs) -> None:
+        if self.during == "validation" and trainer.global_step >= self.step and not trainer.sanity_checking:
+            raise SimulatedCrash(f"simulated crash in the validation at global step {trainer.global_step}")
 
 
 class DumpQuantizers(L.Callback):

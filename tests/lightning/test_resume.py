@@ -102,6 +102,38 @@ def test_step_checkpoints_on_an_epochs_last_batch_are_written_with_step_based_va
     assert process_starts(tmp_path / "run") == [0, 10]  # step 10 logged by the crashed run, then from its checkpoint
 
 
+def test_a_crash_in_the_validation_after_an_epochs_last_step_checkpoint_loses_no_validation(tmp_path):
+    """Validation after each epoch's last batch, a checkpoint due there: it is written after that validation (as
+    Lightning does), so a crash during the validation resumes from the checkpoint before and redoes the steps and
+    the validation: the resumed run's series equal the uninterrupted run's."""
+    manifest = make_dataset(tmp_path / "data")  # epochs of 5 batches: validation after steps 5, 10, 15
+    common = ["--trainer.val_check_interval=5", "--checkpoint.every_n_train_steps=5", "--trainer.max_steps=15",
+              "--data.val_size_percent=0.5"]
+    assert run(manifest, tmp_path / "a", *common) == 0
+    crash = ["--trainer.callbacks+=tests.lightning.helpers.CrashAtStep", "--trainer.callbacks.step=10",
+             "--trainer.callbacks.during=validation"]
+    with pytest.raises(SimulatedCrash):
+        run(manifest, tmp_path / "b", *common, *crash)
+    assert _step_checkpoints(tmp_path / "b/checkpoints") == [5]
+    assert run(manifest, tmp_path / "b", *common, "--ckpt_path=last") == 0
+    assert process_starts(tmp_path / "b") == [0, 5]
+    for key in ("Train_Total/loss", "Val_Total/loss"):
+        full, resumed = train_series(tmp_path / "a", key), train_series(tmp_path / "b", key)
+        assert sorted(resumed) == sorted(full), key
+        assert torch.allclose(torch.tensor([resumed[s] for s in sorted(full)]),
+                              torch.tensor([full[s] for s in sorted(full)]), rtol=1e-5, atol=1e-7), key
+
+
+def test_timed_validation_keeps_lightnings_deferral():
+    """With val_check_interval a duration, a validation may fall due during the save itself (and on each rank's
+    own clock): the checkpoint waits for it, as in Lightning."""
+    from types import SimpleNamespace
+
+    from lwm.checkpoint import _validation_follows
+
+    assert _validation_follows(SimpleNamespace(_val_check_time_interval=6.0))
+
+
 def test_a_checkpoint_ranked_by_a_validation_metric_waits_only_for_a_validation_that_follows(tmp_path):
     """Validation after steps 7 and 14 (check_val_every_n_epoch: null): the step-5 checkpoint waits for the first
     validation (no metric to rank it by before it), the step-10 one (an epoch's last batch, no validation after it)
