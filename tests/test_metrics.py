@@ -148,7 +148,7 @@ def test_nmi_identical_renamed_and_independent_labels():
 
 
 def test_linear_probe_separable_and_random_features():
-    from lwm.metrics import linear_probe_accuracy
+    from lwm.metrics import linear_probe_accuracy, probe_train_size
 
     g = torch.Generator().manual_seed(0)
     labels = torch.randint(0, 3, (600,), generator=g)
@@ -158,6 +158,19 @@ def test_linear_probe_separable_and_random_features():
     noise = torch.randn(600, 3, generator=g)
     accuracy, chance = linear_probe_accuracy(noise, labels)
     assert abs(accuracy - chance) < 0.1
+    # chance is the held-out rate of the TRAINING set's majority class: labels laid out on the probe's seeded
+    # split (seed 0) so that class 0 is 60% of the training half and 40% of the held-out half (class 1 the
+    # rest): chance is exactly 0.4, not the held-out majority's 0.6 nor 1 / classes = 0.5
+    n = 600
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(0))
+    cut = probe_train_size(n)
+    assert cut == 300
+    imbalanced = torch.ones(n, dtype=torch.long)
+    imbalanced[order[:180]] = 0  # 180 of the 300 training samples
+    imbalanced[order[cut: cut + 120]] = 0  # 120 of the 300 held-out ones
+    features = torch.nn.functional.one_hot(imbalanced, 2).float() + 0.1 * torch.randn(n, 2, generator=g)
+    accuracy, chance = linear_probe_accuracy(features, imbalanced)
+    assert chance == pytest.approx(0.4, abs=1e-7) and accuracy == 1.0
 
 
 def test_copy_last_loss_known_values():
@@ -184,6 +197,40 @@ def test_sensitivity_known_answers():
     h = model.encode_world(x).quantized
     seq = psnr(x[:, 4], rollout_frames(model, x[:, :1], a, h, 4)[:, -1]).mean()
     assert out["Action_Encoder"][1].item() == pytest.approx(seq.item(), abs=1e-4)
+
+
+@torch.no_grad()
+def test_sensitivity_world_known_answer_with_given_random_codes(monkeypatch):
+    """With the random codes fixed (a code other than the inferred one for every clip and transition), each
+    PSNR_rand is frame 4 of the rollout with that quantizer's codes random and the other's inferred: the world's
+    differs from PSNR_seq (world dPSNR not 0) and equals the rollout with the given world and inferred actions."""
+    import lwm.metrics as metrics
+
+    model = _tiny_model()
+    x = torch.rand(3, 6, 2, 8, 8, generator=torch.Generator().manual_seed(2)) * 2 - 1
+    a_idx, h_idx = model.encode_actions(x[:, :5]).indices, model.encode_world(x).indices  # [3, 4, 1], [3, 1]
+    quantizers = model.quantizers
+    given = {"Action_Encoder": quantizers["Action_Encoder"].decode_indices((a_idx + 1) % 3),
+             "World_Encoder": quantizers["World_Encoder"].decode_indices((h_idx + 1) % 3)}
+    asked = []
+
+    def fixed_codes(quantizer, lead, generator=None):
+        name = next(k for k, q in quantizers.items() if q is quantizer)
+        asked.append((name, tuple(lead)))
+        return given[name]
+
+    monkeypatch.setattr(metrics, "random_codes", fixed_codes)
+    out = sensitivity(model, x, t=4)
+    assert sorted(asked) == [("Action_Encoder", (3, 4)), ("World_Encoder", (3,))]
+    a, h = model.encode_actions(x[:, :5]).quantized, model.encode_world(x).quantized
+    target = x[:, 4]
+    seq = psnr(target, rollout_frames(model, x[:, :1], a, h, 4)[:, -1])
+    world_rand = psnr(target, rollout_frames(model, x[:, :1], a, given["World_Encoder"], 4)[:, -1])
+    action_rand = psnr(target, rollout_frames(model, x[:, :1], given["Action_Encoder"], h, 4)[:, -1])
+    for name, rand in (("World_Encoder", world_rand), ("Action_Encoder", action_rand)):
+        expected = torch.stack([(seq - rand).mean(), seq.mean(), rand.mean()])
+        assert torch.allclose(out[name], expected, atol=1e-4), name
+    assert abs(out["World_Encoder"][0].item()) > 1e-2  # the random world changes frame 4
 
 
 def test_weighted_mean_weighs_values_and_keeps_nan():

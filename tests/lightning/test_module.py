@@ -144,17 +144,50 @@ def test_accumulated_steps_log_the_mean_of_their_micro_batches(tmp_path, monkeyp
         return out
 
     monkeypatch.setattr(WorldModel, "compute", spy)
-    rows = _csv_rows(tmp_path, _batches(4), accumulate_grad_batches=2, log_every_n_steps=1, max_steps=2)
+    batches = _batches(4)
+    for i in (1, 3):  # micro-batches of 2 and 1 windows: the step's mean weighs them 2:1
+        batches[i] = {"latents": batches[i]["latents"][:1]}
+    rows = _csv_rows(tmp_path, batches, accumulate_grad_batches=2, log_every_n_steps=1, max_steps=2)
     logged = {int(r["step"]): float(r["Train_Total/loss"]) for r in rows if r["Train_Total/loss"]}
-    assert len(seen) == 4 and sorted(logged) == [0, 1]  # two optimizer steps of two equal micro-batches each
-    assert logged[0] == pytest.approx((seen[0] + seen[1]) / 2, rel=1e-6)
-    assert logged[1] == pytest.approx((seen[2] + seen[3]) / 2, rel=1e-6)
+    assert len(seen) == 4 and sorted(logged) == [0, 1]  # two optimizer steps of two micro-batches each
+    assert logged[0] == pytest.approx((2 * seen[0] + seen[1]) / 3, rel=1e-6)
+    assert logged[1] == pytest.approx((2 * seen[2] + seen[3]) / 3, rel=1e-6)
+    assert logged[0] != pytest.approx((seen[0] + seen[1]) / 2, rel=1e-4)  # not the unweighted mean
     assert logged[0] != pytest.approx(seen[1], rel=1e-6)  # not the last micro-batch's alone
     # an epoch of 3 batches: its last step has one micro-batch (Lightning steps at the epoch's end), logged alone
     seen.clear()
     rows = _csv_rows(tmp_path / "odd", _batches(3), accumulate_grad_batches=2, log_every_n_steps=1, max_steps=2)
     logged = {int(r["step"]): float(r["Train_Total/loss"]) for r in rows if r["Train_Total/loss"]}
     assert logged[0] == pytest.approx((seen[0] + seen[1]) / 2, rel=1e-6) and logged[1] == pytest.approx(seen[2], rel=1e-6)
+
+
+def test_validation_logs_the_window_weighted_mean_of_its_batches(monkeypatch):
+    """Val_* is the mean over windows: batches of 2 and 1 windows weigh 2:1 (every key, tf_psnr of that mean)."""
+    from lwm.modules.world_model import WorldModel
+
+    seen = []  # every validation batch's logs, as the model returns them
+    original = WorldModel.compute
+
+    def spy(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        seen.append({k: float(v) for k, v in out.logs.items()})
+        return out
+
+    monkeypatch.setattr(WorldModel, "compute", spy)
+    batches = _batches(2)
+    batches[1] = {"latents": batches[1]["latents"][:1]}
+    torch.manual_seed(0)
+    module = WorldModelModule(net=NET)
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.validate(module, torch.utils.data.DataLoader(batches, batch_size=None), verbose=False)
+    logged = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    assert len(seen) == 2
+    for key in seen[0]:
+        assert logged[f"Val_{key}"] == pytest.approx((2 * seen[0][key] + seen[1][key]) / 3, rel=1e-5, abs=1e-7), key
+    loss = [s["Total/loss"] for s in seen]
+    assert (2 * loss[0] + loss[1]) / 3 != pytest.approx((loss[0] + loss[1]) / 2, rel=1e-4)  # (the weights matter)
+    tf = (2 * seen[0]["Dynamics_Predictor/tf_loss"] + seen[1]["Dynamics_Predictor/tf_loss"]) / 3
+    assert logged["Val_Dynamics_Predictor/tf_psnr"] == pytest.approx(10 * math.log10(1 / tf), rel=1e-5)
 
 
 class _Gradients(L.Callback):
@@ -504,27 +537,30 @@ def test_optim_config_refuses_non_finite_and_names_the_field(fields, message):
 
 
 @pytest.mark.parametrize(
-    ("settings", "message"),
+    ("settings", "message", "accepted"),
     [
         (dict(val_check_interval=0), "trainer.val_check_interval must be > 0 (an integer: training batches between "
-                                     "validations, a fraction in (0, 1] of the epoch, or null: once per epoch), got 0"),
-        (dict(val_check_interval=0.0), "trainer.val_check_interval must be > 0"),  # validated after every batch
-        (dict(accumulate_grad_batches=0), "trainer.accumulate_grad_batches must be >= 1 (1: no accumulation), got 0"),
-        (dict(accumulate_grad_batches=-2), "trainer.accumulate_grad_batches must be >= 1 (1: no accumulation), got -2"),
+                                     "validations, a fraction in (0, 1] of the epoch, or null: once per epoch), got 0",
+         [dict(val_check_interval=1), dict(val_check_interval=3), dict(val_check_interval=None), dict(),
+          dict(val_check_interval="00:00:00:30")]),  # (timed: Lightning leaves the interval unset)
+        (dict(val_check_interval=0.0), "trainer.val_check_interval must be > 0",  # validated after every batch
+         [dict(val_check_interval=0.25), dict(val_check_interval=1e-3), dict(val_check_interval=1.0)]),
+        (dict(accumulate_grad_batches=0), "trainer.accumulate_grad_batches must be >= 1 (1: no accumulation), got 0",
+         [dict(accumulate_grad_batches=1), dict(accumulate_grad_batches=2, log_every_n_steps=1)]),
+        (dict(accumulate_grad_batches=-2), "trainer.accumulate_grad_batches must be >= 1 (1: no accumulation), got -2",
+         [dict(accumulate_grad_batches=1)]),
         (dict(log_every_n_steps=0), "trainer.log_every_n_steps must be >= 1 (the interval, in steps, of the Train_* "
-                                    "logs), got 0"),
+                                    "logs), got 0",
+         [dict(log_every_n_steps=1), dict(barebones=True)]),  # (barebones: Lightning's own 0)
     ],
 )
-def test_check_trainer_refuses_intervals_lightning_accepts(settings, message):
-    """Lightning accepts these at construction, then divides by zero in the first epoch (or logs nothing)."""
+def test_check_trainer_refuses_intervals_lightning_accepts_and_takes_the_valid_ones_next_to_them(
+        settings, message, accepted):
+    """Lightning accepts the refused settings at construction, then divides by zero in the first epoch (or logs
+    nothing); the valid values at the boundary, and the other forms of each setting, pass."""
     trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, **settings)
     with pytest.raises(ConfigError) as e:
         WorldModelModule.check_trainer(trainer)
     assert str(e.value).startswith(message)
-
-
-@pytest.mark.parametrize("settings", [dict(), dict(val_check_interval=None), dict(val_check_interval=3),
-                                      dict(val_check_interval=0.25), dict(val_check_interval="00:00:00:30"),
-                                      dict(accumulate_grad_batches=2, log_every_n_steps=1)])
-def test_check_trainer_accepts_valid_intervals(settings):
-    WorldModelModule.check_trainer(L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, **settings))
+    for valid in accepted:
+        WorldModelModule.check_trainer(L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, **valid))
