@@ -118,10 +118,22 @@ def test_val_size_percent_takes_a_fixed_fraction(manifest):
 
 def test_validation_batches_hold_the_windows_data(manifest):
     dm = _on_rank(manifest, 0, 1)
+    lengths = []
+    for path in dm.val_set.paths:
+        with h5py.File(path) as h:
+            lengths.append(h["latents"].shape[0])
+    expected = {(f, s) for f, n in enumerate(lengths) for s in range(0, n - 6 + 1, 6)}  # every window of 6
+    assert len(lengths) == 2 and len(expected) == sum(n // 6 for n in lengths) >= 6
+    seen, batches = [], 0
     for batch in dm.val_dataloader():
+        batches += 1
+        assert len(_keys(batch)) == (3 if batches <= len(expected) // 3 else len(expected) % 3)
         for i, (f, s) in enumerate(_keys(batch)):
             with h5py.File(dm.val_set.paths[f]) as h:
                 np.testing.assert_array_equal(batch["latents"][i].numpy(), h["latents"][s : s + 6])
+            seen.append((f, s))
+    assert batches == -(-len(expected) // 3)  # batches of 3, the last one partial
+    assert len(seen) == len(set(seen)) and set(seen) == expected  # each window once, none left out
 
 
 @pytest.mark.parametrize(

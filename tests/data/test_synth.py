@@ -110,11 +110,15 @@ def test_worlds_change_motion_and_background():
     assert (a_slow[:-1] != 0).any() and not np.array_equal(p_slow, p_fast)
 
 
-def test_bad_arguments():
-    with pytest.raises(DataError):
+def test_bad_arguments(tmp_path):
+    with pytest.raises(DataError, match=rf"^world must lie in 0\.\.{K - 1}, got {K}$"):
         render_episode(0, 4, world=K)
-    with pytest.raises(DataError):
-        make_dataset("unused", episodes=0)
+    out = tmp_path / "out"
+    with pytest.raises(DataError, match=r"^episodes must be at least 1, got 0$"):
+        make_dataset(out, episodes=0)
+    with pytest.raises(DataError, match=r"^frames must be at least 2, got 1$"):
+        make_dataset(out, episodes=2, frames=1)
+    assert not out.exists()  # refused before the folder is made
 
 
 def test_a_bad_val_fraction_is_refused_before_rendering(tmp_path):

@@ -25,12 +25,32 @@ def _inputs(model, B=2, c=2, steps=9, seed=1):
     return context, actions, world
 
 
+def _count_calls(monkeypatch, obj, name: str) -> list[int]:
+    """Wrap ``obj.name`` (an instance attribute shadowing the method) and count its calls."""
+    calls = [0]
+    original = getattr(obj, name)
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(obj, name, counted)
+    return calls
+
+
 @pytest.mark.parametrize(("window", "c"), [(None, 2), (4, 2), (None, 3), (4, 5)])
-def test_cached_rollout_equals_full_recomputation(window, c):
+def test_cached_rollout_equals_full_recomputation(monkeypatch, window, c):
+    """The same frames with and without the cache; with it each fed frame (the c context frames, then the
+    generated ones but the last: c + steps - 1) is one cached ``dynamics.step`` and the full predictor never
+    runs, without it the reverse."""
     model = _model()
     context, actions, world = _inputs(model, c=c)  # c + 9 frames: longer than the window of 4
+    cached_calls = _count_calls(monkeypatch, model.dynamics, "step")
+    full_calls = _count_calls(monkeypatch, model.dynamics, "forward")
     cached = model.generate(context, actions, world, steps=9, t0=5, window=window)
+    assert (cached_calls[0], full_calls[0]) == (c + 9 - 1, 0)
     full = model.generate(context, actions, world, steps=9, t0=5, window=window, use_cache=False)
+    assert (cached_calls[0], full_calls[0]) == (c + 9 - 1, c + 9 - 1)
     assert cached.shape == (2, 9, 2, 8, 8)
     assert torch.allclose(cached, full, atol=1e-5), (cached - full).abs().max()
 

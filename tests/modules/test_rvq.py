@@ -623,15 +623,23 @@ def test_ddp_two_ranks_match_single_process(tmp_path):
 
 def test_non_finite_batch_leaves_the_codebooks_unchanged():
     torch.manual_seed(0)
-    q = ResidualVectorQuantizer(4, (3, 5), dead_code_steps=2).train()
+    q = ResidualVectorQuantizer(4, (3, 5), dead_code_steps=100).train()
     q(torch.randn(64, 4), step=0)  # initialise from a clean batch
+    near_code_0 = q.codebook(0)[0] + 0.01 * torch.randn(16, 4)
+    for step in (1, 2, 3):  # clean batches that leave some codes unused: their counters climb above 0
+        q(near_code_0, step=step)
     before = {k: v.clone() for k, v in q.state_dict().items()}
     bad = torch.randn(64, 4)
     bad[7, 1] = float("nan")
-    q(bad, step=1)
+    # the bad batch's finite rows fall on codes whose counters are above 0 (else a reset to 0 would not show)
+    hit = q.eval()(bad).indices
+    q.train()
+    for level, cb in enumerate(q.levels):
+        assert int(cb.unused_steps[hit[:, level]].max()) == 3, level
+    q(bad, step=4)
     for key, value in q.state_dict().items():
         assert torch.equal(value, before[key]), key
-    q(torch.randn(64, 4), step=2)  # and a clean batch updates again
+    q(torch.randn(64, 4), step=5)  # and a clean batch updates again
     assert not torch.equal(q.state_dict()["levels.0.ema_count"], before["levels.0.ema_count"])
 
 
@@ -641,6 +649,32 @@ def test_non_finite_first_batch_does_not_initialise():
     assert not bool(q.initialized) and torch.isfinite(q.codebook(0)).all()
     q(torch.randn(16, 4), step=1)
     assert bool(q.initialized) and torch.isfinite(q.codebook(0)).all()
+
+
+def test_revival_after_a_non_finite_batch_takes_only_its_finite_rows():
+    """A NaN/inf batch leaves the codebooks alone but is still the last batch: revive() then draws only from its
+    finite rows' residuals, so with more dead codes than rows it revives exactly as many codes as finite rows."""
+    q = rvq(4, (6, 6), seed=3, dead_code_steps=1).train()
+    g = torch.Generator().manual_seed(31)
+    q(q.codebook(0)[0] + 0.01 * torch.randn(8, 4, generator=g), step=0)  # level 0: codes 1..5 die
+    bad = torch.randn(4, 4, generator=g) * 3
+    bad[1, 2] = float("nan")
+    bad[3, 0] = float("inf")
+    finite = bad[[0, 2]]
+    dead = [m.clone() for m in q.dead_codes()]
+    assert int(dead[0].sum()) == 5 and int(dead[1].sum()) >= 2  # more dead codes than finite rows per level
+    old = snapshot(q)
+    out = q(bad, step=1)
+    assert_states_equal(old, snapshot(q))  # the batch changed nothing, the dead codes are still dead
+    res = [finite, finite - q.codebook(0)[out.indices[[0, 2], 0]]]  # the finite rows' residual per level
+    assert q.revive(generator=torch.Generator().manual_seed(0)) == [2, 2]
+    for l, cb in enumerate(q.levels):
+        for name in FLOAT_BUFFERS:
+            assert torch.isfinite(getattr(cb, name)).all(), (l, name)
+        changed = (cb.embed != old[f"levels.{l}.embed"]).any(-1)
+        assert int(changed.sum()) == 2 and not (changed & ~dead[l]).any(), l  # two dead codes, no live one
+        assert bool(is_row_of(cb.embed[changed], res[l], atol=0).all()), l
+        assert bool(is_row_of(res[l], cb.embed[changed], atol=0).all()), l  # both finite rows, once each
 
 
 def test_codebook_loss_is_measured_against_the_updated_codes():
