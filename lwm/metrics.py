@@ -5,7 +5,7 @@ tensors and returns tensors on the same device, so callers decide when to sync.
 * :func:`codebook_usage`: fraction of each level's codes used by a batch of indices.
 * :func:`codebook_diversity`: min / max / mean pairwise MSE between the codes of a codebook.
 * :func:`psnr`, :func:`psnr_from_mse`, :func:`delta_psnr`: the requirement's ``10 log10(1 / MSE)`` on latents and its difference.
-* :func:`rollout_frames`: frames ``1..t`` generated autoregressively from frame 0 (for the sensitivities).
+* :func:`random_codes`, :func:`sensitivity`: the action and world sensitivities (dPSNR at frame ``t``).
 * :func:`nmi`, :func:`linear_probe_accuracy`, :func:`code_ids`: codes against ground-truth labels.
 * :func:`copy_last_loss`: the copy-last-frame baseline, so a prediction loss means something.
 * :class:`WeightedMean`: the validation means over batches and ranks (NaN kept, no host sync).
@@ -87,18 +87,6 @@ def delta_psnr(target: Tensor, prediction: Tensor, prediction_random: Tensor) ->
 
 
 @torch.no_grad()
-def rollout_frames(model, first: Tensor, actions: Tensor, world: Tensor, steps: int) -> Tensor:
-    """Frames ``1..steps`` generated autoregressively from ``first [B, 1, C, H, W]`` with ``actions
-    [B, >= steps, Da]`` and ``world [B, Dh]``: step ``k`` feeds frame 0 and the ``k - 1`` frames generated so
-    far. Returns ``[B, steps, C, H, W]``. ``model`` is a :class:`~lwm.modules.world_model.WorldModel`."""
-    frames = first
-    for k in range(steps):
-        prediction = model.predict(frames, actions[:, : k + 1], world)  # [B, k + 1, C, H, W]
-        frames = torch.cat([frames, prediction[:, -1:]], dim=1)
-    return frames[:, 1:]
-
-
-@torch.no_grad()
 def random_codes(quantizer, lead: Sequence[int], generator: torch.Generator | None = None) -> Tensor:
     """Codes ``[*lead, dim]`` of indices drawn uniformly per level (the requirement's random actions/worlds)."""
     device = quantizer.codebook(0).device
@@ -120,12 +108,12 @@ def sensitivity(model, x: Tensor, t: int = 4, generator: torch.Generator | None 
     actions = model.encode_actions(x[:, : t + 1]).quantized  # [B, t, Da]
     world = model.encode_world(x).quantized  # [B, Dh]
     target = x[:, t]
-    seq = rollout_frames(model, x[:, :1], actions, world, t)[:, -1]
+    seq = model.generate(x[:, :1], actions, world, steps=t)[:, -1]  # the KV-cached rollout
     quantizers = model.quantizers
     rand_actions = random_codes(quantizers["Action_Encoder"], (B, t), generator).to(actions.dtype)
     rand_world = random_codes(quantizers["World_Encoder"], (B,), generator).to(world.dtype)
-    action_rand = rollout_frames(model, x[:, :1], rand_actions, world, t)[:, -1]
-    world_rand = rollout_frames(model, x[:, :1], actions, rand_world, t)[:, -1]
+    action_rand = model.generate(x[:, :1], rand_actions, world, steps=t)[:, -1]
+    world_rand = model.generate(x[:, :1], actions, rand_world, steps=t)[:, -1]
     return {
         "Action_Encoder": delta_psnr(target, seq, action_rand),
         "World_Encoder": delta_psnr(target, seq, world_rand),

@@ -14,11 +14,11 @@ from lwm.metrics import (
     delta_psnr,
     psnr,
     random_codes,
-    rollout_frames,
     sensitivity,
 )
 from lwm.modules.rvq import ResidualVectorQuantizer
 from lwm.modules.world_model import WorldModel
+from tests.modules.test_generate import step_by_step
 
 
 def test_diagonality_of_identity_shifted_attention_is_one():
@@ -104,18 +104,6 @@ def _tiny_model() -> WorldModel:
                       codebook_sizes_world=(3,)).eval()
 
 
-def test_rollout_frames_feeds_its_own_predictions():
-    model = _tiny_model()
-    x = torch.rand(2, 5, 2, 8, 8) * 2 - 1
-    actions, world = model.encode_actions(x).quantized, model.encode_world(x).quantized
-    frames = rollout_frames(model, x[:, :1], actions, world, steps=3)
-    assert frames.shape == (2, 3, 2, 8, 8)
-    by_hand = x[:, :1]
-    for k in range(3):
-        by_hand = torch.cat([by_hand, model.predict(by_hand, actions[:, : k + 1], world)[:, -1:]], dim=1)
-    assert torch.allclose(frames, by_hand[:, 1:])
-
-
 def test_sensitivity_is_zero_when_the_codes_do_not_matter():
     model = _tiny_model()
     with torch.no_grad():  # the predictor ignores actions and world entirely
@@ -195,7 +183,7 @@ def test_sensitivity_known_answers():
     assert abs(out["Action_Encoder"][0].item()) > 1e-4
     a = model.encode_actions(x[:, :5]).quantized
     h = model.encode_world(x).quantized
-    seq = psnr(x[:, 4], rollout_frames(model, x[:, :1], a, h, 4)[:, -1]).mean()
+    seq = psnr(x[:, 4], step_by_step(model, x[:, :1], a, h, 4)[:, -1]).mean()
     assert out["Action_Encoder"][1].item() == pytest.approx(seq.item(), abs=1e-4)
 
 
@@ -224,9 +212,9 @@ def test_sensitivity_world_known_answer_with_given_random_codes(monkeypatch):
     assert sorted(asked) == [("Action_Encoder", (3, 4)), ("World_Encoder", (3,))]
     a, h = model.encode_actions(x[:, :5]).quantized, model.encode_world(x).quantized
     target = x[:, 4]
-    seq = psnr(target, rollout_frames(model, x[:, :1], a, h, 4)[:, -1])
-    world_rand = psnr(target, rollout_frames(model, x[:, :1], a, given["World_Encoder"], 4)[:, -1])
-    action_rand = psnr(target, rollout_frames(model, x[:, :1], given["Action_Encoder"], h, 4)[:, -1])
+    seq = psnr(target, step_by_step(model, x[:, :1], a, h, 4)[:, -1])
+    world_rand = psnr(target, step_by_step(model, x[:, :1], a, given["World_Encoder"], 4)[:, -1])
+    action_rand = psnr(target, step_by_step(model, x[:, :1], given["Action_Encoder"], h, 4)[:, -1])
     for name, rand in (("World_Encoder", world_rand), ("Action_Encoder", action_rand)):
         expected = torch.stack([(seq - rand).mean(), seq.mean(), rand.mean()])
         assert torch.allclose(out[name], expected, atol=1e-4), name
