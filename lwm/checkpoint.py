@@ -119,6 +119,9 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> tuple[dict[s
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
+    """Saves through :func:`atomic_save` (a remote ``fsspec`` path: Lightning's own save), sweeping the temp files
+    of killed writes in the folder first; loads with ``weights_only=True`` whatever the caller asks."""
+
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any | None = None) -> None:
         if not _is_local_file_protocol(path):
@@ -137,6 +140,16 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 class ModelCheckpoint(_LightningModelCheckpoint):
+    """Lightning's ModelCheckpoint with the module docstring's changes. It reaches into Lightning's private state
+    (checked against lightning 2.6.x): ``_save_topk_checkpoint``, ``_save_last_checkpoint``,
+    ``_monitor_candidates``, ``_last_global_step_saved``, ``_every_n_train_steps``, ``_defer_save_until_validation``,
+    and, in :func:`_validation_follows`, the fit loop's ``_should_check_val_fx``, ``_skip_next_val`` and
+    ``_data_fetcher``."""
+
+    def _step_due(self, trainer: L.Trainer) -> bool:
+        """A step checkpoint is due at this training batch (``every_n_train_steps``)."""
+        return self._every_n_train_steps >= 1 and trainer.global_step % self._every_n_train_steps == 0
+
     def save_last_now(self, trainer: L.Trainer) -> None:
         """Write ``last.ckpt`` now (from a training-batch hook: the state a step checkpoint would hold)."""
         if self.save_last:
@@ -148,8 +161,7 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         validation after it, where the ``last.ckpt`` write would make it skip the step as saved already. (Ranked
         by the step, the default monitor; a validation metric's ranking keeps Lightning's deferral.)"""
         step = trainer.global_step
-        due = self._every_n_train_steps >= 1 and step % self._every_n_train_steps == 0
-        if due and self.monitor in (None, "step") and self._last_global_step_saved != step:
+        if self._step_due(trainer) and self.monitor in (None, "step") and self._last_global_step_saved != step:
             self._save_topk_checkpoint(trainer, self._monitor_candidates(trainer))
             self._defer_save_until_validation = False
         self.save_last_now(trainer)
@@ -158,8 +170,7 @@ class ModelCheckpoint(_LightningModelCheckpoint):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any, **kwargs: Any) -> None:
         super().on_train_batch_end(trainer, pl_module, *args, **kwargs)
         step = trainer.global_step
-        if (self._defer_save_until_validation and self._last_global_step_saved != step
-                and self._every_n_train_steps >= 1 and step % self._every_n_train_steps == 0):
+        if self._defer_save_until_validation and self._last_global_step_saved != step and self._step_due(trainer):
             # Lightning deferred this step's checkpoint (an epoch's last batch) to the validation it assumes follows
             # (its metrics fresh; a kill during it then redoes the steps and the validation). Where none follows
             # (step-based validation, check_val_every_n_epoch: null; an epoch whose length val_check_interval does

@@ -91,7 +91,7 @@ def _lightning(args: argparse.Namespace) -> int:
             return 128 + signal.SIGINT
         raise
     signum = interrupted_by(trainer)
-    stopped = any(getattr(c, "preempted", False) for c in getattr(trainer, "callbacks", []))  # SLURM: requeued
+    stopped = any(getattr(c, "preempted", False) for c in getattr(trainer, "callbacks", []))  # a signal: saved
     if args.verb == "fit" and trainer is not None and trainer.is_global_zero and not signum and not stopped:
         from lwm.callbacks.progress import fit_summary
 

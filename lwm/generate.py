@@ -189,7 +189,7 @@ def run(args: argparse.Namespace) -> Path:
     # dictionary draws: the world's and the actions' in streams of their own, each a function of --seed alone, so
     # --world inferred and --world dictionary play the same drawn actions
     world_draws = seeded_generator("cpu", args.seed, WORLD_DRAWS)
-    action_draws = torch.Generator().manual_seed(args.seed)  # the stream they had: --world inferred plays as before
+    action_draws = torch.Generator().manual_seed(args.seed)
     with torch.no_grad():
         world = _world(args, model, world_clip, trained, given_world, dictionaries, world_draws)  # [R, Dh]
         actions = _actions(args, model, clip, trained, transitions, given_actions, dictionaries, action_draws,

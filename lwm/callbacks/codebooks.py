@@ -12,7 +12,7 @@ from typing_extensions import override
 
 from lwm.callbacks.schedule import is_logging_step
 from lwm.loggers import log_distribution
-from lwm.metrics import WeightedMean, codebook_diversity, used_codes
+from lwm.metrics import WeightedMean, codebook_diversity, codebook_usage, used_codes
 
 
 class CodebookMonitor(L.Callback):
@@ -54,7 +54,7 @@ class CodebookMonitor(L.Callback):
         if not isinstance(outputs, dict) or not is_logging_step(trainer):
             return
         for name, quantizer in pl_module.model.quantizers.items():
-            usage = torch.stack([m.float().mean() for m in used_codes(outputs[name], quantizer.codebook_sizes)])  # [L]
+            usage = codebook_usage(outputs[name], quantizer.codebook_sizes)  # [L]
             if trainer.world_size > 1:  # each rank's batch of data.batch_size, as in validation: their mean
                 usage = trainer.strategy.reduce(usage, reduce_op="mean")
             logs = {f"Train_{name}/codebook_usage_level_{l}": u for l, u in enumerate(usage)}
@@ -95,7 +95,7 @@ class CodebookMonitor(L.Callback):
         self._val_runs += runs
 
     def _count_usage(self, name: str, indices: torch.Tensor, sizes) -> None:
-        usage = torch.stack([m.float().mean() for m in used_codes(indices, sizes)])  # [L]
+        usage = codebook_usage(indices, sizes)  # [L]
         for level, metric in enumerate(self._val_usage[name]):
             metric.update(usage[level])
 

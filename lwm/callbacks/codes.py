@@ -28,7 +28,7 @@ class CodeDictionaries(L.Callback):
         dm = trainer.datamodule
         if dm is None or not hasattr(dm, "code_loader"):
             return
-        if any(getattr(c, "preempted", False) for c in trainer.callbacks):  # SlurmRequeue: the job is being requeued
+        if any(getattr(c, "preempted", False) for c in trainer.callbacks):  # stopped by a signal (SlurmRequeue)
             return
         was_training = pl_module.training
         pl_module.eval()

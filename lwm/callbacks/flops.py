@@ -22,7 +22,7 @@ PRECISION_DTYPES = {"bf16": torch.bfloat16, "16": torch.float16, "32": torch.flo
 
 class FlopCounter(L.Callback):
     """On the first training batch, counts the FLOPs of one training step (forward with teacher forcing and
-    both rollout passes, and backward; :func:`lwm.flops.count_flops` on the real batch: the attention kernels
+    every rollout pass, and backward; :func:`lwm.flops.count_flops` on the real batch: the attention kernels
     counted on the CPU too, and masked attention for the pairs its mask allows) without updating anything.
     Then logs, at the logging interval, ``Train_Total/tflops`` (cumulative over all ranks: per-step FLOPs x
     world size, summed over the steps; the sum travels with checkpoints, so a run resumed on another number of

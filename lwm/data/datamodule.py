@@ -103,7 +103,7 @@ class ResumableDataLoader(DataLoader):
         if self.batch_sampler.seed != seed:
             rank_zero_warn(f"data.seed={seed} differs from the checkpoint's sampler seed {self.batch_sampler.seed}: "
                            "the resumed run keeps drawing the checkpoint's batches (its seed)")
-        saved = int(state.get("global_batch", self.global_batch))  # checkpoints before 2026-11-23: the same
+        saved = int(state.get("global_batch", self.global_batch))  # (a checkpoint without it: taken as the same)
         if saved != self.global_batch:
             rank_zero_warn(f"resuming with a global batch of {self.global_batch} windows (batch_size x ranks), the "
                            f"checkpoint's run had {saved}: epoch {epoch} continues at batch {batches} of this run's "
@@ -129,6 +129,8 @@ class LatentDataModule(L.LightningDataModule):
         prefetch_factor: batches each worker prepares ahead (each batch of 32 x 16 frames of 16x64x64 is 64 MiB
             of shared memory from float16 files, 128 MiB from float32, so workers x prefetch_factor x that per rank).
         pin_memory: pin batches for faster host-to-GPU copies (on when training on a GPU).
+        float16_batches: windows of float16 files stay float16 to the device, which casts them to float32 (half
+            the worker-to-trainer traffic, exact); false: float32 from the workers.
     """
 
     def __init__(

@@ -164,7 +164,7 @@ class WorldModelConfig:
     depth_world: int = 3  # ST blocks of the world encoder
     depth_dynamics: int = 3  # ST blocks of the dynamics predictor
     mlp_ratio: float = 4.0  # MLP hidden width / D
-    tokenizer_hidden: int | None = None  # channels inside the CNN tokenizer/detokenizer (None: D/2)
+    tokenizer_hidden: int | None = None  # channels inside the CNN tokenizer/detokenizer (None: max(D/2, 16))
     d_code_action: int = 32  # action code width Da
     d_code_world: int = 64  # world code width Dh
     codebook_sizes_action: tuple[int, ...] = (12, 64, 256)  # codes per RVQ level, action quantizer
@@ -213,7 +213,7 @@ class WorldModelConfig:
             if not sizes or any(int(k) < 1 for k in sizes):
                 problems.append(f"{name} needs at least one level and at least one code per level, got {sizes}")
         if self.tokenizer_hidden is not None and self.tokenizer_hidden < 1:
-            problems.append(f"tokenizer_hidden must be >= 1 (or null: d_model/2), got {self.tokenizer_hidden}")
+            problems.append(f"tokenizer_hidden must be >= 1 (or null: max(d_model/2, 16)), got {self.tokenizer_hidden}")
         if "mlp_ratio" not in nonfinite:
             if not self.mlp_ratio > 0:
                 problems.append(f"mlp_ratio must be > 0, got {self.mlp_ratio}")

@@ -229,7 +229,7 @@ def test_overfit_drives_the_tf_loss_towards_zero(tmp_path, capsys):
         (["--model.net.in_channels=16"], "(set --model.net.in_channels=4 --model.net.height=16 --model.net.width=16)"),
         (["--model.optim.lr=-1"], "optim.lr must be > 0, got -1.0"),
         (["--model.optim.betas=[1.5, 0.9]"], "optim.betas must be two values in [0, 1), got (1.5, 0.9)"),
-        (["--model.net.tokenizer_hidden=-4"], "tokenizer_hidden must be >= 1 (or null: d_model/2), got -4"),
+        (["--model.net.tokenizer_hidden=-4"], "tokenizer_hidden must be >= 1 (or null: max(d_model/2, 16)), got -4"),
         (["--model.net.tokenizer_hidden=0"], "tokenizer_hidden must be >= 1"),
         (["--model.net.mlp_ratio=0"], "mlp_ratio must be > 0, got 0.0"),
         (["--model.net.rollout_weights=[1, -5, 0.5]"], "rollout_weights must be >= 0, not all 0, got (1.0, -5.0, 0.5)"),
