@@ -342,7 +342,7 @@ def breakdown(s: Setup, steps: int, warmup: int) -> list[dict]:
         hs = [tokens[:, :n].clone().requires_grad_(True) for n in lengths]
         pasts = [None] + [(kv[:, :, :k], kv[:, :, :k]) for k in range(1, len(lengths))]
         part(f"{name}: spatial attention", [lambda b=block, h=h: b.spatial_update(h) for h in hs], depth)
-        masks = [b.mask for b in transformer.blocks]  # the action encoder's first block is shifted-causal
+        masks = transformer.masks  # the action encoder's first block is shifted-causal
         for mask in dict.fromkeys(masks):
             b = transformer.blocks[masks.index(mask)]
             label = f"{name}: temporal attention" + (f" ({mask})" if len(set(masks)) > 1 else "")

@@ -316,7 +316,7 @@ class LwmCLI(LightningCLI):
         config = self.model.model.config
         saved, current = saved.get("net") or {}, asdict(config)
         changed = [f"model.net.{k}={current[k]!r} (the checkpoint has {saved[k]!r})" for k in config.SHAPE_FIELDS
-                   if k in saved and _plain(saved[k]) != _plain(current[k])]
+                   if k in saved and _as_lists(saved[k]) != _as_lists(current[k])]
         if changed:
             raise ConfigError(f"{path}: a model of another shape than the config's: {', '.join(changed)}; "
                               f"use the run's own config (--config RUN_DIR/config.yaml)")
@@ -402,9 +402,9 @@ class LwmCLI(LightningCLI):
         return super()._instantiate_trainer(config, callbacks)
 
 
-def _plain(value: Any) -> Any:
+def _as_lists(value: Any) -> Any:
     """Tuples and lists alike (a checkpoint's hyperparameters hold lists where the config has tuples)."""
-    return [_plain(v) for v in value] if isinstance(value, (list, tuple)) else value
+    return [_as_lists(v) for v in value] if isinstance(value, (list, tuple)) else value
 
 
 def _option_names(parser: Any) -> list[str]:

@@ -259,10 +259,10 @@ class TransformerBlock(nn.Module):
         if past is not None and self.mask != "causal":
             raise ValueError(f"cached earlier frames need a causal block, this one is {self.mask!r}")
         x = x + self.spatial_update(x)
-        t, w, kv = self.temporal_update(x, return_attn, window, past)
-        x = x + t
+        update, weights, kv = self.temporal_update(x, return_attn, window, past)
+        x = x + update
         x = x + self.mlp_update(x)
-        return x, w, kv
+        return x, weights, kv
 
     # The three residual branches, each ``[B, t, N, D] -> [B, t, N, D]`` (also timed one by one in ``lwm bench``).
     def spatial_update(self, x: Tensor) -> Tensor:
@@ -276,11 +276,11 @@ class TransformerBlock(nn.Module):
         """Attention over the frames of each patch, masked by ``self.mask``: (update, weights averaged over patches
         ``[B, heads, t, p + t]`` or None, keys/values of all ``p + t`` frames)."""
         B = x.shape[0]
-        t, w, kv = self.temporal(rearrange(self.norm_temporal(x), "b t n d -> (b n) t d"), self.mask, return_attn,
-                                 window, past)
-        if w is not None:
-            w = rearrange(w, "(b n) h i j -> b n h i j", b=B).mean(dim=1)  # [B, heads, t, p + t]
-        return rearrange(t, "(b n) t d -> b t n d", b=B), w, kv
+        update, weights, kv = self.temporal(rearrange(self.norm_temporal(x), "b t n d -> (b n) t d"), self.mask,
+                                            return_attn, window, past)
+        if weights is not None:
+            weights = rearrange(weights, "(b n) h i j -> b n h i j", b=B).mean(dim=1)  # [B, heads, t, p + t]
+        return rearrange(update, "(b n) t d -> b t n d", b=B), weights, kv
 
     def mlp_update(self, x: Tensor) -> Tensor:
         return self.mlp(self.norm_mlp(x))

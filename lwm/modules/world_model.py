@@ -197,7 +197,7 @@ class WorldModelConfig:
         for name in nonfinite:  # (the range checks below skip these)
             value = getattr(self, name)
             what = "finite numbers" if isinstance(value, (tuple, list)) else "a finite number"
-            problems.append(f"{name} must be {what}, got {_plain(value)}")
+            problems.append(f"{name} must be {what}, got {_as_tuples(value)}")
         if self.height % 4 or self.width % 4 or min(self.height, self.width) < 4:
             problems.append(f"height and model.net.width must be positive multiples of 4 (the tokenizer downsamples "
                             f"by 4), got {self.height}x{self.width}")
@@ -230,7 +230,7 @@ class WorldModelConfig:
             problems.append("rollout_weights needs at least the teacher-forcing weight")
         elif "rollout_weights" not in nonfinite and (not all(w >= 0 for w in self.rollout_weights)
                                                      or not any(w > 0 for w in self.rollout_weights)):
-            problems.append(f"rollout_weights must be >= 0, not all 0, got {_plain(self.rollout_weights)}")
+            problems.append(f"rollout_weights must be >= 0, not all 0, got {_as_tuples(self.rollout_weights)}")
         if self.max_time_offset < 0:
             problems.append(f"max_time_offset must be >= 0, got {self.max_time_offset}")
         for name in ("ema_decay_start", "ema_decay_end"):
@@ -257,7 +257,7 @@ def _nonfinite(value: object) -> bool:
     return any(isinstance(v, float) and not math.isfinite(v) for v in values)
 
 
-def _plain(value: object) -> object:
+def _as_tuples(value: object) -> object:
     """A tuple field as a tuple (configs give lists), for messages."""
     return tuple(value) if isinstance(value, list) else value
 
