@@ -229,7 +229,12 @@ def _remove_older_hpc_checkpoints(path: str) -> None:
         return
     for old in new.parent.glob("hpc_ckpt_*.ckpt"):
         match = re.fullmatch(r"hpc_ckpt_(\d+)\.ckpt", old.name)
-        if match and int(match[1]) < int(number[1]) and old.is_dir():  # DeepSpeed's: a folder
+        if match is None or int(match[1]) >= int(number[1]):
+            continue
+        if old.is_dir():  # DeepSpeed's: a folder
             shutil.rmtree(old, ignore_errors=True)
-        elif match and int(match[1]) < int(number[1]):
+            continue
+        try:  # best effort: the run is stopping, its checkpoint written
             old.unlink(missing_ok=True)
+        except OSError:
+            pass
