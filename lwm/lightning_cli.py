@@ -14,6 +14,7 @@ import os
 import re
 import warnings
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any, Optional
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -347,7 +348,11 @@ class LwmCLI(LightningCLI):
                     f"epoch ({dm.manifest_path}); use a fraction of the epoch (0.25), or count steps across "
                     f"epochs with trainer.check_val_every_n_epoch=null")
 
-    before_fit = before_validate = before_test = before_predict = _check_data
+    before_validate = before_test = before_predict = _check_data
+
+    def before_fit(self) -> None:
+        self._sweep_temp_files()
+        self._check_data()
 
     def instantiate_trainer(self, **kwargs: Any):
         trainer_config = self._get(self.config_init, "trainer", default={})
@@ -392,6 +397,22 @@ class LwmCLI(LightningCLI):
             warnings.warn(f"--ckpt_path {path} is the run {run}'s, but this {subcommand} writes its files under "
                           f"trainer.default_root_dir {root / subcommand} (--trainer.default_root_dir={run} puts them "
                           f"beside its checkpoints)", stacklevel=2)
+
+    def _sweep_temp_files(self) -> None:
+        """The temp files a killed process left in the run's folders, swept before anything reads them: Lightning
+        takes the digits of ``.hpc_ckpt_1.ckpt.tmp-HOST-PID`` for an hpc checkpoint's number (a SLURM start
+        then fails to find it), and a finished run's last video or checkpoint write has no later write to
+        sweep it."""
+        from lwm.files import remove_stale_temp_files
+        from lwm.video import VIDEO_SUFFIXES
+
+        root = Path(self.trainer.default_root_dir)
+        checkpoints = Path(self.checkpoint_dir(self.config[self.config.subcommand]))
+        for folder, ours in ((root, lambda n: n.startswith("hpc_ckpt_") or n == "metrics.csv"),
+                             (root / "videos", lambda n: Path(n).suffix in VIDEO_SUFFIXES),
+                             (checkpoints, lambda n: n.endswith(".ckpt") or n == "codes.pt")):
+            if folder.is_dir():
+                remove_stale_temp_files(folder, target=ours)
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list) -> Any:
         # The rich progress bar and summary are on by default; the trainer's switches turn them off.

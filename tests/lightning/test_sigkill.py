@@ -181,3 +181,27 @@ def test_a_save_removes_only_the_temp_files_of_dead_writers(tmp_path):
     assert not stale.exists() and not stale_step.exists() and not elsewhere_old.exists()
     assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 1
     assert sorted(os.listdir(tmp_path)) == sorted(p.name for p in (live, live_here, elsewhere_new)) + ["last.ckpt"]
+
+
+def test_a_fit_sweeps_the_temp_files_killed_writes_left_in_its_folders(tmp_path, monkeypatch):
+    """A kill during an hpc save leaves .hpc_ckpt_1.ckpt.tmp-HOST-PID, whose digits Lightning took for hpc
+    checkpoint 199999 (under SLURM, a start with no --ckpt_path then failed to find it); one during a finished
+    run's last video or checkpoint write has no later write to sweep it. The next fit removes them first (a
+    live writer's and other files stay)."""
+    from tests.lightning.test_resume import SLURM_ENV
+
+    manifest = make_dataset(tmp_path / "data")
+    root = tmp_path / "run"
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    host = socket.gethostname()
+    stale = [root / f".hpc_ckpt_1.ckpt.tmp-{host}-{dead.pid}", root / f"videos/.step_0000004.mp4.tmp-{host}-{dead.pid}",
+             root / f"checkpoints/.last.ckpt.tmp-{host}-{dead.pid}"]
+    kept = [root / f"checkpoints/.step=0000002.ckpt.tmp-{host}-{os.getppid()}", root / f".notes.txt.tmp-{host}-{dead.pid}"]
+    for path in stale + kept:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"torn")
+    for name, value in SLURM_ENV.items():
+        monkeypatch.setenv(name, value)
+    assert run(manifest, root, "--trainer.max_steps=2", "--data.val_size_percent=0") == 0
+    assert not any(p.exists() for p in stale) and all(p.exists() for p in kept)
