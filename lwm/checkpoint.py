@@ -11,8 +11,11 @@ Loading always uses ``torch.load(weights_only=True)``.
 final step (Lightning's writes it at the end only when nothing was saved during the run), and a run that ends
 at ``max_steps`` writes it from the last batch, mid-epoch: a later ``--ckpt_path last`` with a larger
 ``max_steps`` then continues exactly as an uninterrupted longer run (the same batches, the same logged steps),
-where an end-of-training checkpoint would start a fresh epoch. A step checkpoint due on an epoch's last batch is
-written there where no validation follows it (Lightning defers it to one, which may not come for a long time).
+where an end-of-training checkpoint would start a fresh epoch. A step checkpoint due at a batch a validation follows
+is written at the end of that validation, mid-epoch as at an epoch's end (Lightning writes it before a mid-epoch
+one, so a kill during that validation resumed after it and the validation was never logged); one due on an
+epoch's last batch is written there where no validation follows it (Lightning defers it to one, which may not come
+for a long time).
 """
 
 from __future__ import annotations
@@ -142,7 +145,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 class ModelCheckpoint(_LightningModelCheckpoint):
     """Lightning's ModelCheckpoint with the module docstring's changes. It reaches into Lightning's private state
     (checked against lightning 2.6.x): ``_save_topk_checkpoint``, ``_save_last_checkpoint``,
-    ``_monitor_candidates``, ``_last_global_step_saved``, ``_every_n_train_steps``, ``_defer_save_until_validation``,
+    ``_monitor_candidates``, ``_last_global_step_saved``, ``_every_n_train_steps``, ``_train_time_interval``,
+    ``_should_skip_saving_checkpoint``, ``_defer_save_until_validation``,
     and, in :func:`_validation_follows`, the fit loop's ``_should_check_val_fx``, ``_skip_next_val`` and
     ``_data_fetcher``."""
 
@@ -166,9 +170,24 @@ class ModelCheckpoint(_LightningModelCheckpoint):
             self._defer_save_until_validation = False
         self.save_last_now(trainer)
 
+    def _waits_for_validation(self, trainer: L.Trainer) -> bool:
+        """This batch's step checkpoint is due and waits for the validation right after it: saved at its end
+        (:meth:`on_validation_end`), it holds that validation's metrics, and a kill during the validation resumes
+        from the checkpoint before and redoes the steps and the validation. Not at the final step (written at the
+        batch's end, :meth:`save_stop_now`), nor with timed validation or checkpoints (each rank's own clock)."""
+        return (self._step_due(trainer) and self._train_time_interval is None
+                and getattr(trainer, "_val_check_time_interval", None) is None
+                and not 0 < trainer.max_steps <= trainer.global_step
+                and not self._should_skip_saving_checkpoint(trainer)
+                and trainer.lightning_module.automatic_optimization
+                and _validation_follows(trainer))
+
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any, **kwargs: Any) -> None:
-        super().on_train_batch_end(trainer, pl_module, *args, **kwargs)
+        if self._waits_for_validation(trainer):
+            self._defer_save_until_validation = True
+        else:
+            super().on_train_batch_end(trainer, pl_module, *args, **kwargs)
         step = trainer.global_step
         if self._defer_save_until_validation and self._last_global_step_saved != step and self._step_due(trainer):
             # Lightning deferred this step's checkpoint (an epoch's last batch) to the validation it assumes follows
@@ -185,11 +204,16 @@ class ModelCheckpoint(_LightningModelCheckpoint):
 
     @override
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if (self._defer_save_until_validation and self._last_global_step_saved == trainer.global_step
-                and trainer.state.fn == "fit" and not trainer.sanity_checking):
-            # the final step's checkpoint, deferred for a validation metric to rank it by: save_stop_now wrote
-            # last.ckpt (the batch-end state, kept) and Lightning would now skip the step as saved already
-            self._save_topk_checkpoint(trainer, self._monitor_candidates(trainer))
+        if (self._defer_save_until_validation and trainer.state.fn == "fit" and not trainer.sanity_checking
+                and not trainer.fast_dev_run):
+            # a step checkpoint deferred to this validation (by _waits_for_validation, or by Lightning: an epoch's
+            # last batch, a validation metric not logged yet). At the final step save_stop_now wrote last.ckpt
+            # (the batch-end state, kept) and Lightning would skip the step as saved already: the top-k file only.
+            final = self._last_global_step_saved == trainer.global_step
+            candidates = self._monitor_candidates(trainer)
+            self._save_topk_checkpoint(trainer, candidates)
+            if not final:
+                self._save_last_checkpoint(trainer, candidates)
             self._defer_save_until_validation = False
             return
         super().on_validation_end(trainer, pl_module)
