@@ -211,7 +211,7 @@ class LwmCLI(LightningCLI):
         path = config.get("ckpt_path")
         if path != "last":
             return path
-        root = config.get("trainer", {}).get("default_root_dir") or "."
+        root = self.run_dir(config)
         key = (root, self.checkpoint_dir(config))
         if key not in self._latest:  # (each candidate's step is read from its file: once)
             found = latest_checkpoint(Path(root), Path(key[1]))
@@ -219,9 +219,14 @@ class LwmCLI(LightningCLI):
         return self._latest[key]
 
     @staticmethod
+    def run_dir(config: Any) -> str:
+        """The run's folder (RUN_DIR): ``trainer.default_root_dir``, by default the working directory."""
+        return config.get("trainer", {}).get("default_root_dir") or "."
+
+    @staticmethod
     def checkpoint_dir(config: Any) -> str:
         """The run's checkpoint folder: ``checkpoint.dirpath``, by default ``RUN_DIR/checkpoints``."""
-        root = config.get("trainer", {}).get("default_root_dir") or "."
+        root = LwmCLI.run_dir(config)
         return (config.get("checkpoint") or {}).get("dirpath") or os.path.join(root, "checkpoints")
 
     def _checkpoint_file(self, config: Any) -> str | None:
@@ -285,7 +290,7 @@ class LwmCLI(LightningCLI):
 
     def _of_this_run(self, config: Any, path: str) -> bool:
         """Whether ``path`` is one of the run's own checkpoints (in its checkpoint folder, or an hpc one)."""
-        root = config.get("trainer", {}).get("default_root_dir") or "."
+        root = self.run_dir(config)
         folder = os.path.realpath(os.path.dirname(os.path.abspath(path)))
         return folder in (os.path.realpath(self.checkpoint_dir(config)), os.path.realpath(root))
 
@@ -294,7 +299,7 @@ class LwmCLI(LightningCLI):
         already holds a run's checkpoints is refused: it would start over, replace ``last.ckpt`` and the code
         dictionaries, and splice a second run into ``metrics.csv``. (Under SLURM, Lightning resumes from a
         requeue's ``hpc_ckpt_N.ckpt`` instead.)"""
-        root = config.get("trainer", {}).get("default_root_dir") or "."
+        root = self.run_dir(config)
         if fit_resumes(None, root):
             return
         directory = self.checkpoint_dir(config)

@@ -524,14 +524,33 @@ class WorldModel(nn.Module):
         world = self.world_encoder(z_masked, step)  # [B, Dh]
         world_in = self.world_input(world, world_phase)  # [B, Dh]: the code, unless a warm-up phase
 
-        # Position p (0..T-2) of every pass predicts frame p+1. Pass 0 (teacher forcing) feeds frames 0..T-2;
-        # pass k >= 1 feeds frame 0 at position 0 and pass k-1's prediction of frame p at position p >= 1. By the
-        # requirement's proof its first k positions get the same inputs as pass k-1's, so (causal predictor) the
-        # same outputs and temporal keys/values: pass k computes positions k..T-2 only, after pass k-1's
-        # keys/values of positions 0..k-1, and scores them. ``reuse_prefix=False`` recomputes every position.
-        positions = T - 1
+        predictions, pass_losses = self._rollout_passes(x, z_raw, z_masked, mask, pe, actions.quantized, world_in,
+                                                        reuse_prefix)
+        prediction_loss = sum(w * l for w, l in zip(self.rollout_weights, pass_losses))
+        weight_action, weight_world = self.commitment_weights(T)
+        loss = prediction_loss + weight_action * actions.commit_loss + weight_world * world.commit_loss
+
+        values = [loss, prediction_loss, *pass_losses, actions.commit_loss, actions.codebook_loss, world.commit_loss,
+                  world.codebook_loss]  # in the order of log_keys
+        logs = {key: value.detach() for key, value in zip(self.log_keys, values, strict=True)}
+        return WorldModelOutput(loss, logs, actions, world, predictions, mask)
+
+    def _rollout_passes(
+        self, x: Tensor, z_raw: Tensor, z_masked: Tensor, mask: Tensor | None, pe: Tensor, actions: Tensor,
+        world: Tensor, reuse_prefix: bool,
+    ) -> tuple[list[Tensor], list[Tensor]]:
+        """The teacher-forcing pass and the rollout passes of :meth:`compute` -> per pass its predictions
+        ``[B, T-1, C, H, W]`` of frames 1..T-1 and its loss (the MSE over the positions it scores).
+
+        Position p (0..T-2) of every pass predicts frame p+1. Pass 0 (teacher forcing) feeds frames 0..T-2
+        (``z_masked``: tokens masked, PE added); pass k >= 1 feeds frame 0 at position 0 and pass k-1's prediction of
+        frame p at position p >= 1, and scores positions k..T-2. By the requirement's proof its first k positions get
+        the same inputs as pass k-1's, so (causal predictor) the same outputs and temporal keys/values: pass k
+        computes positions k..T-2 only, after pass k-1's keys/values of positions 0..k-1. ``reuse_prefix=False``
+        recomputes every position."""
+        positions = x.shape[1] - 1
         target = x[:, 1:]  # frames 1..T-1
-        predictions: list[Tensor] = []  # per pass [B, T-1, C, H, W]
+        predictions: list[Tensor] = []
         pass_losses: list[Tensor] = []
         past = None
         for k in range(len(self.rollout_weights)):
@@ -544,30 +563,14 @@ class WorldModel(nn.Module):
                     fed = torch.cat([z_raw[:, :1], fed], dim=1)
                 inputs = self.apply_token_mask(fed, None if mask is None else mask[:, first:positions])
                 inputs = inputs + pe[..., first:positions, :, :]
-            out, cache = self.dynamics(inputs, actions.quantized[:, first:], world_in, past=past)
+            out, cache = self.dynamics(inputs, actions[:, first:], world, past=past)
             new = self.detokenize(out)  # [B, T-1-first, C, H, W]: predictions of frames first+1..T-1
             pred = new if first == 0 else torch.cat([predictions[-1][:, :first], new], dim=1)
             predictions.append(pred)
             pass_losses.append((pred[:, k:].float() - target[:, k:].float()).pow(2).mean())  # positions k..T-2
             if reuse_prefix and k + 1 < len(self.rollout_weights):  # positions 0..k, copied (not views of the rest)
                 past = [(keys[:, :, : k + 1].clone(), values[:, :, : k + 1].clone()) for keys, values in cache]
-
-        prediction_loss = sum(w * l for w, l in zip(self.rollout_weights, pass_losses))
-        weight_action, weight_world = self.commitment_weights(T)
-        loss = prediction_loss + weight_action * actions.commit_loss + weight_world * world.commit_loss
-
-        logs = {
-            "Total/loss": loss,
-            "Dynamics_Predictor/prediction_loss": prediction_loss,
-            "Dynamics_Predictor/tf_loss": pass_losses[0],
-            **{f"Dynamics_Predictor/rollout_{k}_loss": l for k, l in enumerate(pass_losses[1:], start=1)},
-            "Action_Encoder/commit_loss": actions.commit_loss,
-            "Action_Encoder/codebook_loss": actions.codebook_loss,
-            "World_Encoder/commit_loss": world.commit_loss,
-            "World_Encoder/codebook_loss": world.codebook_loss,
-        }
-        logs = {k: v.detach() for k, v in logs.items()}
-        return WorldModelOutput(loss, logs, actions, world, predictions, mask)
+        return predictions, pass_losses
 
     def commitment_weights(self, T: int) -> tuple[float, float]:
         """The weights of the two commitment losses next to the per-element prediction MSE, for clips of ``T``.
