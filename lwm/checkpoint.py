@@ -33,6 +33,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lwm.files import atomic_write, fsync_dir, remove_stale_temp_files
+from lwm.loggers import CSVLogger
 
 
 def atomic_save(obj: Any, path: str | Path) -> Path:
@@ -210,6 +211,9 @@ class ModelCheckpoint(_LightningModelCheckpoint):
             # last batch, a validation metric not logged yet). At the final step save_stop_now wrote last.ckpt
             # (the batch-end state, kept) and Lightning would skip the step as saved already: the top-k file only.
             final = self._last_global_step_saved == trainer.global_step
+            for logger in trainer.loggers:  # the step's row (training scalars and this validation) is complete:
+                if isinstance(logger, CSVLogger):  # written before the checkpoint, which a resume starts after
+                    logger.flush()
             candidates = self._monitor_candidates(trainer)
             self._save_topk_checkpoint(trainer, candidates)
             if not final:

@@ -102,11 +102,17 @@ class CSVLogger(_LightningCSVLogger):
             self._experiment = _AppendingWriter(log_dir=self.log_dir)
         return self._experiment
 
+    @rank_zero_only
+    def flush(self) -> None:
+        """Write every row held back, the latest step's too: where nothing more is logged at that step (the end, a
+        checkpoint written at a validation's end)."""
+        if self._experiment is not None:
+            self._experiment.save(final=True)
+
     @override
     @rank_zero_only
     def finalize(self, status: str) -> None:
-        if self._experiment is not None:  # the held-back row of the last step too (an error's end as well)
-            self._experiment.save(final=True)
+        self.flush()  # the held-back row of the last step too (an error's end as well)
 
 
 @dataclass(frozen=True)

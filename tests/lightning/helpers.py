@@ -78,18 +78,26 @@ class SimulatedCrash(RuntimeError):
 class CrashAtStep(L.Callback):
     """Raises :class:`SimulatedCrash` at the start of the batch after ``global_step`` reached ``step`` (after
     that step's checkpoint was written), like a process dying mid-epoch; ``during="validation"``: at the first
-    batch of a fit's validation from that step on."""
+    batch of a fit's validation from that step on. ``kill``: SIGKILLs its own process instead (no exception
+    handling, no logger finalize: a subprocess's run only), before any other callback's hook at that batch."""
 
-    def __init__(self, step: int, during: str = "training") -> None:
-        self.step, self.during = step, during
+    def __init__(self, step: int, during: str = "training", kill: bool = False) -> None:
+        self.step, self.during, self.kill = step, during, kill
+
+    def _crash(self, message: str) -> None:
+        if self.kill:
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise SimulatedCrash(message)
 
     def on_train_batch_start(self, trainer, *args) -> None:
         if self.during == "training" and trainer.global_step >= self.step:
-            raise SimulatedCrash(f"simulated crash at global step {trainer.global_step}")
+            self._crash(f"simulated crash at global step {trainer.global_step}")
 
     def on_validation_batch_start(self, trainer, *args, **kwargs) -> None:
         if self.during == "validation" and trainer.global_step >= self.step and not trainer.sanity_checking:
-            raise SimulatedCrash(f"simulated crash in the validation at global step {trainer.global_step}")
+            self._crash(f"simulated crash in the validation at global step {trainer.global_step}")
 
 
 class DumpQuantizers(L.Callback):

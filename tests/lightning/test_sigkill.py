@@ -134,6 +134,23 @@ def test_a_kill_during_a_last_ckpt_write_loses_one_metrics_row(tmp_path):
     assert sorted(train_series(tmp_path / "run", "Val_Total/loss")) == [2, 7]  # after steps 3 and 8 (epochs of 5)
 
 
+def test_a_kill_right_after_a_checkpoint_written_at_a_validations_end_keeps_that_validations_row(tmp_path):
+    """The step-3 checkpoint waits for the validation after step 3 (logged as step 2, in the row of the step's
+    training scalars); killed at the start of the next batch, before a later row began, the run resumes after that
+    validation: its row was written with the checkpoint, and no step's row is missing."""
+    manifest = make_dataset(tmp_path / "data")  # epochs of 5 batches; validation every 3 steps across them
+    common = ["--trainer.max_steps=6", "--checkpoint.every_n_train_steps=3", "--trainer.val_check_interval=3",
+              "--trainer.check_val_every_n_epoch=null", "--trainer.log_every_n_steps=1"]
+    kill = ["--trainer.callbacks+=tests.lightning.helpers.CrashAtStep", "--trainer.callbacks.step=3",
+            "--trainer.callbacks.kill=true"]
+    with pytest.raises(AssertionError, match=f"exited {-signal.SIGKILL}"):
+        run_lwm(manifest, tmp_path / "run", *common, *kill)
+    assert torch.load(tmp_path / "run/checkpoints/last.ckpt", weights_only=True)["global_step"] == 3
+    run_lwm(manifest, tmp_path / "run", *common, "--ckpt_path=last")
+    assert sorted(train_series(tmp_path / "run")) == list(range(6))
+    assert sorted(train_series(tmp_path / "run", "Val_Total/loss")) == [2, 5]
+
+
 def test_ckpt_path_last_in_an_empty_run_dir_starts_fresh(tmp_path):
     manifest = make_dataset(tmp_path / "data")
     common = ["--trainer.max_steps=4", "--checkpoint.every_n_train_steps=2", "--data.val_size_percent=0"]
