@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.progress import track
 
 from lwm.files import atomic_write
-from lwm.data.h5 import LATENTS_KEY, MODEL_MULTIPLE, DataError, GeneratedFile, inspect_h5
+from lwm.data.h5 import LATENTS_KEY, MODEL_MULTIPLE, DataError, GeneratedFile, H5Info, inspect_h5
 
 T = TypeVar("T")
 SPLITS = ("train", "val")
@@ -218,6 +218,54 @@ def _previous_splits(path: Path, shape: tuple[int, int, int] | None) -> dict[str
         return {}
 
 
+def _checked_files(directory: Path, tolerance: float) -> tuple[dict[Path, H5Info], tuple[int, int, int]]:
+    """Every h5 file under ``directory`` checked (`lwm generate`'s rollouts skipped, with a note) -> ``({file: its
+    info}, the [C, H, W] they share)``; a :class:`DataError` naming every bad file, and the files whose ``C, H, W``
+    differ from most files', one line each."""
+    files = find_h5_files(directory)
+    if not files:
+        raise DataError(f"{directory}: no .h5/.hdf5 files found")
+    infos, problems = {}, []
+    for p in checking(files, f"checking {len(files)} files"):
+        try:
+            infos[p] = inspect_h5(p, tolerance=tolerance)
+        except GeneratedFile as e:  # `lwm generate`'s output, beside its video in the data folder
+            print(f"note: {e}: skipped", file=sys.stderr)
+        except DataError as e:
+            problems.append(str(e))
+    if not infos and not problems:
+        raise DataError(f"{directory}: no .h5/.hdf5 files to index (only `lwm generate`'s rollouts, skipped)")
+    shapes = Counter((i.channels, i.height, i.width) for i in infos.values())
+    shape = shapes.most_common(1)[0][0] if shapes else None
+    for p, info in list(infos.items()):  # the odd files out are named, not the majority
+        got = (info.channels, info.height, info.width)
+        if got != shape:
+            odd = ", ".join(f"{name} {g}, expected {w}" for name, g, w in zip(("channels", "height", "width"), got, shape)
+                            if g != w)
+            problems.append(f"{p}: dataset '{info.key}' has {odd} (the [C, H, W] of most files: {list(shape)})")
+            del infos[p]
+    if problems:
+        raise DataError(f"{len(problems)} of {len(files)} files refused:\n" + "\n".join(sorted(problems)))
+    return infos, shape
+
+
+def _val_files(good: list[Path], relative: dict[Path, str], kept: dict[str, str], val_fraction: float,
+               seed: int) -> set[Path]:
+    """The validation split: the files a manifest already there has in it (``kept``: relative path -> split), and
+    new files drawn by a seeded shuffle towards ``val_fraction`` of all (at least one of two or more files where
+    the fraction is positive; never every file)."""
+    new = [p for p in good if relative[p] not in kept]
+    n_val = int(round(val_fraction * len(good)))
+    if val_fraction > 0 and len(good) >= 2:
+        n_val = min(max(n_val, 1), len(good) - 1)
+    kept_val = sum(kept.get(relative[p]) == "val" for p in good)
+    n_val_new = min(max(n_val - kept_val, 0), len(new))
+    if n_val_new and kept_val + n_val_new >= len(good):
+        n_val_new -= 1  # at least one training file
+    order = np.random.default_rng(seed).permutation(len(new))
+    return {new[i] for i in order[:n_val_new]} | {p for p in good if kept.get(relative[p]) == "val"}
+
+
 def index_directory(
     directory: str | Path,
     out: str | Path | None = None,
@@ -253,44 +301,12 @@ def index_directory(
             head = f.read(1024).lstrip(b"\xef\xbb\xbf \t\r\n")
         if head and not head.startswith(b"{"):
             raise DataError(f"--out {out}: exists and is not a JSON manifest; not overwritten")
-    files = find_h5_files(directory)
-    if not files:
-        raise DataError(f"{directory}: no .h5/.hdf5 files found")
-    infos, problems = {}, []
-    for p in checking(files, f"checking {len(files)} files"):
-        try:
-            infos[p] = inspect_h5(p, tolerance=tolerance)
-        except GeneratedFile as e:  # `lwm generate`'s output, beside its video in the data folder
-            print(f"note: {e}: skipped", file=sys.stderr)
-        except DataError as e:
-            problems.append(str(e))
-    if not infos and not problems:
-        raise DataError(f"{directory}: no .h5/.hdf5 files to index (only `lwm generate`'s rollouts, skipped)")
-    shapes = Counter((i.channels, i.height, i.width) for i in infos.values())
-    shape = shapes.most_common(1)[0][0] if shapes else None
-    for p, info in list(infos.items()):  # the odd files out are named, not the majority
-        got = (info.channels, info.height, info.width)
-        if got != shape:
-            odd = ", ".join(f"{name} {g}, expected {w}" for name, g, w in zip(("channels", "height", "width"), got, shape)
-                            if g != w)
-            problems.append(f"{p}: dataset '{info.key}' has {odd} (the [C, H, W] of most files: {list(shape)})")
-            del infos[p]
-    if problems:
-        raise DataError(f"{len(problems)} of {len(files)} files refused:\n" + "\n".join(sorted(problems)))
+    infos, shape = _checked_files(directory, tolerance)
     good = list(infos)
     base = out.parent.resolve()
     relative = {p: os.path.relpath(p.resolve(), base) for p in good}
     kept = {} if resplit else _previous_splits(out, shape)  # relative path -> split, of a manifest already there
-    new = [p for p in good if relative[p] not in kept]
-    n_val = int(round(val_fraction * len(good)))
-    if val_fraction > 0 and len(good) >= 2:
-        n_val = min(max(n_val, 1), len(good) - 1)
-    kept_val = sum(kept.get(relative[p]) == "val" for p in good)
-    n_val_new = min(max(n_val - kept_val, 0), len(new))
-    if n_val_new and kept_val + n_val_new >= len(good):
-        n_val_new -= 1  # at least one training file
-    order = np.random.default_rng(seed).permutation(len(new))
-    val = {new[i] for i in order[:n_val_new]} | {p for p in good if kept.get(relative[p]) == "val"}
+    val = _val_files(good, relative, kept, val_fraction, seed)
     entries = [
         ManifestEntry(relative[p], infos[p].frames, "val" if p in val else "train", infos[p].key)
         for p in good
