@@ -79,20 +79,20 @@ class CodebookMonitor(L.Callback):
                                 batch_idx: int, dataloader_idx: int = 0) -> None:
         if not isinstance(outputs, dict):
             return
-        run = getattr(getattr(trainer, "datamodule", None), "batch_size", None)  # windows per training batch
-        runs = 0
+        size = getattr(getattr(trainer, "datamodule", None), "batch_size", None)  # windows per training batch
+        full = 0
         for name, used in self._val_used.items():
             sizes = pl_module.model.quantizers[name].codebook_sizes
             for mask, in_batch in zip(used, used_codes(outputs[name], sizes)):
                 mask |= in_batch
             pending = outputs[name] if self._val_pending[name] is None else torch.cat([self._val_pending[name],
                                                                                        outputs[name]])
-            run = run or len(outputs[name])  # (no datamodule: the batches' own size)
-            runs = len(pending) // run
-            for i in range(runs):
-                self._count_usage(name, pending[i * run: (i + 1) * run], sizes)
-            self._val_pending[name] = pending[runs * run:]
-        self._val_runs += runs
+            size = size or len(outputs[name])  # (no datamodule: the batches' own size)
+            full = len(pending) // size  # runs of `size` windows complete now
+            for i in range(full):
+                self._count_usage(name, pending[i * size: (i + 1) * size], sizes)
+            self._val_pending[name] = pending[full * size:]
+        self._val_runs += full
 
     def _count_usage(self, name: str, indices: torch.Tensor, sizes) -> None:
         usage = codebook_usage(indices, sizes)  # [L]

@@ -192,13 +192,18 @@ class SlurmRequeue(L.Callback):
         if trainer.is_global_zero and not requeue:
             log.warning(f"terminated: {path} at step {trainer.global_step}")
         elif trainer.is_global_zero:
-            job = os.environ.get("SLURM_JOB_ID", "")
-            if os.environ.get("SLURM_ARRAY_JOB_ID"):
-                job = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
-            rc = subprocess.call(["scontrol", "requeue", job])
+            job, rc = _requeue_this_job()
             log.warning(f"preempted: {path} at step {trainer.global_step}; scontrol requeue {job} "
                         + ("done" if rc == 0 else f"failed ({rc})"))
         return True
+
+
+def _requeue_this_job() -> tuple[str, int]:
+    """``scontrol requeue`` this SLURM job (an array's task by its ``ARRAYJOB_TASK`` id) -> (the id, its exit code)."""
+    job = os.environ.get("SLURM_JOB_ID", "")
+    if os.environ.get("SLURM_ARRAY_JOB_ID"):
+        job = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+    return job, subprocess.call(["scontrol", "requeue", job])
 
 
 _HARD_STOP = False  # a second Ctrl-C raised KeyboardInterrupt in this process (Lightning then exits 1)
