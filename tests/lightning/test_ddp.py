@@ -36,6 +36,7 @@ def test_ddp_ranks_keep_identical_quantizers_and_train_on_different_windows(tmp_
     out = run_lwm(manifest, tmp_path / "run", *DDP,
                   "--trainer.max_steps=12", f"--model.net.dead_code_steps={DEAD_CODE_STEPS}", "--revival.every_n_steps=1",
                   "--data.val_batch_size=2",  # validation (every epoch of 2 batches) with 3 windows on rank 0, 2 on rank 1
+                  "--checkpoint.every_n_train_steps=5",  # written at the end of the validation after steps 5 and 10
                   "--trainer.callbacks+=tests.lightning.helpers.DumpQuantizers", f"--trainer.callbacks.directory={dumps}",
                   "--trainer.callbacks+=tests.lightning.procs.RecordBatches", f"--trainer.callbacks.directory={windows}")
 
@@ -59,6 +60,8 @@ def test_ddp_ranks_keep_identical_quantizers_and_train_on_different_windows(tmp_
 
     ckpt = torch.load(tmp_path / "run/checkpoints/last.ckpt", weights_only=True)
     assert ckpt["global_step"] == 12
+    for step in (5, 10):  # saved by both ranks together at a validation's end (no hang)
+        assert torch.load(tmp_path / f"run/checkpoints/step={step:07d}.ckpt", weights_only=True)["global_step"] == step
     for key, value in q0.items():  # what rank 0 saved is what both ranks hold
         assert torch.equal(ckpt["state_dict"][f"model.{key}"], value), key
     assert any(k.startswith("Val_Total/loss") for r in read_metrics(tmp_path / "run") for k in r)
