@@ -49,12 +49,19 @@ LIGHTNING_KEYS = ("pytorch-lightning_version", "state_dict", "global_step")  # w
 
 def read_checkpoint(path: str | Path, label: str = "", what: str = "checkpoint") -> dict[str, Any]:
     """The dict of a Lightning checkpoint file (``weights_only=True``, memory-mapped: the tensors are not read); a
-    missing, unreadable (torn) or foreign file (another program's tensors, a code dictionary) is a one-line
-    :class:`~lwm.errors.DataError` naming ``label`` and the path."""
+    missing, unreadable (torn) or foreign file (another program's tensors, a code dictionary), a folder or a
+    DeepSpeed checkpoint directory is a one-line :class:`~lwm.errors.DataError` naming ``label`` and the path."""
     from lwm.errors import DataError, torch_load_failure
 
     where = f"{label} {path}".strip()
-    if not Path(path).is_file():
+    folder = Path(path)
+    if folder.is_dir() and ((folder / "latest").is_file() or (folder / "checkpoint").is_dir()):
+        raise DataError(f"{where}: a DeepSpeed checkpoint directory; convert it to one file first (Lightning's "
+                        f"lightning.pytorch.utilities.deepspeed.convert_zero_checkpoint_to_fp32_state_dict)")
+    if folder.is_dir():
+        raise DataError(f"{where}: a folder without a checkpoint (a run's folder holds checkpoints/last.ckpt); give a "
+                        f"checkpoint file")
+    if not folder.is_file():
         raise DataError(f"{where}: checkpoint not found")
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -105,14 +112,7 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> tuple[dict[s
     from lwm.errors import DataError, LwmError, first_line
     from lwm.module import WorldModelModule
 
-    path = Path(path)
-    if path.is_dir() and ((path / "latest").is_file() or (path / "checkpoint").is_dir()):
-        raise DataError(f"{path}: a DeepSpeed checkpoint directory; convert it to one file first (Lightning's "
-                        f"lightning.pytorch.utilities.deepspeed.convert_zero_checkpoint_to_fp32_state_dict)")
-    if path.is_dir():
-        raise DataError(f"{path}: a folder without a checkpoint (a run's folder holds checkpoints/last.ckpt); give a "
-                        f"checkpoint file")
-    raw = read_checkpoint(path, what="lwm checkpoint")
+    raw = read_checkpoint(path, what="lwm checkpoint")  # (a folder, DeepSpeed's or not: refused there)
     try:
         module = WorldModelModule.load_from_checkpoint(path, map_location=map_location, weights_only=True)
     except (LwmError, torch.OutOfMemoryError):  # a config problem says itself; memory is not the file's fault

@@ -10,8 +10,9 @@ from the ground truth, drawn uniformly per level, or given as indices. Rollouts 
 window slide it. Writes the video (the ground truth on top, as far as the file has it, blank after its last
 frame; then one row per rollout; decoded by the file's codec, else latent channels 0-2 as RGB) and
 ``VIDEO.mp4.h5`` (the video's name + ``.h5``) with the latents. The default video,
-``RUN_DIR/generated/FILE_START_ACTIONS-WORLD_seedS.mp4``, names where the codes come from; an existing video or
-latents file is refused before any work unless ``--overwrite``.
+``RUN_DIR/generated/FILE_START_CONTEXT+STEPS_ACTIONS-WORLD_seedS_stepK.mp4``, names the frames, where the codes
+come from and the checkpoint's step; an existing video or latents file is refused before any work unless
+``--overwrite``.
 """
 
 from __future__ import annotations
@@ -63,8 +64,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--vae", help="the VAE's local diffusers weights, to decode files encoded with a VAE")
     p.add_argument("--vae-tiling", action="store_true",
                    help="the VAE decodes in overlapping spatial tiles (far less GPU memory at 512 px and up)")
-    p.add_argument("--out", help="video path, .mp4 or .gif (default: RUN_DIR/generated/FILE_START_ACTIONS-WORLD_seedS"
-                   ".mp4, e.g. clip_0_dictionary-inferred_seed0.mp4; given indices: given-HASH)")
+    p.add_argument("--out", help="video path, .mp4 or .gif (default: RUN_DIR/generated/FILE_START_CONTEXT+STEPS_"
+                   "ACTIONS-WORLD_seedS_stepK.mp4, K the checkpoint's global step, e.g. "
+                   "clip_0_1+16_dictionary-inferred_seed0_step0005000.mp4; given indices: given-HASH)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing video and its latents (VIDEO.h5); without it they are refused")
     args = p.parse_args(argv)
@@ -84,10 +86,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def default_name(args: argparse.Namespace) -> str:
-    """The default video's name, ``FILE_START_ACTIONS-WORLD[_uniform]_seedS.mp4``: runs that take their codes
-    from other sources, or draw them otherwise, get other names. Given indices are ``given-`` and 6 hex digits of
-    a hash of the codes played (the first context + steps - 1 action tuples), so other indices are another name."""
+def default_name(args: argparse.Namespace, step: int) -> str:
+    """The default video's name, ``FILE_START_CONTEXT+STEPS_ACTIONS-WORLD[_uniform]_seedS_stepK.mp4`` (``K``: the
+    checkpoint's global ``step``): runs of other lengths, of another checkpoint, that take their codes from other
+    sources, or draw them otherwise, get other names. Given indices are ``given-`` and 6 hex digits of a hash of
+    the codes played (the first context + steps - 1 action tuples), so other indices are another name."""
     transitions = args.context + args.steps - 1
 
     def source(text: str | None, option: str, ndim: int, chosen: str) -> str:
@@ -100,7 +103,8 @@ def default_name(args: argparse.Namespace) -> str:
     actions = source(args.action_indices, "--action-indices", 2, args.actions)
     world = source(args.world_indices, "--world-indices", 1, args.world)
     uniform = args.sampling == "uniform" and "dictionary" in (actions, world)  # draws of another distribution
-    return f"{Path(args.data).stem}_{args.start}_{actions}-{world}{'_uniform' if uniform else ''}_seed{args.seed}.mp4"
+    return (f"{Path(args.data).stem}_{args.start}_{args.context}+{args.steps}_{actions}-{world}"
+            f"{'_uniform' if uniform else ''}_seed{args.seed}_step{step:07d}.mp4")
 
 
 def _parse_indices(text: str, option: str, ndim: int) -> np.ndarray:
@@ -153,10 +157,14 @@ def _decode(quantizer, indices: torch.Tensor, option: str) -> torch.Tensor:
 
 def run(args: argparse.Namespace) -> Path:
     """``lwm generate``: checks, the checkpoint and the clip, the world and the actions, the rollouts, the files."""
-    from lwm.checkpoint import checkpoint_file, load_checkpoint
+    from lwm.checkpoint import checkpoint_file, load_checkpoint, read_checkpoint
 
     ckpt_path = checkpoint_file(args.ckpt_path)  # a run's folder: its last.ckpt
-    out = Path(args.out) if args.out else ckpt_path.parent.parent / "generated" / default_name(args)
+    if args.out:
+        out = Path(args.out)
+    else:  # (the step read from the file, memory-mapped: no weights loaded yet)
+        step = int(read_checkpoint(ckpt_path, what="lwm checkpoint")["global_step"])
+        out = ckpt_path.parent.parent / "generated" / default_name(args, step)
     latents_path = out.with_suffix(out.suffix + ".h5")
     # both outputs, before any work: a folder in the way, or an input under an output's name (`--data X.gif.h5
     # --out X.gif` would write the latents over the file they are read from), or an earlier run's files

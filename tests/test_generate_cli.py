@@ -530,52 +530,60 @@ def test_a_run_folder_or_last_stands_for_the_runs_last_checkpoint(trained, tmp_p
 
 
 @pytest.mark.parametrize(("extra", "name"), [
-    ([], "ep00_0_dictionary-inferred_seed0.mp4"),
+    ([], "ep00_0_1+16_dictionary-inferred_seed0_step0000007.mp4"),
     (["--actions", "inferred", "--world", "dictionary", "--start", "2", "--seed", "3"],
-     "ep00_2_inferred-dictionary_seed3.mp4"),
-    (["--actions", "random"], "ep00_0_random-inferred_seed0.mp4"),
-    (["--sampling", "uniform"], "ep00_0_dictionary-inferred_uniform_seed0.mp4"),
-    (["--sampling", "uniform", "--actions", "random"], "ep00_0_random-inferred_seed0.mp4"),  # nothing drawn so
-    (["--world-indices", "[1, 2]"], "ep00_0_dictionary-given-1bc866_seed0.mp4"),
-    (["--world-indices", " [1,2] ", "--world", "dictionary"], "ep00_0_dictionary-given-1bc866_seed0.mp4"),
-    (["--steps", "2", "--action-indices", "[[0, 0], [1, 2]]", "--seed", "5"], "ep00_0_given-3eb702-inferred_seed5.mp4"),
+     "ep00_2_1+16_inferred-dictionary_seed3_step0000007.mp4"),
+    (["--context", "3", "--steps", "64"], "ep00_0_3+64_dictionary-inferred_seed0_step0000007.mp4"),
+    (["--actions", "random"], "ep00_0_1+16_random-inferred_seed0_step0000007.mp4"),
+    (["--sampling", "uniform"], "ep00_0_1+16_dictionary-inferred_uniform_seed0_step0000007.mp4"),
+    (["--sampling", "uniform", "--actions", "random"],  # nothing drawn from the dictionary, so no _uniform
+     "ep00_0_1+16_random-inferred_seed0_step0000007.mp4"),
+    (["--world-indices", "[1, 2]"], "ep00_0_1+16_dictionary-given-1bc866_seed0_step0000007.mp4"),
+    (["--world-indices", " [1,2] ", "--world", "dictionary"], "ep00_0_1+16_dictionary-given-1bc866_seed0_step0000007.mp4"),
+    (["--steps", "2", "--action-indices", "[[0, 0], [1, 2]]", "--seed", "5"],
+     "ep00_0_1+2_given-3eb702-inferred_seed5_step0000007.mp4"),
 ])
-def test_the_default_video_name_tells_the_codes_sources_and_seed_apart(extra, name):
+def test_the_default_video_name_tells_the_frames_codes_sources_seed_and_checkpoint_apart(extra, name):
     from lwm.generate import default_name, parse
 
-    assert default_name(parse(["--ckpt_path", "c.ckpt", "--data", "d/ep00.h5", *extra])) == name
+    assert default_name(parse(["--ckpt_path", "c.ckpt", "--data", "d/ep00.h5", *extra]), step=7) == name
 
 
 def test_given_action_indices_are_named_by_the_tuples_played():
     from lwm.generate import default_name, parse
 
-    def name(indices, steps="2"):
-        return default_name(parse(["--ckpt_path", "c", "--data", "ep00.h5", "--steps", steps,
-                                   "--action-indices", indices]))
+    def name(indices):
+        return default_name(parse(["--ckpt_path", "c", "--data", "ep00.h5", "--steps", "2",
+                                   "--action-indices", indices]), step=7)
 
     played = name("[[0, 0], [1, 2]]")
-    assert played.startswith("ep00_0_given-") and played.endswith("-inferred_seed0.mp4")
+    assert played.startswith("ep00_0_1+2_given-") and played.endswith("-inferred_seed0_step0000007.mp4")
     assert name("[[0,0],[1,2],[3,3]]") == played  # a third tuple is not played in 2 steps
-    assert name("[[0, 0], [1, 3]]") != played and name("[[0, 0], [1, 2], [3, 3]]", steps="3") != played
+    assert name("[[0, 0], [1, 3]]") != played
 
 
 def test_runs_of_other_settings_write_other_default_videos_and_the_same_again_is_refused(trained, capsys,
                                                                                         monkeypatch):
-    """Six runs of other --actions/--world on one clip each wrote RUN_DIR/generated/ep00_0.mp4 over the last."""
+    """Six runs of other --actions/--world on one clip each wrote RUN_DIR/generated/ep00_0.mp4 over the last; so
+    did runs of other lengths and of the run's other checkpoints."""
     tmp, ckpt, data = trained
     generated = tmp / "run/generated"
-    for actions, world in (("dictionary", "inferred"), ("random", "inferred"), ("random", "dictionary")):
-        assert main(["generate", "--ckpt_path", str(ckpt), "--data", str(data), "--steps", "2", "--rollouts", "1",
-                     "--actions", actions, "--world", world]) == 0
-    assert sorted(p.name for p in generated.iterdir()) == [
-        "ep00_0_dictionary-inferred_seed0.mp4", "ep00_0_dictionary-inferred_seed0.mp4.h5",
-        "ep00_0_random-dictionary_seed0.mp4", "ep00_0_random-dictionary_seed0.mp4.h5",
-        "ep00_0_random-inferred_seed0.mp4", "ep00_0_random-inferred_seed0.mp4.h5"]
+    runs = [(ckpt, "2", "dictionary", "inferred"), (ckpt, "2", "random", "inferred"),
+            (ckpt, "2", "random", "dictionary"), (ckpt, "3", "random", "inferred"),
+            (ckpt.parent / "step=0000002.ckpt", "2", "random", "inferred")]
+    for checkpoint, steps, actions, world in runs:
+        assert main(["generate", "--ckpt_path", str(checkpoint), "--data", str(data), "--steps", steps,
+                     "--rollouts", "1", "--actions", actions, "--world", world]) == 0
+    videos = ["ep00_0_1+2_dictionary-inferred_seed0_step0000003.mp4", "ep00_0_1+2_random-dictionary_seed0_step0000003.mp4",
+              "ep00_0_1+2_random-inferred_seed0_step0000002.mp4", "ep00_0_1+2_random-inferred_seed0_step0000003.mp4",
+              "ep00_0_1+3_random-inferred_seed0_step0000003.mp4"]
+    assert sorted(p.name for p in generated.iterdir()) == sorted(videos + [f"{v}.h5" for v in videos])
     before = {p.name: p.read_bytes() for p in generated.iterdir()}
     capsys.readouterr()
     _no_checkpoint_loaded(monkeypatch)
-    assert main(["generate", "--ckpt_path", str(ckpt), "--data", str(data), "--actions", "random"]) == 2
-    video = generated / "ep00_0_random-inferred_seed0.mp4"
+    assert main(["generate", "--ckpt_path", str(ckpt), "--data", str(data), "--steps", "2", "--actions",
+                 "random"]) == 2
+    video = generated / "ep00_0_1+2_random-inferred_seed0_step0000003.mp4"
     assert capsys.readouterr().err.splitlines() == [
         f"error: {video} and its latents {video.name}.h5: already there, where this rollout would be written "
         f"(--overwrite replaces them, or give another --out)"]
