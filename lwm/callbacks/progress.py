@@ -43,7 +43,8 @@ def fit_summary(trainer: L.Trainer, seconds: float) -> str:
 class StepProgressBar(RichProgressBar):
     """``Epoch 3 · step 1200/100000`` instead of Lightning's ``Epoch 3/-2`` when only ``max_steps`` is set, and one
     validation task at a time (Lightning's bar keeps each finished validation's hidden task: over days of training,
-    thousands, each one more to render at every refresh).
+    thousands, each one more to render at every refresh), and an epoch resumed mid-way counted to its end (its
+    total set at its first batch, through Lightning's private ``_initialize_train_progress_bar_id``).
 
     Where the output is not a terminal (a log file, SLURM's output), rich shows the bar only when it ends: there a
     plain line every ``text_every_s`` seconds of training says the step, the speed, the loss and the time to go,
@@ -61,6 +62,7 @@ class StepProgressBar(RichProgressBar):
         self.text_every_s = text_every_s
         self._start: tuple[float, int] | None = None  # (time, global step) of this process's first training batch
         self._last_text = 0.0
+        self._epoch_sized: int | None = None  # the epoch whose bar total was set at its first batch in this process
 
     def _plain(self) -> bool:
         """Whether this rank's progress goes, as plain lines, to output that is not a terminal."""
@@ -83,6 +85,17 @@ class StepProgressBar(RichProgressBar):
             text += f", {_clock((trainer.max_steps - trainer.global_step) * seconds / done)} to go"
         return text
 
+    @staticmethod
+    def epoch_batches(trainer: L.Trainer, batch_idx: int) -> int | float:
+        """The batches the current epoch runs, counted at its batch ``batch_idx``: all of them, or as far as
+        ``max_steps`` ends it. (Lightning's bar counts the remaining steps from the epoch's first batch, also where a
+        resumed run starts mid-epoch: its counter then ran past its total, ``53/50``.)"""
+        total = trainer.num_training_batches
+        if trainer.max_steps is not None and trainer.max_steps > 0:
+            left = (trainer.max_steps - trainer.global_step) * trainer.accumulate_grad_batches
+            total = min(total, batch_idx + left)
+        return total
+
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:
@@ -90,6 +103,13 @@ class StepProgressBar(RichProgressBar):
         if self._start is None:
             self._start = (time.monotonic(), trainer.global_step)
             self._last_text = self._start[0]
+        if self.progress is not None and self.train_progress_bar_id is None and not self.is_disabled:
+            self._initialize_train_progress_bar_id()  # an epoch resumed mid-way: Lightning waits for its first batch end
+        if self._epoch_sized != trainer.current_epoch and self.progress is not None \
+                and self.train_progress_bar_id is not None:
+            self._epoch_sized = trainer.current_epoch
+            self.progress.update(self.train_progress_bar_id, total=self.epoch_batches(trainer, batch_idx),
+                                 completed=batch_idx)
 
     @override
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

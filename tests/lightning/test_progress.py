@@ -29,3 +29,28 @@ def test_validations_leave_no_hidden_tasks_behind(tmp_path):
                         accelerator="cpu")
     trainer.fit(BoringModel())
     assert tasks == [1] + [3] * 6  # the sanity check's; then it, training's and the latest validation's
+
+
+def test_a_run_resumed_mid_epoch_counts_its_epoch_to_its_end(tmp_path):
+    """Resumed at step 5 of 32-batch epochs with max_steps 12: the bar counts batches 6..12 of 12 (Lightning's
+    counted from batch 5 on to a total of the 7 remaining steps, and ran past it)."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    def fit(max_steps, ckpt_path=None):
+        bar, seen = StepProgressBar(), []
+
+        class Record(L.Callback):
+            def on_train_batch_end(self, trainer, *args):
+                task = bar.progress.tasks[bar.train_progress_bar_id]
+                seen.append((int(task.completed), task.total))
+
+        checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=5, save_top_k=-1)
+        trainer = L.Trainer(max_steps=max_steps, limit_val_batches=0, callbacks=[bar, Record(), checkpoint],
+                            logger=False, enable_model_summary=False, default_root_dir=tmp_path, accelerator="cpu")
+        trainer.fit(BoringModel(), ckpt_path=ckpt_path)
+        return seen
+
+    assert fit(5) == [(i, 5) for i in range(1, 6)]  # as far as max_steps ends the epoch
+    assert fit(12, ckpt_path=tmp_path / "epoch=0-step=5.ckpt") == [(i, 12) for i in range(6, 13)]
