@@ -20,7 +20,7 @@ from typing import Any, Optional
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.strategies import DeepSpeedStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lwm.callbacks import (
     AttentionDiagonality, CodebookMonitor, CodeDictionaries, CopyLastBaseline, DeadCodeRevival, FlopCounter,
@@ -271,6 +271,12 @@ class LwmCLI(LightningCLI):
                 raise ConfigError(f"checkpoint.dirpath={directory}: exists and is not a folder")
         if path is None and sub == "fit":
             self._check_no_run_yet(config)
+        elif path is None:  # Lightning's default: the model as initialised (a baseline; rarely what was meant)
+            from lwm.resume import latest_checkpoint
+
+            found = latest_checkpoint(Path(self.run_dir(config)), Path(self.checkpoint_dir(config)))
+            hint = f"--ckpt_path last takes {found}" if found is not None else "give --ckpt_path"
+            rank_zero_warn(f"lwm {sub} without --ckpt_path: the untrained model, as initialised ({hint})")
         if path is None or path in ("best", "hpc", "registry") or str(path).startswith("registry:"):
             return
         if path == "last":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import h5py
 import pytest
@@ -68,6 +69,10 @@ def test_validate_test_and_predict_run_from_a_checkpoint_beside_the_fit(trained)
             x = torch.from_numpy(f["latents"][start:start + 6]).float()[None]
         assert torch.equal(model.encode_actions(x).indices[0], codes["action_indices"][0])
         assert torch.equal(model.encode_world(x).indices[0], codes["world_indices"][0])
+    # without --ckpt_path: Lightning's model as initialised, said in one line (a baseline, rarely what was meant)
+    with pytest.warns(UserWarning, match=r"^lwm test without --ckpt_path: the untrained model, as initialised "
+                                         rf"\(--ckpt_path last takes {re.escape(ckpt)}\)$"):
+        assert main(tiny_args(manifest, root, verb="test")) == 0
 
 
 def test_a_checkpoint_brings_its_own_model_shape_or_is_refused_by_field(trained, capsys):
