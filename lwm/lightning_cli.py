@@ -159,8 +159,8 @@ class LwmCLI(LightningCLI):
             message = f"${{{missing[1]}}} names no key of the config" if missing else message
             raise ConfigError(f"{key}: {message}" if key else message) from None
         except argparse.ArgumentError as e:
-            line = parse_error_line(str(e), _option_names(parser))
-            broken = _broken_config_file(args or [])
+            line = parse_error_line(str(e), _option_names(parser), [str(a) for a in args or []])
+            broken = _broken_config_file(args or []) if not line.startswith("--config ") else None
             raise ConfigError(f"--config {broken}: {line}" if broken else line) from None
 
     def _set_seed(self) -> None:
@@ -449,38 +449,83 @@ def _option_names(parser: Any) -> list[str]:
     return names
 
 
+def _config_files(args: list[str]) -> list[str]:
+    """The ``--config`` files among ``args``, in order."""
+    return [a.split("=", 1)[1] if "=" in a else (args[i + 1] if i + 1 < len(args) else "")
+            for i, a in enumerate(map(str, args)) if a in ("-c", "--config") or a.startswith("--config=")]
+
+
+def _read_yaml(path: str) -> Any:
+    import yaml
+
+    with open(path) as f:
+        return yaml.safe_load(f)
+
+
 def _broken_config_file(args: list[str]) -> str | None:
     """The first ``--config`` file among ``args`` that is not a YAML mapping (broken, empty), for the error line:
     jsonargparse's own names no file."""
     import yaml
 
-    paths = [a.split("=", 1)[1] if "=" in a else (args[i + 1] if i + 1 < len(args) else "")
-             for i, a in enumerate(map(str, args)) if a in ("-c", "--config") or a.startswith("--config=")]
-    for path in paths:
+    for path in _config_files(args):
         try:
-            with open(path) as f:
-                if not isinstance(yaml.safe_load(f), dict):
-                    return path
+            if not isinstance(_read_yaml(path), dict):
+                return path
         except (OSError, yaml.YAMLError):
             return path
     return None
 
 
-def parse_error_line(message: str, options: list[str]) -> str:
-    """jsonargparse's error as one line, with the nearest known key for an unrecognized one ("--model.net.dmodel 3"
-    -> "... (did you mean --model.net.d_model?)")."""
+def _config_file_with(args: list[str], key: str) -> str | None:
+    """The last ``--config`` file among ``args`` that sets the dotted ``key`` (``model.net.d_modle``) to anything."""
+    found = None
+    for path in _config_files(args):
+        try:
+            node: Any = _read_yaml(path)
+        except Exception:  # (a broken file is named by _broken_config_file)
+            continue
+        *parents, last = key.split(".")
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and last in node:
+            found = path
+    return found
+
+
+_VERBS = r"(?:fit|validate|test|predict)\."
+
+
+def parse_error_line(message: str, options: list[str], args: list[str] | None = None) -> str:
+    """jsonargparse's error as one line: an unknown key with the nearest known one ("--model.net.dmodel 3" -> "...
+    (did you mean --model.net.d_model?)"; in a ``--config`` file, that file named), a value of the wrong type as
+    ``KEY: expected an int, got VALUE``, a missing required key as its option (``--data.manifest``)."""
     line = " ".join(part.strip() for part in message.splitlines() if part.strip())
+    if match := re.fullmatch(r'Parser key "([^"]+)": Expected a <class \'(\w+)\'>\. Got value: (.*)', line):
+        key, kind, value = match.groups()
+        return f"{key}: expected {'an' if kind[0] in 'aeiou' else 'a'} {kind}, got {value}"
+    if match := re.fullmatch(r'Parser key "config": File does not exist: \'([^\']*)\'', line):  # made absolute
+        path = next((c for c in _config_files(args or []) if os.path.abspath(c) == match.group(1)), match.group(1))
+        return f"--config {path}: file not found"
+    if match := re.fullmatch(r"the following arguments are required: (.*)", line):
+        keys = [f"--{re.sub(_VERBS, '', k.strip())}" for k in match.group(1).split(",")]
+        return f"the following arguments are required: {', '.join(keys)}"
     given: list[str] = []
+    in_file = False
     if line.startswith("unrecognized arguments:"):  # on the command line
         given = [a.split("=", 1)[0] for a in line.split(":", 1)[1].split() if a.startswith("--")]
     elif match := re.search(r"does not accept option '([^']+)'", line):  # in a --config file
-        given = [f"--{match.group(1)}"]
-    if given:
-        import difflib
+        key, in_file = match.group(1), True
+        given = [f"--{key}"]
+        where = _config_file_with(args or [], key)
+        line = f"--config {where}: unknown key {key}" if where else f"unknown key {key} (in a --config file)"
+    if not given:
+        return line
+    import difflib
 
-        hints = [m[0] for g in given if (m := difflib.get_close_matches(g, set(options), n=1, cutoff=0.75))]
-        if hints:
-            line += f" (did you mean {', '.join(hints)}?)"
+    hints = [m[0].removeprefix("--" if in_file else "") for g in given
+             if (m := difflib.get_close_matches(g, set(options), n=1, cutoff=0.75))]
+    if hints:
+        line += f" (did you mean {', '.join(hints)}?)"
     return f"{line}; see `--help` for the keys"
 
 

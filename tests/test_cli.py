@@ -1,5 +1,6 @@
 import argparse
 import json
+from pathlib import Path
 
 import h5py
 import numpy as np
@@ -104,6 +105,14 @@ def test_did_you_mean_only_for_a_near_key():
     keys = ["--model.net.d_model", "--trainer.max_steps", "--data.window"]
     assert "did you mean --model.net.d_model?" in parse_error_line("unrecognized arguments: --model.net.dmodel=3", keys)
     assert "did you mean" not in parse_error_line("unrecognized arguments: --trainer.zz=3", keys)
+
+
+def test_a_missing_required_key_is_named_as_its_option(capsys):
+    from lwm.cli import main
+
+    tiny = str(Path(__file__).parents[1] / "configs/tiny.yaml")
+    assert main(["fit", "--config", tiny]) == 2  # (jsonargparse: "... required: fit.data.manifest")
+    assert capsys.readouterr().err.splitlines() == ["error: the following arguments are required: --data.manifest"]
 
 
 def test_an_os_error_not_about_a_path_keeps_its_traceback(monkeypatch):

@@ -245,13 +245,18 @@ def test_overfit_drives_the_tf_loss_towards_zero(tmp_path, capsys):
         (["--model.net.dmodel=32"], "unrecognized arguments: --model.net.dmodel=32 (did you mean --model.net.d_model?)"),
         # a prefix of a key is a typo too, not that key (argparse's abbreviations: --trainer.max_step 8 trained 8 steps)
         (["--trainer.max_step=8"], "unrecognized arguments: --trainer.max_step=8 (did you mean --trainer.max_steps?)"),
-        (["--trainer.max_steps=ten"], 'Parser key "trainer.max_steps": Expected a <class \'int\'>. Got value: ten'),
-        (["--config=configs/missing.yaml"], "configs/missing.yaml"),
+        (["--trainer.max_steps=ten"], "error: trainer.max_steps: expected an int, got ten"),
+        (["--config=configs/missing.yaml"], "error: --config configs/missing.yaml: file not found"),
+        (["--config=TYPO"], "error: --config TYPO: unknown key model.net.d_modle (did you mean model.net.d_model?)"),
         (["--trainer.val_check_interval=50"], "trainer.val_check_interval=50 is more than the 2 training batches"),
     ],
 )
 def test_bad_config_is_one_error_line_before_training(tmp_path, capsys, extra, message):
     manifest = make_dataset(tmp_path / "data", files=4)
+    typo = tmp_path / "typo.yaml"  # a misspelt key in a config file: the file named
+    typo.write_text("model:\n  net:\n    d_modle: 32\n")
+    extra = [a.replace("TYPO", str(typo)) for a in extra]
+    message = message.replace("TYPO", str(typo))
     assert run(manifest, tmp_path / "run", *extra) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], errors
