@@ -150,7 +150,7 @@ def test_data_index_refuses_a_bad_tolerance_before_reading_files(tmp_path, toler
     (tmp_path / "d").mkdir()
     assert main(["data", "index", str(tmp_path / "d"), "--tolerance", tolerance]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "tolerance must be a finite value >= 0" in errors[0], errors
+    assert len(errors) == 1 and "--tolerance must be a finite value >= 0" in errors[0], errors
 
 
 def test_python_dash_m_lwm_is_the_lwm_command():

@@ -67,6 +67,8 @@ def inspect_h5(
     Raises :class:`DataError` with one line naming the file and the problem (:class:`GeneratedFile` for the
     rollouts ``lwm generate`` writes)."""
     path = Path(path)
+    if path.is_dir():
+        raise DataError(f"{path}: a folder, not an h5 file")
     if not path.is_file():
         raise DataError(f"{path}: file not found")
     try:

@@ -288,11 +288,11 @@ def index_directory(
     if not directory.is_dir():
         raise DataError(f"{directory}: not a directory")
     if not 0.0 <= val_fraction < 1.0:
-        raise DataError(f"val_fraction must lie in [0, 1), got {val_fraction}")
+        raise DataError(f"--val-fraction must lie in [0, 1), got {val_fraction}")
     if not 0.0 <= tolerance < math.inf:  # NaN too: it would switch the range check off
-        raise DataError(f"tolerance must be a finite value >= 0, got {tolerance}")
+        raise DataError(f"--tolerance must be a finite value >= 0, got {tolerance}")
     if not _is_int(seed) or seed < 0:  # numpy's generators take none below 0
-        raise DataError(f"seed must be an integer >= 0, got {seed!r}")
+        raise DataError(f"--seed must be an integer >= 0, got {seed!r}")
     out = Path(out) if out else directory / "manifest.json"
     if out.is_dir():
         raise DataError(f"--out {out}: a directory; give the manifest's file name (e.g. {out / 'manifest.json'})")

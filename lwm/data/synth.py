@@ -71,7 +71,7 @@ def scaled(length: int, size: int) -> int:
 
 def check_size(size: int) -> None:
     if size < 16 or size % 16:
-        raise DataError(f"size must be a positive multiple of 16 (every length scales by size/{SIZE}), got {size}")
+        raise DataError(f"--size must be a positive multiple of 16 (every length scales by size/{SIZE}), got {size}")
 
 
 @lru_cache(maxsize=None)
@@ -240,17 +240,17 @@ def make_dataset(
     with other settings, before writing anything, unless ``overwrite``; the same settings again rewrite the
     same files. ``remedy``: what the refusal suggests."""
     if episodes < 1:
-        raise DataError(f"episodes must be at least 1, got {episodes}")
+        raise DataError(f"--episodes must be at least 1, got {episodes}")
     if frames < 2:
-        raise DataError(f"frames must be at least 2, got {frames}")
+        raise DataError(f"--frames must be at least 2, got {frames}")
     if not 1 <= worlds <= K:
-        raise DataError(f"worlds must lie in 1..{K}, got {worlds}")
+        raise DataError(f"--worlds must lie in 1..{K}, got {worlds}")
     if not 0.0 <= val_fraction < 1.0:  # index_directory's rule, checked before rendering anything
-        raise DataError(f"val_fraction must lie in [0, 1), got {val_fraction}")
+        raise DataError(f"--val-fraction must lie in [0, 1), got {val_fraction}")
     if not 0 <= distractors <= len(DISTRACTOR_COLOURS):  # simulate's rule, checked before the folder is made
-        raise DataError(f"distractors must lie in 0..{len(DISTRACTOR_COLOURS)}, got {distractors}")
+        raise DataError(f"--distractors must lie in 0..{len(DISTRACTOR_COLOURS)}, got {distractors}")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:  # numpy's seeds are >= 0
-        raise DataError(f"seed must be an integer >= 0, got {seed!r}")
+        raise DataError(f"--seed must be an integer >= 0, got {seed!r}")
     check_size(size)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

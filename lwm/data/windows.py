@@ -50,7 +50,9 @@ class H5WindowDataset(Dataset):
             raise DataError(f"window must be >= 1, got {window}")
         entries = manifest.split(split)
         if not entries:
-            raise DataError(f"{manifest.path}: the '{split}' split is empty")
+            hint = (" (index more files, or with a larger --val-fraction; or train without validation: "
+                    "data.val_size_percent=0)" if split == "val" else "")
+            raise DataError(f"{manifest.path}: the '{split}' split is empty{hint}")
         self.window, self.float16 = window, float16
         self.entries: list[ManifestEntry] = [e for e in entries if e.frames >= window]
         if not self.entries:

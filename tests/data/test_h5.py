@@ -92,6 +92,7 @@ def test_exactly_one_and_minus_one_accepted(make_h5):
 
 def test_missing_file(tmp_path):
     refused(tmp_path / "nope.h5", "not found")
+    refused(tmp_path, "a folder, not an h5 file")
 
 
 def test_not_hdf5(tmp_path):

@@ -114,15 +114,15 @@ def test_bad_arguments(tmp_path):
     with pytest.raises(DataError, match=rf"^world must lie in 0\.\.{K - 1}, got {K}$"):
         render_episode(0, 4, world=K)
     out = tmp_path / "out"
-    with pytest.raises(DataError, match=r"^episodes must be at least 1, got 0$"):
+    with pytest.raises(DataError, match=r"^--episodes must be at least 1, got 0$"):
         make_dataset(out, episodes=0)
-    with pytest.raises(DataError, match=r"^frames must be at least 2, got 1$"):
+    with pytest.raises(DataError, match=r"^--frames must be at least 2, got 1$"):
         make_dataset(out, episodes=2, frames=1)
     assert not out.exists()  # refused before the folder is made
 
 
 def test_a_bad_val_fraction_is_refused_before_rendering(tmp_path):
-    with pytest.raises(DataError, match="val_fraction"):
+    with pytest.raises(DataError, match="--val-fraction must lie in"):
         make_dataset(tmp_path / "out", episodes=2, frames=4, val_fraction=1.0)
     assert not (tmp_path / "out").exists()  # nothing rendered or written
 
@@ -133,7 +133,7 @@ def test_bad_distractors_are_refused_before_the_folder_is_made(tmp_path, capsys)
     out = tmp_path / "out"
     assert lwm(["data", "synth", "--out", str(out), "--episodes", "2", "--frames", "4", "--size", "32",
                 "--distractors", "9"]) == 2
-    assert capsys.readouterr().err.splitlines() == ["error: distractors must lie in 0..4, got 9"]
+    assert capsys.readouterr().err.splitlines() == ["error: --distractors must lie in 0..4, got 9"]
     assert not out.exists()  # no empty folder left behind
 
 
@@ -271,5 +271,5 @@ def test_files_without_a_settings_record_or_a_lone_manifest_are_not_replaced(tmp
 
 def test_a_negative_seed_is_refused_before_anything_is_written(tmp_path, capsys):
     assert lwm(["data", "synth", "--out", str(tmp_path / "s"), "--episodes", "2", "--seed", "-1"]) == 2
-    assert capsys.readouterr().err.splitlines() == ["error: seed must be an integer >= 0, got -1"]
+    assert capsys.readouterr().err.splitlines() == ["error: --seed must be an integer >= 0, got -1"]
     assert not (tmp_path / "s").exists()

@@ -161,7 +161,8 @@ def test_all_files_shorter_than_window(manifest):
 
 
 def test_empty_split(manifest):
-    with pytest.raises(DataError, match="'val' split is empty") as exc:
+    with pytest.raises(DataError, match=r"'val' split is empty \(index more files, or with a larger --val-fraction; "
+                                        r"or train without validation: data\.val_size_percent=0\)$") as exc:
         H5WindowDataset(manifest, "val", WINDOW)
     assert str(manifest.path) in str(exc.value)
 
