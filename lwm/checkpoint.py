@@ -151,6 +151,20 @@ class ModelCheckpoint(_LightningModelCheckpoint):
     and, in :func:`_validation_follows`, the fit loop's ``_should_check_val_fx``, ``_skip_next_val`` and
     ``_data_fetcher``."""
 
+    @property
+    @override
+    def state_key(self) -> str:
+        """Lightning's key of this callback's state in a checkpoint, without the intervals: a run resumed with
+        another ``every_n_train_steps`` keeps its step files' ranking (Lightning's key changed with it: the older
+        files were never removed, and Lightning asked for the old callback)."""
+        return self._generate_state_key(monitor=self.monitor, mode=self.mode)
+
+    @property
+    @override
+    def _legacy_state_key(self) -> str:  # type: ignore[override]
+        """Where Lightning also looks for the state: its own key, as checkpoints of earlier lwm versions hold it."""
+        return super().state_key
+
     def _step_due(self, trainer: L.Trainer) -> bool:
         """A step checkpoint is due at this training batch (``every_n_train_steps``)."""
         return self._every_n_train_steps >= 1 and trainer.global_step % self._every_n_train_steps == 0

@@ -253,3 +253,35 @@ def test_an_interrupt_outside_slurm_saves_last_ckpt_at_the_batch_end_and_resumes
     assert process_starts(tmp_path / "b") == [0]  # at step 3, where the stopped run left off
     assert torch.allclose(torch.tensor([resumed[s] for s in range(8)]), torch.tensor([full[s] for s in range(8)]),
                           rtol=1e-5, atol=1e-7)
+
+
+def test_a_resume_with_another_checkpoint_interval_keeps_ranking_the_step_files(tmp_path, recwarn):
+    """Step files every 2 steps, then resumed with one every 3: the 3 most recent (by step) are kept across both,
+    the earlier ones removed, and Lightning does not ask for the old callback."""
+    manifest = make_dataset(tmp_path / "data")
+    common = ["--data.val_size_percent=0", "--checkpoint.save_top_k=3"]
+    assert run(manifest, tmp_path / "run", *common, "--checkpoint.every_n_train_steps=2", "--trainer.max_steps=4") == 0
+    assert _step_checkpoints(tmp_path / "run/checkpoints") == [2, 4]
+    assert run(manifest, tmp_path / "run", *common, "--checkpoint.every_n_train_steps=3", "--trainer.max_steps=12",
+               "--ckpt_path=last") == 0
+    assert _step_checkpoints(tmp_path / "run/checkpoints") == [6, 9, 12]
+    assert not [w for w in recwarn if "callbacks used to create the checkpoint" in str(w.message)]
+
+
+def test_a_checkpoint_of_an_earlier_lwm_keyed_as_lightning_does_keeps_its_ranking(tmp_path):
+    """Earlier lwm versions saved the checkpoint callback's state under Lightning's key (intervals included): it is
+    still found, so the resumed run goes on removing the older step files."""
+    from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
+
+    manifest = make_dataset(tmp_path / "data")
+    common = ["--data.val_size_percent=0", "--checkpoint.save_top_k=2", "--checkpoint.every_n_train_steps=2"]
+    assert run(manifest, tmp_path / "run", *common, "--trainer.max_steps=4") == 0
+    last = tmp_path / "run/checkpoints/last.ckpt"
+    checkpoint = torch.load(last, weights_only=True)
+    (key, state), = [(k, v) for k, v in checkpoint["callbacks"].items() if k.startswith("ModelCheckpoint")]
+    old = LightningModelCheckpoint(monitor="step", mode="max", every_n_train_steps=2).state_key
+    assert key != old and "every_n_train_steps" in old
+    checkpoint["callbacks"] = {old if k == key else k: v for k, v in checkpoint["callbacks"].items()}
+    torch.save(checkpoint, last)
+    assert run(manifest, tmp_path / "run", *common, "--trainer.max_steps=8", "--ckpt_path=last") == 0
+    assert _step_checkpoints(tmp_path / "run/checkpoints") == [6, 8]
