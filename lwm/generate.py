@@ -160,11 +160,9 @@ def run(args: argparse.Namespace) -> Path:
     from lwm.checkpoint import checkpoint_file, load_checkpoint, read_checkpoint
 
     ckpt_path = checkpoint_file(args.ckpt_path)  # a run's folder: its last.ckpt
-    if args.out:
-        out = Path(args.out)
-    else:  # (the step read from the file, memory-mapped: no weights loaded yet)
-        step = int(read_checkpoint(ckpt_path, what="lwm checkpoint")["global_step"])
-        out = ckpt_path.parent.parent / "generated" / default_name(args, step)
+    # missing, foreign, torn: said first (read memory-mapped: no weights loaded yet); its step names the video
+    step = int(read_checkpoint(ckpt_path, what="lwm checkpoint")["global_step"])
+    out = Path(args.out) if args.out else ckpt_path.parent.parent / "generated" / default_name(args, step)
     latents_path = out.with_suffix(out.suffix + ".h5")
     # both outputs, before any work: a folder in the way, or an input under an output's name (`--data X.gif.h5
     # --out X.gif` would write the latents over the file they are read from), or an earlier run's files

@@ -588,6 +588,9 @@ def test_runs_of_other_settings_write_other_default_videos_and_the_same_again_is
         f"error: {video} and its latents {video.name}.h5: already there, where this rollout would be written "
         f"(--overwrite replaces them, or give another --out)"]
     assert {p.name: p.read_bytes() for p in generated.iterdir()} == before
+    typo = ckpt.parent / "lst.ckpt"  # a misspelt checkpoint: named before the video already there
+    assert main(["generate", "--ckpt_path", str(typo), "--data", str(data), "--out", str(video)]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"error: {typo}: checkpoint not found"]
 
 
 @pytest.mark.parametrize("there", ["video", "latents", "both"])
