@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     console.rule("[bold]3/4 validate[/]: the final checkpoint on every validation window")
     t = time.perf_counter()
     cli = lightning_cli([*common, f"--trainer.default_root_dir={run_dir / 'validate'}",  # as `lwm validate` logs
+                         f"--checkpoint.dirpath={run_dir / 'checkpoints'}",  # (the fit's: no "dirpath has changed")
                          "--data.val_size_percent=1.0"], run=False)
     metrics = {k: float(v) for k, v in cli.trainer.validate(cli.model, datamodule=cli.datamodule,
                                                             ckpt_path=str(run_dir / LAST), verbose=False)[0].items()}
