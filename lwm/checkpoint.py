@@ -147,23 +147,44 @@ class ModelCheckpoint(_LightningModelCheckpoint):
     """Lightning's ModelCheckpoint with the module docstring's changes. It reaches into Lightning's private state
     (checked against lightning 2.6.x): ``_save_topk_checkpoint``, ``_save_last_checkpoint``,
     ``_monitor_candidates``, ``_last_global_step_saved``, ``_every_n_train_steps``, ``_train_time_interval``,
-    ``_should_skip_saving_checkpoint``, ``_defer_save_until_validation``,
-    and, in :func:`_validation_follows`, the fit loop's ``_should_check_val_fx``, ``_skip_next_val`` and
-    ``_data_fetcher``."""
+    ``_should_skip_saving_checkpoint``, ``_defer_save_until_validation``, ``_legacy_state_key``, and the fit
+    loop's ``_should_check_val_fx``, ``_skip_next_val``, ``_data_fetcher``, ``_should_accumulate`` and
+    ``_batches_that_stepped`` (:func:`_validation_follows`, :func:`_count_the_validated_batch`)."""
 
     @property
     @override
     def state_key(self) -> str:
-        """Lightning's key of this callback's state in a checkpoint, without the intervals: a run resumed with
-        another ``every_n_train_steps`` keeps its step files' ranking (Lightning's key changed with it: the older
-        files were never removed, and Lightning asked for the old callback)."""
-        return self._generate_state_key(monitor=self.monitor, mode=self.mode)
+        """This callback's state's key in a checkpoint: the files it ranks (folder, name pattern, monitor, mode), not
+        Lightning's intervals: a run resumed with another ``every_n_train_steps`` keeps its step files' ranking
+        (Lightning's key changed with it: the older files were never removed, and Lightning asked for the old
+        callback); two callbacks writing other files keep their own states."""
+        return self._generate_state_key(monitor=self.monitor, mode=self.mode, dirpath=self.dirpath,
+                                        filename=self.filename)
 
     @property
     @override
     def _legacy_state_key(self) -> str:  # type: ignore[override]
         """Where Lightning also looks for the state: its own key, as checkpoints of earlier lwm versions hold it."""
         return super().state_key
+
+    _at_validation_end = False  # this save is the one at a validation's end, after a batch that stepped
+    _resumed_at_validation_end = False  # the checkpoint this fit resumed from was such a save
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "at_validation_end": self._at_validation_end}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._resumed_at_validation_end = bool(state_dict.get("at_validation_end", False))
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        if self._resumed_at_validation_end:
+            self._resumed_at_validation_end = False
+            _count_the_validated_batch(trainer)
 
     def _step_due(self, trainer: L.Trainer) -> bool:
         """A step checkpoint is due at this training batch (``every_n_train_steps``)."""
@@ -225,13 +246,18 @@ class ModelCheckpoint(_LightningModelCheckpoint):
             # last batch, a validation metric not logged yet). At the final step save_stop_now wrote last.ckpt
             # (the batch-end state, kept) and Lightning would skip the step as saved already: the top-k file only.
             final = self._last_global_step_saved == trainer.global_step
-            for logger in trainer.loggers:  # the step's row (training scalars and this validation) is complete:
-                if isinstance(logger, CSVLogger):  # written before the checkpoint, which a resume starts after
-                    logger.flush()
+            stepped = not trainer.fit_loop.epoch_loop._should_accumulate()  # (else no training row at this step)
+            for logger in trainer.loggers if stepped else ():  # the step's row (training scalars and this
+                if isinstance(logger, CSVLogger):  # validation) is complete: written before the checkpoint, which
+                    logger.flush()  # a resume starts after
             candidates = self._monitor_candidates(trainer)
-            self._save_topk_checkpoint(trainer, candidates)
-            if not final:
-                self._save_last_checkpoint(trainer, candidates)
+            self._at_validation_end = stepped
+            try:
+                self._save_topk_checkpoint(trainer, candidates)
+                if not final:
+                    self._save_last_checkpoint(trainer, candidates)
+            finally:
+                self._at_validation_end = False
             self._defer_save_until_validation = False
             return
         super().on_validation_end(trainer, pl_module)
@@ -242,6 +268,20 @@ class ModelCheckpoint(_LightningModelCheckpoint):
             self.save_last_now(trainer)
         else:
             super().on_train_end(trainer, pl_module)
+
+
+def _count_the_validated_batch(trainer: L.Trainer) -> None:
+    """A checkpoint written at a validation's end holds the fit loop before it counted that batch's logged step
+    (Lightning counts it after the validation). Resumed where that validation is due again, Lightning skips it and
+    counts the step then; where it is not (another ``val_check_interval``, another epoch length), Lightning trains
+    on at the stale count and logs every later step one too low: counted here."""
+    loop = trainer.fit_loop.epoch_loop
+    try:
+        due = loop.restarting and loop._should_check_val_fx(trainer.fit_loop._data_fetcher)
+    except (AttributeError, TypeError):  # Lightning's private API moved: its own count
+        return
+    if not due:
+        loop._batches_that_stepped += 1
 
 
 def _validation_follows(trainer: L.Trainer) -> bool:

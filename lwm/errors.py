@@ -33,7 +33,7 @@ def torch_load_failure(e: BaseException) -> str:
     if text.startswith("Weights only load failed"):  # another torch's wording: no reason to quote, no advice
         return "torch.load with weights_only=True refused it"
     if text.startswith("mmap can only be used with files saved with"):  # an h5 file, text: torch names its options
-        return "not a torch.save file"
+        return "not a torch.save file (or one in torch's old, non-zip format)"
     return f"{type(e).__name__}: {first_line(e)[:200]}"
 
 

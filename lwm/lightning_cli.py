@@ -517,7 +517,7 @@ def parse_error_line(message: str, options: list[str], args: list[str] | None = 
         key, in_file = match.group(1), True
         given = [f"--{key}"]
         where = _config_file_with(args or [], key)
-        line = f"--config {where}: unknown key {key}" if where else f"unknown key {key} (in a --config file)"
+        line = f"--config {where}: unknown key {key}" if where else f"unknown key {key}"  # (a --key='{...}' value)
     if not given:
         return line
     import difflib

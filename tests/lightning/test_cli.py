@@ -356,7 +356,7 @@ def test_a_bad_ckpt_path_is_one_line_before_any_work(trained, tmp_path, capsys):
     cases = [
         ("validate", str(tmp_path / "nope.ckpt"), root, "checkpoint not found"),
         ("fit", str(tmp_path / "nope.ckpt"), tmp_path / "fresh", "checkpoint not found"),
-        ("test", str(garbage), root, "not a readable checkpoint (not a torch.save file)"),  # (not torch's advice)
+        ("test", str(garbage), root, "not a readable checkpoint (not a torch.save file"),  # (not torch's advice)
         ("validate", str(foreign), root, "not a readable checkpoint (not a Lightning checkpoint: it has no "
                                          "pytorch-lightning_version, state_dict, global_step)"),
         ("fit", str(foreign), root, "not a readable checkpoint (not a Lightning checkpoint"),

@@ -285,3 +285,59 @@ def test_a_checkpoint_of_an_earlier_lwm_keyed_as_lightning_does_keeps_its_rankin
     torch.save(checkpoint, last)
     assert run(manifest, tmp_path / "run", *common, "--trainer.max_steps=8", "--ckpt_path=last") == 0
     assert _step_checkpoints(tmp_path / "run/checkpoints") == [6, 8]
+
+
+@pytest.mark.parametrize("where", ["mid_epoch", "epoch_end"])
+def test_a_resume_from_a_validations_end_with_another_validation_schedule_logs_every_step_once(tmp_path, where):
+    """The step checkpoint written at the end of the validation after step 3 (every 3 steps) or 5 (each epoch's
+    end), resumed with a schedule that does not validate there: the resumed run logs the next step as the next
+    step (Lightning counted that batch's logged step only where it skipped the validation again: one too low)."""
+    manifest = make_dataset(tmp_path / "data")  # epochs of 5 batches
+    every = 3 if where == "mid_epoch" else 5
+    common = ["--data.val_size_percent=0.5", f"--checkpoint.every_n_train_steps={every}", "--trainer.max_steps=8",
+              "--trainer.log_every_n_steps=1"]
+    schedule = (["--trainer.check_val_every_n_epoch=null"] if where == "mid_epoch" else [])
+    crash = ["--trainer.callbacks+=tests.lightning.helpers.CrashAtStep", f"--trainer.callbacks.step={every + 1}"]
+    with pytest.raises(SimulatedCrash):
+        run(manifest, tmp_path / "run", *common, *schedule, f"--trainer.val_check_interval={every}", *crash)
+    assert torch.load(tmp_path / "run/checkpoints/last.ckpt", weights_only=True)["global_step"] == every
+    assert run(manifest, tmp_path / "run", *common, *schedule, "--trainer.val_check_interval=2",
+               "--ckpt_path=last") == 0
+    assert process_starts(tmp_path / "run") == [0, every]
+    assert sorted(train_series(tmp_path / "run")) == list(range(8))
+
+
+def test_a_second_step_checkpoint_callback_of_other_files_keeps_its_own_state(tmp_path):
+    """The default rolling step files, plus one every 4 steps kept forever in another folder (the same monitor):
+    both run, and a resume finds each one's state."""
+    manifest = make_dataset(tmp_path / "data")
+    keep = tmp_path / "keep"
+    common = ["--data.val_size_percent=0", "--checkpoint.every_n_train_steps=2", "--checkpoint.save_top_k=1",
+              "--trainer.callbacks+=lwm.checkpoint.ModelCheckpoint", "--trainer.callbacks.monitor=step",
+              "--trainer.callbacks.mode=max", "--trainer.callbacks.every_n_train_steps=4",
+              "--trainer.callbacks.save_top_k=-1", f"--trainer.callbacks.dirpath={keep}",
+              "--trainer.callbacks.filename=step={step:07d}", "--trainer.callbacks.auto_insert_metric_name=false"]
+    assert run(manifest, tmp_path / "run", *common, "--trainer.max_steps=4") == 0
+    assert run(manifest, tmp_path / "run", *common, "--trainer.max_steps=8", "--ckpt_path=last") == 0
+    assert _step_checkpoints(tmp_path / "run/checkpoints") == [8]
+    assert _step_checkpoints(keep) == [4, 8]
+    states = [k for k in torch.load(tmp_path / "run/checkpoints/last.ckpt", weights_only=True)["callbacks"]
+              if k.startswith("ModelCheckpoint")]
+    assert len(states) == 2
+
+
+def test_a_checkpoint_at_the_end_of_a_validation_after_an_accumulating_batch_leaves_one_row_per_step(tmp_path):
+    """With gradient accumulation a validation can follow a batch that did not step (no training row yet at its
+    step): the checkpoint written at its end does not write that step's row early (a second, partial row of the
+    step would follow, and readers keep the last)."""
+    import csv
+
+    manifest = make_dataset(tmp_path / "data")
+    assert run(manifest, tmp_path / "run", "--trainer.accumulate_grad_batches=2", "--trainer.val_check_interval=3",
+               "--trainer.check_val_every_n_epoch=null", "--checkpoint.monitor=Val_Total/loss",
+               "--checkpoint.mode=min", "--checkpoint.every_n_train_steps=1", "--trainer.max_steps=6",
+               "--trainer.log_every_n_steps=1", "--data.val_size_percent=0.5") == 0
+    with open(tmp_path / "run/metrics.csv", newline="") as f:
+        steps = [int(row["step"]) for row in csv.DictReader(f)]
+    assert len(steps) == len(set(steps)), steps
+    assert sorted(train_series(tmp_path / "run", "Val_Total/loss"))  # validations ran, and were logged
