@@ -35,7 +35,7 @@ def test_ddp_ranks_keep_identical_quantizers_and_train_on_different_windows(tmp_
     dumps, windows = tmp_path / "quantizers", tmp_path / "windows"
     out = run_lwm(manifest, tmp_path / "run", *DDP,
                   "--trainer.max_steps=12", f"--model.net.dead_code_steps={DEAD_CODE_STEPS}", "--revival.every_n_steps=1",
-                  "--data.val_batch_size=2",  # validation (every epoch of 2 batches) with 3 windows on rank 0, 2 on rank 1
+                  "--data.val_batch_size=2",  # validation after each batch (of 2 an epoch): 3 windows on rank 0, 2 on 1
                   "--checkpoint.every_n_train_steps=5",  # written at the end of the validation after steps 5 and 10
                   "--trainer.callbacks+=tests.lightning.helpers.DumpQuantizers", f"--trainer.callbacks.directory={dumps}",
                   "--trainer.callbacks+=tests.lightning.procs.RecordBatches", f"--trainer.callbacks.directory={windows}")
