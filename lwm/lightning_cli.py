@@ -449,7 +449,7 @@ def _option_names(parser: Any) -> list[str]:
     return names
 
 
-def _config_files(args: list[str]) -> list[str]:
+def config_files(args: list[str]) -> list[str]:
     """The ``--config`` files among ``args``, in order."""
     return [a.split("=", 1)[1] if "=" in a else (args[i + 1] if i + 1 < len(args) else "")
             for i, a in enumerate(map(str, args)) if a in ("-c", "--config") or a.startswith("--config=")]
@@ -467,7 +467,7 @@ def _broken_config_file(args: list[str]) -> str | None:
     jsonargparse's own names no file."""
     import yaml
 
-    for path in _config_files(args):
+    for path in config_files(args):
         try:
             if not isinstance(_read_yaml(path), dict):
                 return path
@@ -479,7 +479,7 @@ def _broken_config_file(args: list[str]) -> str | None:
 def _config_file_with(args: list[str], key: str) -> str | None:
     """The last ``--config`` file among ``args`` that sets the dotted ``key`` (``model.net.d_modle``) to anything."""
     found = None
-    for path in _config_files(args):
+    for path in config_files(args):
         try:
             node: Any = _read_yaml(path)
         except Exception:  # (a broken file is named by _broken_config_file)
@@ -504,7 +504,7 @@ def parse_error_line(message: str, options: list[str], args: list[str] | None = 
         key, kind, value = match.groups()
         return f"{key}: expected {'an' if kind[0] in 'aeiou' else 'a'} {kind}, got {value}"
     if match := re.fullmatch(r'Parser key "config": File does not exist: \'([^\']*)\'', line):  # made absolute
-        path = next((c for c in _config_files(args or []) if os.path.abspath(c) == match.group(1)), match.group(1))
+        path = next((c for c in config_files(args or []) if os.path.abspath(c) == match.group(1)), match.group(1))
         return f"--config {path}: file not found"
     if match := re.fullmatch(r"the following arguments are required: (.*)", line):
         keys = [f"--{re.sub(_VERBS, '', k.strip())}" for k in match.group(1).split(",")]

@@ -77,8 +77,9 @@ def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
         return 0
-    configs = [a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else "")
-               for i, a in enumerate(argv) if a == "--config" or a.startswith("--config=")]
+    from lwm.lightning_cli import config_files
+
+    configs = config_files(argv)
     if not configs:
         raise ConfigError("lwm resume-info needs --config CFG (and the run's overrides, as given to lwm fit)")
     for config in configs:
