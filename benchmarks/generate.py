@@ -28,7 +28,7 @@ SIZES = {
 
 def time_generate(model: WorldModel, batch: int, frames: int, window: int, cached: bool, device: str) -> float:
     g = torch.Generator(device=device).manual_seed(0)
-    context = torch.rand(batch, 1, model.in_channels, model.height, model.width, device=device, generator=g) * 2 - 1
+    context = torch.rand(batch, 1, model.config.in_channels, model.config.height, model.config.width, device=device, generator=g) * 2 - 1
     actions = torch.randn(batch, frames, model.config.d_code_action, device=device, generator=g)
     world = torch.randn(batch, model.config.d_code_world, device=device, generator=g)
     model.generate(context, actions, world, steps=min(frames, 4), window=window, use_cache=cached)  # warm-up

@@ -187,10 +187,11 @@ def run(args: argparse.Namespace) -> Path:
     clip, world_clip, codec, fps = _read_clips(args, model, trained, device)
     decoder = codec_from_attr(codec, str(args.data), args.vae, str(device), args.vae_tiling)  # before the work: a bad --vae fails now
     last_position = transitions - 1  # the last frame fed to the predictor sits at temporal position T - 1 (t0 = 0)
-    if trained and last_position > model.max_time_offset + trained - 2:
+    offset = model.config.max_time_offset
+    if trained and last_position > offset + trained - 2:
         print(f"warning: the rollout feeds temporal positions up to {last_position}; training saw up to "
-              f"{model.max_time_offset + trained - 2} (model.net.max_time_offset {model.max_time_offset} + a "
-              f"{trained}-frame window): later frames are out of the trained range", file=sys.stderr)
+              f"{offset + trained - 2} (model.net.max_time_offset {offset} + a {trained}-frame window): later frames "
+              f"are out of the trained range", file=sys.stderr)
     generator = torch.Generator(device=device).manual_seed(args.seed)  # --actions random
     # dictionary draws: the world's and the actions' in streams of their own, each a function of --seed alone, so
     # --world inferred and --world dictionary play the same drawn actions

@@ -275,13 +275,8 @@ class WorldModel(nn.Module):
             raise TypeError(f"WorldModel: unknown argument(s) {sorted(unknown)}")
         c = replace(config or WorldModelConfig(), **overrides)
         super().__init__()
-        self.config = c
-        self.in_channels, self.height, self.width, self.d_model = c.in_channels, c.height, c.width, c.d_model
-        self.grid = (c.height // 4, c.width // 4)
-        self.beta_action, self.beta_world = c.beta_action, c.beta_world
-        self.mask_prob = c.mask_prob
-        self.rollout_weights = tuple(float(w) for w in c.rollout_weights)
-        self.max_time_offset = c.max_time_offset
+        self.config = c  # every hyperparameter is read from here
+        self.grid = (c.height // 4, c.width // 4)  # the token grid (Hp, Wp): the tokenizer downsamples by 4
         rvq = dict(decay_start=c.ema_decay_start, decay_end=c.ema_decay_end, decay_steps=c.ema_decay_steps,
                    dead_code_steps=c.dead_code_steps)
         st = dict(checkpointing=c.activation_checkpointing, temporal_attention=c.temporal_attention)
@@ -333,7 +328,7 @@ class WorldModel(nn.Module):
     @property
     def min_frames(self) -> int:
         """The shortest clip ``forward`` accepts: every rollout pass needs one position left to score."""
-        return len(self.rollout_weights) + 1
+        return len(self.config.rollout_weights) + 1
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -345,7 +340,7 @@ class WorldModel(nn.Module):
     # Pieces
     # ----------------------------------------------------------------------------------------------
     def check_frames(self, x: Tensor, name: str = "x", min_frames: int = 1) -> None:
-        C, H, W = self.in_channels, self.height, self.width
+        C, H, W = self.config.in_channels, self.config.height, self.config.width
         if x.ndim != 5 or tuple(x.shape[2:]) != (C, H, W):
             raise ValueError(f"{name}: expected shape [B, T, {C}, {H}, {W}], got {tuple(x.shape)}")
         if x.shape[1] < min_frames:
@@ -364,19 +359,19 @@ class WorldModel(nn.Module):
 
     def pos_embedding(self, length: int, t0: int | Tensor = 0) -> Tensor:
         """Spatial + temporal PE for frames ``t0..t0+length-1``: ``[length, N, D]`` or ``[B, length, N, D]``."""
-        temporal = temporal_pos_embedding(length, self.d_model, t0, self.spatial_pe.device)  # [(B,) T, D]
+        temporal = temporal_pos_embedding(length, self.config.d_model, t0, self.spatial_pe.device)  # [(B,) T, D]
         return (temporal[..., :, None, :] + self.spatial_pe).to(self.param_dtype)
 
     def sample_time_offset(self, batch: int, device: torch.device, generator: torch.Generator | None = None) -> Tensor:
         """The requirement's random temporal-PE start, one per sample: ``[B]`` ints in [0, max_time_offset]."""
-        return torch.randint(0, self.max_time_offset + 1, (batch,), device=device, generator=generator)
+        return torch.randint(0, self.config.max_time_offset + 1, (batch,), device=device, generator=generator)
 
     def sample_token_mask(self, B: int, T: int, device: torch.device, generator: torch.Generator | None = None) -> Tensor | None:
         """Bernoulli(mask_prob) token mask ``[B, T, N]`` in training, None otherwise."""
-        if not self.training or self.mask_prob == 0.0:
+        if not self.training or self.config.mask_prob == 0.0:
             return None
         N = self.grid[0] * self.grid[1]
-        return torch.rand(B, T, N, device=device, generator=generator) < self.mask_prob
+        return torch.rand(B, T, N, device=device, generator=generator) < self.config.mask_prob
 
     def apply_token_mask(self, tokens: Tensor, mask: Tensor | None) -> Tensor:
         if mask is None:
@@ -526,7 +521,7 @@ class WorldModel(nn.Module):
 
         predictions, pass_losses = self._rollout_passes(x, z_raw, z_masked, mask, pe, actions.quantized, world_in,
                                                         reuse_prefix)
-        prediction_loss = sum(w * l for w, l in zip(self.rollout_weights, pass_losses))
+        prediction_loss = sum(w * l for w, l in zip(self.config.rollout_weights, pass_losses))
         weight_action, weight_world = self.commitment_weights(T)
         loss = prediction_loss + weight_action * actions.commit_loss + weight_world * world.commit_loss
 
@@ -553,7 +548,8 @@ class WorldModel(nn.Module):
         predictions: list[Tensor] = []
         pass_losses: list[Tensor] = []
         past = None
-        for k in range(len(self.rollout_weights)):
+        passes = len(self.config.rollout_weights)
+        for k in range(passes):
             first = k if reuse_prefix else 0  # the first position this pass computes
             if k == 0:
                 inputs = z_masked[:, :-1]  # frames 0..T-2
@@ -568,7 +564,7 @@ class WorldModel(nn.Module):
             pred = new if first == 0 else torch.cat([predictions[-1][:, :first], new], dim=1)
             predictions.append(pred)
             pass_losses.append((pred[:, k:].float() - target[:, k:].float()).pow(2).mean())  # positions k..T-2
-            if reuse_prefix and k + 1 < len(self.rollout_weights):  # positions 0..k, copied (not views of the rest)
+            if reuse_prefix and k + 1 < passes:  # positions 0..k, copied (not views of the rest)
                 past = [(keys[:, :, : k + 1].clone(), values[:, :, : k + 1].clone()) for keys, values in cache]
         return predictions, pass_losses
 
@@ -583,15 +579,14 @@ class WorldModel(nn.Module):
         world vector per clip). A per-element commitment weighted by ``beta`` itself would be ``C*H*W / Da``
         times (2048x at the defaults) stronger than the requirement's; on the synthetic world it pinned every
         action vector to one code and the actions were never learned."""
-        elements = self.in_channels * self.height * self.width
         c = self.config
-        return (self.beta_action * c.d_code_action / elements,
-                self.beta_world * c.d_code_world / (max(T - 1, 1) * elements))
+        elements = c.in_channels * c.height * c.width
+        return c.beta_action * c.d_code_action / elements, c.beta_world * c.d_code_world / (max(T - 1, 1) * elements)
 
     @property
     def log_keys(self) -> list[str]:
         """The keys of ``compute(...).logs``, in order."""
-        rollouts = [f"Dynamics_Predictor/rollout_{k}_loss" for k in range(1, len(self.rollout_weights))]
+        rollouts = [f"Dynamics_Predictor/rollout_{k}_loss" for k in range(1, len(self.config.rollout_weights))]
         return [
             "Total/loss", "Dynamics_Predictor/prediction_loss", "Dynamics_Predictor/tf_loss", *rollouts,
             "Action_Encoder/commit_loss", "Action_Encoder/codebook_loss",

@@ -261,7 +261,7 @@ def test_token_masking_reaches_world_encoder_and_predictor_but_not_actions():
     with torch.no_grad():
         mask = model.train().compute(x, step=None, t0=0).token_mask
     hook.remove()
-    assert len(fed) == len(model.rollout_weights)
+    assert len(fed) == len(model.config.rollout_weights)
     pe = model.pos_embedding(6, 0)  # [T, N, D]
     masked_input = (model.mask_token + pe).detach()
     with torch.no_grad():
@@ -435,7 +435,7 @@ def test_temporal_attention_kernel_reaches_every_temporal_attention_and_gives_th
         out.loss.backward()
         results.append((out.loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
     # every temporal attention of the step ran the Triton kernel: the encoders' once, the predictor's per pass
-    passes = len(model.rollout_weights)
+    passes = len(model.config.rollout_weights)
     assert sorted(launches) == sorted([b.mask for b in model.action_encoder.transformer.blocks]
                                       + [b.mask for b in model.world_encoder.transformer.blocks]
                                       + [b.mask for b in model.dynamics.transformer.blocks] * passes)
