@@ -86,6 +86,20 @@ def _metric_name(key: str) -> str:
     return key.replace("/", "__")  # ModuleDict keys cannot hold "/" or "."
 
 
+def _use_this_runs_kernel(optimizer: torch.optim.Optimizer) -> None:
+    """A restored optimizer's param groups keep the old run's kernel choice (a CPU run resumed on a GPU, fp16
+    resumed as bf16): give them this run's (``fused``, ``foreach``, ``capturable``, as ``configure_optimizers``
+    chose), with the step counts where that kernel wants them (on the device for fused/capturable)."""
+    defaults = getattr(optimizer, "defaults", {})
+    for group in optimizer.param_groups:
+        group.update({key: defaults[key] for key in ("fused", "foreach", "capturable") if key in defaults})
+        on_device = bool(group.get("fused") or group.get("capturable"))
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].to(p.device if on_device else "cpu", torch.float32)
+
+
 class WorldModelModule(L.LightningModule):
     """Trains a :class:`WorldModel` on batches ``{"latents": [B, T, C, H, W], ...}``.
 
@@ -211,20 +225,10 @@ class WorldModelModule(L.LightningModule):
         o = self.optim
         for config in self.trainer.lr_scheduler_configs:
             scheduler = config.scheduler
-            optimizer = scheduler.optimizer
-            groups = optimizer.param_groups
+            groups = scheduler.optimizer.param_groups
             for group, weight_decay in zip(groups, (o.weight_decay, 0.0)):
                 group.update(initial_lr=o.lr, weight_decay=weight_decay, betas=tuple(o.betas), eps=o.eps)
-                # the kernel as this run chose it (a CPU run resumed on a GPU, fp16 resumed as bf16): the restored
-                # group keeps the old run's, and the step counts sit where that kernel wants them
-                for key in ("fused", "foreach", "capturable"):
-                    if key in getattr(optimizer, "defaults", {}):
-                        group[key] = optimizer.defaults[key]
-                on_device = bool(group.get("fused") or group.get("capturable"))
-                for p in group["params"]:
-                    state = optimizer.state.get(p, {})
-                    if torch.is_tensor(state.get("step")):
-                        state["step"] = state["step"].to(p.device if on_device else "cpu", torch.float32)
+            _use_this_runs_kernel(scheduler.optimizer)
             scheduler.base_lrs = [o.lr] * len(groups)
             for group, factor in zip(groups, scheduler.lr_lambdas):  # the lr at the restored step
                 group["lr"] = o.lr * factor(scheduler.last_epoch)
