@@ -73,11 +73,17 @@ def read_checkpoint(path: str | Path, label: str = "", what: str = "checkpoint")
     return checkpoint
 
 
+def trained_window(checkpoint: dict[str, Any]) -> int | None:
+    """The frames per window the checkpoint's run trained on (its data module's hyperparameters), None if unknown."""
+    window = (checkpoint.get("datamodule_hyper_parameters") or {}).get("window")
+    return None if window is None else int(window)
+
+
 def warn_window_mismatch(checkpoint: dict[str, Any], window: int, path: str | Path) -> None:
-    """Warn (one line) where ``data.window`` differs from the window the checkpoint's run trained on (its data
-    module's hyperparameters): validation metrics and code dictionaries depend on it, and a command given no
+    """Warn (one line) where ``data.window`` differs from the window the checkpoint's run trained on
+    (:func:`trained_window`): validation metrics and code dictionaries depend on it, and a command given no
     ``--config`` has the default, 16."""
-    trained = (checkpoint.get("datamodule_hyper_parameters") or {}).get("window")
+    trained = trained_window(checkpoint)
     if trained is not None and int(trained) != int(window):
         rank_zero_warn(f"data.window = {window}, but {path} was trained on {trained}-frame windows: working on "
                        f"{window}-frame windows (--data.window={trained}, or the run's --config RUN_DIR/config.yaml, "

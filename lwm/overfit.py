@@ -46,6 +46,17 @@ class _Record(L.Callback):
             self.tf_losses.append(float(value))
 
 
+class _DataHparams(L.Callback):
+    """Writes the data module's hyperparameters into the checkpoints, as ``lwm fit`` does (``lwm generate`` reads
+    the trained window there): the fit here runs on a loader of its own, not the data module."""
+
+    def __init__(self, hparams: dict[str, Any]) -> None:
+        self.hparams = hparams
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        checkpoint["datamodule_hyper_parameters"] = dict(self.hparams)
+
+
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = ArgumentParser(
         prog="lwm overfit", description=__doc__.split("\n\n")[0],
@@ -94,6 +105,7 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
             os.environ["LWM_OVERFIT_DIR"] = trainer.default_root_dir = folder
             trainer.max_steps, trainer.max_epochs = args.steps, 1
             trainer.limit_val_batches, trainer.num_sanity_val_steps, trainer.val_check_interval = 0, 0, 1.0
+            trainer.check_val_every_n_epoch = 1  # (a config's null, validation counted across epochs, needs an int)
             # every loss of every step, --steps optimizer steps of one batch each, whatever the config says
             trainer.log_every_n_steps, trainer.accumulate_grad_batches, trainer.limit_train_batches = 1, 1, 1.0
             self.config.checkpoint.dirpath = None  # into the overfit folder, never over a run's checkpoints
@@ -113,7 +125,7 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
     item = files[(args.file, args.start)]
     loader = DataLoader(_Repeat(item, args.steps), batch_size=1)
     record = _Record()
-    cli.trainer.callbacks.append(record)
+    cli.trainer.callbacks += [record, _DataHparams(dm.hparams)]
     cli.trainer.fit(model, train_dataloaders=loader)
     dm.teardown("fit")
     signum = interrupted_by(cli.trainer)

@@ -11,6 +11,7 @@ import h5py
 import pytest
 import torch
 
+from lwm.checkpoint import trained_window
 from lwm.cli import main
 from tests.lightning.helpers import make_dataset, read_metrics, run, tiny_args, train_series
 
@@ -214,12 +215,17 @@ def test_overfit_drives_the_tf_loss_towards_zero(tmp_path, capsys):
     assert min(tf[-10:]) < 0.1 * tf[0], (tf[0], tf[-10:])
     assert "overfit: teacher-forcing loss" in capsys.readouterr().out
     first = (tmp_path / "run/overfit/metrics.csv").read_bytes()
-    # again, with a config that logs rarely and accumulates: a fresh folder, every step logged, --steps steps
+    # again, with a config that logs rarely, accumulates and validates by steps across epochs (configs/demo.yaml's
+    # check_val_every_n_epoch: null): a fresh folder, every step logged, --steps steps
     again = tiny_args(manifest, tmp_path / "run", "--trainer.log_every_n_steps=50",
-                      "--trainer.accumulate_grad_batches=3", verb="overfit")
+                      "--trainer.accumulate_grad_batches=3", "--trainer.check_val_every_n_epoch=null",
+                      "--trainer.val_check_interval=500", verb="overfit")
     assert main([*again, "--steps", "4"]) == 0
     rows = [r for r in read_metrics(tmp_path / "run/overfit_2") if "Train_Dynamics_Predictor/tf_loss" in r]
     assert [int(r["step"]) for r in rows] == [0, 1, 2, 3]
+    # its checkpoint names the trained window, as a fit's does (`lwm generate` slides by it)
+    ckpt = torch.load(tmp_path / "run/overfit_2/checkpoints/last.ckpt", weights_only=True)
+    assert trained_window(ckpt) == 6
     assert (tmp_path / "run/overfit/metrics.csv").read_bytes() == first  # the first run's file as it was
 
 
