@@ -10,9 +10,9 @@ from the ground truth, drawn uniformly per level, or given as indices. Rollouts 
 window slide it. Writes the video (the ground truth on top, as far as the file has it, blank after its last
 frame; then one row per rollout; decoded by the file's codec, else latent channels 0-2 as RGB) and
 ``VIDEO.mp4.h5`` (the video's name + ``.h5``) with the latents. The default video,
-``RUN_DIR/generated/FILE_START_CONTEXT+STEPS_ACTIONS-WORLD_seedS_stepK.mp4``, names the frames, where the codes
-come from and the checkpoint's step; an existing video or latents file is refused before any work unless
-``--overwrite``.
+``RUN_DIR/generated/FILE_START_CONTEXT+STEPS_ACTIONS-WORLD_seedS_stepK.mp4`` (:func:`default_name`), names the
+frames, where the codes come from and the checkpoint's step; an existing video or latents file is refused before
+any work unless ``--overwrite``.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--action-indices", help="JSON list of action code tuples, one per transition (overrides --actions)")
     p.add_argument("--world", choices=WORLDS, default="inferred",
                    help="where the world code comes from (inferred: from the training window's length of frames "
-                        "from --start, whatever --steps)")
+                        "from --start, whatever --steps; the context's, where longer)")
     p.add_argument("--world-indices", help="JSON world code tuple (overrides --world)")
     p.add_argument("--codes", help="code dictionary (default: codes.pt beside the checkpoint)")
     p.add_argument("--window", type=int, help="frames the predictor attends to (default: its training window)")
@@ -87,10 +87,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def default_name(args: argparse.Namespace, step: int) -> str:
-    """The default video's name, ``FILE_START_CONTEXT+STEPS_ACTIONS-WORLD[_uniform]_seedS_stepK.mp4`` (``K``: the
-    checkpoint's global ``step``): runs of other lengths, of another checkpoint, that take their codes from other
-    sources, or draw them otherwise, get other names. Given indices are ``given-`` and 6 hex digits of a hash of
-    the codes played (the first context + steps - 1 action tuples), so other indices are another name."""
+    """The default video's name, ``FILE_START_CONTEXT+STEPS_ACTIONS-WORLD[_uniform][_codes-C][_windowW]_seedS_stepK.mp4``
+    (``K``: the checkpoint's global ``step``): runs of other lengths, of another checkpoint, that take their codes
+    from other sources (another ``--codes`` file ``C.pt``), draw them otherwise, or attend to another ``--window``
+    get other names. Given indices are ``given-`` and 6 hex digits of a hash of the codes played (the first
+    context + steps - 1 action tuples), so other indices are another name."""
     transitions = args.context + args.steps - 1
 
     def source(text: str | None, option: str, ndim: int, chosen: str) -> str:
@@ -102,9 +103,12 @@ def default_name(args: argparse.Namespace, step: int) -> str:
 
     actions = source(args.action_indices, "--action-indices", 2, args.actions)
     world = source(args.world_indices, "--world-indices", 1, args.world)
-    uniform = args.sampling == "uniform" and "dictionary" in (actions, world)  # draws of another distribution
-    return (f"{Path(args.data).stem}_{args.start}_{args.context}+{args.steps}_{actions}-{world}"
-            f"{'_uniform' if uniform else ''}_seed{args.seed}_step{step:07d}.mp4")
+    drawn = "dictionary" in (actions, world)
+    uniform = "_uniform" if drawn and args.sampling == "uniform" else ""  # draws of another distribution
+    codes = f"_codes-{Path(args.codes).stem}" if drawn and args.codes else ""  # another dictionary
+    window = f"_window{args.window}" if args.window is not None else ""
+    return (f"{Path(args.data).stem}_{args.start}_{args.context}+{args.steps}_{actions}-{world}{uniform}{codes}{window}"
+            f"_seed{args.seed}_step{step:07d}.mp4")
 
 
 def _parse_indices(text: str, option: str, ndim: int) -> np.ndarray:
@@ -157,12 +161,12 @@ def _decode(quantizer, indices: torch.Tensor, option: str) -> torch.Tensor:
 
 def run(args: argparse.Namespace) -> Path:
     """``lwm generate``: checks, the checkpoint and the clip, the world and the actions, the rollouts, the files."""
-    from lwm.checkpoint import checkpoint_file, load_checkpoint, read_checkpoint
+    from lwm.checkpoint import checkpoint_file, load_checkpoint, read_checkpoint, trained_window
 
     ckpt_path = checkpoint_file(args.ckpt_path)  # a run's folder: its last.ckpt
     # missing, foreign, torn: said first (read memory-mapped: no weights loaded yet); its step names the video
     step = int(read_checkpoint(ckpt_path, what="lwm checkpoint")["global_step"])
-    out = Path(args.out) if args.out else ckpt_path.parent.parent / "generated" / default_name(args, step)
+    out = Path(args.out) if args.out else _run_dir(ckpt_path) / "generated" / default_name(args, step)
     latents_path = out.with_suffix(out.suffix + ".h5")
     # both outputs, before any work: a folder in the way, or an input under an output's name (`--data X.gif.h5
     # --out X.gif` would write the latents over the file they are read from), or an earlier run's files
@@ -177,7 +181,8 @@ def run(args: argparse.Namespace) -> Path:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     raw, module = load_checkpoint(ckpt_path, map_location=device)
     model = module.model.eval()
-    trained = raw.get("datamodule_hyper_parameters", {}).get("window")  # frames per training window
+    trained = trained_window(raw)  # frames per training window (None: unknown)
+    _warn_world_phase(model, step)
     window = args.window if args.window is not None else (trained - 1 if trained else None)  # predictor inputs
     transitions = args.context + args.steps - 1  # actions the rollout needs: the context's, then one per step
 
@@ -209,6 +214,22 @@ def run(args: argparse.Namespace) -> Path:
         fps = fps / max(1, int(spec.get("frames_per_latent", 1)))
     _write(args, out, latents_path, rollouts, clip, decoder, codec, args.fps or fps)
     return out
+
+
+def _run_dir(ckpt_path: Path) -> Path:
+    """The run folder of a checkpoint: ``RUN_DIR`` of ``RUN_DIR/checkpoints/X.ckpt``, else the checkpoint's folder."""
+    return ckpt_path.parent.parent if ckpt_path.parent.name == "checkpoints" else ckpt_path.parent
+
+
+def _warn_world_phase(model, step: int) -> None:
+    """Under ``model.net.world_curriculum``, weights of global ``step`` that never trained with the world code (the
+    predictor got no world token, or the encoder's output unquantized): generation feeds them the code."""
+    phase = model.world_phase_at(max(step - 1, 0))  # the phase of the weights' last training step
+    if phase != "quantized":
+        off, unquantized = (int(n) for n in model.config.world_curriculum)
+        print(f"warning: the checkpoint (step {step}) is in the {phase!r} phase of model.net.world_curriculum "
+              f"[{off}, {unquantized}]: its predictor has not yet trained with the world code, which generation "
+              f"feeds it (training does from step {off + unquantized} on)", file=sys.stderr)
 
 
 def _read_clips(args: argparse.Namespace, model, trained: int | None,

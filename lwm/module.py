@@ -265,6 +265,12 @@ class WorldModelModule(L.LightningModule):
         return step if step and self.global_step == 0 else self.global_step
 
     @property
+    def weights_world_phase(self) -> str:
+        """What the predictor gets for the world (``model.net.world_curriculum``) as the weights' last training step
+        had it: what evaluating and playing these weights feeds it."""
+        return self.model.world_phase_at(max(self.weights_step - 1, 0))
+
+    @property
     def logged_step(self) -> int:
         """The step Lightning's loggers write this moment's scalars at, for what callbacks send themselves (wandb
         histograms, videos): while fitting ``_batches_that_stepped``, the optimizer steps done before this batch
@@ -418,9 +424,8 @@ class WorldModelModule(L.LightningModule):
         x = batch["latents"]
         if "file_index" in batch:  # [B, 3]: non-finite?, file, start; read once, at the end (no sync per batch)
             self._eval_windows.append(torch.stack([nonfinite_mask(x).long(), batch["file_index"], batch["start"]], 1))
-        # eval mode: no token mask, no codebook update; the world as the weights' last training step had it
-        phase = self.model.world_phase_at(max(self.weights_step - 1, 0))
-        out = self.model.compute(x, step=None, t0=0, world_phase=phase)
+        # eval mode: no token mask, no codebook update
+        out = self.model.compute(x, step=None, t0=0, world_phase=self.weights_world_phase)
         for key, value in out.logs.items():
             metric = self.val_metrics[_metric_name(key)]
             metric.update(value, weight=x.shape[0])

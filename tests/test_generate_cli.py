@@ -542,6 +542,11 @@ def test_a_run_folder_or_last_stands_for_the_runs_last_checkpoint(trained, tmp_p
     (["--world-indices", " [1,2] ", "--world", "dictionary"], "ep00_0_1+16_dictionary-given-1bc866_seed0_step0000007.mp4"),
     (["--steps", "2", "--action-indices", "[[0, 0], [1, 2]]", "--seed", "5"],
      "ep00_0_1+2_given-3eb702-inferred_seed5_step0000007.mp4"),
+    (["--window", "3"], "ep00_0_1+16_dictionary-inferred_window3_seed0_step0000007.mp4"),
+    (["--codes", "d/other.pt", "--sampling", "uniform"],
+     "ep00_0_1+16_dictionary-inferred_uniform_codes-other_seed0_step0000007.mp4"),
+    (["--codes", "d/other.pt", "--actions", "random"],  # nothing drawn from the dictionary: no _codes
+     "ep00_0_1+16_random-inferred_seed0_step0000007.mp4"),
 ])
 def test_the_default_video_name_tells_the_frames_codes_sources_seed_and_checkpoint_apart(extra, name):
     from lwm.generate import default_name, parse
@@ -660,3 +665,24 @@ def test_a_ground_truth_the_file_has_in_part_is_shown_then_blank(trained, tmp_pa
     shown = "decoded by the stand-in codec" if codec == "decoded" else "latent channels 0-2 shown as RGB"
     assert (f"wrote {out} (ground truth: 4 of 7 frames, then 2 rollouts of 6 frames after 1 context frame; {shown}"
             in capsys.readouterr().out)
+
+
+def test_a_checkpoint_outside_a_checkpoints_folder_writes_beside_itself_and_a_curriculum_phase_warns(trained, tmp_path,
+                                                                                                  capsys):
+    """A checkpoint copied elsewhere (not RUN_DIR/checkpoints/): its default video goes to its own folder's
+    generated/, not the folder above. Weights still in a world_curriculum warm-up (the predictor has not trained
+    with the world code generation feeds it) are warned about."""
+    _, ckpt, data = trained
+    raw = torch.load(ckpt, weights_only=True)
+    raw["hyper_parameters"]["net"]["world_curriculum"] = [2, 5]  # step 3: the weights of step 2, unquantized phase
+    copy = tmp_path / "solo/m.ckpt"
+    copy.parent.mkdir()
+    torch.save(raw, copy)
+    capsys.readouterr()
+    assert main(["generate", "--ckpt_path", str(copy), "--data", str(data), "--steps", "2", "--rollouts", "1",
+                 "--actions", "random"]) == 0
+    assert (tmp_path / "solo/generated/ep00_0_1+2_random-inferred_seed0_step0000003.mp4").is_file()
+    assert not (tmp_path / "generated").exists()
+    assert ("warning: the checkpoint (step 3) is in the 'unquantized' phase of model.net.world_curriculum [2, 5]: its "
+            "predictor has not yet trained with the world code, which generation feeds it (training does from step 7 "
+            "on)") in capsys.readouterr().err

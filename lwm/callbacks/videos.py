@@ -16,12 +16,12 @@ from lwm.video import grid, latent_preview, write_video
 
 class RolloutVideos(L.Callback):
     """Every ``every_n_validations``-th validation of a fit (the first included; the count is checkpointed), and
-    at ``lwm validate``, on rank 0: the first ``clips`` clips
-    of the first validation batch are generated from their first frame with their inferred actions and world
-    code (the predictor's cached rollout, frames 1..T-1), and written as ``RUN_DIR/videos/step_NNNNNNN.mp4``
-    (each clip: ground truth above, rollout below; decoded to pixels by the validation files' codec when lwm
-    has it, else latent channels 0-2 as RGB) and
-    logged to wandb as ``Val_Dynamics_Predictor/rollout_video``."""
+    at ``lwm validate``, on rank 0: the first ``clips`` clips of the first validation batch are generated from
+    their first frame with their inferred actions and world code (as validation feeds it, under a
+    ``world_curriculum``; the predictor's cached rollout, frames 1..T-1), and written as
+    ``RUN_DIR/videos/step_NNNNNNN.mp4`` (each clip: ground truth above, rollout below; decoded to pixels by the
+    validation files' codec when lwm has it, else latent channels 0-2 as RGB) and logged to wandb as
+    ``Val_Dynamics_Predictor/rollout_video``."""
 
     def __init__(self, every_n_validations: int = 4, clips: int = 2, fps: int = 4) -> None:
         bad = [f"rollout_videos.{name} must be >= 1, got {value}" for name, value in
@@ -61,7 +61,8 @@ class RolloutVideos(L.Callback):
             return
         model = pl_module.model
         with torch.no_grad():
-            actions, world = model.encode_actions(clip).quantized, model.encode_world(clip).quantized
+            actions = model.encode_actions(clip).quantized
+            world = model.world_input(model.encode_world(clip), pl_module.weights_world_phase)  # as validation feeds it
             generated = model.generate(clip[:, :1], actions, world, steps=clip.shape[1] - 1)
         rollout = torch.cat([clip[:, :1], generated], dim=1).cpu()
         codec = trainer.datamodule.codec() if hasattr(trainer.datamodule, "codec") else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import replace
 from unittest import mock
 
@@ -440,14 +441,20 @@ def test_the_world_curriculum_follows_the_global_step_in_training_and_validation
     phases of steps 1, 3, 5)."""
     from lwm.modules.world_model import WorldModel
 
-    calls = []
-    original = WorldModel.compute
+    calls, videos = [], []
+    original, generate = WorldModel.compute, WorldModel.generate
 
     def spy(self, x, step, *args, **kwargs):
         calls.append((self.training and step is not None, kwargs.get("world_phase")))
         return original(self, x, step, *args, **kwargs)
 
+    def spy_generate(self, context, actions, world, *args, **kwargs):
+        if sys._getframe(1).f_code.co_filename.endswith("videos.py"):  # the rollout videos' (not the dPSNR's)
+            videos.append(world)
+        return generate(self, context, actions, world, *args, **kwargs)
+
     monkeypatch.setattr(WorldModel, "compute", spy)
+    monkeypatch.setattr(WorldModel, "generate", spy_generate)
     manifest = make_dataset(tmp_path / "data", files=4)
     assert run(manifest, tmp_path / "run", "--trainer.max_steps=6", "--model.net.world_curriculum=[2, 2]",
                "--trainer.val_check_interval=2", "--trainer.check_val_every_n_epoch=null",
@@ -457,6 +464,8 @@ def test_the_world_curriculum_follows_the_global_step_in_training_and_validation
     validation = [phase for train, phase in calls if not train and phase is not None]
     per = len(validation) // 3  # the same batches each time
     assert validation == ["off"] * per + ["unquantized"] * per + ["quantized"] * per and per >= 1, validation
+    # the rollout video of the first validation (every 4th) plays the world as that validation scored it: none
+    assert len(videos) == 1 and videos[0].abs().max() == 0
 
 
 # under DeepSpeed the engine skips overflowing steps itself: its count is read after each step's last batch
