@@ -32,6 +32,7 @@ from lwm.data.datamodule import LatentDataModule
 from lwm.errors import ConfigError
 from lwm.loggers import WandbConfig, make_loggers, run_log_dir
 from lwm.module import WorldModelModule
+from lwm.nonfinite import deepspeed_checks_overflow
 
 
 def _interpolations_within_the_config() -> None:
@@ -385,7 +386,9 @@ class LwmCLI(LightningCLI):
         plugins = list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
         if not deepspeed and not any(isinstance(p, CheckpointIO) for p in plugins):
             kwargs.setdefault("plugins", plugins + [AtomicCheckpointIO()])
-        return super().instantiate_trainer(**kwargs)
+        trainer = super().instantiate_trainer(**kwargs)
+        deepspeed_checks_overflow(trainer.strategy)  # bf16: a NaN/inf gradient skips the step (DeepSpeed 0.19.2: not)
+        return trainer
 
     def _run_subcommand(self, subcommand: str) -> None:
         if subcommand in ("validate", "test", "predict") and self.trainer.is_global_zero:

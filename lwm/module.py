@@ -39,7 +39,8 @@ from lwm.data.windows import nonfinite_mask, nonfinite_windows, window_name
 from lwm.errors import ConfigError, NonFiniteLossError
 from lwm.metrics import WeightedMean, psnr_from_mse
 from lwm.modules.world_model import WorldModel, WorldModelConfig
-from lwm.nonfinite import SkippedSteps, deepspeed_scaling_loss, deepspeed_skipped_steps
+from lwm.nonfinite import (SkippedSteps, check_deepspeed_skips_overflow, deepspeed_scaling_loss,
+                           deepspeed_skipped_steps)
 from lwm.seeds import seeded_generator
 
 
@@ -215,6 +216,7 @@ class WorldModelModule(L.LightningModule):
 
     def on_train_start(self) -> None:
         self.apply_optim_config()
+        check_deepspeed_skips_overflow(self._trainer)
         self.skips.engine_start(deepspeed_skipped_steps(self._trainer))  # restored with a resumed engine
 
     def apply_optim_config(self) -> None:
@@ -340,8 +342,13 @@ class WorldModelModule(L.LightningModule):
         return bool(optimizer.defaults.get("fused")) and getattr(optimizer, "_step_supports_amp_scaling", False) \
             and self._scaler is None
 
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        super().optimizer_step(*args, **kwargs)
+        # DeepSpeed's engine has stepped (or skipped) by now: counted before any callback's batch-end hook, so that
+        # a stop on too many skips in a row leaves the checkpoints as they were (none written at the failing step)
         self._count_deepspeed_skips()
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._last_batch = None  # the non-finite check of this step is done: hold no batch through validation
         if not accumulating(self.trainer):  # after this step's verdict: a skip shows on the row of the step it skipped
             self.log("Train_Total/skipped_steps", self.skips.as_tensor(self.device))
@@ -355,8 +362,11 @@ class WorldModelModule(L.LightningModule):
         count = deepspeed_skipped_steps(self._trainer)
         if count is None or not self.skips.reading_engine or accumulating(self.trainer):
             return
-        scaling = deepspeed_scaling_loss(self.trainer.strategy.deepspeed_engine)
-        self._check_in_a_row(self.skips.engine_count(count, scaling_loss=scaling))
+        engine = self.trainer.strategy.deepspeed_engine
+        norm = engine.get_global_grad_norm()  # the engine's own (its clipping's); None where it computes none
+        if norm is not None:
+            self.log("Train_Total/grad_norm", norm)
+        self._check_in_a_row(self.skips.engine_count(count, scaling_loss=deepspeed_scaling_loss(engine)))
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Skip the update when the gradient norm is not finite: on the device with a fused AdamW (no host

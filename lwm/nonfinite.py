@@ -98,3 +98,26 @@ def deepspeed_scaling_loss(engine: Any) -> bool:
     config = getattr(optimizer, "loss_scale_config", optimizer)  # DeepSpeed >= 0.18 keeps them in a config
     dynamic, scale = getattr(config, "dynamic_loss_scale", False), getattr(config, "cur_scale", None)
     return bool(dynamic) and scale is not None and float(scale) >= 1.0
+
+
+def check_deepspeed_skips_overflow(trainer: Any) -> None:
+    """Raise :class:`~lwm.errors.ConfigError` where a DeepSpeed engine in bf16 would apply a non-finite gradient:
+    its ZeRO optimizer skips such a step only with ``bf16.check_grad_overflow`` (off by default in DeepSpeed 0.19.2;
+    lwm's CLI turns it on, :func:`deepspeed_checks_overflow`), and lwm's guard counts the steps the engine skips."""
+    from lwm.errors import ConfigError
+
+    engine = getattr(getattr(trainer, "strategy", None), "deepspeed_engine", None) if trainer is not None else None
+    optimizer = getattr(engine, "optimizer", None)
+    if getattr(optimizer, "check_grad_overflow", True) is False and engine.bfloat16_enabled():
+        raise ConfigError("DeepSpeed bf16 with check_grad_overflow off: a NaN/inf gradient would update the weights "
+                          "(lwm skips such steps); set bf16.check_grad_overflow: true in the DeepSpeed config")
+
+
+def deepspeed_checks_overflow(strategy: Any) -> None:
+    """Have a DeepSpeed strategy in bf16 skip steps whose gradient is not finite (``bf16.check_grad_overflow``, off by
+    default in DeepSpeed 0.19.2, on in later versions): Lightning writes ``bf16: {enabled: true}`` only where the
+    config has no ``bf16`` section, so one written here first is kept. A config's own setting stays."""
+    precision = getattr(getattr(strategy, "precision_plugin", None), "precision", None)
+    config = getattr(strategy, "config", None)
+    if isinstance(config, dict) and precision in ("bf16-mixed", "bf16-true"):
+        config.setdefault("bf16", {"enabled": True}).setdefault("check_grad_overflow", True)

@@ -1,8 +1,12 @@
 """The skipped-step counts: the host, device and DeepSpeed-engine paths agree on one sequence of verdicts."""
 
+from types import SimpleNamespace
+
+import pytest
 import torch
 
-from lwm.nonfinite import SkippedSteps, deepspeed_scaling_loss
+from lwm.errors import ConfigError
+from lwm.nonfinite import SkippedSteps, check_deepspeed_skips_overflow, deepspeed_checks_overflow, deepspeed_scaling_loss
 
 VERDICTS = [False, True, True, False, True, True, True, False]  # True: the step's gradient was not finite
 
@@ -50,3 +54,35 @@ def test_an_engine_scales_the_loss_only_dynamically_and_at_a_scale_of_at_least_o
     assert not deepspeed_scaling_loss(engine(dynamic_loss_scale=False, cur_scale=2.0**16))
     assert not deepspeed_scaling_loss(NS(optimizer=NS()))  # bf16: no loss scale
     assert deepspeed_scaling_loss(NS(optimizer=NS(dynamic_loss_scale=True, cur_scale=4.0)))  # DeepSpeed < 0.18
+
+
+def test_lwm_turns_on_deepspeeds_bf16_overflow_check_which_its_zero_optimizer_then_reads():
+    """DeepSpeed 0.19.2 (lwm's minimum) skips a bf16 step with a NaN/inf gradient only with bf16.check_grad_overflow,
+    off by default there: lwm writes it into the strategy's config, and Lightning's formatting keeps it."""
+    from lightning.pytorch.plugins.precision import DeepSpeedPrecision
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    for precision, expected in (("bf16-mixed", {"enabled": True, "check_grad_overflow": True}), ("32-true", None)):
+        strategy = DeepSpeedStrategy(stage=2)
+        strategy.precision_plugin = DeepSpeedPrecision(precision)
+        deepspeed_checks_overflow(strategy)
+        strategy._format_config()  # what Lightning does at setup
+        assert strategy.config.get("bf16") == expected
+    from deepspeed.runtime.precision_config import get_bfloat16_config
+
+    assert get_bfloat16_config({"bf16": {"enabled": True, "check_grad_overflow": True}}).check_grad_overflow is True
+    own = DeepSpeedStrategy(config={"bf16": {"enabled": True, "check_grad_overflow": False}})  # a config's own: kept
+    own.precision_plugin = DeepSpeedPrecision("bf16-mixed")
+    deepspeed_checks_overflow(own)
+    assert own.config["bf16"]["check_grad_overflow"] is False
+
+
+def test_a_deepspeed_bf16_engine_that_would_apply_a_nan_update_is_refused():
+    optimizer = SimpleNamespace(check_grad_overflow=False)
+    trainer = SimpleNamespace(strategy=SimpleNamespace(deepspeed_engine=SimpleNamespace(
+        optimizer=optimizer, bfloat16_enabled=lambda: True)))
+    with pytest.raises(ConfigError, match="check_grad_overflow off: a NaN/inf gradient would update the weights"):
+        check_deepspeed_skips_overflow(trainer)
+    optimizer.check_grad_overflow = True
+    check_deepspeed_skips_overflow(trainer)
+    check_deepspeed_skips_overflow(SimpleNamespace(strategy=SimpleNamespace()))  # not DeepSpeed: nothing to check

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import replace
+from types import SimpleNamespace
 from unittest import mock
 
 import h5py
@@ -469,55 +470,60 @@ def test_the_world_curriculum_follows_the_global_step_in_training_and_validation
 
 
 # under DeepSpeed the engine skips overflowing steps itself: its count is read after each step's last batch
-def test_deepspeed_skips_count_as_skipped_steps_and_stop_the_run_in_a_row():
-    from types import SimpleNamespace
+def _engine_step(module: WorldModelModule, batch_idx: int) -> None:
+    """The module's optimizer_step as Lightning calls it under DeepSpeed (the engine steps inside ``optimizer.step``;
+    a stand-in here, whose count the test sets)."""
+    module.optimizer_step(0, batch_idx, SimpleNamespace(step=lambda closure=None: None))
 
+
+def test_deepspeed_skips_count_as_skipped_steps_and_stop_the_run_in_a_row():
     module = WorldModelModule(net=NET, max_nonfinite=3)
-    engine = SimpleNamespace(skipped_steps=4)  # a resumed engine's: skips before this process are not new
+    engine = SimpleNamespace(skipped_steps=4,  # a resumed engine's: skips before this process are not new
+                             get_global_grad_norm=lambda: 2.5)
     within = [False]  # inside an accumulation window?
     module._trainer = SimpleNamespace(strategy=SimpleNamespace(deepspeed_engine=engine), training=True, global_step=9,
                                       fit_loop=SimpleNamespace(_should_accumulate=lambda: within[0]))
-    module.log = lambda *args, **kwargs: None  # (this stand-in trainer has no logger connector)
+    logged = {}
+    module.log = lambda key, value, **kwargs: logged.update({key: value})  # (a stand-in trainer: no logger connector)
     module.skips.engine_start(4)  # what on_train_start reads from the engine
-    module.on_train_batch_end(None, None, 0)
-    assert module.skipped_steps == 0
+    _engine_step(module, 0)
+    assert module.skipped_steps == 0 and logged == {"Train_Total/grad_norm": 2.5}  # the engine's own norm
     engine.skipped_steps = 5  # one skipped step
-    module.on_train_batch_end(None, None, 1)
+    _engine_step(module, 1)
     assert module.skipped_steps == 1 and module.skips.in_a_row == 1
-    module.on_train_batch_end(None, None, 2)  # a step that went through: the run of skips is broken
+    _engine_step(module, 2)  # a step that went through: the run of skips is broken
     assert module.skipped_steps == 1 and module.skips.in_a_row == 0
     for i in range(2):
         engine.skipped_steps += 1
-        module.on_train_batch_end(None, None, 3 + i)
+        _engine_step(module, 3 + i)
     within[0] = True  # a micro-batch inside an accumulation window: the engine has not stepped, nothing read
-    module.on_train_batch_end(None, None, 5)
+    _engine_step(module, 5)
     assert module.skipped_steps == 3 and module.skips.in_a_row == 2
     within[0] = False
     engine.skipped_steps += 1
     with pytest.raises(NonFiniteLossError, match="3 consecutive steps had a non-finite"):
-        module.on_train_batch_end(None, None, 6)
+        _engine_step(module, 6)
 
 
 def test_deepspeed_fp16_overflows_count_towards_the_stop_only_below_a_loss_scale_of_one():
-    from types import SimpleNamespace
-
     module = WorldModelModule(net=NET, max_nonfinite=2)
     scaler = SimpleNamespace(dynamic_loss_scale=True, cur_scale=2.0**16)
-    engine = SimpleNamespace(skipped_steps=0, optimizer=SimpleNamespace(loss_scale_config=scaler))
+    engine = SimpleNamespace(skipped_steps=0, optimizer=SimpleNamespace(loss_scale_config=scaler),
+                             get_global_grad_norm=lambda: None)
     module._trainer = SimpleNamespace(strategy=SimpleNamespace(deepspeed_engine=engine), training=True, global_step=3,
                                       fit_loop=SimpleNamespace(_should_accumulate=lambda: False))
     module.log = lambda *args, **kwargs: None  # (this stand-in trainer has no logger connector)
     module.skips.engine_start(0)
     for i in range(4):  # the scale halving down from 2^16: skipped, counted, never a stop
         engine.skipped_steps += 1
-        module.on_train_batch_end(None, None, i)
+        _engine_step(module, i)
     assert module.skipped_steps == 4 and module.skips.in_a_row == 0
     scaler.cur_scale = 0.5  # below one: the loss or the data, no longer the scale
     engine.skipped_steps += 1
-    module.on_train_batch_end(None, None, 4)
+    _engine_step(module, 4)
     engine.skipped_steps += 1
     with pytest.raises(NonFiniteLossError, match="2 consecutive steps"):
-        module.on_train_batch_end(None, None, 5)
+        _engine_step(module, 5)
 
 
 def test_without_deepspeed_there_is_no_engine_count():
