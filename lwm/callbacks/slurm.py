@@ -4,14 +4,16 @@ preemption or requeue, and outside SLURM an interrupt (Ctrl-C, ``kill``).
 Lightning's SLURM auto-requeue (SIGUSR1, e.g. from ``sbatch --signal=USR1@90``) saves ``RUN_DIR/hpc_ckpt_N.ckpt``
 from within the signal handler, usually in the middle of a training step (the data fetcher has already drawn the
 next batches): a run resumed from it logs every step one higher, skips batches and no longer matches an
-uninterrupted run. :class:`SlurmRequeue` replaces that handler (once Lightning has set it, before the sanity
-check and at the start of training) by one that only takes note; at the next training batch end, the same one on
-every rank, it saves the hpc checkpoint and ``last.ckpt`` (with the same mid-epoch state as a step checkpoint),
-runs ``scontrol requeue`` on rank 0 and stops training, without the validation Lightning would start before an
-early stop. A signal during a fit's validation (which can outlast the grace time on a large split) is answered at
-the next validation batch end the same way, and the fit ends there: the resumed run goes on training, skipping
-the rest of that validation (its metrics are not logged). SIGTERM (SLURM's default preemption, ``scancel``) saves
-the same way, without the requeue: SLURM requeues a preempted job by itself. With several ranks they agree every
+uninterrupted run. :class:`SlurmRequeue` replaces that handler (once Lightning has set it, before the sanity check
+and at the start of training) by one that only takes note; at the next training batch end, the same one on every
+rank, it saves the hpc checkpoint and ``last.ckpt`` (with the same mid-epoch state as a step checkpoint), runs
+``scontrol requeue`` on rank 0 and stops training, without the validation Lightning would start before an early
+stop. A signal during a fit's validation (which can outlast the grace time on a large split) is answered at the
+next validation batch end the same way, and the fit ends there: the resumed run goes on training, skipping the rest
+of that validation (its metrics are not logged); a validation inside a gradient-accumulation window (a validation
+interval that is no multiple of ``accumulate_grad_batches``) runs to its end and the window's last batch answers (a
+save inside the window would lose its gradients). SIGTERM (SLURM's default preemption, ``scancel``) saves the same
+way, without the requeue: SLURM requeues a preempted job by itself. With several ranks they agree every
 ``every_n_steps`` steps (a collective and a host read: not every step), so the save comes at most that many steps
 after the signal (in a validation: every ``every_n_steps`` batches, among those every rank runs). A preempted run
 skips the end-of-training code dictionaries (:class:`~lwm.callbacks.codes.CodeDictionaries`): the grace time is
@@ -154,6 +156,9 @@ class SlurmRequeue(L.Callback):
         training state at once and end the fit; the resumed run skips the rest of this validation."""
         if not self._active or trainer.sanity_checking or trainer.state.fn != "fit":
             return
+        fit_loop = getattr(trainer, "fit_loop", None)  # (schedule.accumulating is for training batches only)
+        if fit_loop is not None and fit_loop._should_accumulate():  # a validation inside an accumulation window
+            return  # (an interval no multiple of it): the window's last batch answers (a save would lose its gradients)
         if trainer.world_size > 1 and (batch_idx % self.every_n_steps or batch_idx >= (self._val_batches or 0)):
             return
         if self._preempt(trainer):

@@ -6,19 +6,22 @@ validation windows from its ``val`` files, each rank its own share, the sampler 
   the split's non-overlapping windows divided by the global batch.
 * Resume: the train loader is a :class:`ResumableDataLoader`; Lightning stores its ``state_dict`` (epoch and
   batches consumed) in every checkpoint and restores it, so a resumed run draws exactly the batches an
-  uninterrupted run would have drawn.
+  uninterrupted run would have drawn; where the train files, the window or the epoch length changed since the
+  checkpoint, it warns. The data module's own state (the seed) keeps the checkpoint's validation subset too.
 * Validation: the val files' non-overlapping windows in a seeded order, the first ``val_size_percent`` of
   them (0: no validation, 1: all), dealt to ranks round-robin; the same windows at every validation.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import multiprocessing
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -61,20 +64,26 @@ def ignore_requeue_signal(worker_id: int) -> None:
 class ResumableDataLoader(DataLoader):
     """A DataLoader over a :class:`FileBatchSampler` that knows how many batches it has handed out this epoch.
 
-    ``state_dict() -> {"epoch", "batches", "seed", "global_batch"}``; after ``load_state_dict`` the next iteration
-    of that epoch starts at batch ``batches``. Lightning saves and restores it with the fit loop (it checks for
-    these two methods). A run resumed with another global batch (``batch_size`` x ranks) continues the epoch at
-    the same batch index, as Lightning's own count of the epoch's batches does, with a warning: its batches are
-    not the uninterrupted run's, and the epoch (of this run's length) holds more or fewer windows than one
-    epoch of either run. The sampler keeps the checkpoint's seed, with a warning where ``data.seed`` differs.
+    ``state_dict() -> {"epoch", "batches", "seed", "global_batch", "stream"}``; after ``load_state_dict`` the next
+    iteration of that epoch starts at batch ``batches``. Lightning saves and restores it with the fit loop (it
+    checks for these two methods). A run resumed with another global batch (``batch_size`` x ranks) continues the
+    epoch at the same batch index, as Lightning's own count of the epoch's batches does, with a warning: its
+    batches are not the uninterrupted run's, and the epoch (of this run's length) holds more or fewer windows
+    than one epoch of either run. The sampler keeps the checkpoint's seed, with a warning where ``data.seed``
+    differs (``on_seed``, if given, is told the checkpoint's seed). ``stream`` (:meth:`LatentDataModule.stream`:
+    the train files and their frames, the window, the epoch length setting) is what else decides the batches: a
+    resume where it differs from the checkpoint's warns in one line naming what changed (a checkpoint without
+    it: nothing to compare).
     """
 
     batch_sampler: FileBatchSampler
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, stream: dict[str, Any] | None = None,
+                 on_seed: Callable[[int], None] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if not isinstance(self.batch_sampler, FileBatchSampler):
             raise TypeError("ResumableDataLoader needs a FileBatchSampler as batch_sampler")
+        self.stream, self.on_seed = stream, on_seed
         self._consumed = 0
         self._resume: tuple[int, int] | None = None  # (epoch, batch) to start the next iteration at
 
@@ -93,22 +102,54 @@ class ResumableDataLoader(DataLoader):
         """Windows per step over every rank."""
         return self.batch_sampler.batch_size * self.batch_sampler.world_size
 
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.batch_sampler.epoch, "batches": self._consumed, **self.batch_sampler.state_dict(),
-                "global_batch": self.global_batch}
+    def state_dict(self) -> dict[str, Any]:
+        state = {"epoch": self.batch_sampler.epoch, "batches": self._consumed, **self.batch_sampler.state_dict(),
+                 "global_batch": self.global_batch}
+        if self.stream is not None:
+            state["stream"] = dict(self.stream)
+        return state
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         seed, epoch, batches = self.batch_sampler.seed, int(state["epoch"]), int(state["batches"])
         self.batch_sampler.load_state_dict(state)
         if self.batch_sampler.seed != seed:
             rank_zero_warn(f"data.seed={seed} differs from the checkpoint's sampler seed {self.batch_sampler.seed}: "
-                           "the resumed run keeps drawing the checkpoint's batches (its seed)")
+                           "the resumed run keeps drawing the checkpoint's batches and validation windows (its seed)")
+        if self.on_seed is not None:
+            self.on_seed(self.batch_sampler.seed)
+        changed = stream_changes(state.get("stream"), self.stream)
+        if changed:
+            rank_zero_warn(f"resuming with {'; '.join(changed)}: epoch {epoch} continues at batch {batches} with "
+                           f"other batches than an uninterrupted run's")
         saved = int(state.get("global_batch", self.global_batch))  # (a checkpoint without it: taken as the same)
         if saved != self.global_batch:
             rank_zero_warn(f"resuming with a global batch of {self.global_batch} windows (batch_size x ranks), the "
                            f"checkpoint's run had {saved}: epoch {epoch} continues at batch {batches} of this run's "
                            f"{len(self.batch_sampler)}, with other batches than an uninterrupted run's")
         self._resume = (epoch, batches)
+
+
+def stream_changes(saved: dict[str, Any] | None, current: dict[str, Any] | None) -> list[str]:
+    """What differs between a checkpoint's :meth:`LatentDataModule.stream` and this run's, each as a few words
+    (empty where either is unknown)."""
+    if not saved or not current:
+        return []
+
+    def setting(value: Any) -> str:
+        return "null" if value is None else str(value)
+
+    changed = []
+    for key in ("window", "batches_per_epoch"):
+        if key in saved and saved[key] != current.get(key):
+            changed.append(f"data.{key} {setting(saved[key])} -> {setting(current.get(key))}")
+    if "train_digest" in saved and saved["train_digest"] != current.get("train_digest"):
+        files = (int(saved["train_files"]), current["train_files"])
+        frames = (int(saved["train_frames"]), current["train_frames"])
+        what = (f"{files[0]} files -> {files[1]} files" if files[0] != files[1] else
+                f"{frames[0]} frames -> {frames[1]} frames in {files[1]} files" if frames[0] != frames[1] else
+                "other files or frame counts")
+        changed.append(f"the train split changed since the checkpoint ({what})")
+    return changed
 
 
 class LatentDataModule(L.LightningDataModule):
@@ -121,7 +162,8 @@ class LatentDataModule(L.LightningDataModule):
         val_batch_size: windows per validation batch on each rank (None: batch_size).
         num_workers: DataLoader worker processes per rank (0: read in the main process).
         val_size_percent: fraction of the validation windows used at each validation, 0 (none) to 1 (all).
-        seed: seed of the training sampler and of the validation subset.
+        seed: seed of the training sampler and of the validation subset. A run resumed from a checkpoint (and
+            ``validate``/``test``/``predict`` given one) keeps the checkpoint's, with a warning where it differs.
         batches_per_epoch: override the epoch length in batches per rank (None: windows / global batch).
         check_files: at setup, open every file of the manifest and check its dataset (under the manifest's ``key``)
             and shape (headers only).
@@ -264,7 +306,40 @@ class LatentDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> ResumableDataLoader:
         sampler = self.train_sampler(*self._rank())
-        return ResumableDataLoader(self.train_set, batch_sampler=sampler, **self._loader_kwargs())
+        return ResumableDataLoader(self.train_set, batch_sampler=sampler, stream=self.stream(),
+                                   on_seed=self._keep_seed, **self._loader_kwargs())
+
+    def stream(self) -> dict[str, Any]:
+        """What decides the training batches besides the seed and the global batch, for the loader's state: the
+        manifest's train entries (their paths as written, frames and order: a digest, with their count and total
+        frames to name a change), ``window`` and ``batches_per_epoch``."""
+        entries = self.load_manifest().split("train")
+        listed = json.dumps([[e.path, int(e.frames)] for e in entries]).encode()
+        return {"train_files": len(entries), "train_frames": sum(int(e.frames) for e in entries),
+                "train_digest": hashlib.sha256(listed).hexdigest()[:16], "window": self.window,
+                "batches_per_epoch": self.batches_per_epoch}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The seed of the training stream and validation subset, restored before any loader is made (the train
+        loader's own state comes later, after a sanity check's validation): every verb given a checkpoint."""
+        return {"seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("seed") is None or int(state["seed"]) == self.seed:
+            return
+        seed, saved = self.seed, int(state["seed"])
+        fn = getattr(getattr(self.trainer, "state", None), "fn", None)  # (no trainer: as in a fit)
+        if fn in ("fit", None):
+            rank_zero_warn(f"data.seed={seed} differs from the checkpoint's sampler seed {saved}: the resumed run "
+                           "keeps drawing the checkpoint's batches and validation windows (its seed)")
+        elif fn == "validate" and self.val_size_percent < 1:
+            rank_zero_warn(f"data.seed={seed} differs from the checkpoint's {saved}: validating on the checkpoint "
+                           f"run's validation windows (its seed)")
+        self._keep_seed(saved)
+
+    def _keep_seed(self, seed: int) -> None:
+        """The checkpoint's seed, for the validation subset and the code dictionaries' windows too."""
+        self.seed = seed
 
     def fixed_windows(self, dataset: H5WindowDataset, limit: int | None = None) -> list[tuple[int, int]]:
         """This rank's share (round-robin) of the first ``limit`` (None: all) non-overlapping windows of

@@ -339,6 +339,129 @@ def test_a_resumed_loader_keeps_the_checkpoints_seed_and_says_so(dm_manifest):
     assert loader.batch_sampler.seed == 3
 
 
+def _variant(manifest: Path, edit) -> Path:
+    """A copy of ``manifest`` beside it (the same files), its entries changed by ``edit(files)``."""
+    doc = json.loads(manifest.read_text())
+    edit(doc["files"])
+    out = manifest.parent / "variant.json"
+    out.write_text(json.dumps(doc))
+    return out
+
+
+def _train(files: list[dict]) -> list[dict]:
+    return [f for f in files if f["split"] == "train"]
+
+
+def _add_train_file(files: list[dict], directory: Path) -> None:
+    write_h5(directory / "t8.h5", 20)
+    files.append({"path": "t8.h5", "key": "latents", "frames": 20, "split": "train"})
+
+
+def _reverse_train(files: list[dict]) -> None:
+    train = _train(files)
+    files[:] = train[::-1] + [f for f in files if f["split"] != "train"]
+
+
+# the train files t0..t7 hold 18, 20, ..., 32 frames: 200 in all
+@pytest.mark.parametrize(("settings", "edit", "change"), [
+    ({"window": 8}, None, "data.window 6 -> 8"),
+    ({"batches_per_epoch": 3}, None, "data.batches_per_epoch null -> 3"),
+    ({}, lambda files, d: files.remove(_train(files)[0]),
+     "the train split changed since the checkpoint (8 files -> 7 files)"),
+    ({}, _add_train_file, "the train split changed since the checkpoint (8 files -> 9 files)"),
+    ({}, lambda files, d: _train(files)[0].update(frames=12),
+     "the train split changed since the checkpoint (200 frames -> 194 frames in 8 files)"),
+    ({}, lambda files, d: _reverse_train(files), "the train split changed since the checkpoint (other files or frame "
+                                                 "counts)"),
+    ({"window": 8}, _add_train_file,
+     "data.window 6 -> 8; the train split changed since the checkpoint (8 files -> 9 files)"),
+])
+def test_a_resume_with_another_batch_stream_says_what_changed(dm_manifest, settings, edit, change):
+    """The loader's state records what else decides the batches (the train files and their frames, the window,
+    the epoch length setting): a resume where any of them changed warns in one line naming it, and its own
+    state records the new stream (a second resume from it is silent)."""
+    import warnings
+
+    first = _on_rank(dm_manifest, 0, 1).train_dataloader()
+    _set_sampler_epoch(first, 0)
+    it = iter(first)
+    for _ in range(2):
+        next(it)
+    state = first.state_dict()
+    manifest = _variant(dm_manifest, lambda files: edit(files, dm_manifest.parent)) if edit else dm_manifest
+    loader = _on_rank(manifest, 0, 1, **settings).train_dataloader()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loader.load_state_dict(state)
+    assert [str(w.message) for w in caught] == [
+        f"resuming with {change}: epoch 0 continues at batch 2 with other batches than an uninterrupted run's"]
+    again = _on_rank(manifest, 0, 1, **settings).train_dataloader()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        again.load_state_dict(loader.state_dict())
+    assert caught == []
+
+
+@pytest.mark.parametrize("edit", [None, "val file added", "old checkpoint"])
+def test_a_resume_with_the_same_batch_stream_is_silent(dm_manifest, edit):
+    """No warning where the train files, window and epoch length are the checkpoint's (another val file does
+    not change the batches), nor from a checkpoint of an earlier lwm (no stream recorded: nothing to compare)."""
+    import warnings
+
+    state = _on_rank(dm_manifest, 0, 1).train_dataloader().state_dict()
+    manifest = dm_manifest
+    if edit == "val file added":
+        write_h5(dm_manifest.parent / "v3.h5", 12)
+        manifest = _variant(dm_manifest, lambda files: files.append(
+            {"path": "v3.h5", "key": "latents", "frames": 12, "split": "val"}))
+    settings = {}
+    if edit == "old checkpoint":
+        state = {k: v for k, v in state.items() if k != "stream"}
+        settings = {"window": 8, "batches_per_epoch": 3}  # changed, but unknown to such a checkpoint
+    loader = _on_rank(manifest, 0, 1, **settings).train_dataloader()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loader.load_state_dict(state)
+    assert caught == []
+
+
+@pytest.mark.parametrize("restored_by", ["data module", "loader"])
+def test_a_resume_with_another_seed_validates_on_the_checkpoints_subset(dm_manifest, restored_by):
+    """data.seed changed on resume: the training batches and the validation subset both stay the checkpoint's,
+    as the warning says. A checkpoint holds the seed in the data module's state (restored before any loader is
+    made, a sanity check's included); one of an earlier lwm only in the train loader's, which tells the data
+    module when Lightning restores it."""
+    kept = _on_rank(dm_manifest, 0, 1, seed=3, val_size_percent=0.5)
+    assert kept.val_windows() != _on_rank(dm_manifest, 0, 1, seed=4, val_size_percent=0.5).val_windows()
+    expected = [_keys(b) for b in kept.train_dataloader()]
+    resumed = _on_rank(dm_manifest, 0, 1, seed=4, val_size_percent=0.5)
+    with pytest.warns(UserWarning, match=r"^data.seed=4 differs from the checkpoint's sampler seed 3: the resumed "
+                                         r"run keeps drawing the checkpoint's batches and validation windows "
+                                         r"\(its seed\)$"):
+        if restored_by == "data module":
+            resumed.load_state_dict(kept.state_dict())
+        else:
+            resumed.train_dataloader().load_state_dict(kept.train_dataloader().state_dict())
+    assert resumed.val_windows() == kept.val_windows()
+    assert [_keys(b) for b in resumed.train_dataloader()] == expected
+    assert resumed.state_dict() == {"seed": 3}  # and the next checkpoint keeps it
+
+
+def test_validate_from_a_checkpoint_uses_its_validation_subset(dm_manifest):
+    """`lwm validate --ckpt_path` with another data.seed validates on the windows the checkpoint's run validated
+    on (the fit's logged values are reproducible from the run's config.yaml, which a resume with another seed
+    rewrites), with a warning."""
+    fit = _on_rank(dm_manifest, 0, 1, seed=3, val_size_percent=0.5)
+    validate = _dm(dm_manifest, seed=4, val_size_percent=0.5)
+    validate.trainer = _FakeTrainer(0, 1)
+    validate.trainer.state = SimpleNamespace(fn="validate")
+    validate.setup("validate")
+    with pytest.warns(UserWarning, match=r"^data.seed=4 differs from the checkpoint's 3: validating on the "
+                                         r"checkpoint run's validation windows \(its seed\)$"):
+        validate.load_state_dict(fit.state_dict())
+    assert validate.val_windows() == fit.val_windows()
+
+
 @pytest.mark.parametrize(("key", "message"), [
     ("nope", "no dataset 'nope' (the key the manifest names"),
     ("actions", "dataset 'actions' must be 4-D [T, C, H, W], got shape"),

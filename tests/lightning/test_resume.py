@@ -190,6 +190,30 @@ def test_a_resume_with_another_batch_size_finishes_the_epoch_at_the_same_batch_i
     assert [epochs[s] for s in range(8)] == [0] * 7 + [1]
 
 
+def test_a_resume_with_another_seed_validates_as_the_uninterrupted_run(tmp_path):
+    """Resumed with another data.seed, the run keeps the checkpoint's (as the warning says) for its training
+    batches and for its validation subset (half the windows: a seeded draw): its losses and validation values
+    are the uninterrupted run's. `lwm validate --ckpt_path last` with that seed reports the fit's last
+    validation value (the windows the checkpoint's run validated on)."""
+    manifest = make_dataset(tmp_path / "data")
+    common = ["--trainer.val_check_interval=3", "--data.val_size_percent=0.5", "--checkpoint.every_n_train_steps=100"]
+    assert run(manifest, tmp_path / "a", *common, "--trainer.max_steps=8") == 0
+    assert run(manifest, tmp_path / "b", *common, "--trainer.max_steps=4") == 0
+    with pytest.warns(UserWarning, match=r"data.seed=5 differs from the checkpoint's sampler seed 0: the resumed run "
+                                         r"keeps drawing the checkpoint's batches and validation windows"):
+        assert run(manifest, tmp_path / "b", *common, "--trainer.max_steps=8", "--data.seed=5",
+                   "--ckpt_path=last") == 0
+    for key in ("Train_Total/loss", "Val_Total/loss"):
+        full, resumed = train_series(tmp_path / "a", key), train_series(tmp_path / "b", key)
+        assert sorted(resumed) == sorted(full) == (list(range(8)) if key.startswith("Train") else [2, 7]), key
+        assert torch.allclose(torch.tensor([resumed[s] for s in sorted(full)]),
+                              torch.tensor([full[s] for s in sorted(full)]), rtol=1e-5, atol=1e-7), key
+    assert run(manifest, tmp_path / "b", "--data.val_size_percent=0.5", "--data.seed=5", "--ckpt_path=last",
+               verb="validate") == 0
+    validated = [r["Val_Total/loss"] for r in read_metrics(tmp_path / "b/validate") if "Val_Total/loss" in r]
+    assert validated == [pytest.approx(train_series(tmp_path / "a", "Val_Total/loss")[7], rel=1e-5)]
+
+
 SLURM_ENV = {"SLURM_NTASKS": "1", "SLURM_JOB_NAME": "train", "SLURM_NODELIST": "localhost", "SLURM_JOB_ID": "1",
              "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NTASKS_PER_NODE": "1"}
 
@@ -253,6 +277,37 @@ def test_an_interrupt_outside_slurm_saves_last_ckpt_at_the_batch_end_and_resumes
     assert process_starts(tmp_path / "b") == [0]  # at step 3, where the stopped run left off
     assert torch.allclose(torch.tensor([resumed[s] for s in range(8)]), torch.tensor([full[s] for s in range(8)]),
                           rtol=1e-5, atol=1e-7)
+
+
+def test_an_interrupt_in_a_validation_inside_an_accumulation_window_saves_at_the_windows_end(tmp_path):
+    """With accumulate_grad_batches=2 and a validation after every batch (epochs of 5 batches), Ctrl-C at the
+    first batch of step 3 (epoch 1's first) comes before the validation after that batch, inside the window:
+    that validation runs to its end, the window's last batch saves (step 4, not a half-accumulated step 3) and
+    the resumed run trains as the uninterrupted one, loss for loss and weight for weight."""
+    import signal as signals
+
+    from tests.lightning.helpers import SendSignal
+
+    manifest = make_dataset(tmp_path / "data")
+    common = ["--trainer.max_steps=6", "--trainer.accumulate_grad_batches=2", "--trainer.val_check_interval=1",
+              "--checkpoint.every_n_train_steps=100", "--data.val_size_percent=0.5", "--data.val_batch_size=1"]
+    assert run(manifest, tmp_path / "a", *common) == 0
+    signal = ["--trainer.callbacks+=tests.lightning.helpers.SendSignal", "--trainer.callbacks.step=3",
+              "--trainer.callbacks.during=training", "--trainer.callbacks.name=SIGINT"]
+    assert run(manifest, tmp_path / "b", *common, *signal) == 128 + signals.SIGINT
+    assert SendSignal.validation_batches_after == [0, 1, 2]  # the validation inside the window, whole; none after
+    assert torch.load(tmp_path / "b/checkpoints/last.ckpt", weights_only=True)["global_step"] == 4
+    assert run(manifest, tmp_path / "b", *common, "--ckpt_path=last") == 0
+    full, resumed = train_series(tmp_path / "a"), train_series(tmp_path / "b")
+    assert sorted(full) == sorted(resumed) == list(range(6))
+    assert process_starts(tmp_path / "b") == [0]
+    assert torch.allclose(torch.tensor([resumed[s] for s in range(6)]), torch.tensor([full[s] for s in range(6)]),
+                          rtol=1e-5, atol=1e-7)
+    a = torch.load(tmp_path / "a/checkpoints/last.ckpt", weights_only=True)
+    b = torch.load(tmp_path / "b/checkpoints/last.ckpt", weights_only=True)
+    assert a["global_step"] == b["global_step"] == 6
+    for key, value in a["state_dict"].items():
+        assert torch.allclose(value.float(), b["state_dict"][key].float(), rtol=1e-4, atol=1e-6), key
 
 
 def test_a_resume_with_another_checkpoint_interval_keeps_ranking_the_step_files(tmp_path, recwarn):
