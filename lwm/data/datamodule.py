@@ -229,7 +229,7 @@ class LatentDataModule(L.LightningDataModule):
             manifest = Manifest.load(self.manifest_path)
             if self.check_files:
                 manifest.check_duplicates(files=True)  # links and hard links too (a stat per file: here only)
-                problems = []
+                problems, changed = [], []
                 rank_zero = (self.trainer.global_rank if self.trainer is not None else rank_zero_only.rank) == 0
                 for e in checking(manifest.entries, f"checking {len(manifest.entries)} files", show=rank_zero):
                     path = manifest.resolve(e)
@@ -241,9 +241,16 @@ class LatentDataModule(L.LightningDataModule):
                         continue
                     if info.frames < e.frames:
                         problems.append(f"{path}: {info.frames} frames, the manifest says {e.frames} (truncated?)")
+                    elif e.changed_since_checked(path.stat()):
+                        changed.append(path)
                 if problems:
                     raise DataError(f"{len(problems)} of {len(manifest.entries)} files in {manifest.path} refused:\n"
                                     + "\n".join(problems))
+                if changed:  # headers only here: their values (NaN/inf, range) were checked by `lwm data index`
+                    rank_zero_warn(f"{len(changed)} of {len(manifest.entries)} files in {manifest.path} changed since "
+                                   f"`lwm data index` checked their values (size or modification time; first: "
+                                   f"{changed[0]}): their values are not checked again here; `lwm data index` on their "
+                                   f"folder checks them (a copy that did not keep modification times shows as changed)")
             self.manifest = manifest
         return self.manifest
 

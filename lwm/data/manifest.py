@@ -1,7 +1,11 @@
 """The manifest: a JSON list of checked h5 files (paths relative to the manifest), frame counts and split.
 
     {"version": 1, "channels": 16, "height": 64, "width": 64,
-     "files": [{"path": "ep_0001.h5", "key": "latents", "frames": 240, "split": "train"}, ...]}
+     "files": [{"path": "ep_0001.h5", "key": "latents", "frames": 240, "split": "train",
+                "bytes": 7864832, "mtime": 1795000000.25}, ...]}
+
+(``bytes`` and ``mtime``: the file's size and modification time when its values were checked; optional, so that a
+run can tell a file changed since.)
 
 :func:`index_directory` checks every file first (:func:`lwm.data.h5.inspect_h5`) and refuses to write a
 manifest while any file is bad, naming each one.
@@ -45,6 +49,15 @@ class ManifestEntry:
     frames: int
     split: str
     key: str = "latents"
+    bytes: int | None = None  # the file's size when `lwm data index` checked its values (None: not recorded)
+    mtime: float | None = None  # its modification time then (seconds since the epoch)
+
+    def changed_since_checked(self, st: os.stat_result) -> bool:
+        """Whether the file (its ``stat``) differs in size or modification time (to the second: file systems and
+        copies keep different precisions) from when it was indexed; False where nothing was recorded."""
+        if self.bytes is None or self.mtime is None:
+            return False
+        return st.st_size != self.bytes or abs(st.st_mtime - self.mtime) >= 1.0
 
 
 @dataclass
@@ -64,7 +77,7 @@ class Manifest:
     def to_json(self) -> dict:
         return {
             "version": MANIFEST_VERSION, "channels": self.channels, "height": self.height, "width": self.width,
-            "files": [asdict(e) for e in self.entries],
+            "files": [{k: v for k, v in asdict(e).items() if v is not None} for e in self.entries],
         }
 
     def save(self, path: str | Path | None = None) -> Path:
@@ -118,7 +131,9 @@ class Manifest:
             if not isinstance(key, str) or not key:
                 raise DataError(f"{path}: manifest field missing or malformed ({where}'key' must be the name of "
                                 f"the latents dataset, got {_shown(key)})")
-            entries.append(ManifestEntry(f["path"], frames, split, key))
+            size, mtime = f.get("bytes"), f.get("mtime")  # optional: a malformed stamp is as none (nothing compared)
+            stamped = _is_int(size) and isinstance(mtime, (int, float)) and not isinstance(mtime, bool)
+            entries.append(ManifestEntry(f["path"], frames, split, key, *((size, float(mtime)) if stamped else ())))
         manifest = cls(path, *shape, entries)
         manifest.check_duplicates()
         return manifest
@@ -218,16 +233,19 @@ def _previous_splits(path: Path, shape: tuple[int, int, int] | None) -> dict[str
         return {}
 
 
-def _checked_files(directory: Path, tolerance: float) -> tuple[dict[Path, H5Info], tuple[int, int, int]]:
+def _checked_files(
+    directory: Path, tolerance: float
+) -> tuple[dict[Path, H5Info], dict[Path, os.stat_result], tuple[int, int, int]]:
     """Every h5 file under ``directory`` checked (`lwm generate`'s rollouts skipped, with a note) -> ``({file: its
-    info}, the [C, H, W] they share)``; a :class:`DataError` naming every bad file, and the files whose ``C, H, W``
-    differ from most files', one line each."""
+    info}, {file: its stat before the check}, the [C, H, W] they share)``; a :class:`DataError` naming every bad
+    file, and the files whose ``C, H, W`` differ from most files', one line each."""
     files = find_h5_files(directory)
     if not files:
         raise DataError(f"{directory}: no .h5/.hdf5 files found")
-    infos, problems = {}, []
+    infos, stats, problems = {}, {}, []
     for p in checking(files, f"checking {len(files)} files"):
         try:
+            stats[p] = p.stat()  # before reading: a write during the check shows as a change later
             infos[p] = inspect_h5(p, tolerance=tolerance)
         except GeneratedFile as e:  # `lwm generate`'s output, beside its video in the data folder
             print(f"note: {e}: skipped", file=sys.stderr)
@@ -246,7 +264,7 @@ def _checked_files(directory: Path, tolerance: float) -> tuple[dict[Path, H5Info
             del infos[p]
     if problems:
         raise DataError(f"{len(problems)} of {len(files)} files refused:\n" + "\n".join(sorted(problems)))
-    return infos, shape
+    return infos, stats, shape
 
 
 def _val_files(good: list[Path], relative: dict[Path, str], kept: dict[str, str], val_fraction: float,
@@ -301,14 +319,15 @@ def index_directory(
             head = f.read(1024).lstrip(b"\xef\xbb\xbf \t\r\n")
         if head and not head.startswith(b"{"):
             raise DataError(f"--out {out}: exists and is not a JSON manifest; not overwritten")
-    infos, shape = _checked_files(directory, tolerance)
+    infos, stats, shape = _checked_files(directory, tolerance)
     good = list(infos)
     base = out.parent.resolve()
     relative = {p: os.path.relpath(p.resolve(), base) for p in good}
     kept = {} if resplit else _previous_splits(out, shape)  # relative path -> split, of a manifest already there
     val = _val_files(good, relative, kept, val_fraction, seed)
     entries = [
-        ManifestEntry(relative[p], infos[p].frames, "val" if p in val else "train", infos[p].key)
+        ManifestEntry(relative[p], infos[p].frames, "val" if p in val else "train", infos[p].key, stats[p].st_size,
+                      stats[p].st_mtime)
         for p in good
     ]
     manifest = Manifest(out, *shape, entries)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -482,3 +483,30 @@ def test_the_manifests_key_is_checked_at_setup(manifest, key, message):
 def test_a_bad_seed_is_refused_naming_the_field(manifest, seed):
     with pytest.raises(DataError, match=rf"data\.seed must be an integer >= 0, got {seed!r}"):
         _dm(manifest, seed=seed)
+
+
+def test_a_file_changed_since_indexing_is_named_in_one_warning_before_any_work(manifest, recwarn):
+    """`lwm data index` records each checked file's size and modification time; a file written since (here one NaN
+    put into its latents in place: same size, the values unchecked by fit's header check) is named at setup."""
+    entries = json.loads(manifest.read_text())["files"]
+    stat = (manifest.parent / entries[0]["path"]).stat()
+    assert (entries[0]["bytes"], entries[0]["mtime"]) == (stat.st_size, stat.st_mtime)
+    _dm(manifest).setup("fit")
+    assert not [w for w in recwarn if "changed since" in str(w.message)]  # as indexed: nothing said
+
+    changed = (manifest.parent / entries[2]["path"]).resolve()
+    with h5py.File(changed, "r+") as f:
+        f["latents"][3, 0, 0, 0] = np.nan
+    later = stat.st_mtime + 60
+    os.utime(changed, (later, later))  # (a write within the same second as the index: a clock that moved on)
+    with pytest.warns(UserWarning, match=r"1 of 8 files in .* changed since `lwm data index` checked their values "
+                                         r"\(size or modification time; first: .*ep\d\.h5\): their values are not "
+                                         r"checked again here"):
+        _dm(manifest).setup("fit")
+    old = json.loads(manifest.read_text())  # a manifest of an earlier lwm, without the stamps: nothing to compare
+    for entry in old["files"]:
+        del entry["bytes"], entry["mtime"]
+    manifest.write_text(json.dumps(old))
+    recwarn.clear()
+    _dm(manifest).setup("fit")
+    assert not [w for w in recwarn if "changed since" in str(w.message)]

@@ -33,7 +33,9 @@ def test_index_writes_manifest_in_directory(data_dir):
     assert all(e.split == "train" and e.key == "latents" for e in m.entries)
     raw = json.loads(out.read_text())
     assert raw["version"] == 1 and (raw["channels"], raw["height"], raw["width"]) == (4, 8, 8)
-    assert raw["files"][3] == {"path": "ep_03.h5", "frames": 29, "split": "train", "key": "latents"}
+    stat = (data_dir / "ep_03.h5").stat()  # the checked file's size and modification time: a later change shows
+    assert raw["files"][3] == {"path": "ep_03.h5", "frames": 29, "split": "train", "key": "latents",
+                               "bytes": stat.st_size, "mtime": stat.st_mtime}
     assert not [p for p in data_dir.iterdir() if ".tmp" in p.name]  # no temp file left behind
 
 

@@ -236,8 +236,8 @@ def _contents(out) -> dict[str, bytes]:
 def test_other_settings_over_an_earlier_synth_are_refused_unless_overwrite(tmp_path, capsys):
     out = tmp_path / "s"
     assert lwm(["data", "synth", "--out", str(out), "--episodes", "4", "--frames", "6", "--size", "32"]) == 0
-    before = _contents(out)
     assert lwm(["data", "synth", "--out", str(out), "--episodes", "4", "--frames", "6", "--size", "32"]) == 0  # the same: fine
+    before = _contents(out)  # (the manifest records the files' modification times: the second run's)
     capsys.readouterr()
     for other in (["--frames", "8", "--size", "32"], ["--frames", "6", "--size", "64"], ["--frames", "6", "--size",
                                                                                            "32", "--seed", "3"]):
