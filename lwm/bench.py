@@ -31,7 +31,15 @@ that the timings are noisy (another process competing): rerun them. FLOPs are co
 one sample of the real step and multiplied by the batch (``FlopCounterMode`` plus the CPU attention kernel,
 which PyTorch counts as zero, with masked attention counted for the pairs the mask allows; the dense count is
 in the JSON; without activation checkpointing's recomputed forward). On a GPU, one fast-path step also runs under
-``torch.cuda.set_sync_debug_mode``: the host synchronisations it makes are counted (and listed in the JSON).
+``torch.cuda.set_sync_debug_mode``: the host synchronisations it makes are counted (and listed in the JSON, by
+``file:line`` with their counts).
+
+Each compiled variant (the fast path, each ``--kernels`` row, the Lightning step, each ``--max-batch`` trial) is
+compiled from fresh caches (``torch._dynamo.reset()``): its models are new instances of the same classes, whose code
+objects would otherwise keep the earlier variants' cache entries until dynamo's ``recompile_limit`` is hit and part
+of the step runs uncompiled. What dynamo still did in each variant (:class:`DynamoWatch`: recompile-limit hits,
+graph breaks, frames it could not compile, compilations during the timed steps) is in the JSON's ``dynamo`` of
+each variant, and a note says when a row is mis-measured by it.
 
 The **breakdown** times each part alone, forward and backward, with the step's shapes and precision
 (eager): tokenizer, detokenizer (every rollout pass, at the positions it computes), the spatial
@@ -50,14 +58,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import re
 import statistics
 import sys
 import time
+import warnings
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from rich.console import Console
@@ -66,7 +78,8 @@ from rich.table import Table
 from lwm.errors import ArgumentParser, ConfigError
 from lwm.modules import triton_attention
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = ROOT / "configs" / "tiny.yaml"
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -135,6 +148,8 @@ class StepClock:
         self.marks: list = []
 
     def mark(self) -> None:
+        if not self.marks and DynamoWatch.active is not None:  # the first mark: the timed steps start
+            DynamoWatch.active.timed_steps_start()
         if self.device.type == "cuda":
             event = torch.cuda.Event(enable_timing=True)
             event.record()
@@ -215,6 +230,14 @@ def reference_net(s: Setup):
     return replace(s.net, activation_checkpointing=False, temporal_attention="sdpa")
 
 
+def fresh_compile_caches() -> None:
+    """``torch._dynamo.reset()``, before each compiled variant is built: its models are new instances of the same
+    classes, whose code objects (``DynamicsPredictor.forward``, ...) would otherwise keep every earlier variant's
+    cache entries (about three each, one per rollout pass) until dynamo's ``recompile_limit`` (8) is hit; from
+    then on a rollout pass runs uncompiled at every timed step. Each variant is measured with its own caches."""
+    torch._dynamo.reset()
+
+
 def plain_step(s: Setup, fast: bool, compile_: bool = True, micro: int = 1) -> tuple[
         Callable[[], torch.Tensor], torch.nn.Module, torch.optim.Optimizer]:
     """One training step in a plain loop: the fast path (the config's precision, compile unless ``compile_`` is
@@ -225,6 +248,7 @@ def plain_step(s: Setup, fast: bool, compile_: bool = True, micro: int = 1) -> t
     torch.manual_seed(0)
     model = WorldModel(s.net if fast else reference_net(s)).to(s.device).train()
     if fast and s.compile and compile_:
+        fresh_compile_caches()
         model.compile_parts()
     cuda = s.device.type == "cuda"
     kwargs = dict(fused=True) if fast and cuda else dict(foreach=False)
@@ -265,6 +289,8 @@ def lightning_step_times(s: Setup, steps: int, warmup: int) -> list[float]:
     batch = {"latents": latents.pin_memory() if s.device.type == "cuda" else latents}
     loader = torch.utils.data.DataLoader([batch] * (warmup + steps + 1), batch_size=None)
     timer = Timer()
+    if s.compile:
+        fresh_compile_caches()  # the module compiles its parts when the Trainer sets it up
     torch.manual_seed(0)
     module = WorldModelModule(s.net, s.optim, compile=s.compile)
     trainer = L.Trainer(
@@ -438,15 +464,126 @@ class Timings:
 
     seconds: dict[str, list[float]] = field(default_factory=dict)
     memory: dict[str, float | None] = field(default_factory=dict)
+    dynamo: dict[str, dict] = field(default_factory=dict)  # DynamoWatch.result() of each variant
     notes: list[str] = field(default_factory=list)
-    host_syncs: list[str] | None = None  # in one fast-path step (GPU only)
+    host_syncs: list[dict] | None = None  # in one fast-path step (GPU only): sync_sites()
 
     def measure(self, label: str, run: Callable[[], list[float]], device: torch.device) -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
-        self.seconds[label] = list(run())
+        with DynamoWatch.watching() as watch:
+            self.seconds[label] = list(run())
         self.memory[label] = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+        self.dynamo[label] = watch.result()
+        if (note := dynamo_note(label, self.dynamo[label])) is not None:
+            self.notes.append(note)
+
+
+class DynamoWatch:
+    """What dynamo did in one variant, from its first step to its last timed one (``torch._dynamo.utils.counters``
+    and dynamo's recompile-limit warnings): all zero where nothing is compiled. :meth:`result`:
+
+    * ``graphs``: the graphs it compiled;
+    * ``recompile_limit_hits`` (and ``recompile_limit_functions``, where dynamo's warning was logged): a compiled
+      function that hit ``config.recompile_limit`` runs uncompiled from then on, wherever its cache has no entry;
+    * ``graph_breaks``, ``unsupported`` (frames dynamo could not compile, other than the recompile limit), each
+      reason's first line with its count;
+    * ``compiles_in_timed_steps``: frames compiled after the timed steps started (their compile time is timed;
+      None where the steps were not timed by a :class:`StepClock`)."""
+
+    active: ClassVar[DynamoWatch | None] = None  # the one watching now: StepClock's first mark tells it
+    LOGGER = "torch._dynamo.convert_frame"  # where dynamo warns "torch._dynamo hit config.recompile_limit (8)"
+
+    def __init__(self) -> None:
+        self.start, self.end = self.snapshot(), None
+        self.timed_start: dict[str, Counter] | None = None
+        self.hit_functions: list[str] = []
+
+    @staticmethod
+    def snapshot() -> dict[str, Counter]:
+        from torch._dynamo.utils import counters
+
+        return {k: Counter(counters.get(k, {})) for k in ("unimplemented", "graph_break", "stats", "frames")}
+
+    def timed_steps_start(self) -> None:
+        if self.timed_start is None:
+            self.timed_start = self.snapshot()
+
+    @classmethod
+    @contextmanager
+    def watching(cls) -> Iterator[DynamoWatch]:
+        watch = cls()
+        handler = _RecompileLimitHandler(watch.hit_functions)
+        logger = logging.getLogger(cls.LOGGER)
+        logger.addHandler(handler)
+        cls.active = watch
+        try:
+            yield watch
+        finally:
+            cls.active = None
+            logger.removeHandler(handler)
+            watch.end = watch.snapshot()
+
+    def result(self) -> dict:
+        end = self.end if self.end is not None else self.snapshot()
+        delta = {k: end[k] - self.start[k] for k in end}
+        limit = Counter({m: n for m, n in delta["unimplemented"].items() if "recompile limit" in m.lower()})
+        return {"graphs": delta["stats"]["unique_graphs"], "recompile_limit_hits": sum(limit.values()),
+                "recompile_limit_functions": list(self.hit_functions),
+                "graph_breaks": first_lines(delta["graph_break"]),
+                "unsupported": first_lines(delta["unimplemented"] - limit),
+                "compiles_in_timed_steps": None if self.timed_start is None
+                else (end["frames"] - self.timed_start["frames"])["total"]}
+
+
+def first_lines(counts: Counter) -> dict[str, int]:
+    """Dynamo's reasons (several lines each: explanation, hints) by their first line, with their counts."""
+    out: Counter = Counter()
+    for message, n in counts.items():
+        out[(message.strip().splitlines() or [""])[0]] += n
+    return dict(out)
+
+
+class _RecompileLimitHandler(logging.Handler):
+    """Collects the function named by each "torch._dynamo hit config.recompile_limit" warning."""
+
+    PATTERN = re.compile(r"hit config\.(\w+) \(([^)]*)\)\s*function: ([^\n]+)")
+
+    def __init__(self, into: list[str]) -> None:
+        super().__init__(logging.WARNING)
+        self.into = into
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            match = self.PATTERN.search(record.getMessage())
+        except Exception:  # a record that does not format: not ours
+            return
+        if match:
+            limit, value, function = match.groups()
+            self.into.append(f"{short_path(function.strip())} ({limit} {value})")
+
+
+def dynamo_note(label: str, d: dict) -> str | None:
+    """One note when dynamo ran part of a variant's step uncompiled, or compiled during its timed steps."""
+    problems = []
+    if d["recompile_limit_hits"]:
+        where = f" in {', '.join(d['recompile_limit_functions'])}" if d["recompile_limit_functions"] else ""
+        problems.append(f"hit its recompile limit {d['recompile_limit_hits']} time(s){where}: from then on that "
+                        "code runs uncompiled")
+    if d["graph_breaks"]:
+        problems.append(f"{sum(d['graph_breaks'].values())} graph break(s) ({'; '.join(d['graph_breaks'])})")
+    if d["unsupported"]:
+        problems.append(f"{sum(d['unsupported'].values())} frame(s) not compiled ({'; '.join(d['unsupported'])})")
+    if d["compiles_in_timed_steps"]:
+        problems.append(f"{d['compiles_in_timed_steps']} compilation(s) during the timed steps (more --warmup)")
+    return f"{label}: dynamo: {'; '.join(problems)}: this row is mis-measured" if problems else None
+
+
+def short_path(text: str) -> str:
+    """Paths in ``text`` relative to the repository (``lwm/...``) or to site-packages (``torch/...``)."""
+    text = text.replace(f"{ROOT}/", "")
+    return re.sub(r"\S*/(?:site|dist)-packages/", "", text)
 
 
 def time_variants(s: Setup, args: argparse.Namespace, progress: Progress) -> Timings:
@@ -518,7 +655,7 @@ def variant_rows(s: Setup, t: Timings, flops_useful: float, matmul: float, peak:
                      "frames_per_s": frames / seconds, "tokens_per_s": tokens / seconds, "tflop_per_s": achieved,
                      "mfu_peak": achieved * 1e12 / peak if peak else None, "mfu_matmul": achieved / matmul,
                      "speedup": reference / st["ms_median"] if reference else None,
-                     "peak_memory_gib": t.memory.get(label)})
+                     "peak_memory_gib": t.memory.get(label), "dynamo": t.dynamo.get(label)})
     return rows
 
 
@@ -568,7 +705,7 @@ def print_variants(console: Console, rows: list[dict], t: Timings, flops, matmul
                   soft_wrap=True)
     console.print(f"Lightning overhead: {'not measured' if overhead is None else f'{overhead:+.1f} ms/step (medians)'}"
                   f"; bf16 dense peak {f'{peak / 1e12:.0f} TFLOP/s' if peak else 'unknown here (--peak-tflops)'}; "
-                  f"host syncs in a fast-path step: {'-' if t.host_syncs is None else len(t.host_syncs)}",
+                  f"host syncs in a fast-path step: {'-' if t.host_syncs is None else sync_count(t.host_syncs)}",
                   soft_wrap=True)
     if warning:
         console.print(warning, soft_wrap=True, highlight=False, markup=False)
@@ -688,13 +825,11 @@ def fp32_matmuls() -> Iterator[None]:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
-def host_syncs(step: Callable[[], object], device: torch.device) -> list[str] | None:
+def host_syncs(step: Callable[[], object], device: torch.device) -> list[dict] | None:
     """The host synchronisations one (warm) step makes on a GPU, as ``torch.cuda.set_sync_debug_mode`` reports
-    them (None on the CPU)."""
+    them, by place (:func:`sync_sites`; None on the CPU)."""
     if device.type != "cuda":
         return None
-    import warnings
-
     sync(device)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -704,4 +839,22 @@ def host_syncs(step: Callable[[], object], device: torch.device) -> list[str] | 
         finally:
             torch.cuda.set_sync_debug_mode(0)
     sync(device)
-    return [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
+    return sync_sites(caught)
+
+
+def sync_sites(caught: list[warnings.WarningMessage]) -> list[dict]:
+    """The synchronisation warnings among ``caught``, one entry per place and message, in the order first met:
+    ``where`` (the ``file:line`` that made it, relative to the repository or site-packages), ``message`` (its first
+    line) and ``count``."""
+    sites: Counter = Counter()
+    for w in caught:
+        text = str(w.message)
+        if "synchroniz" in text:
+            sites[(f"{short_path(str(w.filename))}:{w.lineno}", text.strip().splitlines()[0])] += 1
+    return [{"where": where, "message": message, "count": n} for (where, message), n in sites.items()]
+
+
+def sync_count(sites: list[dict]) -> str:
+    """The host syncs of :func:`sync_sites`: their number, and at how many places."""
+    total = sum(site["count"] for site in sites)
+    return f"{total} (at {len(sites)} place{'s' if len(sites) != 1 else ''})" if total else "0"

@@ -426,3 +426,114 @@ def test_the_fit_probe_leaves_the_setups_batch_alone(monkeypatch):
     monkeypatch.setattr(bench, "runs_on_gpu", lambda make, calls=1: make() is not None)
     assert bench.fits_on_gpu(s)(7)
     assert s.x is x
+
+
+def test_each_compiled_variant_compiles_from_fresh_caches(monkeypatch, tmp_path):
+    """A review found every compiled variant (the fast path, each --kernels row, the Lightning step) adding dynamo
+    cache entries to the same code objects, about three each in ``DynamicsPredictor.forward`` (one per rollout
+    pass), until ``config.recompile_limit`` (8) was hit on the third and a rollout pass ran uncompiled in its timed
+    steps. Compiled here on the CPU with dynamo's eager backend (the same cache entries, without inductor's
+    compile time) and the limit at 4, so that two variants' entries exceed it: each variant compiles the same
+    graphs from fresh caches, dynamo hits no limit, and the JSON says so per variant."""
+    import lwm.bench as bench
+    from torch._dynamo.utils import counters
+
+    from lwm.modules.world_model import WorldModel
+
+    real_init, real_compile = bench.Setup.__init__, WorldModel.compile_parts
+
+    def init(self, cfg, device):
+        real_init(self, cfg, device)
+        self.compile = True  # model.compile, on the CPU too
+
+    monkeypatch.setattr(bench.Setup, "__init__", init)
+    monkeypatch.setattr(WorldModel, "compile_parts", lambda self, **kwargs: real_compile(self, backend="eager"))
+
+    def hits() -> int:  # dynamo's own count, whatever lwm bench records
+        return sum(n for message, n in counters["unimplemented"].items() if "recompile limit" in message)
+
+    before = hits()
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--config", "configs/tiny.yaml", "--steps", "1", "--warmup", "1", "--json", str(out),
+            "--no-breakdown", "--no-reference", "--model.net.height=16", "--model.net.width=16",
+            "--data.batch_size=2", "--data.window=5", "--kernels", "matmul"]
+    try:
+        with torch._dynamo.config.patch(recompile_limit=4):  # (monkeypatch would delete it from the config)
+            assert main(argv) == 0
+    finally:
+        torch._dynamo.reset()  # no compiled caches left to later tests
+    assert hits() == before
+    result = json.loads(out.read_text())
+    dynamo = {v["variant"]: v["dynamo"] for v in result["variants"]}
+    assert list(dynamo) == ["fast path", "fast path (temporal_attention=matmul)", "lightning"]
+    graphs = dynamo["fast path"]["graphs"]
+    for d in dynamo.values():
+        assert d == {"graphs": graphs, "recompile_limit_hits": 0, "recompile_limit_functions": [], "graph_breaks": {},
+                     "unsupported": {}, "compiles_in_timed_steps": 0}
+    assert graphs > 0 and not any("dynamo" in note for note in result["notes"])
+
+
+def test_the_dynamo_watch_records_recompile_limit_hits_graph_breaks_and_compiles_in_timed_steps():
+    """What makes a compiled row mis-measured is counted and named in a note: a function past its recompile limit
+    (from then on uncompiled for new shapes), a graph break, a compilation after the timed steps started."""
+    from lwm.bench import DynamoWatch, StepClock, dynamo_note
+
+    def scaled(x):
+        return x * 2
+
+    def broken(x):
+        x = x + 1
+        torch._dynamo.graph_break()
+        return x - 1
+
+    compiled = torch.compile(scaled, backend="eager", dynamic=False)
+    torch._dynamo.reset()
+    try:
+        with torch._dynamo.config.patch(recompile_limit=1), DynamoWatch.watching() as watch:
+            compiled(torch.ones(2))
+            compiled(torch.ones(3))  # a second shape: past the limit of 1, runs uncompiled
+        d = watch.result()
+        assert d["graphs"] == 1 and d["recompile_limit_hits"] == 1 and d["compiles_in_timed_steps"] is None
+        assert d["recompile_limit_functions"] == [
+            f"'scaled' (tests/test_bench.py:{scaled.__code__.co_firstlineno}) (recompile_limit 1)"]
+        note = dynamo_note("fast path", d)
+        assert note.startswith("fast path: dynamo: hit its recompile limit 1 time(s) in 'scaled' (tests/test_bench.py")
+        assert note.endswith("this row is mis-measured")
+
+        with DynamoWatch.watching() as watch:
+            torch.compile(broken, backend="eager")(torch.ones(2))
+            StepClock(torch.device("cpu")).mark()  # the timed steps start
+            torch.compile(lambda x: x - 3, backend="eager")(torch.ones(2))
+        d = watch.result()
+        assert d["recompile_limit_hits"] == 0 and sum(d["graph_breaks"].values()) == 1
+        assert d["compiles_in_timed_steps"] == 1 and d["graphs"] == 3
+        note = dynamo_note("x", d)
+        assert "1 graph break(s)" in note and "1 compilation(s) during the timed steps" in note
+        assert DynamoWatch.active is None
+        with DynamoWatch.watching() as watch:  # nothing compiled: nothing to say
+            scaled(torch.ones(2))
+        assert dynamo_note("reference", watch.result()) is None
+    finally:
+        torch._dynamo.reset()
+
+
+def test_host_syncs_are_listed_by_place_with_counts():
+    """Each host sync's ``file:line`` (relative to the repository or site-packages) and count, not only the
+    message, which is the same for all ("called a synchronizing CUDA operation")."""
+    import warnings
+
+    from lwm.bench import ROOT, sync_count, sync_sites
+
+    def caught(message, filename, lineno):
+        return warnings.WarningMessage(UserWarning(message), UserWarning, filename, lineno)
+
+    sync = "called a synchronizing CUDA operation (Triggered internally at ...)\nmore"
+    warned = [caught(sync, str(ROOT / "lwm/modules/vq.py"), 120),
+              caught("an unrelated warning", str(ROOT / "lwm/module.py"), 5),
+              caught(sync, "/usr/lib/python3/site-packages/torch/nn/utils/clip_grad.py", 88),
+              caught(sync, str(ROOT / "lwm/modules/vq.py"), 120)]
+    sites = sync_sites(warned)
+    message = "called a synchronizing CUDA operation (Triggered internally at ...)"
+    assert sites == [{"where": "lwm/modules/vq.py:120", "message": message, "count": 2},
+                     {"where": "torch/nn/utils/clip_grad.py:88", "message": message, "count": 1}]
+    assert sync_count(sites) == "3 (at 2 places)" and sync_count([]) == "0"
