@@ -284,13 +284,18 @@ def test_ranks_share_the_same_val_subset_as_one_process(dm_manifest):
     assert sorted(shards[0] + shards[1]) == sorted(single) and not set(shards[0]) & set(shards[1])
 
 
-def test_a_resumed_loader_counts_on_from_where_it_resumed(dm_manifest):
-    first = _on_rank(dm_manifest, 0, 1).train_dataloader()
-    _set_sampler_epoch(first, 0)
-    it = iter(first)
-    for _ in range(2):
+def _state_after(manifest: Path, batches: int, **settings) -> dict:
+    """The train loader's state after ``batches`` batches of epoch 0 (one process)."""
+    loader = _on_rank(manifest, 0, 1, **settings).train_dataloader()
+    _set_sampler_epoch(loader, 0)
+    it = iter(loader)
+    for _ in range(batches):
         next(it)
-    state = first.state_dict()
+    return loader.state_dict()
+
+
+def test_a_resumed_loader_counts_on_from_where_it_resumed(dm_manifest):
+    state = _state_after(dm_manifest, 2)
     loader = _on_rank(dm_manifest, 0, 1).train_dataloader()
     loader.load_state_dict(state)
     _set_sampler_epoch(loader, 0)
@@ -312,12 +317,7 @@ def test_a_state_saved_at_an_epoch_end_does_not_skip_the_next_epoch(dm_manifest)
 def test_a_run_resumed_with_another_global_batch_continues_at_the_same_batch_index(dm_manifest):
     """One process at batch 2 stopped after 3 batches; resumed on 2 ranks of batch 2 (global 4), epoch 0
     continues at batch 3, where Lightning's count of the epoch's batches is, with a warning naming both."""
-    first = _on_rank(dm_manifest, 0, 1, batch_size=2).train_dataloader()
-    _set_sampler_epoch(first, 0)
-    it = iter(first)
-    for _ in range(3):
-        next(it)
-    state = first.state_dict()
+    state = _state_after(dm_manifest, 3, batch_size=2)
     assert state["global_batch"] == 2
     for rank in range(2):
         loader = _on_rank(dm_manifest, rank, 2, batch_size=2).train_dataloader()
@@ -383,12 +383,7 @@ def test_a_resume_with_another_batch_stream_says_what_changed(dm_manifest, setti
     state records the new stream (a second resume from it is silent)."""
     import warnings
 
-    first = _on_rank(dm_manifest, 0, 1).train_dataloader()
-    _set_sampler_epoch(first, 0)
-    it = iter(first)
-    for _ in range(2):
-        next(it)
-    state = first.state_dict()
+    state = _state_after(dm_manifest, 2)
     manifest = _variant(dm_manifest, lambda files: edit(files, dm_manifest.parent)) if edit else dm_manifest
     loader = _on_rank(manifest, 0, 1, **settings).train_dataloader()
     with warnings.catch_warnings(record=True) as caught:
