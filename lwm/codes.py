@@ -255,6 +255,7 @@ def main(argv: list[str]) -> int:
     out = check_out(args.out) if args.out else check_output(default_codes_path(ckpt_path), "the code dictionary")
     checkpoint, module = load_checkpoint(ckpt_path)
     warn_window_mismatch(checkpoint, dm.window, ckpt_path)  # the codes depend on it
+    dm.keep_checkpoint_seed(checkpoint)  # the fit's windows (a resume with another data.seed rewrote config.yaml)
     dm.setup("fit")
     module.check_data(dm.frame_shape, dm.window, str(dm.manifest_path), model_from=str(ckpt_path))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -60,7 +60,7 @@ def test_file_round_trip_loads_with_weights_only(tmp_path):
         load_dictionaries(tmp_path / "nope.pt")
 
 
-def test_lwm_codes_equals_the_dictionaries_written_at_the_end_of_fit(tmp_path, capsys):
+def test_lwm_codes_equals_the_dictionaries_written_at_the_end_of_fit(tmp_path, capsys, monkeypatch):
     manifest = make_dataset(tmp_path / "data", files=5)
     root = tmp_path / "run"
     assert run(manifest, root, "--trainer.max_steps=3", "--data.val_size_percent=0") == 0
@@ -74,6 +74,21 @@ def test_lwm_codes_equals_the_dictionaries_written_at_the_end_of_fit(tmp_path, c
         assert torch.equal(at_fit[name].tuples, again[name].tuples) and torch.equal(at_fit[name].counts, again[name].counts)
         assert at_fit[name].total > 0
     assert "code tuples in use" in capsys.readouterr().out
+    # 3 seeded windows: the checkpoint's seed picks them, whatever data.seed says (a resume with another seed
+    # rewrites RUN_DIR/config.yaml; the fit's own windows are the checkpoint's seed's)
+    import lwm.codes
+
+    encoded, collect = [], lwm.codes.collect
+
+    def spy(model, loader, *rest):
+        encoded.append(list(loader.sampler))  # the (file, start) windows encoded
+        return collect(model, loader, *rest)
+
+    monkeypatch.setattr(lwm.codes, "collect", spy)
+    for seed in (0, 7):
+        assert main([*args, "--max-windows=3", f"--data.seed={seed}", f"--out={tmp_path / f'seed{seed}.pt'}"]) == 0
+    assert len(encoded[0]) == 3 and encoded[0] == encoded[1]
+    monkeypatch.undo()
     assert main(["codes", "--ckpt_path", str(tmp_path / "missing.ckpt")]) == 2
     with pytest.warns(UserWarning, match="data.window = 5, but .* was trained on 6-frame windows"):
         assert main([*args, "--data.window=5"]) == 0  # another window: other codes, said

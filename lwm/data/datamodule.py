@@ -112,9 +112,9 @@ class ResumableDataLoader(DataLoader):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         seed, epoch, batches = self.batch_sampler.seed, int(state["epoch"]), int(state["batches"])
         self.batch_sampler.load_state_dict(state)
-        if self.batch_sampler.seed != seed:
+        if self.batch_sampler.seed != seed:  # (a checkpoint of an earlier lwm: the data module's state restores it)
             rank_zero_warn(f"data.seed={seed} differs from the checkpoint's sampler seed {self.batch_sampler.seed}: "
-                           "the resumed run keeps drawing the checkpoint's batches and validation windows (its seed)")
+                           "the resumed run keeps drawing the checkpoint's batches (its seed)")
         if self.on_seed is not None:
             self.on_seed(self.batch_sampler.seed)
         changed = stream_changes(state.get("stream"), self.stream)
@@ -314,7 +314,7 @@ class LatentDataModule(L.LightningDataModule):
     def train_dataloader(self) -> ResumableDataLoader:
         sampler = self.train_sampler(*self._rank())
         return ResumableDataLoader(self.train_set, batch_sampler=sampler, stream=self.stream(),
-                                   on_seed=self._keep_seed, **self._loader_kwargs())
+                                   on_seed=self.keep_seed, **self._loader_kwargs())
 
     def stream(self) -> dict[str, Any]:
         """What decides the training batches besides the seed and the global batch, for the loader's state: the
@@ -342,11 +342,18 @@ class LatentDataModule(L.LightningDataModule):
         elif fn == "validate" and self.val_size_percent < 1:
             rank_zero_warn(f"data.seed={seed} differs from the checkpoint's {saved}: validating on the checkpoint "
                            f"run's validation windows (its seed)")
-        self._keep_seed(saved)
+        self.keep_seed(saved)
 
-    def _keep_seed(self, seed: int) -> None:
-        """The checkpoint's seed, for the validation subset and the code dictionaries' windows too."""
+    def keep_seed(self, seed: int) -> None:
+        """Take a checkpoint's seed (for the training stream, the validation subset and the code dictionaries'
+        windows), without a word: :meth:`load_state_dict` says where it differs, as the verb it serves."""
         self.seed = seed
+
+    def keep_checkpoint_seed(self, checkpoint: dict[str, Any]) -> None:
+        """:meth:`keep_seed` of a checkpoint read outside a Trainer (``lwm codes``), where it holds one."""
+        seed = (checkpoint.get(type(self).__qualname__) or {}).get("seed")
+        if seed is not None:
+            self.keep_seed(int(seed))
 
     def fixed_windows(self, dataset: H5WindowDataset, limit: int | None = None) -> list[tuple[int, int]]:
         """This rank's share (round-robin) of the first ``limit`` (None: all) non-overlapping windows of

@@ -53,11 +53,15 @@ class ManifestEntry:
     mtime: float | None = None  # its modification time then (seconds since the epoch)
 
     def changed_since_checked(self, st: os.stat_result) -> bool:
-        """Whether the file (its ``stat``) differs in size or modification time (to the second: file systems and
-        copies keep different precisions) from when it was indexed; False where nothing was recorded."""
+        """Whether the file (its ``stat``) differs in size or modification time from when it was indexed (a time
+        cut to the whole second, as a copy to a file system of coarser times keeps it, is the same); False where
+        nothing was recorded."""
         if self.bytes is None or self.mtime is None:
             return False
-        return st.st_size != self.bytes or abs(st.st_mtime - self.mtime) >= 1.0
+        if st.st_size != self.bytes:
+            return True
+        same_time = abs(st.st_mtime - self.mtime) < 1e-6  # (a float of seconds: microseconds survive JSON)
+        return not (same_time or st.st_mtime == math.floor(self.mtime))
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -431,9 +432,9 @@ def test_a_resume_with_another_seed_validates_on_the_checkpoints_subset(dm_manif
     assert kept.val_windows() != _on_rank(dm_manifest, 0, 1, seed=4, val_size_percent=0.5).val_windows()
     expected = [_keys(b) for b in kept.train_dataloader()]
     resumed = _on_rank(dm_manifest, 0, 1, seed=4, val_size_percent=0.5)
-    with pytest.warns(UserWarning, match=r"^data.seed=4 differs from the checkpoint's sampler seed 3: the resumed "
-                                         r"run keeps drawing the checkpoint's batches and validation windows "
-                                         r"\(its seed\)$"):
+    said = {"data module": "batches and validation windows", "loader": "batches"}[restored_by]  # (see the loader)
+    with pytest.warns(UserWarning, match=rf"^data.seed=4 differs from the checkpoint's sampler seed 3: the resumed "
+                                         rf"run keeps drawing the checkpoint's {said} \(its seed\)$"):
         if restored_by == "data module":
             resumed.load_state_dict(kept.state_dict())
         else:
@@ -489,11 +490,16 @@ def test_a_file_changed_since_indexing_is_named_in_one_warning_before_any_work(m
     _dm(manifest).setup("fit")
     assert not [w for w in recwarn if "changed since" in str(w.message)]  # as indexed: nothing said
 
+    first = manifest.parent / entries[0]["path"]  # copied to a file system of whole-second times: the same
+    os.utime(first, (math.floor(stat.st_mtime),) * 2)
+    _dm(manifest).setup("fit")
+    assert not [w for w in recwarn if "changed since" in str(w.message)]
+
     changed = (manifest.parent / entries[2]["path"]).resolve()
+    indexed = changed.stat().st_mtime
     with h5py.File(changed, "r+") as f:
         f["latents"][3, 0, 0, 0] = np.nan
-    later = stat.st_mtime + 60
-    os.utime(changed, (later, later))  # (a write within the same second as the index: a clock that moved on)
+    os.utime(changed, (indexed + 0.01,) * 2)  # written 10 ms after it was indexed: same size, another time
     with pytest.warns(UserWarning, match=r"1 of 8 files in .* changed since `lwm data index` checked their values "
                                          r"\(size or modification time; first: .*ep\d\.h5\): their values are not "
                                          r"checked again here"):
