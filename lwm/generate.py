@@ -224,7 +224,7 @@ def _run_dir(ckpt_path: Path) -> Path:
 def _warn_world_phase(model, step: int) -> None:
     """Under ``model.net.world_curriculum``, weights of global ``step`` that never trained with the world code (the
     predictor got no world token, or the encoder's output unquantized): generation feeds them the code."""
-    phase = model.world_phase_at(max(step - 1, 0))  # the phase of the weights' last training step
+    phase = model.world_phase_of_weights(step)
     if phase != "quantized":
         off, unquantized = (int(n) for n in model.config.world_curriculum)
         print(f"warning: the checkpoint (step {step}) is in the {phase!r} phase of model.net.world_curriculum "

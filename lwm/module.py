@@ -270,7 +270,7 @@ class WorldModelModule(L.LightningModule):
     def weights_world_phase(self) -> str:
         """What the predictor gets for the world (``model.net.world_curriculum``) as the weights' last training step
         had it: what evaluating and playing these weights feeds it."""
-        return self.model.world_phase_at(max(self.weights_step - 1, 0))
+        return self.model.world_phase_of_weights(self.weights_step)
 
     @property
     def logged_step(self) -> int:
@@ -344,21 +344,21 @@ class WorldModelModule(L.LightningModule):
 
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
         super().optimizer_step(*args, **kwargs)
-        # DeepSpeed's engine has stepped (or skipped) by now: counted before any callback's batch-end hook, so that
-        # a stop on too many skips in a row leaves the checkpoints as they were (none written at the failing step)
-        self._count_deepspeed_skips()
+        # DeepSpeed's engine has stepped (or skipped) by now: read before any callback's batch-end hook, so that a
+        # stop on too many skips in a row leaves the checkpoints as they were (none written at the failing step)
+        self._after_deepspeed_step()
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._last_batch = None  # the non-finite check of this step is done: hold no batch through validation
         if not accumulating(self.trainer):  # after this step's verdict: a skip shows on the row of the step it skipped
             self.log("Train_Total/skipped_steps", self.skips.as_tensor(self.device))
 
-    def _count_deepspeed_skips(self) -> None:
-        """Under DeepSpeed (which keeps its own gradient buffers: ``on_before_optimizer_step`` sees none), the
-        steps its engine skipped on an overflow count as ours: in ``skipped_steps`` and towards
-        ``max_nonfinite`` in a row, except, as with fp16's GradScaler, an overflow while its dynamic loss scale
-        is still >= 1 (its routine way to find the scale). A host integer of the engine's, read after the batch
-        that ends a step."""
+    def _after_deepspeed_step(self) -> None:
+        """Under DeepSpeed (which keeps its own gradient buffers: ``on_before_optimizer_step`` sees none), after the
+        engine's step at the batch that ends a step: its gradient norm is logged, and the steps it skipped on an
+        overflow (a host integer of the engine's) count as ours: in ``skipped_steps`` and towards ``max_nonfinite``
+        in a row, except, as with fp16's GradScaler, an overflow while its dynamic loss scale is still >= 1 (its
+        routine way to find the scale)."""
         count = deepspeed_skipped_steps(self._trainer)
         if count is None or not self.skips.reading_engine or accumulating(self.trainer):
             return

@@ -473,6 +473,11 @@ class WorldModel(nn.Module):
             return "quantized"
         return "off" if step < off else "unquantized"
 
+    def world_phase_of_weights(self, global_step: int) -> str:
+        """The :meth:`world_phase_at` the weights of ``global_step`` (a checkpoint's: optimizer steps done) last
+        trained in: what evaluating or playing them feeds the predictor."""
+        return self.world_phase_at(max(global_step - 1, 0))
+
     @staticmethod
     def world_input(world: RVQOutput, phase: str) -> Tensor:
         """The world vector the predictor gets in a :meth:`world_phase_at`: the code (straight-through to the encoder),
