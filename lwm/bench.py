@@ -148,8 +148,8 @@ class StepClock:
         self.marks: list = []
 
     def mark(self) -> None:
-        if not self.marks and DynamoWatch.active is not None:  # the first mark: the timed steps start
-            DynamoWatch.active.timed_steps_start()
+        if DynamoWatch.active is not None:  # the timed steps lie between the first mark and the last
+            DynamoWatch.active.timed_step_mark()
         if self.device.type == "cuda":
             event = torch.cuda.Event(enable_timing=True)
             event.record()
@@ -489,15 +489,16 @@ class DynamoWatch:
       function that hit ``config.recompile_limit`` runs uncompiled from then on, wherever its cache has no entry;
     * ``graph_breaks``, ``unsupported`` (frames dynamo could not compile, other than the recompile limit), each
       reason's first line with its count;
-    * ``compiles_in_timed_steps``: frames compiled after the timed steps started (their compile time is timed;
-      None where the steps were not timed by a :class:`StepClock`)."""
+    * ``compiles_in_timed_steps``: frames compiled between the first and the last :class:`StepClock` mark (their
+      compile time is timed; None where the steps were not timed by a StepClock)."""
 
-    active: ClassVar[DynamoWatch | None] = None  # the one watching now: StepClock's first mark tells it
+    active: ClassVar[DynamoWatch | None] = None  # the one watching now: StepClock's marks tell it
     LOGGER = "torch._dynamo.convert_frame"  # where dynamo warns "torch._dynamo hit config.recompile_limit (8)"
 
     def __init__(self) -> None:
         self.start, self.end = self.snapshot(), None
-        self.timed_start: dict[str, Counter] | None = None
+        self.timed_start: dict[str, Counter] | None = None  # at the first StepClock mark
+        self.timed_end: dict[str, Counter] | None = None  # at the last one
         self.hit_functions: list[str] = []
 
     @staticmethod
@@ -506,9 +507,10 @@ class DynamoWatch:
 
         return {k: Counter(counters.get(k, {})) for k in ("unimplemented", "graph_break", "stats", "frames")}
 
-    def timed_steps_start(self) -> None:
+    def timed_step_mark(self) -> None:
+        self.timed_end = self.snapshot()
         if self.timed_start is None:
-            self.timed_start = self.snapshot()
+            self.timed_start = self.timed_end
 
     @classmethod
     @contextmanager
@@ -534,7 +536,7 @@ class DynamoWatch:
                 "graph_breaks": first_lines(delta["graph_break"]),
                 "unsupported": first_lines(delta["unimplemented"] - limit),
                 "compiles_in_timed_steps": None if self.timed_start is None
-                else (end["frames"] - self.timed_start["frames"])["total"]}
+                else (self.timed_end["frames"] - self.timed_start["frames"])["total"]}
 
 
 def first_lines(counts: Counter) -> dict[str, int]:

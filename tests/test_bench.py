@@ -475,7 +475,8 @@ def test_each_compiled_variant_compiles_from_fresh_caches(monkeypatch, tmp_path)
 
 def test_the_dynamo_watch_records_recompile_limit_hits_graph_breaks_and_compiles_in_timed_steps():
     """What makes a compiled row mis-measured is counted and named in a note: a function past its recompile limit
-    (from then on uncompiled for new shapes), a graph break, a compilation after the timed steps started."""
+    (from then on uncompiled for new shapes), a graph break, a compilation between the timed steps' first and last
+    marks."""
     from lwm.bench import DynamoWatch, StepClock, dynamo_note
 
     def scaled(x):
@@ -501,12 +502,15 @@ def test_the_dynamo_watch_records_recompile_limit_hits_graph_breaks_and_compiles
         assert note.endswith("this row is mis-measured")
 
         with DynamoWatch.watching() as watch:
+            clock = StepClock(torch.device("cpu"))
             torch.compile(broken, backend="eager")(torch.ones(2))
-            StepClock(torch.device("cpu")).mark()  # the timed steps start
+            clock.mark()  # the timed steps start
             torch.compile(lambda x: x - 3, backend="eager")(torch.ones(2))
+            clock.mark()  # ... and end
+            torch.compile(lambda x: x + 5, backend="eager")(torch.ones(2))  # after them (an untimed batch): not counted
         d = watch.result()
         assert d["recompile_limit_hits"] == 0 and sum(d["graph_breaks"].values()) == 1
-        assert d["compiles_in_timed_steps"] == 1 and d["graphs"] == 3
+        assert d["compiles_in_timed_steps"] == 1 and d["graphs"] == 4
         note = dynamo_note("x", d)
         assert "1 graph break(s)" in note and "1 compilation(s) during the timed steps" in note
         assert DynamoWatch.active is None
