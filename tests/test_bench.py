@@ -477,7 +477,8 @@ def test_the_dynamo_watch_records_recompile_limit_hits_graph_breaks_and_compiles
     """What makes a compiled row mis-measured is counted and named in a note: a function past its recompile limit
     (from then on uncompiled for new shapes), a graph break, a compilation between the timed steps' first and last
     marks."""
-    from lwm.bench import DynamoWatch, StepClock, dynamo_note
+    from lwm.bench import StepClock
+    from lwm.dynamo_watch import DynamoWatch, dynamo_note
 
     def scaled(x):
         return x * 2
