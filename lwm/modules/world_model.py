@@ -251,6 +251,11 @@ class WorldModelConfig:
                           f"higher ema_decay_start avoid it", stacklevel=2)
 
 
+def _kv_prefix(cache: list[KV], length: int) -> list[KV]:
+    """Each block's temporal keys/values of the first ``length`` positions, copied (not views of the rest)."""
+    return [(keys[:, :, :length].clone(), values[:, :, :length].clone()) for keys, values in cache]
+
+
 def _nonfinite(value: object) -> bool:
     """Whether a float field (or a tuple field's float) is inf or nan."""
     values = value if isinstance(value, (tuple, list)) else (value,)
@@ -548,7 +553,6 @@ class WorldModel(nn.Module):
         the same inputs as pass k-1's, so (causal predictor) the same outputs and temporal keys/values: pass k
         computes positions k..T-2 only, after pass k-1's keys/values of positions 0..k-1. ``reuse_prefix=False``
         recomputes every position."""
-        positions = x.shape[1] - 1
         target = x[:, 1:]  # frames 1..T-1
         predictions: list[Tensor] = []
         pass_losses: list[Tensor] = []
@@ -558,20 +562,28 @@ class WorldModel(nn.Module):
             first = k if reuse_prefix else 0  # the first position this pass computes
             if k == 0:
                 inputs = z_masked[:, :-1]  # frames 0..T-2
-            else:  # the inputs of positions max(first, 1)..T-2: pass k-1's positions max(first-1, 0)..T-3
-                fed = self.tokenize(predictions[-1][:, max(first - 1, 0) : positions - 1])
-                if first == 0:
-                    fed = torch.cat([z_raw[:, :1], fed], dim=1)
-                inputs = self.apply_token_mask(fed, None if mask is None else mask[:, first:positions])
-                inputs = inputs + pe[..., first:positions, :, :]
+            else:
+                inputs = self._rollout_inputs(predictions[-1], first, z_raw, mask, pe)
             out, cache = self.dynamics(inputs, actions[:, first:], world, past=past)
-            new = self.detokenize(out)  # [B, T-1-first, C, H, W]: predictions of frames first+1..T-1
-            pred = new if first == 0 else torch.cat([predictions[-1][:, :first], new], dim=1)
+            pred = self.detokenize(out)  # [B, T-1-first, C, H, W]: predictions of frames first+1..T-1
+            if first:  # positions 0..first-1: pass k-1's (the same, by the proof)
+                pred = torch.cat([predictions[-1][:, :first], pred], dim=1)
             predictions.append(pred)
             pass_losses.append((pred[:, k:].float() - target[:, k:].float()).pow(2).mean())  # positions k..T-2
-            if reuse_prefix and k + 1 < passes:  # positions 0..k, copied (not views of the rest)
-                past = [(keys[:, :, : k + 1].clone(), values[:, :, : k + 1].clone()) for keys, values in cache]
+            if reuse_prefix and k + 1 < passes:
+                past = _kv_prefix(cache, k + 1)
         return predictions, pass_losses
+
+    def _rollout_inputs(self, previous: Tensor, first: int, z_raw: Tensor, mask: Tensor | None, pe: Tensor) -> Tensor:
+        """A rollout pass's inputs at positions ``first..T-2`` ``[B, T-1-first, N, D]``: frame 0 at position 0 (where
+        ``first`` is 0), then ``previous`` (the pass before's predictions ``[B, T-1, C, H, W]`` of frames 1..T-1)
+        re-tokenized, the frame predicted for position p fed at position p; masked as teacher forcing, PE added."""
+        positions = previous.shape[1]  # T-1
+        fed = self.tokenize(previous[:, max(first - 1, 0) : positions - 1])  # predictions of frames max(first, 1)..T-2
+        if first == 0:
+            fed = torch.cat([z_raw[:, :1], fed], dim=1)
+        fed = self.apply_token_mask(fed, None if mask is None else mask[:, first:positions])
+        return fed + pe[..., first:positions, :, :]
 
     def commitment_weights(self, T: int) -> tuple[float, float]:
         """The weights of the two commitment losses next to the per-element prediction MSE, for clips of ``T``.
