@@ -380,13 +380,23 @@ class WorldModelModule(L.LightningModule):
         self._grad_norm = norm  # clipping reuses it (configure_gradient_clipping)
         self.log("Train_Total/grad_norm", norm)
         if self._sync_free(optimizer):
-            nonfinite = ~torch.isfinite(norm)
-            optimizer.found_inf = nonfinite.float()  # fused AdamW: no update at all (moments, step count) when 1
-            optimizer.grad_scale = None
-            self.skips.on_device(nonfinite)
-            if is_logging_step(self.trainer):  # the one host read, at the logging interval
-                self._check_in_a_row(self.skips.in_a_row_on_device())
-            return
+            self._skip_on_device(optimizer, norm)
+        else:
+            self._skip_on_host(optimizer, norm)
+
+    def _skip_on_device(self, optimizer: torch.optim.Optimizer, norm: Tensor) -> None:
+        """A fused AdamW gets the verdict as a device tensor and skips the whole update itself: no host sync
+        (the count of skips in a row is read at the logging interval only)."""
+        nonfinite = ~torch.isfinite(norm)
+        optimizer.found_inf = nonfinite.float()  # fused AdamW: no update at all (moments, step count) when 1
+        optimizer.grad_scale = None
+        self.skips.on_device(nonfinite)
+        if is_logging_step(self.trainer):  # the one host read, at the logging interval
+            self._check_in_a_row(self.skips.in_a_row_on_device())
+
+    def _skip_on_host(self, optimizer: torch.optim.Optimizer, norm: Tensor) -> None:
+        """The verdict read on the host (one sync): fp16's GradScaler skips the step itself; otherwise the
+        gradients are dropped, and AdamW leaves parameters without one as they were."""
         if bool(torch.isfinite(norm)):
             self.skips.finite()
             return
@@ -420,10 +430,14 @@ class WorldModelModule(L.LightningModule):
                 f"{self.global_step}); stopped. {self._bad_windows_said()}The last checkpoint is intact: lower "
                 f"optim.lr, check the data (`lwm data index`), or raise model.max_nonfinite")
 
+    def _dataset(self, name: str) -> Any:
+        """The trainer's data module's ``train_set`` or ``val_set`` (None without one: another data source)."""
+        return getattr(getattr(self._trainer, "datamodule", None), name, None) if self._trainer is not None else None
+
     def _bad_windows_said(self) -> str:
         """The windows of the last training batch holding NaN/inf, named (a file gone bad after indexing), or ""."""
         batch = self._last_batch
-        dataset = getattr(getattr(self._trainer, "datamodule", None), "train_set", None) if self._trainer else None
+        dataset = self._dataset("train_set")
         if batch is None or "file_index" not in batch or getattr(dataset, "paths", None) is None:
             return ""
         bad = nonfinite_windows(batch, dataset.paths)
@@ -475,7 +489,7 @@ class WorldModelModule(L.LightningModule):
         """Name (warn) this rank's evaluated windows that hold NaN/inf, which make the epoch's metrics NaN: files
         gone bad after `lwm data index` checked them. One host read per evaluation."""
         windows, self._eval_windows = self._eval_windows, []
-        dataset = getattr(getattr(self._trainer, "datamodule", None), "val_set", None) if self._trainer else None
+        dataset = self._dataset("val_set")
         if not windows or getattr(dataset, "paths", None) is None:
             return
         rows = torch.cat(windows).cpu()
