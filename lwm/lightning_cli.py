@@ -205,7 +205,6 @@ class LwmCLI(LightningCLI):
         """``ckpt_path`` as a path: ``last`` is the run's latest checkpoint (:func:`lwm.resume.latest_checkpoint`:
         the highest global step among ``CHECKPOINT_DIR/last.ckpt``, else the step checkpoints beside it, and the
         hpc ones), ``CHECKPOINT_DIR/last.ckpt`` (RUN_DIR/checkpoints by default) where there is none yet."""
-        from pathlib import Path
 
         from lwm.resume import latest_checkpoint
 
@@ -367,28 +366,30 @@ class LwmCLI(LightningCLI):
         self._check_data()
 
     def instantiate_trainer(self, **kwargs: Any):
+        """Lightning's Trainer with lwm's run layout: checkpoints in ``RUN_DIR/checkpoints``, the loggers (CSV,
+        wandb) in RUN_DIR (``RUN_DIR/<verb>`` for validate/test/predict), atomic checkpoint writes."""
         trainer_config = self._get(self.config_init, "trainer", default={})
-        root = trainer_config.get("default_root_dir") or "."
+        run_dir = trainer_config.get("default_root_dir") or "."
         checkpoint = self._get(self.config_init, "checkpoint", default=None)
         if isinstance(checkpoint, ModelCheckpoint) and checkpoint.dirpath is None:  # RUN_DIR/checkpoints for
-            checkpoint.dirpath = os.path.realpath(os.path.join(root, "checkpoints"))  # every verb (ckpt_path last)
-        if self.subcommand in ("validate", "test", "predict"):  # never into the fit's metrics.csv / config.yaml
-            root = os.path.join(root, self.subcommand)
+            checkpoint.dirpath = os.path.realpath(os.path.join(run_dir, "checkpoints"))  # every verb (ckpt_path last)
         if trainer_config.get("logger") in (None, True):
-            resume = None  # not a fit: a wandb run of its own
-            if self.subcommand == "fit":  # resumed: its wandb run
-                resume = fit_resumes(self._checkpoint_path(self.config["fit"]), root)
-            kwargs.setdefault("logger", make_loggers(str(root), self._get(self.config_init, "wandb"),
-                                                     strict=not self._verb_free, resume=resume))
-        strategy = trainer_config.get("strategy")
-        deepspeed = isinstance(strategy, DeepSpeedStrategy) or (isinstance(strategy, str) and "deepspeed" in strategy)
-        plugins = trainer_config.get("plugins") or []
-        plugins = list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
-        if not deepspeed and not any(isinstance(p, CheckpointIO) for p in plugins):
-            kwargs.setdefault("plugins", plugins + [AtomicCheckpointIO()])
+            kwargs.setdefault("logger", self._default_loggers(run_dir))
+        plugins = _with_atomic_checkpoints(trainer_config)
+        if plugins is not None:
+            kwargs.setdefault("plugins", plugins)
         trainer = super().instantiate_trainer(**kwargs)
         deepspeed_checks_overflow(trainer.strategy)  # bf16: a NaN/inf gradient skips the step (DeepSpeed 0.19.2: not)
         return trainer
+
+    def _default_loggers(self, run_dir: str) -> list:
+        """The CSV logger and wandb (:func:`make_loggers`) in RUN_DIR, or ``RUN_DIR/<verb>`` for validate/test/predict
+        (never into the fit's metrics.csv or config.yaml); a resumed fit continues its wandb run."""
+        evaluating = self.subcommand in ("validate", "test", "predict")
+        log_dir = os.path.join(run_dir, self.subcommand) if evaluating else run_dir
+        resume = fit_resumes(self._checkpoint_path(self.config["fit"]), log_dir) if self.subcommand == "fit" else None
+        wandb = self._get(self.config_init, "wandb")
+        return make_loggers(str(log_dir), wandb, strict=not self._verb_free, resume=resume)
 
     def _run_subcommand(self, subcommand: str) -> None:
         if subcommand in ("validate", "test", "predict") and self.trainer.is_global_zero:
@@ -400,7 +401,6 @@ class LwmCLI(LightningCLI):
     def _warn_other_run(self, subcommand: str) -> None:
         """Warn (one line) where ``--ckpt_path`` is another run's checkpoint (``RUN/checkpoints/X.ckpt``, RUN holding
         a config.yaml): this command's files go under the config's ``trainer.default_root_dir``, not beside it."""
-        from pathlib import Path
 
         path = self._checkpoint_file(self.config[subcommand])
         if path is None:
@@ -450,6 +450,18 @@ def _option_names(parser: Any) -> list[str]:
         for sub in (getattr(action, "choices", None) or {}).values() if isinstance(action, argparse._SubParsersAction) else ():
             names += _option_names(sub)
     return names
+
+
+def _with_atomic_checkpoints(trainer_config: dict) -> list | None:
+    """The trainer's plugins plus :class:`AtomicCheckpointIO` (writes to a temp file, then renamed), or None where
+    it does not apply: DeepSpeed writes its checkpoint directories itself, and a given CheckpointIO is kept."""
+    strategy = trainer_config.get("strategy")
+    deepspeed = isinstance(strategy, DeepSpeedStrategy) or (isinstance(strategy, str) and "deepspeed" in strategy)
+    plugins = trainer_config.get("plugins") or []
+    plugins = list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
+    if deepspeed or any(isinstance(p, CheckpointIO) for p in plugins):
+        return None
+    return plugins + [AtomicCheckpointIO()]
 
 
 def config_files(args: list[str]) -> list[str]:
