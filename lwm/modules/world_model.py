@@ -192,63 +192,73 @@ class WorldModelConfig:
 
     def __post_init__(self) -> None:
         """Refuse an invalid configuration, one line per problem naming the field (``model.net.X``)."""
-        nonfinite = [name for name in self.__dataclass_fields__ if _nonfinite(getattr(self, name))]
-        problems = []
-        for name in nonfinite:  # (the range checks below skip these)
-            value = getattr(self, name)
-            what = "finite numbers" if isinstance(value, (tuple, list)) else "a finite number"
-            problems.append(f"{name} must be {what}, got {_as_tuples(value)}")
-        if self.height % 4 or self.width % 4 or min(self.height, self.width) < 4:
-            problems.append(f"height and model.net.width must be positive multiples of 4 (the tokenizer downsamples "
-                            f"by 4), got {self.height}x{self.width}")
-        if self.d_model < 4 or self.d_model % 4 or self.n_heads < 1 or self.d_model % self.n_heads:
-            problems.append(f"d_model must be divisible by 4 and by n_heads ({self.n_heads}), got {self.d_model}")
-        for name in ("in_channels", "depth_action", "depth_world", "depth_dynamics", "d_code_action", "d_code_world",
-                     "ema_decay_steps", "dead_code_steps"):
-            lowest = 0 if name == "ema_decay_steps" else 1
-            if getattr(self, name) < lowest:
-                problems.append(f"{name} must be >= {lowest}, got {getattr(self, name)}")
-        for name in ("codebook_sizes_action", "codebook_sizes_world"):
-            sizes = tuple(getattr(self, name))
-            if not sizes or any(int(k) < 1 for k in sizes):
-                problems.append(f"{name} needs at least one level and at least one code per level, got {sizes}")
-        if self.tokenizer_hidden is not None and self.tokenizer_hidden < 1:
-            problems.append(f"tokenizer_hidden must be >= 1 (or null: max(d_model/2, 16)), got {self.tokenizer_hidden}")
-        if "mlp_ratio" not in nonfinite:
-            if not self.mlp_ratio > 0:
-                problems.append(f"mlp_ratio must be > 0, got {self.mlp_ratio}")
-            elif self.d_model >= 1 and int(self.d_model * self.mlp_ratio) < 1:  # (the MLP's hidden width)
-                problems.append(f"mlp_ratio must give an MLP hidden width int(d_model * mlp_ratio) >= 1, got "
-                                f"{self.mlp_ratio} (width {int(self.d_model * self.mlp_ratio)} at d_model "
-                                f"{self.d_model})")
-        for name in ("beta_action", "beta_world"):
-            if name not in nonfinite and not getattr(self, name) >= 0:
-                problems.append(f"{name} must be >= 0, got {getattr(self, name)}")
-        if "mask_prob" not in nonfinite and not 0.0 <= self.mask_prob < 1.0:
-            problems.append(f"mask_prob must lie in [0, 1), got {self.mask_prob}")
-        if not self.rollout_weights:
-            problems.append("rollout_weights needs at least the teacher-forcing weight")
-        elif "rollout_weights" not in nonfinite and (not all(w >= 0 for w in self.rollout_weights)
-                                                     or not any(w > 0 for w in self.rollout_weights)):
-            problems.append(f"rollout_weights must be >= 0, not all 0, got {_as_tuples(self.rollout_weights)}")
-        if self.max_time_offset < 0:
-            problems.append(f"max_time_offset must be >= 0, got {self.max_time_offset}")
-        for name in ("ema_decay_start", "ema_decay_end"):
-            if name not in nonfinite and not 0.0 <= getattr(self, name) < 1.0:
-                problems.append(f"{name} must lie in [0, 1), got {getattr(self, name)}")
-        if len(self.world_curriculum) != 2 or any(int(n) < 0 for n in self.world_curriculum):
-            problems.append(f"world_curriculum must be two step counts >= 0 (without, then unquantized), got "
-                            f"{tuple(self.world_curriculum)}")
-        if self.temporal_attention not in ATTENTION_KERNELS:
-            problems.append(f"temporal_attention must be one of {ATTENTION_KERNELS}, got {self.temporal_attention!r}")
+        problems = _config_problems(self)
         if problems:
             raise ConfigError("\n".join(f"model.net.{p}" for p in problems))
-        decay = min(self.ema_decay_start, self.ema_decay_end) if self.ema_decay_steps else self.ema_decay_end
-        if decay ** self.dead_code_steps < RVQ_EPS:  # see lwm/modules/rvq.py: unused codes shrink by g^t/(g^t+eps)
-            warnings.warn(f"model.net.dead_code_steps={self.dead_code_steps} at an EMA decay of {decay}: a code "
-                          f"unused that long shrinks below half its length (decay^steps < eps = {RVQ_EPS}) before it "
-                          f"counts as dead and is revived; unused codes drift to zero. Fewer dead_code_steps or a "
-                          f"higher ema_decay_start avoid it", stacklevel=2)
+        _warn_if_unused_codes_shrink(self)
+
+
+def _config_problems(c: WorldModelConfig) -> list[str]:
+    """Every problem of a configuration, one line each naming its field (without the ``model.net.`` prefix)."""
+    nonfinite = [name for name in c.__dataclass_fields__ if _nonfinite(getattr(c, name))]
+    problems = []
+    for name in nonfinite:  # (the range checks below skip these)
+        value = getattr(c, name)
+        what = "finite numbers" if isinstance(value, (tuple, list)) else "a finite number"
+        problems.append(f"{name} must be {what}, got {_as_tuples(value)}")
+    if c.height % 4 or c.width % 4 or min(c.height, c.width) < 4:
+        problems.append(f"height and model.net.width must be positive multiples of 4 (the tokenizer downsamples "
+                        f"by 4), got {c.height}x{c.width}")
+    if c.d_model < 4 or c.d_model % 4 or c.n_heads < 1 or c.d_model % c.n_heads:
+        problems.append(f"d_model must be divisible by 4 and by n_heads ({c.n_heads}), got {c.d_model}")
+    for name in ("in_channels", "depth_action", "depth_world", "depth_dynamics", "d_code_action", "d_code_world",
+                 "ema_decay_steps", "dead_code_steps"):
+        lowest = 0 if name == "ema_decay_steps" else 1
+        if getattr(c, name) < lowest:
+            problems.append(f"{name} must be >= {lowest}, got {getattr(c, name)}")
+    for name in ("codebook_sizes_action", "codebook_sizes_world"):
+        sizes = tuple(getattr(c, name))
+        if not sizes or any(int(k) < 1 for k in sizes):
+            problems.append(f"{name} needs at least one level and at least one code per level, got {sizes}")
+    if c.tokenizer_hidden is not None and c.tokenizer_hidden < 1:
+        problems.append(f"tokenizer_hidden must be >= 1 (or null: max(d_model/2, 16)), got {c.tokenizer_hidden}")
+    if "mlp_ratio" not in nonfinite:
+        if not c.mlp_ratio > 0:
+            problems.append(f"mlp_ratio must be > 0, got {c.mlp_ratio}")
+        elif c.d_model >= 1 and int(c.d_model * c.mlp_ratio) < 1:  # (the MLP's hidden width)
+            problems.append(f"mlp_ratio must give an MLP hidden width int(d_model * mlp_ratio) >= 1, got "
+                            f"{c.mlp_ratio} (width {int(c.d_model * c.mlp_ratio)} at d_model {c.d_model})")
+    for name in ("beta_action", "beta_world"):
+        if name not in nonfinite and not getattr(c, name) >= 0:
+            problems.append(f"{name} must be >= 0, got {getattr(c, name)}")
+    if "mask_prob" not in nonfinite and not 0.0 <= c.mask_prob < 1.0:
+        problems.append(f"mask_prob must lie in [0, 1), got {c.mask_prob}")
+    if not c.rollout_weights:
+        problems.append("rollout_weights needs at least the teacher-forcing weight")
+    elif "rollout_weights" not in nonfinite and (not all(w >= 0 for w in c.rollout_weights)
+                                                 or not any(w > 0 for w in c.rollout_weights)):
+        problems.append(f"rollout_weights must be >= 0, not all 0, got {_as_tuples(c.rollout_weights)}")
+    if c.max_time_offset < 0:
+        problems.append(f"max_time_offset must be >= 0, got {c.max_time_offset}")
+    for name in ("ema_decay_start", "ema_decay_end"):
+        if name not in nonfinite and not 0.0 <= getattr(c, name) < 1.0:
+            problems.append(f"{name} must lie in [0, 1), got {getattr(c, name)}")
+    if len(c.world_curriculum) != 2 or any(int(n) < 0 for n in c.world_curriculum):
+        problems.append(f"world_curriculum must be two step counts >= 0 (without, then unquantized), got "
+                        f"{tuple(c.world_curriculum)}")
+    if c.temporal_attention not in ATTENTION_KERNELS:
+        problems.append(f"temporal_attention must be one of {ATTENTION_KERNELS}, got {c.temporal_attention!r}")
+    return problems
+
+
+def _warn_if_unused_codes_shrink(c: WorldModelConfig) -> None:
+    """Warn where a code unused for ``dead_code_steps`` updates shrinks towards zero before it counts as dead."""
+    decay = min(c.ema_decay_start, c.ema_decay_end) if c.ema_decay_steps else c.ema_decay_end
+    if decay ** c.dead_code_steps < RVQ_EPS:  # see lwm/modules/rvq.py: unused codes shrink by g^t/(g^t+eps)
+        warnings.warn(f"model.net.dead_code_steps={c.dead_code_steps} at an EMA decay of {decay}: a code "
+                      f"unused that long shrinks below half its length (decay^steps < eps = {RVQ_EPS}) before it "
+                      f"counts as dead and is revived; unused codes drift to zero. Fewer dead_code_steps or a "
+                      f"higher ema_decay_start avoid it", stacklevel=4)  # the caller of WorldModelConfig(...)
 
 
 def _kv_prefix(cache: list[KV], length: int) -> list[KV]:
