@@ -261,38 +261,45 @@ class LwmCLI(LightningCLI):
         """A missing or unreadable ``--ckpt_path`` file is one line, before any work; so is ``last`` where the
         run has no checkpoint under validate/test/predict (Lightning would go on with untrained weights; a fit
         starts fresh, with Lightning's warning)."""
-        from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
-
-        config = self.config[sub]
-        path = config.get("ckpt_path")
         if sub == "fit":
-            directory = self.checkpoint_dir(config)
-            if os.path.exists(directory) and not os.path.isdir(directory):  # else found at the first save
-                raise ConfigError(f"checkpoint.dirpath={directory}: exists and is not a folder")
-        if path is None and sub == "fit":
+            self._check_fit_ckpt_path(self.config[sub])
+        else:
+            self._check_eval_ckpt_path(sub, self.config[sub])
+
+    def _check_fit_ckpt_path(self, config: Any) -> None:
+        """fit: the checkpoint folder a folder; no ``--ckpt_path`` (or another run's checkpoint) into a run folder
+        that holds a run is refused; ``last`` without a checkpoint yet starts a new run."""
+        directory = self.checkpoint_dir(config)
+        if os.path.exists(directory) and not os.path.isdir(directory):  # else found at the first save
+            raise ConfigError(f"checkpoint.dirpath={directory}: exists and is not a folder")
+        path = config.get("ckpt_path")
+        if path is None:
             self._check_no_run_yet(config)
-        elif path is None:  # Lightning's default: the model as initialised (a baseline; rarely what was meant)
+        elif path == "last":
+            last = self._checkpoint_path(config)
+            if not (os.path.isfile(last) or os.path.isdir(last)):  # a directory: DeepSpeed's
+                # (Lightning says so too, with a hint about save_last that does not apply: lwm saves it)
+                warnings.filterwarnings("ignore", message=r".*ckpt_path=\"last\"\) is set, but there is no last")
+                rank_zero_info(f"--ckpt_path last: no {last} yet, so this fit starts a new run")
+        elif _read_checkpoint_file(path) and not self._of_this_run(config, path):
+            self._check_no_run_yet(config, f" (--ckpt_path {path} is not one of its checkpoints)")
+
+    def _check_eval_ckpt_path(self, sub: str, config: Any) -> None:
+        """validate/test/predict: without ``--ckpt_path`` a warning (the untrained model, Lightning's default);
+        ``last`` without a checkpoint refused."""
+        path = config.get("ckpt_path")
+        if path is None:  # Lightning's default: the model as initialised (a baseline; rarely what was meant)
             from lwm.resume import latest_checkpoint
 
             found = latest_checkpoint(Path(self.run_dir(config)), Path(self.checkpoint_dir(config)))
             hint = f"--ckpt_path last takes {found}" if found is not None else "give --ckpt_path"
             rank_zero_warn(f"lwm {sub} without --ckpt_path: the untrained model, as initialised ({hint})")
-        if path is None or path in ("best", "hpc", "registry") or str(path).startswith("registry:"):
-            return
-        if path == "last":
+        elif path == "last":
             last = self._checkpoint_path(config)
             if not (os.path.isfile(last) or os.path.isdir(last)):  # a directory: DeepSpeed's
-                if sub != "fit":
-                    raise ConfigError(f"--ckpt_path last: no checkpoint in the run ({last} does not exist)")
-                # (Lightning says so too, with a hint about save_last that does not apply: lwm saves it)
-                warnings.filterwarnings("ignore", message=r".*ckpt_path=\"last\"\) is set, but there is no last")
-                rank_zero_info(f"--ckpt_path last: no {last} yet, so this fit starts a new run")
-            return
-        if os.path.isdir(path) or not _is_local_file_protocol(str(path)):  # DeepSpeed's; a remote one (fsspec)
-            return
-        read_checkpoint(path, "--ckpt_path")  # missing, torn, foreign: one line
-        if sub == "fit" and not self._of_this_run(config, path):
-            self._check_no_run_yet(config, f" (--ckpt_path {path} is not one of its checkpoints)")
+                raise ConfigError(f"--ckpt_path last: no checkpoint in the run ({last} does not exist)")
+        else:
+            _read_checkpoint_file(path)
 
     def _of_this_run(self, config: Any, path: str) -> bool:
         """Whether ``path`` is one of the run's own checkpoints (in its checkpoint folder, or an hpc one)."""
@@ -450,6 +457,20 @@ def _option_names(parser: Any) -> list[str]:
         for sub in (getattr(action, "choices", None) or {}).values() if isinstance(action, argparse._SubParsersAction) else ():
             names += _option_names(sub)
     return names
+
+
+def _read_checkpoint_file(path: Any) -> bool:
+    """Read a ``--ckpt_path`` that names a local checkpoint file (missing, torn, foreign: one line) and return True;
+    False, unread, for what Lightning resolves itself (``best``, ``hpc``, the model registry) and for a DeepSpeed
+    directory or a remote path."""
+    from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
+
+    if path in ("best", "hpc", "registry") or str(path).startswith("registry:"):
+        return False
+    if os.path.isdir(path) or not _is_local_file_protocol(str(path)):  # DeepSpeed's; a remote one (fsspec)
+        return False
+    read_checkpoint(path, "--ckpt_path")
+    return True
 
 
 def _with_atomic_checkpoints(trainer_config: dict) -> list | None:
