@@ -318,10 +318,14 @@ class LatentDataModule(L.LightningDataModule):
 
     def stream(self) -> dict[str, Any]:
         """What decides the training batches besides the seed and the global batch, for the loader's state: the
-        manifest's train entries (their paths as written, frames and order: a digest, with their count and total
-        frames to name a change), ``window`` and ``batches_per_epoch``."""
-        entries = self.load_manifest().split("train")
-        listed = json.dumps([[e.path, int(e.frames)] for e in entries]).encode()
+        manifest's train entries (their files, frames and order: a digest, with their count and total frames to
+        name a change), ``window`` and ``batches_per_epoch``. The files by their paths below the folder they share,
+        so that the data moved with its manifest, or indexed into a manifest elsewhere, is the same stream."""
+        manifest = self.load_manifest()
+        entries = manifest.split("train")
+        paths = [os.path.normpath(os.path.join(os.path.abspath(manifest.path.parent), e.path)) for e in entries]
+        shared = os.path.commonpath(paths) if len(paths) > 1 else os.path.dirname(paths[0]) if paths else ""
+        listed = json.dumps([[os.path.relpath(p, shared), int(e.frames)] for p, e in zip(paths, entries)]).encode()
         return {"train_files": len(entries), "train_frames": sum(int(e.frames) for e in entries),
                 "train_digest": hashlib.sha256(listed).hexdigest()[:16], "window": self.window,
                 "batches_per_epoch": self.batches_per_epoch}

@@ -399,14 +399,22 @@ def test_a_resume_with_another_batch_stream_says_what_changed(dm_manifest, setti
     assert caught == []
 
 
-@pytest.mark.parametrize("edit", [None, "val file added", "old checkpoint"])
+@pytest.mark.parametrize("edit", [None, "val file added", "old checkpoint", "manifest elsewhere"])
 def test_a_resume_with_the_same_batch_stream_is_silent(dm_manifest, edit):
     """No warning where the train files, window and epoch length are the checkpoint's (another val file does
-    not change the batches), nor from a checkpoint of an earlier lwm (no stream recorded: nothing to compare)."""
+    not change the batches; the same files listed by a manifest in another folder), nor from a checkpoint of an
+    earlier lwm (no stream recorded: nothing to compare)."""
     import warnings
 
     state = _on_rank(dm_manifest, 0, 1).train_dataloader().state_dict()
     manifest = dm_manifest
+    if edit == "manifest elsewhere":  # the paths as written differ ("../d/t0.h5"), the files do not
+        manifest = dm_manifest.parent.parent / "elsewhere/manifest.json"
+        manifest.parent.mkdir()
+        doc = json.loads(dm_manifest.read_text())
+        for f in doc["files"]:
+            f["path"] = os.path.relpath(dm_manifest.parent / f["path"], manifest.parent)
+        manifest.write_text(json.dumps(doc))
     if edit == "val file added":
         write_h5(dm_manifest.parent / "v3.h5", 12)
         manifest = _variant(dm_manifest, lambda files: files.append(
