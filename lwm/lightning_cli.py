@@ -64,18 +64,19 @@ def relative_interpolations(args: list[str]) -> list[str]:
             key, value = out[i - 1][2:], arg
         else:
             continue
-        path = key.split(".")
-
-        def relative(match: re.Match) -> str:
-            target = match[1].split(".")
-            common = 0
-            while common < min(len(path), len(target)) and path[common] == target[common]:
-                common += 1
-            return "${" + "." * max(1, len(path) - common) + ".".join(target[common:]) + "}"
-
-        value = _ABSOLUTE.sub(relative, value)
+        value = _ABSOLUTE.sub(lambda match: _relative_to(key, match[1]), value)
         out[i] = f"--{key}={value}" if str(arg).startswith("--") else value
     return out
+
+
+def _relative_to(key: str, target: str) -> str:
+    """``${target}`` as written in the value of ``key``: ``_relative_to("checkpoint.dirpath", "trainer.x")`` is
+    ``${..trainer.x}`` (one dot per level up from the key to the keys' common prefix, at least one)."""
+    path, target_path = key.split("."), target.split(".")
+    common = 0
+    while common < min(len(path), len(target_path)) and path[common] == target_path[common]:
+        common += 1
+    return "${" + "." * max(1, len(path) - common) + ".".join(target_path[common:]) + "}"
 
 
 def _quiet_lightning() -> None:
@@ -353,18 +354,25 @@ class LwmCLI(LightningCLI):
         for callback in trainer.callbacks:
             if isinstance(callback, Sensitivity):
                 callback.check_window(dm.window)
-        if self.subcommand != "fit":
-            return
+        if self.subcommand == "fit":
+            self._check_val_interval()
+
+    def _check_val_interval(self) -> None:
+        """An integer ``trainer.val_check_interval`` longer than an epoch is refused here, in one line (Lightning's
+        own check comes after the loggers start, as a traceback)."""
+        dm, trainer = self.datamodule, self.trainer
         interval = getattr(trainer, "val_check_interval", None)  # unset when validation is timed
-        if isinstance(interval, int) and trainer.check_val_every_n_epoch is not None and trainer.limit_val_batches:
-            batches = len(dm.train_sampler(0, trainer.world_size))
-            limit = trainer.limit_train_batches
-            batches = min(batches, limit) if isinstance(limit, int) else int(batches * limit)
-            if 0 < batches < interval:  # Lightning's own check comes after the loggers start, as a traceback
-                raise ConfigError(
-                    f"trainer.val_check_interval={interval} is more than the {batches} training batches of an "
-                    f"epoch ({dm.manifest_path}); use a fraction of the epoch (0.25), or count steps across "
-                    f"epochs with trainer.check_val_every_n_epoch=null")
+        by_epoch = trainer.check_val_every_n_epoch is not None
+        if not (isinstance(interval, int) and by_epoch and trainer.limit_val_batches):
+            return
+        batches = len(dm.train_sampler(0, trainer.world_size))
+        limit = trainer.limit_train_batches
+        batches = min(batches, limit) if isinstance(limit, int) else int(batches * limit)
+        if 0 < batches < interval:
+            raise ConfigError(
+                f"trainer.val_check_interval={interval} is more than the {batches} training batches of an "
+                f"epoch ({dm.manifest_path}); use a fraction of the epoch (0.25), or count steps across "
+                f"epochs with trainer.check_val_every_n_epoch=null")
 
     before_validate = before_test = before_predict = _check_data
 
