@@ -6,6 +6,10 @@
   Here every SDPA kernel (CPU flash, CUDA flash, memory-efficient, cuDNN) is counted for the query/key pairs
   the mask allows: ``L (L + 1) / 2`` of ``L * S`` for causal, the mask's share of True entries otherwise.
   These are the *useful* FLOPs (what MFU should count); ``dense`` keeps PyTorch's count of the full square.
+* **The attention backward** is counted by PyTorch as five matmuls: the four of the gradients (twice the
+  forward's two) and the scores ``q k^T`` recomputed, as flash attention does. The recomputation is hardware
+  work, not useful work (as activation checkpointing's is not): the useful count leaves it out, the dense
+  count keeps PyTorch's five.
 * **lwm's Triton temporal attention** (``torch.ops.lwm.temporal_attention`` and its backward) is unknown to
   PyTorch (zero): it is counted as SDPA with the model's mask, so every kernel setting counts the same step.
 
@@ -60,11 +64,24 @@ def _forward(get: Callable[[tuple, dict], tuple], useful: bool):
     return count
 
 
+def backward_flops(grad_shape, q_shape, k_shape, v_shape, useful: bool) -> int:
+    """An attention backward's FLOPs over the full square: PyTorch's formula (five matmuls), or without its
+    recomputation of the scores ``q k^T`` (``useful``: the four matmuls of the gradients, twice the forward)."""
+    dense = sdpa_backward_flop_count(grad_shape, q_shape, k_shape, v_shape)
+    if not useful:
+        return dense
+    *batch, q_len, e = q_shape
+    recompute = 2 * q_len * k_shape[-2] * e
+    for n in batch:
+        recompute *= n
+    return dense - recompute
+
+
 def _backward(get: Callable[[tuple, dict], tuple], useful: bool):
     def count(*args, out_val=None, **kwargs) -> int:
         grad, q, k, v, is_causal, mask = get(args, kwargs)
-        dense = sdpa_backward_flop_count(grad.shape, q.shape, k.shape, v.shape)
-        return _useful(dense, q.shape[-2], k.shape[-2], is_causal, mask) if useful else dense
+        full = backward_flops(grad.shape, q.shape, k.shape, v.shape, useful)
+        return _useful(full, q.shape[-2], k.shape[-2], is_causal, mask) if useful else full
 
     count._get_raw = True
     return count
@@ -84,10 +101,10 @@ def _triton_kernel(useful: bool, backward: bool):
         n, lq, _, h, e = qkv.shape
         lk = lq + (0 if past_k is None else past_k.shape[2])
         q_shape, k_shape = (n, h, lq, e), (n, h, lk, e)
-        dense = (sdpa_backward_flop_count(q_shape, q_shape, k_shape, k_shape) if backward
-                 else sdpa_flop_count(q_shape, k_shape, k_shape))
+        full = (backward_flops(q_shape, q_shape, k_shape, k_shape, useful) if backward
+                else sdpa_flop_count(q_shape, k_shape, k_shape))
         allowed = temporal_mask(mask, lk, window=window or None)
-        return _useful(dense, lq, lk, False, None if allowed is None else allowed[lk - lq:]) if useful else dense
+        return _useful(full, lq, lk, False, None if allowed is None else allowed[lk - lq:]) if useful else full
 
     count._get_raw = True
     return count

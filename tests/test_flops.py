@@ -41,6 +41,7 @@ def test_attention_flops_on_the_cpu(mask, fraction):
     e = D // HEADS
     q = (N, HEADS, L, e)
     forward, backward = sdpa_flop_count(q, q, q), sdpa_backward_flop_count(q, q, q, q)  # PyTorch's formulas
+    recompute = 2 * N * HEADS * L * L * e  # PyTorch's backward recomputes the scores q k^T: not useful work
     attention = forward + backward
     linear = 3 * (2 * N * L * D * 3 * D + 2 * N * L * D * D)  # qkv and proj, forward + 2x backward
     with FlopCounterMode(display=False) as plain:
@@ -48,7 +49,8 @@ def test_attention_flops_on_the_cpu(mask, fraction):
     assert plain.get_total_flops() == linear  # PyTorch alone counts the CPU attention kernel as zero
     counted = count_flops(fn)
     assert counted.dense == linear + attention
-    assert counted.useful == linear + int(forward * fraction) + int(backward * fraction)
+    assert counted.useful == linear + int(forward * fraction) + int((backward - recompute) * fraction)
+    assert backward - recompute == 2 * forward  # the useful backward: the four gradient matmuls
     assert counted.by_module["Attention.qkv"] == 3 * 2 * N * L * D * 3 * D
 
 
@@ -85,17 +87,19 @@ def test_every_gpu_attention_kernel_reads_is_causal_and_its_mask_where_the_schem
     """The GPU kernels' counts, called on the CPU with arguments placed by PyTorch's own schema: causal counts
     36/64 of the square at L=8, a bias with -inf outside the causal triangle likewise (where the kernel takes one)."""
     q = torch.zeros(2, 2, 8, 4)
-    dense = sdpa_flop_count(q.shape, q.shape, q.shape) if kind == "fwd" else sdpa_backward_flop_count(*(q.shape,) * 4)
+    forward = sdpa_flop_count(q.shape, q.shape, q.shape)
+    dense = forward if kind == "fwd" else sdpa_backward_flop_count(*(q.shape,) * 4)
+    square = forward if kind == "fwd" else 2 * forward  # useful: the backward's four gradient matmuls, no recompute
     useful = attention_mapping(useful=True)
     full = attention_mapping(useful=False)
     key = op if op in useful else op.overloadpacket
     common = dict(query=q, key=q, value=q, grad_out=q, out=q)
-    assert useful[key](*_schema_args(op, is_causal=True, **common)) == dense * 36 // 64
+    assert useful[key](*_schema_args(op, is_causal=True, **common)) == square * 36 // 64
     assert full[key](*_schema_args(op, is_causal=True, **common)) == dense
-    assert useful[key](*_schema_args(op, is_causal=False, **common)) == dense
+    assert useful[key](*_schema_args(op, is_causal=False, **common)) == square
     if any(a.name == "attn_bias" for a in op._schema.arguments):
         bias = torch.zeros(8, 8).masked_fill(~torch.ones(8, 8, dtype=torch.bool).tril(), float("-inf"))
-        assert useful[key](*_schema_args(op, is_causal=False, attn_bias=bias, **common)) == dense * 36 // 64
+        assert useful[key](*_schema_args(op, is_causal=False, attn_bias=bias, **common)) == square * 36 // 64
 
 
 def test_an_additive_mask_counts_its_finite_entries_whatever_their_value():

@@ -30,7 +30,8 @@ class FlopCounter(L.Callback):
     validations in it left out) and ``Train_Total/mfu`` when the device's peak is known (or given as
     ``peak_tflops``, e.g. 989 for an H200's bf16 dense peak, which Lightning does not know); and
     ``Val_Total/tflops`` with every validation, so validation losses can be plotted against compute.
-    Under DeepSpeed the backward is not run: it is counted as twice the forward."""
+    Under DeepSpeed the backward is not run: it is counted as twice the forward (as the useful count has it for
+    matmuls and attention; it adds the first convolution's input gradient, which the step does not compute)."""
 
     def __init__(self, peak_tflops: float | None = None) -> None:
         if peak_tflops is not None and not (math.isfinite(peak_tflops) and peak_tflops > 0):
