@@ -3,8 +3,8 @@
 # with lwm from the source tree and the image's torch, lightning and triton; what the image lacks (omegaconf,
 # jsonargparse, deepspeed, PyAV) is installed from .whl/ when there (benchmarks/gpu_wheels.sh makes it):
 #
-#   benchmarks/gpu.sh OUT_DIR STAGE...      stages: check kernels attention bench maxbatch generate loader deepspeed
-#                                           (or: all)
+#   benchmarks/gpu.sh OUT_DIR STAGE...      stages: check kernels attention bench breakdown maxbatch maxbatch_ckpt
+#                                           generate loader deepspeed (or: all)
 #
 # Each stage writes OUT_DIR/STAGE.log (and JSON where the tool has it) and goes on after a failing command, so
 # one run keeps everything that did work. Results go into the README's Performance and Generation sections by
@@ -15,7 +15,7 @@ OUT=${1:?usage: benchmarks/gpu.sh OUT_DIR STAGE...}
 shift
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TRITON_INTERPRET=0
-PY=${PYTHON:-python}
+PY=${PYTHON:-$(command -v python || command -v python3)}
 WHEELS=${WHEELS:-.whl}
 LWM="$PY -m lwm.cli"
 BASE=configs/base.yaml
@@ -45,15 +45,22 @@ stage_attention() {
     run $PY benchmarks/temporal_attention.py
     run $PY benchmarks/temporal_attention.py --backward
 }
-stage_bench() {  # the base training step: reference, fast path with each temporal kernel, Lightning, breakdown
-    run $LWM bench --config $BASE --steps 20 --warmup 5 --kernels matmul triton $(peak) --json "$OUT/bench.json"
+# lwm bench writes its JSON after each variant (and each max-batch trial): a stage cut off by the time limit keeps
+# what it measured. Each compiled variant compiles anew (minutes at base): the parts are stages of their own.
+stage_bench() {  # the base training step: reference, fast path with each temporal kernel, Lightning
+    run $LWM bench --config $BASE --steps 20 --warmup 5 --kernels matmul triton --no-breakdown $(peak) \
+        --json "$OUT/bench.json"
 }
-stage_maxbatch() {
-    for extra in "" "--model.net.activation_checkpointing=true"; do
-        run $LWM bench --config $BASE --max-batch --no-reference --no-breakdown --no-lightning --steps 3 --warmup 2 \
-            $extra $(peak) --json "$OUT/maxbatch${extra:+_checkpointing}.json"
-    done
+stage_breakdown() {  # each part alone, and what each rollout pass adds (eager), beside the compiled fast path
+    run $LWM bench --config $BASE --steps 20 --warmup 5 --no-reference --no-lightning $(peak) \
+        --json "$OUT/breakdown.json"
 }
+maxbatch() {
+    run $LWM bench --config $BASE --max-batch --no-reference --no-breakdown --no-lightning --steps 3 --warmup 2 \
+        "$@" $(peak) --json "$OUT/maxbatch${1:+_checkpointing}.json"
+}
+stage_maxbatch() { maxbatch; }
+stage_maxbatch_ckpt() { maxbatch --model.net.activation_checkpointing=true; }
 stage_generate() {
     for kernel in sdpa triton; do
         run $PY benchmarks/generate.py --size base --batch 1 32 --frames 16 64 256 --precision bf16 \
@@ -78,16 +85,25 @@ stage_deepspeed() {  # ZeRO stage 2 on one GPU: 20 steps with a checkpoint at 10
 }
 
 stages=("$@")
-[ "${stages[*]:-}" = "all" ] && stages=(check kernels attention bench maxbatch generate loader deepspeed)
+[ "${stages[*]:-}" = "all" ] && stages=(check kernels attention bench breakdown maxbatch maxbatch_ckpt generate loader
+                                       deepspeed)
 for s in "${stages[@]}"; do
     if ! declare -F "stage_$s" >/dev/null; then
-        echo "unknown stage $s (check kernels attention bench maxbatch generate loader deepspeed, or all)" >&2
+        echo "unknown stage $s (check kernels attention bench breakdown maxbatch maxbatch_ckpt generate loader" \
+             "deepspeed, or all)" >&2
         exit 2
     fi
 done
-if compgen -G "$WHEELS/*.whl" >/dev/null; then  # packages the image lacks, from benchmarks/gpu_wheels.sh
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/lwm_site \
-        "$WHEELS"/*.whl || { echo "installing $WHEELS/ failed" >&2; exit 1; }
+install_wheels() {  # packages the image lacks, from benchmarks/gpu_wheels.sh, into /tmp/lwm_site
+    if $PY -m pip --version >/dev/null 2>&1; then
+        $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/lwm_site \
+            "$WHEELS"/*.whl
+    else  # no pip in the image: a wheel is a zip of the package as installed (these need no install scripts)
+        mkdir -p /tmp/lwm_site && for wheel in "$WHEELS"/*.whl; do $PY -m zipfile -e "$wheel" /tmp/lwm_site || return 1; done
+    fi
+}
+if compgen -G "$WHEELS/*.whl" >/dev/null; then
+    install_wheels || { echo "installing $WHEELS/ failed" >&2; exit 1; }
     export PYTHONPATH="$PYTHONPATH:/tmp/lwm_site"
 fi
 for s in "${stages[@]}"; do

@@ -27,6 +27,9 @@ from lwm.modules import triton_attention
 from lwm.modules.st_transformer import temporal_mask
 
 
+SPEC_GBS = {"H100 80GB HBM3": 3350.0, "H200": 4800.0}  # by name: the H100 SXM's HBM3, the H200's HBM3e
+
+
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -61,12 +64,15 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--cached", type=int, default=2, help="cached positions of the rollout-pass shapes (0: skip)")
     p.add_argument("--backward", action="store_true", help="time forward + backward (training) instead of forward")
+    p.add_argument("--spec-gbs", type=float, help="the device's specified memory bandwidth in GB/s (default: 3350 "
+                                                   "on an H100 SXM, 4800 on an H200; else not shown)")
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     n, h, t, e = args.batch * args.patches, args.heads, args.frames, args.dim // args.heads
     grad = args.backward
     q, k, v = (torch.randn(n, h, t, e, device=device, dtype=dtype, requires_grad=grad) for _ in range(3))
+    leaves = [q, k, v]  # every input a variant differentiates: their gradients are reset before each backward
     allowed = temporal_mask("causal", t, q.device)
     bias = torch.zeros(t, t, device=device, dtype=dtype).masked_fill(~allowed, float("-inf"))
 
@@ -84,6 +90,7 @@ def main() -> None:
     fused = triton_attention.supported(q, t, e)
     if fused:  # lwm's kernel reads the projection's layout [n, t, 3, h, e] (the same q, k, v) and writes [n, t, h, e]
         qkv = torch.stack([q, k, v], dim=1).permute(0, 3, 1, 2, 4).detach().contiguous().requires_grad_(grad)
+        leaves.append(qkv)
         variants["triton kernel (lwm, qkv layout)"] = (
             lambda: triton_attention.temporal_attention(qkv, None, None, "causal", 0).transpose(1, 2), q)
     c = args.cached
@@ -91,6 +98,7 @@ def main() -> None:
         from torch.nn.attention.bias import causal_lower_right
 
         qp = q.detach()[:, :, c:].contiguous().requires_grad_(grad)  # the same queries: the same answers
+        leaves.append(qp)
         rows = allowed[c:]
         variants[f"pass: sdpa bool mask ({t - c} q, {c} cached)"] = (
             lambda: F.scaled_dot_product_attention(qp, k, v, attn_mask=rows), qp)
@@ -102,22 +110,30 @@ def main() -> None:
         if fused:
             qkv_pass = qkv.detach()[:, c:].contiguous().requires_grad_(grad)
             past = [x.detach()[:, :, :c].contiguous().requires_grad_(grad) for x in (k, v)]
+            leaves += [qkv_pass, *past]
             variants[f"pass: triton kernel (lwm) ({t - c} q, {c} cached)"] = (
                 lambda: triton_attention.temporal_attention(qkv_pass, *past, "causal", 0).transpose(1, 2), qp)
+
+    douts: dict[torch.Size, torch.Tensor] = {}  # the output gradient, made once per shape (not timed)
 
     def run(fn):
         out = fn()
         if grad:
-            out.backward(torch.ones_like(out))
+            for leaf in leaves:  # written, not added to the last repetition's (which would read and write them again)
+                leaf.grad = None
+            out.backward(douts.setdefault(out.shape, torch.ones_like(out)))
         return out
 
     with torch.no_grad():
         ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
     bandwidth = copy_bandwidth(device)
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    spec = args.spec_gbs or SPEC_GBS.get(next((k for k in SPEC_GBS if k in name), None))
     print(f"{name}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; q/k/v [{n}, {h}, {t}, {e}] {dtype}; "
-          f"{'forward + backward' if grad else 'forward'}; copy bandwidth {bandwidth / 1e9:.0f} GB/s")
-    print("variant | ms | GB/s (min bytes) | % of copy bandwidth | TFLOP/s (full square) | rel. error vs fp32")
+          f"{'forward + backward' if grad else 'forward'}; copy bandwidth {bandwidth / 1e9:.0f} GB/s"
+          f"{f'; specified {spec:.0f} GB/s' if spec else ''}")
+    print("variant | ms | GB/s (min bytes) | % of copy bandwidth | % of specified | TFLOP/s (full square) | "
+          "rel. error vs fp32")
     for label, (fn, query) in variants.items():
         queries = query.shape[2]
         # forward: q, k, v read, out written; backward: q, k, v, out, dout read, dq, dk, dv written
@@ -130,7 +146,7 @@ def main() -> None:
         err = ((out.float() - expected).norm() / expected.norm()).item()
         s = timed(lambda: run(fn))
         print(f"{label} | {s * 1e3:.3f} | {moved / s / 1e9:.0f} | {moved / s / bandwidth:.0%} | "
-              f"{flops / s / 1e12:.1f} | {err:.2e}")
+              f"{f'{moved / s / 1e9 / spec:.0%}' if spec else '-'} | {flops / s / 1e12:.1f} | {err:.2e}")
 
 
 if __name__ == "__main__":

@@ -326,12 +326,16 @@ def breakdown(s: Setup, steps: int, warmup: int) -> list[dict]:
     N, D = s.patches, s.net.d_model
     passes = len(s.net.rollout_weights)
     rows: list[dict] = []
+    leaves: list[torch.Tensor] = []  # the parts' inputs that need a gradient (as in the step)
 
     def part(name: str, makes: list[Callable[[], torch.Tensor]], repeat: int = 1) -> None:
         """One row: each of ``makes`` (one per call in the step, shapes may differ), ``repeat`` times (the depth)."""
         seconds = flops = 0.0
         for fn in makes:
             def run(fn=fn) -> None:
+                for leaf in leaves:  # gradients written, not added to the last call's (as after the step's zero_grad)
+                    leaf.grad = None
+                model.zero_grad(set_to_none=True)
                 with s.autocast():
                     out = fn()
                 out.float().sum().backward()
@@ -343,12 +347,17 @@ def breakdown(s: Setup, steps: int, warmup: int) -> list[dict]:
 
     # Rollout pass k (0: teacher forcing) computes positions k..T-2 of the T-1 (see WorldModel.compute): its input
     # (re-tokenized, for k >= 1) and output have T-1-k frames, its temporal attention has k cached positions.
+    # The data needs no gradient; the rollout passes' re-tokenized predictions and the detokenizer's input do.
     tokens = torch.randn(B, T, N, D, device=s.device)
+    predictions, detokenizer_input = s.x.clone().requires_grad_(True), tokens.clone().requires_grad_(True)
+    leaves += [predictions, detokenizer_input]
     new = [T - 1 - k for k in range(passes)]
-    part("tokenizer", [lambda: model.tokenize(s.x)] + [lambda n=n: model.tokenize(s.x[:, :n]) for n in new[1:]])
-    part("detokenizer", [lambda n=n: model.detokenize(tokens[:, :n]) for n in new])
+    part("tokenizer", [lambda: model.tokenize(s.x)] + [lambda n=n: model.tokenize(predictions[:, :n])
+                                                       for n in new[1:]])
+    part("detokenizer", [lambda n=n: model.detokenize(detokenizer_input[:, :n]) for n in new])
     heads = s.net.n_heads
-    kv = torch.randn(B * N, heads, passes, D // heads, device=s.device)
+    kv = torch.randn(B * N, heads, passes, D // heads, device=s.device, requires_grad=True)  # the earlier
+    leaves.append(kv)  # passes' keys and values: the gradient reaches them
     for name, transformer, lengths in (
         ("action encoder", model.action_encoder.transformer, [T]),
         ("world encoder", model.world_encoder.transformer, [T]),
@@ -356,6 +365,7 @@ def breakdown(s: Setup, steps: int, warmup: int) -> list[dict]:
     ):
         depth, block = len(transformer.blocks), transformer.blocks[0]  # every block has the same shapes
         hs = [tokens[:, :n].clone().requires_grad_(True) for n in lengths]
+        leaves += hs
         pasts = [None] + [(kv[:, :, :k], kv[:, :, :k]) for k in range(1, len(lengths))]
         part(f"{name}: spatial attention", [lambda b=block, h=h: b.spatial_update(h) for h in hs], depth)
         masks = transformer.masks  # the action encoder's first block is shifted-causal
@@ -367,6 +377,7 @@ def breakdown(s: Setup, steps: int, warmup: int) -> list[dict]:
         part(f"{name}: MLP", [lambda b=block, h=h: b.mlp_update(h) for h in hs], depth)
     za = torch.randn(B, T - 1, s.net.d_code_action, device=s.device, requires_grad=True)
     zh = torch.randn(B, s.net.d_code_world, device=s.device, requires_grad=True)
+    leaves += [za, zh]
     counter = iter(range(10**9))
     part("quantizers (with EMA update)", [lambda: model.action_encoder.rvq(za, next(counter)).commit_loss
          + model.world_encoder.rvq(zh, next(counter)).commit_loss])
@@ -470,13 +481,19 @@ class Timings:
             self.notes.append(note)
 
 
-def time_variants(s: Setup, args: argparse.Namespace, progress: Progress) -> Timings:
-    """The reference, the fast path (and its other kernels, with ``--kernels``) and the Lightning step, timed."""
+def time_variants(s: Setup, args: argparse.Namespace, progress: Progress,
+                  measured: Callable[[Timings], None] = lambda t: None) -> Timings:
+    """The reference, the fast path (and its other kernels, with ``--kernels``) and the Lightning step, timed;
+    ``measured`` is called after each (the JSON is written there: a later variant that fails or runs out of time
+    keeps the earlier ones)."""
     device, t = s.device, Timings()
 
     def measure(label: str, run: Callable[[], float]) -> None:
         progress(f"timing {label}: {args.warmup} warm-up + {args.steps} timed steps")
         t.measure(label, run, device)
+        ms = statistics.median(t.seconds[label]) * 1e3
+        progress(f"{label}: {ms:.1f} ms/step (median), {s.batch * s.window / ms * 1e3:.0f} frames/s")
+        measured(t)
 
     micro = None if args.no_reference else reference_micro_batches(s)
     if not args.no_reference and micro is None:
@@ -597,33 +614,67 @@ def print_variants(console: Console, rows: list[dict], t: Timings, flops, matmul
         console.print(f"note: {note}", soft_wrap=True)
 
 
-def run_breakdown(s: Setup, args: argparse.Namespace, console: Console) -> list[dict]:
-    """Each part timed alone, and ``other``: the eager step minus their sum; printed as a table."""
-    parts = breakdown(s, max(1, args.steps // 2), min(args.warmup, 2))
-    if not parts:
-        return parts
-    eager = timed(plain_step(s, fast=True, compile_=False)[0], max(1, args.steps // 2), 1, s.device)
+def rollout_passes(s: Setup, steps: int, warmup: int) -> list[dict]:
+    """What each rollout pass adds to the eager step (all its parts, forward and backward: re-tokenizing, the
+    predictor, the detokenizer, its loss), by difference: the step with teacher forcing only, then with each
+    pass added; seconds (``ms``) and useful FLOPs (``tflop``) of each, and the whole step's (``step_ms``)."""
+    configured, rows, before = s.net, [], (0.0, 0)
+    try:
+        for k in range(1, len(configured.rollout_weights) + 1):
+            s.net = replace(configured, rollout_weights=configured.rollout_weights[:k])
+            seconds = timed(plain_step(s, fast=True, compile_=False)[0], steps, warmup, s.device)
+            flops = step_flops(s).useful
+            rows.append({"part": "teacher forcing (and all else)" if k == 1 else f"+ rollout pass {k - 1}",
+                         "ms": (seconds - before[0]) * 1e3, "tflop": (flops - before[1]) / 1e12, "calls": 1,
+                         "step_ms": seconds * 1e3})
+            before = (seconds, flops)
+    finally:
+        s.net = configured
+    return rows
+
+
+def run_breakdown(s: Setup, args: argparse.Namespace, console: Console) -> tuple[list[dict], list[dict]]:
+    """Each part timed alone, and ``other``: the eager step minus their sum; then what each rollout pass adds to
+    the eager step (:func:`rollout_passes`); printed as two tables."""
+    steps, warmup = max(1, args.steps // 2), min(args.warmup, 2)
+    parts = breakdown(s, steps, warmup)
+    passes = rollout_passes(s, steps, max(1, warmup))
+    eager = passes[-1]["step_ms"] / 1e3  # the whole eager step: every pass
     total = sum(r["ms"] for r in parts)
     parts.append({"part": "other (loss, masks, PE, glue)", "ms": eager * 1e3 - total, "tflop": None, "calls": 1})
-    table = Table(title=f"breakdown: each part alone, forward + backward, eager (step {eager * 1e3:.1f} ms)")
-    for col in ("part", "calls", "ms/step", "share", "TFLOP/s"):
-        table.add_column(col, justify="left" if col == "part" else "right")
-    for r in parts:
-        rate = r["tflop"] / (r["ms"] / 1e3) if r["tflop"] and r["ms"] > 0 else None
-        table.add_row(r["part"], str(r["calls"]), f"{r['ms']:.2f}", f"{r['ms'] / (eager * 1e3):.0%}",
-                      f"{rate:.3f}" if rate else "-")
-    console.print(table)
-    return parts
+    titles = (f"breakdown: each part alone, forward + backward, eager (step {eager * 1e3:.1f} ms)",
+              "rollout passes: the eager step with teacher forcing only, then each pass added (differences)")
+    for title, rows in zip(titles, (parts, passes)):
+        table = Table(title=title)
+        for col in ("part", "calls", "ms/step", "share", "TFLOP/s"):
+            table.add_column(col, justify="left" if col == "part" else "right")
+        for r in rows:
+            rate = r["tflop"] / (r["ms"] / 1e3) if r["tflop"] and r["ms"] > 0 else None
+            table.add_row(r["part"], str(r["calls"]), f"{r['ms']:.2f}", f"{r['ms'] / (eager * 1e3):.0%}",
+                          f"{rate:.3f}" if rate else "-")
+        console.print(table)
+    return parts, passes
 
 
-def run_max_batch(s: Setup, console: Console, progress: Progress) -> int | None:
-    """The largest batch whose fast-path step fits in GPU memory (None on the CPU)."""
+def run_max_batch(s: Setup, console: Console, progress: Progress,
+                  tried: Callable[[list[dict]], None] = lambda trials: None) -> int | None:
+    """The largest batch whose fast-path step fits in GPU memory (None on the CPU); ``tried`` is called with the
+    trials so far (``{"batch", "fits"}``) after each (each compiles anew: minutes)."""
     if s.device.type != "cuda":
         console.print("--max-batch: GPU only (the CPU has no memory limit to find)")
         return None
     limit = max(s.batch, 65535 // s.patches)  # temporal attention runs batch x patches sequences: CUDA launches
     progress(f"searching the largest batch that fits (from {s.batch}, up to {limit})")  # at most 65535 such blocks
-    max_batch = largest_batch(fits_on_gpu(s), start=s.batch, limit=limit)
+    fits, trials = fits_on_gpu(s), []
+
+    def trial(batch: int) -> bool:
+        ok = fits(batch)
+        trials.append({"batch": batch, "fits": ok})
+        progress(f"batch {batch}: {'fits' if ok else 'does not fit'}")
+        tried(trials)
+        return ok
+
+    max_batch = largest_batch(trial, start=s.batch, limit=limit)
     capped = " (the search's limit: 65535 temporal sequences)" if max_batch == limit else ""
     console.print(f"largest batch that fits: {max_batch} x {s.window} frames{capped} (fast path, "
                   f"{torch.cuda.get_device_properties(s.device).total_memory / 2**30:.0f} GiB)")
@@ -653,25 +704,38 @@ def main(argv: list[str]) -> int:
     else:
         peak = get_available_flops(device, torch.bfloat16) if device.type == "cuda" else None
 
-    timings = time_variants(s, args, progress)
-    rows = variant_rows(s, timings, flops.useful, matmul, peak)
-    overhead = lightning_overhead_ms(rows)
-    warning = noise_warning(rows, overhead, args.warmup)
-    print_variants(console, rows, timings, flops, matmul, matmul_what, peak, overhead, warning)
     out = {"config": args.config, "overrides": overrides, "device": name, "torch": torch.__version__,
            "date": time.strftime("%Y-%m-%d"), "batch": s.batch, "window": s.window, "precision": s.precision,
            "compile": s.compile, "net": asdict(s.net), "flops_useful": flops.useful, "flops_dense": flops.dense,
            "flops_by_op": flops.by_op, "matmul_tflop_per_s": matmul, "matmul": matmul_what,
-           "peak_tflop_per_s": peak / 1e12 if peak else None, "variants": rows, "lightning_overhead_ms": overhead,
-           "noise_warning": warning, "host_syncs": timings.host_syncs,
-           "notes": timings.notes, "breakdown": [], "max_batch": None}
-    write_json(args.json, out)  # now, and again with each later part: a later failure keeps what was measured
+           "peak_tflop_per_s": peak / 1e12 if peak else None, "variants": [], "lightning_overhead_ms": None,
+           "noise_warning": None, "host_syncs": None, "notes": [], "breakdown": [], "passes": [], "max_batch": None,
+           "max_batch_trials": []}
+
+    def summarise(t: Timings) -> tuple[list[dict], float | None, str | None]:
+        """The variants measured so far, into ``out`` and the JSON (now, and again with each later part: a later
+        failure keeps what was measured)."""
+        rows = variant_rows(s, t, flops.useful, matmul, peak)
+        overhead = lightning_overhead_ms(rows)
+        warning = noise_warning(rows, overhead, args.warmup)
+        out.update(variants=rows, lightning_overhead_ms=overhead, noise_warning=warning, host_syncs=t.host_syncs,
+                   notes=t.notes)
+        write_json(args.json, out)
+        return rows, overhead, warning
+
+    timings = time_variants(s, args, progress, summarise)
+    rows, overhead, warning = summarise(timings)
+    print_variants(console, rows, timings, flops, matmul, matmul_what, peak, overhead, warning)
     if not args.no_breakdown:
         progress("timing each part alone (the breakdown)")
-        out["breakdown"] = run_breakdown(s, args, console)
+        out["breakdown"], out["passes"] = run_breakdown(s, args, console)
         write_json(args.json, out)
     if args.max_batch:
-        out["max_batch"] = run_max_batch(s, console, progress)
+        def tried(trials: list[dict]) -> None:
+            out["max_batch_trials"] = trials
+            write_json(args.json, out)
+
+        out["max_batch"] = run_max_batch(s, console, progress, tried)
         write_json(args.json, out)
     if args.json:
         console.print(f"wrote {args.json}")

@@ -325,11 +325,39 @@ def test_bench_numbers_follow_from_the_step_times_and_flops(monkeypatch, tmp_pat
         assert p["ms"] == pytest.approx(500 * p["calls"]), p
     assert any(p["calls"] > 1 for p in timed_parts if "MLP" in p["part"])  # depth 2 at tiny
     assert parts[-1]["ms"] == pytest.approx(500 - sum(p["ms"] for p in timed_parts))  # the eager step (0.5 s) minus
+    # what each rollout pass adds: the steps with 1, 2, 3 passes all 0.5 s here, so all but teacher forcing add
+    # nothing; their FLOPs add up to the whole step's
+    passes = r["passes"]
+    assert [p["part"] for p in passes] == ["teacher forcing (and all else)", "+ rollout pass 1", "+ rollout pass 2"]
+    assert [p["ms"] for p in passes] == pytest.approx([500, 0, 0]) and [p["step_ms"] for p in passes] == [500] * 3
+    assert all(p["tflop"] > 0 for p in passes)
+    assert sum(p["tflop"] for p in passes) * 1e12 == pytest.approx(r["flops_useful"], rel=1e-9)
+
+
+def test_a_variant_that_fails_keeps_the_earlier_ones_in_the_json(monkeypatch, tmp_path, capsys):
+    """The JSON is written after each variant: a later one that fails (or a stage cut off by its time limit) keeps
+    what was measured; each variant's median is printed as it is measured."""
+    import lwm.bench as bench
+
+    def killed(s, steps, warmup):
+        raise RuntimeError("killed")
+
+    monkeypatch.setattr(bench, "step_times", lambda fn, steps, warmup, device: [0.5] * steps)
+    monkeypatch.setattr(bench, "lightning_step_times", killed)
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--config", "configs/tiny.yaml", "--steps", "1", "--warmup", "0", "--json", str(out),
+            "--model.net.height=16", "--model.net.width=16", "--data.batch_size=2", "--data.window=5"]
+    with pytest.raises(RuntimeError, match="killed"):
+        main(argv)
+    r = json.loads(out.read_text())
+    assert [v["variant"] for v in r["variants"]] == ["reference", "fast path"]
+    assert r["variants"][1]["ms_median"] == 500.0 and r["variants"][1]["speedup"] == 1.0
+    assert "fast path: 500.0 ms/step (median), 20 frames/s" in capsys.readouterr().out
 
 
 def test_breakdown_counts_useful_attention_flops(monkeypatch):
-    """A part's FLOPs are its useful ones: the causal temporal attention of the dynamics predictor counts fewer
-    than the full square (the dense count of the same calls)."""
+    """A part's FLOPs are its useful ones: the temporal attention counts fewer than PyTorch's dense count of the
+    same calls (no recomputed scores in the backward), the causal one of the dynamics predictor fewer still."""
     import lwm.bench as bench
     import lwm.flops as flops
 
@@ -343,8 +371,9 @@ def test_breakdown_counts_useful_attention_flops(monkeypatch):
     real = flops.count_flops
     monkeypatch.setattr(flops, "count_flops", lambda fn, dense=True: (lambda f: flops.StepFlops(f.dense, f.dense))(real(fn)))
     dense = {r["part"]: r["tflop"] for r in bench.breakdown(s, 1, 0)}
-    assert 0 < useful["dynamics: temporal attention"] < dense["dynamics: temporal attention"]
-    assert useful["world encoder: temporal attention"] == dense["world encoder: temporal attention"]  # unmasked
+    causal, unmasked = "dynamics: temporal attention", "world encoder: temporal attention"
+    assert 0 < useful[unmasked] < dense[unmasked]  # without the backward's recomputed scores
+    assert 0 < useful[causal] / dense[causal] < useful[unmasked] / dense[unmasked]  # and the masked pairs
 
 
 def test_lightning_timing_starts_after_the_warmup(monkeypatch):

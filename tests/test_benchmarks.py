@@ -26,19 +26,26 @@ def test_temporal_attention_benchmark_counts_bytes_and_flops(monkeypatch, capsys
         rows = [line.split(" | ") for line in lines if line.startswith("sdpa is_causal")]
         assert len(rows) == 1
         assert float(rows[0][2]) == pytest.approx(factor * q_bytes, abs=0.5)
-        assert float(rows[0][4]) == pytest.approx(4 * n * h * t * t * e * flop_factor / 1e3, abs=0.05)
+        assert rows[0][4] == "-"  # no specified bandwidth for a CPU
+        assert float(rows[0][5]) == pytest.approx(4 * n * h * t * t * e * flop_factor / 1e3, abs=0.05)
         # lwm's Triton kernel (its interpreter here): the same bytes and FLOPs, and the same attention
         fused = [line.split(" | ") for line in lines if line.startswith("triton kernel")]
         assert len(fused) == ta.triton_attention.interpreting()
         for row in fused:
-            assert row[2] == rows[0][2] and row[4] == rows[0][4] and float(row[5]) < 1e-5
+            assert row[2] == rows[0][2] and row[5] == rows[0][5] and float(row[6]) < 1e-5
     # a rollout pass after 2 cached positions: every formulation's answer is the fp32 SDPA's on those queries
     monkeypatch.setattr(sys, "argv", ["ta", "--batch", "2", "--patches", "4", "--frames", "8", "--dim", "16",
                                       "--heads", "2", "--cached", "2"])
     ta.main()
     passes = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("pass:")]
     assert len(passes) == 3 + ta.triton_attention.interpreting()
-    assert all(float(row[5]) < 1e-5 for row in passes)
+    assert all(float(row[6]) < 1e-5 for row in passes)
+    # with a specified bandwidth: the GB/s as its share (here 1000x the bytes moved per ns / 1e6 GB/s)
+    monkeypatch.setattr(sys, "argv", ["ta", "--batch", "2", "--patches", "4", "--frames", "8", "--dim", "16",
+                                      "--heads", "2", "--cached", "0", "--spec-gbs", str(4 * q_bytes / 10)])
+    ta.main()
+    row = next(line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("sdpa is_causal"))
+    assert row[4] == "1000%"
 
 
 def test_temporal_attention_benchmark_times_after_its_warmup(monkeypatch):
@@ -112,22 +119,23 @@ def test_gpu_recipe_parses_and_lists_exactly_its_stages(tmp_path):
     text = script.read_text()
     defined = re.findall(r"^stage_(\w+)\(\)", text, flags=re.M)
     listed = re.search(r'stages=\((check[^)]*)\)', text).group(1).split()
-    assert listed == defined and len(defined) == 8
+    assert listed == defined and len(defined) == 10
     run = subprocess.run(["bash", str(script), str(tmp_path / "out"), "nope"], capture_output=True, text=True)
     assert run.returncode == 2 and "unknown stage nope" in run.stderr
 
 
 def test_gpu_recipe_runs_the_documented_commands(tmp_path):
     """Every stage with a stand-in python that records its arguments and environment: the commands the README
-    describes (compiled kernels, both attention directions, bench with every kernel, max batch with and without
-    checkpointing, generation with sdpa and triton, the loader, a DeepSpeed fit resumed from last)."""
+    describes (compiled kernels, both attention directions, bench with every kernel, the breakdown, max batch with
+    and without checkpointing, generation with sdpa and triton, the loader, a DeepSpeed fit resumed from last)."""
     import subprocess
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.sh"
     record = tmp_path / "calls.txt"
     fake = tmp_path / "python"
-    fake.write_text(f'#!/bin/sh\necho "TRITON_INTERPRET=$TRITON_INTERPRET $*" >> {record}\n')
+    fake.write_text(f'#!/bin/sh\necho "TRITON_INTERPRET=$TRITON_INTERPRET $*" >> {record}\n'
+                    f'[ "$*" = "-m pip --version" ] && [ -n "$NO_PIP" ] && exit 1\nexit 0\n')
     fake.chmod(0o755)
     out = tmp_path / "out"
     wheels = tmp_path / "wheels"
@@ -136,14 +144,16 @@ def test_gpu_recipe_runs_the_documented_commands(tmp_path):
     run = subprocess.run(["bash", str(script), str(out), "all"], capture_output=True, text=True,
                          env={"PATH": "/usr/bin:/bin", "PYTHON": str(fake), "WHEELS": str(wheels)})
     assert run.returncode == 0, run.stderr
-    calls = record.read_text().splitlines()
+    calls = [c for c in record.read_text().splitlines() if not c.endswith("-m pip --version")]
     assert all(c.startswith("TRITON_INTERPRET=0 ") for c in calls)  # compiled kernels, never the interpreter
     joined = "\n".join(calls)
     # the carried wheels first, into a folder on the path of every later command
     assert calls[0].startswith("TRITON_INTERPRET=0 -m pip install -q --no-index --no-deps") and str(wheels) in calls[0]
     for expected in ("-m pytest -q -p no:cacheprovider -o addopts=-ra tests/modules/test_triton_attention.py",
                      "benchmarks/triton_kernels.py", "benchmarks/temporal_attention.py --backward",
-                     "-m lwm.cli bench --config configs/base.yaml --steps 20 --warmup 5 --kernels matmul triton",
+                     "-m lwm.cli bench --config configs/base.yaml --steps 20 --warmup 5 --kernels matmul triton "
+                     "--no-breakdown",
+                     "-m lwm.cli bench --config configs/base.yaml --steps 20 --warmup 5 --no-reference --no-lightning",
                      "--max-batch --no-reference --no-breakdown --no-lightning --steps 3 --warmup 2 "
                      "--model.net.activation_checkpointing=true",
                      "--precision bf16 --temporal-attention sdpa", "--precision bf16 --temporal-attention triton",
@@ -152,4 +162,12 @@ def test_gpu_recipe_runs_the_documented_commands(tmp_path):
                      "--trainer.max_steps 30 --ckpt_path last"):
         assert expected in joined, expected
     assert sorted(p.name for p in out.glob("*.log")) == sorted(
-        f"{s}.log" for s in ("check", "kernels", "attention", "bench", "maxbatch", "generate", "loader", "deepspeed"))
+        f"{s}.log" for s in ("check", "kernels", "attention", "bench", "breakdown", "maxbatch", "maxbatch_ckpt",
+                             "generate", "loader", "deepspeed"))
+    # an image without pip: the wheels are unpacked (a wheel is a zip of the installed package)
+    record.unlink()
+    run = subprocess.run(["bash", str(script), str(tmp_path / "out2"), "check"], capture_output=True, text=True,
+                         env={"PATH": "/usr/bin:/bin", "PYTHON": str(fake), "WHEELS": str(wheels), "NO_PIP": "1"})
+    assert run.returncode == 0, run.stderr
+    calls = record.read_text().splitlines()
+    assert calls[1] == f"TRITON_INTERPRET=0 -m zipfile -e {wheels}/omegaconf-2.4.0-py3-none-any.whl /tmp/lwm_site"
