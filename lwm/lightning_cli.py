@@ -354,8 +354,31 @@ class LwmCLI(LightningCLI):
         for callback in trainer.callbacks:
             if isinstance(callback, Sensitivity):
                 callback.check_window(dm.window)
+        self._check_eval_limit()
         if self.subcommand == "fit":
             self._check_val_interval()
+
+    _EVAL_LIMITS = {"fit": ("limit_val_batches", None), "validate": ("limit_val_batches", None),  # val_size_percent
+                    "test": ("limit_test_batches", 1.0), "predict": ("limit_predict_batches", 1.0)}  # every window
+
+    def _check_eval_limit(self) -> None:
+        """A fraction ``trainer.limit_val_batches`` (test, predict: theirs) that leaves a rank no batch is refused
+        here, in one line (Lightning raises as that rank's loop starts; under DDP, on that rank alone, where the
+        ranks' windows differ by one, while the others wait for it)."""
+        dm, trainer = self.datamodule, self.trainer
+        key, fraction = self._EVAL_LIMITS[self.subcommand]
+        limit = getattr(trainer, key)
+        if not isinstance(limit, float) or not 0 < limit < 1:
+            return
+        batches = dm.val_batches_per_rank(trainer.world_size, fraction)
+        starved = [rank for rank, n in enumerate(batches) if n and int(n * limit) == 0]
+        if starved:
+            who = f"rank {starved[0]} (of {trainer.world_size})" if trainer.world_size > 1 else "the run"
+            n = batches[starved[0]]
+            raise ConfigError(
+                f"trainer.{key}={limit} leaves {who} no batch: {limit} x its {n} batch{'es' * (n != 1)} of "
+                f"data.val_batch_size={dm.val_batch_size} ({dm.manifest_path}) < 1; use a larger fraction, a "
+                f"number of batches (an integer), or a smaller data.val_batch_size")
 
     def _check_val_interval(self) -> None:
         """An integer ``trainer.val_check_interval`` longer than an epoch is refused here, in one line (Lightning's

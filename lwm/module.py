@@ -34,6 +34,7 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
+from lwm.callbacks.ranks import every_rank
 from lwm.callbacks.schedule import accumulating, is_logging_step
 from lwm.data.windows import nonfinite_mask, nonfinite_windows, window_name
 from lwm.errors import ConfigError, NonFiniteLossError
@@ -435,12 +436,15 @@ class WorldModelModule(L.LightningModule):
         return getattr(getattr(self._trainer, "datamodule", None), name, None) if self._trainer is not None else None
 
     def _bad_windows_said(self) -> str:
-        """The windows of the last training batch holding NaN/inf, named (a file gone bad after indexing), or ""."""
+        """The windows of the last training batch holding NaN/inf, named (a file gone bad after indexing), or "";
+        under DDP every rank's (a collective: every rank stops at the same step, their skip counts being equal)."""
         batch = self._last_batch
         dataset = self._dataset("train_set")
-        if batch is None or "file_index" not in batch or getattr(dataset, "paths", None) is None:
-            return ""
-        bad = nonfinite_windows(batch, dataset.paths)
+        bad = []
+        if batch is not None and "file_index" in batch and getattr(dataset, "paths", None) is not None:
+            bad = nonfinite_windows(batch, dataset.paths)
+        if self._trainer is not None and self.trainer.world_size > 1:
+            bad = [name for names in every_rank(self.trainer, bad) for name in names]
         return f"The last batch has non-finite latents: {', '.join(bad[:5])}. " if bad else ""
 
     # ----------------------------------------------------------------------------------------------

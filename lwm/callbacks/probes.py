@@ -120,5 +120,6 @@ class GroundTruthProbes(L.Callback):
             logs.update({f"Val_{name}/nmi": float(nmi(code_ids(codes, quantizer.codebook_sizes), labels)),
                          f"Val_{name}/probe_accuracy": accuracy, f"Val_{name}/probe_chance": chance,
                          f"Val_{name}/probe_samples": float(len(labels) - probe_train_size(len(labels)))})
+        logs = trainer.strategy.broadcast(logs, src=0)  # every rank logs them: a monitored key exists on each
         if logs:
             pl_module.log_dict(logs, on_step=False, on_epoch=True, rank_zero_only=True)

@@ -380,14 +380,26 @@ class LatentDataModule(L.LightningDataModule):
         fraction = self.val_size_percent if fraction is None else fraction
         if self.val_set is None or fraction == 0:
             return []
+        return self.fixed_windows(self.val_set, self._val_window_count(fraction, self._rank()[1]))
+
+    def _val_window_count(self, fraction: float, world_size: int) -> int:
+        """How many validation windows all ranks together use at ``fraction``: at least one per rank (Lightning
+        refuses a rank with an empty validation loader), so under DDP at least ``world_size``."""
         total = sum(f // self.window for f in self.val_set.frames)  # non-overlapping windows
-        world_size = self._rank()[1]
         if total < world_size:
             raise DataError(f"{self.manifest_path}: {total} validation windows of {self.window} frames for "
                             f"{world_size} ranks; every rank needs one (more val files, a shorter data.window, "
                             f"or data.val_size_percent=0)")
-        # Every rank gets at least one window: Lightning refuses a rank with an empty validation loader.
-        return self.fixed_windows(self.val_set, min(total, max(world_size, math.ceil(fraction * total))))
+        return min(total, max(world_size, math.ceil(fraction * total)))
+
+    def val_batches_per_rank(self, world_size: int, fraction: float | None = None) -> list[int]:
+        """Each rank's number of validation batches at ``fraction`` (default ``val_size_percent``): the windows
+        are dealt round-robin, so they differ by at most one between ranks."""
+        fraction = self.val_size_percent if fraction is None else fraction
+        if self.val_set is None or fraction == 0:
+            return [0] * world_size
+        count = self._val_window_count(fraction, world_size)
+        return [math.ceil(len(range(rank, count, world_size)) / self.val_batch_size) for rank in range(world_size)]
 
     def val_dataloader(self) -> DataLoader | list:
         if self.val_size_percent == 0:

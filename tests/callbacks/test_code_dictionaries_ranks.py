@@ -1,5 +1,6 @@
-"""The end-of-fit code dictionaries under 2 gloo ranks, when one rank's windows hold NaN: every rank raises the
-same error line (a rank raising alone would leave the others waiting in the gather until the timeout)."""
+"""Under 2 gloo ranks, when one rank's windows hold NaN: the end-of-fit code dictionaries and the stop after
+non-finite steps in a row raise the same error line on every rank, naming the bad windows of every rank (a rank
+raising alone would leave the others waiting in a collective until the timeout)."""
 
 from __future__ import annotations
 
@@ -54,3 +55,41 @@ def test_a_bad_window_on_one_rank_stops_every_rank_with_its_line():
     results = mp.Manager().dict()
     mp.spawn(_rank, args=(port, results), nprocs=2, join=True)
     assert results[0] == results[1] and "non-finite latents (NaN/inf) in 1 window(s): /data/r1_b.h5 (frames 4..6)" in results[0]
+
+
+def _stop_rank(rank: int, port: int, results) -> None:
+    from lwm.errors import NonFiniteLossError
+    from lwm.module import WorldModelModule
+    from tests.lightning.test_module import NET
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    module = WorldModelModule(net=NET, max_nonfinite=3)
+    latents = torch.zeros(2, 3, 1, 1, 1)
+    if rank == 1:
+        latents[0, 1] = float("nan")  # only this rank's batch holds the file gone bad
+    module._last_batch = {"latents": latents, "file_index": torch.tensor([0, 1]), "start": torch.tensor([0, 4])}
+    train_set = SimpleNamespace(paths=[f"/data/r{rank}_a.h5", f"/data/r{rank}_b.h5"])
+    module._trainer = SimpleNamespace(world_size=2, global_step=7, datamodule=SimpleNamespace(train_set=train_set))
+    try:
+        module._check_in_a_row(3)  # every rank: their skip counts are all-reduced, equal
+        results[rank] = "no error"
+    except NonFiniteLossError as e:
+        results[rank] = str(e)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_a_nonfinite_stop_names_the_bad_windows_of_every_rank():
+    """Every rank stops at the same step; each names the bad windows of all ranks, not only its own (rank 0's
+    line, usually the one read, named no file)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.Manager().dict()
+    mp.spawn(_stop_rank, args=(port, results), nprocs=2, join=True)
+    for rank in (0, 1):
+        assert "non-finite latents: /data/r1_a.h5 (frames 0..2)" in results[rank], results[rank]

@@ -20,8 +20,9 @@ C, H, W = 4, 16, 16  # small frames keep CPU steps fast; the model is told via m
 
 
 def make_dataset(directory: Path, files: int = 8, frames: int = 14, seed: int = 0, val_fraction: float = 0.25,
-                 shape: tuple[int, int, int] = (C, H, W)) -> Path:
-    """``files`` smooth random clips of ``frames`` (+ i) frames; returns the manifest path."""
+                 shape: tuple[int, int, int] = (C, H, W), labels: bool = False) -> Path:
+    """``files`` smooth random clips of ``frames`` (+ i) frames, with random ``actions`` (3 of them) and a
+    ``world_label`` (i mod 2) where ``labels``; returns the manifest path."""
     from lwm.data.manifest import index_directory
 
     rng = np.random.default_rng(seed)
@@ -30,6 +31,9 @@ def make_dataset(directory: Path, files: int = 8, frames: int = 14, seed: int = 
         x = np.tanh(0.1 * rng.normal(size=(frames + i, *shape)).cumsum(0)).astype(np.float32)
         with h5py.File(directory / f"ep{i:02d}.h5", "w") as f:
             f["latents"] = x
+            if labels:  # drawn after the latents: the same latents as without labels
+                f["actions"] = rng.integers(0, 3, size=frames + i)
+                f.attrs["world_label"] = np.int64(i % 2)
     return index_directory(directory, val_fraction=val_fraction).path
 
 

@@ -91,6 +91,19 @@ def check_checkpoints(directory: Path, max_steps: int) -> dict[str, int]:
     return steps
 
 
+class RecordMetrics(L.Callback):
+    """Each rank writes its ``callback_metrics`` (what a ModelCheckpoint or EarlyStopping monitor reads) at the end
+    of each validation to ``directory/rank{r}.json``, the last one kept."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        os.makedirs(self.directory, exist_ok=True)
+        with open(os.path.join(self.directory, f"rank{trainer.global_rank}.json"), "w") as f:
+            json.dump({k: float(v) for k, v in trainer.callback_metrics.items()}, f)
+
+
 class RecordBatches(L.Callback):
     """Each rank writes the ``(file_index, start)`` of every training window it drew to ``directory/rank{r}.json``."""
 

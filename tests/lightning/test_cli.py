@@ -255,6 +255,8 @@ def test_overfit_drives_the_tf_loss_towards_zero(tmp_path, capsys):
         (["--config=configs/missing.yaml"], "error: --config configs/missing.yaml: file not found"),
         (["--config=TYPO"], "error: --config TYPO: unknown key model.net.d_modle (did you mean model.net.d_model?)"),
         (["--trainer.val_check_interval=50"], "trainer.val_check_interval=50 is more than the 2 training batches"),
+        (["--trainer.limit_val_batches=0.01"], "trainer.limit_val_batches=0.01 leaves the run no batch: 0.01 x its 1 "
+                                               "batch of data.val_batch_size=3"),
     ],
 )
 def test_bad_config_is_one_error_line_before_training(tmp_path, capsys, extra, message):
@@ -283,6 +285,19 @@ def test_bad_data_is_named_before_training_and_nothing_is_lost(tmp_path, capsys)
     assert ((root / "checkpoints/last.ckpt").read_bytes(), (root / "metrics.csv").read_text()) == before
     assert run(manifest, root, "--data.manifest=" + str(tmp_path / "nope.json"), "--ckpt_path=last") == 2
     assert "nope.json: manifest not found" in capsys.readouterr().err
+
+
+def test_a_validation_fraction_that_leaves_one_rank_no_batch_is_one_error_line(tmp_path, capsys):
+    """5 validation windows in batches of 2: 2 batches on rank 0, 1 on rank 1, whose half is no batch. Lightning
+    raises on rank 1 alone, rank 0 training on and waiting for it in a collective; refused before either starts."""
+    manifest = make_dataset(tmp_path / "data")
+    ddp = ["--trainer.devices=2", "--trainer.strategy=ddp", "--data.val_batch_size=2"]
+    assert run(manifest, tmp_path / "run", *ddp, "--trainer.limit_val_batches=0.5") == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "trainer.limit_val_batches=0.5 leaves rank 1 (of 2) no batch" in errors[0], errors
+    assert not (tmp_path / "run").exists()
+    assert run(manifest, tmp_path / "one", "--data.val_batch_size=2", "--trainer.limit_val_batches=0.5",
+               "--trainer.max_steps=1") == 0  # one process: half of its 3 batches is one
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")

@@ -94,7 +94,7 @@ def _window_losses(ckpt_path, manifest, rank: int, world_size: int, batch_size: 
 
 
 def test_ddp_validation_metrics_equal_one_process_on_an_uneven_split(tmp_path):
-    manifest = make_dataset(tmp_path / "data")  # val files of 16 and 18 frames: 5 windows of 6, split 3 / 2
+    manifest = make_dataset(tmp_path / "data", labels=True)  # val files of 16 and 18 frames: 5 windows of 6, 3 / 2
     assert run(manifest, tmp_path / "train", "--trainer.max_steps=3", "--data.val_size_percent=0") == 0
     ckpt = tmp_path / "train/checkpoints/last.ckpt"
     common = ["--data.val_batch_size=2", f"--ckpt_path={ckpt}",  # rank 0: batches of 2 and 1, rank 1: one of 2
@@ -107,7 +107,9 @@ def test_ddp_validation_metrics_equal_one_process_on_an_uneven_split(tmp_path):
     assert abs(naive - exact) > 1e-4 * abs(exact), (naive, exact)
 
     assert run(manifest, tmp_path / "one", *common, verb="validate") == 0
-    run_lwm(manifest, tmp_path / "two", *common, *DDP, verb="validate")
+    recorded = tmp_path / "callback_metrics"
+    run_lwm(manifest, tmp_path / "two", *common, *DDP, "--trainer.callbacks+=tests.lightning.procs.RecordMetrics",
+            f"--trainer.callbacks.directory={recorded}", verb="validate")
     one = [r for r in read_metrics(tmp_path / "one" / "validate") if "Val_Total/loss" in r]
     two = [r for r in read_metrics(tmp_path / "two" / "validate") if "Val_Total/loss" in r]
     assert len(one) == len(two) == 1
@@ -123,3 +125,8 @@ def test_ddp_validation_metrics_equal_one_process_on_an_uneven_split(tmp_path):
     for key in keys:
         assert math.isclose(two[key], one[key], rel_tol=1e-5, abs_tol=1e-8), (key, two[key], one[key])
     assert math.isclose(one["Val_Total/loss"], exact, rel_tol=1e-5), (one["Val_Total/loss"], exact)
+    # Every rank holds every key with rank 0's value (a monitored key missing on one rank stops that rank alone at
+    # its first checkpoint, and the others wait for it): the probes too, computed on rank 0 and broadcast.
+    ranks = [json.loads((recorded / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert {"Val_Action_Encoder/probe_accuracy", "Val_World_Encoder/nmi"} <= set(ranks[0])
+    assert ranks[1] == ranks[0]

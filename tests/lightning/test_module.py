@@ -482,6 +482,7 @@ def test_deepspeed_skips_count_as_skipped_steps_and_stop_the_run_in_a_row():
                              get_global_grad_norm=lambda: 2.5)
     within = [False]  # inside an accumulation window?
     module._trainer = SimpleNamespace(strategy=SimpleNamespace(deepspeed_engine=engine), training=True, global_step=9,
+                                      world_size=1,
                                       fit_loop=SimpleNamespace(_should_accumulate=lambda: within[0]))
     logged = {}
     module.log = lambda key, value, **kwargs: logged.update({key: value})  # (a stand-in trainer: no logger connector)
@@ -511,6 +512,7 @@ def test_deepspeed_fp16_overflows_count_towards_the_stop_only_below_a_loss_scale
     engine = SimpleNamespace(skipped_steps=0, optimizer=SimpleNamespace(loss_scale_config=scaler),
                              get_global_grad_norm=lambda: None)
     module._trainer = SimpleNamespace(strategy=SimpleNamespace(deepspeed_engine=engine), training=True, global_step=3,
+                                      world_size=1,
                                       fit_loop=SimpleNamespace(_should_accumulate=lambda: False))
     module.log = lambda *args, **kwargs: None  # (this stand-in trainer has no logger connector)
     module.skips.engine_start(0)
