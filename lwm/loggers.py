@@ -230,10 +230,22 @@ def log_distribution(pl_module: L.LightningModule, name: str, values: torch.Tens
         if type(logger).__name__ == "WandbLogger":
             import wandb
 
+            histogram = histogram_values(v)
+            if histogram is None:
+                continue
             # commit=False: into the history row of the scalars Lightning logs right after, at the same step (one
             # row per logged step, not one more per histogram)
-            logger.experiment.log({name: wandb.Histogram(v.cpu().numpy()), "trainer/global_step": _step(pl_module)},
+            logger.experiment.log({name: wandb.Histogram(histogram), "trainer/global_step": _step(pl_module)},
                                   commit=False)
+
+
+def histogram_values(values: torch.Tensor):
+    """The finite ``values`` as a float64 numpy array for ``wandb.Histogram`` (None when none is finite): numpy
+    cannot cut the range of float32 values a few ulps apart into 64 bins in float32 (it raises), nor a range
+    with NaN or inf in it; in float64 it always can."""
+    v = values.detach().flatten()
+    v = v[torch.isfinite(v)]
+    return v.cpu().double().numpy() if v.numel() else None
 
 
 def log_video(pl_module: L.LightningModule, name: str, path: str) -> None:

@@ -179,6 +179,23 @@ def test_log_distribution_sends_a_histogram_to_wandb_and_min_mean_max_to_every_l
     assert wandb_logger.commits == [False]  # joins the row of the scalars logged right after
 
 
+def test_a_histogram_of_nearly_equal_or_non_finite_values_is_made_not_raised():
+    """float32 values a few ulps apart (an attention diagonality that barely moves) made wandb.Histogram raise
+    "Too many bins for data range" in the middle of a validation; non-finite values are left out of it."""
+    import numpy as np
+    import torch
+    import wandb
+    from lwm.loggers import histogram_values
+
+    close = torch.tensor([0.44466572, 0.44466575])  # float32
+    with pytest.raises(ValueError, match="Too many bins"):
+        wandb.Histogram(close.numpy())
+    counts, edges = np.histogram(histogram_values(close), bins=64)
+    assert counts.sum() == 2 and len(edges) == 65 and wandb.Histogram(histogram_values(close)) is not None
+    assert histogram_values(torch.tensor([float("nan"), 1.0, float("inf"), 2.0])).tolist() == [1.0, 2.0]
+    assert histogram_values(torch.tensor([float("nan")])) is None
+
+
 def test_the_model_summary_has_no_zero_flops_and_no_metric_rows(capsys):
     from lightning.pytorch.utilities.model_summary import summarize
 
