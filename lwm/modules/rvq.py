@@ -24,7 +24,8 @@ Per level ``l`` (codebook size ``K_l``), on the residual ``r_l`` left by the lev
 Dead codes (not assigned for ``dead_code_steps`` consecutive updates) are replaced by :meth:`revive`
 with random distinct encoder outputs of that level from the last training batch, and their EMA state
 reset, so the next update keeps them. Codes are never initialised or revived as duplicates of each other.
-Under DDP the replacements are broadcast from rank 0: all ranks hold identical codebooks. Everything here runs in fp32 with autocast off, and the buffers stay fp32 when the
+Under DDP the candidates are every rank's rows (as one GPU with the global batch would draw them), and rank 0's
+draws are broadcast: all ranks hold identical codebooks. Everything here runs in fp32 with autocast off, and the buffers stay fp32 when the
 module is cast (``.half()``, ``.bfloat16()``, DeepSpeed).
 """
 
@@ -265,7 +266,7 @@ class ResidualVectorQuantizer(nn.Module):
         """Data-dependent init: level ``l``'s codes are random distinct rows of the residuals at level ``l``.
         A level with more codes than distinct rows (a world quantizer sees one vector per clip; a row picked as
         a code leaves a zero residual) keeps its random init for the rest: unused, they are revived later."""
-        residual = flat
+        residual = self._every_rank_rows(flat)
         for cb in self.levels:
             rows = _distinct_rows(residual, cb.size)
             mask = torch.zeros(cb.size, dtype=torch.bool, device=flat.device)
@@ -324,7 +325,7 @@ class ResidualVectorQuantizer(nn.Module):
         counts = [int(n) for n in torch.stack([d.sum() for d in dead]).tolist()]
         revived = []
         for cb, mask, n, r in zip(self.levels, dead, counts, self._last_residuals):
-            rows = _distinct_rows(r, n, generator, exclude=cb.embed[~mask]) if n else r[:0]
+            rows = _distinct_rows(self._every_rank_rows(r), n, generator, exclude=cb.embed[~mask]) if n else r[:0]
             if rows.shape[0]:
                 chosen = torch.zeros_like(mask)
                 chosen[mask.nonzero().flatten()[: rows.shape[0]]] = True
@@ -333,6 +334,24 @@ class ResidualVectorQuantizer(nn.Module):
         if sum(counts) and self._sync():  # decided on the all-reduced counts: every rank takes part or none
             self._broadcast_levels()
         return revived
+
+    def _every_rank_rows(self, rows: Tensor) -> Tensor:
+        """``rows [M, dim]`` of every rank in rank order under DDP (this rank's alone otherwise): the candidates
+        of the data init and of revival, so that N GPUs draw codes from the global batch as one GPU would from
+        the same batch (rank 0 draws; :meth:`_broadcast_levels` hands its codes to the others). A collective:
+        every rank calls it, and the ranks' numbers of rows may differ."""
+        if not self._sync():
+            return rows
+        world = _ddp_world()
+        count = torch.tensor([rows.shape[0]], device=rows.device)
+        counts = [torch.zeros_like(count) for _ in range(world)]
+        dist.all_gather(counts, count)
+        sizes = [int(c) for c in counts]
+        padded = rows.new_zeros(max(sizes), rows.shape[1])
+        padded[: rows.shape[0]] = rows
+        parts = [torch.empty_like(padded) for _ in range(world)]
+        dist.all_gather(parts, padded)
+        return torch.cat([part[:n] for part, n in zip(parts, sizes)])
 
     def _broadcast_levels(self) -> None:
         for cb in self.levels:

@@ -700,3 +700,58 @@ def test_distinct_rows_excludes_only_rows_equal_in_every_coordinate():
     exclude = torch.tensor([[1.0, 2.0]])  # [1, 5] and [3, 2] share one coordinate with it: they stay
     out = _distinct_rows(rows, 10, torch.Generator().manual_seed(0), exclude=exclude)
     assert sorted(map(tuple, out.tolist())) == [(1.0, 5.0), (3.0, 2.0), (4.0, 4.0)]
+
+
+def _draw_setup():
+    """Level 0 has 16 codes, a rank's half of the batch 8 rows: drawn from rank 0's rows alone, half the codes
+    would keep their random init. The second batch sits near 2 codes, so the others die (after 1 update)."""
+    q = rvq(4, (16, 8), seed=3, init_from_data=True, decay_start=0.5, decay_end=0.5, decay_steps=0, dead_code_steps=1)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(16, 4, generator=g)
+    last = x[[0, 1]].repeat(8, 1) + 0.01 * torch.randn(16, 4, generator=g)
+    return q.train(), x, last
+
+
+def _ddp_draw_worker(rank: int, world: int, port: int, outdir: str) -> None:
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        q, x, last = _draw_setup()
+        half = x.shape[0] // world
+        torch.manual_seed(7 + rank)  # each rank its own draws: rank 0's are kept
+        q(x[rank * half : (rank + 1) * half], step=0)
+        init = snapshot(q)
+        q(last[rank * half : (rank + 1) * half], step=1)
+        torch.manual_seed(8 + rank)
+        revived = q.revive()
+        torch.save({"init": init, "post": snapshot(q), "revived": torch.tensor(revived)}, Path(outdir) / f"draw_{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_ddp_init_and_revival_draw_from_every_ranks_rows_as_one_process_from_the_whole_batch(tmp_path):
+    """Data init and revival under 2 ranks equal one process fed the concatenated batch with rank 0's random
+    draws: the candidates are every rank's rows, not rank 0's alone (which filled 8 of 16 codes from data)."""
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    mp.start_processes(_ddp_draw_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True,
+                       start_method="spawn")
+    ranks = [torch.load(tmp_path / f"draw_{r}.pt", weights_only=True) for r in range(2)]
+    single, x, last = _draw_setup()
+    torch.manual_seed(7)
+    single(x, step=0)
+    init = snapshot(single)
+    # all 16 level-0 codes drawn from the batch's 16 rows: each is its row's nearest code, so none went unused
+    assert int(init["levels.0.unused_steps"].max()) == 0
+    single(last, step=1)
+    torch.manual_seed(8)
+    revived = single.revive()
+    assert sum(revived) > 0 and ranks[0]["revived"].tolist() == ranks[1]["revived"].tolist() == revived
+    for r in range(2):
+        for key in init:
+            torch.testing.assert_close(ranks[r]["init"][key], init[key], rtol=1e-5, atol=1e-6, msg=f"init {r} {key}")
+            torch.testing.assert_close(ranks[r]["post"][key], snapshot(single)[key], rtol=1e-5, atol=1e-6,
+                                       msg=f"after revival {r} {key}")
