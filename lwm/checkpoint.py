@@ -47,6 +47,13 @@ def atomic_save(obj: Any, path: str | Path) -> Path:
 LIGHTNING_KEYS = ("pytorch-lightning_version", "state_dict", "global_step")  # what every Lightning checkpoint holds
 
 
+def is_deepspeed_checkpoint(path: str | Path) -> bool:
+    """Whether ``path`` is a DeepSpeed checkpoint directory (Lightning's ``last.ckpt/`` with ``latest`` or
+    ``checkpoint/`` in it)."""
+    folder = Path(path)
+    return folder.is_dir() and ((folder / "latest").is_file() or (folder / "checkpoint").is_dir())
+
+
 def read_checkpoint(path: str | Path, label: str = "", what: str = "checkpoint") -> dict[str, Any]:
     """The dict of a Lightning checkpoint file (``weights_only=True``, memory-mapped: the tensors are not read); a
     missing, unreadable (torn) or foreign file (another program's tensors, a code dictionary), a folder or a
@@ -55,7 +62,7 @@ def read_checkpoint(path: str | Path, label: str = "", what: str = "checkpoint")
 
     where = f"{label} {path}".strip()
     folder = Path(path)
-    if folder.is_dir() and ((folder / "latest").is_file() or (folder / "checkpoint").is_dir()):
+    if is_deepspeed_checkpoint(folder):
         raise DataError(f"{where}: a DeepSpeed checkpoint directory; convert it to one file first (Lightning's "
                         f"lightning.pytorch.utilities.deepspeed.convert_zero_checkpoint_to_fp32_state_dict)")
     if folder.is_dir():
@@ -66,7 +73,7 @@ def read_checkpoint(path: str | Path, label: str = "", what: str = "checkpoint")
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:
-        raise DataError(f"{where}: not a readable {what} ({torch_load_failure(e)})") from None
+        raise DataError(f"{where}: not a readable {what} ({torch_load_failure(e, path)})") from None
     missing = [k for k in LIGHTNING_KEYS if k not in checkpoint] if isinstance(checkpoint, dict) else list(LIGHTNING_KEYS)
     if missing:
         raise DataError(f"{where}: not a readable {what} (not a Lightning checkpoint: it has no {', '.join(missing)})")
@@ -105,7 +112,7 @@ def checkpoint_file(path: str | Path, checkpoints: str | Path | None = None) -> 
         found = latest_checkpoint(folder.parent, folder)
         return found if found is not None else folder / "last.ckpt"  # (missing: named by the loader)
     path = Path(path)
-    if not path.is_dir() or (path / "latest").is_file() or (path / "checkpoint").is_dir():  # a file; DeepSpeed's
+    if not path.is_dir() or is_deepspeed_checkpoint(path):  # a file; DeepSpeed's
         return path
     folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     return latest_checkpoint(folder.parent if folder != path else path, folder) or path

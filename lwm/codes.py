@@ -189,7 +189,7 @@ def _load(path: str | Path) -> tuple[dict[str, CodeDictionary], dict]:
     try:
         raw = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # a torn or foreign file
-        raise DataError(f"{path}: not a code dictionary of `lwm codes` ({torch_load_failure(e)})") from None
+        raise DataError(f"{path}: not a code dictionary of `lwm codes` ({torch_load_failure(e, path)})") from None
     if not isinstance(raw, dict):
         raise DataError(f"{path}: not a code dictionary of `lwm codes` (a {type(raw).__name__})")
     dictionaries = {}

@@ -2,6 +2,7 @@
 
 import argparse
 import math
+from pathlib import Path
 
 
 class LwmError(ValueError):
@@ -21,10 +22,13 @@ def first_line(e: BaseException) -> str:
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
-def torch_load_failure(e: BaseException) -> str:
+def torch_load_failure(e: BaseException, path: str | Path | None = None) -> str:
     """Why ``torch.load(weights_only=True)`` refused a file, in one line (``Type: reason``), without torch's advice
     to load it with ``weights_only=False`` (lwm never unpickles arbitrary objects: a file that needs that is not
-    one of ours) or its terminal escape codes."""
+    one of ours) or its terminal escape codes. Given its ``path``, a zip archive cut short (a copy or write that
+    did not finish; torch's errors for it vary with where it was cut) is said so."""
+    if path is not None and _truncated_zip(path):
+        return "truncated or corrupt: a zip archive, as torch.save writes, but not a complete one"
     text = str(e)
     if "WeightsUnpickler error:" in text:  # torch's message: its advice, then the reason
         lines = [line.strip() for line in text.split("WeightsUnpickler error:", 1)[1].splitlines() if line.strip()]
@@ -35,6 +39,18 @@ def torch_load_failure(e: BaseException) -> str:
     if text.startswith("mmap can only be used with files saved with"):  # an h5 file, text: torch names its options
         return "not a torch.save file (or one in torch's old, non-zip format)"
     return f"{type(e).__name__}: {first_line(e)[:200]}"
+
+
+def _truncated_zip(path: str | Path) -> bool:
+    """Whether ``path`` starts as a zip archive (torch.save's format) but is not a readable one."""
+    import zipfile
+
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        return magic == b"PK\x03\x04" and not zipfile.is_zipfile(path)
+    except OSError:
+        return False
 
 
 class NonFiniteLossError(RuntimeError):

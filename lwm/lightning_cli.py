@@ -27,7 +27,8 @@ from lwm.callbacks import (
     GroundTruthProbes, LearningRateMonitor, ModelSummary, PredictionWriter, RolloutVideos, Sensitivity,
     SlurmRequeue, StepProgressBar,
 )
-from lwm.checkpoint import AtomicCheckpointIO, ModelCheckpoint, read_checkpoint, warn_window_mismatch
+from lwm.checkpoint import (AtomicCheckpointIO, ModelCheckpoint, is_deepspeed_checkpoint, read_checkpoint,
+                            warn_window_mismatch)
 from lwm.data.datamodule import LatentDataModule
 from lwm.errors import ConfigError
 from lwm.loggers import WandbConfig, make_loggers, run_log_dir
@@ -498,7 +499,7 @@ def _read_checkpoint_file(path: Any) -> bool:
 
     if path in ("best", "hpc", "registry") or str(path).startswith("registry:"):
         return False
-    if os.path.isdir(path) or not _is_local_file_protocol(str(path)):  # DeepSpeed's; a remote one (fsspec)
+    if is_deepspeed_checkpoint(path) or not _is_local_file_protocol(str(path)):  # a remote one: fsspec's
         return False
     read_checkpoint(path, "--ckpt_path")
     return True

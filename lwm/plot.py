@@ -286,6 +286,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> tuple[list[P
 
     Returns the paths written and ``{figure file name: why it was skipped}``."""
     run_dir = Path(run_dir)
+    if run_dir.is_file():
+        raise DataError(f"{run_dir}: a file; lwm plot takes the run's folder ({run_dir.parent})")
     if not run_dir.is_dir():
         raise DataError(f"{run_dir}: no such run directory")
     metrics = read_metrics(run_dir / "metrics.csv")

@@ -337,6 +337,8 @@ def test_plot_writes_the_figures_of_a_run(trained, capsys):
             "attention_diagonality.png"} <= figures
     assert main(["plot", str(root / "nope")]) == 2
     assert "no such run directory" in capsys.readouterr().err
+    assert main(["plot", str(root / "metrics.csv")]) == 2
+    assert f"metrics.csv: a file; lwm plot takes the run's folder ({root})" in capsys.readouterr().err
 
 
 def test_bf16_weights_train_validate_and_monitor(tmp_path):
@@ -372,6 +374,8 @@ def test_a_bad_ckpt_path_is_one_line_before_any_work(trained, tmp_path, capsys):
     garbage.write_text("not a checkpoint")
     foreign = tmp_path / "foreign.ckpt"
     torch.save({"a": 1}, foreign)  # loads with weights_only, but no Lightning checkpoint
+    truncated = tmp_path / "truncated.ckpt"
+    truncated.write_bytes((root / "checkpoints" / "last.ckpt").read_bytes()[:5000])  # a copy cut short
     empty = tmp_path / "empty_run"
     config = (root / "config.yaml").read_bytes()
     cases = [
@@ -381,8 +385,13 @@ def test_a_bad_ckpt_path_is_one_line_before_any_work(trained, tmp_path, capsys):
         ("validate", str(foreign), root, "not a readable checkpoint (not a Lightning checkpoint: it has no "
                                          "pytorch-lightning_version, state_dict, global_step)"),
         ("fit", str(foreign), root, "not a readable checkpoint (not a Lightning checkpoint"),
+        ("validate", str(truncated), root, "not a readable checkpoint (truncated or corrupt: a zip archive, as "
+                                           "torch.save writes, but not a complete one)"),
         ("validate", "last", empty, "--ckpt_path last: no checkpoint in the run"),
         ("predict", "last", empty, "--ckpt_path last: no checkpoint in the run"),
+        # a run's folder (generate and codes take one; Lightning would fail on it after the loggers started)
+        ("fit", str(root), tmp_path / "fresh", f"--ckpt_path {root}: a folder without a checkpoint"),
+        ("validate", str(root), root, f"--ckpt_path {root}: a folder without a checkpoint"),
     ]
     for verb, path, run_dir, message in cases:
         assert main(tiny_args(manifest, run_dir, f"--ckpt_path={path}", verb=verb)) == 2, (verb, path)
