@@ -97,6 +97,10 @@ class Manifest:
     @classmethod
     def load(cls, path: str | Path) -> Manifest:
         path = Path(path)
+        if path.is_dir():
+            inside = path / "manifest.json"
+            hint = f"did you mean {inside}?" if inside.is_file() else f"`lwm data index {path}` makes {inside}"
+            raise DataError(f"{path}: a folder, not a manifest file ({hint})")
         if not path.is_file():
             raise DataError(f"{path}: manifest not found (make one with `lwm data index DIR --out {path}`)")
         try:

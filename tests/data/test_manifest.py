@@ -237,6 +237,13 @@ def test_load_missing(tmp_path):
     load_refused(tmp_path / "none.json", "manifest not found")
 
 
+def test_load_a_folder_names_the_manifest_inside(tmp_path):
+    """``--data.manifest data`` (the folder `lwm data index` wrote into): its manifest.json named, or the command."""
+    load_refused(tmp_path, f"a folder, not a manifest file (`lwm data index {tmp_path}` makes {tmp_path}/manifest.json)")
+    (tmp_path / "manifest.json").write_text("{}")
+    load_refused(tmp_path, f"a folder, not a manifest file (did you mean {tmp_path}/manifest.json?)")
+
+
 def test_load_invalid_json(tmp_path):
     p = tmp_path / "m.json"
     p.write_text('{"version": 1, "files": [')
