@@ -106,7 +106,9 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if args.peak_tflops is not None and not args.peak_tflops > 0:
         raise ConfigError(f"--peak-tflops must be > 0, got {args.peak_tflops}")
     if not Path(args.config).is_file():
-        raise ConfigError(f"--config {args.config}: not found")
+        shipped = ROOT / "configs" / f"{Path(args.config).stem}.yaml"  # `--config tiny`
+        hint = f" (did you mean {shipped.relative_to(ROOT)}?)" if shipped.is_file() else ""
+        raise ConfigError(f"--config {args.config}: not found{hint}")
     if args.json is not None:  # before minutes of timing: a path that cannot be written, or the config itself
         from lwm.video import check_output
 
@@ -653,6 +655,11 @@ def run_breakdown(s: Setup, args: argparse.Namespace, console: Console) -> tuple
             table.add_row(r["part"], str(r["calls"]), f"{r['ms']:.2f}", f"{r['ms'] / (eager * 1e3):.0%}",
                           f"{rate:.3f}" if rate else "-")
         console.print(table)
+    if parts[-1]["ms"] < 0 or any(p["ms"] < 0 for p in passes):  # each part can take no longer than the whole
+        console.print(f"warning: the breakdown is noisy (the parts alone took {total:.0f} ms, more than the whole "
+                      f"eager step's {eager * 1e3:.0f} ms, or a rollout pass added negative time): another process "
+                      "is probably competing for the device or the CPU; rerun on a quiet machine", soft_wrap=True,
+                      highlight=False)
     return parts, passes
 
 

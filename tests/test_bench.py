@@ -89,6 +89,8 @@ def test_a_kernel_that_fails_in_bench_keeps_the_other_rows(monkeypatch, tmp_path
 def test_bench_refuses_bad_arguments(capsys):
     assert main(["bench", "--config", "nope.yaml"]) == 2
     assert "nope.yaml: not found" in capsys.readouterr().err
+    assert main(["bench", "--config", "tiny"]) == 2
+    assert "--config tiny: not found (did you mean configs/tiny.yaml?)" in capsys.readouterr().err
     assert main(["bench", "--steps", "0"]) == 2
     assert main(["bench", "stray"]) == 2
     assert "unrecognized arguments: stray" in capsys.readouterr().err
@@ -317,7 +319,9 @@ def test_bench_numbers_follow_from_the_step_times_and_flops(monkeypatch, tmp_pat
         assert v["ms_median"] == v["ms_min"] == v["ms_max"] == v["ms_per_step"] and v["max_over_min"] == 1.0
     assert r["lightning_overhead_ms"] == pytest.approx(1500.0) and r["noise_warning"] is None
     printed = capsys.readouterr().out
-    assert "Lightning overhead: +1500.0 ms/step" in printed and "noisy" not in printed
+    assert "Lightning overhead: +1500.0 ms/step" in printed and "timings are noisy" not in printed
+    # 0.5 s for every part alone and for the whole eager step: the parts sum to more than the step, said
+    assert "the breakdown is noisy (the parts alone took" in printed
     parts = r["breakdown"]
     timed_parts = parts[:-1]
     assert parts[-1]["part"].startswith("other")
