@@ -68,7 +68,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
                    "ACTIONS-WORLD_seedS_stepK.mp4, K the checkpoint's global step, e.g. "
                    "clip_0_1+16_dictionary-inferred_seed0_step0005000.mp4; given indices: given-HASH)")
     p.add_argument("--overwrite", action="store_true",
-                   help="replace an existing video and its latents (VIDEO.h5); without it they are refused")
+                   help="replace an existing video and its latents (VIDEO.mp4.h5); without it they are refused")
     args = p.parse_args(argv)
     for name in ("context", "steps", "rollouts"):
         if getattr(args, name) < 1:
@@ -195,7 +195,8 @@ def run(args: argparse.Namespace) -> Path:
     offset = model.config.max_time_offset
     if trained and last_position > offset + trained - 2:
         print(f"warning: the rollout feeds temporal positions up to {last_position}; training saw up to "
-              f"{offset + trained - 2} (model.net.max_time_offset {offset} + a {trained}-frame window): later frames "
+              f"{offset + trained - 2} (a start up to model.net.max_time_offset {offset}, then the {trained - 1} predictor "
+              f"inputs of a {trained}-frame window): later frames "
               f"are out of the trained range", file=sys.stderr)
     generator = torch.Generator(device=device).manual_seed(args.seed)  # --actions random
     # dictionary draws: the world's and the actions' in streams of their own, each a function of --seed alone, so
@@ -258,6 +259,10 @@ def _read_clips(args: argparse.Namespace, model, trained: int | None,
 
 
 @torch.no_grad()
+def _frames(n: int) -> str:
+    return f"{n} frame{'s' * (n != 1)}"
+
+
 def _given_codes(args: argparse.Namespace, model, transitions: int,
                  device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The codes of ``--world-indices`` ``[1, Dh]`` and of the first ``transitions`` of ``--action-indices``
@@ -269,7 +274,7 @@ def _given_codes(args: argparse.Namespace, model, transitions: int,
     if args.action_indices:
         idx = _indices(args.action_indices, "--action-indices", len(model.config.codebook_sizes_action), ndim=2)
         if idx.shape[0] < transitions:
-            raise ConfigError(f"--action-indices: {transitions} transitions needed ({args.context} context frames, "
+            raise ConfigError(f"--action-indices: {transitions} transitions needed ({_frames(args.context)} of context, "
                               f"{args.steps} steps), got {idx.shape[0]}")
         actions = _decode(model.quantizers["Action_Encoder"], idx[:transitions].to(device), "--action-indices")
     return world, actions
@@ -306,7 +311,7 @@ def _world(args: argparse.Namespace, model, world_clip: torch.Tensor, trained: i
         idx = dictionaries["World_Encoder"].sample((R,), args.sampling, draws)
         return quantizer.decode_indices(idx.to(world_clip.device))
     if trained and world_clip.shape[1] < trained:
-        print(f"warning: --world inferred from {world_clip.shape[1]} frames of {args.data} (from --start "
+        print(f"warning: --world inferred from {_frames(world_clip.shape[1])} of {args.data} (from --start "
               f"{args.start}); training inferred it from {trained}: the code may differ from a whole "
               f"window's", file=sys.stderr)
     return model.encode_world(world_clip).quantized.expand(R, -1)

@@ -68,7 +68,7 @@ def test_inferred_actions_reproduce_teacher_forcing_on_the_first_step(trained):
     (["--world-indices", "[[0, 1]]"], "--world-indices: expected shape [2] (2 RVQ levels), got [1, 2]"),
     (["--action-indices", "[[0, 1], [0]]"], "--action-indices: not a JSON list of integer code tuples"),
     (["--action-indices", "[[0, 0], [0, 0]]"],
-     "--action-indices: 3 transitions needed (1 context frames, 3 steps), got 2"),
+     "--action-indices: 3 transitions needed (1 frame of context, 3 steps), got 2"),
     (["--codes", "/nope/codes.pt"], "code dictionary not found"),
     (["--actions", "random", "--world", "dictionary", "--codes", "DATA"],
      "ep00.h5: not a code dictionary of `lwm codes`"),
