@@ -31,9 +31,17 @@ def _step(trainer: L.Trainer) -> str:
     return f"step {trainer.global_step}" + (f"/{limit}" if limit else "")
 
 
+def _skipped(trainer: L.Trainer) -> str:
+    """``12 steps skipped (non-finite loss or gradient)`` over the run so far, or "" (a host read of the count)."""
+    skipped = getattr(trainer.lightning_module, "skipped_steps", 0) if trainer.lightning_module is not None else 0
+    return f"{skipped} step{'s' * (skipped != 1)} skipped (non-finite loss or gradient)" if skipped else ""
+
+
 def fit_summary(trainer: L.Trainer, seconds: float) -> str:
-    """One line at the end of a fit: where it got, how long it took, its last losses and where its checkpoint is."""
-    parts = [f"fit done: {_step(trainer)} in {_clock(seconds)}", _metrics(trainer, ("Train_Total/loss", *VAL_KEYS))]
+    """One line at the end of a fit: where it got, how long it took, its last losses, the steps it skipped and
+    where its checkpoint is."""
+    parts = [f"fit done: {_step(trainer)} in {_clock(seconds)}", _metrics(trainer, ("Train_Total/loss", *VAL_KEYS)),
+             _skipped(trainer)]
     checkpoint = getattr(trainer.checkpoint_callback, "last_model_path", "") or ""
     if checkpoint:
         parts.append(f"checkpoint {checkpoint}")
@@ -74,12 +82,15 @@ class StepProgressBar(RichProgressBar):
 
     def progress_line(self, trainer: L.Trainer, now: float) -> str:
         """``step 1200/100000 · epoch 3 · 2.14 steps/s · Train_Total/loss 0.0123 · 0:09:20 elapsed, 12:48:00 to
-        go``: the speed over this process's steps so far (validations included: the time to go is wall-clock)."""
+        go`` (with ``· 3 steps skipped (non-finite loss or gradient)`` before the time where there are): the speed
+        over this process's steps so far (validations included: the time to go is wall-clock)."""
         t0, step0 = self._start if self._start is not None else (now, trainer.global_step)
         done, seconds = trainer.global_step - step0, max(now - t0, 1e-9)
         text = f"{_step(trainer)} · epoch {trainer.current_epoch} · {done / seconds:.3g} steps/s"
         loss = _metrics(trainer, ("Train_Total/loss",))
         text += f" · {loss}" if loss else ""
+        skipped = _skipped(trainer)
+        text += f" · {skipped}" if skipped else ""
         text += f" · {_clock(seconds)} elapsed"
         if done and trainer.max_steps is not None and trainer.max_steps > 0:
             text += f", {_clock((trainer.max_steps - trainer.global_step) * seconds / done)} to go"

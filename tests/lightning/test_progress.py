@@ -54,3 +54,22 @@ def test_a_run_resumed_mid_epoch_counts_its_epoch_to_its_end(tmp_path):
 
     assert fit(5) == [(i, 5) for i in range(1, 6)]  # as far as max_steps ends the epoch
     assert fit(12, ckpt_path=tmp_path / "epoch=0-step=5.ckpt") == [(i, 12) for i in range(6, 13)]
+
+
+def test_the_progress_line_and_the_summary_say_the_skipped_steps():
+    """A run skipping non-finite steps says so where it is watched (steps skipped silently were only in metrics.csv)."""
+    from lwm.callbacks.progress import fit_summary
+
+    def trainer(skipped):
+        return SimpleNamespace(max_steps=100, global_step=40, current_epoch=1, callback_metrics={},
+                               lightning_module=SimpleNamespace(skipped_steps=skipped), checkpoint_callback=None)
+
+    bar = StepProgressBar()
+    bar._start = (0.0, 20)
+    line = bar.progress_line(trainer(3), now=10.0)
+    assert line == "step 40/100 · epoch 1 · 2 steps/s · 3 steps skipped (non-finite loss or gradient) · 0:00:10 " \
+                   "elapsed, 0:00:30 to go", line
+    assert "skipped" not in bar.progress_line(trainer(0), now=10.0)
+    assert fit_summary(trainer(1), 70.0) == "fit done: step 40/100 in 0:01:10 · 1 step skipped (non-finite loss or " \
+                                            "gradient)"
+    assert "skipped" not in fit_summary(trainer(0), 70.0)
