@@ -257,3 +257,22 @@ def test_a_file_torch_will_not_load_with_weights_only_is_refused_without_torchs_
     with pytest.raises(DataError, match=r"not a code dictionary of `lwm codes` \(state_dict holds w, not "
                                         r"codebook_sizes, counts, tuples\)"):
         load_dictionaries(tmp_path / "ckpt.pt")
+
+
+def test_codes_without_config_reads_the_runs_own(trained, capsys):
+    """`lwm codes --ckpt_path RUN/checkpoints/last.ckpt` (or RUN) without --config: the run's config.yaml, as given
+    explicitly (without it, the package defaults' window and data settings made another dictionary)."""
+    tmp, ckpt, _ = trained
+    given, found, from_run = tmp / "given.codes.pt", tmp / "found.codes.pt", tmp / "run.codes.pt"
+    assert main(_codes(tmp, ckpt, "--out", str(given))) == 0
+    capsys.readouterr()
+    assert main(["codes", "--ckpt_path", str(ckpt), "--out", str(found)]) == 0
+    assert f"lwm codes: the run's config {tmp / 'run/config.yaml'}" in capsys.readouterr().err
+    assert main(["codes", "--ckpt_path", str(tmp / "run"), "--out", str(from_run)]) == 0
+    expected = torch.load(given, weights_only=True)
+    for path in (found, from_run):
+        assert torch.load(path, weights_only=True).keys() == expected.keys()
+        for name in ("Action_Encoder", "World_Encoder"):
+            for key, value in expected[name].items():
+                assert torch.equal(torch.load(path, weights_only=True)[name][key], value), (path, name, key)
+        assert torch.load(path, weights_only=True)["windows"] == expected["windows"]
