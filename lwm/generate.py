@@ -178,6 +178,11 @@ def run(args: argparse.Namespace) -> Path:
         more = f" and its latents {latents_path.name}" if len(earlier) > 1 else ""
         raise ConfigError(f"{earlier[0]}{more}: already there, where this rollout would be written (--overwrite "
                           f"replaces {'them' if more else 'it'}, or give another --out)")
+    drawn = (args.actions in ("dictionary", "random") and not args.action_indices,
+             args.world == "dictionary" and not args.world_indices)
+    if args.rollouts > 1 and not any(drawn):  # the predictor is deterministic: the same inputs, the same frames
+        print(f"note: nothing is drawn (the actions and the world are inferred or given), so the {args.rollouts} "
+              f"rollouts are the same; --rollouts 1 writes one", file=sys.stderr)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     raw, module = load_checkpoint(ckpt_path, map_location=device)
     model = module.model.eval()

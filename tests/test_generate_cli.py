@@ -686,3 +686,16 @@ def test_a_checkpoint_outside_a_checkpoints_folder_writes_beside_itself_and_a_cu
     assert ("warning: the checkpoint (step 3) is in the 'unquantized' phase of model.net.world_curriculum [2, 5]: its "
             "predictor has not yet trained with the world code, which generation feeds it (training does from step 7 "
             "on)") in capsys.readouterr().err
+
+
+def test_rollouts_with_nothing_drawn_are_the_same_and_it_is_said(trained, capsys):
+    """--actions inferred with --world inferred draws nothing: every rollout is the same (the predictor is
+    deterministic), which a note says; with drawn actions they differ and nothing is said."""
+    tmp, ckpt, data = trained
+    same = _generate(ckpt, data, tmp / "same.gif", "--steps", "3", "--rollouts", "3", "--actions", "inferred")
+    assert all(np.array_equal(same[0], r) for r in same[1:])
+    assert "nothing is drawn (the actions and the world are inferred or given), so the 3 rollouts are the same" \
+        in capsys.readouterr().err
+    drawn = _generate(ckpt, data, tmp / "drawn.gif", "--steps", "3", "--rollouts", "3", "--actions", "random")
+    assert not all(np.array_equal(drawn[0], r) for r in drawn[1:])
+    assert "nothing is drawn" not in capsys.readouterr().err
