@@ -307,7 +307,8 @@ def index_directory(
     chosen by a seeded shuffle. Indexing again where a manifest already is keeps every file it lists in its
     split (a run continued on the new manifest never validates on files it trained on) and draws the new
     files' splits towards ``val_fraction`` (``resplit``: draw every file's split again). Latents whose height or
-    width is not a multiple of 4 are indexed with a warning: lwm's model cannot train on them. Raises
+    width is not a multiple of 4 are indexed with a warning: lwm's model cannot train on them; so are latents with
+    as many channels as rows and another number of columns (square frames stored channels-last look so). Raises
     :class:`DataError` naming every bad file (one line each) and writes nothing in that case.
     """
     directory = Path(directory)
@@ -345,6 +346,11 @@ def index_directory(
               f"height and width that are multiples of {MODEL_MULTIPLE}: its tokenizer downsamples by "
               f"{MODEL_MULTIPLE}); indexed all the same (to train on them, encode them again at another --size)",
               file=sys.stderr)
+    if shape[0] == shape[1] != shape[2]:  # [T, H, W, C] of square frames read as [T, C, H, W]: C == H, W the channels
+        print(f"warning: {out}: the files' latents are read as [T, C, H, W] = [T, {', '.join(map(str, shape))}]: "
+              f"{shape[0]} channels of {shape[1]}x{shape[2]}; if they are channels-last [T, H, W, C] ({shape[0]}x"
+              f"{shape[1]} frames of {shape[2]} channels), transpose them to [T, C, H, W] first "
+              f"(numpy: x.transpose(0, 3, 1, 2))", file=sys.stderr)
     if not val:  # not an error: a folder may be indexed for training only
         if len(good) == 1:
             why = "a single file is never split"

@@ -552,3 +552,17 @@ def test_latents_the_model_cannot_train_on_are_indexed_with_one_warning(tmp_path
         write_h5(tmp_path / "w" / f"a{i}.h5", 6, height=8, width=6)
     index_directory(tmp_path / "w", val_fraction=0.4)
     assert "[4, 8, 6], and lwm's model cannot train on them" in capsys.readouterr().err
+
+
+def test_channels_last_latents_of_square_frames_are_warned_about(tmp_path, capsys):
+    """[T, 8, 8, 16]: 8x8 frames of 16 channels stored channels-last read as 8 channels of 8x16 (fit then asked for
+    in_channels=8 and trained on transposed latents); a warning names the transpose. Proper latents: no warning."""
+    for i in range(3):
+        write_h5(tmp_path / "cl" / f"a{i}.h5", 6, channels=8, height=8, width=16)
+        write_h5(tmp_path / "ok" / f"a{i}.h5", 6, channels=16, height=8, width=8)
+    index_directory(tmp_path / "cl", val_fraction=0.4)
+    err = capsys.readouterr().err
+    assert "read as [T, C, H, W] = [T, 8, 8, 16]: 8 channels of 8x16; if they are channels-last [T, H, W, C] (8x8 " \
+           "frames of 16 channels), transpose them" in err and "x.transpose(0, 3, 1, 2)" in err
+    index_directory(tmp_path / "ok", val_fraction=0.4)
+    assert "channels-last" not in capsys.readouterr().err
