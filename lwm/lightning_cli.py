@@ -87,6 +87,8 @@ def _quiet_lightning() -> None:
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     warnings.filterwarnings("ignore", message="You have overridden `on_after_batch_transfer` in `LightningModule`")
+    # data.val_size_percent=0: the data module's val_dataloader is an empty list on purpose (no validation)
+    warnings.filterwarnings("ignore", message="Total length of `list` across ranks is zero")
     # every resume: a fit that would start over in a folder with checkpoints is refused before this (fit_resumes)
     warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
     # recent torch, under configs/ddp.yaml: its replacement (forward_sync_buffers) is not in older torch, and the
