@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
@@ -14,7 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lwm.callbacks import CodeDictionaries
-from lwm.errors import DataError
+from lwm.errors import DataError, NonFiniteLossError
 from tests.test_codes import FakeEncoders
 
 
@@ -24,9 +26,29 @@ class _Loader(list):
         self.dataset = SimpleNamespace(paths=paths)
 
 
-def _rank(rank: int, port: int, results) -> None:
+def _on_rank(rank: int, port: int, results, body: Callable[[int], None]) -> None:
+    """``body(rank)`` in a 2-rank gloo group; ``results[rank]`` its error line, or "no error"."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    try:
+        body(rank)
+        results[rank] = "no error"
+    except (DataError, NonFiniteLossError) as e:
+        results[rank] = str(e)
+    finally:
+        dist.destroy_process_group()
+
+
+def _two_ranks(body: Callable[[int], None]) -> dict[int, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.Manager().dict()
+    mp.spawn(_on_rank, args=(port, results, body), nprocs=2, join=True)
+    return dict(results)
+
+
+def _code_dictionaries(rank: int) -> None:
     latents = torch.zeros(2, 3, 1, 1, 1)
     if rank == 1:
         latents[1, 2] = float("nan")  # this rank's second window went bad after indexing
@@ -36,34 +58,19 @@ def _rank(rank: int, port: int, results) -> None:
                               is_global_zero=rank == 0, checkpoint_callback=None, default_root_dir="/nonexistent")
     module = SimpleNamespace(model=FakeEncoders(), device=torch.device("cpu"), training=True, eval=lambda: None,
                              train=lambda mode=True: None)
-    try:
-        CodeDictionaries().on_train_end(trainer, module)
-        results[rank] = "no error"
-    except DataError as e:
-        results[rank] = str(e)
-    finally:
-        dist.destroy_process_group()
+    CodeDictionaries().on_train_end(trainer, module)
 
 
 @pytest.mark.timeout(120)
 def test_a_bad_window_on_one_rank_stops_every_rank_with_its_line():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    results = mp.Manager().dict()
-    mp.spawn(_rank, args=(port, results), nprocs=2, join=True)
+    results = _two_ranks(_code_dictionaries)
     assert results[0] == results[1] and "non-finite latents (NaN/inf) in 1 window(s): /data/r1_b.h5 (frames 4..6)" in results[0]
 
 
-def _stop_rank(rank: int, port: int, results) -> None:
-    from lwm.errors import NonFiniteLossError
+def _nonfinite_stop(rank: int) -> None:
     from lwm.module import WorldModelModule
     from tests.lightning.test_module import NET
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
     module = WorldModelModule(net=NET, max_nonfinite=3)
     latents = torch.zeros(2, 3, 1, 1, 1)
     if rank == 1:
@@ -71,25 +78,13 @@ def _stop_rank(rank: int, port: int, results) -> None:
     module._last_batch = {"latents": latents, "file_index": torch.tensor([0, 1]), "start": torch.tensor([0, 4])}
     train_set = SimpleNamespace(paths=[f"/data/r{rank}_a.h5", f"/data/r{rank}_b.h5"])
     module._trainer = SimpleNamespace(world_size=2, global_step=7, datamodule=SimpleNamespace(train_set=train_set))
-    try:
-        module._check_in_a_row(3)  # every rank: their skip counts are all-reduced, equal
-        results[rank] = "no error"
-    except NonFiniteLossError as e:
-        results[rank] = str(e)
-    finally:
-        dist.destroy_process_group()
+    module._check_in_a_row(3)  # every rank: their skip counts are all-reduced, equal
 
 
 @pytest.mark.timeout(120)
 def test_a_nonfinite_stop_names_the_bad_windows_of_every_rank():
     """Every rank stops at the same step; each names the bad windows of all ranks, not only its own (rank 0's
     line, usually the one read, named no file)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    results = mp.Manager().dict()
-    mp.spawn(_stop_rank, args=(port, results), nprocs=2, join=True)
+    results = _two_ranks(_nonfinite_stop)
     for rank in (0, 1):
         assert "non-finite latents: /data/r1_a.h5 (frames 0..2)" in results[rank], results[rank]

@@ -553,11 +553,15 @@ def _ddp_setup():
     return q, batches
 
 
-def _ddp_worker(rank: int, world: int, port: int, outdir: str) -> None:
+def _join_gloo(rank: int, world: int, port: int) -> None:
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+
+
+def _ddp_worker(rank: int, world: int, port: int, outdir: str) -> None:
+    _join_gloo(rank, world, port)
     try:
         q, batches = _ddp_setup()
         half = batches[0].shape[0] // world
@@ -713,10 +717,7 @@ def _draw_setup():
 
 
 def _ddp_draw_worker(rank: int, world: int, port: int, outdir: str) -> None:
-    torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    _join_gloo(rank, world, port)
     try:
         q, x, last = _draw_setup()
         half = x.shape[0] // world
