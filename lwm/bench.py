@@ -625,7 +625,9 @@ def rollout_passes(s: Setup, steps: int, warmup: int) -> list[dict]:
     configured, rows, before = s.net, [], (0.0, 0)
     try:
         for k in range(1, len(configured.rollout_weights) + 1):
-            s.net = replace(configured, rollout_weights=configured.rollout_weights[:k])
+            # every pass is computed whatever its weight: a positive one keeps a config starting with zeros valid
+            weights = tuple(w or 1.0 for w in configured.rollout_weights[:k])
+            s.net = replace(configured, rollout_weights=weights)
             seconds = timed(plain_step(s, fast=True, compile_=False)[0], steps, warmup, s.device)
             flops = step_flops(s).useful
             rows.append({"part": "teacher forcing (and all else)" if k == 1 else f"+ rollout pass {k - 1}",
@@ -637,11 +639,14 @@ def rollout_passes(s: Setup, steps: int, warmup: int) -> list[dict]:
     return rows
 
 
-def run_breakdown(s: Setup, args: argparse.Namespace, console: Console) -> tuple[list[dict], list[dict]]:
+def run_breakdown(s: Setup, args: argparse.Namespace, console: Console,
+                  measured: Callable[[list[dict]], None] = lambda parts: None) -> tuple[list[dict], list[dict]]:
     """Each part timed alone, and ``other``: the eager step minus their sum; then what each rollout pass adds to
-    the eager step (:func:`rollout_passes`); printed as two tables."""
+    the eager step (:func:`rollout_passes`); printed as two tables. ``measured`` gets the parts as soon as they are
+    timed (the JSON keeps them should the rollout passes fail)."""
     steps, warmup = max(1, args.steps // 2), min(args.warmup, 2)
     parts = breakdown(s, steps, warmup)
+    measured(parts)
     passes = rollout_passes(s, steps, max(1, warmup))
     eager = passes[-1]["step_ms"] / 1e3  # the whole eager step: every pass
     total = sum(r["ms"] for r in parts)
@@ -737,7 +742,11 @@ def main(argv: list[str]) -> int:
     print_variants(console, rows, timings, flops, matmul, matmul_what, peak, overhead, warning)
     if not args.no_breakdown:
         progress("timing each part alone (the breakdown)")
-        out["breakdown"], out["passes"] = run_breakdown(s, args, console)
+        def parts_timed(parts: list[dict]) -> None:
+            out["breakdown"] = parts
+            write_json(args.json, out)
+
+        out["breakdown"], out["passes"] = run_breakdown(s, args, console, parts_timed)
         write_json(args.json, out)
     if args.max_batch:
         def tried(trials: list[dict]) -> None:

@@ -263,11 +263,11 @@ def _read_clips(args: argparse.Namespace, model, trained: int | None,
     return clip, world_clip, codec, fps
 
 
-@torch.no_grad()
 def _frames(n: int) -> str:
     return f"{n} frame{'s' * (n != 1)}"
 
 
+@torch.no_grad()
 def _given_codes(args: argparse.Namespace, model, transitions: int,
                  device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The codes of ``--world-indices`` ``[1, Dh]`` and of the first ``transitions`` of ``--action-indices``

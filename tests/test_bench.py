@@ -575,3 +575,20 @@ def test_host_syncs_are_listed_by_place_with_counts():
     assert sites == [{"where": "lwm/modules/vq.py:120", "message": message, "count": 2},
                      {"where": "torch/nn/utils/clip_grad.py:88", "message": message, "count": 1}]
     assert sync_count(sites) == "3 (at 2 places)" and sync_count([]) == "0"
+
+
+def test_rollout_passes_time_a_config_whose_first_weights_are_zero(monkeypatch, tmp_path):
+    """rollout_weights [0, 1] is valid (teacher forcing unweighted), but its first pass alone, [0], is not: the
+    per-pass steps keep every pass's weight positive (each pass is computed whatever its weight)."""
+    import lwm.bench as bench
+
+    monkeypatch.setattr(bench, "step_times", lambda fn, steps, warmup, device: [0.5] * steps)
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--config", "configs/tiny.yaml", "--steps", "1", "--warmup", "0", "--json", str(out),
+            "--no-reference", "--no-lightning", "--model.net.height=16", "--model.net.width=16",
+            "--data.batch_size=2", "--data.window=5", "--model.net.rollout_weights=[0.0, 1.0]"]
+    assert main(argv) == 0
+    r = json.loads(out.read_text())
+    assert [p["part"] for p in r["passes"]] == ["teacher forcing (and all else)", "+ rollout pass 1"]
+    assert sum(p["tflop"] for p in r["passes"]) * 1e12 == pytest.approx(r["flops_useful"], rel=1e-9)
+    assert r["net"]["rollout_weights"] == [0.0, 1.0] and r["breakdown"]
