@@ -45,13 +45,16 @@ The **breakdown** times each part alone, forward and backward, with the step's s
 (eager): tokenizer, detokenizer (every rollout pass, at the positions it computes), the spatial
 attention, temporal attention and MLP sub-layers of each transformer (times its depth and calls), the quantizers (with their EMA update) and the
 optimizer; ``other`` is the eager fast-path step minus their sum (loss, masks, positional embeddings,
-re-tokenizing the rollout inputs). Parts timed alone do not overlap as they do in a compiled step.
+re-tokenizing the rollout inputs). Parts timed alone do not overlap as they do in a compiled step. Then what each
+rollout pass adds to the eager step (:func:`rollout_passes`: the step with teacher forcing only, then each pass
+added, by difference).
 
 ``--max-batch`` (GPU only) then finds the largest batch whose fast-path step fits in memory (doubling from
 ``data.batch_size``, then bisecting, up to 65535 temporal-attention sequences; try it with
 ``--model.net.activation_checkpointing=true`` too; ``--no-reference --no-breakdown --no-lightning`` runs it alone).
 
-One table is printed; ``--json`` writes everything, after each part (a later failure keeps what was measured).
+The tables are printed; ``--json`` writes everything, after each variant, part and max-batch trial (a later
+failure, or a time limit, keeps what was measured).
 """
 
 from __future__ import annotations
