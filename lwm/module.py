@@ -320,14 +320,30 @@ class WorldModelModule(L.LightningModule):
         """Log this batch's ``Train_*`` values; within a gradient-accumulation window, sum them (weighted by
         windows) and log the step's mean at the batch that ends it, as Lightning writes only that batch's logs."""
         if self._accumulated is None and not accumulating(self.trainer):  # the plain case: one batch, one step
-            self.log_dict({f"Train_{k}": v for k, v in logs.items()}, batch_size=windows)
+            self.log_dict({f"Train_{k}": v for k, v in self._over_ranks(logs).items()}, batch_size=windows)
             return
         sums, seen = self._accumulated or ({}, 0)
         sums = {k: sums.get(k, 0.0) + v * windows for k, v in logs.items()}  # device tensors: no host sync
         seen += windows
         self._accumulated = (sums, seen) if accumulating(self.trainer) else None
         if self._accumulated is None:
-            self.log_dict({f"Train_{k}": v / seen for k, v in sums.items()}, batch_size=seen)
+            means = self._over_ranks({k: v / seen for k, v in sums.items()})
+            self.log_dict({f"Train_{k}": v for k, v in means.items()}, batch_size=seen)
+
+    def _over_ranks(self, logs: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Under DDP, on a step whose logs Lightning writes: each value's mean over the ranks (every rank holds as
+        many windows), in one all-reduce of them stacked; else the values as they are (rank-local: the other steps'
+        values are dropped, and a collective every step would cost time). The step's own test, identical on every
+        rank: Lightning counts ``_batches_that_stepped`` up after it writes the logs (its ``should_update_logs``
+        adds ``trainer.should_stop``, which one rank may see before the others: a collective on it could hang)."""
+        trainer = self._trainer
+        if trainer is None or trainer.world_size <= 1 or not logs or not trainer.log_every_n_steps:
+            return logs
+        if (trainer.fit_loop.epoch_loop._batches_that_stepped + 1) % trainer.log_every_n_steps:
+            return logs
+        keys = list(logs)
+        stacked = torch.stack([logs[k].detach().float() for k in keys])
+        return dict(zip(keys, trainer.strategy.reduce(stacked, reduce_op="mean").unbind()))
 
     @staticmethod
     def _codes(out) -> dict[str, Tensor]:

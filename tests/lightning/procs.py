@@ -104,6 +104,23 @@ class RecordMetrics(L.Callback):
             json.dump({k: float(v) for k, v in trainer.callback_metrics.items()}, f)
 
 
+class RecordLosses(L.Callback):
+    """Each rank writes ``{logged step: its own training loss}`` to ``directory/rank{r}.json`` (the step as
+    metrics.csv numbers the row: optimizer steps taken before this batch's)."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.losses: dict[int, float] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses[trainer.fit_loop.epoch_loop._batches_that_stepped] = float(outputs["loss"])
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        os.makedirs(self.directory, exist_ok=True)
+        with open(os.path.join(self.directory, f"rank{trainer.global_rank}.json"), "w") as f:
+            json.dump(self.losses, f)
+
+
 class RecordBatches(L.Callback):
     """Each rank writes the ``(file_index, start)`` of every training window it drew to ``directory/rank{r}.json``."""
 

@@ -32,19 +32,27 @@ DEAD_CODE_STEPS = 3
 
 def test_ddp_ranks_keep_identical_quantizers_and_train_on_different_windows(tmp_path):
     manifest = make_dataset(tmp_path / "data")
-    dumps, windows = tmp_path / "quantizers", tmp_path / "windows"
+    dumps, windows, losses = tmp_path / "quantizers", tmp_path / "windows", tmp_path / "losses"
     out = run_lwm(manifest, tmp_path / "run", *DDP,
                   "--trainer.max_steps=12", f"--model.net.dead_code_steps={DEAD_CODE_STEPS}", "--revival.every_n_steps=1",
                   "--data.val_batch_size=2",  # validation after each batch (of 2 an epoch): 3 windows on rank 0, 2 on 1
                   "--checkpoint.every_n_train_steps=5",  # written at the end of the validation after steps 5 and 10
                   "--trainer.callbacks+=tests.lightning.helpers.DumpQuantizers", f"--trainer.callbacks.directory={dumps}",
-                  "--trainer.callbacks+=tests.lightning.procs.RecordBatches", f"--trainer.callbacks.directory={windows}")
+                  "--trainer.callbacks+=tests.lightning.procs.RecordBatches", f"--trainer.callbacks.directory={windows}",
+                  "--trainer.callbacks+=tests.lightning.procs.RecordLosses", f"--trainer.callbacks.directory={losses}")
 
     for noise in ("sync_dist=True", "broadcast_buffers", "deprecated"):  # Lightning's hints that do not apply
         assert noise not in out, out
     drawn = [json.loads((windows / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert len(drawn[0]) == len(drawn[1]) == 12 * 3
     assert drawn[0] != drawn[1], "both ranks trained on the same windows"
+    # Train_* values are the ranks' mean (each rank holds as many windows), not rank 0's alone
+    own = [json.loads((losses / f"rank{r}.json").read_text()) for r in (0, 1)]
+    logged = {int(r["step"]): r["Train_Total/loss"] for r in read_metrics(tmp_path / "run") if "Train_Total/loss" in r}
+    assert sorted(logged) == list(range(12))  # tiny logs every step
+    for step, value in logged.items():
+        assert math.isclose(value, (own[0][str(step)] + own[1][str(step)]) / 2, rel_tol=1e-5), (step, value, own)
+    assert any(not math.isclose(value, own[0][str(step)], rel_tol=1e-5) for step, value in logged.items())
 
     first = [torch.load(dumps / f"first_step_rank{r}.pt", weights_only=True) for r in (0, 1)]
     for key in first[0]:  # initialised from each rank's data: rank 0's codes broadcast, then one shared EMA update
