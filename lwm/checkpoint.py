@@ -97,6 +97,17 @@ def warn_window_mismatch(checkpoint: dict[str, Any], window: int, path: str | Pa
                        f"to match)")
 
 
+def run_of(path: str | Path) -> Path | None:
+    """The folder of the fit a checkpoint belongs to: ``RUN`` of ``RUN/checkpoints/X.ckpt``, or ``RUN`` given itself
+    (a run's folder holds the fit's ``config.yaml`` and ``checkpoints/``); None for anything else."""
+    path = Path(path)
+    if path.parent.name == "checkpoints" and (path.parent.parent / "config.yaml").is_file():
+        return path.parent.parent
+    if (path / "config.yaml").is_file() and (path / "checkpoints").is_dir():
+        return path
+    return None
+
+
 def checkpoint_file(path: str | Path, checkpoints: str | Path | None = None) -> Path:
     """A ``--ckpt_path`` as the file to read: a run's folder (RUN_DIR) or its checkpoint folder is the run's latest
     checkpoint (:func:`lwm.resume.latest_checkpoint`: ``last.ckpt``, or a newer step or hpc one), and so is

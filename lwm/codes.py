@@ -230,20 +230,10 @@ def collect(model, loader, device: torch.device, max_windows: int | None = None)
     return dictionaries, windows
 
 
-def run_config(ckpt_path: str) -> Path | None:
-    """The ``config.yaml`` of the fit that wrote ``ckpt_path`` (``RUN/checkpoints/X.ckpt`` or ``RUN`` itself, RUN
-    holding ``config.yaml`` and ``checkpoints/``), or None."""
-    path = Path(ckpt_path)
-    for run in (path, path.parent.parent):
-        if (run / "config.yaml").is_file() and (run / "checkpoints").is_dir():
-            return run / "config.yaml"
-    return None
-
-
 def main(argv: list[str]) -> int:
     """``lwm codes [--config CFG] --ckpt_path CKPT [--max-windows N] [--out PATH] [overrides]``; without
     ``--config``, the config of the run the checkpoint belongs to (``RUN/config.yaml``), where there is one."""
-    from lwm.checkpoint import checkpoint_file, load_checkpoint, warn_window_mismatch
+    from lwm.checkpoint import checkpoint_file, load_checkpoint, run_of, warn_window_mismatch
     from lwm.errors import ConfigError
     from lwm.lightning_cli import LwmCLI
     from lwm.video import check_output
@@ -260,7 +250,8 @@ def main(argv: list[str]) -> int:
     args, rest = parser.parse_known_args(argv)
     if args.max_windows is not None and args.max_windows < 1:
         raise ConfigError(f"--max-windows must be >= 1 (or left out: all), got {args.max_windows}")
-    config = run_config(args.ckpt_path)
+    run = run_of(args.ckpt_path)  # without --config: the config of the run the checkpoint belongs to
+    config = run / "config.yaml" if run is not None else None
     if config is not None and not any(a == "--config" or a.startswith("--config=") for a in rest):
         print(f"lwm codes: the run's config {config} (its data, window and seed; --config to give another)",
               file=sys.stderr)

@@ -27,7 +27,7 @@ from lwm.callbacks import (
     GroundTruthProbes, LearningRateMonitor, ModelSummary, PredictionWriter, RolloutVideos, Sensitivity,
     SlurmRequeue, StepProgressBar,
 )
-from lwm.checkpoint import (AtomicCheckpointIO, ModelCheckpoint, is_deepspeed_checkpoint, read_checkpoint,
+from lwm.checkpoint import (AtomicCheckpointIO, ModelCheckpoint, is_deepspeed_checkpoint, read_checkpoint, run_of,
                             warn_window_mismatch)
 from lwm.data.datamodule import LatentDataModule
 from lwm.errors import ConfigError
@@ -447,8 +447,8 @@ class LwmCLI(LightningCLI):
         if path is None:
             return
         ckpt, root = Path(path).resolve(), Path(self.trainer.default_root_dir).resolve()
-        run = ckpt.parent.parent
-        if ckpt.parent.name == "checkpoints" and (run / "config.yaml").is_file() and run != root:
+        run = run_of(ckpt)
+        if run is not None and run != root:
             warnings.warn(f"--ckpt_path {path} is the run {run}'s, but this {subcommand} writes its files under "
                           f"trainer.default_root_dir {root / subcommand} (--trainer.default_root_dir={run} puts them "
                           f"beside its checkpoints)", stacklevel=2)
