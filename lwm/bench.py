@@ -131,7 +131,7 @@ def load_config(path: str, overrides: list[str]) -> dict[str, Any]:
     data = config.get("data") or {}
     if data.get("batch_size") is not None and data["batch_size"] < 1:
         raise ConfigError(f"data.batch_size must be >= 1, got {data['batch_size']}")
-    least = len(WorldModelConfig(**((config.get("model") or {}).get("net") or {})).rollout_weights) + 1  # min_frames
+    least = WorldModelConfig(**((config.get("model") or {}).get("net") or {})).min_frames
     if data.get("window") is not None and data["window"] < least:
         raise ConfigError(f"data.window = {data['window']}, but the model needs at least {least} frames")
     return config
@@ -216,7 +216,7 @@ class Setup:
         c = self.net
         g = torch.Generator(device="cpu").manual_seed(0)
         self.x = (torch.rand(self.batch, self.window, c.in_channels, c.height, c.width, generator=g) * 2 - 1).to(device)
-        self.patches = (c.height // 4) * (c.width // 4)
+        self.patches = c.grid[0] * c.grid[1]
 
     @property
     def bf16(self) -> bool:
@@ -247,7 +247,7 @@ def plain_step(s: Setup, fast: bool, compile_: bool = True, micro: int = 1) -> t
         model.compile_parts()
     cuda = s.device.type == "cuda"
     kwargs = dict(fused=True) if fast and cuda else dict(foreach=False)
-    opt = torch.optim.AdamW(model.parameters(), lr=s.optim.lr, betas=tuple(s.optim.betas), **kwargs)
+    opt = s.optim.adamw(model.parameters(), **kwargs)  # the module's parameter groups and hyperparameters
     counter = iter(range(10**9))
 
     def step() -> torch.Tensor:

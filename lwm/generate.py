@@ -3,8 +3,8 @@
     lwm generate --ckpt_path CKPT --data FILE.h5 [--start 0] [--context 1] [--steps 16] [--rollouts 4]
                  [--actions dictionary|inferred|random] [--world inferred|dictionary] [--out VIDEO] [--overwrite]
 
-Only the predictor runs (with the tokenizer and detokenizer), with its key/value cache. The world code is
-inferred from the ground-truth clip (or drawn from the code dictionary); the actions are drawn from the code
+The rollout runs only the predictor (with the tokenizer and detokenizer), with its key/value cache; the
+encoders run once beforehand where codes are inferred. The world code is inferred from the ground-truth clip (or drawn from the code dictionary); the actions are drawn from the code
 dictionary (``codes.pt`` beside the checkpoint, written at the end of fit or by ``lwm codes``), inferred
 from the ground truth, drawn uniformly per level, or given as indices. Rollouts longer than the trained
 window slide it. Writes the video (the ground truth on top, as far as the file has it, blank after its last
@@ -166,18 +166,7 @@ def run(args: argparse.Namespace) -> Path:
     ckpt_path = checkpoint_file(args.ckpt_path)  # a run's folder: its last.ckpt
     # missing, foreign, torn: said first (read memory-mapped: no weights loaded yet); its step names the video
     step = int(read_checkpoint(ckpt_path, what="lwm checkpoint")["global_step"])
-    out = Path(args.out) if args.out else _run_dir(ckpt_path) / "generated" / default_name(args, step)
-    latents_path = out.with_suffix(out.suffix + ".h5")
-    # both outputs, before any work: a folder in the way, or an input under an output's name (`--data X.gif.h5
-    # --out X.gif` would write the latents over the file they are read from), or an earlier run's files
-    inputs = {"--data": args.data, "--ckpt_path": ckpt_path, **({"--codes": args.codes} if args.codes else {})}
-    check_output(out, "--out", inputs)
-    check_output(latents_path, f"the latents of --out {out}", inputs)
-    earlier = [path for path in (out, latents_path) if path.exists()]
-    if earlier and not args.overwrite:
-        more = f" and its latents {latents_path.name}" if len(earlier) > 1 else ""
-        raise ConfigError(f"{earlier[0]}{more}: already there, where this rollout would be written (--overwrite "
-                          f"replaces {'them' if more else 'it'}, or give another --out)")
+    out, latents_path = _outputs(args, ckpt_path, step)
     drawn = (args.actions in ("dictionary", "random") and not args.action_indices,
              args.world == "dictionary" and not args.world_indices)
     if args.rollouts > 1 and not any(drawn):  # the predictor is deterministic: the same inputs, the same frames
@@ -196,22 +185,16 @@ def run(args: argparse.Namespace) -> Path:
     dictionaries = _dictionaries(args, ckpt_path, raw, model)
     clip, world_clip, codec, fps = _read_clips(args, model, trained, device)
     decoder = codec_from_attr(codec, str(args.data), args.vae, str(device), args.vae_tiling)  # before the work: a bad --vae fails now
-    last_position = transitions - 1  # the last frame fed to the predictor sits at temporal position T - 1 (t0 = 0)
-    offset = model.config.max_time_offset
-    if trained and last_position > offset + trained - 2:
-        print(f"warning: the rollout feeds temporal positions up to {last_position}; training saw up to "
-              f"{offset + trained - 2} (a start up to model.net.max_time_offset {offset}, then the {trained - 1} predictor "
-              f"inputs of a {trained}-frame window): later frames "
-              f"are out of the trained range", file=sys.stderr)
-    generator = torch.Generator(device=device).manual_seed(args.seed)  # --actions random
-    # dictionary draws: the world's and the actions' in streams of their own, each a function of --seed alone, so
+    _warn_positions(model, trained, transitions)
+    # the draws: the world's and the actions' in streams of their own, each a function of --seed alone, so
     # --world inferred and --world dictionary play the same drawn actions
     world_draws = seeded_generator("cpu", args.seed, WORLD_DRAWS)
-    action_draws = torch.Generator().manual_seed(args.seed)
+    action_draws = torch.Generator().manual_seed(args.seed)  # from the dictionary
+    random_action_draws = torch.Generator(device=device).manual_seed(args.seed)  # --actions random
     with torch.no_grad():
         world = _world(args, model, world_clip, trained, given_world, dictionaries, world_draws)  # [R, Dh]
         actions = _actions(args, model, clip, trained, transitions, given_actions, dictionaries, action_draws,
-                           generator)  # [R, T, Da]
+                           random_action_draws)  # [R, T, Da]
         context = clip[:, : args.context].expand(args.rollouts, -1, -1, -1, -1)
         generated = model.generate(context, actions, world, args.steps, t0=0, window=window)  # [R, steps, C, H, W]
     rollouts = torch.cat([context, generated], dim=1).cpu()  # [R, context + steps, C, H, W]
@@ -220,6 +203,35 @@ def run(args: argparse.Namespace) -> Path:
         fps = fps / max(1, int(spec.get("frames_per_latent", 1)))
     _write(args, out, latents_path, rollouts, clip, decoder, codec, args.fps or fps)
     return out
+
+
+def _outputs(args: argparse.Namespace, ckpt_path: Path, step: int) -> tuple[Path, Path]:
+    """The video (``--out``, else the default name in the run's ``generated/``) and its latents file, checked before
+    any work: a folder in the way, or an input under an output's name (``--data X.gif.h5 --out X.gif`` would write
+    the latents over the file they are read from), or an earlier run's files (unless ``--overwrite``)."""
+    out = Path(args.out) if args.out else _run_dir(ckpt_path) / "generated" / default_name(args, step)
+    latents_path = out.with_suffix(out.suffix + ".h5")
+    inputs = {"--data": args.data, "--ckpt_path": ckpt_path, **({"--codes": args.codes} if args.codes else {})}
+    check_output(out, "--out", inputs)
+    check_output(latents_path, f"the latents of --out {out}", inputs)
+    earlier = [path for path in (out, latents_path) if path.exists()]
+    if earlier and not args.overwrite:
+        more = f" and its latents {latents_path.name}" if len(earlier) > 1 else ""
+        raise ConfigError(f"{earlier[0]}{more}: already there, where this rollout would be written (--overwrite "
+                          f"replaces {'them' if more else 'it'}, or give another --out)")
+    return out, latents_path
+
+
+def _warn_positions(model, trained: int | None, transitions: int) -> None:
+    """A warning where the rollout feeds temporal positions past those training saw (a random start up to
+    ``max_time_offset``, then a window's predictor inputs)."""
+    last_position = transitions - 1  # the last frame fed to the predictor sits at temporal position T - 1 (t0 = 0)
+    offset = model.config.max_time_offset
+    if trained and last_position > offset + trained - 2:
+        print(f"warning: the rollout feeds temporal positions up to {last_position}; training saw up to "
+              f"{offset + trained - 2} (a start up to model.net.max_time_offset {offset}, then the {trained - 1} predictor "
+              f"inputs of a {trained}-frame window): later frames "
+              f"are out of the trained range", file=sys.stderr)
 
 
 def _run_dir(ckpt_path: Path) -> Path:
@@ -263,10 +275,6 @@ def _read_clips(args: argparse.Namespace, model, trained: int | None,
     return clip, world_clip, codec, fps
 
 
-def _frames(n: int) -> str:
-    return f"{n} frame{'s' * (n != 1)}"
-
-
 @torch.no_grad()
 def _given_codes(args: argparse.Namespace, model, transitions: int,
                  device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -279,7 +287,7 @@ def _given_codes(args: argparse.Namespace, model, transitions: int,
     if args.action_indices:
         idx = _indices(args.action_indices, "--action-indices", len(model.config.codebook_sizes_action), ndim=2)
         if idx.shape[0] < transitions:
-            raise ConfigError(f"--action-indices: {transitions} transitions needed ({_frames(args.context)} of context, "
+            raise ConfigError(f"--action-indices: {transitions} transitions needed ({_count(args.context, 'frame')} of context, "
                               f"{args.steps} steps), got {idx.shape[0]}")
         actions = _decode(model.quantizers["Action_Encoder"], idx[:transitions].to(device), "--action-indices")
     return world, actions
@@ -316,7 +324,7 @@ def _world(args: argparse.Namespace, model, world_clip: torch.Tensor, trained: i
         idx = dictionaries["World_Encoder"].sample((R,), args.sampling, draws)
         return quantizer.decode_indices(idx.to(world_clip.device))
     if trained and world_clip.shape[1] < trained:
-        print(f"warning: --world inferred from {_frames(world_clip.shape[1])} of {args.data} (from --start "
+        print(f"warning: --world inferred from {_count(world_clip.shape[1], 'frame')} of {args.data} (from --start "
               f"{args.start}); training inferred it from {trained}: the code may differ from a whole "
               f"window's", file=sys.stderr)
     return model.encode_world(world_clip).quantized.expand(R, -1)
@@ -324,7 +332,7 @@ def _world(args: argparse.Namespace, model, world_clip: torch.Tensor, trained: i
 
 def _actions(args: argparse.Namespace, model, clip: torch.Tensor, trained: int | None, transitions: int,
              given: torch.Tensor | None, dictionaries: dict | None, draws: torch.Generator,
-             generator: torch.Generator) -> torch.Tensor:
+             random_draws: torch.Generator) -> torch.Tensor:
     """The action vectors of each rollout ``[R, transitions, Da]``: given (``--action-indices``' codes
     ``[transitions, Da]``), inferred from the ground truth, or (``random``, ``dictionary``) the context's own
     transitions inferred and one drawn per step."""
@@ -334,7 +342,7 @@ def _actions(args: argparse.Namespace, model, clip: torch.Tensor, trained: int |
     if args.actions == "inferred":
         return model.encode_actions(clip[:, : transitions + 1], window=trained).quantized.expand(R, -1, -1)
     if args.actions == "random":
-        drawn = random_codes(quantizer, (R, args.steps), generator)
+        drawn = random_codes(quantizer, (R, args.steps), random_draws)
     else:
         idx = dictionaries["Action_Encoder"].sample((R, args.steps), args.sampling, draws)
         drawn = quantizer.decode_indices(idx.to(device))

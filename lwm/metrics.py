@@ -97,21 +97,27 @@ def random_codes(quantizer, lead: Sequence[int], generator: torch.Generator | No
 
 
 @torch.no_grad()
-def sensitivity(model, x: Tensor, t: int = 4, generator: torch.Generator | None = None) -> dict[str, Tensor]:
+def sensitivity(model, x: Tensor, t: int = 4, generator: torch.Generator | None = None,
+                world_phase: str = "quantized") -> dict[str, Tensor]:
     """Action and world sensitivity of a clip batch ``x [B, T > t, C, H, W]`` at frame ``t``: frames ``1..t``
     generated from frame 0 with the inferred codes, and again with random actions (world inferred) and with
-    a random world (actions inferred). Returns ``{"Action_Encoder": [3], "World_Encoder": [3]}``, each
+    a random world (actions inferred). The world goes in as ``world_phase`` (``WorldModel.world_phase_at``: under
+    a ``world_curriculum``, what the predictor trains on; in the ``"off"`` phase it gets no world, a random one
+    neither, and the world's dPSNR is 0). Returns ``{"Action_Encoder": [3], "World_Encoder": [3]}``, each
     (dPSNR, PSNR_seq, PSNR_rand) as :func:`delta_psnr`."""
     if x.shape[1] <= t:
         raise ValueError(f"sensitivity at t={t} needs clips of more than {t} frames, got T={x.shape[1]}")
     B = x.shape[0]
-    actions = model.encode_actions(x[:, : t + 1]).quantized  # [B, t, Da]
-    world = model.encode_world(x).quantized  # [B, Dh]
+    actions, world = model.infer_codes(x, world_phase)  # [B, T-1, Da], [B, Dh]
+    actions = actions[:, :t]  # a_0..a_{t-1} (causal, one frame of lookahead: the same as from frames 0..t)
     target = x[:, t]
     seq = model.generate(x[:, :1], actions, world, steps=t)[:, -1]  # the KV-cached rollout
     quantizers = model.quantizers
     rand_actions = random_codes(quantizers["Action_Encoder"], (B, t), generator).to(actions.dtype)
-    rand_world = random_codes(quantizers["World_Encoder"], (B,), generator).to(world.dtype)
+    if world_phase == "off":  # the predictor gets no world: a random one is none too
+        rand_world = torch.zeros_like(world)
+    else:
+        rand_world = random_codes(quantizers["World_Encoder"], (B,), generator).to(world.dtype)
     action_rand = model.generate(x[:, :1], rand_actions, world, steps=t)[:, -1]
     world_rand = model.generate(x[:, :1], actions, rand_world, steps=t)[:, -1]
     return {

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -53,7 +54,7 @@ class OptimConfig:
     weight_decay: float = 0.05  # decoupled weight decay on matrices and conv kernels (not biases, norms, mask token)
     betas: tuple[float, float] = (0.9, 0.95)  # AdamW (beta1, beta2)
     eps: float = 1e-8  # AdamW epsilon
-    warmup_steps: int = 1000  # linear warmup from 0 to lr over this many optimizer steps
+    warmup_steps: int = 1000  # linear warmup over this many optimizer steps: lr * (step + 1) / (warmup_steps + 1)
     min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio at trainer.max_steps
     fused: bool | None = None  # fused AdamW kernel (None: on when the parameters are on a CUDA device, except fp16)
 
@@ -74,6 +75,17 @@ class OptimConfig:
             problems.append(f"min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio}")
         if problems:
             raise ConfigError("\n".join(f"model.optim.{p}" for p in problems))
+
+    def adamw(self, parameters: Iterable[nn.Parameter], **implementation: Any) -> torch.optim.AdamW:
+        """AdamW over ``parameters`` in two groups: weight decay on matrices and conv kernels (``ndim >= 2``), none
+        on biases, norms and the mask token. ``implementation``: AdamW's ``fused``/``foreach``."""
+        decay, no_decay = [], []
+        for p in parameters:  # a frozen parameter too (mask_prob 0): it gets no gradient, AdamW skips it,
+            (decay if p.ndim >= 2 else no_decay).append(p)  # and the groups keep their sizes across versions
+        return torch.optim.AdamW(
+            [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=self.lr, betas=tuple(self.betas), eps=self.eps, **implementation,
+        )
 
     def lr_factor(self, step: int, total_steps: int) -> float:
         """Multiplier of ``lr`` at an optimizer step: linear warmup, then cosine to ``min_lr_ratio``."""
@@ -195,20 +207,14 @@ class WorldModelModule(L.LightningModule):
             self._compiled = True
 
     def configure_optimizers(self) -> dict[str, Any]:
-        decay, no_decay = [], []
-        for p in self.parameters():  # a frozen parameter too (mask_prob 0): it gets no gradient, AdamW skips it,
-            (decay if p.ndim >= 2 else no_decay).append(p)  # and the groups keep their sizes across versions
         o = self.optim
         if o.fused and self._scaler is not None:
             raise ConfigError("model.optim.fused=true with fp16 (trainer.precision 16-mixed): the GradScaler can "
                               "neither unscale a fused AdamW's gradients before clipping nor check them; use "
                               "bf16-mixed or model.optim.fused=null")
-        on_cuda = all(p.device.type == "cuda" for p in decay + no_decay)
+        on_cuda = all(p.device.type == "cuda" for p in self.parameters())
         fused = o.fused if o.fused is not None else (on_cuda and self._scaler is None)
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=fused,
-        )
+        optimizer = o.adamw(self.parameters(), fused=fused)
         total = self.trainer.max_steps if self.trainer.max_steps > 0 else int(self.trainer.estimated_stepping_batches)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: o.lr_factor(step, total))
         # "name": the key LearningRateMonitor logs the two groups' lr under (Train_Total/lr/pg1, .../pg2)

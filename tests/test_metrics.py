@@ -221,6 +221,27 @@ def test_sensitivity_world_known_answer_with_given_random_codes(monkeypatch):
     assert abs(out["World_Encoder"][0].item()) > 1e-2  # the random world changes frame 4
 
 
+@torch.no_grad()
+def test_sensitivity_feeds_the_world_as_the_curriculum_phase_does():
+    """Under a ``world_curriculum`` the predictor trains on no world (``off``) or the encoder's output
+    (``unquantized``): the sensitivity plays the clip with that, as validation does. Off: the world's dPSNR is
+    exactly 0 (a random world is no world either) while the actions' is not; unquantized: PSNR_seq is the rollout
+    with the encoder's output, not the code."""
+    model = _tiny_model()
+    x = torch.rand(3, 6, 2, 8, 8, generator=torch.Generator().manual_seed(2)) * 2 - 1
+    a = model.encode_actions(x[:, :5]).quantized
+    world = model.encode_world(x)
+    off = sensitivity(model, x, t=4, generator=torch.Generator().manual_seed(0), world_phase="off")
+    assert off["World_Encoder"][0].item() == 0.0 and abs(off["Action_Encoder"][0].item()) > 1e-4
+    no_world = psnr(x[:, 4], step_by_step(model, x[:, :1], a, torch.zeros_like(world.quantized), 4)[:, -1]).mean()
+    assert off["World_Encoder"][1].item() == pytest.approx(no_world.item(), abs=1e-4)
+    unquantized = sensitivity(model, x, t=4, generator=torch.Generator().manual_seed(0), world_phase="unquantized")
+    seq = psnr(x[:, 4], step_by_step(model, x[:, :1], a, world.inputs, 4)[:, -1]).mean()
+    coded = psnr(x[:, 4], step_by_step(model, x[:, :1], a, world.quantized, 4)[:, -1]).mean()
+    assert unquantized["World_Encoder"][1].item() == pytest.approx(seq.item(), abs=1e-4)
+    assert abs(seq.item() - coded.item()) > 1e-3  # the two inputs differ: the test tells them apart
+
+
 def test_weighted_mean_weighs_values_and_keeps_nan():
     from lwm.metrics import WeightedMean
 

@@ -18,7 +18,7 @@ class Sensitivity(L.Callback):
     same under ``Val_World_Encoder/``: frames ``1..t`` generated from frame 0 with the inferred codes vs with
     random ones (uniform per level), PSNR at frame ``t`` (the requirement's and Genie's t = 4), averaged over the
     clips of the first ``batches`` validation batches of every rank. The random codes are seeded, the same at
-    every validation."""
+    every validation. The world goes in as validation feeds it (under a ``world_curriculum``, its phase)."""
 
     NAMES = ("dPSNR", "PSNR_seq", "PSNR_rand")
 
@@ -58,7 +58,7 @@ class Sensitivity(L.Callback):
         # one stream per (seed, batch, rank): the same draws at every validation, none shared between ranks
         generator = seeded_generator(x.device, self.seed, batch_idx, trainer.global_rank)
         with torch.no_grad():
-            result = sensitivity(pl_module.model, x, self.t, generator)
+            result = sensitivity(pl_module.model, x, self.t, generator, pl_module.weights_world_phase)
         for quantizer, values in result.items():
             for name, value in zip(self.NAMES, values):
                 self._means[f"{quantizer}/{name}"].update(value, weight=x.shape[0])

@@ -61,8 +61,7 @@ class RolloutVideos(L.Callback):
             return
         model = pl_module.model
         with torch.no_grad():
-            actions = model.encode_actions(clip).quantized
-            world = model.world_input(model.encode_world(clip), pl_module.weights_world_phase)  # as validation feeds it
+            actions, world = model.infer_codes(clip, pl_module.weights_world_phase)  # as validation feeds them
             generated = model.generate(clip[:, :1], actions, world, steps=clip.shape[1] - 1)
         rollout = torch.cat([clip[:, :1], generated], dim=1).cpu()
         codec = trainer.datamodule.codec() if hasattr(trainer.datamodule, "codec") else None

@@ -6,8 +6,9 @@ Per level ``l`` (codebook size ``K_l``), on the residual ``r_l`` left by the lev
   (``q_l`` is a buffer, so residuals are formed from the *detached* code: every level's commitment loss
   sends a gradient to the encoder);
 * output: the sum of the level codes with a straight-through gradient, ``z + sg[sum_l q_l - z]``;
-* commitment loss ``sum_l mean ||r_l - sg[q_l]||^2`` (optimised, scaled by beta outside);
-* codebook loss ``sum_l mean ||sg[r_l] - e'_l||^2``, with ``e'`` the codebook after this step's EMA update
+* commitment loss ``sum_l mean((r_l - sg[q_l])^2)``, the element mean (= the mean squared norm / ``dim``;
+  optimised, weighted outside: ``WorldModel.commitment_weights``);
+* codebook loss ``sum_l mean((sg[r_l] - e'_l)^2)``, with ``e'`` the codebook after this step's EMA update
   (monitored, never optimised; it equals the commitment loss when nothing is updated, as in validation);
 * EMA update (the requirement's formulas), with ``n_k`` the number of vectors assigned to code ``k`` and
   ``s_k`` their sum, both all-reduced over DDP ranks first::
@@ -44,9 +45,9 @@ from torch import Tensor, nn
 class RVQOutput:
     quantized: Tensor  # [..., dim] sum of the level codes, straight-through to the input
     indices: Tensor  # [..., L] int64 code index per level
-    commit_loss: Tensor  # scalar, sum over levels of mean ||r_l - sg[q_l]||^2 (differentiable)
-    codebook_loss: Tensor  # scalar, sum over levels of mean ||sg[r_l] - e'_l||^2 (detached, monitored)
-    level_commit_losses: Tensor  # [L] detached
+    commit_loss: Tensor  # scalar, sum over levels of the element mean of (r_l - sg[q_l])^2 (differentiable)
+    codebook_loss: Tensor  # scalar, sum over levels of the element mean of (sg[r_l] - e'_l)^2 (detached, monitored)
+    level_commit_losses: Tensor  # [L] each level's commit loss (detached; commit_loss is their sum)
     inputs: Tensor  # [..., dim] the encoder output before quantization (detached)
 
 
@@ -124,7 +125,6 @@ class ResidualVectorQuantizer(nn.Module):
         eps: the requirement's epsilon in ``e = M / (N + eps)``.
         dead_code_steps: a code not assigned for this many consecutive updates counts as dead.
         init_from_data: initialise each level from random encoder outputs of the first training batch.
-        sync_ddp: all-reduce EMA statistics and broadcast re-initialised codes when torch.distributed runs.
     """
 
     def __init__(
@@ -137,7 +137,6 @@ class ResidualVectorQuantizer(nn.Module):
         eps: float = RVQ_EPS,
         dead_code_steps: int = 100,
         init_from_data: bool = True,
-        sync_ddp: bool = True,
     ) -> None:
         super().__init__()
         codebook_sizes = tuple(int(k) for k in codebook_sizes)
@@ -154,7 +153,6 @@ class ResidualVectorQuantizer(nn.Module):
         self.decay_start, self.decay_end, self.decay_steps = decay_start, decay_end, decay_steps
         self.eps = eps
         self.dead_code_steps = dead_code_steps
-        self.sync_ddp = sync_ddp
         self.levels = nn.ModuleList(Codebook(k, dim) for k in codebook_sizes)
         self.register_buffer("initialized", torch.tensor(not init_from_data))
         self._init_known = False  # host-side cache of `initialized`: no device sync per step once True
@@ -179,7 +177,7 @@ class ResidualVectorQuantizer(nn.Module):
         return self.decay_start + (self.decay_end - self.decay_start) * frac
 
     def _sync(self) -> bool:
-        return self.sync_ddp and _ddp_world() > 1
+        return _ddp_world() > 1
 
     # ----------------------------------------------------------------------------------------------
     # Kept out of compiled graphs (two graph breaks per quantizer call, a few microseconds): the EMA update

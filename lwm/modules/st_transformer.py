@@ -15,7 +15,7 @@ Temporal masks (``TemporalMask``), over frame indices of one patch:
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -76,6 +76,7 @@ def temporal_pos_embedding(length: int, dim: int, t0: int | Tensor = 0, device: 
 # CNN tokenizer / detokenizer
 # --------------------------------------------------------------------------------------------------
 def _group_norm(channels: int) -> nn.GroupNorm:
+    """GroupNorm with 32 groups, or the largest divisor of ``channels`` that divides 32 (any width works)."""
     groups = math.gcd(32, channels)
     return nn.GroupNorm(groups, channels)
 
@@ -85,6 +86,8 @@ class Tokenizer(nn.Module):
 
     Shared by the three models (the WorldModel owns the single instance).
     """
+
+    DOWNSAMPLE: ClassVar[int] = 4  # frames [H, W] -> token grid [H / 4, W / 4]
 
     def __init__(self, in_channels: int = 16, d_model: int = 512, hidden: int | None = None) -> None:
         super().__init__()
@@ -322,7 +325,8 @@ class STTransformer(nn.Module):
 
     def step(self, x: Tensor, cache: list[KV] | None, window: int | None = None) -> tuple[Tensor, list[KV]]:
         """One new frame ``x [B, 1, N, D]`` through every (causal) block with a per-block key/value cache
-        (None: the first frame), attending to the last ``window`` frames (None: all). Returns ``([B, 1, N, D],
+        (None: the first frame), each block attending to its last ``window`` frames (None: all; stacked, an output
+        depends on up to ``depth * (window - 1) + 1`` frames). Returns ``([B, 1, N, D],
         the updated cache)``: each frame costs one frame."""
         if cache is not None and window is not None:  # keep the window - 1 frames before this one
             cache = None if window == 1 else [(k[:, :, 1 - window:], v[:, :, 1 - window:]) for k, v in cache]

@@ -53,9 +53,9 @@ class WorldModelOutput:
     token_mask: Tensor | None  # [B, T, N] True where a token was replaced by the mask token (None: no masking)
 
 
-def to_half_weights(x: Tensor, dtype: torch.dtype) -> Tensor:
-    """``x`` in the weights' ``dtype`` where they are half precision (bf16 weights take no fp32 input); unchanged
-    next to fp32 weights, where autocast (bf16-mixed) casts what it needs itself."""
+def to_weight_dtype(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """``x`` in the weights' ``dtype`` where that is not fp32 (bf16 weights under DeepSpeed take no fp32 input;
+    float64 in tests); unchanged next to fp32 weights, where autocast (bf16-mixed) casts what it needs itself."""
     return x if dtype == torch.float32 or x.dtype == dtype else x.to(dtype)
 
 
@@ -117,7 +117,11 @@ class WorldEncoder(nn.Module):
 
 
 class DynamicsPredictor(nn.Module):
-    """Causal ST transformer on state tokens plus ``W_a a + W_h h`` broadcast over patches."""
+    """Causal ST transformer on state tokens plus ``W_a a + W_h h`` broadcast over patches.
+
+    ``a`` and ``h`` are the quantizers' outputs, the *sum* of the level codes (``[.., Da]``, ``[.., Dh]``), where the
+    requirement writes the levels concatenated (``n_code * d_code``); DESIGN.md decides the sum (the RVQ's
+    output, as in every residual VQ)."""
 
     def __init__(self, d_model: int, n_heads: int, depth: int, d_action: int, d_world: int, mlp_ratio: float = 4.0,
                  st: dict | None = None) -> None:
@@ -129,16 +133,17 @@ class DynamicsPredictor(nn.Module):
     def condition(self, actions: Tensor, world: Tensor) -> Tensor:
         """``W_a a + W_h h`` for ``actions [B, t, Da]``, ``world [B, Dh]``: ``[B, t, 1, D]`` (broadcast over patches).
         The codes (fp32 codebook entries) are cast to half-precision weights (DeepSpeed's bf16)."""
-        actions = to_half_weights(actions, self.action_proj.weight.dtype)
-        world = to_half_weights(world, self.world_proj.weight.dtype)
+        actions = to_weight_dtype(actions, self.action_proj.weight.dtype)
+        world = to_weight_dtype(world, self.world_proj.weight.dtype)
         return self.action_proj(actions)[:, :, None] + self.world_proj(world)[:, None, None]
 
     def forward(
         self, tokens: Tensor, actions: Tensor, world: Tensor, window: int | None = None, past: list[KV] | None = None
     ) -> tuple[Tensor, list[KV]]:
         """``tokens [B, t, N, D]``, ``actions [B, t, Da]``, ``world [B, Dh]`` -> (``[B, t, N, D]``, per-block
-        temporal keys/values); output ``i`` is the prediction of frame ``i + 1``. ``window``: attend to the last
-        ``window`` frames only. ``past``: per-block keys/values of ``p`` earlier frames that ``tokens`` follow
+        temporal keys/values); output ``i`` is the prediction of frame ``i + 1``. ``window``: each block attends to the
+        last ``window`` frames only (per block: stacked, an output depends on up to ``depth * (window - 1) + 1``
+        frames, as in any sliding-window attention). ``past``: per-block keys/values of ``p`` earlier frames that ``tokens`` follow
         (output ``i`` then predicts frame ``p + i + 1``)."""
         out, _, cache = self.transformer(tokens + self.condition(actions, world), window=window, past=past)
         return out, cache
@@ -169,8 +174,8 @@ class WorldModelConfig:
     d_code_world: int = 64  # world code width Dh
     codebook_sizes_action: tuple[int, ...] = (12, 64, 256)  # codes per RVQ level, action quantizer
     codebook_sizes_world: tuple[int, ...] = (12, 24, 48, 256, 256, 256)  # codes per RVQ level, world quantizer
-    beta_action: float = 0.25  # weight of the action commitment loss
-    beta_world: float = 0.25  # weight of the world commitment loss
+    beta_action: float = 0.25  # beta_a of the requirement's summed loss (per-element weight: see commitment_weights)
+    beta_world: float = 0.25  # beta_h of the requirement's summed loss (per-element weight: see commitment_weights)
     mask_prob: float = 0.1  # Bernoulli token-mask probability (world encoder + predictor inputs, training only)
     rollout_weights: tuple[float, ...] = (1.0, 0.8, 0.5)  # loss weights of (TF, rollout 1, rollout 2, ...)
     max_time_offset: int = 256  # training draws the temporal-PE start uniformly from [0, max_time_offset]
@@ -190,6 +195,16 @@ class WorldModelConfig:
         "mlp_ratio", "tokenizer_hidden", "d_code_action", "d_code_world", "codebook_sizes_action",
         "codebook_sizes_world")
 
+    @property
+    def grid(self) -> tuple[int, int]:
+        """The token grid ``(Hp, Wp)``: the CNN tokenizer downsamples by ``Tokenizer.DOWNSAMPLE`` (4)."""
+        return self.height // Tokenizer.DOWNSAMPLE, self.width // Tokenizer.DOWNSAMPLE
+
+    @property
+    def min_frames(self) -> int:
+        """The shortest training clip: every rollout pass needs one position left to score."""
+        return len(self.rollout_weights) + 1
+
     def __post_init__(self) -> None:
         """Refuse an invalid configuration, one line per problem naming the field (``model.net.X``)."""
         problems = _config_problems(self)
@@ -206,9 +221,10 @@ def _config_problems(c: WorldModelConfig) -> list[str]:
         value = getattr(c, name)
         what = "finite numbers" if isinstance(value, (tuple, list)) else "a finite number"
         problems.append(f"{name} must be {what}, got {_as_tuples(value)}")
-    if c.height % 4 or c.width % 4 or min(c.height, c.width) < 4:
-        problems.append(f"height and model.net.width must be positive multiples of 4 (the tokenizer downsamples "
-                        f"by 4), got {c.height}x{c.width}")
+    down = Tokenizer.DOWNSAMPLE
+    if c.height % down or c.width % down or min(c.height, c.width) < down:
+        problems.append(f"height and model.net.width must be positive multiples of {down} (the tokenizer "
+                        f"downsamples by {down}), got {c.height}x{c.width}")
     if c.d_model < 4 or c.d_model % 4 or c.n_heads < 1 or c.d_model % c.n_heads:
         problems.append(f"d_model must be divisible by 4 and by n_heads ({c.n_heads}), got {c.d_model}")
     for name in ("in_channels", "depth_action", "depth_world", "depth_dynamics", "d_code_action", "d_code_world",
@@ -291,7 +307,7 @@ class WorldModel(nn.Module):
         c = replace(config or WorldModelConfig(), **overrides)
         super().__init__()
         self.config = c  # every hyperparameter is read from here
-        self.grid = (c.height // 4, c.width // 4)  # the token grid (Hp, Wp): the tokenizer downsamples by 4
+        self.grid = c.grid  # the token grid (Hp, Wp)
         rvq = dict(decay_start=c.ema_decay_start, decay_end=c.ema_decay_end, decay_steps=c.ema_decay_steps,
                    dead_code_steps=c.dead_code_steps)
         st = dict(checkpointing=c.activation_checkpointing, temporal_attention=c.temporal_attention)
@@ -310,8 +326,9 @@ class WorldModel(nn.Module):
         self.register_buffer("spatial_pe", spatial_pos_embedding(*self.grid, c.d_model), persistent=False)  # [N, D]
         self.apply(self._init_weights)
         # The projections into and out of the small code spaces keep unit scale (std 1/sqrt(fan_in)) rather than
-        # the 0.02 of the rest: with 0.02 both the codes and their effect on the predictor's tokens start ~50x
-        # smaller than the tokens, and the world code measured on the synthetic world learned far slower.
+        # the 0.02 of the rest: with 0.02 the codes' effect on the predictor's tokens (W_a a + W_h h) starts well
+        # below the tokens (30-70x at configs/tiny.yaml, 4x at the defaults), and on the synthetic world the
+        # world code learned far slower.
         for layer in (self.action_encoder.to_code, self.world_encoder.to_code, self.dynamics.action_proj,
                       self.dynamics.world_proj):
             nn.init.normal_(layer.weight, std=layer.in_features**-0.5)
@@ -343,7 +360,7 @@ class WorldModel(nn.Module):
     @property
     def min_frames(self) -> int:
         """The shortest clip ``forward`` accepts: every rollout pass needs one position left to score."""
-        return len(self.config.rollout_weights) + 1
+        return self.config.min_frames
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -365,7 +382,7 @@ class WorldModel(nn.Module):
         """Frames ``[B, T, C, H, W]`` -> tokens ``[B, T, N, D]`` (no positional embedding). Frames are cast to
         half-precision weights (DeepSpeed's bf16, ``bf16-true``)."""
         B = x.shape[0]
-        return to_sequence(self.tokenizer(to_half_weights(x.flatten(0, 1), self.param_dtype)), B)
+        return to_sequence(self.tokenizer(to_weight_dtype(x.flatten(0, 1), self.param_dtype)), B)
 
     def detokenize(self, tokens: Tensor) -> Tensor:
         """Tokens ``[B, T, N, D]`` -> frames ``[B, T, C, H, W]``."""
@@ -452,8 +469,10 @@ class WorldModel(nn.Module):
         Frame ``j`` is predicted from the frames before it (the context, then the model's own predictions,
         re-tokenized as in the rollout training), actions ``a_0..a_{j-1}`` (``actions [B, >= c + steps - 1, Da]``,
         ``a_i`` for the transition ``i -> i + 1``) and the world code ``world [B, Dh]``; frame ``i`` sits at
-        temporal position ``t0 + i``. Each frame attends to the last ``window`` frames (None: all of them):
-        rollouts longer than the trained window slide it and keep counting positions. With ``use_cache`` the
+        temporal position ``t0 + i``. Each frame attends to the last ``window`` frames in every block (None: all of them):
+        rollouts longer than the trained window slide it and keep counting positions. As in any sliding-window
+        cache, a frame's keys in deeper blocks were computed over its own window, so what reaches a new frame
+        spans up to ``depth * (window - 1) + 1`` frames. With ``use_cache`` the
         predictor keeps its temporal keys/values, so each frame costs one frame of compute; without, every
         frame recomputes the whole (windowed) context: the same numbers, the reference.
         """
@@ -505,6 +524,12 @@ class WorldModel(nn.Module):
             return torch.zeros_like(world.quantized)
         raise ValueError(f"world phase must be off, unquantized or quantized, got {phase!r}")
 
+    @torch.no_grad()
+    def infer_codes(self, clip: Tensor, world_phase: str = "quantized") -> tuple[Tensor, Tensor]:
+        """What a clip ``[B, T, C, H, W]`` gives the predictor to play it: its action codes ``[B, T-1, Da]`` and its
+        world vector ``[B, Dh]`` as the :meth:`world_phase_at` ``world_phase`` feeds it (the code: ``"quantized"``)."""
+        return self.encode_actions(clip).quantized, self.world_input(self.encode_world(clip), world_phase)
+
     def forward(self, x: Tensor, step: int | Tensor, t0: int | Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
         """Training/validation loss of a batch ``x [B, T, C, H, W]`` at global ``step`` -> ``(loss, logs)``: the
         loss and logs of :meth:`compute` at its defaults (the predictor gets the world code; the training step
@@ -543,6 +568,7 @@ class WorldModel(nn.Module):
                                                         reuse_prefix)
         prediction_loss = sum(w * l for w, l in zip(self.config.rollout_weights, pass_losses))
         weight_action, weight_world = self.commitment_weights(T)
+        # the commitment losses train their encoder and, through it, the shared tokenizer (README, Model conventions)
         loss = prediction_loss + weight_action * actions.commit_loss + weight_world * world.commit_loss
 
         values = [loss, prediction_loss, *pass_losses, actions.commit_loss, actions.codebook_loss, world.commit_loss,
