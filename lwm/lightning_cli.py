@@ -248,6 +248,10 @@ class LwmCLI(LightningCLI):
             return
         self._check_ckpt_path(sub)
         if sub == "fit":
+            if self.config[sub].get("ckpt_path") is None and fit_resumes(None, self.run_dir(self.config[sub])):
+                # a SLURM restart without --ckpt_path: the run's latest checkpoint, hpc or not (Lightning would
+                # take the highest-numbered hpc_ckpt_N.ckpt, even where last.ckpt is steps ahead of it)
+                self.config[sub].ckpt_path = "last"
             if self.config[sub].get("ckpt_path") == "last" and os.path.exists(self._checkpoint_path(self.config[sub])):
                 self.config[sub].ckpt_path = self._checkpoint_path(self.config[sub])  # (Lightning's: last.ckpt only)
             return
@@ -271,8 +275,14 @@ class LwmCLI(LightningCLI):
             self._check_eval_ckpt_path(sub, self.config[sub])
 
     def _check_fit_ckpt_path(self, config: Any) -> None:
-        """fit: the checkpoint folder a folder; no ``--ckpt_path`` (or another run's checkpoint) into a run folder
-        that holds a run is refused; ``last`` without a checkpoint yet starts a new run."""
+        """fit: ``checkpoint.save_last`` true; the checkpoint folder a folder; no ``--ckpt_path`` (or another run's
+        checkpoint) into a run folder that holds a run is refused; ``last`` without a checkpoint yet starts a new
+        run."""
+        save_last = config.get("checkpoint.save_last")
+        if save_last is not True:  # "link": a link to the last step file, stale after a stop on a signal or at the end
+            raise ConfigError(f"checkpoint.save_last={save_last}: lwm needs true (last.ckpt written as a file of its "
+                              f"own at a stop, a signal and the end of fit: what --ckpt_path last and the SLURM "
+                              f"scripts resume from)")
         directory = self.checkpoint_dir(config)
         if os.path.exists(directory) and not os.path.isdir(directory):  # else found at the first save
             raise ConfigError(f"checkpoint.dirpath={directory}: exists and is not a folder")
@@ -314,8 +324,8 @@ class LwmCLI(LightningCLI):
     def _check_no_run_yet(self, config: Any, why: str = "") -> None:
         """A fit without ``--ckpt_path`` (or from another run's checkpoint) into a RUN_DIR whose checkpoint folder
         already holds a run's checkpoints is refused: it would start over, replace ``last.ckpt`` and the code
-        dictionaries, and splice a second run into ``metrics.csv``. (Under SLURM, Lightning resumes from a
-        requeue's ``hpc_ckpt_N.ckpt`` instead.)"""
+        dictionaries, and splice a second run into ``metrics.csv``. (Under SLURM, where a requeue left an
+        ``hpc_ckpt_N.ckpt``, the fit resumes from the run's latest checkpoint instead: :meth:`_parse_ckpt_path`.)"""
         root = self.run_dir(config)
         if fit_resumes(None, root):
             return

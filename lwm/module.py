@@ -249,10 +249,12 @@ class WorldModelModule(L.LightningModule):
         return self.skips.total
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["lwm_skipped_steps"] = self.skips.total
+        state = self.skips.state()
+        checkpoint["lwm_skipped_steps"], checkpoint["lwm_skipped_in_a_row"] = state["total"], state["in_a_row"]
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self.skips = SkippedSteps(total=int(checkpoint.get("lwm_skipped_steps", 0)))
+        self.skips = SkippedSteps(total=int(checkpoint.get("lwm_skipped_steps", 0)),
+                                  in_a_row=int(checkpoint.get("lwm_skipped_in_a_row", 0)))
         self._checkpoint_step = int(checkpoint.get("global_step", 0))
 
     def _at_checkpoint_step(self) -> None:
@@ -409,13 +411,13 @@ class WorldModelModule(L.LightningModule):
 
     def _skip_on_device(self, optimizer: torch.optim.Optimizer, norm: Tensor) -> None:
         """A fused AdamW gets the verdict as a device tensor and skips the whole update itself: no host sync
-        (the count of skips in a row is read at the logging interval only)."""
+        (the count of skips in a row is read at the logging interval only: the longest run since the last read)."""
         nonfinite = ~torch.isfinite(norm)
         optimizer.found_inf = nonfinite.float()  # fused AdamW: no update at all (moments, step count) when 1
         optimizer.grad_scale = None
         self.skips.on_device(nonfinite)
         if is_logging_step(self.trainer):  # the one host read, at the logging interval
-            self._check_in_a_row(self.skips.in_a_row_on_device())
+            self._check_in_a_row(self.skips.in_a_row_on_device(), when="read at the logging interval, at")
 
     def _skip_on_host(self, optimizer: torch.optim.Optimizer, norm: Tensor) -> None:
         """The verdict read on the host (one sync): fp16's GradScaler skips the step itself; otherwise the
@@ -446,10 +448,10 @@ class WorldModelModule(L.LightningModule):
         params = [p for group in optimizer.param_groups for p in group["params"]]
         torch.nn.utils.clip_grads_with_norm_(params, gradient_clip_val, norm)
 
-    def _check_in_a_row(self, in_a_row: int) -> None:
+    def _check_in_a_row(self, in_a_row: int, when: str = "last at") -> None:
         if in_a_row >= self.max_nonfinite:
             raise NonFiniteLossError(
-                f"{in_a_row} consecutive steps had a non-finite loss or gradient (last at global step "
+                f"{in_a_row} consecutive steps had a non-finite loss or gradient ({when} global step "
                 f"{self.global_step}); stopped. {self._bad_windows_said()}The last checkpoint is intact: lower "
                 f"optim.lr, check the data (`lwm data index`), or raise model.max_nonfinite")
 

@@ -5,7 +5,8 @@ A step's verdict reaches :class:`SkippedSteps` in one of three ways (:class:`~lw
 * on the host (:meth:`SkippedSteps.skipped`, :meth:`SkippedSteps.finite`): a for-loop AdamW, or fp16's GradScaler,
   whose verdict is read every step;
 * on the device (:meth:`SkippedSteps.on_device`): a fused AdamW skips the update itself, so the counts stay device
-  tensors, read on the host only when asked (:meth:`SkippedSteps.in_a_row_on_device`, at the logging interval);
+  tensors, read on the host only when asked (:meth:`SkippedSteps.in_a_row_on_device`, at the logging interval: the
+  longest run of skips since the last read, so that a run that ended between two reads still stops the training);
 * from a DeepSpeed engine (:meth:`SkippedSteps.engine_count`), which counts the steps it skipped itself.
 """
 
@@ -18,19 +19,26 @@ from torch import Tensor
 
 
 class SkippedSteps:
-    """Steps skipped over the run (``total``, checkpointed) and the latest run of them in a row (``in_a_row``)."""
+    """Steps skipped over the run (``total``) and the latest run of them in a row (``in_a_row``), both checkpointed
+    (:meth:`state`): a resumed run stops where the uninterrupted one would."""
 
-    def __init__(self, total: int = 0) -> None:
+    def __init__(self, total: int = 0, in_a_row: int = 0) -> None:
         self._host_total = total
-        self.in_a_row = 0  # host verdicts and engine counts; the device path keeps its own (in_a_row_on_device)
+        self.in_a_row = in_a_row  # host verdicts and engine counts; the device path keeps its own, starting here
         self._device_total: Tensor | None = None
         self._device_in_a_row: Tensor | None = None
+        self._device_longest: Tensor | None = None  # the longest run in a row since the last host read
         self._engine_seen: int | None = None  # the DeepSpeed engine's count as last read
 
     @property
     def total(self) -> int:
         """Steps skipped over the whole run (a host read of the device count, if there is one)."""
         return self._host_total + (int(self._device_total) if self._device_total is not None else 0)
+
+    def state(self) -> dict[str, int]:
+        """What a checkpoint keeps: ``{"total", "in_a_row"}`` (a host read of the device counts, if any)."""
+        in_a_row = int(self._device_in_a_row) if self._device_in_a_row is not None else self.in_a_row
+        return {"total": self.total, "in_a_row": in_a_row}
 
     def as_tensor(self, device: torch.device) -> Tensor:
         """``total`` as a device tensor for logging, made without a host-to-device copy (``torch.tensor`` of a
@@ -57,12 +65,19 @@ class SkippedSteps:
         """A step's verdict as a device bool, counted on the device (no host sync)."""
         zero = torch.zeros((), device=nonfinite.device)
         self._device_total = (self._device_total if self._device_total is not None else zero) + nonfinite
-        in_a_row = self._device_in_a_row if self._device_in_a_row is not None else zero
+        in_a_row = self._device_in_a_row if self._device_in_a_row is not None else zero + self.in_a_row
         self._device_in_a_row = torch.where(nonfinite, in_a_row + 1, 0.0)
+        longest = self._device_longest if self._device_longest is not None else zero
+        self._device_longest = torch.maximum(longest, self._device_in_a_row)
 
     def in_a_row_on_device(self) -> int:
-        """The device path's skips in a row (a host read)."""
-        return int(self._device_in_a_row) if self._device_in_a_row is not None else 0
+        """The device path's longest run of skips in a row since the last call (a host read): a run that ended
+        between two reads counts as much as one still going."""
+        if self._device_longest is None:
+            return 0
+        longest = int(self._device_longest)
+        self._device_longest = self._device_in_a_row  # the next read's start: the run now (if one is going)
+        return longest
 
     # a DeepSpeed engine's count ------------------------------------------------------------------
     def engine_start(self, count: int | None) -> None:

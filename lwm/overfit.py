@@ -93,7 +93,7 @@ def main(argv: list[str]) -> int:
 
 
 def _run(args: argparse.Namespace, rest: list[str]) -> int:
-    from lwm.callbacks.slurm import interrupted_by
+    from lwm.callbacks.slurm import SlurmRequeue, interrupted_by
     from lwm.lightning_cli import LwmCLI
 
     class OverfitCLI(LwmCLI):
@@ -126,6 +126,9 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
     loader = DataLoader(_Repeat(item, args.steps), batch_size=1)
     record = _Record()
     cli.trainer.callbacks += [record, _DataHparams(dm.hparams)]
+    for callback in cli.trainer.callbacks:
+        if isinstance(callback, SlurmRequeue):  # a stopped overfit is run again, not resumed
+            callback.resume_hint = "lwm overfit does not resume (run it again; each run has a folder of its own)"
     cli.trainer.fit(model, train_dataloaders=loader)
     dm.teardown("fit")
     signum = interrupted_by(cli.trainer)

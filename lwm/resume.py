@@ -3,12 +3,15 @@ SLURM scripts (``slurm/train.sbatch`` runs it at every start of a job, first or 
 
 Prints two lines: ``RUN_DIR`` (``trainer.default_root_dir`` as lwm resolves the config, overrides and
 interpolations; ``.`` when unset) and the checkpoint to resume from, or an empty line when the run has none.
-The candidates are ``CHECKPOINT_DIR/last.ckpt`` (``checkpoint.dirpath``, by default ``RUN_DIR/checkpoints``;
-where there is none, the step checkpoints beside it) and ``RUN_DIR/hpc_ckpt_N.ckpt`` (written when SLURM
-preempts); the one at the highest global step wins (ties: ``last.ckpt``), read
-from the file (``weights_only``, memory-mapped), not from its modification time, which a DeepSpeed
-checkpoint (a directory rewritten in place) or a shared filesystem's clock skew would get wrong. DeepSpeed
-checkpoint directories: ``last.ckpt`` first, else the highest ``N``.
+The candidates are ``CHECKPOINT_DIR/last.ckpt`` (``checkpoint.dirpath``, by default ``RUN_DIR/checkpoints``),
+the step checkpoints beside it written after it (a kill between a step's two writes, the step file and then
+``last.ckpt``, leaves the step file the newer; where there is no ``last.ckpt``, all of them) and
+``RUN_DIR/hpc_ckpt_N.ckpt`` (written when SLURM preempts); the one at the highest global step wins (ties:
+``last.ckpt``), read from the file (``weights_only``, memory-mapped), not from its modification time, which a
+DeepSpeed checkpoint (a directory rewritten in place) or a shared filesystem's clock skew would get wrong (the
+time only tells a step file written after ``last.ckpt``, in the same folder by the same job, from one left by an
+abandoned branch: a run resumed from an older checkpoint writes ``last.ckpt`` anew). DeepSpeed checkpoint
+directories: ``last.ckpt`` first, else the highest ``N``.
 """
 
 from __future__ import annotations
@@ -57,13 +60,16 @@ def _number(path: Path) -> int:
 
 
 def latest_checkpoint(run_dir: Path, checkpoint_dir: Path) -> Path | None:
-    """The checkpoint that continues the run: the highest global step among ``last.ckpt`` (where there is none,
-    the step checkpoints: a kill during the first ``last.ckpt`` write leaves only a step one) and the hpc ones.
-    (A ``last.ckpt`` a save behind a step checkpoint, killed between a step's two writes, still wins: the
-    resumed run redoes that step, and the checkpoint callback keeps counting the step files it wrote.)"""
+    """The checkpoint that continues the run: the highest global step among ``last.ckpt``, the step checkpoints
+    written after it (all of them where there is none: a kill during the first ``last.ckpt`` write leaves only a
+    step one; a kill during a later one leaves the step file of that step newer than ``last.ckpt``, which is an
+    interval behind) and the hpc ones."""
     hpc = sorted(run_dir.glob("hpc_ckpt_*.ckpt"), key=_number)
     last = checkpoint_dir / "last.ckpt"
-    steps = [] if last.exists() else sorted(checkpoint_dir.glob("*.ckpt"), key=_number, reverse=True)
+    steps = sorted((p for p in checkpoint_dir.glob("*.ckpt") if p.name != last.name), key=_number, reverse=True)
+    if last.exists():  # (a step file older than last.ckpt: of a branch abandoned for an earlier checkpoint)
+        since = last.stat().st_mtime
+        steps = [p for p in steps if p.is_file() and p.stat().st_mtime >= since]
     candidates = [p for p in (last, *reversed(hpc), *steps) if p.exists()]
     if any(p.is_dir() for p in candidates):  # DeepSpeed directories: last.ckpt, else the newest hpc, else a step's
         return candidates[0]

@@ -37,15 +37,20 @@ def test_the_highest_global_step_wins_whatever_the_file_times(tmp_path):
 
 
 def test_without_last_ckpt_the_latest_step_checkpoint_continues_the_run(tmp_path):
-    """A kill during the first last.ckpt write leaves a step checkpoint alone: it continues the run. Beside a
-    last.ckpt a save behind (a kill between a step's two writes), last.ckpt still wins: resumed from a step file,
-    the checkpoint callback would never count (nor delete) that file."""
+    """A kill during the first last.ckpt write leaves a step checkpoint alone: it continues the run. A kill during a
+    later one leaves last.ckpt an interval behind the step file written just before it: the step file wins (its
+    checkpoint-callback state counts it). A step file older than last.ckpt is of a branch abandoned for an earlier
+    checkpoint (resumed from it, the run wrote last.ckpt anew): never taken, whatever its step."""
     run, ckpts = tmp_path / "run", tmp_path / "run/checkpoints"
     _ckpt(ckpts / "step=0000100.ckpt", 100, mtime=2000)
     _ckpt(ckpts / "step=0000200.ckpt", 200, mtime=1000)
     assert latest_checkpoint(run, ckpts) == ckpts / "step=0000200.ckpt"
     _ckpt(ckpts / "last.ckpt", 100, mtime=1000)
+    assert latest_checkpoint(run, ckpts) == ckpts / "step=0000200.ckpt"  # as old as last.ckpt: written after it
+    _ckpt(ckpts / "last.ckpt", 150, mtime=1500)  # resumed from step 100: step 200 is the abandoned branch's
     assert latest_checkpoint(run, ckpts) == ckpts / "last.ckpt"
+    _ckpt(ckpts / "step=0000180.ckpt", 180, mtime=1600)  # then killed while the last.ckpt of step 180 was written
+    assert latest_checkpoint(run, ckpts) == ckpts / "step=0000180.ckpt"
 
 
 def test_resume_info_prints_the_resolved_run_dir_and_checkpoint(tmp_path, capsys):

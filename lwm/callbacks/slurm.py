@@ -59,6 +59,7 @@ class SlurmRequeue(L.Callback):
         self._signal: int | None = None  # the last one that came
         self._requeue_signal: int | None = getattr(signal, "SIGUSR1", None)  # SLURMEnvironment's, set at the start
         self._requeue = False  # the requeue signal came (SIGTERM alone: SLURM requeues or cancels by itself)
+        self.resume_hint = "continue with --ckpt_path last"  # what the stop's line advises (lwm overfit: its own)
         self.preempted = False  # this run stopped on a signal, with its checkpoints written
         self.interrupted: int | None = None  # outside SLURM: the signal that stopped the run (exit code 128 + it)
         self._val_batches: int | None = None  # validation batches every rank runs (several ranks)
@@ -191,7 +192,7 @@ class SlurmRequeue(L.Callback):
             if trainer.is_global_zero:
                 name = signal.Signals(self.interrupted).name
                 log.warning(f"{name}: stopped at step {trainer.global_step}; " + (
-                    f"saved {saved[0]}: continue with --ckpt_path last" if saved and saved[0] else "nothing saved "
+                    f"saved {saved[0]}: {self.resume_hint}" if saved and saved[0] else "nothing saved "
                     "(no checkpointing)"))
             return True
         if trainer.is_global_zero and not requeue:

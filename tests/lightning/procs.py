@@ -67,8 +67,9 @@ def run_lwm(manifest: Path, root: Path, *extra: str, verb: str = "fit", timeout:
 
 
 def check_checkpoints(directory: Path, max_steps: int) -> dict[str, int]:
-    """Every ``*.ckpt`` in ``directory`` loads with ``weights_only=True``; ``step=N.ckpt`` holds global step N,
-    ``last.ckpt`` the newest (or the one before, if the run died between the two writes of a step).
+    """Every ``*.ckpt`` in ``directory`` loads with ``weights_only=True``; ``step=N.ckpt`` holds global step N;
+    what ``--ckpt_path last`` takes (:func:`lwm.resume.latest_checkpoint`) holds the highest step of them all
+    (``last.ckpt`` lags where a run died between a step's two writes, the step file and then ``last.ckpt``).
     Returns ``{file name: global_step}``."""
     steps = {}
     for path in sorted(directory.glob("*.ckpt")):
@@ -84,10 +85,11 @@ def check_checkpoints(directory: Path, max_steps: int) -> dict[str, int]:
     numbered = sorted(v for k, v in steps.items() if k != "last.ckpt")
     assert numbered == sorted(set(numbered))
     if "last.ckpt" in steps:
-        last = steps["last.ckpt"]
-        assert 0 < last <= max_steps, steps
-        # last.ckpt is written right after a step's numbered file: a run killed in between leaves it one behind
-        assert not numbered or last >= numbered[-1] or last == numbered[-2:][0], steps
+        assert 0 < steps["last.ckpt"] <= max_steps, steps
+    if steps:
+        from lwm.resume import latest_checkpoint
+
+        assert steps[latest_checkpoint(directory.parent, directory).name] == max(steps.values()), steps
     return steps
 
 

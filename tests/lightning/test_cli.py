@@ -229,6 +229,20 @@ def test_overfit_drives_the_tf_loss_towards_zero(tmp_path, capsys):
     assert (tmp_path / "run/overfit/metrics.csv").read_bytes() == first  # the first run's file as it was
 
 
+def test_an_interrupted_overfit_does_not_advise_a_resume_it_refuses(tmp_path, caplog):
+    """Stopped by SIGTERM (at the start of step 3: saved at its end), `lwm overfit` saves its last.ckpt and says it does not resume (it takes no --ckpt_path,
+    and a new run gets a folder of its own), not the fit's `continue with --ckpt_path last`."""
+    import signal
+
+    manifest = make_dataset(tmp_path / "data", files=4)
+    sig = ["--trainer.callbacks+=tests.lightning.helpers.SendSignal", "--trainer.callbacks.step=3",
+           "--trainer.callbacks.during=training"]
+    with caplog.at_level(logging.WARNING):
+        assert run(manifest, tmp_path / "run", "--steps=10", *sig, verb="overfit") == 128 + signal.SIGTERM
+    assert "SIGTERM: stopped at step 4" in caplog.text and "lwm overfit does not resume" in caplog.text
+    assert "--ckpt_path last" not in caplog.text
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [

@@ -31,6 +31,9 @@ def manifest(tmp_path_factory):
         (["--probes.max_samples=0"], "probes.max_samples must be >= 4"),  # no probes at all
         (["--sensitivity.t=6", "--wandb.mode=offline"], "sensitivity.t must be < data.window (6: frames 0..5"),  # nothing logged
         (["--seed_everything=-5"], "seed_everything must lie in [0, 4294967295] (or true: a random seed), got -5"),
+        # a link to the last step file: stale after a stop on a signal and at the end of fit
+        (["--checkpoint.save_last=link"], "checkpoint.save_last=link: lwm needs true"),
+        (["--checkpoint.save_last=false"], "checkpoint.save_last=False: lwm needs true"),
         (["--checkpoint.dirpath=${trainer.nothere}/c"], "checkpoint.dirpath: ${trainer.nothere} names no key of the "
                                                         "config"),  # an omegaconf traceback
     ],

@@ -70,7 +70,7 @@ def _batches(n: int, nan_at: set[int] = frozenset()) -> list[dict[str, torch.Ten
 
 
 def _train(batches, max_nonfinite: int = 5, net: WorldModelConfig = NET, callbacks=(), fused: bool | None = None,
-           log_every_n_steps: int = 50, **trainer_kwargs) -> WorldModelModule:
+           log_every_n_steps: int = 50, ckpt_path=None, **trainer_kwargs) -> WorldModelModule:
     torch.manual_seed(0)
     optim = OptimConfig(warmup_steps=0, min_lr_ratio=1.0, fused=fused)
     module = WorldModelModule(net=net, optim=optim, max_nonfinite=max_nonfinite)
@@ -78,7 +78,7 @@ def _train(batches, max_nonfinite: int = 5, net: WorldModelConfig = NET, callbac
     trainer = L.Trainer(accelerator="cpu", enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, callbacks=list(callbacks),
                         log_every_n_steps=log_every_n_steps, **trainer_kwargs)
-    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None), ckpt_path=ckpt_path)
     return module
 
 
@@ -106,13 +106,30 @@ def test_consecutive_non_finite_steps_stop_the_run(fused):
     _train(_batches(6, nan_at={1, 2, 4}), max_nonfinite=3, fused=fused, log_every_n_steps=1)  # not in a row
 
 
-def test_the_sync_free_path_reads_the_count_at_the_logging_interval_only():
+def test_the_sync_free_path_reads_the_longest_run_at_the_logging_interval():
     # 3 bad steps in a row (steps 1-3) are seen at the next logging step (the 4th), where the count is still 3
-    with pytest.raises(NonFiniteLossError, match="3 consecutive steps"):
+    with pytest.raises(NonFiniteLossError, match="3 consecutive steps .*read at the logging interval, at global step 3"):
         _train(_batches(8, nan_at={1, 2, 3}), max_nonfinite=3, fused=True, log_every_n_steps=4)
-    # ... and 3 in a row that recover before a logging step are counted but do not stop the run
-    module = _train(_batches(8, nan_at={4, 5, 6}), max_nonfinite=3, fused=True, log_every_n_steps=4)
-    assert module.skipped_steps == 3
+    # ... and 3 in a row that recover before a logging step stop it there too (the longest run since the last read)
+    with pytest.raises(NonFiniteLossError, match="3 consecutive steps .*at global step 7"):
+        _train(_batches(8, nan_at={4, 5, 6}), max_nonfinite=3, fused=True, log_every_n_steps=4)
+    # two runs of 2 between two reads are not 3 in a row
+    module = _train(_batches(8, nan_at={1, 2, 4, 5}), max_nonfinite=3, fused=True, log_every_n_steps=8)
+    assert module.skipped_steps == 4
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_count_in_a_row_survives_a_resume(tmp_path, fused):
+    """max_nonfinite=3: steps 3 and 4 skipped, the checkpoint of step 5, then one more skip after the resume: 3 in
+    a row stop the resumed run as they stop an uninterrupted one."""
+    with pytest.raises(NonFiniteLossError, match="3 consecutive"):
+        _train(_batches(6, nan_at={3, 4, 5}), max_nonfinite=3, fused=fused, log_every_n_steps=1)
+    first = _train(_batches(5, nan_at={3, 4}), max_nonfinite=3, fused=fused, log_every_n_steps=1)
+    first.trainer.save_checkpoint(tmp_path / "step5.ckpt")
+    assert torch.load(tmp_path / "step5.ckpt", weights_only=True)["lwm_skipped_in_a_row"] == 2
+    every = _batches(6, nan_at=set(range(6)))  # whichever batch the resumed epoch starts at: a bad one
+    with pytest.raises(NonFiniteLossError, match="3 consecutive"):
+        _train(every, max_nonfinite=3, fused=fused, log_every_n_steps=1, ckpt_path=tmp_path / "step5.ckpt")
 
 
 def _csv_rows(tmp_path, batches, **kwargs) -> list[dict[str, str]]:

@@ -253,6 +253,29 @@ def test_a_preemption_saves_at_the_next_batch_end_runs_no_more_validation_and_re
     assert resumed_val[7] == pytest.approx(full_val[7], rel=1e-5)
 
 
+def test_a_slurm_restart_without_ckpt_path_resumes_from_the_latest_checkpoint_not_an_older_hpc_one(
+        tmp_path, monkeypatch):
+    """Preempted at step 4 (hpc_ckpt_1.ckpt), requeued, trained on to step 10, then the node died (no signal, no
+    new hpc file): a plain `lwm fit` under SLURM resumes from last.ckpt of step 10 (Lightning's own choice, the
+    highest-numbered hpc file, would redo steps 4 to 10)."""
+    for name, value in SLURM_ENV.items():
+        monkeypatch.setenv(name, value)
+    manifest = make_dataset(tmp_path / "data")
+    root = tmp_path / "run"
+    common = ["--trainer.max_steps=12", "--checkpoint.every_n_train_steps=5", "--data.val_size_percent=0"]
+    signal = ["--trainer.callbacks+=tests.lightning.helpers.SendSignal", "--trainer.callbacks.step=3",
+              "--trainer.callbacks.during=training"]
+    assert run(manifest, root, *common, *signal) == 0  # SIGTERM under SLURM: hpc_ckpt_1.ckpt of step 4
+    crash = ["--trainer.callbacks+=tests.lightning.helpers.CrashAtStep", "--trainer.callbacks.step=10"]
+    with pytest.raises(SimulatedCrash):
+        run(manifest, root, *common, *crash)
+    step = lambda path: torch.load(path, weights_only=True)["global_step"]  # noqa: E731
+    assert step(root / "hpc_ckpt_1.ckpt") == 4 and step(root / "checkpoints/last.ckpt") == 10
+    assert run(manifest, root, *common) == 0
+    assert process_starts(root) == [0]  # each start where the one before left off: none from step 4 again
+    assert sorted(train_series(root)) == list(range(12))
+
+
 @pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
 def test_an_interrupt_outside_slurm_saves_last_ckpt_at_the_batch_end_and_resumes_exactly(tmp_path, name):
     """Ctrl-C or kill outside SLURM: last.ckpt is written at the end of that batch (no hpc checkpoint), the fit

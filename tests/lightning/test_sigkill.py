@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lwm.resume import latest_checkpoint
 from tests.lightning.helpers import REPO, make_dataset, run, train_series
 from tests.lightning.procs import check_checkpoints, lwm_command, lwm_env, one_thread, run_lwm
 
@@ -88,7 +89,8 @@ def test_sigkill_anywhere_then_resume_equals_uninterrupted(tmp_path):
     assert kills == 4, "a run finished before it could be killed"
     assert mid_write >= 1, "no kill landed during a checkpoint write"
     left = check_checkpoints(ckpt_dir, MAX_STEPS)
-    resumed_from = left.get("last.ckpt", 0)
+    resumed = latest_checkpoint(root, ckpt_dir)  # what --ckpt_path last takes
+    resumed_from = left[resumed.name] if resumed is not None else 0
     assert resumed_from < MAX_STEPS
 
     out = run_lwm(manifest, root, *COMMON, "--ckpt_path=last")
@@ -96,7 +98,10 @@ def test_sigkill_anywhere_then_resume_equals_uninterrupted(tmp_path):
         assert f"Restored all states from the checkpoint at {ckpt_dir}" in out, out[-3000:]
     steps = check_checkpoints(ckpt_dir, MAX_STEPS)
     assert steps["last.ckpt"] == MAX_STEPS
-    assert sorted(n for n in steps if n != "last.ckpt") == [f"step={s:07d}.ckpt" for s in range(MAX_STEPS - 2, MAX_STEPS + 1)]
+    kept = {f"step={s:07d}.ckpt" for s in range(MAX_STEPS - 2, MAX_STEPS + 1)}
+    if resumed is not None and resumed.name != "last.ckpt":  # Lightning keeps the checkpoint a fit resumed from
+        kept.add(resumed.name)
+    assert sorted(n for n in steps if n != "last.ckpt") == sorted(kept)
     assert not [n for n in os.listdir(ckpt_dir) if ".tmp-" in n], "stale temp files were not cleaned up"
 
     # Every step's row (the last one where a resumed process logged a step again) matches the uninterrupted run: the
@@ -132,6 +137,22 @@ def test_a_kill_during_a_last_ckpt_write_loses_one_metrics_row(tmp_path):
     run_lwm(manifest, tmp_path / "run", *common, "--ckpt_path=last")
     assert sorted(train_series(tmp_path / "run")) == [0, 1, 2, 3, 5, 6, 7]
     assert sorted(train_series(tmp_path / "run", "Val_Total/loss")) == [2, 7]  # after steps 3 and 8 (epochs of 5)
+
+
+def test_a_kill_during_a_later_last_ckpt_write_resumes_from_that_steps_checkpoint(tmp_path):
+    """Killed while last.ckpt of step 10 is written (step=0000010.ckpt complete, last.ckpt still step 5's, a whole
+    interval behind): --ckpt_path last continues from step 10, the latest complete checkpoint; only step 10's row
+    (logged as 9) is missing, none redone."""
+    manifest = make_dataset(tmp_path / "data")
+    common = ["--trainer.max_steps=12", "--checkpoint.every_n_train_steps=5", "--data.val_size_percent=0",
+              "--trainer.log_every_n_steps=1"]
+    kill = ["--trainer.callbacks+=tests.lightning.helpers.KillAtLastCheckpoint", "--trainer.callbacks.step=10"]
+    with pytest.raises(AssertionError, match=f"exited {-signal.SIGKILL}"):
+        run_lwm(manifest, tmp_path / "run", *common, *kill)
+    steps = check_checkpoints(tmp_path / "run/checkpoints", 10)
+    assert steps["last.ckpt"] == 5 and steps["step=0000010.ckpt"] == 10, steps
+    run_lwm(manifest, tmp_path / "run", *common, "--ckpt_path=last")
+    assert sorted(train_series(tmp_path / "run")) == [*range(9), 10, 11]
 
 
 def test_a_kill_right_after_a_checkpoint_written_at_a_validations_end_keeps_that_validations_row(tmp_path):
