@@ -29,15 +29,16 @@ import torch
 
 from lwm.codes import default_codes_path, dictionaries_step, load_dictionaries
 from lwm.data.codecs import codec_from_attr, codec_spec, missing_codec
-from lwm.data.h5 import DataError, file_fps, inspect_h5
+from lwm.data.h5 import DataError, check_frames, file_fps, inspect_h5
 from lwm.errors import ArgumentParser, ConfigError, positive_float
-from lwm.metrics import random_codes
+from lwm.metrics import random_indices
 from lwm.seeds import seeded_generator
 from lwm.video import VIDEO_SUFFIXES, check_output, grid, latent_preview, write_video
 
 ACTIONS = ("dictionary", "inferred", "random")
 WORLDS = ("inferred", "dictionary")
 WORLD_DRAWS = 1  # seeded_generator(--seed, WORLD_DRAWS): the world's dictionary draws, a stream of their own
+Codes = tuple[torch.Tensor, torch.Tensor]  # vectors [..., D] and their indices [..., L]
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -190,18 +191,19 @@ def run(args: argparse.Namespace) -> Path:
     # --world inferred and --world dictionary play the same drawn actions
     world_draws = seeded_generator("cpu", args.seed, WORLD_DRAWS)
     action_draws = torch.Generator().manual_seed(args.seed)  # from the dictionary
-    random_action_draws = torch.Generator(device=device).manual_seed(args.seed)  # --actions random
+    random_action_draws = torch.Generator().manual_seed(args.seed)  # --actions random (on the CPU: any device)
     with torch.no_grad():
-        world = _world(args, model, world_clip, trained, given_world, dictionaries, world_draws)  # [R, Dh]
-        actions = _actions(args, model, clip, trained, transitions, given_actions, dictionaries, action_draws,
-                           random_action_draws)  # [R, T, Da]
+        world, world_idx = _world(args, model, world_clip, trained, given_world, dictionaries, world_draws)
+        actions, action_idx = _actions(args, model, clip, trained, transitions, given_actions, dictionaries,
+                                       action_draws, random_action_draws)  # [R, T, Da], [R, T, La]
         context = clip[:, : args.context].expand(args.rollouts, -1, -1, -1, -1)
         generated = model.generate(context, actions, world, args.steps, t0=0, window=window)  # [R, steps, C, H, W]
     rollouts = torch.cat([context, generated], dim=1).cpu()  # [R, context + steps, C, H, W]
     if args.fps is None and decoder is None:  # a latent preview: one frame per latent step, each step covers
         spec = codec_spec(codec, str(args.data)) or {}  # frames_per_latent video frames of the file's rate
         fps = fps / max(1, int(spec.get("frames_per_latent", 1)))
-    _write(args, out, latents_path, rollouts, clip, decoder, codec, args.fps or fps)
+    played = {"action_indices": action_idx.cpu(), "world_indices": world_idx.cpu(), "window": window}
+    _write(args, out, latents_path, rollouts, clip, decoder, codec, args.fps or fps, played)
     return out
 
 
@@ -256,7 +258,7 @@ def _read_clips(args: argparse.Namespace, model, trained: int | None,
     go) ``[1, t, C, H, W]``, the world encoder's clip (a training window's length where the file has it), the
     file's ``codec`` attribute and frame rate. A request for frames the file lacks is one line."""
     c = model.config
-    info = inspect_h5(args.data, c.in_channels, c.height, c.width)  # values too: NaN in, NaN video out
+    info = inspect_h5(args.data, c.in_channels, c.height, c.width, check_values=False)  # the frames read: below
     need_gt = args.actions == "inferred" and not args.action_indices
     first, last = args.start, args.start + args.context + (args.steps if need_gt else 0)
     if args.start < 0 or last > info.frames:
@@ -272,24 +274,28 @@ def _read_clips(args: argparse.Namespace, model, trained: int | None,
         world_end = min(info.frames, args.start + max(trained or args.context + args.steps, args.context))
         world_clip = torch.from_numpy(np.asarray(ds[args.start:world_end], dtype=np.float32))[None].to(device)
         codec, fps = f.attrs.get("codec"), file_fps(f)
+    longer = clip if clip.shape[1] >= world_clip.shape[1] else world_clip  # (both from --start: one holds the other)
+    check_frames(longer[0].cpu().numpy(), args.data, info.key, args.start)  # NaN in, NaN video out: refused
     return clip, world_clip, codec, fps
 
 
 @torch.no_grad()
 def _given_codes(args: argparse.Namespace, model, transitions: int,
                  device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The codes of ``--world-indices`` ``[1, Dh]`` and of the first ``transitions`` of ``--action-indices``
-    ``[transitions, Da]`` (None where not given), checked against the checkpoint's codebooks."""
+    """The indices of ``--world-indices`` ``[1, Lh]`` and of the first ``transitions`` of ``--action-indices``
+    ``[transitions, La]`` (None where not given), checked against the checkpoint's codebooks."""
     world = actions = None
     if args.world_indices:
         idx = _indices(args.world_indices, "--world-indices", len(model.config.codebook_sizes_world), ndim=1)
-        world = _decode(model.quantizers["World_Encoder"], idx.to(device)[None], "--world-indices")
+        world = idx.to(device)[None]
+        _decode(model.quantizers["World_Encoder"], world, "--world-indices")
     if args.action_indices:
         idx = _indices(args.action_indices, "--action-indices", len(model.config.codebook_sizes_action), ndim=2)
         if idx.shape[0] < transitions:
             raise ConfigError(f"--action-indices: {transitions} transitions needed ({_count(args.context, 'frame')} of context, "
                               f"{args.steps} steps), got {idx.shape[0]}")
-        actions = _decode(model.quantizers["Action_Encoder"], idx[:transitions].to(device), "--action-indices")
+        actions = idx[:transitions].to(device)
+        _decode(model.quantizers["Action_Encoder"], actions, "--action-indices")
     return world, actions
 
 
@@ -314,57 +320,71 @@ def _dictionaries(args: argparse.Namespace, ckpt_path: Path, raw: dict, model) -
 
 
 def _world(args: argparse.Namespace, model, world_clip: torch.Tensor, trained: int | None,
-           given: torch.Tensor | None, dictionaries: dict | None, draws: torch.Generator) -> torch.Tensor:
-    """The world vector of each rollout ``[R, Dh]``: given (``--world-indices``' codes ``[1, Dh]``), drawn from the
-    dictionary, or inferred."""
+           given: torch.Tensor | None, dictionaries: dict | None, draws: torch.Generator) -> Codes:
+    """The world of each rollout: its vector ``[R, Dh]`` and indices ``[R, Lh]``, given (``--world-indices``
+    ``[1, Lh]``), drawn from the dictionary, or inferred."""
     R, quantizer = args.rollouts, model.quantizers["World_Encoder"]
     if given is not None:
-        return given.expand(R, -1)
-    if args.world == "dictionary":
-        idx = dictionaries["World_Encoder"].sample((R,), args.sampling, draws)
-        return quantizer.decode_indices(idx.to(world_clip.device))
-    if trained and world_clip.shape[1] < trained:
-        print(f"warning: --world inferred from {_count(world_clip.shape[1], 'frame')} of {args.data} (from --start "
-              f"{args.start}); training inferred it from {trained}: the code may differ from a whole "
-              f"window's", file=sys.stderr)
-    return model.encode_world(world_clip).quantized.expand(R, -1)
+        idx = given.expand(R, -1)
+    elif args.world == "dictionary":
+        idx = dictionaries["World_Encoder"].sample((R,), args.sampling, draws).to(world_clip.device)
+    else:
+        if trained and world_clip.shape[1] < trained:
+            print(f"warning: --world inferred from {_count(world_clip.shape[1], 'frame')} of {args.data} (from "
+                  f"--start {args.start}); training inferred it from {trained}: the code may differ from a whole "
+                  f"window's", file=sys.stderr)
+        inferred = model.encode_world(world_clip)
+        return inferred.quantized.expand(R, -1), inferred.indices.expand(R, -1)
+    return quantizer.decode_indices(idx), idx
 
 
 def _actions(args: argparse.Namespace, model, clip: torch.Tensor, trained: int | None, transitions: int,
              given: torch.Tensor | None, dictionaries: dict | None, draws: torch.Generator,
-             random_draws: torch.Generator) -> torch.Tensor:
-    """The action vectors of each rollout ``[R, transitions, Da]``: given (``--action-indices``' codes
-    ``[transitions, Da]``), inferred from the ground truth, or (``random``, ``dictionary``) the context's own
-    transitions inferred and one drawn per step."""
+             random_draws: torch.Generator) -> Codes:
+    """The actions of each rollout: vectors ``[R, transitions, Da]`` and indices ``[R, transitions, La]``, given
+    (``--action-indices`` ``[transitions, La]``), inferred from the ground truth, or (``random``, ``dictionary``)
+    the context's own transitions inferred and one drawn per step. Each rollout's draws are the same whatever
+    ``--rollouts`` (rollout 0 of four is the rollout of one) and whatever the device (drawn on the CPU)."""
     R, quantizer, device = args.rollouts, model.quantizers["Action_Encoder"], clip.device
     if given is not None:
-        return given[None].expand(R, -1, -1)
+        idx = given[None].expand(R, -1, -1)
+        return quantizer.decode_indices(idx), idx
     if args.actions == "inferred":
-        return model.encode_actions(clip[:, : transitions + 1], window=trained).quantized.expand(R, -1, -1)
-    if args.actions == "random":
-        drawn = random_codes(quantizer, (R, args.steps), random_draws)
+        inferred = model.encode_actions(clip[:, : transitions + 1], window=trained)
+        return inferred.quantized.expand(R, -1, -1), inferred.indices.expand(R, -1, -1)
+    if args.actions == "random":  # one rollout after the other from one stream
+        idx = torch.cat([random_indices(quantizer.codebook_sizes, (1, args.steps), random_draws) for _ in range(R)])
     else:
         idx = dictionaries["Action_Encoder"].sample((R, args.steps), args.sampling, draws)
-        drawn = quantizer.decode_indices(idx.to(device))
+    idx = idx.to(device)
     if args.context > 1:
-        seen = model.encode_actions(clip[:, : args.context], window=trained).quantized  # [1, c-1, Da]
-        drawn = torch.cat([seen.expand(R, -1, -1).to(drawn.dtype), drawn], dim=1)
-    return drawn
+        seen = model.encode_actions(clip[:, : args.context], window=trained).indices  # [1, c-1, La]
+        idx = torch.cat([seen.expand(R, -1, -1), idx], dim=1)
+    return quantizer.decode_indices(idx), idx
 
 
 def _write(args: argparse.Namespace, out: Path, latents_path: Path, rollouts: torch.Tensor, clip: torch.Tensor,
-           decoder, codec: str | None, fps: float) -> None:
-    """The latents (first: kept if the video fails) and the video grid: the ground truth on top, as far as the
-    file has it (``clip``: the context, then up to ``--steps`` frames; blank cells after its last frame), then the
-    rollouts. The latents file holds the same ground truth, ``[frames the file has, C, H, W]``."""
+           decoder, codec: str | None, fps: float, played: dict) -> None:
+    """The latents (first, before any decoding: kept if the decoder or the video fails) and the video grid: the
+    ground truth on top, as far as the file has it (``clip``: the context, then up to ``--steps`` frames; blank
+    cells after its last frame), then the rollouts. The latents file holds the same ground truth, ``[frames the
+    file has, C, H, W]``, and the codes each rollout played (``played``: ``action_indices [R, transitions, La]``,
+    ``world_indices [R, Lh]``, what ``--action-indices`` / ``--world-indices`` take back) with the settings that
+    drew them."""
     R, T = rollouts.shape[:2]
-    to_video = (lambda x: decoder.decode(x.numpy())) if decoder is not None else latent_preview  # noqa: E731
-    rows = [to_video(clip[0].cpu())] + [to_video(r) for r in rollouts]  # grid blanks the end of a short one
     out.parent.mkdir(parents=True, exist_ok=True)
     with h5py.File(latents_path, "w") as f:
         f["latents"] = rollouts.numpy()  # [R, T, C, H, W]
         f["ground_truth"] = clip[0].cpu().numpy()
+        f["action_indices"] = played["action_indices"].numpy()
+        f["world_indices"] = played["world_indices"].numpy()
         f.attrs["source"], f.attrs["start"], f.attrs["context"] = str(args.data), args.start, args.context
+        f.attrs["actions"], f.attrs["world"], f.attrs["sampling"] = args.actions, args.world, args.sampling
+        f.attrs["seed"], f.attrs["checkpoint"] = args.seed, str(args.ckpt_path)
+        if played["window"] is not None:
+            f.attrs["window"] = played["window"]
+    to_video = (lambda x: decoder.decode(x.numpy())) if decoder is not None else latent_preview  # noqa: E731
+    rows = [to_video(clip[0].cpu())] + [to_video(r) for r in rollouts]  # grid blanks the end of a short one
     write_video(out, grid(rows), fps)
     shown = (f"decoded by the {decoder.name} codec" if decoder is not None else
              f"latent channels 0-2 shown as RGB: {missing_codec(codec, str(args.data))}")

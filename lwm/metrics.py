@@ -5,7 +5,8 @@ tensors and returns tensors on the same device, so callers decide when to sync.
 * :func:`codebook_usage`: fraction of each level's codes used by a batch of indices.
 * :func:`codebook_diversity`: min / max / mean pairwise MSE between the codes of a codebook.
 * :func:`psnr`, :func:`psnr_from_mse`, :func:`delta_psnr`: the requirement's ``10 log10(1 / MSE)`` on latents and its difference.
-* :func:`random_codes`, :func:`sensitivity`: the action and world sensitivities (dPSNR at frame ``t``).
+* :func:`random_indices`, :func:`random_codes`, :func:`sensitivity`: the action and world sensitivities (dPSNR at
+  frame ``t``).
 * :func:`nmi`, :func:`linear_probe_accuracy`, :func:`code_ids`: codes against ground-truth labels.
 * :func:`copy_last_loss`: the copy-last-frame baseline, so a prediction loss means something.
 * :class:`WeightedMean`: the validation means over batches and ranks (NaN kept, no host sync).
@@ -86,14 +87,20 @@ def delta_psnr(target: Tensor, prediction: Tensor, prediction_random: Tensor) ->
     return torch.stack([(seq - rand).mean(), seq.mean(), rand.mean()])
 
 
+def random_indices(codebook_sizes: Sequence[int], lead: Sequence[int], generator: torch.Generator | None = None,
+                   device: torch.device | str | None = None) -> Tensor:
+    """Code indices ``[*lead, L]`` drawn uniformly per level (on the generator's device, else ``device``)."""
+    device = generator.device if generator is not None else device
+    return torch.stack(
+        [torch.randint(0, k, tuple(lead), device=device, generator=generator) for k in codebook_sizes], dim=-1
+    )
+
+
 @torch.no_grad()
 def random_codes(quantizer, lead: Sequence[int], generator: torch.Generator | None = None) -> Tensor:
     """Codes ``[*lead, dim]`` of indices drawn uniformly per level (the requirement's random actions/worlds)."""
     device = quantizer.codebook(0).device
-    indices = torch.stack(
-        [torch.randint(0, k, tuple(lead), device=device, generator=generator) for k in quantizer.codebook_sizes], dim=-1
-    )
-    return quantizer.decode_indices(indices)
+    return quantizer.decode_indices(random_indices(quantizer.codebook_sizes, lead, generator, device).to(device))
 
 
 @torch.no_grad()

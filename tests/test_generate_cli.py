@@ -699,3 +699,61 @@ def test_rollouts_with_nothing_drawn_are_the_same_and_it_is_said(trained, capsys
     drawn = _generate(ckpt, data, tmp / "drawn.gif", "--steps", "3", "--rollouts", "3", "--actions", "random")
     assert not all(np.array_equal(drawn[0], r) for r in drawn[1:])
     assert "nothing is drawn" not in capsys.readouterr().err
+
+
+def test_the_codes_played_are_recorded_and_replay_each_rollout(trained):
+    """The latents file holds each rollout's action and world indices (what --action-indices and --world-indices
+    take); given back, they play that rollout again. Random actions are drawn rollout by rollout: rollout 0
+    of three is the rollout of one."""
+    tmp, ckpt, data = trained
+    three = _generate(ckpt, data, tmp / "r3.gif", "--steps", "4", "--rollouts", "3", "--actions", "random",
+                      "--world", "dictionary", "--seed", "7")
+    with h5py.File(tmp / "r3.gif.h5") as f:
+        actions, world = f["action_indices"][...], f["world_indices"][...]
+        assert f.attrs["actions"] == "random" and f.attrs["world"] == "dictionary" and f.attrs["seed"] == 7
+    assert actions.shape == (3, 4, 2) and world.shape == (3, 2)
+    replay = _generate(ckpt, data, tmp / "replay.gif", "--steps", "4", "--rollouts", "1",
+                       "--action-indices", json.dumps(actions[2].tolist()),
+                       "--world-indices", json.dumps(world[2].tolist()))
+    assert np.allclose(replay[0], three[2], atol=1e-5)  # (a batch of one: other kernels, float noise)
+    one = _generate(ckpt, data, tmp / "r1.gif", "--steps", "4", "--rollouts", "1", "--actions", "random",
+                    "--seed", "7")
+    with h5py.File(tmp / "r1.gif.h5") as f:
+        assert np.array_equal(f["action_indices"][0], actions[0])
+    inferred = _generate(ckpt, data, tmp / "inf.gif", "--steps", "3", "--rollouts", "1", "--actions", "inferred")
+    with h5py.File(tmp / "inf.gif.h5") as f:
+        replay = _generate(ckpt, data, tmp / "inf_replay.gif", "--steps", "3", "--rollouts", "1",
+                           "--action-indices", json.dumps(f["action_indices"][0].tolist()),
+                           "--world-indices", json.dumps(f["world_indices"][0].tolist()))
+    assert np.array_equal(replay, inferred) and one.shape == (1, 5, 4, 16, 16)
+
+
+def test_a_failing_decode_keeps_the_rollout_latents(trained, tmp_path, monkeypatch):
+    """The latents are written before any frame is decoded: a decoder that fails (out of memory at 512 px) loses
+    the video, not the rollouts."""
+    import lwm.generate as gen
+
+    tmp, ckpt, data = trained
+
+    def out_of_memory(x):
+        raise RuntimeError("simulated: out of memory while decoding")
+
+    monkeypatch.setattr(gen, "latent_preview", out_of_memory)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        main(["generate", "--ckpt_path", str(ckpt), "--data", str(data), "--out", str(tmp_path / "v.gif"),
+              "--steps", "3", "--rollouts", "2"])
+    with h5py.File(tmp_path / "v.gif.h5") as f:
+        assert f["latents"].shape == (2, 4, 4, 16, 16) and f["action_indices"].shape == (2, 3, 2)
+    assert not (tmp_path / "v.gif").exists()
+
+
+def test_only_the_frames_read_are_checked_for_non_finite_values(trained, tmp_path):
+    """A NaN in frames the rollout never reads does not refuse the file (nor does generate read the whole file);
+    one in the frames it reads does (test_non_finite_latents_in_the_data_are_refused)."""
+    tmp, ckpt, data = trained
+    far = tmp_path / "far.h5"
+    far.write_bytes(data.read_bytes())
+    with h5py.File(far, "r+") as f:
+        f["latents"][13, 0, 0, 0] = np.nan  # the world's clip is frames 0..5, the rollout's ground truth 0..2
+    out = _generate(ckpt, far, tmp_path / "v.gif", "--steps", "2", "--rollouts", "1")
+    assert np.isfinite(out).all()

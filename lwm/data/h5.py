@@ -104,13 +104,7 @@ def inspect_h5(
                     block = np.asarray(ds[start : start + chunk_frames], dtype=np.float32)
                 except OSError as e:  # truncated or corrupt chunk
                     raise DataError(f"{path}: dataset '{key}' unreadable at frames {start}.. ({first_line(e)})") from None
-                finite = np.isfinite(block)
-                if not finite.all():
-                    frame = start + int(np.argwhere(~finite)[0][0])
-                    raise DataError(f"{path}: dataset '{key}' has NaN/inf values (first at frame {frame})")
-                lo, hi = float(block.min()), float(block.max())
-                if lo < -1 - tolerance or hi > 1 + tolerance:
-                    raise DataError(f"{path}: dataset '{key}' has values in [{lo:.4g}, {hi:.4g}], outside [-1, 1]")
+                check_frames(block, path, key, start, tolerance)
         has_actions = ACTIONS_KEY in f
         if has_actions:
             act = f[ACTIONS_KEY]
@@ -132,6 +126,18 @@ def inspect_h5(
         if "fps" in f.attrs:
             parse_fps(f.attrs["fps"], path)
         return H5Info(key, T, C, H, W, has_actions, label)
+
+
+def check_frames(block: np.ndarray, path: str | Path, key: str, start: int = 0, tolerance: float = 1e-3) -> None:
+    """Raise :class:`DataError` naming the file unless the frames ``block`` (frame ``start`` on of dataset ``key``)
+    are finite and within [-1 - tolerance, 1 + tolerance]."""
+    finite = np.isfinite(block)
+    if not finite.all():
+        frame = start + int(np.argwhere(~finite)[0][0])
+        raise DataError(f"{path}: dataset '{key}' has NaN/inf values (first at frame {frame})")
+    lo, hi = float(block.min()), float(block.max())
+    if lo < -1 - tolerance or hi > 1 + tolerance:
+        raise DataError(f"{path}: dataset '{key}' has values in [{lo:.4g}, {hi:.4g}], outside [-1, 1]")
 
 
 def _check_codec(attr: object, path: Path, C: int, H: int, W: int) -> None:

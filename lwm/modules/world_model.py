@@ -452,12 +452,22 @@ class WorldModel(nn.Module):
         ``context[:, :i+1]``, ``actions[:, :i+1]`` (``[B, t, Da]``) and ``world`` (``[B, Dh]``)."""
         self.check_frames(context, "context")
         B, t = context.shape[:2]
-        if actions.shape[:2] != (B, t):
-            raise ValueError(f"actions: expected [B={B}, t={t}, Da], got {tuple(actions.shape)}")
-        if world.ndim != 2 or world.shape[0] != B:
-            raise ValueError(f"world: expected [B={B}, Dh], got {tuple(world.shape)}")
+        self.check_codes(actions, world, B, t, f"t={t}")
         tokens = self.tokenize(context) + self.pos_embedding(t, t0)
         return self.detokenize(self.dynamics(tokens, actions, world)[0])
+
+    def check_codes(self, actions: Tensor, world: Tensor, B: int, transitions: int, what: str,
+                    at_least: bool = False) -> None:
+        """Raise ``ValueError`` unless ``actions`` is ``[B, transitions (or more, at_least), Da]`` and ``world``
+        ``[B, Dh]`` (a ``[Dh]`` world would broadcast into extra frames rather than fail). ``what``: the length the
+        message asks for."""
+        c = self.config
+        T = actions.shape[1] if actions.ndim == 3 else -1
+        if (actions.ndim != 3 or actions.shape[0] != B or actions.shape[2] != c.d_code_action
+                or (T < transitions if at_least else T != transitions)):
+            raise ValueError(f"actions: expected [B={B}, {what}, Da={c.d_code_action}], got {tuple(actions.shape)}")
+        if world.shape != (B, c.d_code_world):
+            raise ValueError(f"world: expected [B={B}, Dh={c.d_code_world}], got {tuple(world.shape)}")
 
     @torch.no_grad()
     def generate(
@@ -480,9 +490,8 @@ class WorldModel(nn.Module):
         B, c = context.shape[:2]
         if steps < 1:
             raise ValueError(f"steps must be >= 1, got {steps}")
-        if actions.ndim != 3 or actions.shape[0] != B or actions.shape[1] < c + steps - 1:
-            raise ValueError(f"actions: expected [B={B}, >= {c + steps - 1}, Da] for {c} context frames and "
-                             f"{steps} steps, got {tuple(actions.shape)}")
+        self.check_codes(actions, world, B, c + steps - 1,
+                         f">= {c + steps - 1} (for {c} context frames and {steps} steps)", at_least=True)
         if window is not None and window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
         frames = list(context.unbind(dim=1))  # [B, C, H, W] each: the context, then the generated frames

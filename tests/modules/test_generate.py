@@ -96,6 +96,12 @@ def test_bad_generation_inputs_are_refused():
     context, actions, world = _inputs(model, steps=3)
     with pytest.raises(ValueError, match="actions: expected"):
         model.generate(context, actions[:, :2], world, steps=3)
+    with pytest.raises(ValueError, match="actions: expected"):  # another code width
+        model.generate(context, actions[..., :-1], world, steps=3)
+    with pytest.raises(ValueError, match=r"world: expected \[B=2, Dh="):  # [Dh] broadcast into extra frames
+        model.generate(context, actions, world[0], steps=3)
+    with pytest.raises(ValueError, match=r"world: expected"):
+        model.predict(context, actions[:, :2], world[0])
     with pytest.raises(ValueError, match="steps must be >= 1"):
         model.generate(context, actions, world, steps=0)
     with pytest.raises(ValueError, match="window must be >= 1"):
