@@ -17,6 +17,17 @@ class ConfigError(LwmError):
     """An invalid or inconsistent configuration; the message names the field (e.g. ``model.net.d_model``)."""
 
 
+LISTED_PROBLEMS = 20  # bad files named one line each in a refusal; the rest are counted
+
+
+def refused(problems: list[str], total: int, where: str = "") -> "DataError":
+    """One :class:`DataError` for ``problems`` (one line each, naming its file) among ``total`` files: the first
+    :data:`LISTED_PROBLEMS` lines, then how many more (5000 missing files are not 5000 lines)."""
+    shown = problems[:LISTED_PROBLEMS]
+    more = [f"... and {len(problems) - len(shown)} more"] if len(problems) > len(shown) else []
+    return DataError(f"{len(problems)} of {total} files{where} refused:\n" + "\n".join(shown + more))
+
+
 def first_line(e: BaseException) -> str:
     """The first line of an exception's message (h5py and torch errors run over several lines), for one-line errors."""
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

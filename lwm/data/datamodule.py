@@ -31,6 +31,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from torch.utils.data import DataLoader
 
 from lwm.data.h5 import DataError, inspect_h5
+from lwm.errors import refused
 from lwm.data.manifest import Manifest, checking
 from lwm.data.windows import FileBatchSampler, H5WindowDataset, collate_windows
 
@@ -229,10 +230,12 @@ class LatentDataModule(L.LightningDataModule):
             manifest = Manifest.load(self.manifest_path)
             if self.check_files:
                 manifest.check_duplicates(files=True)  # links and hard links too (a stat per file: here only)
-                problems, changed = [], []
+                problems, changed, missing = [], [], 0
                 rank_zero = (self.trainer.global_rank if self.trainer is not None else rank_zero_only.rank) == 0
                 for e in checking(manifest.entries, f"checking {len(manifest.entries)} files", show=rank_zero):
                     path = manifest.resolve(e)
+                    if not path.exists():
+                        missing += 1
                     try:
                         info = inspect_h5(path, manifest.channels, manifest.height, manifest.width, check_values=False,
                                           key=e.key)
@@ -243,9 +246,12 @@ class LatentDataModule(L.LightningDataModule):
                         problems.append(f"{path}: {info.frames} frames, the manifest says {e.frames} (truncated?)")
                     elif e.changed_since_checked(path.stat()):
                         changed.append(path)
+                if missing == len(manifest.entries) > 1:  # a manifest moved without its data, a mount not there
+                    raise DataError(f"{manifest.path}: none of its {missing} files exists (the first: "
+                                    f"{manifest.resolve(manifest.entries[0])}; paths are relative to the manifest's "
+                                    f"folder): was it moved without its data, or is the data's filesystem not mounted?")
                 if problems:
-                    raise DataError(f"{len(problems)} of {len(manifest.entries)} files in {manifest.path} refused:\n"
-                                    + "\n".join(problems))
+                    raise refused(problems, len(manifest.entries), f" in {manifest.path}")
                 if changed:  # headers only here: their values (NaN/inf, range) were checked by `lwm data index`
                     rank_zero_warn(f"{len(changed)} of {len(manifest.entries)} files in {manifest.path} changed since "
                                    f"`lwm data index` checked their values (size or modification time; first: "

@@ -38,6 +38,10 @@ class H5Info:
     width: int  # W
     has_actions: bool
     world_label: int | None
+    filtered_chunk_frames: int | None = None  # frames per chunk of a compressed (filtered) dataset, else None
+
+
+SLOW_CHUNK_FRAMES = 8  # a compressed dataset chunked over more frames decompresses that many per window read
 
 
 def find_latents_key(f: h5py.File, path: str | Path) -> str:
@@ -47,7 +51,12 @@ def find_latents_key(f: h5py.File, path: str | Path) -> str:
     four_d = [name for name, obj in f.items() if isinstance(obj, h5py.Dataset) and obj.ndim == 4]
     if len(four_d) != 1:
         found = ", ".join(f"{n}{tuple(o.shape)}" for n, o in f.items() if isinstance(o, h5py.Dataset)) or "none"
-        raise DataError(f"{path}: no '{LATENTS_KEY}' dataset and not exactly one 4-D dataset (datasets: {found})")
+        nested: list[str] = []  # datasets inside groups: named, since a manifest's "key" can reach them
+        f.visititems(lambda name, obj: nested.append(f"{name}{tuple(obj.shape)}")
+                     if isinstance(obj, h5py.Dataset) and "/" in name else None)
+        inside = f"; inside groups: {', '.join(nested[:5])}, where lwm does not look" if nested else ""
+        raise DataError(f"{path}: no '{LATENTS_KEY}' dataset and not exactly one 4-D dataset (datasets: {found}"
+                        f"{inside})")
     return four_d[0]
 
 
@@ -125,7 +134,8 @@ def inspect_h5(
         _check_codec(f.attrs.get("codec"), path, C, H, W)
         if "fps" in f.attrs:
             parse_fps(f.attrs["fps"], path)
-        return H5Info(key, T, C, H, W, has_actions, label)
+        filtered = ds.chunks is not None and ds.id.get_create_plist().get_nfilters() > 0
+        return H5Info(key, T, C, H, W, has_actions, label, ds.chunks[0] if filtered else None)
 
 
 def check_frames(block: np.ndarray, path: str | Path, key: str, start: int = 0, tolerance: float = 1e-3) -> None:

@@ -28,7 +28,9 @@ from rich.console import Console
 from rich.progress import track
 
 from lwm.files import atomic_write
-from lwm.data.h5 import LATENTS_KEY, MODEL_MULTIPLE, DataError, GeneratedFile, H5Info, inspect_h5
+from lwm.errors import refused
+from lwm.data.h5 import (LATENTS_KEY, MODEL_MULTIPLE, SLOW_CHUNK_FRAMES, DataError, GeneratedFile, H5Info,
+                         inspect_h5)
 
 T = TypeVar("T")
 SPLITS = ("train", "val")
@@ -193,13 +195,20 @@ def _positive(path: Path, where: str, name: str, value: object) -> int:
     return value
 
 
-def find_h5_files(directory: Path) -> list[Path]:
+def find_h5_files(directory: Path) -> tuple[list[Path], list[str]]:
     """Every ``*.h5``/``*.hdf5`` file under ``directory`` (any case; linked folders followed), each physical file
     once: a link (or hard link) to a file already found is left out with a note (listed twice, it could land in
-    both splits)."""
+    both splits). Returns the files (as found: a linked file under its link's name) and the problems, one line
+    each: a link to an h5 file that is not there, a folder that cannot be read (part of the data would be left
+    out without a word). A link to anything else that is not there (a folder not mounted?) is a note."""
     found: dict[object, Path] = {}  # resolved path, and (device, inode) -> the first path found
     visited: set[Path] = set()
-    for root, dirs, names in os.walk(directory, followlinks=True):
+    problems: list[str] = []
+
+    def unreadable(e: OSError) -> None:
+        problems.append(f"{e.filename}: a folder that cannot be read ({e.strerror or e})")
+
+    for root, dirs, names in os.walk(directory, followlinks=True, onerror=unreadable):
         real = Path(root).resolve()
         if real in visited:  # a link back up the tree
             dirs[:] = []
@@ -208,7 +217,15 @@ def find_h5_files(directory: Path) -> list[Path]:
         dirs.sort()
         for name in sorted(names):
             p = Path(root) / name
-            if p.suffix.lower() not in (".h5", ".hdf5") or not p.is_file():
+            h5 = p.suffix.lower() in (".h5", ".hdf5")
+            if p.is_symlink() and not p.exists():
+                if h5:
+                    problems.append(f"{p}: a link to {os.readlink(p)}, which is not there")
+                else:
+                    print(f"note: {p}: a link to {os.readlink(p)}, which is not there (a folder not mounted?): "
+                          f"skipped", file=sys.stderr)
+                continue
+            if not h5 or not p.is_file():
                 continue
             st = p.stat()
             ids = (p.resolve(), (st.st_dev, st.st_ino))
@@ -217,7 +234,7 @@ def find_h5_files(directory: Path) -> list[Path]:
                 print(f"note: {p} is the same file as {first}: indexed once", file=sys.stderr)
                 continue
             found.update((i, p) for i in ids)
-    return sorted(set(found.values()))
+    return sorted(set(found.values())), problems
 
 
 def _previous_splits(path: Path, shape: tuple[int, int, int] | None) -> dict[str, str]:
@@ -247,10 +264,11 @@ def _checked_files(
     """Every h5 file under ``directory`` checked (`lwm generate`'s rollouts skipped, with a note) -> ``({file: its
     info}, {file: its stat before the check}, the [C, H, W] they share)``; a :class:`DataError` naming every bad
     file, and the files whose ``C, H, W`` differ from most files', one line each."""
-    files = find_h5_files(directory)
-    if not files:
+    files, problems = find_h5_files(directory)
+    unfound = len(problems)  # links to nothing, unreadable folders: counted among the files
+    if not files and not problems:
         raise DataError(f"{directory}: no .h5/.hdf5 files found")
-    infos, stats, problems = {}, {}, []
+    infos, stats = {}, {}
     for p in checking(files, f"checking {len(files)} files"):
         try:
             stats[p] = p.stat()  # before reading: a write during the check shows as a change later
@@ -261,6 +279,7 @@ def _checked_files(
             problems.append(str(e))
     if not infos and not problems:
         raise DataError(f"{directory}: no .h5/.hdf5 files to index (only `lwm generate`'s rollouts, skipped)")
+    _warn_slow_chunks(infos)
     shapes = Counter((i.channels, i.height, i.width) for i in infos.values())
     shape = shapes.most_common(1)[0][0] if shapes else None
     for p, info in list(infos.items()):  # the odd files out are named, not the majority
@@ -271,8 +290,22 @@ def _checked_files(
             problems.append(f"{p}: dataset '{info.key}' has {odd} (the [C, H, W] of most files: {list(shape)})")
             del infos[p]
     if problems:
-        raise DataError(f"{len(problems)} of {len(files)} files refused:\n" + "\n".join(sorted(problems)))
+        raise refused(sorted(problems), len(files) + unfound)
     return infos, stats, shape
+
+
+def _warn_slow_chunks(infos: dict[Path, H5Info]) -> None:
+    """One warning where compressed latents are chunked over many frames: every window read decompresses whole
+    chunks (h5py's automatic chunks for [2000, 16, 64, 64] span 250 frames: a 16-frame window read 600x slower
+    than from one-frame chunks, measured)."""
+    slow = [(p, i) for p, i in infos.items() if (i.filtered_chunk_frames or 0) > SLOW_CHUNK_FRAMES]
+    if slow:
+        p, info = slow[0]
+        print(f"warning: {len(slow)} of {len(infos)} files store compressed latents in chunks of many frames (first: "
+              f"{p}, '{info.key}' in chunks of {info.filtered_chunk_frames} frames): each training window decompresses "
+              f"whole chunks, which can starve the GPU; chunks of one frame read fast (`h5repack -l "
+              f"{info.key}:CHUNK=1x{info.channels}x{info.height}x{info.width} IN OUT`), as do uncompressed files",
+              file=sys.stderr)
 
 
 def _val_files(good: list[Path], relative: dict[Path, str], kept: dict[str, str], val_fraction: float,
@@ -330,8 +363,8 @@ def index_directory(
             raise DataError(f"--out {out}: exists and is not a JSON manifest; not overwritten")
     infos, stats, shape = _checked_files(directory, tolerance)
     good = list(infos)
-    base = out.parent.resolve()
-    relative = {p: os.path.relpath(p.resolve(), base) for p in good}
+    base = os.path.abspath(out.parent)  # paths as found: a linked file under its link's name (a copy that follows
+    relative = {p: os.path.relpath(os.path.abspath(p), base) for p in good}  # links, cp -rL, keeps the manifest)
     kept = {} if resplit else _previous_splits(out, shape)  # relative path -> split, of a manifest already there
     val = _val_files(good, relative, kept, val_fraction, seed)
     entries = [

@@ -15,6 +15,7 @@ import os
 import warnings
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 import h5py
 import numpy as np
@@ -29,6 +30,15 @@ MISSING = -1  # value of `actions` / `world_label` in a batch when the file has 
 MAX_OPEN_FILES = 64  # h5 handles one process keeps open (least recently used closed first): file descriptors and
 # each handle's chunk cache stay bounded however many files the dataset has
 SHORT_NAMED = 10  # short files named in the warning; the rest are counted
+
+
+class _Open(NamedTuple):
+    """A file a process holds open, with what each window reads of it."""
+
+    file: h5py.File
+    latents: h5py.Dataset
+    actions: h5py.Dataset | None
+    label: int  # world_label, or MISSING
 
 
 class H5WindowDataset(Dataset):
@@ -67,28 +77,42 @@ class H5WindowDataset(Dataset):
         self.paths = [str(manifest.resolve(e)) for e in self.entries]
         self.frames = [e.frames for e in self.entries]
         self.max_open = max(1, max_open)
-        self._handles: OrderedDict[int, h5py.File] = OrderedDict()
+        self._handles: OrderedDict[int, _Open] = OrderedDict()
         self._pid: int | None = None
 
     def __len__(self) -> int:
         """Non-overlapping windows in the split: the number of samples in one epoch."""
         return sum(f // self.window for f in self.frames)
 
-    def _file(self, index: int) -> h5py.File:
+    def _file(self, index: int) -> _Open:
+        """The open file ``index``: its handle, datasets and label, looked up once per opening (a dataset lookup
+        and the label's parse cost several times the slice read of a small window)."""
         if self._pid != os.getpid():  # a new worker process (fork copies the parent's dict): own handles
             self._handles, self._pid = OrderedDict(), os.getpid()
-        f = self._handles.get(index)
-        if f is not None:
+        opened = self._handles.get(index)
+        if opened is not None:
             self._handles.move_to_end(index)
-            return f
+            return opened
         while len(self._handles) >= self.max_open:
-            self._handles.popitem(last=False)[1].close()
+            self._handles.popitem(last=False)[1].file.close()
+        path, key = self.paths[index], self.entries[index].key
         try:
-            f = h5py.File(self.paths[index], "r")
+            f = h5py.File(path, "r")
         except OSError as e:
-            raise DataError(f"{self.paths[index]}: cannot be opened as HDF5 ({first_line(e)})") from None
-        self._handles[index] = f
-        return f
+            raise DataError(f"{path}: cannot be opened as HDF5 ({first_line(e)})") from None
+        try:
+            label = f.attrs.get("world_label")
+            opened = _Open(f, f[key], f[ACTIONS_KEY] if ACTIONS_KEY in f else None,
+                           MISSING if label is None else parse_world_label(label, path))
+        except (OSError, KeyError) as e:  # changed or damaged since `lwm data index` checked it
+            f.close()
+            raise DataError(f"{path}: '{key}' unreadable ({first_line(e)}); run `lwm data index` on the folder "
+                            f"again") from None
+        except DataError:
+            f.close()
+            raise
+        self._handles[index] = opened
+        return opened
 
     def __getitem__(self, item: tuple[int, int]) -> dict[str, torch.Tensor]:
         index, start = item
@@ -96,34 +120,39 @@ class H5WindowDataset(Dataset):
             raise IndexError(f"file index {index} out of range for {len(self.entries)} files")
         if not 0 <= start <= self.frames[index] - self.window:
             raise IndexError(f"{self.paths[index]}: window start {start} out of range for {self.frames[index]} frames")
-        f = self._file(index)
+        opened = self._file(index)
         stop = start + self.window
         key = self.entries[index].key
         try:
-            ds = f[key]
+            ds = opened.latents
             keep = self.float16 and ds.dtype == np.float16
             latents = torch.from_numpy(np.asarray(ds[start:stop], dtype=np.float16 if keep else np.float32))
-            actions = np.asarray(f[ACTIONS_KEY][start:stop], dtype=np.int64) if ACTIONS_KEY in f else None
+            actions = None if opened.actions is None else np.asarray(opened.actions[start:stop], dtype=np.int64)
         except (OSError, KeyError) as e:  # changed or damaged since `lwm data index` checked it
             raise DataError(f"{self.paths[index]}: '{key}' unreadable at frames {start}..{stop - 1} "
                             f"({first_line(e)}); run `lwm data index` on the folder again") from None
+        short = [(name, len(a)) for name, a in ((key, latents), (ACTIONS_KEY, actions)) if a is not None
+                 and len(a) != self.window]  # h5py cuts a slice past the end short, as numpy does
+        if short:  # a file rewritten shorter since setup checked it
+            name, got = short[0]
+            raise DataError(f"{self.paths[index]}: '{name}' has {start + got} frames, the manifest says "
+                            f"{self.frames[index]} (changed since it was indexed); run `lwm data index` on the "
+                            f"folder again")
         if actions is not None:
             actions = torch.from_numpy(actions)
         else:
             actions = torch.full((self.window,), MISSING, dtype=torch.int64)
-        label = f.attrs.get("world_label")
-        label = MISSING if label is None else parse_world_label(label, self.paths[index])
         return {
             "latents": latents,
             "actions": actions,
-            "world_label": torch.tensor(label),
+            "world_label": torch.tensor(opened.label),
             "file_index": torch.tensor(index),
             "start": torch.tensor(start),
         }
 
     def close(self) -> None:
-        for f in self._handles.values():
-            f.close()
+        for opened in self._handles.values():
+            opened.file.close()
         self._handles = OrderedDict()
 
     def __getstate__(self) -> dict:  # spawn workers receive a pickled copy: never ship open handles

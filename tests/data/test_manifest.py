@@ -173,6 +173,19 @@ def test_bad_files_are_all_named_and_nothing_written(data_dir, tmp_path):
     assert sorted(p.name for p in data_dir.iterdir() if not p.name.endswith(".h5")) == ["manifest.json"]
 
 
+def test_many_bad_files_are_named_up_to_a_limit_then_counted(data_dir):
+    from lwm.errors import LISTED_PROBLEMS
+
+    for i in range(LISTED_PROBLEMS + 5):
+        (data_dir / f"zz_bad_{i:02d}.h5").write_bytes(b"not hdf5")
+    with pytest.raises(DataError) as exc:
+        index_directory(data_dir)
+    lines = str(exc.value).splitlines()
+    assert lines[0] == f"{LISTED_PROBLEMS + 5} of {LISTED_PROBLEMS + 15} files refused:"
+    assert len(lines) == LISTED_PROBLEMS + 2 and lines[-1] == "... and 5 more"
+    assert "zz_bad_00.h5" in lines[1]
+
+
 def test_bad_files_with_out_elsewhere_write_nothing(data_dir, tmp_path):
     (data_dir / "broken.h5").write_bytes(b"\0" * 100)
     out = tmp_path / "out" / "m.json"
@@ -346,9 +359,40 @@ def test_links_and_case_each_physical_file_indexed_once(tmp_path, capsys):
     os.symlink(root, root / "loop")  # a link back up the tree
     manifest = index_directory(root, val_fraction=0.4)
     paths = sorted(e.path for e in manifest.entries)
-    # (paths point at the physical files, relative to the manifest)
-    assert paths == ["../elsewhere/far.hdf5", "UPPER.H5", "ep_0.h5", "ep_1.h5", "ep_2.h5", "ep_3.h5"]
+    # (paths as found, relative to the manifest: a linked folder's files under its name)
+    assert paths == ["UPPER.H5", "ep_0.h5", "ep_1.h5", "ep_2.h5", "ep_3.h5", "linked_folder/far.hdf5"]
     assert "link.h5 is the same file as" in capsys.readouterr().err
+
+
+def test_a_folder_of_links_copied_with_its_links_followed_keeps_its_manifest(tmp_path):
+    """Linked files are listed under their links' names: the folder copied to node-local scratch following links
+    (cp -rL, rsync -L) still matches its manifest, as the files themselves."""
+    import shutil
+
+    store, root = tmp_path / "store", tmp_path / "data"
+    root.mkdir()
+    for i in range(3):
+        write_h5(store / f"blob{i}.h5", offset=i / 100)
+        os.symlink(store / f"blob{i}.h5", root / f"ep{i}.h5")
+    index_directory(root, val_fraction=0.0)
+    copy = tmp_path / "scratch" / "data"
+    shutil.copytree(root, copy, symlinks=False)  # cp -rL: the links' files copied in their place
+    manifest = Manifest.load(copy / "manifest.json")
+    assert sorted(e.path for e in manifest.entries) == ["ep0.h5", "ep1.h5", "ep2.h5"]
+    assert all(manifest.resolve(e).is_file() and not manifest.resolve(e).is_symlink() for e in manifest.entries)
+
+
+def test_a_link_to_a_missing_file_is_refused_by_name_and_one_to_a_missing_folder_noted(tmp_path, capsys):
+    root = tmp_path / "data"
+    for i in range(2):
+        write_h5(root / f"ep_{i}.h5", offset=i / 100)
+    os.symlink(tmp_path / "gone.h5", root / "ep_9.h5")
+    os.symlink(tmp_path / "not_mounted", root / "part2")
+    with pytest.raises(DataError) as exc:
+        index_directory(root)
+    lines = str(exc.value).splitlines()
+    assert lines == ["1 of 3 files refused:", f"{root / 'ep_9.h5'}: a link to {tmp_path / 'gone.h5'}, which is not there"]
+    assert f"note: {root / 'part2'}: a link to {tmp_path / 'not_mounted'}, which is not there" in capsys.readouterr().err
 
 
 def test_a_manifest_listing_a_file_twice_is_refused(data_dir):
@@ -566,3 +610,25 @@ def test_channels_last_latents_of_square_frames_are_warned_about(tmp_path, capsy
            "frames of 16 channels), transpose them" in err and "x.transpose(0, 3, 1, 2)" in err
     index_directory(tmp_path / "ok", val_fraction=0.4)
     assert "channels-last" not in capsys.readouterr().err
+
+
+def test_compressed_latents_in_chunks_of_many_frames_are_warned_about_once(tmp_path, capsys):
+    """h5py's automatic chunks of a compressed dataset can span hundreds of frames: every window read decompresses
+    them whole. One warning names the first such file and the repack; one-frame chunks and plain files pass."""
+    write_h5(tmp_path / "a_fast.h5", 24, chunks=(1, 4, 8, 8), compression="gzip")
+    write_h5(tmp_path / "b_plain.h5", 24)
+    write_h5(tmp_path / "c_slow.h5", 24, chunks=(12, 4, 8, 8), compression="gzip")
+    write_h5(tmp_path / "d_slow.h5", 24, chunks=(24, 2, 4, 4), compression="lzf")
+    index_directory(tmp_path)
+    lines = [line for line in capsys.readouterr().err.splitlines() if "chunks of many frames" in line]
+    assert len(lines) == 1 and lines[0].startswith("warning: 2 of 4 files store compressed latents")
+    assert f"{tmp_path / 'c_slow.h5'}, 'latents' in chunks of 12 frames" in lines[0]
+    assert "h5repack -l latents:CHUNK=1x4x8x8 IN OUT" in lines[0]
+
+
+def test_latents_inside_a_group_are_named_in_the_refusal(tmp_path):
+    with h5py.File(tmp_path / "g.h5", "w") as f:
+        f.create_dataset("clip/latents", data=np.zeros((8, 4, 8, 8), np.float32))
+    with pytest.raises(DataError, match=r"g\.h5: no 'latents' dataset .*\(datasets: none; inside groups: "
+                                        r"clip/latents\(8, 4, 8, 8\), where lwm does not look\)"):
+        index_directory(tmp_path)
