@@ -246,10 +246,10 @@ def _warn_world_phase(model, step: int) -> None:
     predictor got no world token, or the encoder's output unquantized): generation feeds them the code."""
     phase = model.world_phase_of_weights(step)
     if phase != "quantized":
-        off, unquantized = (int(n) for n in model.config.world_curriculum)
+        curriculum = [int(n) for n in model.config.world_curriculum]
         print(f"warning: the checkpoint (step {step}) is in the {phase!r} phase of model.net.world_curriculum "
-              f"[{off}, {unquantized}]: its predictor has not yet trained with the world code, which generation "
-              f"feeds it (training does from step {off + unquantized} on)", file=sys.stderr)
+              f"{curriculum}: its predictor has not yet trained with the world code, which generation "
+              f"feeds it (training does from step {model.quantized_world_from} on)", file=sys.stderr)
 
 
 def _read_clips(args: argparse.Namespace, model, trained: int | None,

@@ -24,17 +24,20 @@ from torchmetrics import Metric
 
 @torch.no_grad()
 def attention_diagonality(attn: Tensor) -> Tensor:
-    """``attn [B, heads, T, T]`` (rows sum to 1) -> ``[B]``: per sample, the attention mass on the main
-    diagonal and the next one (query ``i`` on keys ``i`` and ``i + 1``), averaged over queries and heads.
-    1.0 when every query looks only at itself and the next frame. Uniform attention over the keys a mask allows
-    is far above ``1/T``: 0.301 under the action encoder's shifted-causal mask and 0.211 under a causal one at
-    ``T = 16`` (0.445 and 0.340 at ``T = 8``), the level of an encoder that attends to nothing in particular."""
-    if attn.ndim != 4 or attn.shape[-1] != attn.shape[-2]:
-        raise ValueError(f"attn: expected [B, heads, T, T], got {tuple(attn.shape)}")
-    main = attn.diagonal(dim1=-2, dim2=-1)  # [B, heads, T]
-    upper = attn.diagonal(offset=1, dim1=-2, dim2=-1)  # [B, heads, T-1]
+    """``attn [B, heads, Q, T]`` (rows sum to 1; queries ``0..Q-1`` of ``T`` keys, ``Q <= T``) -> ``[B]``: per
+    sample, the attention mass on the main diagonal and the next one (query ``i`` on keys ``i`` and ``i + 1``),
+    averaged over queries and heads. 1.0 when every query looks only at itself and the next frame. The action
+    encoder's queries are ``0..T-2`` (``Q = T - 1``: the last frame gives no action). Uniform attention over the keys
+    a mask allows is far above ``1/T``: there, ``2 (H_T - 1) / (T - 1)`` under the shifted-causal mask (0.317 at
+    ``T = 16``, 0.491 at ``T = 8``; ``H`` the harmonic numbers) and ``H_{T-1} / (T - 1)`` under a causal one (0.221,
+    0.370), the level of an encoder that attends to nothing in particular."""
+    if attn.ndim != 4 or attn.shape[-2] > attn.shape[-1]:
+        raise ValueError(f"attn: expected [B, heads, Q <= T, T], got {tuple(attn.shape)}")
+    Q, T = attn.shape[-2:]
+    main = attn.diagonal(dim1=-2, dim2=-1)  # [B, heads, Q]
+    upper = attn.diagonal(offset=1, dim1=-2, dim2=-1)  # [B, heads, min(Q, T-1)]
     per_query = main.clone()
-    per_query[..., :-1] += upper
+    per_query[..., : upper.shape[-1]] += upper
     return per_query.float().mean(dim=(1, 2))
 
 

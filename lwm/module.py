@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from lwm.callbacks.ranks import every_rank
-from lwm.callbacks.schedule import accumulating, is_logging_step
+from lwm.callbacks.schedule import accumulating, is_logging_step, logs_at_this_step
 from lwm.data.windows import nonfinite_mask, nonfinite_windows, window_name
 from lwm.errors import ConfigError, NonFiniteLossError
 from lwm.metrics import WeightedMean, psnr_from_mse
@@ -149,7 +149,8 @@ class WorldModelModule(L.LightningModule):
         self._compiled = False
         self._grad_norm: Tensor | None = None  # this step's gradient norm, for the non-finite check and clipping
         self._last_batch: dict[str, Tensor] | None = None  # this training step's, to name bad windows on a stop
-        self._accumulated: tuple[dict[str, Tensor], int] | None = None  # within an accumulation window: sums, windows
+        self._interval: dict[str, tuple[Tensor, Tensor]] = {}  # since the last logged step: per value, its weighted
+        # sum and weight over the finite values (see _log_train)
         self._eval_windows: list[Tensor] = []  # per evaluated batch [B, 3]: non-finite?, file index, start
         self._checkpoint_step: int | None = None  # the loaded checkpoint's global step (see weights_step)
 
@@ -251,10 +252,13 @@ class WorldModelModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = self.skips.state()
         checkpoint["lwm_skipped_steps"], checkpoint["lwm_skipped_in_a_row"] = state["total"], state["in_a_row"]
+        # the logging interval's sums so far (this rank's), so that a resumed run logs its means as an uninterrupted one
+        checkpoint["lwm_train_interval"] = {k: (s.cpu(), w.cpu()) for k, (s, w) in self._interval.items()}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.skips = SkippedSteps(total=int(checkpoint.get("lwm_skipped_steps", 0)),
                                   in_a_row=int(checkpoint.get("lwm_skipped_in_a_row", 0)))
+        self._interval = {k: (s, w) for k, (s, w) in checkpoint.get("lwm_train_interval", {}).items()}
         self._checkpoint_step = int(checkpoint.get("global_step", 0))
 
     def _at_checkpoint_step(self) -> None:
@@ -325,18 +329,22 @@ class WorldModelModule(L.LightningModule):
         return {"loss": out.loss, **self._codes(out)}
 
     def _log_train(self, logs: dict[str, Tensor], windows: int) -> None:
-        """Log this batch's ``Train_*`` values; within a gradient-accumulation window, sum them (weighted by
-        windows) and log the step's mean at the batch that ends it, as Lightning writes only that batch's logs."""
-        if self._accumulated is None and not accumulating(self.trainer):  # the plain case: one batch, one step
-            self.log_dict({f"Train_{k}": v for k, v in self._over_ranks(logs).items()}, batch_size=windows)
+        """Log the ``Train_*`` values at the steps Lightning writes logs for (``trainer.log_every_n_steps``): each the
+        mean over the windows of every batch since the last such step (the whole logging interval, accumulation
+        windows included: no step's loss is dropped), under DDP also over the ranks. A value that is not finite (a
+        step the guard skips: counted in ``skipped_steps``, its NaN in ``grad_norm``) is left out of its mean; an
+        interval of none but NaN logs NaN. Device tensors only: no host sync."""
+        interval = self._interval
+        for key, value in logs.items():
+            value = value.detach().float()
+            finite = torch.isfinite(value)
+            add = torch.where(finite, value, 0.0) * windows, finite.float() * windows
+            interval[key] = add if key not in interval else (interval[key][0] + add[0], interval[key][1] + add[1])
+        if accumulating(self.trainer) or not (logs_at_this_step(self.trainer) or self.trainer.should_stop):
             return
-        sums, seen = self._accumulated or ({}, 0)
-        sums = {k: sums.get(k, 0.0) + v * windows for k, v in logs.items()}  # device tensors: no host sync
-        seen += windows
-        self._accumulated = (sums, seen) if accumulating(self.trainer) else None
-        if self._accumulated is None:
-            means = self._over_ranks({k: v / seen for k, v in sums.items()})
-            self.log_dict({f"Train_{k}": v for k, v in means.items()}, batch_size=seen)
+        means = {key: total / weight for key, (total, weight) in interval.items()}
+        self._interval = {}
+        self.log_dict({f"Train_{k}": v for k, v in self._over_ranks(means).items()}, batch_size=windows)
 
     def _over_ranks(self, logs: dict[str, Tensor]) -> dict[str, Tensor]:
         """Under DDP, on a step whose logs Lightning writes: each value's mean over the ranks (every rank holds as
@@ -347,7 +355,7 @@ class WorldModelModule(L.LightningModule):
         trainer = self._trainer
         if trainer is None or trainer.world_size <= 1 or not logs or not trainer.log_every_n_steps:
             return logs
-        if (trainer.fit_loop.epoch_loop._batches_that_stepped + 1) % trainer.log_every_n_steps:
+        if not logs_at_this_step(trainer):
             return logs
         keys = list(logs)
         stacked = torch.stack([logs[k].detach().float() for k in keys])

@@ -76,7 +76,7 @@ class SkippedSteps:
         if self._device_longest is None:
             return 0
         longest = int(self._device_longest)
-        self._device_longest = self._device_in_a_row  # the next read's start: the run now (if one is going)
+        self._device_longest = None  # the next read: the steps after this one (a run going on counts on in full)
         return longest
 
     # a DeepSpeed engine's count ------------------------------------------------------------------

@@ -257,11 +257,26 @@ def test_weighted_mean_weighs_values_and_keeps_nan():
 
 
 def test_attention_diagonality_of_uniform_attention_over_the_allowed_keys():
-    """The levels the docs quote as "attends to nothing in particular": uniform attention under each mask."""
+    """The levels the docs quote as "attends to nothing in particular": uniform attention under each mask, over the
+    action encoder's queries 0..T-2 (its last frame gives no action): 2 (H_T - 1) / (T - 1) shifted-causal,
+    H_{T-1} / (T - 1) causal."""
     from lwm.modules.st_transformer import temporal_mask
 
-    for T, shifted, causal in ((16, 0.301, 0.211), (8, 0.445, 0.340)):
+    for T, shifted, causal in ((16, 0.317, 0.221), (8, 0.491, 0.370)):
         for kind, level in (("shifted_causal", shifted), ("causal", causal)):
             allowed = temporal_mask(kind, T).float()
             uniform = allowed / allowed.sum(-1, keepdim=True)
-            assert round(float(attention_diagonality(uniform[None, None])), 3) == level
+            assert round(float(attention_diagonality(uniform[None, None, :-1])), 3) == level
+
+
+def test_attention_diagonality_leaves_out_queries_not_given():
+    """Queries 0..T-2 on themselves and the next frame score exactly 1 whatever the last query (never trained:
+    the action encoder drops its output) does; over all T queries, the untrained uniform row pulls it below."""
+    T = 8
+    attn = torch.zeros(1, 2, T, T)
+    attn[..., torch.arange(T - 1), torch.arange(1, T)] = 1.0  # each query on the next frame
+    attn[..., T - 1, :] = 1.0 / T  # the last query: uniform
+    assert float(attention_diagonality(attn[..., :-1, :])) == 1.0
+    assert float(attention_diagonality(attn)) == pytest.approx((T - 1 + 1 / T) / T)
+    with pytest.raises(ValueError, match="Q <= T"):
+        attention_diagonality(attn.transpose(-1, -2)[..., :, :-1])

@@ -10,7 +10,7 @@ import torch
 from typing_extensions import override
 
 from lwm.callbacks.ranks import every_rank
-from lwm.callbacks.schedule import is_logging_step
+from lwm.callbacks.schedule import logs_at_this_step
 from lwm.errors import ConfigError
 from lwm.loggers import log_distribution
 from lwm.metrics import attention_diagonality
@@ -19,9 +19,11 @@ from lwm.metrics import attention_diagonality
 class AttentionDiagonality(L.Callback):
     """``{Train,Val}_Action_Encoder/attention_diagonality_block_k`` for every action-encoder block ``k``: the
     share of each query's temporal attention on itself and the next frame (1.0: a pure one-step-lookahead
-    transition encoder), one value per clip, logged as a distribution (wandb histogram; min/mean/max in the
-    CSV): of the training batch at the logging interval, and of the first ``batches`` validation batches
-    after each validation. One extra action-encoder pass (no gradient) per such batch."""
+    transition encoder), over the queries whose outputs are actions (``0..T-2``: the last frame's output is dropped,
+    never trained), one value per clip, logged as a distribution (wandb histogram; min/mean/max in the CSV): of the
+    training batch at the logging interval (every rank's clips; before the step's update, as the step's losses
+    describe those weights), and of the first ``batches`` validation batches after each validation. One extra
+    action-encoder pass (no gradient, under the run's precision) per such batch."""
 
     def __init__(self, batches: int = 1) -> None:
         if batches < 1:
@@ -29,16 +31,28 @@ class AttentionDiagonality(L.Callback):
         self.batches = batches
         self._values: list[list[torch.Tensor]] = []
 
+    _train_step_done = -1  # the optimizer step (batches that stepped) whose training diagonality was logged
+
     @override
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        if not is_logging_step(trainer):
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        step = trainer.fit_loop.epoch_loop._batches_that_stepped
+        if not logs_at_this_step(trainer) or step == self._train_step_done:  # (accumulation: the window's first batch)
             return
-        with torch.no_grad():
-            attn = pl_module.model.action_attention(batch["latents"])
-        for block, a in enumerate(attn):
-            log_distribution(pl_module, f"Train_Action_Encoder/attention_diagonality_block_{block}",
-                             attention_diagonality(a))
+        self._train_step_done = step
+        blocks = self._diagonality(trainer, pl_module, batch["latents"])
+        if trainer.world_size > 1:  # every rank's clips (a collective: the test above is the same on every rank)
+            parts = every_rank(trainer, [b.cpu() for b in blocks])
+            blocks = [torch.cat(values).to(pl_module.device) for values in zip(*parts)]
+        for block, values in enumerate(blocks):
+            log_distribution(pl_module, f"Train_Action_Encoder/attention_diagonality_block_{block}", values)
+
+    @staticmethod
+    def _diagonality(trainer: L.Trainer, pl_module: L.LightningModule, x: torch.Tensor) -> list[torch.Tensor]:
+        """Per action-encoder block, each clip's diagonality ``[B]`` over the queries that give actions."""
+        with torch.no_grad(), trainer.precision_plugin.forward_context():
+            attn = pl_module.model.action_attention(x)  # per block [B, heads, T, T]
+        return [attention_diagonality(a[..., :-1, :]) for a in attn]  # queries 0..T-2: the last is never trained
 
     @override
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -49,9 +63,7 @@ class AttentionDiagonality(L.Callback):
                                 batch_idx: int, dataloader_idx: int = 0) -> None:
         if batch_idx >= self.batches or trainer.sanity_checking:
             return
-        with torch.no_grad():
-            attn = pl_module.model.action_attention(batch["latents"])  # per block [B, heads, T, T]
-        self._values.append([attention_diagonality(a) for a in attn])
+        self._values.append(self._diagonality(trainer, pl_module, batch["latents"]))
 
     @override
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

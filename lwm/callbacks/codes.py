@@ -34,7 +34,8 @@ class CodeDictionaries(L.Callback):
         pl_module.eval()
         error = None
         try:
-            dictionaries, windows = collect(pl_module.model, dm.code_loader(self.max_windows), pl_module.device)
+            with trainer.precision_plugin.forward_context():  # the encoders as training ran them (bf16 autocast)
+                dictionaries, windows = collect(pl_module.model, dm.code_loader(self.max_windows), pl_module.device)
         except DataError as e:  # bad windows on this rank: every rank raises it, after the gather (no rank hangs)
             dictionaries, windows, error = {}, 0, str(e)
         finally:

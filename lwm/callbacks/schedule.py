@@ -17,6 +17,15 @@ def is_logging_step(trainer: L.Trainer) -> bool:
     return trainer.global_step % max(1, trainer.log_every_n_steps) == 0
 
 
+def logs_at_this_step(trainer: L.Trainer) -> bool:
+    """Whether Lightning writes the logs of the optimizer step this training batch belongs to, at the logging
+    interval, asked from ``training_step`` or ``on_train_batch_start`` (Lightning counts ``_batches_that_stepped`` up
+    after it writes them). The same answer on every rank: a collective may hang on it. (Lightning also writes a
+    step's logs when ``trainer.should_stop``, which one rank may see before the others: left out here.)"""
+    every = max(1, trainer.log_every_n_steps or 1)
+    return (trainer.fit_loop.epoch_loop._batches_that_stepped + 1) % every == 0
+
+
 def accumulating(trainer: L.Trainer) -> bool:
     """Whether this training batch, seen from ``on_train_batch_end``, is inside a gradient-accumulation window
     (the optimizer has not stepped after it): per-step work waits for the batch that ends the step."""

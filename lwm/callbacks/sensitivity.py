@@ -57,7 +57,7 @@ class Sensitivity(L.Callback):
             return
         # one stream per (seed, batch, rank): the same draws at every validation, none shared between ranks
         generator = seeded_generator(x.device, self.seed, batch_idx, trainer.global_rank)
-        with torch.no_grad():
+        with torch.no_grad(), trainer.precision_plugin.forward_context():  # as validation runs (bf16 autocast)
             result = sensitivity(pl_module.model, x, self.t, generator, pl_module.weights_world_phase)
         for quantizer, values in result.items():
             for name, value in zip(self.NAMES, values):

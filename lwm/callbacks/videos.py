@@ -60,7 +60,7 @@ class RolloutVideos(L.Callback):
         if clip is None:
             return
         model = pl_module.model
-        with torch.no_grad():
+        with torch.no_grad(), trainer.precision_plugin.forward_context():  # as validation runs (bf16 autocast)
             actions, world = model.infer_codes(clip, pl_module.weights_world_phase)  # as validation feeds them
             generated = model.generate(clip[:, :1], actions, world, steps=clip.shape[1] - 1)
         rollout = torch.cat([clip[:, :1], generated], dim=1).cpu()

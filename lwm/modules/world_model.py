@@ -413,6 +413,10 @@ class WorldModel(nn.Module):
     # ----------------------------------------------------------------------------------------------
     # Public API
     # ----------------------------------------------------------------------------------------------
+    # Frames through the action encoder at once when a long clip is read window by window (each window re-reads its
+    # frames): bounds the activations of a 256-step rollout's actions, with batches large enough to keep a GPU busy.
+    ACTION_CHUNK_FRAMES: ClassVar[int] = 512
+
     def encode_actions(self, x: Tensor, t0: int = 0, window: int | None = None) -> RVQOutput:
         """Latent actions of a clip ``[B, T, C, H, W]``: quantized ``[B, T-1, Da]``, indices ``[B, T-1, La]``.
 
@@ -428,7 +432,7 @@ class WorldModel(nn.Module):
             raise ValueError(f"window must be >= 2 frames (one transition), got {window}")
         z = [self.action_encoder.embed(self.tokenize(x[:, :window]) + self.pos_embedding(window, t0))]
         starts = list(range(1, T - window + 1))  # window s: frames s..s+window-1, its last action a_{s+window-2}
-        per_chunk = max(1, 512 // (B * window))  # about 512 frames through the encoder at once
+        per_chunk = max(1, self.ACTION_CHUNK_FRAMES // (B * window))
         for i in range(0, len(starts), per_chunk):
             chunk = starts[i : i + per_chunk]
             clips = torch.stack([x[:, s : s + window] for s in chunk], dim=1).flatten(0, 1)  # [B*n, window, C, H, W]
@@ -511,10 +515,15 @@ class WorldModel(nn.Module):
         """What the predictor gets for the world at global ``step`` under ``world_curriculum`` (a pure function of
         the step): ``"off"`` (nothing: the world token is left out), ``"unquantized"`` (the world encoder's output
         itself), ``"quantized"`` (its code, the requirement's; always for ``step=None``)."""
-        off, unquantized = (int(n) for n in self.config.world_curriculum)
-        if step is None or step >= off + unquantized:
+        off = int(self.config.world_curriculum[0])
+        if step is None or step >= self.quantized_world_from:
             return "quantized"
         return "off" if step < off else "unquantized"
+
+    @property
+    def quantized_world_from(self) -> int:
+        """The first global step at which the predictor trains with the world code (``world_curriculum``'s sum)."""
+        return sum(int(n) for n in self.config.world_curriculum)
 
     def world_phase_of_weights(self, global_step: int) -> str:
         """The :meth:`world_phase_at` the weights of ``global_step`` (a checkpoint's: optimizer steps done) last

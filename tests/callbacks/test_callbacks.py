@@ -47,26 +47,37 @@ def test_attention_diagonality_logs_the_metric_of_the_first_batches():
     logged = _validate(module, AttentionDiagonality(batches=2), data)
     module.eval()
     with torch.no_grad():
-        values = torch.cat([attention_diagonality(module.model.action_attention(b["latents"])[0]) for b in data[:2]])
+        values = torch.cat([attention_diagonality(module.model.action_attention(b["latents"])[0][..., :-1, :])
+                            for b in data[:2]])
     for stat, expected in (("min", values.min()), ("mean", values.mean()), ("max", values.max())):
         assert logged[f"Val_Action_Encoder/attention_diagonality_block_0/{stat}"] == pytest.approx(float(expected), rel=1e-5)
 
 
 def test_attention_diagonality_of_the_training_batch_at_the_logging_steps():
-    module = _module()
+    """At the logging steps (the 2nd and 4th of 4: log_every_n_steps=2), of the step's batch under the weights the
+    step's losses describe: before its update."""
+    import copy
+
+    torch.manual_seed(0)
+    module = WorldModelModule(net=NET, optim=OptimConfig(warmup_steps=0, lr=3e-2))  # steps that move the attention
     seen = []
 
-    class Spy(L.Callback):  # runs before the monitor: records the batch it will see
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            seen.append(batch["latents"].clone())
+    class Spy(L.Callback):  # runs before the monitor: records the batch and the weights it will see
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append((batch["latents"].clone(), copy.deepcopy(pl_module.model.state_dict())))
 
     trainer = L.Trainer(max_steps=4, accelerator="cpu", logger=False, log_every_n_steps=2, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False,
                         callbacks=[Spy(), AttentionDiagonality()])
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(_batches(4), batch_size=None))
     logged = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    x, weights = seen[-1]  # the 4th batch, before its update
+    before = _module().model.eval()
+    before.load_state_dict(weights)
     with torch.no_grad():
-        values = attention_diagonality(module.model.action_attention(seen[-1])[0])  # weights after the last step
+        values = attention_diagonality(before.action_attention(x)[0][..., :-1, :])
+        after = attention_diagonality(module.model.action_attention(x)[0][..., :-1, :])
+    assert (values - after).abs().max() > 1e-4  # the update moved it, far past the tolerance below: told apart
     for stat, expected in (("min", values.min()), ("mean", values.mean()), ("max", values.max())):
         assert logged[f"Train_Action_Encoder/attention_diagonality_block_0/{stat}"] == pytest.approx(float(expected),
                                                                                                    rel=1e-5)

@@ -180,6 +180,48 @@ def test_accumulated_steps_log_the_mean_of_their_micro_batches(tmp_path, monkeyp
     assert logged[0] == pytest.approx((seen[0] + seen[1]) / 2, rel=1e-6) and logged[1] == pytest.approx(seen[2], rel=1e-6)
 
 
+def test_the_logged_training_values_are_the_means_over_the_logging_interval(tmp_path, monkeypatch):
+    """log_every_n_steps=3: each row holds the mean over its interval's windows (batches of 2, 1 and 2 windows
+    weigh 2:1:2), not the logged step's batch alone; a skipped step's NaN is left out of the mean."""
+    from lwm.modules.world_model import WorldModel
+
+    seen = []
+    original = WorldModel.compute
+
+    def spy(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        seen.append((float(out.logs["Total/loss"]), float(out.logs["Dynamics_Predictor/tf_loss"])))
+        return out
+
+    monkeypatch.setattr(WorldModel, "compute", spy)
+    batches = _batches(6, nan_at={4})
+    batches[1] = {"latents": batches[1]["latents"][:1]}
+    rows = _csv_rows(tmp_path, batches, log_every_n_steps=3, max_steps=6)
+    logged = {int(r["step"]): float(r["Train_Total/loss"]) for r in rows if r.get("Train_Total/loss")}
+    assert sorted(logged) == [2, 5] and len(seen) == 6
+    assert logged[2] == pytest.approx((2 * seen[0][0] + seen[1][0] + 2 * seen[2][0]) / 5, rel=1e-6)
+    assert logged[2] != pytest.approx(seen[2][0], rel=1e-4)  # not the logged step's batch alone
+    assert math.isnan(seen[4][0])  # the NaN batch's loss: left out of its interval's mean
+    assert logged[5] == pytest.approx((seen[3][0] + seen[5][0]) / 2, rel=1e-6)
+
+
+def test_a_resumed_run_logs_the_interval_means_of_an_uninterrupted_one(tmp_path):
+    """The interval's sums are checkpointed: a run stopped at step 2 of an interval of 3 and resumed logs the same
+    means (steps 0-2, 3-5) as the run that went through."""
+    batches = _batches(6)
+    net = replace(NET, mask_prob=0.0, max_time_offset=0)  # no draws by batch index (a plain loader renumbers them)
+    full = _csv_rows(tmp_path / "full", batches, net=net, log_every_n_steps=3, max_steps=6)
+    first = _train(batches[:2], net=net, log_every_n_steps=3)
+    first.trainer.save_checkpoint(tmp_path / "step2.ckpt")
+    assert set(torch.load(tmp_path / "step2.ckpt", weights_only=True)["lwm_train_interval"]) >= {"Total/loss"}
+    # (a plain loader restarts at its first batch, the epoch's third: the same epoch length, the batches rotated)
+    resumed = _csv_rows(tmp_path / "resumed", batches[2:] + batches[:2], net=net, log_every_n_steps=3, max_steps=6,
+                        ckpt_path=tmp_path / "step2.ckpt")
+    by_step = lambda rows: {int(r["step"]): float(r["Train_Total/loss"]) for r in rows if r.get("Train_Total/loss")}  # noqa: E731
+    assert by_step(resumed)[2] == pytest.approx(by_step(full)[2], rel=1e-6)
+    assert by_step(resumed)[5] == pytest.approx(by_step(full)[5], rel=1e-6)
+
+
 def test_validation_logs_the_window_weighted_mean_of_its_batches(monkeypatch):
     """Val_* is the mean over windows: batches of 2 and 1 windows weigh 2:1 (every key, tf_psnr of that mean)."""
     from lwm.modules.world_model import WorldModel
