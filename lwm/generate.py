@@ -33,7 +33,8 @@ from lwm.data.h5 import DataError, check_frames, file_fps, inspect_h5
 from lwm.errors import ArgumentParser, ConfigError, positive_float
 from lwm.metrics import random_indices
 from lwm.seeds import seeded_generator
-from lwm.video import VIDEO_SUFFIXES, check_output, grid, latent_preview, write_video
+from lwm.video import (GRID_PAD, PREVIEW_SCALE, VIDEO_SUFFIXES, check_mp4_size, check_output, grid, latent_preview,
+                       write_video)
 
 ACTIONS = ("dictionary", "inferred", "random")
 WORLDS = ("inferred", "dictionary")
@@ -186,6 +187,10 @@ def run(args: argparse.Namespace) -> Path:
     dictionaries = _dictionaries(args, ckpt_path, raw, model)
     clip, world_clip, codec, fps = _read_clips(args, model, trained, device)
     decoder = codec_from_attr(codec, str(args.data), args.vae, str(device), args.vae_tiling)  # before the work: a bad --vae fails now
+    side = getattr(decoder, "size", None) if decoder is not None else PREVIEW_SCALE * model.config.height
+    if out.suffix == ".mp4" and side:  # the grid's height, before the work: H.264 takes at most 16384 pixels a side
+        check_mp4_size((1 + args.rollouts) * (side + GRID_PAD) - GRID_PAD, side, out)
+    before = _latents_before(args, decoder, device)
     _warn_positions(model, trained, transitions)
     # the draws: the world's and the actions' in streams of their own, each a function of --seed alone, so
     # --world inferred and --world dictionary play the same drawn actions
@@ -203,8 +208,20 @@ def run(args: argparse.Namespace) -> Path:
         spec = codec_spec(codec, str(args.data)) or {}  # frames_per_latent video frames of the file's rate
         fps = fps / max(1, int(spec.get("frames_per_latent", 1)))
     played = {"action_indices": action_idx.cpu(), "world_indices": world_idx.cpu(), "window": window}
-    _write(args, out, latents_path, rollouts, clip, decoder, codec, args.fps or fps, played)
+    _write(args, out, latents_path, rollouts, clip, decoder, codec, args.fps or fps, played, before)
     return out
+
+
+def _latents_before(args: argparse.Namespace, decoder, device: torch.device) -> np.ndarray | None:
+    """The file's latents before ``--start`` where its codec is a video VAE (the decoders carry history: each row
+    is decoded after them, as a decode of the whole file would; ``VAECodec.decode``), else None."""
+    if decoder is None or getattr(decoder, "frames_per_latent", 1) == 1 or args.start == 0:
+        return None
+    print(f"note: each of the {1 + args.rollouts} rows is decoded after the file's {args.start} latents before "
+          f"--start (the {decoder.name} VAE's decoder carries history: decoded alone, a window's frames would be "
+          f"off)", file=sys.stderr)
+    with h5py.File(args.data, "r") as f:
+        return np.asarray(f[inspect_h5(args.data, check_values=False).key][: args.start], dtype=np.float32)
 
 
 def _outputs(args: argparse.Namespace, ckpt_path: Path, step: int) -> tuple[Path, Path]:
@@ -364,7 +381,7 @@ def _actions(args: argparse.Namespace, model, clip: torch.Tensor, trained: int |
 
 
 def _write(args: argparse.Namespace, out: Path, latents_path: Path, rollouts: torch.Tensor, clip: torch.Tensor,
-           decoder, codec: str | None, fps: float, played: dict) -> None:
+           decoder, codec: str | None, fps: float, played: dict, before: np.ndarray | None = None) -> None:
     """The latents (first, before any decoding: kept if the decoder or the video fails) and the video grid: the
     ground truth on top, as far as the file has it (``clip``: the context, then up to ``--steps`` frames; blank
     cells after its last frame), then the rollouts. The latents file holds the same ground truth, ``[frames the
@@ -383,7 +400,12 @@ def _write(args: argparse.Namespace, out: Path, latents_path: Path, rollouts: to
         f.attrs["seed"], f.attrs["checkpoint"] = args.seed, str(args.ckpt_path)
         if played["window"] is not None:
             f.attrs["window"] = played["window"]
-    to_video = (lambda x: decoder.decode(x.numpy())) if decoder is not None else latent_preview  # noqa: E731
+    if decoder is None:
+        to_video = latent_preview
+    elif before is not None:  # a VAE file's window from its middle: decoded after the file's latents before it
+        to_video = lambda x: decoder.decode(x.float().numpy(), before)  # noqa: E731
+    else:
+        to_video = lambda x: decoder.decode(x.float().numpy())  # noqa: E731
     rows = [to_video(clip[0].cpu())] + [to_video(r) for r in rollouts]  # grid blanks the end of a short one
     write_video(out, grid(rows), fps)
     shown = (f"decoded by the {decoder.name} codec" if decoder is not None else

@@ -46,7 +46,11 @@ def _same_file(a: Path, b: Path) -> bool:
     return a.resolve() == b.resolve()
 
 
-def latent_preview(latents: Tensor, scale: int = 4) -> np.ndarray:
+PREVIEW_SCALE = 4  # latent_preview's enlargement
+GRID_PAD = 4  # white pixels between a grid's rows
+
+
+def latent_preview(latents: Tensor, scale: int = PREVIEW_SCALE) -> np.ndarray:
     """``[T, C, H, W]`` latents in [-1, 1] -> ``uint8 [T, H*scale, W*scale, 3]``: channels 0, 1, 2 as R, G, B
     (a look at the latents, not the video they encode), enlarged by ``scale`` (nearest)."""
     if latents.ndim != 4:
@@ -62,7 +66,7 @@ def latent_preview(latents: Tensor, scale: int = 4) -> np.ndarray:
 BLANK = 0  # the value of a grid cell with no frame (black): a row shorter than the video, after its last frame
 
 
-def grid(rows: list[np.ndarray], pad: int = 4) -> np.ndarray:
+def grid(rows: list[np.ndarray], pad: int = GRID_PAD) -> np.ndarray:
     """Stack videos ``[T, H, W, 3]`` (the same ``H, W``) top to bottom with ``pad`` white pixels between rows. The
     video is as long as the longest row; a shorter row (a ground truth the file has only part of) shows its
     frames, then :data:`BLANK` cells."""
@@ -75,6 +79,22 @@ def grid(rows: list[np.ndarray], pad: int = 4) -> np.ndarray:
         out[:, i * (H + pad) : i * (H + pad) + H] = BLANK
         out[: row.shape[0], i * (H + pad) : i * (H + pad) + H] = row
     return out
+
+
+MP4_MAX_SIDE = 16384  # libx264's largest frame height or width
+
+
+def check_mp4_size(height: int, width: int, path: str | Path) -> None:
+    """Refuse (one line) an mp4 frame libx264 cannot encode, before the work that would fill it."""
+    if max(height + height % 2, width + width % 2) > MP4_MAX_SIDE:
+        raise DataError(f"{path}: a {height}x{width} video; H.264 takes at most {MP4_MAX_SIDE} pixels a side (fewer "
+                        f"rollouts, or a .gif)")
+
+
+def gif_delay_ms(fps: float) -> int:
+    """A GIF frame's delay: whole centiseconds (the format's unit: 8 fps plays at 8.33), at least 20 ms (browsers play
+    shorter delays, 10 ms included, at 100 ms: a 60 fps GIF would run 6x slow; GIFs top out at 50 fps)."""
+    return max(20, round(100 / fps) * 10)
 
 
 def write_video(path: str | Path, frames: np.ndarray, fps: float = 8) -> Path:
@@ -90,10 +110,11 @@ def write_video(path: str | Path, frames: np.ndarray, fps: float = 8) -> Path:
     # the write on garbage collection); encoding to bytes keeps the file out of its hands
     if path.suffix == ".mp4":
         T, H, W, _ = frames.shape
+        check_mp4_size(H, W, path)
         frames = np.pad(frames, ((0, 0), (0, H % 2), (0, W % 2), (0, 0)))  # H.264 wants even sizes
         data = iio.imwrite("<bytes>", frames, extension=".mp4", plugin="pyav", codec="libx264", fps=fps)
     else:
-        data = iio.imwrite("<bytes>", frames, extension=".gif", plugin="pillow", duration=1000 / fps, loop=0)
+        data = iio.imwrite("<bytes>", frames, extension=".gif", plugin="pillow", duration=gif_delay_ms(fps), loop=0)
     atomic_write(path, lambda f: f.write(data))
     # of a video write killed mid-way (any video's name)
     remove_stale_temp_files(path.parent, target=lambda name: Path(name).suffix in VIDEO_SUFFIXES)

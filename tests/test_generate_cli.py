@@ -757,3 +757,37 @@ def test_only_the_frames_read_are_checked_for_non_finite_values(trained, tmp_pat
         f["latents"][13, 0, 0, 0] = np.nan  # the world's clip is frames 0..5, the rollout's ground truth 0..2
     out = _generate(ckpt, far, tmp_path / "v.gif", "--steps", "2", "--rollouts", "1")
     assert np.isfinite(out).all()
+
+
+def test_a_vae_files_rows_are_decoded_after_the_latents_before_start(trained, tmp_path, capsys, monkeypatch):
+    """A video VAE's decoder carries history: with --start 3 every row (the ground truth, each rollout) is decoded
+    after the file's latents 0..2, as a decode of the whole file would give its frames; a note says so."""
+    import lwm.generate as gen
+
+    tmp, ckpt, data = trained
+    seen = []
+
+    class Vae(_Decoder):
+        frames_per_latent, size = 4, 16
+
+        def decode(self, latents, before=None):
+            seen.append((len(latents), None if before is None else before.copy()))
+            return super().decode(latents)
+
+    monkeypatch.setattr(gen, "codec_from_attr", lambda *args: Vae())
+    _generate(ckpt, data, tmp_path / "v.gif", "--start", "3", "--steps", "2", "--rollouts", "2")
+    with h5py.File(data) as f:
+        head = f["latents"][:3].astype(np.float32)
+    assert len(seen) == 3 and all(b is not None and np.array_equal(b, head) for _, b in seen)
+    assert "each of the 3 rows is decoded after the file's 3 latents before --start" in capsys.readouterr().err
+    seen.clear()
+    _generate(ckpt, data, tmp_path / "v0.gif", "--steps", "2", "--rollouts", "1")
+    assert [b for _, b in seen] == [None, None]  # from the file's first latent: nothing before
+
+
+def test_an_mp4_grid_taller_than_h264_takes_is_refused_before_any_work(trained, tmp_path, capsys):
+    tmp, ckpt, data = trained  # 16x16 latents previewed at 64 px: 300 rows of 68 px
+    assert main(["generate", "--ckpt_path", str(ckpt), "--data", str(data), "--out", str(tmp_path / "big.mp4"),
+                 "--rollouts", "299", "--steps", "1"]) == 2
+    assert "H.264 takes at most 16384 pixels a side (fewer rollouts, or a .gif)" in _error_lines(capsys)[0]
+    assert not list(tmp_path.iterdir())

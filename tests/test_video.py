@@ -160,3 +160,22 @@ def test_a_temp_video_that_cannot_be_removed_does_not_fail_the_write(tmp_path, m
     path = write_video(tmp_path / "mine.mp4", np.zeros((2, 8, 8, 3), np.uint8))
     assert path == tmp_path / "mine.mp4" and path.is_file() and theirs.exists()
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".mine.mp4.tmp-")]
+
+
+def test_an_mp4_taller_than_h264_takes_is_refused_in_one_line(tmp_path):
+    """libx264 takes at most 16384 pixels a side: a grid of 33 rows of 512 px (lwm generate --rollouts 32 on 512 px
+    VAE data) is refused by name, not an encoder traceback after all the work."""
+    from lwm.video import check_mp4_size
+
+    with pytest.raises(DataError, match=r"g\.mp4: a 17024x512 video; H\.264 takes at most 16384 pixels a side"):
+        check_mp4_size(33 * 516 - 4, 512, tmp_path / "g.mp4")
+    check_mp4_size(16384, 512, tmp_path / "ok.mp4")
+    with pytest.raises(DataError, match="H.264 takes at most"):
+        write_video(tmp_path / "g.mp4", np.zeros((1, 16386, 8, 3), np.uint8))
+    assert not (tmp_path / "g.mp4").exists()
+
+
+def test_gif_frame_delays_are_whole_centiseconds_of_at_least_20_ms():
+    from lwm.video import gif_delay_ms
+
+    assert [gif_delay_ms(fps) for fps in (8, 10, 24, 50, 60, 120)] == [120, 100, 40, 20, 20, 20]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import h5py
 import numpy as np
 
 from lwm.errors import ArgumentParser, DataError
@@ -107,8 +108,12 @@ def make_dataset(out_dir: str | Path, game_list: list[str], episodes: int = 8, f
             ep_seed = int(np.random.SeedSequence([seed, label, i]).generate_state(1)[0])
             video, actions = record(game, ep_seed, frames, frame_skip, sticky, hold=codec.frames_per_latent)
             target = out / f"{game}_{i:03d}.h5"
-            write_latents(target, codec, stretch(video, codec.size), actions, world_label=label, attrs={"game": game})
-            log(f"wrote {target} ({len(video)} frames)")
+            clipped = write_latents(target, codec, stretch(video, codec.size), actions, world_label=label,
+                                    attrs={"game": game})
+            with h5py.File(target, "r") as f:
+                shape = list(f["latents"].shape)
+            note = f", {clipped} values clipped to [-1, 1] ({clipped / np.prod(shape):.2%})" if clipped else ""
+            log(f"wrote {target} ({len(video)} frames, latents {shape}{note})")
     return index_directory(out, val_fraction=val_fraction, seed=seed).path
 
 

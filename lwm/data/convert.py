@@ -102,8 +102,18 @@ def iter_video(path: str | Path, stride: int = 1) -> Iterator[np.ndarray]:
         if frame.ndim != 3 or frame.shape[-1] not in (3, 4):
             raise DataError(f"{path}: expected colour frames [H, W, 3], got {frame.shape} at frame {index}")
         if index % stride == 0:
-            yield frame[..., :3].astype(np.uint8)  # RGBA: the colour, the alpha dropped (not composited)
+            yield _eight_bit(frame[..., :3], path, index)  # RGBA: the colour, the alpha dropped (not composited)
         index += 1
+
+
+def _eight_bit(frame: np.ndarray, path: str | Path, index: int) -> np.ndarray:
+    """A frame's colour as ``uint8``: 16-bit frames (PNG, TIFF) by their high byte (a cast would wrap them modulo
+    256); any other kind of value is refused in one line."""
+    if frame.dtype == np.uint8:
+        return frame
+    if frame.dtype == np.uint16:
+        return (frame >> 8).astype(np.uint8)
+    raise DataError(f"{path}: frames of {frame.dtype} values at frame {index}; lwm reads 8- and 16-bit colour")
 
 
 def source_fps(path: str | Path) -> float | None:
@@ -194,13 +204,31 @@ def write_latents(target: Path, codec, frames: np.ndarray, actions: np.ndarray |
     return clipped
 
 
-def earlier_outputs(out: Path, stem: str) -> list[Path]:
-    """The files in ``out`` that encoding a video named ``stem`` writes: ``stem.h5`` and ``stem_NNNN.h5`` (its
-    segments, of any ``--segment``), sorted."""
+SOURCE_ATTR = "source_video"  # the file name of the video an encoded h5 file holds
+
+
+def source_video(path: Path) -> str | None:
+    """The video an h5 file was encoded from (its :data:`SOURCE_ATTR`; None: unreadable, or written before lwm
+    recorded it)."""
+    try:
+        with h5py.File(path, "r") as f:
+            value = f.attrs.get(SOURCE_ATTR)
+    except OSError:
+        return None
+    return value.decode() if isinstance(value, bytes) else (str(value) if value is not None else None)
+
+
+def earlier_outputs(out: Path, video: str | Path) -> list[Path]:
+    """The files in ``out`` an earlier encode of ``video`` wrote: ``stem.h5`` (where this encode writes, whichever
+    video wrote it) and ``stem_NNNN.h5``, its segments of any ``--segment``, recorded as encoded from this video
+    (by name alone where written before lwm recorded it): ``scene_0001.h5`` encoded from ``scene_0001.mp4`` is
+    not a segment of ``scene.mp4``. Sorted."""
     if not out.is_dir():
         return []
-    pattern = re.compile(re.escape(stem) + r"(_\d{4,})?\.h5")
-    return sorted(p for p in out.iterdir() if pattern.fullmatch(p.name) and p.is_file())
+    name, stem = Path(video).name, Path(video).stem
+    segment = re.compile(re.escape(stem) + r"_\d{4,}\.h5")
+    return sorted(p for p in out.iterdir() if p.is_file() and (
+        p.name == f"{stem}.h5" or (segment.fullmatch(p.name) and source_video(p) in (None, name))))
 
 
 def encode_videos(videos: list[str], out: str | Path, codec: str = "pixel", stride: int = 1,
@@ -212,7 +240,8 @@ def encode_videos(videos: list[str], out: str | Path, codec: str = "pixel", stri
     line per file. Frames are read and resized one at a time: memory holds one file's frames at the codec's
     size (``segment`` bounds it for long videos). Where ``out`` already holds a file of a video's name
     (:func:`earlier_outputs`: an earlier encode's, perhaps of other segments) it is refused before any video is
-    read, unless ``overwrite``: then all of them are removed before that video is encoded. A ``size`` whose
+    read, unless ``overwrite``: then the video's new files replace them, and those left over (other segments) are
+    removed after (a failed encode leaves them); another video's file is never touched. A ``size`` whose
     latents the model cannot train on is refused first (:func:`check_size`)."""
     check_size(codec, size)
     for video in videos:  # fail on a missing video before loading a VAE
@@ -224,13 +253,13 @@ def encode_videos(videos: list[str], out: str | Path, codec: str = "pixel", stri
         if other != video:
             raise DataError(f"{video}: same name as {other}, both would be written to {Path(out) / Path(video).stem}.h5 "
                             f"(encode them into different --out folders)")
-    earlier = {video: earlier_outputs(Path(out), Path(video).stem) for video in videos}
+    earlier = {video: earlier_outputs(Path(out), video) for video in videos}
     if not overwrite:
         for video, paths in earlier.items():
             if paths:
                 more = f" and {len(paths) - 1} more of that name" if len(paths) > 1 else ""
                 raise DataError(f"{paths[0]}{more}: already there, where {Path(video).name} would be encoded "
-                                f"(--overwrite removes them all first, or encode into another --out)")
+                                f"(--overwrite replaces them, or encode into another --out)")
     vae_codec = codec in CODECS[1:]
     if segment is not None and (segment < 1 or (vae_codec and ((segment - 1) % TEMPORAL or segment == 1))):
         raise DataError(f"--segment {segment}: " + ("must be >= 1" if segment < 1 else
@@ -245,7 +274,12 @@ def encode_videos(videos: list[str], out: str | Path, codec: str = "pixel", stri
     def write(target: Path, frames: list[np.ndarray], video: str, fps: float | None, source: tuple[int, int]) -> None:
         if target in written:  # a segment name that another video's file already took
             raise DataError(f"{video}: would overwrite {target}, written from another video (rename one)")
-        clipped = write_latents(target, c, np.stack(frames), attrs={"fps": fps / stride} if fps else None)
+        other = source_video(target) if target.is_file() and target not in earlier[video] else None
+        if other is not None and other != Path(video).name:  # a file of another video under this name: kept
+            raise DataError(f"{video}: would overwrite {target}, encoded from {other} (rename one, or encode into "
+                            f"another --out)")
+        attrs = {SOURCE_ATTR: Path(video).name, **({"fps": fps / stride} if fps else {})}
+        clipped = write_latents(target, c, np.stack(frames), attrs=attrs)
         what = f"{len(frames)} frames"
         if c.frames_per_latent > 1:  # a VAE: latents, and the trailing frames that fill no group of 4
             latents, dropped = latent_frames(len(frames)), len(frames) - video_frames(latent_frames(len(frames)))
@@ -261,9 +295,6 @@ def encode_videos(videos: list[str], out: str | Path, codec: str = "pixel", stri
                TimeElapsedColumn())
     with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
         for video in videos:
-            for stale in earlier[video]:  # old segments would be indexed beside the new ones
-                if stale not in written:  # (not one this command just wrote from another video)
-                    stale.unlink(missing_ok=True)
             stem, frames, part, fps = Path(video).stem, [], 0, source_fps(video)
             source = (0, 0)  # (height, width) of the frames read, for the log line
             task = progress.add_task(f"encoding {Path(video).name}", total=None)
@@ -279,6 +310,9 @@ def encode_videos(videos: list[str], out: str | Path, codec: str = "pixel", stri
                       source)
             elif part == 0:
                 raise DataError(f"{video}: the video has no frames")
+            for stale in earlier[video]:  # old segments would be indexed beside the new ones: removed once the
+                if stale not in written:  # new files are written (a failed encode leaves the old ones)
+                    stale.unlink(missing_ok=True)
             progress.remove_task(task)
     return written
 

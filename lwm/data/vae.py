@@ -39,12 +39,22 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lwm.errors import DataError
+from lwm.errors import DataError, first_line
 
 SPREAD = 4.0  # normalised latents are divided by this before clipping to [-1, 1]
 TEMPORAL = 4  # video frames per latent step (after the first)
 SPATIAL = 8  # pixels per latent cell
 CLASSES = {"wan": "AutoencoderKLWan", "cogvideox": "AutoencoderKLCogVideoX", "hunyuan": "AutoencoderKLHunyuanVideo"}
+
+
+def check_device(device: str | torch.device) -> None:
+    """Refuse a device torch cannot use here in one line (``--device cuda`` on a machine without CUDA)."""
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError) as e:
+        raise DataError(f"--device {device}: not a device ({first_line(e)})") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise DataError(f"--device {device}: this machine has no CUDA GPU torch can use (--device cpu)")
 
 
 def latent_frames(frames: int) -> int:
@@ -102,7 +112,11 @@ def load_vae(name: str, path: str | Path, device: str | torch.device = "cpu", dt
     config_file = path / (subfolder or "") / "config.json"
     if not config_file.is_file():
         raise DataError(f"--vae {path}: no diffusers VAE there (no config.json, nor vae/config.json)")
-    declared = json.loads(config_file.read_text()).get("_class_name")
+    try:
+        declared = json.loads(config_file.read_text()).get("_class_name")
+    except (ValueError, AttributeError) as e:
+        raise DataError(f"--vae {path}: {config_file.name} is not a diffusers config (JSON: {e})") from None
+    check_device(device)
     if declared and declared != CLASSES[name]:
         raise DataError(f"--vae {path}: holds a {declared}, but the {name} codec needs a {CLASSES[name]}")
     cls = getattr(diffusers, CLASSES[name])
@@ -187,8 +201,15 @@ class VAECodec:
         return y.clamp(-1, 1).permute(1, 0, 2, 3).contiguous().cpu().numpy(), clipped
 
     @torch.no_grad()
-    def decode(self, latents: np.ndarray) -> np.ndarray:
-        """``[t, 16, S/8, S/8]`` in [-1, 1] -> ``uint8 [1 + 4 (t-1), S, S, 3]``."""
+    def decode(self, latents: np.ndarray, before: np.ndarray | None = None) -> np.ndarray:
+        """``[t, 16, S/8, S/8]`` in [-1, 1] -> ``uint8 [1 + 4 (t-1), S, S, 3]``: the latents as a clip's start.
+        ``before``: the file's latents before them, from its first (``[k, 16, S/8, S/8]``, ``k >= 1``): the VAE
+        decoders carry their history, so a window from the middle of a file then decodes to the frames a decode of
+        the whole file gives it, ``4 t`` of them (decoded alone its first latent is one frame, and the others lack
+        their past: tens of levels off, measured; a shorter history than the file's first latent is not enough)."""
+        if before is not None and len(before):
+            whole = np.concatenate([np.asarray(before, dtype=np.float32), np.asarray(latents, dtype=np.float32)])
+            return self.decode(whole)[video_frames(len(before)):]
         device, dtype = next(self.vae.parameters()).device, next(self.vae.parameters()).dtype
         y = torch.as_tensor(np.asarray(latents, dtype=np.float32), device=device)
         h = self.latent_size

@@ -236,7 +236,7 @@ def test_encoding_again_where_a_videos_files_are_is_refused_before_reading_unles
         assert main(["data", "encode", str(video), "--out", str(out), "--size", "16", *segment]) == 2
         err = capsys.readouterr().err.splitlines()
         assert err == [f"error: {out / 'long_0000.h5'} and 2 more of that name: already there, where long.gif "
-                       f"would be encoded (--overwrite removes them all first, or encode into another --out)"]
+                       f"would be encoded (--overwrite replaces them, or encode into another --out)"]
     assert not read and {p.name: p.read_bytes() for p in out.iterdir()} == before
     monkeypatch.undo()
     convert.encode_videos([str(video)], out, size=16, segment=5, log=lambda line: None, overwrite=True)
@@ -307,3 +307,33 @@ def test_the_encode_line_gives_the_latent_shape_and_the_centre_crop(tmp_path, ca
         f"then resized to 128x128)"]
     with h5py.File(tmp_path / "d" / "wide.h5") as f:
         assert f["latents"].shape == (3, 16, 64, 64)
+
+
+def test_overwrite_replaces_only_the_videos_own_files(tmp_path):
+    """Each file records its video: scene_0001.h5 and scene_0002.h5 of scene_0001.gif and scene_0002.gif are not
+    segments of scene.gif, which --overwrite replaces; another video's file under a segment's name is refused."""
+    rng = np.random.default_rng(0)
+    videos = {name: write_video(tmp_path / f"{name}.gif", rng.integers(0, 256, (4, 16, 16, 3), dtype=np.uint8))
+              for name in ("scene_0001", "scene_0002", "scene")}
+    out = tmp_path / "h5"
+    convert.encode_videos([str(videos["scene_0001"]), str(videos["scene_0002"])], out, size=16, log=lambda line: None)
+    others = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert convert.source_video(out / "scene_0001.h5") == "scene_0001.gif"
+    convert.encode_videos([str(videos["scene"])], out, size=16, log=lambda line: None)  # nothing of its own there
+    convert.encode_videos([str(videos["scene"])], out, size=16, log=lambda line: None, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == ["scene.h5", "scene_0001.h5", "scene_0002.h5"]
+    assert all((out / name).read_bytes() == data for name, data in others.items())  # untouched
+    with pytest.raises(DataError, match=r"scene\.gif: would overwrite .*scene_0001\.h5, encoded from scene_0001\.gif"):
+        convert.encode_videos([str(videos["scene"])], out, size=16, segment=1, log=lambda line: None, overwrite=True)
+    assert (out / "scene_0001.h5").read_bytes() == others["scene_0001.h5"]
+
+
+def test_16_bit_frames_are_read_by_their_high_byte(tmp_path):
+    """A 16-bit grayscale PNG ramp (0, 1000, 2000, ...) read as uint8 by a cast wrapped modulo 256."""
+    from PIL import Image
+
+    ramp = (np.arange(64)[None].repeat(8, 0) * 1000).astype(np.uint16)
+    Image.fromarray(ramp).save(tmp_path / "deep.png")
+    frame = next(convert.iter_video(tmp_path / "deep.png"))
+    assert frame.dtype == np.uint8 and np.array_equal(frame[0, :, 0], (ramp[0] >> 8).astype(np.uint8))
+    assert (np.diff(frame[0, :, 0].astype(int)) >= 0).all()

@@ -222,3 +222,30 @@ def test_the_encode_log_says_the_latent_frames_and_the_frames_dropped(tmp_path, 
                      f"latents [3, 16, 4, 4])"]
     with h5py.File(written[0]) as f:
         assert f["latents"].shape[0] == 3
+
+
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_a_window_from_the_middle_of_a_file_decodes_after_the_latents_before_it(name, vae_dirs):
+    """Latents 2..4 of a file cover its frames 5..16: decoded after latents 0..1 they give exactly those frames of a
+    whole-file decode (decoded alone, latent 2 would be one frame and the rest would lack their past)."""
+    codec = VAECodec.load(name, vae_dirs[name], size=SIZE)
+    y = codec.encode(frames(17))  # 5 latents
+    whole = codec.decode(y)
+    window = codec.decode(y[2:], before=y[:2])
+    assert window.shape[0] == 12 and np.array_equal(window, whole[5:])
+    assert codec.decode(y[2:]).shape[0] == 9  # alone: its first latent one frame
+
+
+def test_a_broken_vae_config_and_an_unusable_device_are_one_line(tmp_path, vae_dirs):
+    from lwm.data.vae import load_vae
+
+    broken = tmp_path / "broken"
+    shutil.copytree(vae_dirs["cogvideox"], broken)
+    (broken / "config.json").write_text('{"_class_name": "AutoencoderKLCogVideoX",')
+    with pytest.raises(DataError, match=r"broken: config\.json is not a diffusers config \(JSON: "):
+        load_vae("cogvideox", broken)
+    with pytest.raises(DataError, match=r"--device gpu: not a device"):
+        load_vae("cogvideox", vae_dirs["cogvideox"], device="gpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(DataError, match=r"--device cuda: this machine has no CUDA GPU"):
+            load_vae("cogvideox", vae_dirs["cogvideox"], device="cuda")
