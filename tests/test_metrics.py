@@ -168,6 +168,8 @@ def test_copy_last_loss_known_values():
     assert copy_last_loss(still).item() == 0.0
     ramp = torch.arange(5.0).view(1, 5, 1, 1, 1).expand(2, 5, 3, 4, 4) * 0.1  # +0.1 per frame
     assert copy_last_loss(ramp).item() == pytest.approx(0.01)
+    accelerating = torch.tensor([0.0, 1.0, 3.0, 6.0]).view(1, 4, 1, 1, 1).expand(2, 4, 3, 4, 4) * 0.1  # steps 1, 2, 3
+    assert copy_last_loss(accelerating).item() == pytest.approx((1 + 4 + 9) / 3 * 0.01)
 
 
 @torch.no_grad()
@@ -262,11 +264,16 @@ def test_attention_diagonality_of_uniform_attention_over_the_allowed_keys():
     H_{T-1} / (T - 1) causal."""
     from lwm.modules.st_transformer import temporal_mask
 
-    for T, shifted, causal in ((16, 0.317, 0.221), (8, 0.491, 0.370)):
-        for kind, level in (("shifted_causal", shifted), ("causal", causal)):
+    def harmonic(n: int) -> float:
+        return sum(1 / k for k in range(1, n + 1))
+
+    for T, shifted, causal in ((16, 0.317, 0.221), (8, 0.491, 0.370)):  # (the docs' rounded values)
+        for kind, level, closed in (("shifted_causal", shifted, 2 * (harmonic(T) - 1) / (T - 1)),
+                                    ("causal", causal, harmonic(T - 1) / (T - 1))):
             allowed = temporal_mask(kind, T).float()
             uniform = allowed / allowed.sum(-1, keepdim=True)
-            assert round(float(attention_diagonality(uniform[None, None, :-1])), 3) == level
+            value = float(attention_diagonality(uniform[None, None, :-1]))
+            assert value == pytest.approx(closed, rel=1e-6) and round(value, 3) == level
 
 
 def test_attention_diagonality_leaves_out_queries_not_given():

@@ -51,7 +51,7 @@ def test_weight_decay_only_on_matrices_and_kernels():
         [len(decay), len(no_decay)]
 
 
-def test_step_randomness_is_a_function_of_rank_step_and_batch():
+def test_step_randomness_is_a_function_of_the_batch_index():  # (of the step and rank too: below)
     module = WorldModelModule(net=NET)
     draw = lambda batch_idx: torch.rand(8, generator=module.step_generator(torch.device("cpu"), batch_idx))  # noqa: E731
     assert torch.equal(draw(3), draw(3))

@@ -276,6 +276,22 @@ def test_a_slurm_restart_without_ckpt_path_resumes_from_the_latest_checkpoint_no
     assert sorted(train_series(root)) == list(range(12))
 
 
+def test_a_preemption_at_a_due_step_on_an_epochs_last_batch_writes_that_step_checkpoint(tmp_path, monkeypatch):
+    """SIGTERM under SLURM in the training batch that makes step 5, the last of an epoch of 5 with checkpoints every
+    5 steps (Lightning defers such a step file to the validation after it, which the stop skips): the stop writes
+    step=0000005.ckpt as well as last.ckpt and the hpc file."""
+    for name, value in SLURM_ENV.items():
+        monkeypatch.setenv(name, value)
+    manifest = make_dataset(tmp_path / "data")  # epochs of 5 batches
+    signal = ["--trainer.callbacks+=tests.lightning.helpers.SendSignal", "--trainer.callbacks.step=4",
+              "--trainer.callbacks.during=training"]
+    assert run(manifest, tmp_path / "run", "--trainer.max_steps=12", "--checkpoint.every_n_train_steps=5",
+               *signal) == 0
+    ckpts = tmp_path / "run/checkpoints"
+    step = lambda path: torch.load(path, weights_only=True)["global_step"]  # noqa: E731
+    assert step(ckpts / "step=0000005.ckpt") == step(ckpts / "last.ckpt") == step(tmp_path / "run/hpc_ckpt_1.ckpt") == 5
+
+
 @pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
 def test_an_interrupt_outside_slurm_saves_last_ckpt_at_the_batch_end_and_resumes_exactly(tmp_path, name):
     """Ctrl-C or kill outside SLURM: last.ckpt is written at the end of that batch (no hpc checkpoint), the fit

@@ -37,7 +37,7 @@ def _count_calls(monkeypatch, obj, name: str) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize(("window", "c"), [(None, 2), (4, 2), (None, 3), (4, 5)])
+@pytest.mark.parametrize(("window", "c"), [(None, 2), (4, 2), (None, 3), (4, 5), (1, 2)])
 def test_cached_rollout_equals_full_recomputation(monkeypatch, window, c):
     """The same frames with and without the cache; with it each fed frame (the c context frames, then the
     generated ones but the last: c + steps - 1) is one cached ``dynamics.step`` and the full predictor never
@@ -96,6 +96,8 @@ def test_bad_generation_inputs_are_refused():
     context, actions, world = _inputs(model, steps=3)
     with pytest.raises(ValueError, match="actions: expected"):
         model.generate(context, actions[:, :2], world, steps=3)
+    with pytest.raises(ValueError, match=r"actions: expected \[B=2, >= 4"):  # one short of c + steps - 1 = 4
+        model.generate(context, actions[:, :3], world, steps=3)
     with pytest.raises(ValueError, match="actions: expected"):  # another code width
         model.generate(context, actions[..., :-1], world, steps=3)
     with pytest.raises(ValueError, match=r"world: expected \[B=2, Dh="):  # [Dh] broadcast into extra frames

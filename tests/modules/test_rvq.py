@@ -756,3 +756,30 @@ def test_ddp_init_and_revival_draw_from_every_ranks_rows_as_one_process_from_the
             torch.testing.assert_close(ranks[r]["init"][key], init[key], rtol=1e-5, atol=1e-6, msg=f"init {r} {key}")
             torch.testing.assert_close(ranks[r]["post"][key], snapshot(single)[key], rtol=1e-5, atol=1e-6,
                                        msg=f"after revival {r} {key}")
+
+
+def _ddp_nan_init_worker(rank: int, world: int, port: int, outdir: str) -> None:
+    _join_gloo(rank, world, port)
+    try:
+        q, x, _ = _draw_setup()
+        half = x.shape[0] // world
+        mine = x[rank * half : (rank + 1) * half].clone()
+        if rank == 0:
+            mine[1, 2] = float("nan")  # rank 0's first batch holds a NaN; rank 1's is finite
+        q(mine, step=0)
+        torch.save({"initialized": q.initialized.clone(), "codes": q.codebook(0).clone()}, Path(outdir) / f"nan_{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_one_ranks_non_finite_first_batch_initialises_no_rank(tmp_path):
+    """A NaN in one rank's first batch leaves every rank's codebooks uninitialised (as one process fed the whole
+    batch would): the ranks agree on it (a MIN all-reduce of their verdicts), and their codebooks stay identical."""
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    mp.start_processes(_ddp_nan_init_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True,
+                       start_method="spawn")
+    ranks = [torch.load(tmp_path / f"nan_{r}.pt", weights_only=True) for r in range(2)]
+    assert not bool(ranks[0]["initialized"]) and not bool(ranks[1]["initialized"])
+    assert torch.equal(ranks[0]["codes"], ranks[1]["codes"])
