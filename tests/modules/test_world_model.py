@@ -187,7 +187,8 @@ def test_rollout_reusing_the_previous_pass_equals_recomputing_it(checkpointing, 
         def step(model=model, reuse=reuse):
             model.compute(x, step=None, generator=torch.Generator().manual_seed(4), reuse_prefix=reuse).loss.backward()
 
-        results.append((out, grads, count_flops(step).useful))
+        # the FLOPs do not depend on the kernel (sdpa's count them); the Triton interpreter's would take a minute
+        results.append((out, grads, count_flops(step).useful if kernel != "triton" else reuse))
     (ref, ref_grads, ref_flops), (fast, fast_grads, fast_flops) = results
     assert torch.allclose(fast.loss, ref.loss, rtol=1e-5)
     for key in ref.logs:
@@ -197,7 +198,7 @@ def test_rollout_reusing_the_previous_pass_equals_recomputing_it(checkpointing, 
     assert ref_grads.keys() == fast_grads.keys()
     for name in ref_grads:
         assert torch.allclose(fast_grads[name], ref_grads[name], rtol=1e-4, atol=1e-6), name
-    assert fast_flops < ref_flops
+    assert fast_flops < ref_flops or kernel == "triton"
 
 
 @torch.no_grad()
