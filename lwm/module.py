@@ -252,13 +252,16 @@ class WorldModelModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = self.skips.state()
         checkpoint["lwm_skipped_steps"], checkpoint["lwm_skipped_in_a_row"] = state["total"], state["in_a_row"]
+        checkpoint["lwm_skipped_longest_unread"] = state["longest_unread"]
         # the logging interval's sums so far (this rank's), so that a resumed run logs its means as an uninterrupted one
         checkpoint["lwm_train_interval"] = {k: (s.cpu(), w.cpu()) for k, (s, w) in self._interval.items()}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.skips = SkippedSteps(total=int(checkpoint.get("lwm_skipped_steps", 0)),
-                                  in_a_row=int(checkpoint.get("lwm_skipped_in_a_row", 0)))
-        self._interval = {k: (s, w) for k, (s, w) in checkpoint.get("lwm_train_interval", {}).items()}
+                                  in_a_row=int(checkpoint.get("lwm_skipped_in_a_row", 0)),
+                                  longest_unread=int(checkpoint.get("lwm_skipped_longest_unread", 0)))
+        keys = set(self.model.log_keys)  # (a resume with other rollout passes: the others' sums dropped)
+        self._interval = {k: (s, w) for k, (s, w) in checkpoint.get("lwm_train_interval", {}).items() if k in keys}
         self._checkpoint_step = int(checkpoint.get("global_step", 0))
 
     def _at_checkpoint_step(self) -> None:
@@ -342,9 +345,14 @@ class WorldModelModule(L.LightningModule):
             interval[key] = add if key not in interval else (interval[key][0] + add[0], interval[key][1] + add[1])
         if accumulating(self.trainer) or not (logs_at_this_step(self.trainer) or self.trainer.should_stop):
             return
-        means = {key: total / weight for key, (total, weight) in interval.items()}
+        self._log_interval(windows, over_ranks=True)
+
+    def _log_interval(self, windows: int, over_ranks: bool) -> None:
+        """Log the interval's means (under DDP, ``over_ranks``: also over the ranks) and start the next interval."""
+        means = {key: (total / weight).to(self.device) for key, (total, weight) in self._interval.items()}
         self._interval = {}
-        self.log_dict({f"Train_{k}": v for k, v in self._over_ranks(means).items()}, batch_size=windows)
+        self.log_dict({f"Train_{k}": v for k, v in (self._over_ranks(means) if over_ranks else means).items()},
+                      batch_size=windows)
 
     def _over_ranks(self, logs: dict[str, Tensor]) -> dict[str, Tensor]:
         """Under DDP, on a step whose logs Lightning writes: each value's mean over the ranks (every rank holds as
@@ -385,6 +393,10 @@ class WorldModelModule(L.LightningModule):
         self._last_batch = None  # the non-finite check of this step is done: hold no batch through validation
         if not accumulating(self.trainer):  # after this step's verdict: a skip shows on the row of the step it skipped
             self.log("Train_Total/skipped_steps", self.skips.as_tensor(self.device))
+            if self.trainer.should_stop and self._interval:  # a stop decided in this batch's callbacks (a signal):
+                # Lightning writes this step's row all the same, with the interval's means, not the last row's
+                # (rank-local: a rank that saw the stop alone must not wait in a collective)
+                self._log_interval(batch["latents"].shape[0], over_ranks=False)
 
     def _after_deepspeed_step(self) -> None:
         """Under DeepSpeed (which keeps its own gradient buffers: ``on_before_optimizer_step`` sees none), after the

@@ -22,12 +22,13 @@ class SkippedSteps:
     """Steps skipped over the run (``total``) and the latest run of them in a row (``in_a_row``), both checkpointed
     (:meth:`state`): a resumed run stops where the uninterrupted one would."""
 
-    def __init__(self, total: int = 0, in_a_row: int = 0) -> None:
+    def __init__(self, total: int = 0, in_a_row: int = 0, longest_unread: int = 0) -> None:
         self._host_total = total
         self.in_a_row = in_a_row  # host verdicts and engine counts; the device path keeps its own, starting here
         self._device_total: Tensor | None = None
         self._device_in_a_row: Tensor | None = None
         self._device_longest: Tensor | None = None  # the longest run in a row since the last host read
+        self._longest_unread = longest_unread  # a checkpoint's, not yet read: joins the next read
         self._engine_seen: int | None = None  # the DeepSpeed engine's count as last read
 
     @property
@@ -36,9 +37,11 @@ class SkippedSteps:
         return self._host_total + (int(self._device_total) if self._device_total is not None else 0)
 
     def state(self) -> dict[str, int]:
-        """What a checkpoint keeps: ``{"total", "in_a_row"}`` (a host read of the device counts, if any)."""
+        """What a checkpoint keeps: ``{"total", "in_a_row", "longest_unread"}`` (a host read of the device counts,
+        if any; the last: the device path's longest run since its last read, which a resumed run reads next)."""
         in_a_row = int(self._device_in_a_row) if self._device_in_a_row is not None else self.in_a_row
-        return {"total": self.total, "in_a_row": in_a_row}
+        longest = int(self._device_longest) if self._device_longest is not None else 0
+        return {"total": self.total, "in_a_row": in_a_row, "longest_unread": max(longest, self._longest_unread)}
 
     def as_tensor(self, device: torch.device) -> Tensor:
         """``total`` as a device tensor for logging, made without a host-to-device copy (``torch.tensor`` of a
@@ -73,9 +76,9 @@ class SkippedSteps:
     def in_a_row_on_device(self) -> int:
         """The device path's longest run of skips in a row since the last call (a host read): a run that ended
         between two reads counts as much as one still going."""
-        if self._device_longest is None:
-            return 0
-        longest = int(self._device_longest)
+        longest, self._longest_unread = self._longest_unread, 0
+        if self._device_longest is not None:
+            longest = max(longest, int(self._device_longest))
         self._device_longest = None  # the next read: the steps after this one (a run going on counts on in full)
         return longest
 

@@ -86,3 +86,16 @@ def test_a_deepspeed_bf16_engine_that_would_apply_a_nan_update_is_refused():
     optimizer.check_grad_overflow = True
     check_deepspeed_skips_overflow(trainer)
     check_deepspeed_skips_overflow(SimpleNamespace(strategy=SimpleNamespace()))  # not DeepSpeed: nothing to check
+
+
+def test_the_longest_unread_run_survives_a_checkpoint():
+    """The device path reads its longest run at the logging interval: one that a checkpoint caught before that read
+    is read first after the resume (3 NaN steps, saved, restored: the read says 3)."""
+    skips = SkippedSteps()
+    for _ in range(3):
+        skips.on_device(torch.tensor(True))
+    skips.on_device(torch.tensor(False))  # the run ended before any read
+    state = skips.state()
+    assert state == {"total": 3, "in_a_row": 0, "longest_unread": 3}
+    resumed = SkippedSteps(**state)
+    assert resumed.in_a_row_on_device() == 3 and resumed.in_a_row_on_device() == 0

@@ -22,8 +22,8 @@ def logs_at_this_step(trainer: L.Trainer) -> bool:
     interval, asked from ``training_step`` or ``on_train_batch_start`` (Lightning counts ``_batches_that_stepped`` up
     after it writes them). The same answer on every rank: a collective may hang on it. (Lightning also writes a
     step's logs when ``trainer.should_stop``, which one rank may see before the others: left out here.)"""
-    every = max(1, trainer.log_every_n_steps or 1)
-    return (trainer.fit_loop.epoch_loop._batches_that_stepped + 1) % every == 0
+    every = trainer.log_every_n_steps
+    return bool(every) and (trainer.fit_loop.epoch_loop._batches_that_stepped + 1) % every == 0
 
 
 def accumulating(trainer: L.Trainer) -> bool:

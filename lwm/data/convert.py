@@ -291,29 +291,39 @@ def encode_videos(videos: list[str], out: str | Path, codec: str = "pixel", stri
         log(f"wrote {target} ({what}{note}{framing(source, c.size)})")
         written.append(target)
 
+    def encode(video: str, progress: Progress) -> None:
+        stem, frames, part, fps = Path(video).stem, [], 0, source_fps(video)
+        source = (0, 0)  # (height, width) of the frames read, for the log line
+        task = progress.add_task(f"encoding {Path(video).name}", total=None)
+        for frame in iter_video(video, stride):
+            frames.append(square_resize(frame[None], c.size)[0])
+            source = frame.shape[:2]
+            progress.advance(task)
+            if segment is not None and len(frames) == segment:
+                write(out / f"{stem}_{part:04d}.h5", frames, video, fps, source)
+                frames, part = [], part + 1
+        if frames:
+            write(out / (f"{stem}_{part:04d}.h5" if segment is not None else f"{stem}.h5"), frames, video, fps,
+                  source)
+        elif part == 0:
+            raise DataError(f"{video}: the video has no frames")
+        progress.remove_task(task)
+
     columns = (TextColumn("{task.description}"), SpinnerColumn(), TextColumn("{task.completed} frames read"),
                TimeElapsedColumn())
     with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
         for video in videos:
-            stem, frames, part, fps = Path(video).stem, [], 0, source_fps(video)
-            source = (0, 0)  # (height, width) of the frames read, for the log line
-            task = progress.add_task(f"encoding {Path(video).name}", total=None)
-            for frame in iter_video(video, stride):
-                frames.append(square_resize(frame[None], c.size)[0])
-                source = frame.shape[:2]
-                progress.advance(task)
-                if segment is not None and len(frames) == segment:
-                    write(out / f"{stem}_{part:04d}.h5", frames, video, fps, source)
-                    frames, part = [], part + 1
-            if frames:
-                write(out / (f"{stem}_{part:04d}.h5" if segment is not None else f"{stem}.h5"), frames, video, fps,
-                      source)
-            elif part == 0:
-                raise DataError(f"{video}: the video has no frames")
+            before = len(written)
+            try:
+                encode(video, progress)
+            except BaseException:  # its new files beside its old ones would be indexed twice: removed
+                for path in written[before:]:
+                    path.unlink(missing_ok=True)
+                del written[before:]
+                raise
             for stale in earlier[video]:  # old segments would be indexed beside the new ones: removed once the
                 if stale not in written:  # new files are written (a failed encode leaves the old ones)
                     stale.unlink(missing_ok=True)
-            progress.remove_task(task)
     return written
 
 

@@ -323,9 +323,13 @@ def test_overwrite_replaces_only_the_videos_own_files(tmp_path):
     convert.encode_videos([str(videos["scene"])], out, size=16, log=lambda line: None, overwrite=True)
     assert sorted(p.name for p in out.iterdir()) == ["scene.h5", "scene_0001.h5", "scene_0002.h5"]
     assert all((out / name).read_bytes() == data for name, data in others.items())  # untouched
+    whole = (out / "scene.h5").read_bytes()
     with pytest.raises(DataError, match=r"scene\.gif: would overwrite .*scene_0001\.h5, encoded from scene_0001\.gif"):
         convert.encode_videos([str(videos["scene"])], out, size=16, segment=1, log=lambda line: None, overwrite=True)
     assert (out / "scene_0001.h5").read_bytes() == others["scene_0001.h5"]
+    # the failed encode's first segment is removed, its old file kept: never both, indexed twice
+    assert sorted(p.name for p in out.iterdir()) == ["scene.h5", "scene_0001.h5", "scene_0002.h5"]
+    assert (out / "scene.h5").read_bytes() == whole
 
 
 def test_16_bit_frames_are_read_by_their_high_byte(tmp_path):

@@ -632,3 +632,37 @@ def test_latents_inside_a_group_are_named_in_the_refusal(tmp_path):
     with pytest.raises(DataError, match=r"g\.h5: no 'latents' dataset .*\(datasets: none; inside groups: "
                                         r"clip/latents\(8, 4, 8, 8\), where lwm does not look\)"):
         index_directory(tmp_path)
+
+
+def test_reindexing_keeps_the_split_of_a_linked_file_an_older_manifest_listed_under_its_target(tmp_path):
+    """Earlier versions listed a linked file under its target's path; now under its link's name: re-indexing finds
+    the file by its identity, so no file moves between train and val."""
+    store, root = tmp_path / "store", tmp_path / "data"
+    for i in range(6):
+        write_h5(store / f"far{i}.h5", offset=i / 100)
+        write_h5(root / f"ep{i}.h5", offset=(i + 6) / 100)
+    os.symlink(store, root / "linked")
+    index_directory(root, val_fraction=0.5, seed=1)
+    doc = json.loads((root / "manifest.json").read_text())
+    for f in doc["files"]:  # as an older version wrote it
+        f["path"] = f["path"].replace("linked/", "../store/")
+    (root / "manifest.json").write_text(json.dumps(doc))
+    before = {f["path"].replace("../store/", "linked/"): f["split"] for f in doc["files"]}
+    again = index_directory(root, val_fraction=0.5, seed=7)  # another seed: only new files would be drawn by it
+    assert {e.path: e.split for e in again.entries} == before
+
+
+def test_a_manifest_in_a_linked_folder_finds_data_beside_the_real_folder(tmp_path):
+    """``..`` in an entry's path is the manifest's real parent, as the index computed it, not the link's."""
+    real = tmp_path / "mnt" / "proj"
+    data = tmp_path / "mnt" / "videos"
+    for i in range(2):
+        write_h5(data / f"ep{i}.h5", offset=i / 100)
+    real.mkdir(parents=True)
+    (tmp_path / "home").mkdir()
+    os.symlink(real, tmp_path / "home" / "proj")  # ~/proj -> /mnt/proj
+    out = tmp_path / "home" / "proj" / "manifest.json"
+    manifest = index_directory(tmp_path / "home" / "proj" / ".." / ".." / "mnt" / "videos", out=out, val_fraction=0.0)
+    loaded = Manifest.load(out)
+    assert sorted(e.path for e in manifest.entries) == ["../videos/ep0.h5", "../videos/ep1.h5"]
+    assert all(loaded.resolve(e).is_file() for e in loaded.entries)

@@ -205,6 +205,39 @@ def test_the_logged_training_values_are_the_means_over_the_logging_interval(tmp_
     assert logged[5] == pytest.approx((seen[3][0] + seen[5][0]) / 2, rel=1e-6)
 
 
+def test_a_stop_between_logging_steps_writes_the_intervals_means_on_its_row(tmp_path, monkeypatch):
+    """A stop decided in a callback at step 4 (log_every_n_steps=3: not a logging step): Lightning writes that row,
+    with the means of steps 3 and 4, not the previous row's values again."""
+    from lwm.modules.world_model import WorldModel
+
+    seen = []
+    original = WorldModel.compute
+
+    def spy(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        seen.append(float(out.logs["Total/loss"]))
+        return out
+
+    class StopAt(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 5:  # after the 5th step (logged as 4)
+                trainer.should_stop = True
+
+    monkeypatch.setattr(WorldModel, "compute", spy)
+    rows = _csv_rows(tmp_path, _batches(8), log_every_n_steps=3, max_steps=8, callbacks=[StopAt()])
+    logged = {int(r["step"]): float(r["Train_Total/loss"]) for r in rows if r.get("Train_Total/loss")}
+    assert sorted(logged) == [2, 4] and len(seen) == 5
+    assert logged[4] == pytest.approx((seen[3] + seen[4]) / 2, rel=1e-6)
+
+
+def test_a_resume_with_other_rollout_passes_keeps_only_the_sums_of_its_own_losses():
+    module = WorldModelModule(net=NET)  # rollout_weights of 3 passes: no rollout_3_loss
+    one = (torch.tensor(1.0), torch.tensor(1.0))
+    module.on_load_checkpoint({"global_step": 4, "lwm_train_interval": {"Total/loss": one,
+                                                                        "Dynamics_Predictor/rollout_3_loss": one}})
+    assert set(module._interval) == {"Total/loss"}
+
+
 def test_a_resumed_run_logs_the_interval_means_of_an_uninterrupted_one(tmp_path):
     """The interval's sums are checkpointed: a run stopped at step 2 of an interval of 3 and resumed logs the same
     means (steps 0-2, 3-5) as the run that went through."""
