@@ -243,7 +243,8 @@ def main(argv: list[str]) -> int:
         epilog="Every other argument is a `lwm fit` option: --config FILE and dotted overrides such as --data.manifest M.",
     )
     parser.add_argument("--ckpt_path", required=True, help="the checkpoint whose encoders to use: a file, a run's "
-                                                           "folder or `last` (the run's last.ckpt)")
+                                                           "folder or `last` (the run's latest checkpoint: last.ckpt, "
+                                                           "or a newer step or hpc one)")
     parser.add_argument("--max-windows", type=int, default=None, help="encode at most this many windows (default: all)")
     parser.add_argument("--out", help="output file (default: codes.pt beside last.ckpt, NAME.codes.pt beside "
                                       "another NAME.ckpt)")

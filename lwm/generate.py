@@ -44,7 +44,8 @@ Codes = tuple[torch.Tensor, torch.Tensor]  # vectors [..., D] and their indices 
 
 def parse(argv: list[str]) -> argparse.Namespace:
     p = ArgumentParser(prog="lwm generate", description=__doc__.split("\n\n")[0])
-    p.add_argument("--ckpt_path", required=True, help="a checkpoint of `lwm fit`, or a run's folder (its last.ckpt)")
+    p.add_argument("--ckpt_path", required=True, help="a checkpoint of `lwm fit`, or a run's folder (its latest "
+                                                             "checkpoint: last.ckpt, or a newer step or hpc one)")
     p.add_argument("--data", required=True, help="h5 file to take the context (and ground truth) from")
     p.add_argument("--start", type=int, default=0, help="first context frame")
     p.add_argument("--context", type=int, default=1, help="ground-truth frames given to the model")
@@ -165,7 +166,7 @@ def run(args: argparse.Namespace) -> Path:
     """``lwm generate``: checks, the checkpoint and the clip, the world and the actions, the rollouts, the files."""
     from lwm.checkpoint import checkpoint_file, load_checkpoint, read_checkpoint, trained_window
 
-    ckpt_path = checkpoint_file(args.ckpt_path)  # a run's folder: its last.ckpt
+    ckpt_path = checkpoint_file(args.ckpt_path)  # a run's folder: its latest checkpoint
     # missing, foreign, torn: said first (read memory-mapped: no weights loaded yet); its step names the video
     step = int(read_checkpoint(ckpt_path, what="lwm checkpoint")["global_step"])
     out, latents_path = _outputs(args, ckpt_path, step)

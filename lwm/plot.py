@@ -290,8 +290,10 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> tuple[list[P
         raise DataError(f"{run_dir}: a file; lwm plot takes the run's folder ({run_dir.parent})")
     if not run_dir.is_dir():
         raise DataError(f"{run_dir}: no such run directory")
-    metrics = read_metrics(run_dir / "metrics.csv")
     out = Path(out) if out is not None else run_dir / "figures"
+    if out.exists() and not out.is_dir():
+        raise DataError(f"--out {out}: a file; lwm plot writes its PNGs into a folder")
+    metrics = read_metrics(run_dir / "metrics.csv")
     written: list[Path] = []
     skipped: dict[str, str] = {}
     for name, builder in FIGURES.items():

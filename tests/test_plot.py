@@ -119,6 +119,13 @@ def test_a_missing_metrics_file_or_run_dir_is_a_data_error_naming_it(tmp_path):
         read_metrics(tmp_path / "missing.csv")
 
 
+def test_an_out_that_is_a_file_is_refused_by_name_before_reading(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")  # no metrics.csv either: the --out error comes first
+    with pytest.raises(DataError, match=r"--out .*notes.txt: a file") as error:
+        main([str(tmp_path), "--out", str(tmp_path / "notes.txt")])
+    assert "\n" not in str(error.value) and (tmp_path / "notes.txt").read_text() == "mine"
+
+
 @pytest.mark.parametrize(("content", "message"), [
     (b"", "empty (the run has logged nothing yet)"),
     (b"step,epoch\n", "no logged values"),
