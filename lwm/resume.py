@@ -7,11 +7,11 @@ The candidates are ``CHECKPOINT_DIR/last.ckpt`` (``checkpoint.dirpath``, by defa
 the step checkpoints beside it written after it (a kill between a step's two writes, the step file and then
 ``last.ckpt``, leaves the step file the newer; where there is no ``last.ckpt``, all of them) and
 ``RUN_DIR/hpc_ckpt_N.ckpt`` (written when SLURM preempts); the one at the highest global step wins (ties:
-``last.ckpt``), read from the file (``weights_only``, memory-mapped), not from its modification time, which a
-DeepSpeed checkpoint (a directory rewritten in place) or a shared filesystem's clock skew would get wrong (the
-time only tells a step file written after ``last.ckpt``, in the same folder by the same job, from one left by an
-abandoned branch: a run resumed from an older checkpoint writes ``last.ckpt`` anew). DeepSpeed checkpoint
-directories: ``last.ckpt`` first, else the highest ``N``.
+``last.ckpt``), read from the file (``weights_only``, memory-mapped; a DeepSpeed directory: from its model
+states, where every file of it is whole), not from its modification time, which a DeepSpeed checkpoint (a
+directory rewritten in place) or a shared filesystem's clock skew would get wrong (the time only tells a step
+file written after ``last.ckpt``, in the same folder by the same job, from one left by an abandoned branch: a
+run resumed from an older checkpoint writes ``last.ckpt`` anew).
 """
 
 from __future__ import annotations
@@ -44,14 +44,36 @@ def run_paths(args: list[str]) -> tuple[Path, Path]:
     return root, Path(dirpath) if dirpath else root / "checkpoints"
 
 
+def _deepspeed_files(path: Path) -> tuple[Path, list[Path]]:
+    """A DeepSpeed checkpoint directory's model states (Lightning's client state, the global step among it) and
+    its optimizer shards, one per rank, in the folder its ``latest`` file names (Lightning's tag: ``checkpoint``)."""
+    latest = path / "latest"
+    tag = latest.read_text().strip() if latest.is_file() else "checkpoint"
+    return path / tag / "mp_rank_00_model_states.pt", sorted((path / tag).glob("*_optim_states.pt"))
+
+
 def _step(path: Path) -> int | None:
-    """The global step of a checkpoint file (None: unreadable)."""
+    """The global step of a checkpoint file, or of a DeepSpeed checkpoint directory whose files are all whole
+    (None: unreadable, torn)."""
+    import zipfile
+
     import torch
 
     try:
+        if path.is_dir():  # DeepSpeed's, rewritten in place: a kill during a write leaves a file cut short
+            path, shards = _deepspeed_files(path)
+            if not shards or not all(zipfile.is_zipfile(s) for s in shards):  # a zip's directory is at its end
+                return None
         return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("global_step", -1))
     except Exception:  # a torn or foreign file: not a candidate
         return None
+
+
+def _written(path: Path) -> float:
+    """When a checkpoint was last written whole: a file's time; a DeepSpeed directory's ``latest`` file's, which
+    DeepSpeed writes after the rest (the directory's own time is its creation's: it is rewritten in place)."""
+    latest = path / "latest"
+    return (latest if path.is_dir() and latest.is_file() else path).stat().st_mtime
 
 
 def _number(path: Path) -> int:
@@ -68,11 +90,9 @@ def latest_checkpoint(run_dir: Path, checkpoint_dir: Path) -> Path | None:
     last = checkpoint_dir / "last.ckpt"
     steps = sorted((p for p in checkpoint_dir.glob("*.ckpt") if p.name != last.name), key=_number, reverse=True)
     if last.exists():  # (a step file older than last.ckpt: of a branch abandoned for an earlier checkpoint)
-        since = last.stat().st_mtime
-        steps = [p for p in steps if p.is_file() and p.stat().st_mtime >= since]
+        since = _written(last)
+        steps = [p for p in steps if _written(p) >= since]
     candidates = [p for p in (last, *reversed(hpc), *steps) if p.exists()]
-    if any(p.is_dir() for p in candidates):  # DeepSpeed directories: last.ckpt, else the newest hpc, else a step's
-        return candidates[0]
     steps = {p: s for p in candidates if (s := _step(p)) is not None}
     if not steps:  # none readable: the first, for lwm fit to refuse loudly (never a silent fresh start)
         return candidates[0] if candidates else None

@@ -32,8 +32,8 @@ def test_the_highest_global_step_wins_whatever_the_file_times(tmp_path):
     (run / "hpc_ckpt_backup.ckpt").write_bytes(b"x")  # no number in the name
     assert latest_checkpoint(run, ckpts) == run / "hpc_ckpt_2.ckpt"
     (ckpts / "last.ckpt").unlink()
-    (ckpts / "last.ckpt").mkdir()  # a DeepSpeed checkpoint (a directory rewritten in place): last.ckpt first
-    assert latest_checkpoint(run, ckpts) == ckpts / "last.ckpt"
+    (ckpts / "last.ckpt").mkdir()  # an empty folder: no checkpoint (DeepSpeed's hold their files)
+    assert latest_checkpoint(run, ckpts) == run / "hpc_ckpt_2.ckpt"
 
 
 def test_without_last_ckpt_the_latest_step_checkpoint_continues_the_run(tmp_path):
@@ -85,11 +85,43 @@ def _save_step(path, step, extra=None):
     torch.save({"global_step": step, **({"x": extra} if extra is not None else {})}, path)
 
 
-def test_deepspeed_directories_pick_last_then_the_highest_hpc_number(tmp_path):
+def _deepspeed(path, step: int, written: float, ranks: int = 2) -> None:
+    """A DeepSpeed checkpoint directory as Lightning's strategy writes it: ``latest`` naming the tag folder, which
+    holds the model states (Lightning's client state, the global step among it) and one optimizer shard per rank;
+    ``latest`` written last, at ``written``."""
+    folder = path / "checkpoint"
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.save({"module": {"w": torch.zeros(2)}, "global_step": step}, folder / "mp_rank_00_model_states.pt")
+    for rank in range(ranks):
+        torch.save({"optimizer_state_dict": {"m": torch.ones(3)}},
+                   folder / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+    (path / "latest").write_text("checkpoint")
+    os.utime(path / "latest", (written, written))
+
+
+def _cut_short(path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def test_deepspeed_directories_are_ranked_by_their_step_and_a_torn_one_is_passed_over(tmp_path):
+    """DeepSpeed rewrites its checkpoint directories in place: a kill during a write leaves a file cut short. The
+    step is read from a directory's model states, where every file of it is whole; a step directory counts as
+    written after last.ckpt by the time of the ``latest`` files (written last), not of the folders."""
     run, ckpts = tmp_path / "run", tmp_path / "run/checkpoints"
-    for n in (1, 9, 10, 2):
-        (run / f"hpc_ckpt_{n}.ckpt").mkdir(parents=True)
-    assert latest_checkpoint(run, ckpts) == run / "hpc_ckpt_10.ckpt"  # numerically, not as text
+    _deepspeed(ckpts / "last.ckpt", 40, written=1000)
+    _deepspeed(ckpts / "step=0000040.ckpt", 40, written=1000)
+    _deepspeed(ckpts / "step=0000060.ckpt", 60, written=500)  # of a branch abandoned before last.ckpt was written
+    _deepspeed(run / "hpc_ckpt_1.ckpt", 30, written=900)
+    _deepspeed(run / "hpc_ckpt_2.ckpt", 43, written=2000)
+    assert latest_checkpoint(run, ckpts) == run / "hpc_ckpt_2.ckpt"
+    _cut_short(run / "hpc_ckpt_2.ckpt/checkpoint/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    assert latest_checkpoint(run, ckpts) == ckpts / "last.ckpt"  # a tie with step=40: last.ckpt
+    _cut_short(ckpts / "last.ckpt/checkpoint/mp_rank_00_model_states.pt")  # killed while last.ckpt was rewritten
+    assert latest_checkpoint(run, ckpts) == ckpts / "step=0000040.ckpt"  # not the abandoned step 60, nor hpc 30
+    for n in (9, 10):  # an older layout's folders without their files: none is a whole checkpoint
+        (run / f"hpc_ckpt_{n}.ckpt").mkdir()
+    assert latest_checkpoint(run, ckpts) == ckpts / "step=0000040.ckpt"
 
 
 def test_a_tie_goes_to_last_ckpt_and_an_unreadable_sole_candidate_is_still_returned(tmp_path):
