@@ -16,4 +16,4 @@ N=$(grep -c -v -E '^[[:space:]]*(#|$)' "$TASKFILE" || true)
 RANGE="0-$((N - 1))${ARRAY_MAX:+%$ARRAY_MAX}"
 read -ra OPTS <<<"${SBATCH_OPTS:-}"
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-exec sbatch --array="$RANGE" "${OPTS[@]}" "$HERE/array.sbatch" "$@"
+exec sbatch --array="$RANGE" ${OPTS[@]+"${OPTS[@]}"} "$HERE/array.sbatch" "$@"  # (an empty array under set -u: bash < 4.4)

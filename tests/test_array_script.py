@@ -33,7 +33,7 @@ def test_each_task_runs_its_line_in_its_own_directory(tmp_path):
     out = _task(repo, taskfile, 1, "--trainer.max_steps=5")
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[-1] == ("train.sbatch configs/tiny.yaml --trainer.max_steps=5 "
-                                           "--trainer.default_root_dir=runs/sweep/task_1 --model.optim.lr=3e-4")
+                                           "--model.optim.lr=3e-4 --trainer.default_root_dir=runs/sweep/task_1")
     assert (repo / "runs/sweep/task_1/array_task").read_text().splitlines() == [
         "sweep.txt", "configs/tiny.yaml --model.optim.lr=3e-4"]  # relative to the repository, which may move
     again = _task(repo, taskfile, 1, "--trainer.max_steps=50")  # the common overrides may change: same run
@@ -60,3 +60,20 @@ def test_a_task_directory_refuses_another_line(tmp_path):
     assert _task(repo, other, 0).returncode == 2
     (repo / "runs/sweep/task_0/array_task").unlink()  # the user's way to continue the run with the new line
     assert _task(repo, taskfile, 0).returncode == 0
+
+
+def test_a_second_config_in_the_line_keeps_the_task_directory_and_windows_line_ends_are_dropped(tmp_path):
+    """A line that adds a config (every config sets default_root_dir) still runs in its task's directory: the
+    directory comes after the line's arguments. A task file saved with CRLF line ends reads as with LF."""
+    repo = _repo(tmp_path)
+    taskfile = repo / "sweep.txt"
+    taskfile.write_bytes(b"configs/base.yaml --config configs/ddp.yaml --model.optim.lr=1e-3\r\n"
+                         b"configs/tiny.yaml\r\n")
+    out = _task(repo, taskfile, 0)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1] == ("train.sbatch configs/base.yaml --config configs/ddp.yaml "
+                                           "--model.optim.lr=1e-3 --trainer.default_root_dir=runs/sweep/task_0")
+    out = _task(repo, taskfile, 1)  # no overrides at all: empty arrays under set -u
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1] == "train.sbatch configs/tiny.yaml --trainer.default_root_dir=runs/sweep/task_1"
+    assert (repo / "runs/sweep/task_1/array_task").read_text().splitlines() == ["sweep.txt", "configs/tiny.yaml"]
