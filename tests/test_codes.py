@@ -132,6 +132,27 @@ def test_collect_stops_at_max_windows_across_batches():
     assert dictionaries["Action_Encoder"].total == 5 * 2
 
 
+def test_a_fit_resumed_with_training_over_writes_missing_dictionaries(tmp_path, caplog):
+    """A preemption answered at the last step (or during the dictionaries) is requeued; the resumed fit's training
+    loop does not run (Lightning skips it), so the dictionaries are written at the fit's end where missing or of
+    another step, the same as the finished fit's, and left alone where there."""
+    manifest = make_dataset(tmp_path / "data", files=5)
+    root = tmp_path / "run"
+    assert run(manifest, root, "--trainer.max_steps=3", "--data.val_size_percent=0") == 0
+    codes = root / "checkpoints/codes.pt"
+    at_fit = load_dictionaries(codes)
+    codes.unlink()
+    assert run(manifest, root, "--trainer.max_steps=3", "--data.val_size_percent=0", "--ckpt_path=last") == 0
+    assert dictionaries_step(codes) == 3 and "none of step 3" in caplog.text
+    again = load_dictionaries(codes)
+    for name in ("Action_Encoder", "World_Encoder"):
+        assert torch.equal(at_fit[name].tuples, again[name].tuples) and torch.equal(at_fit[name].counts, again[name].counts)
+    before = codes.stat().st_mtime_ns
+    caplog.clear()
+    assert run(manifest, root, "--trainer.max_steps=3", "--data.val_size_percent=0", "--ckpt_path=last") == 0
+    assert codes.stat().st_mtime_ns == before and "none of step" not in caplog.text  # there: left alone
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("codes")

@@ -3,28 +3,69 @@ training data, with counts, saved as ``codes.pt`` beside the checkpoints (see :m
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import lightning as L
 from typing_extensions import override
 
 from lwm.callbacks.ranks import every_rank
-from lwm.codes import collect, save_dictionaries
+from lwm.codes import collect, dictionaries_step, save_dictionaries
 from lwm.errors import ConfigError, DataError
+
+log = logging.getLogger(__name__)
 
 
 class CodeDictionaries(L.Callback):
     """After training, encodes up to ``max_windows`` fixed training windows (None: all; each rank its share)
-    and writes ``RUN_DIR/checkpoints/codes.pt``: the code tuples of both quantizers with their counts."""
+    and writes ``RUN_DIR/checkpoints/codes.pt``: the code tuples of both quantizers with their counts.
+
+    A fit resumed where training is already over (a preemption answered at the last step, or during these
+    dictionaries, is requeued: the resumed fit's training loop does not run) writes them at its end where
+    ``codes.pt`` is missing or of another step."""
 
     def __init__(self, max_windows: int | None = 4096) -> None:
         if max_windows is not None and max_windows < 1:
             raise ConfigError(f"code_dictionaries.max_windows must be >= 1 (or null: all), got {max_windows}")
         self.max_windows = max_windows
         self.path: Path | None = None
+        self._train_ended = False
+
+    @override
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._train_ended = False
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._train_ended = True
+        self._write(trainer, pl_module)
+
+    @override
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """A fit whose training loop did not run (resumed with training over): the dictionaries, unless there."""
+        if self._train_ended or trainer.global_step == 0:
+            return
+        path = self._directory(trainer) / "codes.pt"
+        if trainer.is_global_zero:
+            try:
+                written = dictionaries_step(path) if path.is_file() else None
+            except DataError:  # unreadable: written anew
+                written = None
+            missing = written != trainer.global_step
+        else:
+            missing = False
+        if trainer.world_size > 1:  # every rank encodes its share: all agree
+            missing = trainer.strategy.broadcast(missing, src=0)
+        if missing:
+            if trainer.is_global_zero:
+                log.warning(f"{path}: none of step {trainer.global_step} (the run ended at a preemption): writing it")
+            self._write(trainer, pl_module)
+
+    @staticmethod
+    def _directory(trainer: L.Trainer) -> Path:
+        return Path(trainer.checkpoint_callback.dirpath) if trainer.checkpoint_callback else Path(trainer.default_root_dir)
+
+    def _write(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         dm = trainer.datamodule
         if dm is None or not hasattr(dm, "code_loader"):
             return
@@ -51,5 +92,4 @@ class CodeDictionaries(L.Callback):
         if error is not None:
             raise DataError(error)
         if trainer.is_global_zero:
-            directory = Path(trainer.checkpoint_callback.dirpath) if trainer.checkpoint_callback else Path(trainer.default_root_dir)
-            self.path = save_dictionaries(directory / "codes.pt", dictionaries, windows, trainer.global_step)
+            self.path = save_dictionaries(self._directory(trainer) / "codes.pt", dictionaries, windows, trainer.global_step)
