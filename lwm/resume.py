@@ -45,11 +45,15 @@ def run_paths(args: list[str]) -> tuple[Path, Path]:
 
 
 def _deepspeed_files(path: Path) -> tuple[Path, list[Path]]:
-    """A DeepSpeed checkpoint directory's model states (Lightning's client state, the global step among it) and
-    its optimizer shards, one per rank, in the folder its ``latest`` file names (Lightning's tag: ``checkpoint``)."""
+    """A DeepSpeed checkpoint directory's model states (Lightning's client state, the global step among it; ZeRO
+    stage 3: rank 0's) and every file of it (model states, each rank's optimizer shard), in the folder its
+    ``latest`` file names (Lightning's tag: ``checkpoint``)."""
     latest = path / "latest"
-    tag = latest.read_text().strip() if latest.is_file() else "checkpoint"
-    return path / tag / "mp_rank_00_model_states.pt", sorted((path / tag).glob("*_optim_states.pt"))
+    folder = path / (latest.read_text().strip() if latest.is_file() else "checkpoint")
+    model = folder / "mp_rank_00_model_states.pt"
+    if not model.is_file():
+        model = folder / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    return model, sorted(folder.glob("*_states.pt"))
 
 
 def _step(path: Path) -> int | None:
@@ -61,8 +65,8 @@ def _step(path: Path) -> int | None:
 
     try:
         if path.is_dir():  # DeepSpeed's, rewritten in place: a kill during a write leaves a file cut short
-            path, shards = _deepspeed_files(path)
-            if not shards or not all(zipfile.is_zipfile(s) for s in shards):  # a zip's directory is at its end
+            path, files = _deepspeed_files(path)
+            if not all(zipfile.is_zipfile(f) for f in files):  # a zip's directory is at its end
                 return None
         return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("global_step", -1))
     except Exception:  # a torn or foreign file: not a candidate

@@ -122,6 +122,10 @@ def test_deepspeed_directories_are_ranked_by_their_step_and_a_torn_one_is_passed
     for n in (9, 10):  # an older layout's folders without their files: none is a whole checkpoint
         (run / f"hpc_ckpt_{n}.ckpt").mkdir()
     assert latest_checkpoint(run, ckpts) == ckpts / "step=0000040.ckpt"
+    stage3 = run / "hpc_ckpt_11.ckpt"  # ZeRO stage 3: each rank's model states, the step in rank 0's
+    _deepspeed(stage3, 70, written=3000)
+    (stage3 / "checkpoint/mp_rank_00_model_states.pt").rename(stage3 / "checkpoint/zero_pp_rank_0_mp_rank_00_model_states.pt")
+    assert latest_checkpoint(run, ckpts) == stage3
 
 
 def test_a_tie_goes_to_last_ckpt_and_an_unreadable_sole_candidate_is_still_returned(tmp_path):
