@@ -62,17 +62,20 @@ def test_a_task_directory_refuses_another_line(tmp_path):
     assert _task(repo, taskfile, 0).returncode == 0
 
 
-def test_a_second_config_in_the_line_keeps_the_task_directory_and_windows_line_ends_are_dropped(tmp_path):
+def test_a_config_in_the_line_comes_before_the_overrides_and_windows_line_ends_are_dropped(tmp_path):
     """A line that adds a config (every config sets default_root_dir) still runs in its task's directory: the
     directory comes after the line's arguments. A task file saved with CRLF line ends reads as with LF."""
     repo = _repo(tmp_path)
     taskfile = repo / "sweep.txt"
     taskfile.write_bytes(b"configs/base.yaml --config configs/ddp.yaml --model.optim.lr=1e-3\r\n"
                          b"configs/tiny.yaml\r\n")
-    out = _task(repo, taskfile, 0)
+    out = _task(repo, taskfile, 0, "--trainer.max_steps=9")
     assert out.returncode == 0, out.stderr
+    # the configs first (an override before a config that sets the key is refused by lwm), then the common
+    # overrides, the line's own, and the task's directory
     assert out.stdout.splitlines()[-1] == ("train.sbatch configs/base.yaml --config configs/ddp.yaml "
-                                           "--model.optim.lr=1e-3 --trainer.default_root_dir=runs/sweep/task_0")
+                                           "--trainer.max_steps=9 --model.optim.lr=1e-3 "
+                                           "--trainer.default_root_dir=runs/sweep/task_0")
     out = _task(repo, taskfile, 1)  # no overrides at all: empty arrays under set -u
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[-1] == "train.sbatch configs/tiny.yaml --trainer.default_root_dir=runs/sweep/task_1"
