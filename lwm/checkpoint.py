@@ -215,8 +215,9 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         return self._every_n_train_steps >= 1 and trainer.global_step % self._every_n_train_steps == 0
 
     def save_last_now(self, trainer: L.Trainer) -> None:
-        """Write ``last.ckpt`` now (from a training-batch hook: the state a step checkpoint would hold)."""
-        if self.save_last:
+        """Write ``last.ckpt`` now (from a training-batch hook: the state a step checkpoint would hold); not under
+        ``trainer.fast_dev_run`` (Lightning's: a trial that leaves no checkpoint)."""
+        if self.save_last and not trainer.fast_dev_run:
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
     def save_stop_now(self, trainer: L.Trainer) -> None:
@@ -225,6 +226,8 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         validation after it, where the ``last.ckpt`` write would make it skip the step as saved already. (Ranked
         by the step, the default monitor; a validation metric's ranking keeps Lightning's deferral.)"""
         step = trainer.global_step
+        if trainer.fast_dev_run:
+            return
         if self._step_due(trainer) and self.monitor in (None, "step") and self._last_global_step_saved != step:
             self._save_topk_checkpoint(trainer, self._monitor_candidates(trainer))
             self._defer_save_until_validation = False

@@ -235,7 +235,7 @@ def main(argv: list[str]) -> int:
     ``--config``, the config of the run the checkpoint belongs to (``RUN/config.yaml``), where there is one."""
     from lwm.checkpoint import checkpoint_file, load_checkpoint, run_of, warn_window_mismatch
     from lwm.errors import ConfigError
-    from lwm.lightning_cli import LwmCLI
+    from lwm.lightning_cli import LwmCLI, config_files
     from lwm.video import check_output
 
     parser = ArgumentParser(
@@ -251,9 +251,13 @@ def main(argv: list[str]) -> int:
     args, rest = parser.parse_known_args(argv)
     if args.max_windows is not None and args.max_windows < 1:
         raise ConfigError(f"--max-windows must be >= 1 (or left out: all), got {args.max_windows}")
+    has_config = bool(config_files(rest))  # (--config F, --config=F, -c F)
+    if args.ckpt_path == "last" and not has_config:
+        raise ConfigError("--ckpt_path last: which run's? Give --config CFG (its trainer.default_root_dir), or the "
+                          "run's folder as --ckpt_path RUN_DIR")
     run = run_of(args.ckpt_path)  # without --config: the config of the run the checkpoint belongs to
     config = run / "config.yaml" if run is not None else None
-    if config is not None and not any(a == "--config" or a.startswith("--config=") for a in rest):
+    if config is not None and not has_config:
         print(f"lwm codes: the run's config {config} (its data, window and seed; --config to give another)",
               file=sys.stderr)
         rest = ["--config", str(config), *rest]

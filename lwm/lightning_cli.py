@@ -8,6 +8,7 @@ it (`lwm data index` and `lwm --help` should not pay for Lightning).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import logging
 import os
@@ -17,10 +18,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+import lightning as L
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from typing_extensions import override
 
 from lwm.callbacks import (
     AttentionDiagonality, CodebookMonitor, CodeDictionaries, CopyLastBaseline, DeadCodeRevival, FlopCounter,
@@ -32,7 +35,8 @@ from lwm.checkpoint import (AtomicCheckpointIO, ModelCheckpoint, is_deepspeed_ch
 from lwm.data.datamodule import LatentDataModule
 from lwm.errors import ConfigError
 from lwm.loggers import WandbConfig, make_loggers, run_log_dir
-from lwm.module import WorldModelModule
+from lwm.module import OptimConfig, WorldModelModule
+from lwm.modules.world_model import WorldModelConfig
 from lwm.nonfinite import deepspeed_checks_overflow
 
 
@@ -127,6 +131,107 @@ def fit_resumes(ckpt_path: str | None, root: str) -> bool:
     return hpc and SLURMEnvironment.detect()
 
 
+class _SaveRunConfig(SaveConfigCallback):
+    """``RUN_DIR/config.yaml`` (and ``RUN_DIR/<verb>/config.yaml``); a fit's without its ``ckpt_path``: the run's
+    settings, not where this start resumed from (a copy of it starting another run would resume this one's
+    checkpoint; ``--ckpt_path last`` continues the run)."""
+
+    @override
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage == "fit" and self.config.get("ckpt_path") is not None:
+            self.config = self.config.clone()
+            self.config.ckpt_path = None
+        super().setup(trainer, pl_module, stage)
+
+
+class _RunLock:
+    """One fit at a time per RUN_DIR: an exclusive ``flock`` on ``RUN_DIR/.lwm.lock``, held by global rank 0 while
+    the fit runs (two fits into one folder would write the same ``last.ckpt`` and ``metrics.csv``; say the same
+    job submitted twice). The file names its holder (host, pid, SLURM job). Where the filesystem has no locks, none.
+    A SLURM requeue of the holder's own job goes on (its previous start is over, whatever a network filesystem's
+    lock says)."""
+
+    def __init__(self, run_dir: str) -> None:
+        import fcntl
+        import socket
+
+        self.path = os.path.join(run_dir, ".lwm.lock")
+        self._made = None if os.path.isdir(run_dir) else run_dir  # removed again if left empty (a check refused)
+        os.makedirs(run_dir, exist_ok=True)
+        job = os.environ.get("SLURM_JOB_ID", "")
+        self._file: Any = open(self.path, "a+")
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._file.seek(0)
+            holder = self._file.read().split()
+            self._file.close()
+            self._file = None
+            if job and len(holder) == 3 and holder[2] == job:
+                rank_zero_warn(f"{self.path}: held by this SLURM job's previous start ({' '.join(holder[:2])}): "
+                               f"going on")
+                return
+            who = f"pid {holder[1]} on {holder[0]}" + (f", SLURM job {holder[2]}" if len(holder) == 3 else "") \
+                if len(holder) >= 2 else "another process"
+            raise ConfigError(f"trainer.default_root_dir={run_dir}: another lwm fit is running in it ({who}; "
+                              f"{self.path}); wait for it, or start this one in another folder") from None
+        except OSError:  # no locks on this filesystem (some network ones): none taken
+            self._file.close()
+            self._file = None
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+            return
+        self._file.seek(0)
+        self._file.truncate()
+        self._file.write(f"{socket.gethostname()} {os.getpid()}{' ' + job if job else ''}\n")
+        self._file.flush()
+
+    def release(self) -> None:
+        """Removed, then unlocked (a fit started at that very moment may lock the removed file: as without one)."""
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+            self._file.close()
+            self._file = None
+            if self._made is not None:
+                with contextlib.suppress(OSError):  # (not empty: the run's files)
+                    os.rmdir(self._made)
+
+
+class _HoldRunLock(L.Callback):
+    """Takes :class:`_RunLock` for a fit at its setup, once the ranks can talk: global rank 0 locks and every rank
+    raises its refusal (a refusal on rank 0 alone before the process group exists leaves the others of an
+    ``srun``/``torchrun`` start waiting for it). Released at teardown (and by the CLI after the fit, whatever
+    happened)."""
+
+    def __init__(self) -> None:
+        self.lock: _RunLock | None = None
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        refusal = None
+        if trainer.is_global_zero:
+            try:
+                self.lock = _RunLock(trainer.default_root_dir)
+            except ConfigError as e:
+                refusal = str(e)
+        if trainer.world_size > 1:
+            refusal = trainer.strategy.broadcast(refusal, src=0)
+        if refusal is not None:
+            raise ConfigError(refusal)
+
+    @override
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.release()
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+
 class LwmCLI(LightningCLI):
     """LightningCLI for :class:`WorldModelModule` + :class:`LatentDataModule` with lwm's run layout."""
 
@@ -144,7 +249,9 @@ class LwmCLI(LightningCLI):
             seed_everything_default=0,
             # A parse error raises (parse_arguments makes it one line) instead of printing ~145 lines of usage.
             parser_kwargs={"parser_mode": "omegaconf+", "exit_on_error": False, "allow_abbrev": False},
+            save_config_callback=_SaveRunConfig,
             save_config_kwargs={"overwrite": True},  # a resumed run rewrites RUN_DIR/config.yaml
+            auto_configure_optimizers=False,  # the module's AdamW and schedule (model.optim), never --optimizer
             # the data module shards by rank itself; 4 validations per epoch (the requirement's), config or not
             trainer_defaults={"use_distributed_sampler": False, "val_check_interval": 0.25},
             args=args,
@@ -155,8 +262,16 @@ class LwmCLI(LightningCLI):
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         from omegaconf.errors import OmegaConfBaseException
 
+        given = [str(a) for a in args or []]
+        _check_sections(given, _option_names(parser))
+        _check_override_order(given)
         try:
             super().parse_arguments(parser, args)
+            config = self.config.get(self.config.get("subcommand") or "", self.config)
+            for key in _NOT_LIGHTNINGS_OPTIMIZER:
+                if config.get(key) is not None:
+                    raise ConfigError(f"{key}: lwm trains with its own AdamW and schedule, set under model.optim.* "
+                                      f"(Lightning's --optimizer and --lr_scheduler are not used)")
         except OmegaConfBaseException as e:  # an interpolation that names no key, say
             key = re.sub(r"^(fit|validate|test|predict)\.", "", str(getattr(e, "full_key", "") or ""))
             message = (str(getattr(e, "msg", "") or e).strip().splitlines() or [type(e).__name__])[0]
@@ -186,19 +301,35 @@ class LwmCLI(LightningCLI):
             "checkpoint.auto_insert_metric_name": False,
             "checkpoint.enable_version_counter": False,  # one run per RUN_DIR: last.ckpt is always the latest
         })
-        # Always-on callbacks, each configurable under its key (e.g. --revival.every_n_steps 10).
-        for key, callback in (
-            ("revival", DeadCodeRevival), ("codebooks", CodebookMonitor), ("diagonality", AttentionDiagonality),
-            ("sensitivity", Sensitivity), ("flops", FlopCounter), ("code_dictionaries", CodeDictionaries),
-            ("rollout_videos", RolloutVideos), ("copy_last", CopyLastBaseline), ("probes", GroundTruthProbes),
-            ("progress_bar", StepProgressBar), ("model_summary", ModelSummary),
-            ("slurm_requeue", SlurmRequeue),  # preemption, requeue; outside SLURM Ctrl-C and kill save too
-            ("lr_monitor", LearningRateMonitor),  # Train_Total/lr/pg1 (decayed weights), /pg2 (the rest)
-            ("prediction_writer", PredictionWriter),  # lwm predict only
+        # Always-on callbacks, each configurable under its key (e.g. --revival.every_n_steps 10); the title is
+        # its section's in --help.
+        for key, callback, title in (
+            ("revival", DeadCodeRevival, "dead-code revival of both quantizers"),
+            ("codebooks", CodebookMonitor, "codebook usage, diversity and EMA decay in the logs"),
+            ("diagonality", AttentionDiagonality, "the action encoder's temporal attention diagonality"),
+            ("sensitivity", Sensitivity, "action and world sensitivity (dPSNR) after each validation"),
+            ("flops", FlopCounter, "TFLOPs of training and MFU"),
+            ("code_dictionaries", CodeDictionaries, "code dictionaries (codes.pt) at the end of fit"),
+            ("rollout_videos", RolloutVideos, "rollout videos at validation"),
+            ("copy_last", CopyLastBaseline, "the copy-last-frame baseline of validation"),
+            ("probes", GroundTruthProbes, "NMI and linear probes of the codes against true labels"),
+            ("progress_bar", StepProgressBar, "the progress bar"),
+            ("model_summary", ModelSummary, "the model summary at the start"),
+            ("slurm_requeue", SlurmRequeue, "preemption and requeue; outside SLURM Ctrl-C and kill save too"),
+            ("lr_monitor", LearningRateMonitor, "the learning rate in the logs (Train_Total/lr/pg1, /pg2)"),
+            ("prediction_writer", PredictionWriter, "lwm predict's codes per window"),
         ):
             parser.add_lightning_class_args(callback, key)
+            parser.groups[key].title = f"{title} (``{key}.*``)"
+        parser.groups["checkpoint"].title = "checkpoints (``checkpoint.*``; Lightning's ModelCheckpoint)"
+        for key, title in (("model", "the training module (``model.*``)"), ("data", "the data (``data.*``)")):
+            if key in parser.groups:
+                parser.groups[key].title = title
         parser.set_defaults({"model_summary.max_depth": 2, "lr_monitor.logging_interval": "step"})
+        _help_from_comments(parser, {"model.net": WorldModelConfig, "model.optim": OptimConfig})
         parser.add_class_arguments(WandbConfig, "wandb")
+        for key in _NOT_LIGHTNINGS_OPTIMIZER:  # in the config.yaml of runs before lwm left them out: null, accepted
+            parser.add_argument(f"--{key}", type=Optional[Any], default=None, help=argparse.SUPPRESS)
         if self._verb_free:  # a fit's RUN_DIR/config.yaml records its ckpt_path: accepted there, and unused
             parser.add_argument("--ckpt_path", type=Optional[str], default=None,
                                 help="(read from a fit's config.yaml and ignored)")
@@ -420,6 +551,10 @@ class LwmCLI(LightningCLI):
         """Lightning's Trainer with lwm's run layout: checkpoints in ``RUN_DIR/checkpoints``, the loggers (CSV,
         wandb) in RUN_DIR (``RUN_DIR/<verb>`` for validate/test/predict), atomic checkpoint writes."""
         trainer_config = self._get(self.config_init, "trainer", default={})
+        if trainer_config.get("enable_checkpointing") is False:  # (Lightning: "found ModelCheckpoint in callbacks")
+            raise ConfigError("trainer.enable_checkpointing=false: lwm always checkpoints (last.ckpt is what "
+                              "--ckpt_path last, a signal and a SLURM requeue resume from); "
+                              "checkpoint.every_n_train_steps sets how often")
         run_dir = trainer_config.get("default_root_dir") or "."
         checkpoint = self._get(self.config_init, "checkpoint", default=None)
         if isinstance(checkpoint, ModelCheckpoint) and checkpoint.dirpath is None:  # RUN_DIR/checkpoints for
@@ -445,7 +580,12 @@ class LwmCLI(LightningCLI):
     def _run_subcommand(self, subcommand: str) -> None:
         if subcommand in ("validate", "test", "predict") and self.trainer.is_global_zero:
             self._warn_other_run(subcommand)
-        super()._run_subcommand(subcommand)
+        try:
+            super()._run_subcommand(subcommand)
+        finally:
+            for callback in self.trainer.callbacks:  # (teardown is not reached from every failure)
+                if isinstance(callback, _HoldRunLock):
+                    callback.release()
         if subcommand in ("validate", "test", "predict") and self.trainer.is_global_zero:
             rank_zero_info(f"lwm {subcommand}: its files are in {run_log_dir(self.trainer)}")  # not RUN_DIR itself
 
@@ -485,7 +625,52 @@ class LwmCLI(LightningCLI):
             callbacks = [c for c in callbacks if not isinstance(c, StepProgressBar)]
         if config.get("enable_model_summary") is False:
             callbacks = [c for c in callbacks if not isinstance(c, ModelSummary)]
+        if self.subcommand == "fit":
+            callbacks = [*callbacks, _HoldRunLock()]  # (before the config is saved: a refused fit writes none)
         return super()._instantiate_trainer(config, callbacks)
+
+
+def field_comments(cls: type) -> dict[str, str]:
+    """``{field: its comment}`` of a dataclass, from its source: the ``# comment`` at the end of the field's line,
+    else the comment lines right above it (the configs' one-line comments, which ``--help`` cannot read)."""
+    import dataclasses
+    import inspect
+    import io
+    import tokenize
+
+    names = {f.name for f in dataclasses.fields(cls)}
+    comments: dict[str, str] = {}
+    above: list[str] = []
+    field_of_line: dict[int, str] = {}
+    for token in tokenize.generate_tokens(io.StringIO(inspect.getsource(cls)).readline):
+        if token.type == tokenize.COMMENT:
+            text = token.string.lstrip("#").strip()
+            if token.start[0] in field_of_line:  # at the end of a field's line
+                comments[field_of_line[token.start[0]]] = text
+            else:
+                above.append(text)
+        elif token.type == tokenize.NAME and token.string in names and token.start[0] not in field_of_line \
+                and token.line[:token.start[1]].strip() == "":  # a field's name, first on its line
+            field_of_line[token.start[0]] = token.string
+            if above:
+                comments[token.string] = " ".join(above)
+        if token.type in (tokenize.NEWLINE, tokenize.NL) and token.start[0] not in field_of_line and \
+                not token.line.strip().startswith("#"):
+            above = []  # a blank or code line ends the comment block above
+    return comments
+
+
+def _help_from_comments(parser: Any, sections: dict[str, type]) -> None:
+    """``--help`` text of each field of the dataclasses under ``sections`` from their comments (none where the
+    source is not installed)."""
+    try:
+        helps = {f"{prefix}.{name}": text for prefix, cls in sections.items()
+                 for name, text in field_comments(cls).items()}
+    except (OSError, TypeError):  # inspect.getsource: no .py files
+        return
+    for action in parser._actions:
+        if action.dest in helps and not action.help:
+            action.help = helps[action.dest]
 
 
 def _as_lists(value: Any) -> Any:
@@ -572,6 +757,47 @@ def _config_file_with(args: list[str], key: str) -> str | None:
     return found
 
 
+def _check_sections(args: list[str], options: list[str]) -> None:
+    """A section of a ``--config`` file (``trainer:``, ``model: net:``) that is empty or a single value is one line
+    naming the file (jsonargparse raises a TypeError on some, and drops ``trainer: 5`` silently: a run on
+    Lightning's defaults)."""
+    sections = {o[2:].split(".")[0] for o in options if o.startswith("--") and "." in o} | _MODEL_SECTIONS
+    for path in config_files(args):
+        try:
+            node = _read_yaml(path)
+        except Exception:  # (broken files are named by parse_arguments)
+            continue
+        stack = [("", node)] if isinstance(node, dict) else []
+        while stack:
+            prefix, mapping = stack.pop()
+            for key, value in mapping.items():
+                name = f"{prefix}{key}"
+                if name not in sections:
+                    continue
+                if isinstance(value, dict):
+                    stack.append((f"{name}.", value))
+                else:
+                    raise ConfigError(f"--config {path}: {name} is {'empty' if value is None else repr(value)}, not "
+                                      f"a section of keys (give it keys, or leave it out)")
+
+
+# Lightning's optimizer arguments (LightningCLI(auto_configure_optimizers=False)): refused unless null
+_NOT_LIGHTNINGS_OPTIMIZER = ("optimizer", "lr_scheduler")
+_MODEL_SECTIONS = {"model.net", "model.optim"}  # (below the top level, only lwm's own: Lightning's take values too)
+
+
+def _check_override_order(args: list[str]) -> None:
+    """An override before a ``--config`` file that sets the same key is lost (the later file wins): one line."""
+    for i, arg in enumerate(args):
+        if not arg.startswith("--") or arg in ("--config", "-c") or arg.startswith("--config="):
+            continue
+        key = arg[2:].split("=", 1)[0]
+        later = _config_file_with(args[i + 1:], key)
+        if later is not None:
+            raise ConfigError(f"--{key} comes before --config {later}, which sets it again (a later config wins): "
+                              f"put the overrides after the --config files")
+
+
 _VERBS = r"(?:fit|validate|test|predict)\."
 
 
@@ -583,6 +809,11 @@ def parse_error_line(message: str, options: list[str], args: list[str] | None = 
     if match := re.fullmatch(r'Parser key "([^"]+)": Expected a <class \'(\w+)\'>\. Got value: (.*)', line):
         key, kind, value = match.groups()
         return f"{key}: expected {'an' if kind[0] in 'aeiou' else 'a'} {kind}, got {value}"
+    literal = re.fullmatch(r'Parser key "([^"]+)": .*?typing\.Literal\[([^\]]*)\].*Given value: (.*)', line)
+    if literal and ("Union subtypes" in line or "Expected a typing.Literal" in line):
+        key, choices, value = literal.groups()  # a Literal (or None) setting: its choices, not the Union dump
+        nullable = ", or null" if "NoneType" in line else ""
+        return f"{key}: expected one of {choices}{nullable}, got {value}"
     if match := re.fullmatch(r'Parser key "config": File does not exist: \'([^\']*)\'', line):  # made absolute
         path = next((c for c in config_files(args or []) if os.path.abspath(c) == match.group(1)), match.group(1))
         return f"--config {path}: file not found"
@@ -602,8 +833,12 @@ def parse_error_line(message: str, options: list[str], args: list[str] | None = 
         return line
     import difflib
 
-    hints = [m[0].removeprefix("--" if in_file else "") for g in given
-             if (m := difflib.get_close_matches(g, set(options), n=1, cutoff=0.75))]
+    def nearest(key: str) -> list[str]:  # the one option of the same last part (--max_steps, --model.lr), else
+        same = {o for o in options if o.rsplit(".", 1)[-1] == key.rsplit(".", 1)[-1].lstrip("-")}  # the closest
+        same = {o for o in same if o.split(".")[0] == key.split(".")[0]} or same
+        return sorted(same) if len(same) == 1 else difflib.get_close_matches(key, set(options), n=1, cutoff=0.75)
+
+    hints = [m[0].removeprefix("--" if in_file else "") for g in given if (m := nearest(g))]
     if hints:
         line += f" (did you mean {', '.join(hints)}?)"
     return f"{line}; see `--help` for the keys"

@@ -105,6 +105,12 @@ def test_did_you_mean_only_for_a_near_key():
     keys = ["--model.net.d_model", "--trainer.max_steps", "--data.window"]
     assert "did you mean --model.net.d_model?" in parse_error_line("unrecognized arguments: --model.net.dmodel=3", keys)
     assert "did you mean" not in parse_error_line("unrecognized arguments: --trainer.zz=3", keys)
+    # a key without its section, or in the wrong one: the one option of that name (a fuzzy match took --model)
+    keys += ["--model", "--model.optim.lr", "--revival.every_n_steps", "--slurm_requeue.every_n_steps"]
+    assert "did you mean --trainer.max_steps?" in parse_error_line("unrecognized arguments: --max_steps=3", keys)
+    assert "did you mean --model.optim.lr?" in parse_error_line("unrecognized arguments: --model.lr=3", keys)
+    assert "did you mean --revival.every_n_steps?" in parse_error_line(
+        "unrecognized arguments: --revival.every_n_step=3", keys)  # (two of that name elsewhere: the fuzzy match)
 
 
 def test_a_missing_required_key_is_named_as_its_option(capsys):

@@ -143,14 +143,14 @@ def test_a_fit_resumed_with_training_over_writes_missing_dictionaries(tmp_path, 
     at_fit = load_dictionaries(codes)
     codes.unlink()
     assert run(manifest, root, "--trainer.max_steps=3", "--data.val_size_percent=0", "--ckpt_path=last") == 0
-    assert dictionaries_step(codes) == 3 and "none of step 3" in caplog.text
+    assert dictionaries_step(codes) == 3 and "missing or not of step 3" in caplog.text
     again = load_dictionaries(codes)
     for name in ("Action_Encoder", "World_Encoder"):
         assert torch.equal(at_fit[name].tuples, again[name].tuples) and torch.equal(at_fit[name].counts, again[name].counts)
     before = codes.stat().st_mtime_ns
     caplog.clear()
     assert run(manifest, root, "--trainer.max_steps=3", "--data.val_size_percent=0", "--ckpt_path=last") == 0
-    assert codes.stat().st_mtime_ns == before and "none of step" not in caplog.text  # there: left alone
+    assert codes.stat().st_mtime_ns == before and "missing or not of step" not in caplog.text  # there: left alone
 
 
 @pytest.fixture(scope="module")
@@ -297,3 +297,10 @@ def test_codes_without_config_reads_the_runs_own(trained, capsys):
             for key, value in expected[name].items():
                 assert torch.equal(torch.load(path, weights_only=True)[name][key], value), (path, name, key)
         assert torch.load(path, weights_only=True)["windows"] == expected["windows"]
+
+
+def test_codes_last_without_a_config_asks_which_run(capsys):
+    assert main(["codes", "--ckpt_path", "last"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert errors == ["error: --ckpt_path last: which run's? Give --config CFG (its trainer.default_root_dir), or the "
+                      "run's folder as --ckpt_path RUN_DIR"], errors

@@ -58,7 +58,8 @@ class CodeDictionaries(L.Callback):
             missing = trainer.strategy.broadcast(missing, src=0)
         if missing:
             if trainer.is_global_zero:
-                log.warning(f"{path}: none of step {trainer.global_step} (the run ended at a preemption): writing it")
+                log.warning(f"{path}: missing or not of step {trainer.global_step} (training is over; a preemption "
+                            f"at its last step, say): writing it")
             self._write(trainer, pl_module)
 
     @staticmethod
@@ -70,6 +71,8 @@ class CodeDictionaries(L.Callback):
         if dm is None or not hasattr(dm, "code_loader"):
             return
         if any(getattr(c, "preempted", False) for c in trainer.callbacks):  # stopped by a signal (SlurmRequeue)
+            return
+        if trainer.fast_dev_run:  # Lightning's trial run: no files
             return
         was_training = pl_module.training
         pl_module.eval()

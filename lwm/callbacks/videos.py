@@ -35,7 +35,8 @@ class RolloutVideos(L.Callback):
 
     def _due(self, trainer: L.Trainer) -> bool:  # in fit, every n-th validation; `lwm validate`'s one, always
         cadence = trainer.state.fn != "fit" or self._validations % self.every_n_validations == 0
-        return not trainer.sanity_checking and trainer.is_global_zero and cadence
+        trial = trainer.state.fn == "fit" and trainer.fast_dev_run  # (Lightning's trial run: no files)
+        return not trainer.sanity_checking and trainer.is_global_zero and cadence and not trial
 
     @override
     def state_dict(self) -> dict[str, int]:  # a resumed run keeps the every-n-th-validation cadence

@@ -298,7 +298,7 @@ def main(argv: list[str]) -> int:
                     "in K worlds of different backgrounds, speeds and edges) as pixel-codec h5 files and a manifest.",
     )
     parser.add_argument("--out", required=True, help="output folder (ep_XXXX.h5 files and manifest.json)")
-    parser.add_argument("--episodes", type=int, default=64, help="number of episodes (files; default 64)")
+    parser.add_argument("--episodes", type=int, default=64, help="number of episodes, a file each (default 64)")
     parser.add_argument("--frames", type=int, default=32, help="frames per episode (default 32)")
     parser.add_argument("--seed", type=int, default=0, help="data set seed (default 0)")
     parser.add_argument("--val-fraction", type=float, default=0.125, help="fraction of episodes for validation")

@@ -56,6 +56,7 @@ def _code_dictionaries(rank: int) -> None:
     batch = {"latents": latents, "file_index": torch.tensor([0, 1]), "start": torch.tensor([0, 4])}
     loader = _Loader([batch], [f"/data/r{rank}_a.h5", f"/data/r{rank}_b.h5"])
     trainer = SimpleNamespace(datamodule=SimpleNamespace(code_loader=lambda n: loader), callbacks=[], world_size=2,
+                              fast_dev_run=False,
                               is_global_zero=rank == 0, checkpoint_callback=None, default_root_dir="/nonexistent",
                               precision_plugin=SimpleNamespace(forward_context=contextlib.nullcontext))
     module = SimpleNamespace(model=FakeEncoders(), device=torch.device("cpu"), training=True, eval=lambda: None,

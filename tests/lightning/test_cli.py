@@ -3,6 +3,7 @@ error line (exit 2) for each kind of bad input, before any training starts."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -202,6 +203,33 @@ def test_help_lists_the_verbs(capsys):
     assert exit_.value.code == 0
     out = capsys.readouterr().out
     assert all(verb in out for verb in ("fit", "validate", "test", "predict", "overfit", "data", "demo"))
+
+
+@dataclasses.dataclass
+class _Commented:
+    width: int = 4  # the width
+    # the depth, said above it
+    # over two lines
+    depth: int = 2
+
+    bare: int = 0
+    # a comment after the last field, of nothing
+
+
+def test_field_comments_are_the_end_of_line_or_the_lines_above():
+    from lwm.lightning_cli import field_comments
+
+    assert field_comments(_Commented) == {"width": "the width", "depth": "the depth, said above it over two lines"}
+
+
+def test_fit_help_describes_the_model_and_optimiser_fields_and_titles_the_sections(capsys):
+    with pytest.raises(SystemExit):
+        main(["fit", "--help"])
+    out = " ".join(capsys.readouterr().out.split())  # (the help wraps to the terminal's width)
+    assert "--model.net.d_model D_MODEL token width D (divisible by 4 and by n_heads) (type: int, default: 512)" in out
+    assert "--model.optim.lr LR peak learning rate (type: float, default: 0.0003)" in out
+    assert "--model.net.world_curriculum [ITEM,...] Optional world-token warm-up" in out  # the comment above it
+    assert "dead-code revival of both quantizers (``revival.*``):" in out
 
 
 def test_overfit_drives_the_tf_loss_towards_zero(tmp_path, capsys):
@@ -500,6 +528,68 @@ def test_a_fresh_fit_into_a_run_dir_holding_a_run_is_refused(tmp_path, capsys):
     assert run(manifest, root, "--trainer.max_steps=3", *common, "--ckpt_path=last") == 0
     assert torch.load(root / "checkpoints/last.ckpt", weights_only=True)["global_step"] == 3
     assert [int(r["step"]) for r in read_metrics(root) if "Train_Total/loss" in r] == [0, 1, 2]  # no second run
+
+
+def test_a_runs_config_yaml_starts_a_new_run_elsewhere_not_a_resume_of_it(tmp_path):
+    """RUN_DIR/config.yaml records the run's settings, not the checkpoint a start resumed from: a copy of it
+    pointed at another folder starts a new run (it resumed the first run's last.ckpt silently)."""
+    import yaml
+
+    manifest = make_dataset(tmp_path / "data", files=4)
+    root = tmp_path / "run"
+    common = ["--data.val_size_percent=0", "--checkpoint.every_n_train_steps=1"]
+    assert run(manifest, root, "--trainer.max_steps=2", *common) == 0
+    assert run(manifest, root, "--trainer.max_steps=3", *common, "--ckpt_path=last") == 0
+    saved = yaml.safe_load((root / "config.yaml").read_text())
+    assert saved["ckpt_path"] is None and saved["trainer"]["max_steps"] == 3
+    new = tmp_path / "new"
+    assert main(["fit", "--config", str(root / "config.yaml"), f"--trainer.default_root_dir={new}",
+                 "--trainer.max_steps=2"]) == 0
+    assert [int(r["step"]) for r in read_metrics(new) if "Train_Total/loss" in r] == [0, 1]  # from step 0
+    assert main(["fit", "--config", str(root / "config.yaml"), "--trainer.max_steps=4", "--ckpt_path=last"]) == 0
+    assert torch.load(root / "checkpoints/last.ckpt", weights_only=True)["global_step"] == 4  # `last` continues it
+
+
+def test_a_fast_dev_run_leaves_no_files(tmp_path):
+    """Lightning's trial run writes no checkpoint: lwm's last.ckpt, code dictionaries and videos neither (its
+    last.ckpt refused the real fit after it as a second run)."""
+    manifest = make_dataset(tmp_path / "data", files=4)
+    root = tmp_path / "run"
+    assert run(manifest, root, "--trainer.fast_dev_run=true") == 0
+    assert not root.exists() or not [p for p in root.rglob("*") if p.is_file()]
+    assert run(manifest, root, "--trainer.max_steps=1") == 0
+
+
+def test_one_fit_at_a_time_in_a_run_dir(tmp_path, capsys, monkeypatch):
+    """Two fits into one folder (the same job submitted twice) wrote one metrics.csv and last.ckpt: the second
+    is one line naming the first (host, pid), before any work; the lock goes with the fit."""
+    import os
+    import socket
+
+    from lwm.errors import ConfigError
+    from lwm.lightning_cli import _RunLock
+
+    manifest = make_dataset(tmp_path / "data", files=4)
+    root = tmp_path / "run"
+    holder = _RunLock(str(root))  # another fit, as far as the lock goes (a lock is per open file)
+    assert run(manifest, root, "--trainer.max_steps=1") == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: trainer.default_root_dir={root}: another lwm fit is running in it (pid {os.getpid()} "
+                      f"on {socket.gethostname()}; {root}/.lwm.lock); wait for it, or start this one in another "
+                      f"folder"], errors
+    assert sorted(p.name for p in root.iterdir()) == [".lwm.lock"]  # nothing else written
+    holder.release()
+    assert run(manifest, root, "--trainer.max_steps=1") == 0
+    assert not (root / ".lwm.lock").exists()  # released at the end
+    # a SLURM requeue of the holder's own job goes on (its previous start is over); another job's does not
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    first = _RunLock(str(tmp_path / "slurm"))
+    with pytest.warns(UserWarning, match="held by this SLURM job's previous start"):
+        _RunLock(str(tmp_path / "slurm")).release()
+    monkeypatch.setenv("SLURM_JOB_ID", "8")
+    with pytest.raises(ConfigError, match="SLURM job 7"):
+        _RunLock(str(tmp_path / "slurm"))
+    first.release()
 
 
 def test_validates_results_table_is_whole_in_a_log(trained, tmp_path, capsys):

@@ -36,6 +36,10 @@ def manifest(tmp_path_factory):
         (["--checkpoint.save_last=false"], "checkpoint.save_last=False: lwm needs true"),
         (["--checkpoint.dirpath=${trainer.nothere}/c"], "checkpoint.dirpath: ${trainer.nothere} names no key of the "
                                                         "config"),  # an omegaconf traceback
+        # jsonargparse's dump of the Union's subtypes and errors, in place of the choices
+        (["--wandb.mode=onlin"], "wandb.mode: expected one of 'online', 'offline', 'disabled', or null, got onlin"),
+        # Lightning's "found `ModelCheckpoint` in callbacks list", of a callback the user never added
+        (["--trainer.enable_checkpointing=false"], "trainer.enable_checkpointing=false: lwm always checkpoints"),
     ],
 )
 def test_bad_setting_is_one_error_line_naming_the_key(manifest, tmp_path, capsys, extra, message):
@@ -86,3 +90,55 @@ def test_an_interpolation_names_a_key_of_the_same_config_under_every_verb(manife
                                     "--e=${oc.env:HOME}", "${trainer.x}"]) == [
         "--checkpoint.dirpath=${..trainer.default_root_dir}/c", "--a.b", "${.c}-${..x}", "--e=${oc.env:HOME}",
         "${trainer.x}"]
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ("model:\n  net:\n", "model.net is empty, not a section of keys"),  # a TypeError traceback
+    ("model:\n  optim: 5\n", "model.optim is 5, not a section of keys"),
+    ("model: 5\n", "model is 5, not a section of keys"),
+    ("trainer: 5\n", "trainer is 5, not a section of keys"),  # dropped silently: a run on Lightning's defaults
+    ("data:\n", "data is empty, not a section of keys"),
+])
+def test_an_empty_or_single_value_section_of_a_config_file_is_one_line_naming_it(manifest, tmp_path, capsys, body,
+                                                                                   message):
+    extra = tmp_path / "extra.yaml"
+    extra.write_text(body)
+    root = tmp_path / "run"
+    assert run(manifest, root, "--trainer.max_steps=2", f"--config={extra}") == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: --config {extra}: {message} (give it keys, or leave it out)"], errors
+    assert not root.exists()
+
+
+def test_an_override_before_a_config_that_sets_the_key_again_is_refused(manifest, tmp_path, capsys):
+    """jsonargparse lets the later --config win: the override was lost without a word."""
+    from lwm.cli import main
+    from tests.lightning.helpers import TINY
+
+    root = tmp_path / "run"
+    assert main(["fit", "--trainer.max_steps=2", "--config", str(TINY), f"--data.manifest={manifest}",
+                 f"--trainer.default_root_dir={root}"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: --trainer.max_steps comes before --config {TINY}, which sets it again (a later config "
+                      f"wins): put the overrides after the --config files"], errors
+    assert not root.exists()
+
+
+@pytest.mark.parametrize("extra", [["--optimizer=SGD"], ["--lr_scheduler=StepLR"]])
+def test_lightnings_optimizer_options_are_refused(manifest, tmp_path, capsys, extra):
+    """`--optimizer SGD` replaced the module's AdamW, decay groups and schedule with a Lightning warning only."""
+    root = tmp_path / "run"
+    assert run(manifest, root, "--trainer.max_steps=1", *extra) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    key = extra[0][2:].split("=")[0]
+    assert errors == [f"error: {key}: lwm trains with its own AdamW and schedule, set under model.optim.* (Lightning's "
+                      f"--optimizer and --lr_scheduler are not used)"], errors
+    assert not root.exists()
+
+
+def test_a_config_yaml_of_a_run_from_before_keeps_loading(manifest, tmp_path):
+    """The config.yaml of runs before lwm left Lightning's optimizer arguments out holds them as null."""
+    old = tmp_path / "config.yaml"
+    old.write_text("optimizer: null\nlr_scheduler: null\n")
+    assert run(manifest, tmp_path / "run", "--trainer.max_steps=1", f"--config={old}") == 0
