@@ -833,10 +833,16 @@ def parse_error_line(message: str, options: list[str], args: list[str] | None = 
         return line
     import difflib
 
-    def nearest(key: str) -> list[str]:  # the one option of the same last part (--max_steps, --model.lr), else
-        same = {o for o in options if o.rsplit(".", 1)[-1] == key.rsplit(".", 1)[-1].lstrip("-")}  # the closest
-        same = {o for o in same if o.split(".")[0] == key.split(".")[0]} or same
-        return sorted(same) if len(same) == 1 else difflib.get_close_matches(key, set(options), n=1, cutoff=0.75)
+    def nearest(key: str) -> list[str]:  # the one option of the same last part (--max_steps, --model.lr), else the
+        last = key.rsplit(".", 1)[-1].lstrip("-")  # one in the same section whose last part has all its words
+        same = {o for o in options if o.rsplit(".", 1)[-1] == last}  # (every_n_steps: every_n_train_steps), else
+        same = {o for o in same if o.split(".")[0] == key.split(".")[0]} or same  # the closest
+        if len(same) == 1:
+            return sorted(same)
+        words = set(last.split("_"))
+        wider = {o for o in options if o.rsplit(".", 1)[0] == key.rsplit(".", 1)[0] and "." in key
+                 and words <= set(o.rsplit(".", 1)[-1].split("_"))}
+        return sorted(wider) if len(wider) == 1 else difflib.get_close_matches(key, set(options), n=1, cutoff=0.75)
 
     hints = [m[0].removeprefix("--" if in_file else "") for g in given if (m := nearest(g))]
     if hints:

@@ -111,6 +111,10 @@ def test_did_you_mean_only_for_a_near_key():
     assert "did you mean --model.optim.lr?" in parse_error_line("unrecognized arguments: --model.lr=3", keys)
     assert "did you mean --revival.every_n_steps?" in parse_error_line(
         "unrecognized arguments: --revival.every_n_step=3", keys)  # (two of that name elsewhere: the fuzzy match)
+    # the one key of that section whose name has all the given words, where the fuzzy match took another
+    keys += ["--checkpoint.every_n_epochs", "--checkpoint.every_n_train_steps"]
+    assert "did you mean --checkpoint.every_n_train_steps?" in parse_error_line(
+        "unrecognized arguments: --checkpoint.every_n_steps=3", keys)
 
 
 def test_a_missing_required_key_is_named_as_its_option(capsys):
