@@ -72,7 +72,9 @@ def _data_encode(args: argparse.Namespace) -> int:
 def _data_decode(args: argparse.Namespace) -> int:
     from lwm.data.convert import decode_file
 
-    print(f"wrote {decode_file(args.file, args.out, args.fps, args.vae, args.vae_tiling, device=args.device)}")
+    path = decode_file(args.file, args.out, args.fps, args.vae, args.vae_tiling, device=args.device,
+                       overwrite=args.overwrite)
+    print(f"wrote {path}")
     return 0
 
 
@@ -183,8 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="encode in overlapping spatial tiles (diffusers' enable_tiling): far less GPU memory at "
                              "512 px and up, faint seams possible")
     encode.add_argument("--overwrite", action="store_true",
-                        help="first remove the h5 files of each video's name already in --out (NAME.h5, NAME_NNNN.h5); "
-                             "without it they are refused")
+                        help="replace the h5 files of each video's name already in --out (NAME.h5, NAME_NNNN.h5) once "
+                             "the video is encoded (a failed encode leaves them); without it they are refused")
     encode.set_defaults(func=_data_encode)
 
     decode = data.add_parser("decode", help="decode an h5 latent file to a video through its codec")
@@ -197,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="decode in overlapping spatial tiles (diffusers' enable_tiling): far less GPU memory at "
                              "512 px and up, faint seams possible")
     decode.add_argument("--device", default="cpu", help="where the VAE runs")
+    decode.add_argument("--overwrite", action="store_true", help="replace an existing --out (default: refused)")
     decode.set_defaults(func=_data_decode)
 
     for verb, (_, text) in _OWN_PARSERS.items():

@@ -2,14 +2,15 @@
 
     lwm data encode VIDEO... --out DIR [--codec pixel|wan|cogvideox|hunyuan] [--vae PATH] [--size S] [--stride N]
                     [--segment N] [--vae-tiling] [--overwrite]
-    lwm data decode FILE.h5 --out VIDEO.mp4|.gif [--fps F] [--vae PATH]
+    lwm data decode FILE.h5 --out VIDEO.mp4|.gif [--fps F] [--vae PATH] [--overwrite]
 
 Frames are centre-cropped to a square and resized to the codec's size (128x128 for ``pixel``, 512x512 for the
 diffusers VAEs, which need ``--vae`` with their local weights; see :mod:`lwm.data.vae`). A ``--size`` whose latents
 the model cannot train on (height and width multiples of 4: ``pixel`` needs a multiple of 8, the VAEs one of 32)
 is refused before any video is read. One h5 file per video, or with ``--segment N`` one per ``N`` frames (then
 ``lwm data index DIR``), each logged in one line with its latent shape and any crop; files of a video's name
-already in ``DIR`` are refused (``--overwrite``: all removed first). Frames are read one at a time.
+already in ``DIR`` are refused (``--overwrite``: replaced once the video is encoded, the rest removed; a failed
+encode leaves them). Frames are read one at a time.
 The files record the frame rate of the frames they encode (the source's divided by ``--stride``, where the
 container says it) as the ``fps`` attribute, which decoding and ``lwm generate`` play them at by default.
 """
@@ -30,6 +31,7 @@ from lwm.data.codecs import PixelCodec, codec_from_attr, missing_codec
 from lwm.data.h5 import MODEL_MULTIPLE, DataError, file_fps, inspect_h5
 from lwm.data.vae import SPATIAL, TEMPORAL, latent_frames, video_frames
 from lwm.errors import first_line
+from lwm.files import remove_stale_temp_files, temp_path
 
 CODECS = ("pixel", "wan", "cogvideox", "hunyuan")
 
@@ -176,7 +178,7 @@ def write_latents(target: Path, codec, frames: np.ndarray, actions: np.ndarray |
     attribute; optional per-frame ``actions``, subsampled to latent steps, ``world_label`` and other ``attrs``);
     written to a temporary name and renamed, so a failure never leaves a half-written file. Returns the clipped
     count."""
-    tmp = target.with_name(target.name + ".tmp")
+    tmp = temp_path(target)  # (a kill leaves it: the next encode into the folder sweeps it)
     clipped, n = 0, 0
     try:
         with h5py.File(tmp, "w") as f:
@@ -218,17 +220,18 @@ def source_video(path: Path) -> str | None:
     return value.decode() if isinstance(value, bytes) else (str(value) if value is not None else None)
 
 
-def earlier_outputs(out: Path, video: str | Path) -> list[Path]:
-    """The files in ``out`` an earlier encode of ``video`` wrote: ``stem.h5`` (where this encode writes, whichever
-    video wrote it) and ``stem_NNNN.h5``, its segments of any ``--segment``, recorded as encoded from this video
-    (by name alone where written before lwm recorded it): ``scene_0001.h5`` encoded from ``scene_0001.mp4`` is
-    not a segment of ``scene.mp4``. Sorted."""
+def earlier_outputs(out: Path, video: str | Path, segmented: bool = False) -> list[Path]:
+    """The files in ``out`` an earlier encode of ``video`` wrote: ``stem.h5`` and ``stem_NNNN.h5``, its segments of
+    any ``--segment``, recorded as encoded from this video (by name alone where written before lwm recorded it):
+    ``scene_0001.h5`` encoded from ``scene_0001.mp4`` is not a segment of ``scene.mp4``. Unless ``segmented``,
+    ``stem.h5`` is where this encode writes: that one whichever video wrote it. Sorted."""
     if not out.is_dir():
         return []
     name, stem = Path(video).name, Path(video).stem
     segment = re.compile(re.escape(stem) + r"_\d{4,}\.h5")
     return sorted(p for p in out.iterdir() if p.is_file() and (
-        p.name == f"{stem}.h5" or (segment.fullmatch(p.name) and source_video(p) in (None, name))))
+        (p.name == f"{stem}.h5" and not segmented) or
+        ((p.name == f"{stem}.h5" or segment.fullmatch(p.name)) and source_video(p) in (None, name))))
 
 
 def encode_videos(videos: list[str], out: str | Path, codec: str = "pixel", stride: int = 1,
@@ -240,9 +243,10 @@ def encode_videos(videos: list[str], out: str | Path, codec: str = "pixel", stri
     line per file. Frames are read and resized one at a time: memory holds one file's frames at the codec's
     size (``segment`` bounds it for long videos). Where ``out`` already holds a file of a video's name
     (:func:`earlier_outputs`: an earlier encode's, perhaps of other segments) it is refused before any video is
-    read, unless ``overwrite``: then the video's new files replace them, and those left over (other segments) are
-    removed after (a failed encode leaves them); another video's file is never touched. A ``size`` whose
-    latents the model cannot train on is refused first (:func:`check_size`)."""
+    read, unless ``overwrite``: then the video's new files replace them once all of them are written (they are
+    written to temporary names: a failed encode leaves the old files as they were), and those left over (other
+    segments) are removed; another video's file is never touched. A ``size`` whose latents the model cannot train
+    on is refused first (:func:`check_size`)."""
     check_size(codec, size)
     for video in videos:  # fail on a missing video before loading a VAE
         if not Path(video).is_file():
@@ -253,7 +257,7 @@ def encode_videos(videos: list[str], out: str | Path, codec: str = "pixel", stri
         if other != video:
             raise DataError(f"{video}: same name as {other}, both would be written to {Path(out) / Path(video).stem}.h5 "
                             f"(encode them into different --out folders)")
-    earlier = {video: earlier_outputs(Path(out), video) for video in videos}
+    earlier = {video: earlier_outputs(Path(out), video, segment is not None) for video in videos}
     if not overwrite:
         for video, paths in earlier.items():
             if paths:
@@ -268,28 +272,28 @@ def encode_videos(videos: list[str], out: str | Path, codec: str = "pixel", stri
                         f"e.g. --segment {1 + TEMPORAL * max(1, (segment - 1) // TEMPORAL)}"))
     c = make_codec(codec, vae, size, device, dtype, tiling)
     out = Path(out)
+    made = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
+    remove_stale_temp_files(out)  # of encodes killed mid-way (their old files are whole)
     written: list[Path] = []
+    staged: list[tuple[Path, Path, str]] = []  # this video's (temporary file, target, log line), moved in at its end
 
     def write(target: Path, frames: list[np.ndarray], video: str, fps: float | None, source: tuple[int, int]) -> None:
-        if target in written:  # a segment name that another video's file already took
+        if target in written or target in [t for _, t, _ in staged]:  # a segment name another video's file took
             raise DataError(f"{video}: would overwrite {target}, written from another video (rename one)")
         other = source_video(target) if target.is_file() and target not in earlier[video] else None
         if other is not None and other != Path(video).name:  # a file of another video under this name: kept
             raise DataError(f"{video}: would overwrite {target}, encoded from {other} (rename one, or encode into "
                             f"another --out)")
         attrs = {SOURCE_ATTR: Path(video).name, **({"fps": fps / stride} if fps else {})}
-        clipped = write_latents(target, c, np.stack(frames), attrs=attrs)
-        what = f"{len(frames)} frames"
-        if c.frames_per_latent > 1:  # a VAE: latents, and the trailing frames that fill no group of 4
-            latents, dropped = latent_frames(len(frames)), len(frames) - video_frames(latent_frames(len(frames)))
-            what += f" -> {latents} latent frame{'s' if latents > 1 else ''}" + (
-                f", the last {dropped} dropped (no whole group of {TEMPORAL})" if dropped else "")
-        with h5py.File(target, "r") as f:
-            what += f", latents {list(f['latents'].shape)}"
+        tmp = temp_path(target)
+        staged.append((tmp, target, ""))
+        clipped = write_latents(tmp, c, np.stack(frames), attrs=attrs)
+        with h5py.File(tmp, "r") as f:
+            shape = list(f["latents"].shape)
         note = f", {clipped} values clipped to [-1, 1]" if clipped else ""
-        log(f"wrote {target} ({what}{note}{framing(source, c.size)})")
-        written.append(target)
+        staged[-1] = (tmp, target, f"wrote {target} ({frames_note(c, len(frames))}, latents {shape}{note}"
+                                   f"{framing(source, c.size)})")
 
     def encode(video: str, progress: Progress) -> None:
         stem, frames, part, fps = Path(video).stem, [], 0, source_fps(video)
@@ -313,30 +317,48 @@ def encode_videos(videos: list[str], out: str | Path, codec: str = "pixel", stri
                TimeElapsedColumn())
     with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
         for video in videos:
-            before = len(written)
             try:
                 encode(video, progress)
-            except BaseException:  # its new files beside its old ones would be indexed twice: removed
-                for path in written[before:]:
-                    path.unlink(missing_ok=True)
-                del written[before:]
+            except BaseException:  # its files written so far, to temporary names: removed (the old ones kept)
+                for tmp, _, _ in staged:
+                    tmp.unlink(missing_ok=True)
+                if made and not any(out.iterdir()):
+                    out.rmdir()
                 raise
-            for stale in earlier[video]:  # old segments would be indexed beside the new ones: removed once the
-                if stale not in written:  # new files are written (a failed encode leaves the old ones)
+            for tmp, target, line in staged:  # the whole video encoded: its files moved in
+                tmp.replace(target)
+                written.append(target)
+                log(line)
+            staged.clear()
+            for stale in earlier[video]:  # old segments would be indexed beside the new ones: removed
+                if stale not in written:
                     stale.unlink(missing_ok=True)
     return written
 
 
+def frames_note(codec, frames: int) -> str:
+    """``"N frames"`` encoded, for a log line; through a VAE also the latent frames and the trailing frames that
+    fill no group of :data:`TEMPORAL` (dropped)."""
+    what = f"{frames} frames"
+    if codec.frames_per_latent > 1:
+        latents, dropped = latent_frames(frames), frames - video_frames(latent_frames(frames))
+        what += f" -> {latents} latent frame{'s' if latents > 1 else ''}" + (
+            f", the last {dropped} dropped (no whole group of {TEMPORAL})" if dropped else "")
+    return what
+
+
 def decode_file(path: str | Path, out: str | Path, fps: float | None = None, vae: str | Path | None = None,
-                tiling: bool = False, device: str = "cpu") -> Path:
+                tiling: bool = False, device: str = "cpu", overwrite: bool = False) -> Path:
     """Decode an h5 file through the codec its ``codec`` attribute names and write the video, at ``fps`` (None: the
-    file's ``fps`` attribute, else 8). Refuses latents that are not finite or outside [-1, 1] (:func:`inspect_h5`'s
-    check): a codec would make them a wrong video, silently."""
+    file's ``fps`` attribute, else 8). Refuses an existing ``out`` (unless ``overwrite``) and latents that are not
+    finite or outside [-1, 1] (:func:`inspect_h5`'s check): a codec would make them a wrong video, silently."""
     from lwm.video import VIDEO_SUFFIXES, check_output, write_video
 
     if Path(out).suffix not in VIDEO_SUFFIXES:  # before any decoding
         raise DataError(f"{out}: the video must end in one of {', '.join(VIDEO_SUFFIXES)}")
     check_output(out, "--out", {"file": path})
+    if Path(out).exists() and not overwrite:
+        raise DataError(f"{out}: already there (--overwrite replaces it)")
     info = inspect_h5(path)
     with h5py.File(path, "r") as f:
         attr = f.attrs.get("codec")

@@ -84,6 +84,12 @@ def normalisation(name: str, config) -> tuple[list[float], list[float]]:
     return [0.0] * channels, [SPREAD / factor] * channels
 
 
+def _short(values) -> str:
+    """A normalisation's values for a message: the first, and how many more."""
+    values = [float(v) for v in values]
+    return f"{values[0]:.4g}" + (f" (and {len(values) - 1} more)" if len(values) > 1 else "")
+
+
 def geometry(name: str, config) -> tuple[int, int, int]:
     """``(spatial compression, temporal compression, patch size)`` that the VAE ``name``'s config declares."""
     if name == "wan":  # Wan 2.2's VAE is the same class with 16x space and 2x2 patches
@@ -235,5 +241,11 @@ class VAECodec:
         :func:`load_vae`); decoding uses the file's recorded transform (not the loaded config's), so it inverts
         exactly what was encoded."""
         vae = load_vae(spec["name"], vae_path, device, dtype, tiling)
+        shift, scale = normalisation(spec["name"], vae.config)  # other weights of the class (CogVideoX 2b vs 5b):
+        recorded = [float(v) for v in (*spec["shift"], *spec["scale"])]  # another scale, a wrong video silently
+        if len(recorded) != len(shift) + len(scale) or not np.allclose(recorded, [*shift, *scale], rtol=1e-4):
+            raise DataError(f"--vae {vae_path}: not the weights the file was encoded with (its {spec['name']} "
+                            f"normalisation differs: scale {_short(scale)} vs the file's {_short(spec['scale'])}); "
+                            f"decode with the VAE that encoded it")
         return cls(spec["name"], vae, int(spec["size"]), tuple(spec["shift"]), tuple(spec["scale"]),
                    int(spec.get("version", 1)), int(spec.get("frames_per_latent", TEMPORAL)))

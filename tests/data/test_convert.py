@@ -220,7 +220,7 @@ def test_a_bad_fps_attribute_is_one_line_for_index_and_decode(tmp_path, capsys, 
 def test_encoding_again_where_a_videos_files_are_is_refused_before_reading_unless_overwrite(tmp_path, capsys,
                                                                                             monkeypatch):
     """--segment 3 then --segment 5 would leave long_0002.h5 of the first beside the second's files (its frames
-    indexed twice): refused, naming a file; with overwrite, all of that name's old files go first."""
+    indexed twice): refused, naming a file; with overwrite, all of that name's old files are replaced."""
     from lwm.data import convert
 
     frames = np.random.default_rng(3).integers(0, 256, (7, 24, 24, 3), dtype=np.uint8)
@@ -330,6 +330,63 @@ def test_overwrite_replaces_only_the_videos_own_files(tmp_path):
     # the failed encode's first segment is removed, its old file kept: never both, indexed twice
     assert sorted(p.name for p in out.iterdir()) == ["scene.h5", "scene_0001.h5", "scene_0002.h5"]
     assert (out / "scene.h5").read_bytes() == whole
+
+
+def test_a_failed_overwrite_leaves_the_old_files_as_they_were(tmp_path, monkeypatch):
+    """Each new segment was renamed over the old one as it was written: a failure later in the video removed the
+    new ones, and with them the old files of those names (a torn mix of old segments was left)."""
+    frames = np.random.default_rng(5).integers(0, 256, (12, 16, 16, 3), dtype=np.uint8)
+    video = write_video(tmp_path / "long.gif", frames)
+    out = tmp_path / "h5"
+    convert.encode_videos([str(video)], out, size=16, segment=3, log=lambda line: None)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert sorted(before) == [f"long_000{i}.h5" for i in range(4)]
+    real = convert.iter_video
+
+    def broken(*args, **kwargs):  # a decode error after two files' worth of frames
+        for i, frame in enumerate(real(*args, **kwargs)):
+            if i == 8:
+                raise DataError(f"{video}: broken frame 8")
+            yield frame
+
+    monkeypatch.setattr(convert, "iter_video", broken)
+    lines = []
+    with pytest.raises(DataError, match="broken frame 8"):
+        convert.encode_videos([str(video)], out, size=16, segment=3, log=lines.append, overwrite=True)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before and not lines  # no temporary files either
+
+
+def test_a_segmented_overwrite_keeps_another_videos_file_of_the_name(tmp_path):
+    """long.h5 of long.mp4 was removed by `encode long.gif --segment 3 --overwrite`, which never writes long.h5."""
+    rng = np.random.default_rng(6)
+    mp4 = write_video(tmp_path / "long.mp4", rng.integers(0, 256, (4, 16, 16, 3), dtype=np.uint8))
+    gif = write_video(tmp_path / "long.gif", rng.integers(0, 256, (6, 16, 16, 3), dtype=np.uint8))
+    out = tmp_path / "h5"
+    convert.encode_videos([str(mp4)], out, size=16, log=lambda line: None)
+    kept = (out / "long.h5").read_bytes()
+    convert.encode_videos([str(gif)], out, size=16, segment=3, log=lambda line: None)  # refused no more either
+    convert.encode_videos([str(gif)], out, size=16, segment=3, log=lambda line: None, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == ["long.h5", "long_0000.h5", "long_0001.h5"]
+    assert (out / "long.h5").read_bytes() == kept and convert.source_video(out / "long_0000.h5") == "long.gif"
+
+
+def test_a_failed_encode_leaves_no_new_folder(tmp_path, capsys):
+    broken = tmp_path / "broken.mp4"
+    broken.write_bytes(b"not a video")
+    assert main(["data", "encode", str(broken), "--out", str(tmp_path / "new")]) == 2
+    assert str(broken) in capsys.readouterr().err and not (tmp_path / "new").exists()
+
+
+def test_decode_refuses_an_existing_video_unless_overwrite(tmp_path, capsys):
+    """`lwm data decode x.h5 --out clip.mp4` replaced the source clip.mp4 with its decoded crop."""
+    data = _pixel_file(tmp_path / "x.h5")
+    out = tmp_path / "clip.gif"
+    out.write_bytes(b"the user's video")
+    assert main(["data", "decode", str(data), "--out", str(out)]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"error: {out}: already there (--overwrite replaces it)"]
+    assert out.read_bytes() == b"the user's video"
+    assert main(["data", "decode", str(data), "--out", str(out), "--overwrite"]) == 0
+    assert iio.imread(out, index=None).shape[0] == 3
 
 
 def test_16_bit_frames_are_read_by_their_high_byte(tmp_path):

@@ -249,3 +249,17 @@ def test_a_broken_vae_config_and_an_unusable_device_are_one_line(tmp_path, vae_d
     if not torch.cuda.is_available():
         with pytest.raises(DataError, match=r"--device cuda: this machine has no CUDA GPU"):
             load_vae("cogvideox", vae_dirs["cogvideox"], device="cuda")
+
+
+@pytest.mark.parametrize("name", ["wan", "cogvideox"])
+def test_decoding_with_other_weights_of_the_class_is_refused(name, vae_dirs, tmp_path):
+    """CogVideoX 2b and 5b are one class with other scaling factors: the file's recorded transform and the loaded
+    config's differ, and the video came out wrong, silently."""
+    codec = VAECodec.load(name, vae_dirs[name], size=SIZE)
+    other = dict(TINY[name], **({"latents_std": [0.3] * 16} if name == "wan" else {"scaling_factor": 1.1526}))
+    torch.manual_seed(0)
+    getattr(diffusers, CLASSES[name])(**other).save_pretrained(tmp_path / "other")
+    with pytest.raises(DataError, match=rf"--vae {tmp_path / 'other'}: not the weights the file was encoded with "
+                                        rf"\(its {name} normalisation differs: scale"):
+        codec_from_attr(codec.attr, "f.h5", vae=str(tmp_path / "other"))
+    assert codec_from_attr(codec.attr, "f.h5", vae=str(vae_dirs[name])) is not None  # its own weights: decoded
