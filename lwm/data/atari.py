@@ -1,7 +1,7 @@
 """Real game footage from the Arcade Learning Environment: ``lwm data atari``.
 
     lwm data atari --games pong breakout --out DIR [--episodes 8] [--frames 256] [--seed 0]
-                   [--frame-skip 4] [--sticky 0.75] [--codec pixel | wan|cogvideox|hunyuan --vae PATH]
+                   [--frame-skip 4] [--sticky 0.75] [--codec pixel | wan|cogvideox|hunyuan --vae PATH] [--overwrite]
 
 ale-py is an optional extra (``pip install 'lwm[atari]'``; its wheel ships the ROMs). Each episode plays
 one game from a reset with a sticky-random policy: at each decision the previous action is repeated with
@@ -10,7 +10,11 @@ is ``--frame-skip`` emulator frames under the same action. An episode ends after
 game over. The 210x160 screen is resized (stretched) to the codec's square size and encoded; files hold
 
 * ``actions[t]``: the ALE action id (0..17, e.g. 0 NOOP, 1 FIRE, 3 RIGHT, 4 LEFT) taken after frame ``t``;
-* ``world_label``: the game's index in ``--games``, and the game's name in the ``game`` attribute.
+* ``world_label``: the game's index in ``--games``, and the game's name in the ``game`` attribute;
+* ``fps``: the emulator's 60 frames per second over ``--frame-skip``, the rate the recording plays at.
+
+``--out`` must hold no other h5 files (they would join the manifest); files of this run's names (an earlier
+recording) are refused unless ``--overwrite``. Every argument is checked before a VAE is loaded.
 
 With a video-VAE codec (4 frames per latent step) each action is held for 4 recorded frames from frame 0,
 so the action stored for latent transition ``k -> k+1`` (the one after frame ``4k``) is exactly the action
@@ -28,6 +32,7 @@ import numpy as np
 from lwm.errors import ArgumentParser, DataError
 
 SCREEN = (210, 160)
+ALE_FPS = 60  # the emulator's frames per second
 
 
 def _ale():
@@ -82,13 +87,11 @@ def stretch(video: np.ndarray, size: int) -> np.ndarray:
     return np.stack([np.asarray(Image.fromarray(f).resize((size, size), Image.BILINEAR)) for f in video])
 
 
-def make_dataset(out_dir: str | Path, game_list: list[str], episodes: int = 8, frames: int = 256, seed: int = 0,
-                 frame_skip: int = 4, sticky: float = 0.75, codec=None, val_fraction: float = 0.125, log=print) -> Path:
-    """Record ``episodes`` per game into ``out_dir/<game>_NNN.h5`` and index them; returns the manifest path."""
-    from lwm.data.codecs import PixelCodec
-    from lwm.data.convert import write_latents
-    from lwm.data.manifest import index_directory
-
+def check_arguments(out_dir: str | Path, game_list: list[str], episodes: int, frames: int, frame_skip: int,
+                    sticky: float, val_fraction: float, overwrite: bool = False) -> None:
+    """Refuse bad arguments in one line, before anything is recorded or loaded: the ranges, unknown or repeated
+    games (a repeat wrote its files twice, under a second label), and an ``out_dir`` holding other h5 files, or
+    (unless ``overwrite``) this run's files or a manifest."""
     if not game_list:
         raise DataError("--games: name at least one game")
     if episodes < 1 or frames < 2 or frame_skip < 1 or not 0.0 <= sticky <= 1.0:
@@ -96,10 +99,42 @@ def make_dataset(out_dir: str | Path, game_list: list[str], episodes: int = 8, f
                         f"{episodes}, {frames}, {frame_skip}, {sticky}")
     if not 0.0 <= val_fraction < 1.0:  # before any episode is recorded (index_directory would refuse it after)
         raise DataError(f"--val-fraction must lie in [0, 1), got {val_fraction}")
+    repeated = sorted({g for g in game_list if game_list.count(g) > 1})
+    if repeated:
+        raise DataError(f"--games: {', '.join(repeated)} named twice (each game is one world label)")
     known = set(games())
     unknown = [g for g in game_list if g not in known]
     if unknown:
         raise DataError(f"--games: unknown game(s) {', '.join(unknown)} (ale-py knows {len(known)}, e.g. pong, breakout)")
+    out = Path(out_dir)
+    if not out.is_dir():
+        return
+    names = {_name(game, i) for game in game_list for i in range(episodes)}
+    h5 = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.suffix in (".h5", ".hdf5") and p.is_file())
+    others = [p for p in h5 if p not in names]
+    if others:
+        shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        raise DataError(f"{out}: already holds other h5 files ({shown}), which would join the manifest; record "
+                        f"into another --out")
+    if not overwrite and (h5 or (out / "manifest.json").exists()):
+        raise DataError(f"{out / (h5[0] if h5 else 'manifest.json')}: exists (--overwrite replaces it, or record "
+                        f"into another --out)")
+
+
+def _name(game: str, episode: int) -> str:
+    return f"{game}_{episode:03d}.h5"
+
+
+def make_dataset(out_dir: str | Path, game_list: list[str], episodes: int = 8, frames: int = 256, seed: int = 0,
+                 frame_skip: int = 4, sticky: float = 0.75, codec=None, val_fraction: float = 0.125, log=print,
+                 overwrite: bool = False) -> Path:
+    """Record ``episodes`` per game into ``out_dir/<game>_NNN.h5`` and index them; returns the manifest path.
+    Arguments as :func:`check_arguments` checks them."""
+    from lwm.data.codecs import PixelCodec
+    from lwm.data.convert import frames_note, write_latents
+    from lwm.data.manifest import index_directory
+
+    check_arguments(out_dir, game_list, episodes, frames, frame_skip, sticky, val_fraction, overwrite)
     codec = codec or PixelCodec()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -107,13 +142,13 @@ def make_dataset(out_dir: str | Path, game_list: list[str], episodes: int = 8, f
         for i in range(episodes):
             ep_seed = int(np.random.SeedSequence([seed, label, i]).generate_state(1)[0])
             video, actions = record(game, ep_seed, frames, frame_skip, sticky, hold=codec.frames_per_latent)
-            target = out / f"{game}_{i:03d}.h5"
+            target = out / _name(game, i)
             clipped = write_latents(target, codec, stretch(video, codec.size), actions, world_label=label,
-                                    attrs={"game": game})
+                                    attrs={"game": game, "fps": ALE_FPS / frame_skip})
             with h5py.File(target, "r") as f:
                 shape = list(f["latents"].shape)
             note = f", {clipped} values clipped to [-1, 1] ({clipped / np.prod(shape):.2%})" if clipped else ""
-            log(f"wrote {target} ({len(video)} frames, latents {shape}{note})")
+            log(f"wrote {target} ({frames_note(codec, len(video))}, latents {shape}{note})")
     return index_directory(out, val_fraction=val_fraction, seed=seed).path
 
 
@@ -126,19 +161,24 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", required=True, help="output folder (h5 files and manifest.json)")
     parser.add_argument("--episodes", type=int, default=8, help="episodes per game (default 8)")
     parser.add_argument("--frames", type=int, default=256, help="frames per episode at most (default 256)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the episodes and the train/val split (default 0)")
     parser.add_argument("--frame-skip", type=int, default=4, help="emulator frames per recorded frame (default 4)")
     parser.add_argument("--sticky", type=float, default=0.75, help="probability of repeating the previous action")
-    parser.add_argument("--val-fraction", type=float, default=0.125)
+    parser.add_argument("--val-fraction", type=float, default=0.125, help="fraction of files in the val split "
+                        "(default 0.125)")
     parser.add_argument("--codec", default="pixel", help="pixel (default, 128x128) or wan|cogvideox|hunyuan (needs --vae)")
     parser.add_argument("--vae", help="local folder with the VAE's diffusers weights")
     parser.add_argument("--size", type=int, help="frame size (default: 128 pixel, 512 VAEs)")
     parser.add_argument("--device", default="cpu", help="where a VAE runs")
+    parser.add_argument("--overwrite", action="store_true", help="replace an earlier recording's files of these "
+                        "names in --out (default: refused)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     games()  # a clear error before anything else when ale-py is missing
+    check_arguments(args.out, args.games, args.episodes, args.frames, args.frame_skip, args.sticky,
+                    args.val_fraction, args.overwrite)  # before a VAE is loaded
     codec = make_codec(args.codec, args.vae, args.size, args.device)
     path = make_dataset(args.out, args.games, args.episodes, args.frames, args.seed, args.frame_skip, args.sticky,
-                        codec, args.val_fraction)
+                        codec, args.val_fraction, overwrite=args.overwrite)
     print(f"{path}: {args.episodes} episodes of {', '.join(args.games)} ({time.perf_counter() - start:.1f}s)")
     return 0

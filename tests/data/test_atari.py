@@ -54,3 +54,33 @@ def test_bad_atari_arguments(tmp_path, capsys):
     assert "--frames >= 2" in capsys.readouterr().err
     assert main(["data", "atari", "--games", "pong", "--val-fraction", "1.5", "--out", str(tmp_path / "y")]) == 2
     assert "--val-fraction must lie in [0, 1)" in capsys.readouterr().err and not (tmp_path / "y").exists()
+
+
+def test_an_earlier_recording_in_out_is_refused_before_recording(tmp_path, capsys, monkeypatch):
+    """A second run into one folder indexed the first run's extra episodes beside its own; `--games pong pong`
+    wrote pong_000.h5 twice, the file left with world label 1 of a one-game set."""
+    import lwm.data.atari as atari
+
+    out = tmp_path / "a"
+    assert main(["data", "atari", "--games", "pong", "--episodes", "2", "--frames", "4", "--out", str(out)]) == 0
+    with h5py.File(out / "pong_000.h5") as f:
+        assert f.attrs["fps"] == 15.0  # 60 emulator frames per second, 4 per recorded frame
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    capsys.readouterr()
+    monkeypatch.setattr(atari, "record", lambda *a, **k: pytest.fail("recorded before refusing"))
+    for argv, message in [
+        (["--episodes", "1"], f"{out}: already holds other h5 files (pong_001.h5), which would join the manifest"),
+        (["--episodes", "2"], f"{out / 'pong_000.h5'}: exists (--overwrite replaces it, or record into another --out)"),
+        (["--episodes", "1", "--games", "pong", "pong"], "--games: pong named twice (each game is one world label)"),
+        (["--episodes", "1", "--codec", "wan", "--vae", str(tmp_path / "no_vae")], "already holds other h5 files"),
+    ]:
+        games = [] if "--games" in argv else ["--games", "pong"]
+        assert main(["data", "atari", *games, "--frames", "4", "--out", str(out), *argv]) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and message in err[0], err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    monkeypatch.undo()
+    assert main(["data", "atari", "--games", "pong", "--episodes", "2", "--frames", "4", "--out", str(out),
+                 "--overwrite", "--seed", "1"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "pong_000.h5", "pong_001.h5"]
+    assert (out / "pong_000.h5").read_bytes() != before["pong_000.h5"]
