@@ -167,8 +167,9 @@ def _check_codec(attr: object, path: Path, C: int, H: int, W: int) -> None:
     except (TypeError, ValueError):
         size = spatial = 0
     if size < 1 or spatial < 1:
-        raise DataError(f"{path}: attribute 'codec' ({spec['name']}) needs an integer 'size' (frame pixels) and "
-                        f"'spatial' (compression), got {spec.get('size')!r}, {spec.get('spatial')!r}")
+        raise DataError(f"{path}: attribute 'codec' ({spec['name']}) needs an integer 'size' (frame pixels)" + (
+            f", got {spec.get('size')!r}" if pixel else
+            f" and 'spatial' (compression), got {spec.get('size')!r}, {spec.get('spatial')!r}"))
     side = size // spatial
     channels = 16 if pixel else C
     if (C, H, W) != (channels, side, side):

@@ -247,6 +247,8 @@ def test_a_codec_attribute_must_parse_and_fit_the_latents(tmp_path):
     wan = {"name": "wan", "size": 64, "shift": [0.0] * 4, "scale": [1.0] * 4}  # [4, 8, 8] latents
     assert inspect_h5(with_codec("wan.h5", json.dumps(wan), (4, 8, 8))).channels == 4
     refused(with_codec("wan_nosize.h5", json.dumps({"name": "wan"}), (4, 8, 8)), "(wan) needs an integer 'size'")
+    refused(with_codec("pixel_size.h5", json.dumps({"name": "pixel", "size": "abc"}), (16, 8, 8)),
+            "(pixel) needs an integer 'size' (frame pixels), got 'abc'")  # (not 'spatial': the pixel codec's is 2)
     wide = {**wan, "size": 128, "spatial": 16}  # a VAE of 16x spatial compression (recorded in the attribute)
     assert inspect_h5(with_codec("wan16.h5", json.dumps(wide), (4, 8, 8))).channels == 4
     refused(with_codec("wan_size.h5", json.dumps({**wan, "size": 128}), (4, 8, 8)), "for [4, 16, 16] latents")
