@@ -7,7 +7,8 @@
 2. **fit**: ``lwm fit --config configs/demo.yaml`` on it, ``OUT/run`` (``metrics.csv``, ``checkpoints/``
    with ``last.ckpt`` and ``codes.pt``, ``videos/`` of rollouts at validation);
 3. **validate**: the final checkpoint over every validation window: the losses, the copy-last-frame baseline
-   and the ground-truth probes (what ``lwm validate --ckpt_path OUT/run/checkpoints/last.ckpt`` reports);
+   and the ground-truth probes (what ``lwm validate --ckpt_path OUT/run/checkpoints/last.ckpt`` reports with
+   ``--data.val_size_percent=1``);
 4. **video**: a validation episode played forward from its first frame with the actions the model reads from
    it, under the ground truth (``OUT/rollout_inferred.mp4``), and four futures with actions sampled from the
    code dictionary (``OUT/rollout_sampled.mp4``);
@@ -15,9 +16,11 @@
    information about the true actions) and the path of every output.
 
 Run again with the same ``--out``, it resumes the run from ``OUT/run/checkpoints/last.ckpt`` (an interrupted
-demo continues where it stopped; a finished one is validated and reported again).
+demo continues where it stopped; a finished one is validated and reported again); other data settings than
+the first run's are refused.
 
-Any other ``--section.key=value`` is passed to ``lwm fit`` (e.g. ``--wandb.mode=offline``).
+Any other ``--section.key=value`` is passed to ``lwm fit`` (e.g. ``--wandb.mode=offline``), but for the keys
+that place the run and its data (:data:`OWN_KEYS`: the demo's, under ``--out``).
 """
 
 from __future__ import annotations
@@ -35,10 +38,12 @@ from lwm.errors import ArgumentParser, ConfigError
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 LAST = "checkpoints/last.ckpt"
+# the keys whose values the demo sets, the later stages reading them: the run's folder, its checkpoints, its data
+OWN_KEYS = ("--ckpt_path", "--trainer.default_root_dir", "--checkpoint.dirpath", "--data.manifest")
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    p = ArgumentParser(prog="lwm demo", description=__doc__.split("\n\n")[0],
+    p = ArgumentParser(prog="lwm demo", description=__doc__.split("\n\n")[0].replace("``", ""),
                        epilog="Other --section.key=value arguments go to `lwm fit`.")
     p.add_argument("--out", default="runs/demo", help="output folder (default runs/demo)")
     p.add_argument("--config", default=str(DEFAULT_CONFIG), help="the fit config (default configs/demo.yaml)")
@@ -47,12 +52,19 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--frames", type=int, default=16, help="frames per episode (default 16)")
     p.add_argument("--size", type=int, default=32, help="frame size in pixels; latents are size/2 (default 32)")
     p.add_argument("--distractors", type=int, default=0, help="drifting discs in the world (default 0)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the data and of the fit (default 0)")
     args, rest = p.parse_known_args(argv)
     if not Path(args.config).is_file():
         raise ConfigError(f"--config {args.config}: not found (configs/demo.yaml comes with the lwm repository)")
     if args.steps is not None and args.steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {args.steps}")
+    if args.episodes < 2:  # (lwm data synth's own rules come before any file is written)
+        raise ConfigError(f"--episodes must be >= 2 (one of every eight is held out for validation), got "
+                          f"{args.episodes}")
+    for key in OWN_KEYS:
+        if any(a.split("=")[0] == key for a in rest):
+            raise ConfigError(f"{key}: lwm demo sets it (its run lives in --out; run it again with the same --out "
+                              f"to resume it)")
     return args, rest
 
 
@@ -71,8 +83,6 @@ def main(argv: list[str] | None = None) -> int:
     from lwm.generate import run as generate
 
     args, rest = parse(argv or [])
-    if any(a.split("=")[0] == "--ckpt_path" for a in rest):
-        raise ConfigError("--ckpt_path: lwm demo resumes its own run (run it again with the same --out)")
     console = Console()
     out = Path(args.out)
     run_dir, times = out / "run", {}
@@ -80,7 +90,15 @@ def main(argv: list[str] | None = None) -> int:
     resume = latest_checkpoint(run_dir, run_dir / "checkpoints")
 
     shape = [f"--model.net.height={args.size // 2}", f"--model.net.width={args.size // 2}"]
-    read_config(["--config", args.config, *shape, *rest])  # a bad option: refused before the data is made
+    config = read_config(["--config", args.config, *shape, *rest])  # a bad option: refused before the data is made
+    window = int(config["data"]["window"])
+    if args.frames < window:
+        raise ConfigError(f"--frames {args.frames}: shorter than the fit's window (data.window {window}): the "
+                          f"episodes must hold one")
+    earlier = out / "data" / "manifest.json"  # more episodes than an earlier run's: its model, on other data
+    if earlier.is_file() and len(Manifest.load(earlier).entries) != args.episodes:
+        raise ConfigError(f"{earlier}: lists {len(Manifest.load(earlier).entries)} episodes (this run: --episodes "
+                          f"{args.episodes}); run the demo with its earlier settings, or into another --out")
     start = time.perf_counter()
     console.rule("[bold]1/4 data[/]: the synthetic world")
     manifest_path = make_dataset(out / "data", args.episodes, args.frames, args.seed, val_fraction=0.125,

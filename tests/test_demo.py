@@ -52,14 +52,35 @@ def test_the_demo_pipeline_end_to_end(tmp_path, capsys, recwarn):
     assert line in again.splitlines()
     assert torch.load(out / "run" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 12  # no more steps
 
+    # more episodes: the run of 24 would be resumed on other data and reported as the demo's result
+    assert main([*argv[:6], "30", *argv[7:]]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: {out / 'data' / 'manifest.json'}: lists 24 episodes (this run: --episodes 30); run the demo with "
+        f"its earlier settings, or into another --out"]
+    assert len(list((out / "data").glob("*.h5"))) == 24
+
 
 def test_bad_demo_arguments(tmp_path, capsys):
     assert main(["demo", "--out", str(tmp_path), "--config", str(tmp_path / "none.yaml")]) == 2
     assert "none.yaml: not found" in capsys.readouterr().err
     assert main(["demo", "--out", str(tmp_path), "--size", "40"]) == 2
     assert "multiple of 16" in capsys.readouterr().err
-    assert main(["demo", "--out", str(tmp_path), "--ckpt_path", "x.ckpt"]) == 2  # refused before any work
-    assert "lwm demo resumes its own run" in capsys.readouterr().err and not (tmp_path / "data").exists()
+    # the keys the demo sets (the later stages read the run, its checkpoints and its data where the demo put them:
+    # a --trainer.default_root_dir ended in a traceback after the whole fit), refused before any work
+    for key in ("--ckpt_path", "--trainer.default_root_dir", "--checkpoint.dirpath", "--data.manifest"):
+        for given in ([key, "x"], [f"{key}=x"]):
+            assert main(["demo", "--out", str(tmp_path), *given]) == 2
+            assert capsys.readouterr().err.splitlines() == [
+                f"error: {key}: lwm demo sets it (its run lives in --out; run it again with the same --out to resume it)"]
+    # what the fit would refuse once the data is made (and then the corrected run, as other data): refused first
+    assert main(["demo", "--out", str(tmp_path), "--frames", "7"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: --frames 7: shorter than the fit's window (data.window 8): the episodes must hold one"]
+    assert main(["demo", "--out", str(tmp_path), "--frames", "10", "--data.window=12"]) == 2
+    assert "--frames 10: shorter than the fit's window (data.window 12)" in capsys.readouterr().err
+    assert main(["demo", "--out", str(tmp_path), "--episodes", "1"]) == 2
+    assert "--episodes must be >= 2 (one of every eight is held out" in capsys.readouterr().err
+    assert not (tmp_path / "data").exists()
     assert main(["demo", "--out", str(tmp_path), "--model.net.dmodel=32"]) == 2  # checked before the data is made
     assert "(did you mean --model.net.d_model?)" in capsys.readouterr().err and not (tmp_path / "data").exists()
     assert main(["demo", "--out", str(tmp_path), "--model.net.mlp_ratio=0"]) == 2
