@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import warnings
 from typing import Any
 
 import lightning as L
@@ -21,6 +22,12 @@ from torch.utils.data import DataLoader, Dataset
 from lwm.errors import ArgumentParser, ConfigError
 
 TF_KEY = "Train_Dynamics_Predictor/tf_loss"
+# the keys lwm overfit sets itself, whatever the config or the command line says (and what to use instead)
+OWN_KEYS = {**{f"--trainer.{key}": "--steps" for key in ("max_steps", "max_epochs", "limit_train_batches")},
+            **{key: "" for key in ("--trainer.log_every_n_steps", "--trainer.accumulate_grad_batches",
+                                   "--trainer.limit_val_batches", "--trainer.val_check_interval",
+                                   "--trainer.num_sanity_val_steps", "--trainer.check_val_every_n_epoch",
+                                   "--checkpoint.dirpath", "--data.val_size_percent", "--data.batch_size")}}
 
 
 class _Repeat(Dataset):
@@ -69,6 +76,10 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     args, rest = parser.parse_known_args(argv)
     if args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
+    for key, instead in OWN_KEYS.items():  # given on the command line, and silently overridden: said
+        if any(a.split("=")[0] == key for a in rest):
+            warnings.warn(f"{key}: lwm overfit sets it itself (every step logged, one window, a batch of one, no "
+                          f"validation, checkpoints in its folder): ignored" + (f"; use {instead}" if instead else ""))
     return args, rest
 
 
@@ -121,6 +132,9 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
         raise ConfigError(f"--start {args.start}: {files.paths[args.file]} has {files.frames[args.file]} frames, "
                           f"window {dm.window}")
     model.check_data(dm.frame_shape, dm.window, str(dm.manifest_path))
+    if model.optim.warmup_steps >= args.steps:
+        warnings.warn(f"model.optim.warmup_steps {model.optim.warmup_steps} >= --steps {args.steps}: the whole overfit "
+                      f"runs in the warmup, below the peak lr (e.g. --model.optim.warmup_steps={args.steps // 10})")
 
     item = files[(args.file, args.start)]
     loader = DataLoader(_Repeat(item, args.steps), batch_size=1)

@@ -9,6 +9,7 @@ import logging
 import re
 
 import h5py
+import numpy as np
 import pytest
 import torch
 
@@ -248,13 +249,39 @@ def test_overfit_drives_the_tf_loss_towards_zero(tmp_path, capsys):
     again = tiny_args(manifest, tmp_path / "run", "--trainer.log_every_n_steps=50",
                       "--trainer.accumulate_grad_batches=3", "--trainer.check_val_every_n_epoch=null",
                       "--trainer.val_check_interval=500", verb="overfit")
-    assert main([*again, "--steps", "4"]) == 0
+    with pytest.warns(UserWarning) as said:
+        assert main([*again, "--steps", "4"]) == 0
+    said = [str(w.message) for w in said]  # given on the command line: each ignored key said, and the warmup
+    assert ("--trainer.accumulate_grad_batches: lwm overfit sets it itself (every step logged, one window, a batch of "
+            "one, no validation, checkpoints in its folder): ignored") in said
+    assert "--trainer.log_every_n_steps: lwm overfit sets it itself" in " ".join(said)
+    assert ("model.optim.warmup_steps 20 >= --steps 4: the whole overfit runs in the warmup, below the peak lr (e.g. "
+            "--model.optim.warmup_steps=0)") in said
     rows = [r for r in read_metrics(tmp_path / "run/overfit_2") if "Train_Dynamics_Predictor/tf_loss" in r]
     assert [int(r["step"]) for r in rows] == [0, 1, 2, 3]
     # its checkpoint names the trained window, as a fit's does (`lwm generate` slides by it)
     ckpt = torch.load(tmp_path / "run/overfit_2/checkpoints/last.ckpt", weights_only=True)
     assert trained_window(ckpt) == 6
     assert (tmp_path / "run/overfit/metrics.csv").read_bytes() == first  # the first run's file as it was
+
+
+def test_overfit_trains_on_the_window_its_file_and_start_name(tmp_path, capsys, monkeypatch):
+    import lwm.overfit
+    from lwm.data.manifest import Manifest
+
+    manifest = make_dataset(tmp_path / "data", files=4)
+    train = [Manifest.load(manifest).resolve(e) for e in Manifest.load(manifest).split("train")]
+    seen = []
+    monkeypatch.setattr(lwm.overfit, "_Repeat", lambda item, times: seen.append(item) or [item] * times)
+    assert run(manifest, tmp_path / "run", "--steps=1", "--file=1", "--start=2", verb="overfit") == 0
+    with h5py.File(train[1]) as f:  # the second train file's frames 2..7 (window 6), every step
+        np.testing.assert_array_equal(seen[0]["latents"].numpy(), f["latents"][2:8])
+    assert f"on one window ({train[1]}, frames 2..7)" in capsys.readouterr().out
+    frames = len(h5py.File(train[1])["latents"])
+    for flag, message in [("--file=3", "--file 3: the train split has 3 usable files (0..2)"),
+                          (f"--start={frames - 5}", f"--start {frames - 5}: {train[1]} has {frames} frames, window 6")]:
+        assert run(manifest, tmp_path / "run", "--steps=1", "--file=1", flag, verb="overfit") == 2
+        assert capsys.readouterr().err.splitlines() == [f"error: {message}"]
 
 
 def test_an_interrupted_overfit_does_not_advise_a_resume_it_refuses(tmp_path, caplog):
