@@ -35,7 +35,7 @@ import time
 import warnings
 from collections.abc import Iterator
 
-from lwm.errors import ArgumentParser, LwmError, NonFiniteLossError, positive_float, positive_int
+from lwm.errors import ArgumentParser, LwmError, NonFiniteLossError, frame_rate, positive_int
 
 LIGHTNING_VERBS = ("fit", "validate", "test", "predict")
 
@@ -192,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     decode = data.add_parser("decode", help="decode an h5 latent file to a video through its codec")
     decode.add_argument("file", help="h5 file with a `codec` attribute")
     decode.add_argument("--out", required=True, help="video path (.mp4 or .gif)")
-    decode.add_argument("--fps", type=positive_float, help="frame rate (default: the file's fps, which `lwm data "
+    decode.add_argument("--fps", type=frame_rate, help="frame rate (default: the file's fps, which `lwm data "
                         "encode` records, else 8)")
     decode.add_argument("--vae", help="the VAE's local diffusers weights, for files encoded with a VAE")
     decode.add_argument("--vae-tiling", action="store_true",

@@ -115,3 +115,14 @@ def positive_float(text: str) -> float:
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
     return value
+
+
+MAX_FPS = 1000  # frames per second a video is written at, at most (PyAV's H.264 fails at some rates above 65536)
+
+
+def frame_rate(text: str) -> float:
+    """An argparse ``type``: a frame rate, a number in (0, :data:`MAX_FPS`]."""
+    value = positive_float(text)
+    if value > MAX_FPS:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_FPS} frames per second, got {text}")
+    return value

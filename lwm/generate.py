@@ -30,7 +30,7 @@ import torch
 from lwm.codes import default_codes_path, dictionaries_step, load_dictionaries
 from lwm.data.codecs import codec_from_attr, codec_spec, missing_codec
 from lwm.data.h5 import DataError, check_frames, file_fps, inspect_h5
-from lwm.errors import ArgumentParser, ConfigError, positive_float
+from lwm.errors import ArgumentParser, ConfigError, frame_rate
 from lwm.metrics import random_indices
 from lwm.seeds import seeded_generator
 from lwm.video import (GRID_PAD, PREVIEW_SCALE, VIDEO_SUFFIXES, check_mp4_size, check_output, grid, latent_preview,
@@ -62,7 +62,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--codes", help="code dictionary (default: codes.pt beside the checkpoint)")
     p.add_argument("--window", type=int, help="frames the predictor attends to (default: its training window)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--fps", type=positive_float, help="frame rate (default: --data's fps, which `lwm data encode` "
+    p.add_argument("--fps", type=frame_rate, help="frame rate (default: --data's fps, which `lwm data encode` "
                    "records, else 8)")
     p.add_argument("--vae", help="the VAE's local diffusers weights, to decode files encoded with a VAE")
     p.add_argument("--vae-tiling", action="store_true",

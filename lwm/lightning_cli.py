@@ -141,6 +141,13 @@ class _SaveRunConfig(SaveConfigCallback):
         if stage == "fit" and self.config.get("ckpt_path") is not None:
             self.config = self.config.clone()
             self.config.ckpt_path = None
+        if stage != "fit" and not trainer.loggers and not self.already_saved:  # logger: false: Lightning's
+            path = run_log_dir(trainer) / self.config_filename  # trainer.log_dir is RUN_DIR, over the fit's config
+            if trainer.is_global_zero:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                self.parser.save(self.config, str(path), skip_none=False, overwrite=True, multifile=self.multifile)
+            self.already_saved = True
+            return
         super().setup(trainer, pl_module, stage)
 
 

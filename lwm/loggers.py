@@ -31,7 +31,7 @@ from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
-from lwm.errors import ConfigError
+from lwm.errors import ConfigError, first_line
 from lwm.files import atomic_write, remove_stale_temp_files
 
 
@@ -170,7 +170,13 @@ class WandbLogger(_LightningWandbLogger):
     def experiment(self):
         if self._experiment is None and self.save_dir:  # wandb writes into save_dir/wandb; made now, not earlier
             os.makedirs(self.save_dir, exist_ok=True)
-        experiment = super().experiment
+        try:
+            experiment = super().experiment
+        except Exception as e:  # wandb's UsageError ("No API key configured"): one line, not its traceback
+            if type(e).__name__ != "UsageError":
+                raise
+            raise ConfigError(f"wandb: {first_line(e)} (or set WANDB_API_KEY; --wandb.mode=offline logs without an "
+                              f"account)") from None
         if self._run_id_file is not None and rank_zero_only.rank == 0 and getattr(experiment, "id", None):
             path, self._run_id_file = self._run_id_file, None
             atomic_write(path, lambda f: f.write(f"{experiment.id}\n"), mode="w")
@@ -205,10 +211,15 @@ def make_loggers(root: str, wandb: WandbConfig = WandbConfig(), strict: bool = T
 
 def run_log_dir(trainer: L.Trainer) -> Path:
     """Where this run's files go: the CSV logger's folder (RUN_DIR, or RUN_DIR/<verb> for validate, test and
-    predict), else ``trainer.default_root_dir``. Not ``trainer.log_dir``, which broadcasts: callers may run on
-    rank 0 only."""
+    predict); without one (``trainer.logger: false``, ``fast_dev_run``'s dummy), ``trainer.default_root_dir``, or
+    its ``<verb>`` folder for those verbs (never the fit's files). Not ``trainer.log_dir``, which broadcasts:
+    callers may run on rank 0 only."""
     logger = trainer.loggers[0] if trainer.loggers else None
-    return Path(getattr(logger, "log_dir", None) or trainer.default_root_dir)
+    log_dir = getattr(logger, "log_dir", None)
+    if log_dir:
+        return Path(log_dir)
+    verb = trainer.state.fn.value if trainer.state.fn is not None else "fit"
+    return Path(trainer.default_root_dir) / ("" if verb == "fit" else verb)
 
 
 def _step(pl_module: L.LightningModule) -> int:

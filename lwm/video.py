@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lwm.errors import DataError
+from lwm.errors import MAX_FPS, DataError
 from lwm.files import atomic_write, remove_stale_temp_files
 
 VIDEO_SUFFIXES = (".mp4", ".gif")
@@ -99,8 +99,11 @@ def gif_delay_ms(fps: float) -> int:
 
 def write_video(path: str | Path, frames: np.ndarray, fps: float = 8) -> Path:
     """Write ``uint8 [T, H, W, 3]`` as ``.mp4`` (H.264, even sizes padded) or ``.gif``: encoded in memory, then
-    written to a temporary name and renamed, so a failure leaves the old file (if any), never a torn one."""
+    written to a temporary name and renamed, so a failure leaves the old file (if any), never a torn one. At most
+    :data:`~lwm.errors.MAX_FPS` (a file's recorded ``fps`` may be more: played at that)."""
     import imageio.v3 as iio
+
+    fps = min(fps, MAX_FPS)
 
     path = Path(path)
     if path.suffix not in VIDEO_SUFFIXES:

@@ -145,6 +145,8 @@ def test_an_os_error_not_about_a_path_keeps_its_traceback(monkeypatch):
     ["bench", "--steps", "x"],
     ["demo", "--steps", "x"],
     ["data", "decode", "f.h5", "--out", "x.gif", "--fps", "0"],
+    ["data", "decode", "f.h5", "--out", "x.gif", "--fps", "2000"],  # (PyAV fails at some rates above 65536)
+    ["generate", "--ckpt_path", "c.ckpt", "--data", "f.h5", "--fps", "1e5"],
     ["data", "synth", "--out", "x", "--episode", "4"],  # a prefix of --episodes: refused, not guessed
 ])
 def test_argument_errors_of_every_verb_are_one_line_without_the_usage_block(argv, capsys):

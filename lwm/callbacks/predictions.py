@@ -29,7 +29,7 @@ class PredictionWriter(BasePredictionWriter):
     def write_on_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, predictions: Any,
                            batch_indices: Any) -> None:
         batches = predictions[0] if predictions and isinstance(predictions[0], list) else predictions  # 1 loader
-        if not batches:
+        if not batches or trainer.fast_dev_run:  # (Lightning's trial run: no files)
             return
         files = trainer.datamodule.val_set.paths if trainer.datamodule is not None else None
         file_index = torch.cat([b["file_index"] for b in batches]).cpu()

@@ -25,6 +25,8 @@ class Sensitivity(L.Callback):
     def __init__(self, t: int = 4, batches: int = 1, seed: int = 0) -> None:
         bad = [f"sensitivity.{name} must be >= 1, got {value}" for name, value in (("t", t), ("batches", batches))
                if value < 1]
+        if seed < 0:  # (numpy's seeds are >= 0: a traceback at the first validation, after training)
+            bad.append(f"sensitivity.seed must be >= 0, got {seed}")
         if bad:
             raise ConfigError("\n".join(bad))
         self.t, self.batches, self.seed = t, batches, seed

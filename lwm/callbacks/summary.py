@@ -10,11 +10,18 @@ from lightning.pytorch.callbacks import RichModelSummary
 from lightning.pytorch.utilities.model_summary import get_formatted_model_size, get_human_readable_count
 from typing_extensions import override
 
+from lwm.errors import ConfigError
+
 HIDDEN_COLUMNS = ("FLOPs",)
 HIDDEN_PREFIXES = ("val_metrics",)
 
 
 class ModelSummary(RichModelSummary):
+    def __init__(self, max_depth: int = 1, **summarize_kwargs: Any) -> None:
+        if max_depth < -1:  # (Lightning's ValueError came at the fit's start, a traceback)
+            raise ConfigError(f"model_summary.max_depth must be -1 (all), 0 (none) or > 0, got {max_depth}")
+        super().__init__(max_depth, **summarize_kwargs)
+
     @staticmethod
     @override
     def summarize(summary_data: list[tuple[str, list[str]]], total_parameters: int, trainable_parameters: int,

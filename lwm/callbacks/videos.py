@@ -9,7 +9,7 @@ import lightning as L
 import torch
 from typing_extensions import override
 
-from lwm.errors import ConfigError
+from lwm.errors import MAX_FPS, ConfigError
 from lwm.loggers import log_video, run_log_dir
 from lwm.video import grid, latent_preview, write_video
 
@@ -26,6 +26,8 @@ class RolloutVideos(L.Callback):
     def __init__(self, every_n_validations: int = 4, clips: int = 2, fps: int = 4) -> None:
         bad = [f"rollout_videos.{name} must be >= 1, got {value}" for name, value in
                (("every_n_validations", every_n_validations), ("clips", clips), ("fps", fps)) if value < 1]
+        if fps > MAX_FPS:  # (PyAV's H.264 failed at 100000, after the validation: its metrics lost)
+            bad.append(f"rollout_videos.fps must be at most {MAX_FPS}, got {fps}")
         if bad:
             raise ConfigError("\n".join(bad))
         self.every_n_validations, self.clips, self.fps = every_n_validations, clips, fps
@@ -35,7 +37,7 @@ class RolloutVideos(L.Callback):
 
     def _due(self, trainer: L.Trainer) -> bool:  # in fit, every n-th validation; `lwm validate`'s one, always
         cadence = trainer.state.fn != "fit" or self._validations % self.every_n_validations == 0
-        trial = trainer.state.fn == "fit" and trainer.fast_dev_run  # (Lightning's trial run: no files)
+        trial = trainer.fast_dev_run  # (Lightning's trial run, of any verb: no files)
         return not trainer.sanity_checking and trainer.is_global_zero and cadence and not trial
 
     @override

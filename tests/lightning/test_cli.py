@@ -585,6 +585,17 @@ def test_a_fast_dev_run_leaves_no_files(tmp_path):
     assert run(manifest, root, "--trainer.fast_dev_run=true") == 0
     assert not root.exists() or not [p for p in root.rglob("*") if p.is_file()]
     assert run(manifest, root, "--trainer.max_steps=1") == 0
+    for video in (root / "videos").glob("*.mp4"):  # (a trial's video of the step would be the same bytes)
+        video.unlink()
+    files = {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
+    # the evaluation verbs' trial runs neither (a video and codes_per_window.pt went into the fit's own folder)
+    for verb in ("validate", "predict"):
+        assert run(manifest, root, "--trainer.fast_dev_run=true", "--ckpt_path=last", verb=verb) == 0
+        assert {p: p.read_bytes() for p in root.rglob("*") if p.is_file()} == files, verb
+    # without a logger, validate's files go into RUN_DIR/validate as with one (config.yaml replaced the fit's)
+    assert run(manifest, root, "--trainer.logger=false", "--ckpt_path=last", verb="validate") == 0
+    assert {p: p.read_bytes() for p in root.rglob("*") if p.is_file() and "validate" not in p.parts} == files
+    assert (root / "validate" / "config.yaml").is_file() and list((root / "validate" / "videos").glob("*.mp4"))
 
 
 def test_one_fit_at_a_time_in_a_run_dir(tmp_path, capsys, monkeypatch):

@@ -62,6 +62,24 @@ def test_wandb_is_offline_without_a_login_and_can_be_disabled(tmp_path, monkeypa
     assert len(make_loggers(str(tmp_path / "r3"), WandbConfig(mode="disabled"))) == 1
 
 
+def test_wandb_online_without_a_login_is_one_line(tmp_path, monkeypatch, capsys):
+    """wandb's UsageError ("No API key configured") came out as a 55-line traceback."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    manifest = make_dataset(tmp_path / "data", files=4)
+    args = [a for a in tiny_args(manifest, tmp_path / "run", "--trainer.max_steps=1") if a != "--wandb.mode=disabled"]
+    from lwm.cli import main
+
+    assert main([*args, "--wandb.mode=online"]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert "Traceback" not in err and len(lines) == 1 and "API key" in lines[0], err  # (wandb's own words)
+    assert lines[0].startswith("error: wandb: ") and lines[0].endswith(
+        "(or set WANDB_API_KEY; --wandb.mode=offline logs without an account)")
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 def test_a_resumed_fit_continues_its_wandb_run(tmp_path):
     """Each `lwm fit` is its own process (a requeue, a restart): the resumed one logs to the same wandb run id
     (offline: a second offline-run folder of that id, which `wandb sync` appends); a fit that starts afresh in
