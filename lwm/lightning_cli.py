@@ -505,6 +505,8 @@ class LwmCLI(LightningCLI):
         for callback in trainer.callbacks:
             if isinstance(callback, Sensitivity):
                 callback.check_window(dm.window)
+        if self.subcommand == "validate" and dm.val_size_percent == 0:  # (it ran, and reported nothing)
+            raise ConfigError("data.val_size_percent=0: lwm validate would validate no window (1: all of them)")
         self._check_eval_limit()
         if self.subcommand == "fit":
             self._check_val_interval()
@@ -593,7 +595,8 @@ class LwmCLI(LightningCLI):
             for callback in self.trainer.callbacks:  # (teardown is not reached from every failure)
                 if isinstance(callback, _HoldRunLock):
                     callback.release()
-        if subcommand in ("validate", "test", "predict") and self.trainer.is_global_zero:
+        evaluated = subcommand in ("validate", "test", "predict") and not self.trainer.fast_dev_run  # (a trial: none)
+        if evaluated and self.trainer.is_global_zero:
             rank_zero_info(f"lwm {subcommand}: its files are in {run_log_dir(self.trainer)}")  # not RUN_DIR itself
 
     def _warn_other_run(self, subcommand: str) -> None:

@@ -62,11 +62,14 @@ class StepProgressBar(RichProgressBar):
                  theme: RichProgressBarTheme = RichProgressBarTheme(), console_kwargs: dict[str, Any] | None = None,
                  text_every_s: float = 60.0) -> None:
         super().__init__(refresh_rate=refresh_rate, leave=leave, theme=theme, console_kwargs=console_kwargs)
-        if not text_every_s >= 0:
-            from lwm.errors import ConfigError
+        from lwm.errors import ConfigError
 
+        if not text_every_s >= 0:
             raise ConfigError(f"progress_bar.text_every_s must be >= 0 (0: no plain progress lines), got "
                               f"{text_every_s}")
+        if refresh_rate < 0:  # (turned the bar and the plain lines off, silently)
+            raise ConfigError(f"progress_bar.refresh_rate must be >= 0 (batches between refreshes; 0: no bar), got "
+                              f"{refresh_rate}")
         self.text_every_s = text_every_s
         self._start: tuple[float, int] | None = None  # (time, global step) of this process's first training batch
         self._last_text = 0.0

@@ -107,7 +107,7 @@ def test_data_of_another_shape_than_the_checkpoints_model_names_the_checkpoint(t
                           "[4, 32, 32] (use data of the checkpoint's shape, or a checkpoint trained on this data)"], argv
 
 
-def test_validate_with_another_window_than_the_checkpoints_says_so(trained, recwarn, caplog):
+def test_validate_with_another_window_than_the_checkpoints_says_so(trained, recwarn, caplog, capsys):
     manifest, root = trained  # trained on 6-frame windows
     assert main(tiny_args(manifest, root, "--ckpt_path=last", "--data.window=5", verb="validate")) == 0
     lines = [str(w.message) for w in recwarn if "was trained on" in str(w.message)]
@@ -117,6 +117,10 @@ def test_validate_with_another_window_than_the_checkpoints_says_so(trained, recw
         assert main(tiny_args(manifest, root, "--ckpt_path=last", verb="validate")) == 0
     assert not [w for w in recwarn if "was trained on" in str(w.message)]
     assert f"lwm validate: its files are in {root / 'validate'}" in caplog.text  # where, said
+    capsys.readouterr()  # none validated: one line, not a run that reports nothing
+    assert main(tiny_args(manifest, root, "--ckpt_path=last", "--data.val_size_percent=0", verb="validate")) == 2
+    assert [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")] == [
+        "error: data.val_size_percent=0: lwm validate would validate no window (1: all of them)"]
 
 
 def test_a_resumed_fit_keeps_the_configs_settings_and_may_change_what_is_not_shape(tmp_path, capsys):

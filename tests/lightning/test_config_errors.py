@@ -30,6 +30,7 @@ def manifest(tmp_path_factory):
         (["--flops.peak_tflops=-1"], "flops.peak_tflops must be a finite number > 0"),  # a negative MFU
         (["--probes.max_samples=0"], "probes.max_samples must be >= 4"),  # no probes at all
         (["--sensitivity.t=6", "--wandb.mode=offline"], "sensitivity.t must be < data.window (6: frames 0..5"),  # nothing logged
+        (["--progress_bar.refresh_rate=-1"], "progress_bar.refresh_rate must be >= 0"),  # the bar off, silently
         (["--sensitivity.seed=-1"], "sensitivity.seed must be >= 0, got -1"),  # at the first validation
         (["--rollout_videos.fps=100000"], "rollout_videos.fps must be at most 1000, got 100000"),  # PyAV, after it
         (["--model_summary.max_depth=-5", "--trainer.enable_model_summary=true"],
