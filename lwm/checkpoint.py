@@ -125,8 +125,11 @@ def checkpoint_file(path: str | Path, checkpoints: str | Path | None = None) -> 
     path = Path(path)
     if not path.is_dir() or is_deepspeed_checkpoint(path):  # a file; DeepSpeed's
         return path
-    folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-    return latest_checkpoint(folder.parent if folder != path else path, folder) or path
+    if (path / "checkpoints").is_dir():  # RUN_DIR
+        run, folder = path, path / "checkpoints"
+    else:  # its checkpoint folder (RUN_DIR/checkpoints: the hpc ones are in RUN_DIR), or a folder of checkpoints
+        run, folder = (path.parent if path.name == "checkpoints" else path), path
+    return latest_checkpoint(run, folder) or path
 
 
 def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> tuple[dict[str, Any], Any]:

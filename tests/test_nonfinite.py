@@ -62,7 +62,8 @@ def test_lwm_turns_on_deepspeeds_bf16_overflow_check_which_its_zero_optimizer_th
     from lightning.pytorch.plugins.precision import DeepSpeedPrecision
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
-    for precision, expected in (("bf16-mixed", {"enabled": True, "check_grad_overflow": True}), ("32-true", None)):
+    bf16 = {"enabled": True, "check_grad_overflow": True}
+    for precision, expected in (("bf16-mixed", bf16), ("bf16-true", bf16), ("32-true", None)):
         strategy = DeepSpeedStrategy(stage=2)
         strategy.precision_plugin = DeepSpeedPrecision(precision)
         deepspeed_checks_overflow(strategy)
@@ -86,6 +87,11 @@ def test_a_deepspeed_bf16_engine_that_would_apply_a_nan_update_is_refused():
     optimizer.check_grad_overflow = True
     check_deepspeed_skips_overflow(trainer)
     check_deepspeed_skips_overflow(SimpleNamespace(strategy=SimpleNamespace()))  # not DeepSpeed: nothing to check
+    # fp32: DeepSpeed's ZeRO optimizer has no overflow check there, and skips a step whose gradient norm is not
+    # finite (its compute_grad_norm, on by default): not refused
+    fp32 = SimpleNamespace(strategy=SimpleNamespace(deepspeed_engine=SimpleNamespace(
+        optimizer=SimpleNamespace(check_grad_overflow=False), bfloat16_enabled=lambda: False)))
+    check_deepspeed_skips_overflow(fp32)
 
 
 def test_the_longest_unread_run_survives_a_checkpoint():
@@ -97,5 +103,6 @@ def test_the_longest_unread_run_survives_a_checkpoint():
     skips.on_device(torch.tensor(False))  # the run ended before any read
     state = skips.state()
     assert state == {"total": 3, "in_a_row": 0, "longest_unread": 3}
+    assert SkippedSteps(**state).state() == state  # saved again before its read (a checkpoint every step): kept
     resumed = SkippedSteps(**state)
     assert resumed.in_a_row_on_device() == 3 and resumed.in_a_row_on_device() == 0

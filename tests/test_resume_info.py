@@ -146,9 +146,39 @@ def test_a_checkpoint_that_needs_unpickling_is_not_read(tmp_path):
     _save_step(ckpts / "last.ckpt", 5)
     _save_step(run / "hpc_ckpt_1.ckpt", 10, extra=NotAWeight())
     assert latest_checkpoint(run, ckpts) == ckpts / "last.ckpt"
+    from lwm.checkpoint import AtomicCheckpointIO
+
+    with pytest.raises(Exception, match="Unsupported global"):  # Lightning's loads: weights_only whatever it asks
+        AtomicCheckpointIO().load_checkpoint(run / "hpc_ckpt_1.ckpt", weights_only=False)
     with pytest.raises(DataError) as e:
         read_checkpoint(run / "hpc_ckpt_1.ckpt")
     # one plain line: what torch refused, not its advice to load with weights_only=False nor its escape codes
     assert str(e.value) == (f"{run / 'hpc_ckpt_1.ckpt'}: not a readable checkpoint (torch.load with weights_only=True: "
                             f"Unsupported global: GLOBAL {NotAWeight.__module__}.NotAWeight was not an allowed global "
                             f"by default)")
+
+
+def test_a_run_its_checkpoint_folder_and_last_name_its_latest_checkpoint(tmp_path):
+    """`lwm codes|generate` take the run's latest checkpoint where given the run, its checkpoint folder or `last`:
+    a step file newer than last.ckpt, or an hpc one (in RUN_DIR, not in the checkpoint folder)."""
+    from lwm.checkpoint import checkpoint_file
+
+    run, ckpts = tmp_path / "run", tmp_path / "run/checkpoints"
+    (run / "config.yaml").parent.mkdir(parents=True)
+    (run / "config.yaml").write_text("{}")
+    _ckpt(ckpts / "last.ckpt", 5, mtime=1000)
+    _ckpt(ckpts / "step=0000010.ckpt", 10, mtime=1001)  # a kill between its write and last.ckpt's
+    for given in ("last", run, ckpts):
+        assert checkpoint_file(given, ckpts) == ckpts / "step=0000010.ckpt", given
+    _ckpt(run / "hpc_ckpt_1.ckpt", 12, mtime=900)
+    for given in ("last", run, ckpts):
+        assert checkpoint_file(given, ckpts) == run / "hpc_ckpt_1.ckpt", given
+    assert checkpoint_file(ckpts / "last.ckpt", ckpts) == ckpts / "last.ckpt"  # a file: as given
+
+
+def test_a_file_without_a_global_step_never_wins(tmp_path):
+    """An exported weights file beside the checkpoints (no global_step) would block every resume if it won."""
+    run, ckpts = tmp_path / "run", tmp_path / "run/checkpoints"
+    _ckpt(ckpts / "last.ckpt", 5, mtime=1000)
+    torch.save({"state_dict": {}}, ckpts / "exported.ckpt")
+    assert latest_checkpoint(run, ckpts) == ckpts / "last.ckpt"

@@ -102,28 +102,31 @@ def test_step_checkpoints_on_an_epochs_last_batch_are_written_with_step_based_va
     assert process_starts(tmp_path / "run") == [0, 10]  # step 10 logged by the crashed run, then from its checkpoint
 
 
-@pytest.mark.parametrize("where", ["epoch_end", "mid_epoch"])
+@pytest.mark.parametrize("where", ["epoch_end", "mid_epoch", "every_step"])
 def test_a_crash_in_the_validation_after_a_step_checkpoint_loses_no_validation(tmp_path, where):
     """A validation after the batch a checkpoint is due at, on an epoch's last batch (after steps 5, 10, 15) or
-    mid-epoch (after steps 3, 6, 9: Lightning writes that one before the validation): it is written after that
-    validation, so a crash during the validation resumes from the checkpoint before and redoes the steps and the
-    validation: the resumed run's series (training and validation) equal the uninterrupted run's."""
+    mid-epoch (after steps 3, 6, 9: Lightning writes that one before the validation; or a checkpoint every step,
+    a validation every 2): it is written after that validation, so a crash during the validation resumes from the
+    checkpoint before and redoes the steps and the validation: the resumed run's series (training and validation)
+    equal the uninterrupted run's."""
     manifest = make_dataset(tmp_path / "data")  # epochs of 5 batches
-    every, crash_at = (5, 10) if where == "epoch_end" else (3, 6)
-    common = [f"--trainer.val_check_interval={every}", f"--checkpoint.every_n_train_steps={every}",
-              f"--trainer.max_steps={3 * every}", "--data.val_size_percent=0.5"]
-    if where == "mid_epoch":
-        common.append("--trainer.check_val_every_n_epoch=null")  # every 3 steps across epochs
+    every, val, crash_at, steps = {"epoch_end": (5, 5, 10, 15), "mid_epoch": (3, 3, 6, 9),
+                                   "every_step": (1, 2, 4, 6)}[where]
+    common = [f"--trainer.val_check_interval={val}", f"--checkpoint.every_n_train_steps={every}",
+              f"--trainer.max_steps={steps}", "--data.val_size_percent=0.5"]
+    if where != "epoch_end":
+        common.append("--trainer.check_val_every_n_epoch=null")  # every `val` steps across epochs
     assert run(manifest, tmp_path / "a", *common) == 0
     crash = ["--trainer.callbacks+=tests.lightning.helpers.CrashAtStep", f"--trainer.callbacks.step={crash_at}",
              "--trainer.callbacks.during=validation"]
     with pytest.raises(SimulatedCrash):
         run(manifest, tmp_path / "b", *common, *crash)
-    assert _step_checkpoints(tmp_path / "b/checkpoints") == [every]
-    assert torch.load(tmp_path / "b/checkpoints/last.ckpt", weights_only=True)["global_step"] == every
+    before = crash_at - every  # the checkpoint before the crashed validation's step
+    assert _step_checkpoints(tmp_path / "b/checkpoints") == list(range(every, before + 1, every))
+    assert torch.load(tmp_path / "b/checkpoints/last.ckpt", weights_only=True)["global_step"] == before
     assert run(manifest, tmp_path / "b", *common, "--ckpt_path=last") == 0
-    assert process_starts(tmp_path / "b") == [0, every]
-    assert _step_checkpoints(tmp_path / "b/checkpoints")[-1] == 3 * every
+    assert process_starts(tmp_path / "b") == [0, before]
+    assert _step_checkpoints(tmp_path / "b/checkpoints")[-1] == steps
     for key in ("Train_Total/loss", "Val_Total/loss"):
         full, resumed = train_series(tmp_path / "a", key), train_series(tmp_path / "b", key)
         assert sorted(resumed) == sorted(full), key
