@@ -228,6 +228,9 @@ class _HoldRunLock(L.Callback):
             refusal = trainer.strategy.broadcast(refusal, src=0)
         if refusal is not None:
             raise ConfigError(refusal)
+        for logger in trainer.loggers:  # held: their runs may start (a wandb run: not for a refused fit)
+            if getattr(logger, "wait_for_lock", False):
+                logger.wait_for_lock = False
 
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:

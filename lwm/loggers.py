@@ -157,17 +157,25 @@ def wandb_run_id(root: str, resume: bool) -> str:
 
 class WandbLogger(_LightningWandbLogger):
     """Lightning's WandbLogger that records its run id in ``run_id_file`` when its run starts (rank 0), so that a
-    resumed fit continues the run; not before: a command refused before training leaves the record as it was."""
+    resumed fit continues the run; not before: a command refused before training leaves the record as it was.
+    ``wait_for_lock``: a fit's, whose run starts only once the fit holds its run folder's lock (the lock callback
+    clears it): Lightning asks for the experiment before the callbacks' setup, where the lock is taken, and a fit
+    refused there (the same job twice) started a wandb run and replaced the running fit's recorded id."""
 
-    def __init__(self, *args, run_id_file: str | Path | None = None, **kwargs) -> None:
+    def __init__(self, *args, run_id_file: str | Path | None = None, wait_for_lock: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._run_id_file = Path(run_id_file) if run_id_file is not None else None
+        self.wait_for_lock = wait_for_lock
         if self._wandb_init.get("anonymous") is None:  # Lightning passes None, which wandb warns has no effect
             self._wandb_init.pop("anonymous", None)
 
     @property
     @override
     def experiment(self):
+        if self._experiment is None and self.wait_for_lock:  # (Lightning's early ask: started after the lock)
+            from lightning.fabric.loggers.logger import _DummyExperiment
+
+            return _DummyExperiment()
         if self._experiment is None and self.save_dir:  # wandb writes into save_dir/wandb; made now, not earlier
             os.makedirs(self.save_dir, exist_ok=True)
         try:
@@ -204,7 +212,7 @@ def make_loggers(root: str, wandb: WandbConfig = WandbConfig(), strict: bool = T
             save_dir=root, project=wandb.project, entity=wandb.entity, offline=mode == "offline",
             name=wandb.name or os.path.basename(os.path.abspath(root)),
             id=wandb_run_id(root, resume) if fit else None,  # Lightning's WandbLogger resumes with "allow"
-            run_id_file=Path(root) / RUN_ID_FILE if fit else None,
+            run_id_file=Path(root) / RUN_ID_FILE if fit else None, wait_for_lock=fit,
         ))
     return loggers
 

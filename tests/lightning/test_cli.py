@@ -614,14 +614,16 @@ def test_one_fit_at_a_time_in_a_run_dir(tmp_path, capsys, monkeypatch):
     manifest = make_dataset(tmp_path / "data", files=4)
     root = tmp_path / "run"
     holder = _RunLock(str(root))  # another fit, as far as the lock goes (a lock is per open file)
-    assert run(manifest, root, "--trainer.max_steps=1") == 2
+    assert run(manifest, root, "--trainer.max_steps=1", "--wandb.mode=offline") == 2  # (its wandb run started, and
+    # replaced the running fit's id in wandb/run_id: Lightning starts it before the callbacks' setup, the lock's)
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert errors == [f"error: trainer.default_root_dir={root}: another lwm fit is running in it (pid {os.getpid()} "
                       f"on {socket.gethostname()}; {root}/.lwm.lock); wait for it, or start this one in another "
                       f"folder"], errors
     assert sorted(p.name for p in root.iterdir()) == [".lwm.lock"]  # nothing else written
     holder.release()
-    assert run(manifest, root, "--trainer.max_steps=1") == 0
+    assert run(manifest, root, "--trainer.max_steps=1", "--wandb.mode=offline") == 0
+    assert (root / "wandb" / "run_id").is_file()  # the fit that holds the lock starts its wandb run
     assert not (root / ".lwm.lock").exists()  # released at the end
     # a SLURM requeue of the holder's own job goes on (its previous start is over); another job's does not
     monkeypatch.setenv("SLURM_JOB_ID", "7")
