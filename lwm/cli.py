@@ -223,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
         if args is None:
             args = build_parser().parse_args(argv)
         return args.func(args)
+    except KeyboardInterrupt:  # (a fit's Ctrl-C is answered by its callbacks; this one came before or around it)
+        print("\nstopped by Ctrl-C (SIGINT)", file=sys.stderr)
+        return 128 + signal.SIGINT
     except OSError as e:
         if e.filename is None:  # not about a path: a real failure, with its traceback
             raise

@@ -185,3 +185,15 @@ def test_help_shows_each_default_once(capsys):
         main(["data", "index", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "fraction of files in the val split (default: 0.1)" in text
+
+
+def test_a_ctrl_c_outside_a_fit_is_one_line_and_exit_130(tmp_path, monkeypatch, capsys):
+    """A Ctrl-C while `lwm data index` checks files (or a verb loads): Python's traceback, exit 130 by its rule."""
+    import lwm.data.manifest
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(lwm.data.manifest, "index_directory", interrupted)
+    assert main(["data", "index", str(tmp_path)]) == 130
+    assert capsys.readouterr().err.strip().splitlines() == ["stopped by Ctrl-C (SIGINT)"]

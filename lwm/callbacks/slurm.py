@@ -89,6 +89,17 @@ class SlurmRequeue(L.Callback):
         self._requeue = self._requeue or signum == self._requeue_signal
 
     @override
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        """A Ctrl-C where ours is not the handler (before the training steps begin: loading, the sanity check's
+        start; or after they end) stopped the fit at once, unsaved, as a second one does: Lightning exits 1,
+        ``lwm`` 130."""
+        global _HARD_STOP
+        if isinstance(exception, KeyboardInterrupt) and not _HARD_STOP:
+            _HARD_STOP = True
+            if trainer.is_global_zero:
+                sys.stderr.write("\nSIGINT: stopping now, outside the training steps (nothing saved)\n")
+
+    @override
     def on_sanity_check_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.on_train_start(trainer, pl_module)  # Lightning's handler is set by now: replace it before the check
 
@@ -212,11 +223,12 @@ def _requeue_this_job() -> tuple[str, int]:
     return job, subprocess.call(["scontrol", "requeue", job])
 
 
-_HARD_STOP = False  # a second Ctrl-C raised KeyboardInterrupt in this process (Lightning then exits 1)
+_HARD_STOP = False  # a Ctrl-C raised KeyboardInterrupt in a fit of this process (Lightning then exits 1)
 
 
 def hard_stopped() -> bool:
-    """Whether a second Ctrl-C stopped a fit of this process at once (unsaved)."""
+    """Whether a Ctrl-C stopped a fit of this process at once (unsaved): a second one, or one outside the training
+    steps."""
     return _HARD_STOP
 
 

@@ -152,7 +152,7 @@ class WandbLogger(Logger):
 class SendSignal(L.Callback):
     """Sends this process ``name`` (SIGTERM, as SLURM preempts a job; SIGINT, as Ctrl-C): at the first validation
     batch of the fit's validation after ``step`` (``during="validation"``) or at the start of training batch
-    ``step`` (``"training"``); ``validation_batches_after`` records the validation batches that started after it
+    ``step`` (``"training"``); ``"setup"``: the KeyboardInterrupt of a Ctrl-C at the fit's setup; ``validation_batches_after`` records the validation batches that started after it
     (class-wide, for the test)."""
 
     validation_batches_after: list[int] = []
@@ -166,6 +166,11 @@ class SendSignal(L.Callback):
 
         self.sent = True
         os.kill(os.getpid(), getattr(signal, self.name))
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        if self.during == "setup":  # Ctrl-C while the fit loads, before lwm's handler is in: Python's raises
+            self.sent = True
+            raise KeyboardInterrupt
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.during == "training" and not self.sent and trainer.global_step == self.step:

@@ -295,6 +295,23 @@ def test_a_preemption_at_a_due_step_on_an_epochs_last_batch_writes_that_step_che
     assert step(ckpts / "step=0000005.ckpt") == step(ckpts / "last.ckpt") == step(tmp_path / "run/hpc_ckpt_1.ckpt") == 5
 
 
+def test_a_ctrl_c_before_the_training_steps_exits_130_with_one_line(tmp_path, capsys):
+    """Before lwm's handler is in (the fit loading its data, starting wandb), Ctrl-C is Python's KeyboardInterrupt:
+    Lightning exited 1 after its 'Detected KeyboardInterrupt', where the README promises 130."""
+    manifest = make_dataset(tmp_path / "data", files=4)
+    interrupt = ["--trainer.callbacks+=tests.lightning.helpers.SendSignal", "--trainer.callbacks.step=0",
+                 "--trainer.callbacks.during=setup"]
+    import signal
+
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        assert run(manifest, tmp_path / "run", *interrupt) == 130
+    finally:  # (Lightning ignores SIGINT from its KeyboardInterrupt on: this process's next fits need it)
+        signal.signal(signal.SIGINT, handler)
+    assert "SIGINT: stopping now, outside the training steps (nothing saved)" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 @pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
 def test_an_interrupt_outside_slurm_saves_last_ckpt_at_the_batch_end_and_resumes_exactly(tmp_path, name):
     """Ctrl-C or kill outside SLURM: last.ckpt is written at the end of that batch (no hpc checkpoint), the fit
