@@ -47,7 +47,7 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
 
 # --------------------------------------------------------------------------------------------------
 def _data_index(args: argparse.Namespace) -> int:
-    from lwm.data.manifest import index_directory
+    from lwm.data.manifest import index_directory, val_count
 
     manifest = index_directory(args.directory, out=args.out, val_fraction=args.val_fraction, seed=args.seed,
                                tolerance=args.tolerance, resplit=args.resplit)
@@ -55,6 +55,9 @@ def _data_index(args: argparse.Namespace) -> int:
     frames = sum(e.frames for e in manifest.entries)
     print(f"{manifest.path}: {len(manifest.entries)} files checked ({n_train} train, {n_val} val), {frames} frames "
           f"of [{manifest.channels}, {manifest.height}, {manifest.width}]")
+    if n_val != val_count(args.val_fraction, len(manifest.entries)):  # the files listed before kept their split
+        print(f"  the files the manifest listed before kept their split (--val-fraction {args.val_fraction} would "
+              f"put {val_count(args.val_fraction, len(manifest.entries))} in val): --resplit draws every file's again")
     return 0
 
 

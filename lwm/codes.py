@@ -281,7 +281,8 @@ def main(argv: list[str]) -> int:
             possible *= k
         top = torch.argsort(d.counts, descending=True)[:3]
         common = ", ".join(f"{tuple(d.tuples[i].tolist())} x{int(d.counts[i])}" for i in top)
-        print(f"{name}: {d.tuples.shape[0]} code tuples in use of {possible} possible, over {d.total} codes; "
+        what = "transitions" if name == "Action_Encoder" else "windows"  # a code per transition, per window
+        print(f"{name}: {d.tuples.shape[0]} code tuples in use of {possible} possible, over {d.total} {what}; "
               f"most frequent: {common}")
     print(f"{windows} windows encoded; wrote {out}")
     return 0

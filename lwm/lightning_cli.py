@@ -101,6 +101,8 @@ def _quiet_lightning() -> None:
     # under DDP, a hint per epoch-level key: lwm's are reduced across ranks before they are logged (torchmetrics, or
     # gathered by the callback and logged by rank 0); tests/lightning/test_ddp.py checks 2 ranks == 1 process
     warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\('(Train|Val)_.*sync_dist=True")
+    if "SLURM_JOB_ID" not in os.environ:  # not in a job: Lightning's advice to prepend srun misleads (a CPU user)
+        warnings.filterwarnings("ignore", message="The `srun` command is available on your system but is not used")
     for name in ("lightning.fabric.utilities.rank_zero", "lightning.pytorch.utilities.rank_zero"):
         logging.getLogger(name).addFilter(_drop_advert)
 
@@ -486,6 +488,10 @@ class LwmCLI(LightningCLI):
         checkpoint = read_checkpoint(path)
         if self.subcommand != "fit":
             warn_window_mismatch(checkpoint, self.datamodule.window, path)
+        step, max_steps = int(checkpoint.get("global_step", 0)), self.trainer.max_steps
+        if self.subcommand == "fit" and 0 <= max_steps < step:  # (it printed "fit done: step 14/10", no more)
+            rank_zero_warn(f"trainer.max_steps={max_steps} is below the step of {path}, {step}: nothing is trained "
+                           f"(a larger max_steps extends the run)")
         saved = checkpoint.get("hyper_parameters", {})
         config = self.model.model.config
         saved, current = saved.get("net") or {}, asdict(config)

@@ -197,3 +197,20 @@ def test_a_ctrl_c_outside_a_fit_is_one_line_and_exit_130(tmp_path, monkeypatch, 
     monkeypatch.setattr(lwm.data.manifest, "index_directory", interrupted)
     assert main(["data", "index", str(tmp_path)]) == 130
     assert capsys.readouterr().err.strip().splitlines() == ["stopped by Ctrl-C (SIGINT)"]
+
+
+def test_data_index_says_where_the_files_kept_their_split(tmp_path, capsys):
+    """A second `lwm data index DIR --val-fraction 0.5` kept every file's split silently: 3 train, 1 val."""
+    from tests.lightning.helpers import make_dataset
+
+    manifest = make_dataset(tmp_path / "data", files=4, val_fraction=0.25)  # 3 train, 1 val
+    assert main(["data", "index", str(tmp_path / "data"), "--val-fraction", "0.25"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 1  # as asked: nothing to say
+    assert main(["data", "index", str(tmp_path / "data"), "--val-fraction", "0.5"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "(3 train, 1 val)" in out[0] and out[1] == (
+        "  the files the manifest listed before kept their split (--val-fraction 0.5 would put 2 in val): --resplit "
+        "draws every file's again")
+    assert main(["data", "index", str(tmp_path / "data"), "--val-fraction", "0.5", "--resplit"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "(2 train, 2 val)" in out[0] and len(out) == 1 and manifest.is_file()

@@ -73,7 +73,8 @@ def test_lwm_codes_equals_the_dictionaries_written_at_the_end_of_fit(tmp_path, c
     for name in ("Action_Encoder", "World_Encoder"):
         assert torch.equal(at_fit[name].tuples, again[name].tuples) and torch.equal(at_fit[name].counts, again[name].counts)
         assert at_fit[name].total > 0
-    assert "code tuples in use" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "code tuples in use" in out and " transitions; most frequent" in out and " windows; most frequent" in out
     # 3 seeded windows: the checkpoint's seed picks them, whatever data.seed says (a resume with another seed
     # rewrites RUN_DIR/config.yaml; the fit's own windows are the checkpoint's seed's)
     import lwm.codes

@@ -83,7 +83,9 @@ def inspect_h5(
     try:
         f = h5py.File(path, "r")
     except OSError as e:
-        raise DataError(f"{path}: cannot be opened as HDF5 ({first_line(e)})") from None
+        video = path.suffix.lower() in VIDEO_FILES  # (lwm reads latents: a video goes through a codec first)
+        hint = f"; a video: encode it first, lwm data encode {path} --out DIR" if video else ""
+        raise DataError(f"{path}: cannot be opened as HDF5 ({first_line(e)}{hint})") from None
     with f:
         if key is None:
             key = find_latents_key(f, path)
@@ -195,6 +197,7 @@ def parse_world_label(value: object, path: str | Path) -> int:
     return int(value)
 
 
+VIDEO_FILES = (".mp4", ".gif", ".mkv", ".avi", ".mov", ".webm", ".m4v")  # given where an h5 file belongs: said
 DEFAULT_FPS = 8.0  # for files that record no frame rate (synthetic worlds, Atari, older files)
 
 

@@ -331,15 +331,22 @@ def _warn_slow_chunks(infos: dict[Path, H5Info]) -> None:
               file=sys.stderr)
 
 
+def val_count(val_fraction: float, files: int) -> int:
+    """The files of the validation split that ``val_fraction`` of ``files`` asks for: at least one of two or more
+    where it is positive, never every file."""
+    n_val = int(round(val_fraction * files))
+    if val_fraction > 0 and files >= 2:
+        n_val = min(max(n_val, 1), files - 1)
+    return n_val
+
+
 def _val_files(good: list[Path], relative: dict[Path, str], kept: dict[str, str], val_fraction: float,
                seed: int) -> set[Path]:
     """The validation split: the files a manifest already there has in it (``kept``: relative path -> split), and
     new files drawn by a seeded shuffle towards ``val_fraction`` of all (at least one of two or more files where
     the fraction is positive; never every file)."""
     new = [p for p in good if relative[p] not in kept]
-    n_val = int(round(val_fraction * len(good)))
-    if val_fraction > 0 and len(good) >= 2:
-        n_val = min(max(n_val, 1), len(good) - 1)
+    n_val = val_count(val_fraction, len(good))
     kept_val = sum(kept.get(relative[p]) == "val" for p in good)
     n_val_new = min(max(n_val - kept_val, 0), len(new))
     if n_val_new and kept_val + n_val_new >= len(good):

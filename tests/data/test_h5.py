@@ -99,6 +99,10 @@ def test_not_hdf5(tmp_path):
     p = tmp_path / "random.h5"
     p.write_bytes(np.random.default_rng(0).bytes(4096))
     refused(p, "cannot be opened as HDF5")
+    assert "encode it first" not in refused(p)
+    video = tmp_path / "clip.MP4"  # a video where an h5 file belongs (`lwm generate --data clip.mp4`): the way on
+    video.write_bytes(b"\x00\x00\x00\x18ftypmp42")
+    refused(video, f"; a video: encode it first, lwm data encode {video} --out DIR)")
 
 
 def test_truncated_file(make_h5):

@@ -39,6 +39,9 @@ def test_extending_a_finished_run_equals_the_longer_run(tmp_path):
     common = ["--checkpoint.every_n_train_steps=5", "--trainer.val_check_interval=3"]
     assert run(manifest, tmp_path / "a", "--trainer.max_steps=9", *common) == 0
     assert run(manifest, tmp_path / "b", "--trainer.max_steps=7", *common) == 0
+    with pytest.warns(UserWarning, match=r"trainer.max_steps=5 is below the step of .*last.ckpt, 7: nothing is "
+                                         r"trained \(a larger max_steps extends the run\)"):
+        assert run(manifest, tmp_path / "b", "--trainer.max_steps=5", "--ckpt_path=last", *common) == 0
     assert run(manifest, tmp_path / "b", "--trainer.max_steps=9", "--ckpt_path=last", *common) == 0
     assert process_starts(tmp_path / "b") == [0]
     for key in ("Train_Total/loss", "Val_Total/loss"):
