@@ -128,7 +128,7 @@ def checkpoint_file(path: str | Path, checkpoints: str | Path | None = None) -> 
     if (path / "checkpoints").is_dir():  # RUN_DIR
         run, folder = path, path / "checkpoints"
     else:  # its checkpoint folder (RUN_DIR/checkpoints: the hpc ones are in RUN_DIR), or a folder of checkpoints
-        run, folder = (path.parent if path.name == "checkpoints" else path), path
+        run, folder = (path.resolve().parent if path.resolve().name == "checkpoints" else path), path  # (`.` too)
     return latest_checkpoint(run, folder) or path
 
 

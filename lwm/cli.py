@@ -82,19 +82,14 @@ def _data_decode(args: argparse.Namespace) -> int:
 
 
 def _lightning(args: argparse.Namespace) -> int:
-    from lwm.callbacks.slurm import hard_stopped, interrupted_by
+    from lwm.callbacks.slurm import interrupted_by
     from lwm.lightning_cli import lightning_cli
 
     if args.verb != "fit":  # evaluating a checkpoint needs none of its callbacks' states (Lightning asks for them)
         warnings.filterwarnings("ignore", message="Be aware that when using `ckpt_path`, callbacks used to create")
     start = time.monotonic()
-    try:
-        with _wide_output():
-            trainer = getattr(lightning_cli([args.verb, *args.rest]), "trainer", None)
-    except SystemExit as e:  # Lightning's exit 1 after a second Ctrl-C (its processes killed): a Ctrl-C's 130
-        if e.code == 1 and hard_stopped():
-            return 128 + signal.SIGINT
-        raise
+    with _wide_output():
+        trainer = getattr(lightning_cli([args.verb, *args.rest]), "trainer", None)
     signum = interrupted_by(trainer)
     stopped = any(getattr(c, "preempted", False) for c in getattr(trainer, "callbacks", []))  # a signal: saved
     if args.verb == "fit" and trainer is not None and trainer.is_global_zero and not signum and not stopped:
@@ -226,6 +221,12 @@ def main(argv: list[str] | None = None) -> int:
         if args is None:
             args = build_parser().parse_args(argv)
         return args.func(args)
+    except SystemExit as e:  # Lightning's exit 1 after a Ctrl-C it caught (its processes killed), in any verb that
+        from lwm.callbacks.slurm import hard_stopped  # fits or evaluates (lwm fit, demo, overfit, ...): 130
+
+        if e.code == 1 and hard_stopped():
+            return 128 + signal.SIGINT
+        raise
     except KeyboardInterrupt:  # (a fit's Ctrl-C is answered by its callbacks; this one came before or around it)
         print("\nstopped by Ctrl-C (SIGINT)", file=sys.stderr)
         return 128 + signal.SIGINT

@@ -96,9 +96,10 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError(f"--frames {args.frames}: shorter than the fit's window (data.window {window}): the "
                           f"episodes must hold one")
     earlier = out / "data" / "manifest.json"  # more episodes than an earlier run's: its model, on other data
-    if earlier.is_file() and len(Manifest.load(earlier).entries) != args.episodes:
-        raise ConfigError(f"{earlier}: lists {len(Manifest.load(earlier).entries)} episodes (this run: --episodes "
-                          f"{args.episodes}); run the demo with its earlier settings, or into another --out")
+    listed = len(Manifest.load(earlier).entries) if earlier.is_file() else args.episodes
+    if listed != args.episodes:
+        raise ConfigError(f"{earlier}: lists {listed} episodes (this run: --episodes {args.episodes}); run the demo "
+                          f"with its earlier settings, or into another --out")
     start = time.perf_counter()
     console.rule("[bold]1/4 data[/]: the synthetic world")
     manifest_path = make_dataset(out / "data", args.episodes, args.frames, args.seed, val_fraction=0.125,

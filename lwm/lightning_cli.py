@@ -112,11 +112,9 @@ _ADVERTS = ("try installing [litlogger]",  # Lightning's logger tip, on every ru
 
 
 def _drop_advert(record: logging.LogRecord) -> bool:
-    from lwm.callbacks.slurm import hard_stopped
-
     message = record.getMessage()
-    if hard_stopped() and "Detected KeyboardInterrupt, attempting graceful shutdown" in message:
-        return False  # a second Ctrl-C: our line said it ("stopping now, unsaved"); nothing graceful is attempted
+    if "Detected KeyboardInterrupt, attempting graceful shutdown" in message:
+        return False  # lwm's line says it (SlurmRequeue: "SIGINT again: ...", "SIGINT: stopping now, ...")
     return not any(advert in message for advert in _ADVERTS)
 
 
@@ -147,7 +145,8 @@ class _SaveRunConfig(SaveConfigCallback):
             path = run_log_dir(trainer) / self.config_filename  # trainer.log_dir is RUN_DIR, over the fit's config
             if trainer.is_global_zero:
                 path.parent.mkdir(parents=True, exist_ok=True)
-                self.parser.save(self.config, str(path), skip_none=False, overwrite=True, multifile=self.multifile)
+                self.parser.save(self.config, str(path), skip_none=False, overwrite=self.overwrite,
+                                 multifile=self.multifile)
             self.already_saved = True
             return
         super().setup(trainer, pl_module, stage)

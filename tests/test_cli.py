@@ -214,3 +214,6 @@ def test_data_index_says_where_the_files_kept_their_split(tmp_path, capsys):
     assert main(["data", "index", str(tmp_path / "data"), "--val-fraction", "0.5", "--resplit"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert "(2 train, 2 val)" in out[0] and len(out) == 1 and manifest.is_file()
+    from lwm.data.manifest import val_count
+
+    assert [val_count(0.6, n) for n in (0, 1, 2, 5)] == [0, 0, 1, 3]  # one file: it trains (no "kept" line then)

@@ -64,12 +64,13 @@ class SlurmRequeue(L.Callback):
         self.interrupted: int | None = None  # outside SLURM: the signal that stopped the run (exit code 128 + it)
         self._val_batches: int | None = None  # validation batches every rank runs (several ranks)
         self._previous: dict[int, Any] = {}  # the handlers ours replaced, put back when training is over
+        self._over = False  # the training is over (its last batch and validation done)
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage == "fit":  # (a second fit of the same trainer starts afresh)
             global _HARD_STOP
-            self._requested = self._requeue = self.preempted = _HARD_STOP = False
+            self._requested = self._requeue = self.preempted = self._over = _HARD_STOP = False
             self._signal = self.interrupted = None
 
     def _on_signal(self, signum: int, frame: Any) -> None:
@@ -91,13 +92,17 @@ class SlurmRequeue(L.Callback):
     @override
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         """A Ctrl-C where ours is not the handler (before the training steps begin: loading, the sanity check's
-        start; or after they end) stopped the fit at once, unsaved, as a second one does: Lightning exits 1,
-        ``lwm`` 130."""
+        start; after they end; or with ``interrupts`` off) stopped the fit at once, as a second one does: said in
+        one line (Lightning's own is dropped), and ``lwm`` makes Lightning's exit 1 a 130."""
         global _HARD_STOP
-        if isinstance(exception, KeyboardInterrupt) and not _HARD_STOP:
+        if isinstance(exception, KeyboardInterrupt) and not _HARD_STOP:  # (a second Ctrl-C has said it)
             _HARD_STOP = True
             if trainer.is_global_zero:
-                sys.stderr.write("\nSIGINT: stopping now, outside the training steps (nothing saved)\n")
+                when = ("" if trainer.state.fn != "fit" else  # (validate, test, predict: nothing to save)
+                        ", after the training (its checkpoints are written)" if self._over else
+                        " (slurm_requeue.interrupts=false: nothing saved)" if not self.interrupts else
+                        ", before the training steps (nothing saved)")
+                sys.stderr.write(f"\nSIGINT: stopping now{when}\n")
 
     @override
     def on_sanity_check_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -133,6 +138,7 @@ class SlurmRequeue(L.Callback):
         max_epochs = trainer.max_epochs if trainer.max_epochs is not None and trainer.max_epochs >= 0 else None
         over = (trainer.should_stop or 0 < trainer.max_steps <= trainer.global_step
                 or (max_epochs is not None and trainer.current_epoch + 1 >= max_epochs))
+        self._over = self._over or over
         if over and threading.current_thread() is threading.main_thread():
             for signum, handler in self._previous.items():
                 signal.signal(signum, handler)

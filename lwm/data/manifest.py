@@ -336,8 +336,8 @@ def val_count(val_fraction: float, files: int) -> int:
     where it is positive, never every file."""
     n_val = int(round(val_fraction * files))
     if val_fraction > 0 and files >= 2:
-        n_val = min(max(n_val, 1), files - 1)
-    return n_val
+        n_val = max(n_val, 1)
+    return min(n_val, max(files - 1, 0))
 
 
 def _val_files(good: list[Path], relative: dict[Path, str], kept: dict[str, str], val_fraction: float,
@@ -348,9 +348,7 @@ def _val_files(good: list[Path], relative: dict[Path, str], kept: dict[str, str]
     new = [p for p in good if relative[p] not in kept]
     n_val = val_count(val_fraction, len(good))
     kept_val = sum(kept.get(relative[p]) == "val" for p in good)
-    n_val_new = min(max(n_val - kept_val, 0), len(new))
-    if n_val_new and kept_val + n_val_new >= len(good):
-        n_val_new -= 1  # at least one training file
+    n_val_new = min(max(n_val - kept_val, 0), len(new))  # (at most n_val in all: a training file is left)
     order = np.random.default_rng(seed).permutation(len(new))
     return {new[i] for i in order[:n_val_new]} | {p for p in good if kept.get(relative[p]) == "val"}
 

@@ -244,8 +244,10 @@ class VAECodec:
         shift, scale = normalisation(spec["name"], vae.config)  # other weights of the class (CogVideoX 2b vs 5b):
         recorded = [float(v) for v in (*spec["shift"], *spec["scale"])]  # another scale, a wrong video silently
         if len(recorded) != len(shift) + len(scale) or not np.allclose(recorded, [*shift, *scale], rtol=1e-4):
+            same_shift = len(spec["shift"]) == len(shift) and np.allclose(spec["shift"], shift, rtol=1e-4)
+            field, loaded = ("scale", scale) if same_shift else ("shift", shift)  # (Wan: either may differ)
             raise DataError(f"--vae {vae_path}: not the weights the file was encoded with (its {spec['name']} "
-                            f"normalisation differs: scale {_short(scale)} vs the file's {_short(spec['scale'])}); "
+                            f"normalisation differs: {field} {_short(loaded)} vs the file's {_short(spec[field])}); "
                             f"decode with the VAE that encoded it")
         return cls(spec["name"], vae, int(spec["size"]), tuple(spec["shift"]), tuple(spec["scale"]),
                    int(spec.get("version", 1)), int(spec.get("frames_per_latent", TEMPORAL)))

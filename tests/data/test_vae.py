@@ -259,7 +259,10 @@ def test_decoding_with_other_weights_of_the_class_is_refused(name, vae_dirs, tmp
     other = dict(TINY[name], **({"latents_std": [0.3] * 16} if name == "wan" else {"scaling_factor": 1.1526}))
     torch.manual_seed(0)
     getattr(diffusers, CLASSES[name])(**other).save_pretrained(tmp_path / "other")
-    with pytest.raises(DataError, match=rf"--vae {tmp_path / 'other'}: not the weights the file was encoded with "
-                                        rf"\(its {name} normalisation differs: scale"):
+    with pytest.raises(DataError) as e:
         codec_from_attr(codec.attr, "f.h5", vae=str(tmp_path / "other"))
+    values = {"wan": "1.2 (and 15 more) vs the file's 2", "cogvideox": "3.47 (and 15 more) vs the file's 5.714"}
+    assert str(e.value) == (f"--vae {tmp_path / 'other'}: not the weights the file was encoded with (its {name} "
+                            f"normalisation differs: scale {values[name]} (and 15 more)); decode with the VAE that "
+                            f"encoded it")  # the scale 4 / the factor (Wan: 4 x latents_std)
     assert codec_from_attr(codec.attr, "f.h5", vae=str(vae_dirs[name])) is not None  # its own weights: decoded

@@ -307,11 +307,19 @@ def test_a_ctrl_c_before_the_training_steps_exits_130_with_one_line(tmp_path, ca
     import signal
 
     handler = signal.getsignal(signal.SIGINT)
+    off = ["--trainer.callbacks+=tests.lightning.helpers.SendSignal", "--trainer.callbacks.step=2",
+           "--trainer.callbacks.during=training", "--trainer.callbacks.name=SIGINT", "--slurm_requeue.interrupts=false"]
     try:
         assert run(manifest, tmp_path / "run", *interrupt) == 130
+        err = capsys.readouterr().err
+        signal.signal(signal.SIGINT, handler)
+        # with lwm's handling off (Lightning's: Python's KeyboardInterrupt mid-training), said so
+        assert run(manifest, tmp_path / "off", *off) == 130
     finally:  # (Lightning ignores SIGINT from its KeyboardInterrupt on: this process's next fits need it)
         signal.signal(signal.SIGINT, handler)
-    assert "SIGINT: stopping now, outside the training steps (nothing saved)" in capsys.readouterr().err
+    assert "SIGINT: stopping now, before the training steps (nothing saved)" in err
+    assert "Detected KeyboardInterrupt" not in err  # (Lightning's line: lwm's says it)
+    assert "SIGINT: stopping now (slurm_requeue.interrupts=false: nothing saved)" in capsys.readouterr().err
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
