@@ -106,16 +106,13 @@ def check_arguments(out_dir: str | Path, game_list: list[str], episodes: int, fr
     unknown = [g for g in game_list if g not in known]
     if unknown:
         raise DataError(f"--games: unknown game(s) {', '.join(unknown)} (ale-py knows {len(known)}, e.g. pong, breakout)")
+    from lwm.data.manifest import existing_h5
+
     out = Path(out_dir)
     if not out.is_dir():
         return
-    names = {_name(game, i) for game in game_list for i in range(episodes)}
-    h5 = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.suffix in (".h5", ".hdf5") and p.is_file())
-    others = [p for p in h5 if p not in names]
-    if others:
-        shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
-        raise DataError(f"{out}: already holds other h5 files ({shown}), which would join the manifest; record "
-                        f"into another --out")
+    h5 = existing_h5(out, {_name(game, i) for game in game_list for i in range(episodes)},
+                     ", which would join the manifest; record into another --out")
     if not overwrite and (h5 or (out / "manifest.json").exists()):
         raise DataError(f"{out / (h5[0] if h5 else 'manifest.json')}: exists (--overwrite replaces it, or record "
                         f"into another --out)")

@@ -205,6 +205,18 @@ def _positive(path: Path, where: str, name: str, value: object) -> int:
     return value
 
 
+def existing_h5(out: Path, ours: set[str], then: str) -> list[str]:
+    """The h5 files under ``out`` (paths relative to it, sorted), for a command that writes a data set there and
+    indexes the folder: any not among ``ours`` (the names it writes) would join the manifest, a
+    :class:`DataError` naming them (three, then a count), ``then`` ending the message."""
+    h5 = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.suffix in (".h5", ".hdf5") and p.is_file())
+    others = [name for name in h5 if name not in ours]
+    if others:
+        shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        raise DataError(f"{out}: already holds other h5 files ({shown}){then}")
+    return h5
+
+
 def find_h5_files(directory: Path) -> tuple[list[Path], list[str]]:
     """Every ``*.h5``/``*.hdf5`` file under ``directory`` (any case; linked folders followed), each physical file
     once: a link (or hard link) to a file already found is left out with a note (listed twice, it could land in

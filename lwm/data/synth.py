@@ -254,12 +254,9 @@ def make_dataset(
     check_size(size)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    names = {f"ep_{i:04d}.h5" for i in range(episodes)}
-    others = sorted(str(p.relative_to(out)) for p in out.rglob("*")
-                    if p.suffix in (".h5", ".hdf5") and p.is_file() and str(p.relative_to(out)) not in names)
-    if others:
-        shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
-        raise DataError(f"{out}: already holds other h5 files ({shown}); synthesise into an empty folder")
+    from lwm.data.manifest import existing_h5
+
+    existing_h5(out, {f"ep_{i:04d}.h5" for i in range(episodes)}, "; synthesise into an empty folder")
     settings = {"seed": seed, "frames": frames, "size": size, "worlds": worlds, "distractors": distractors}
     existing = [i for i in range(episodes) if (out / f"ep_{i:04d}.h5").exists()]
     if not overwrite:  # never replace the files of another data set without being asked
