@@ -54,6 +54,93 @@ def is_deepspeed_checkpoint(path: str | Path) -> bool:
     return folder.is_dir() and ((folder / "latest").is_file() or (folder / "checkpoint").is_dir())
 
 
+# A DeepSpeed checkpoint directory is rewritten in place, file by file, by every rank (the model states, then each
+# rank's optimizer shard, then ``latest``): a kill between two of its writes leaves whole files of two different
+# steps, which DeepSpeed would load as one (the fp32 master weights in the shards of the older). lwm marks a
+# directory complete: rank 0 moves the mark aside (DEEPSPEED_WRITING, which keeps its time: when the directory was
+# last whole) before DeepSpeed writes anything and writes a new one, with the step, after every rank's files are
+# written (:func:`mark_deepspeed_saves_complete`).
+DEEPSPEED_MARK = "lwm_complete.json"
+DEEPSPEED_WRITING = "lwm_writing.json"
+
+
+def deepspeed_files(path: str | Path) -> tuple[Path, list[Path]]:
+    """A DeepSpeed checkpoint directory's model states (Lightning's client state, the global step among it; ZeRO
+    stage 3: rank 0's) and every file of it (model states, each rank's optimizer shard), in the folder its
+    ``latest`` file names (Lightning's tag: ``checkpoint``)."""
+    path = Path(path)
+    latest = path / "latest"
+    folder = path / (latest.read_text().strip() if latest.is_file() else "checkpoint")
+    model = folder / "mp_rank_00_model_states.pt"
+    if not model.is_file():
+        model = folder / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    return model, sorted(folder.glob("*_states.pt"))
+
+
+def deepspeed_step(path: str | Path) -> int | None:
+    """The global step of a DeepSpeed checkpoint directory that lwm marked complete, whose files are the ones it
+    marked, all whole, with that step in their model states; None for any other (cut short by a kill, or not
+    written by lwm)."""
+    import json
+    import zipfile
+
+    path = Path(path)
+    try:
+        mark = json.loads((path / DEEPSPEED_MARK).read_text())
+        model, files = deepspeed_files(path)
+        if sorted(f.relative_to(path).as_posix() for f in files) != sorted(mark["files"]):
+            return None
+        if not all(zipfile.is_zipfile(f) for f in files):  # a zip's directory is at its end: a file cut short
+            return None
+        step = int(torch.load(model, map_location="cpu", weights_only=True, mmap=True).get("global_step", -1))
+        return step if step == int(mark["global_step"]) else None
+    except Exception:  # no mark (a write cut short), a foreign or torn file
+        return None
+
+
+def deepspeed_written(path: str | Path) -> float | None:
+    """When a DeepSpeed checkpoint directory was last whole: its completion mark's time; while a write is cut
+    short, its previous mark's (moved aside); None if it never was."""
+    for name in (DEEPSPEED_MARK, DEEPSPEED_WRITING):
+        if (Path(path) / name).is_file():
+            return (Path(path) / name).stat().st_mtime
+    return None
+
+
+def mark_deepspeed_saves_complete(strategy: Any) -> None:
+    """Make ``strategy``'s (a DeepSpeedStrategy's) saves mark their directory complete (:data:`DEEPSPEED_MARK`):
+    rank 0 moves the mark aside before the save (DeepSpeed's begins with a barrier of every rank, so no rank writes
+    a file before it is gone) and, once DeepSpeed's closing barrier has every rank's files written, fsyncs them and
+    writes the mark with the step and the files' names."""
+    import json
+    import os
+
+    save = strategy.save_checkpoint
+
+    def save_and_mark(checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        path = Path(filepath)
+        if strategy.is_global_zero and (path / DEEPSPEED_MARK).exists():
+            os.replace(path / DEEPSPEED_MARK, path / DEEPSPEED_WRITING)  # (a rename keeps the file's time)
+            fsync_dir(path)
+        save(checkpoint, filepath, storage_options)
+        if not strategy.is_global_zero:
+            return
+        _, files = deepspeed_files(path)
+        for f in files:  # (each rank's writes, from this node's page cache or a shared filesystem's client)
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(files[0].parent if files else path)
+        mark = {"global_step": int(checkpoint["global_step"]), "files": [f.relative_to(path).as_posix() for f in files]}
+        atomic_write(path / DEEPSPEED_MARK, lambda f: json.dump(mark, f), mode="w")
+        (path / DEEPSPEED_WRITING).unlink(missing_ok=True)
+        fsync_dir(path)
+
+    strategy.save_checkpoint = save_and_mark
+
+
 def read_checkpoint(path: str | Path, label: str = "", what: str = "checkpoint") -> dict[str, Any]:
     """The dict of a Lightning checkpoint file (``weights_only=True``, memory-mapped: the tensors are not read); a
     missing, unreadable (torn) or foreign file (another program's tensors, a code dictionary), a folder or a

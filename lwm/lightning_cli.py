@@ -30,10 +30,10 @@ from lwm.callbacks import (
     GroundTruthProbes, LearningRateMonitor, ModelSummary, PredictionWriter, RolloutVideos, Sensitivity,
     SlurmRequeue, StepProgressBar,
 )
-from lwm.checkpoint import (AtomicCheckpointIO, ModelCheckpoint, is_deepspeed_checkpoint, read_checkpoint, run_of,
-                            warn_window_mismatch)
+from lwm.checkpoint import (AtomicCheckpointIO, ModelCheckpoint, is_deepspeed_checkpoint, mark_deepspeed_saves_complete,
+                            read_checkpoint, run_of, warn_window_mismatch)
 from lwm.data.datamodule import LatentDataModule
-from lwm.errors import ConfigError
+from lwm.errors import ConfigError, DataError
 from lwm.loggers import WandbConfig, make_loggers, run_log_dir
 from lwm.module import OptimConfig, WorldModelModule
 from lwm.modules.world_model import WorldModelConfig
@@ -396,6 +396,8 @@ class LwmCLI(LightningCLI):
                 self.config[sub].ckpt_path = "last"
             if self.config[sub].get("ckpt_path") == "last" and os.path.exists(self._checkpoint_path(self.config[sub])):
                 self.config[sub].ckpt_path = self._checkpoint_path(self.config[sub])  # (Lightning's: last.ckpt only)
+                if is_deepspeed_checkpoint(self.config[sub].ckpt_path):  # the latest: none of the run's is whole
+                    _check_deepspeed_checkpoint(self.config[sub].ckpt_path, "--ckpt_path last:")
             return
         if sub in ("validate", "test", "predict") and self.config[sub].get("ckpt_path") == "last":
             path = self._checkpoint_file(self.config[sub])
@@ -454,6 +456,8 @@ class LwmCLI(LightningCLI):
             last = self._checkpoint_path(config)
             if not (os.path.isfile(last) or os.path.isdir(last)):  # a directory: DeepSpeed's
                 raise ConfigError(f"--ckpt_path last: no checkpoint in the run ({last} does not exist)")
+            if is_deepspeed_checkpoint(last):
+                _check_deepspeed_checkpoint(last, "--ckpt_path last:")
         else:
             _read_checkpoint_file(path)
 
@@ -583,6 +587,8 @@ class LwmCLI(LightningCLI):
             kwargs.setdefault("plugins", plugins)
         trainer = super().instantiate_trainer(**kwargs)
         deepspeed_checks_overflow(trainer.strategy)  # bf16: a NaN/inf gradient skips the step (DeepSpeed 0.19.2: not)
+        if isinstance(trainer.strategy, DeepSpeedStrategy):
+            mark_deepspeed_saves_complete(trainer.strategy)  # a directory cut short by a kill is never resumed
         return trainer
 
     def _default_loggers(self, run_dir: str) -> list:
@@ -714,10 +720,24 @@ def _read_checkpoint_file(path: Any) -> bool:
 
     if path in ("best", "hpc", "registry") or str(path).startswith("registry:"):
         return False
-    if is_deepspeed_checkpoint(path) or not _is_local_file_protocol(str(path)):  # a remote one: fsspec's
+    if is_deepspeed_checkpoint(path):
+        _check_deepspeed_checkpoint(path, "--ckpt_path")
+        return False
+    if not _is_local_file_protocol(str(path)):  # a remote one: fsspec's
         return False
     read_checkpoint(path, "--ckpt_path")
     return True
+
+
+def _check_deepspeed_checkpoint(path: Any, label: str) -> None:
+    """A DeepSpeed checkpoint directory without lwm's completion mark (:func:`lwm.checkpoint.deepspeed_step`) is one
+    line: DeepSpeed would load its files of two different steps as one checkpoint."""
+    from lwm.checkpoint import DEEPSPEED_MARK, deepspeed_step
+
+    if deepspeed_step(path) is None:
+        raise DataError(f"{label} {path}: a DeepSpeed checkpoint that is not whole (no {DEEPSPEED_MARK} matching its "
+                        f"files: a kill cut its write short, or lwm did not write it); give another of the run's "
+                        f"checkpoints")
 
 
 def _with_atomic_checkpoints(trainer_config: dict) -> list | None:

@@ -8,7 +8,7 @@ the step checkpoints beside it written after it (a kill between a step's two wri
 ``last.ckpt``, leaves the step file the newer; where there is no ``last.ckpt``, all of them) and
 ``RUN_DIR/hpc_ckpt_N.ckpt`` (written when SLURM preempts); the one at the highest global step wins (ties:
 ``last.ckpt``), read from the file (``weights_only``, memory-mapped; a DeepSpeed directory: from its model
-states, where every file of it is whole), not from its modification time, which a DeepSpeed checkpoint (a
+states, where lwm marked it complete), not from its modification time, which a DeepSpeed checkpoint (a
 directory rewritten in place) or a shared filesystem's clock skew would get wrong (the time only tells a step
 file written after ``last.ckpt``, in the same folder by the same job, from one left by an abandoned branch: a
 run resumed from an older checkpoint writes ``last.ckpt`` anew).
@@ -44,40 +44,27 @@ def run_paths(args: list[str]) -> tuple[Path, Path]:
     return root, Path(dirpath) if dirpath else root / "checkpoints"
 
 
-def _deepspeed_files(path: Path) -> tuple[Path, list[Path]]:
-    """A DeepSpeed checkpoint directory's model states (Lightning's client state, the global step among it; ZeRO
-    stage 3: rank 0's) and every file of it (model states, each rank's optimizer shard), in the folder its
-    ``latest`` file names (Lightning's tag: ``checkpoint``)."""
-    latest = path / "latest"
-    folder = path / (latest.read_text().strip() if latest.is_file() else "checkpoint")
-    model = folder / "mp_rank_00_model_states.pt"
-    if not model.is_file():
-        model = folder / "zero_pp_rank_0_mp_rank_00_model_states.pt"
-    return model, sorted(folder.glob("*_states.pt"))
-
-
 def _step(path: Path) -> int | None:
-    """The global step of a checkpoint file, or of a DeepSpeed checkpoint directory whose files are all whole
-    (None: unreadable, torn)."""
-    import zipfile
-
+    """The global step of a checkpoint file, or of a DeepSpeed checkpoint directory lwm marked complete
+    (:func:`lwm.checkpoint.deepspeed_step`); None: unreadable, torn, a DeepSpeed write cut short."""
     import torch
 
+    from lwm.checkpoint import deepspeed_step
+
+    if path.is_dir():  # DeepSpeed's, rewritten in place: a kill during its write leaves files of two steps
+        return deepspeed_step(path)
     try:
-        if path.is_dir():  # DeepSpeed's, rewritten in place: a kill during a write leaves a file cut short
-            path, files = _deepspeed_files(path)
-            if not all(zipfile.is_zipfile(f) for f in files):  # a zip's directory is at its end
-                return None
         return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("global_step", -1))
     except Exception:  # a torn or foreign file: not a candidate
         return None
 
 
-def _written(path: Path) -> float:
-    """When a checkpoint was last written whole: a file's time; a DeepSpeed directory's ``latest`` file's, which
-    DeepSpeed writes after the rest (the directory's own time is its creation's: it is rewritten in place)."""
-    latest = path / "latest"
-    return (latest if path.is_dir() and latest.is_file() else path).stat().st_mtime
+def _written(path: Path) -> float | None:
+    """When a checkpoint was last written whole (None: never): a file's time; a DeepSpeed directory's (rewritten in
+    place: the folder's own time is not it), :func:`lwm.checkpoint.deepspeed_written`."""
+    from lwm.checkpoint import deepspeed_written
+
+    return deepspeed_written(path) if path.is_dir() else path.stat().st_mtime
 
 
 def _number(path: Path) -> int:
@@ -87,15 +74,15 @@ def _number(path: Path) -> int:
 
 def latest_checkpoint(run_dir: Path, checkpoint_dir: Path) -> Path | None:
     """The checkpoint that continues the run: the highest global step among ``last.ckpt``, the step checkpoints
-    written after it (all of them where there is none: a kill during the first ``last.ckpt`` write leaves only a
-    step one; a kill during a later one leaves the step file of that step newer than ``last.ckpt``, which is an
-    interval behind) and the hpc ones."""
+    written after it was last whole (all of them where there is none: a kill during the first ``last.ckpt`` write
+    leaves only a step one; a kill during a later one leaves the step file of that step newer than ``last.ckpt``,
+    which is an interval behind or cut short) and the hpc ones."""
     hpc = sorted(run_dir.glob("hpc_ckpt_*.ckpt"), key=_number)
     last = checkpoint_dir / "last.ckpt"
     steps = sorted((p for p in checkpoint_dir.glob("*.ckpt") if p.name != last.name), key=_number, reverse=True)
-    if last.exists():  # (a step file older than last.ckpt: of a branch abandoned for an earlier checkpoint)
-        since = _written(last)
-        steps = [p for p in steps if _written(p) >= since]
+    since = _written(last) if last.exists() else None
+    if since is not None:  # (a step file older than last.ckpt: of a branch abandoned for an earlier checkpoint)
+        steps = [p for p in steps if (written := _written(p)) is not None and written >= since]
     candidates = [p for p in (last, *reversed(hpc), *steps) if p.exists()]
     steps = {p: s for p in candidates if (s := _step(p)) is not None}
     if not steps:  # none readable: the first, for lwm fit to refuse loudly (never a silent fresh start)

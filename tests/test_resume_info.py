@@ -3,11 +3,13 @@ its global step, not by file times (for slurm/train.sbatch)."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
 import torch
 
+from lwm.checkpoint import DEEPSPEED_MARK, DEEPSPEED_WRITING, deepspeed_step
 from lwm.cli import main
 from lwm.resume import latest_checkpoint
 
@@ -85,18 +87,21 @@ def _save_step(path, step, extra=None):
     torch.save({"global_step": step, **({"x": extra} if extra is not None else {})}, path)
 
 
-def _deepspeed(path, step: int, written: float, ranks: int = 2) -> None:
+def _deepspeed(path, step: int, written: float, ranks: int = 2, model: str = "mp_rank_00_model_states.pt") -> None:
     """A DeepSpeed checkpoint directory as Lightning's strategy writes it: ``latest`` naming the tag folder, which
     holds the model states (Lightning's client state, the global step among it) and one optimizer shard per rank;
-    ``latest`` written last, at ``written``."""
+    then lwm's completion mark, written last, at ``written``."""
     folder = path / "checkpoint"
     folder.mkdir(parents=True, exist_ok=True)
-    torch.save({"module": {"w": torch.zeros(2)}, "global_step": step}, folder / "mp_rank_00_model_states.pt")
+    torch.save({"module": {"w": torch.zeros(2)}, "global_step": step}, folder / model)
+    names = [f"checkpoint/{model}"]
     for rank in range(ranks):
         torch.save({"optimizer_state_dict": {"m": torch.ones(3)}},
                    folder / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+        names.append(f"checkpoint/bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
     (path / "latest").write_text("checkpoint")
-    os.utime(path / "latest", (written, written))
+    (path / DEEPSPEED_MARK).write_text(json.dumps({"global_step": step, "files": names}))
+    os.utime(path / DEEPSPEED_MARK, (written, written))
 
 
 def _cut_short(path) -> None:
@@ -107,7 +112,7 @@ def _cut_short(path) -> None:
 def test_deepspeed_directories_are_ranked_by_their_step_and_a_torn_one_is_passed_over(tmp_path):
     """DeepSpeed rewrites its checkpoint directories in place: a kill during a write leaves a file cut short. The
     step is read from a directory's model states, where every file of it is whole; a step directory counts as
-    written after last.ckpt by the time of the ``latest`` files (written last), not of the folders."""
+    written after last.ckpt by the time of lwm's completion marks (written last), not of the folders."""
     run, ckpts = tmp_path / "run", tmp_path / "run/checkpoints"
     _deepspeed(ckpts / "last.ckpt", 40, written=1000)
     _deepspeed(ckpts / "step=0000040.ckpt", 40, written=1000)
@@ -123,9 +128,42 @@ def test_deepspeed_directories_are_ranked_by_their_step_and_a_torn_one_is_passed
         (run / f"hpc_ckpt_{n}.ckpt").mkdir()
     assert latest_checkpoint(run, ckpts) == ckpts / "step=0000040.ckpt"
     stage3 = run / "hpc_ckpt_11.ckpt"  # ZeRO stage 3: each rank's model states, the step in rank 0's
-    _deepspeed(stage3, 70, written=3000)
-    (stage3 / "checkpoint/mp_rank_00_model_states.pt").rename(stage3 / "checkpoint/zero_pp_rank_0_mp_rank_00_model_states.pt")
+    _deepspeed(stage3, 70, written=3000, model="zero_pp_rank_0_mp_rank_00_model_states.pt")
     assert latest_checkpoint(run, ckpts) == stage3
+
+
+def test_a_deepspeed_directory_counts_only_where_lwm_marked_it_whole_and_a_cut_short_rewrite_keeps_its_last_time(
+        tmp_path):
+    """lwm moves a DeepSpeed directory's completion mark aside (to DEEPSPEED_WRITING, keeping its time) before the
+    directory is rewritten, and writes a new one after every rank's files: without the mark its files may be of two
+    steps. A last.ckpt cut short is still as old as its last whole write, so the step directory written just before
+    the cut continues the run, not a step directory of an abandoned branch."""
+    run, ckpts = tmp_path / "run", tmp_path / "run/checkpoints"
+    _deepspeed(ckpts / "step=0000080.ckpt", 80, written=500)  # of a branch abandoned for step 40
+    _deepspeed(ckpts / "last.ckpt", 40, written=1000)
+    _deepspeed(ckpts / "step=0000060.ckpt", 60, written=1100)
+    assert latest_checkpoint(run, ckpts) == ckpts / "step=0000060.ckpt"  # (as after a kill before last.ckpt's write)
+    last = ckpts / "last.ckpt"
+    os.replace(last / DEEPSPEED_MARK, last / DEEPSPEED_WRITING)  # killed while last.ckpt was rewritten for step 60:
+    torch.save({"module": {}, "global_step": 60}, last / "checkpoint/mp_rank_00_model_states.pt")  # new model states
+    assert deepspeed_step(last) is None  # (whole files of steps 60 and 40)
+    assert latest_checkpoint(run, ckpts) == ckpts / "step=0000060.ckpt"
+    (last / DEEPSPEED_WRITING).unlink()  # the first last.ckpt cut short: every step directory counts
+    assert latest_checkpoint(run, ckpts) == ckpts / "step=0000080.ckpt"
+
+    whole = tmp_path / "whole.ckpt"
+    _deepspeed(whole, 7, written=1)
+    assert deepspeed_step(whole) == 7
+    (whole / "checkpoint/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()  # a rank's shard missing
+    assert deepspeed_step(whole) is None
+    _deepspeed(whole, 7, written=1)
+    mark = json.loads((whole / DEEPSPEED_MARK).read_text())
+    (whole / DEEPSPEED_MARK).write_text(json.dumps({**mark, "global_step": 6}))  # the model states of another step
+    assert deepspeed_step(whole) is None
+    _deepspeed(whole, 7, written=1)
+    _deepspeed(whole, 7, written=1, ranks=3)  # a shard the mark does not name
+    (whole / DEEPSPEED_MARK).write_text(json.dumps(mark))
+    assert deepspeed_step(whole) is None
 
 
 def test_a_tie_goes_to_last_ckpt_and_an_unreadable_sole_candidate_is_still_returned(tmp_path):

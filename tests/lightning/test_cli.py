@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import re
 
 import h5py
@@ -450,6 +451,10 @@ def test_a_bad_ckpt_path_is_one_line_before_any_work(trained, tmp_path, capsys):
     truncated = tmp_path / "truncated.ckpt"
     truncated.write_bytes((root / "checkpoints" / "last.ckpt").read_bytes()[:5000])  # a copy cut short
     empty = tmp_path / "empty_run"
+    cut = tmp_path / "cut_run/checkpoints/last.ckpt"  # a DeepSpeed directory whose first write a kill cut short:
+    (cut / "checkpoint").mkdir(parents=True)  # the model states, no optimizer shard, no completion mark
+    torch.save({"module": {}, "global_step": 3}, cut / "checkpoint/mp_rank_00_model_states.pt")
+    not_whole = "a DeepSpeed checkpoint that is not whole (no lwm_complete.json matching its files"
     config = (root / "config.yaml").read_bytes()
     cases = [
         ("validate", str(tmp_path / "nope.ckpt"), root, "checkpoint not found"),
@@ -465,12 +470,15 @@ def test_a_bad_ckpt_path_is_one_line_before_any_work(trained, tmp_path, capsys):
         # a run's folder (generate and codes take one; Lightning would fail on it after the loggers started)
         ("fit", str(root), tmp_path / "fresh", f"--ckpt_path {root}: a folder without a checkpoint"),
         ("validate", str(root), root, f"--ckpt_path {root}: a folder without a checkpoint"),
+        ("fit", "last", tmp_path / "cut_run", f"--ckpt_path last: {cut}: {not_whole}"),  # the run's only one
+        ("validate", str(cut), root, f"--ckpt_path {cut}: {not_whole}"),
     ]
     for verb, path, run_dir, message in cases:
         assert main(tiny_args(manifest, run_dir, f"--ckpt_path={path}", verb=verb)) == 2, (verb, path)
         errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and message in errors[0], (verb, errors)
     assert not empty.exists() and not (tmp_path / "fresh").exists()  # nothing started
+    assert os.listdir(tmp_path / "cut_run") == ["checkpoints"] and os.listdir(cut.parent) == ["last.ckpt"]
     assert (root / "config.yaml").read_bytes() == config
     deepspeed = tmp_path / "ds"
     (deepspeed / "checkpoints" / "last.ckpt").mkdir(parents=True)  # DeepSpeed's last.ckpt is a directory

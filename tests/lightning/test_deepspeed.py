@@ -3,7 +3,8 @@ DeepSpeed's engine on its CPU accelerator (tests/lightning/deepspeed_cpu.py; the
 communication op, about 30 s, cached after). A NaN step is skipped by the engine and counted, a resume from the
 DeepSpeed checkpoint directory continues exactly, and too many NaN steps in a row stop the run before a checkpoint
 of the failing step is written. The first two with 2 ranks (gloo), checkpoints deferred to the end of the
-validation that follows their step, a collective save on every rank."""
+validation that follows their step, a collective save on every rank. A save cut short by a kill (DeepSpeed writes
+a directory file by file, in place) is never resumed from: the run continues exactly from the latest whole one."""
 
 from __future__ import annotations
 
@@ -28,8 +29,9 @@ DEEPSPEED = ["--trainer.strategy=deepspeed_stage_2", "--trainer.precision=bf16-m
              "--trainer.devices=1"]
 
 
-def _deepspeed_lwm(manifest: Path, root: Path, *extra: str, nan_steps: str = "") -> subprocess.CompletedProcess:
-    env = {**lwm_env(), "LWM_TEST_NAN_STEPS": nan_steps}
+def _deepspeed_lwm(manifest: Path, root: Path, *extra: str, nan_steps: str = "",
+                   kill: str = "") -> subprocess.CompletedProcess:
+    env = {**lwm_env(), "LWM_TEST_NAN_STEPS": nan_steps, "LWM_TEST_KILL_SAVE": kill}
     command = [sys.executable, "-m", "tests.lightning.deepspeed_cpu", *tiny_args(manifest, root, *DEEPSPEED, *extra)]
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
@@ -77,3 +79,35 @@ def test_deepspeed_skips_a_nan_step_resumes_exactly_and_stops_before_a_checkpoin
     assert stopped.returncode != 0
     assert "error: 2 consecutive steps had a non-finite loss or gradient (last at global step 1)" in stopped.stderr
     assert sorted(os.listdir(tmp_path / "stopped/checkpoints")) == ["last.ckpt", "step=0000001.ckpt"]
+
+
+def test_a_deepspeed_save_cut_short_by_a_kill_is_never_resumed_and_the_run_continues_from_the_latest_whole_one(
+        tmp_path):
+    from lwm.checkpoint import DEEPSPEED_MARK, deepspeed_step
+    from lwm.resume import latest_checkpoint
+
+    manifest = make_dataset(tmp_path / "data")
+    every = ("--checkpoint.every_n_train_steps=2", "--trainer.val_check_interval=null")
+    _ok(_deepspeed_lwm(manifest, tmp_path / "full", "--trainer.max_steps=6", *every))
+    full = _by_step(tmp_path / "full", "Train_Total/loss")
+    assert sorted(full) == list(range(6))
+    for name, step in (("last.ckpt", 6), ("step=0000004.ckpt", 4)):
+        assert deepspeed_step(tmp_path / "full/checkpoints" / name) == step
+
+    # killed at step 4 before step=0000004.ckpt's optimizer shard: that new folder holds the model states alone
+    # (DeepSpeed would start the shard's fp32 weights afresh); last.ckpt, of step 2, continues the run
+    # killed at step 4 while last.ckpt was rewritten, after step=0000004.ckpt: last.ckpt holds step 4's model states
+    # and step 2's shard (DeepSpeed would load step 2's fp32 weights under step 4's counters); step 4's continues
+    for cut, whole, resumed_from in (("step=0000004.ckpt", "last.ckpt", 2), ("last.ckpt", "step=0000004.ckpt", 4)):
+        root = tmp_path / cut
+        killed = _deepspeed_lwm(manifest, root, "--trainer.max_steps=6", *every, kill=f"{cut}:4")
+        assert killed.returncode == 137, killed.stderr[-3000:]
+        ckpts = root / "checkpoints"
+        assert (ckpts / cut / "checkpoint/mp_rank_00_model_states.pt").is_file()
+        assert not (ckpts / cut / DEEPSPEED_MARK).exists() and deepspeed_step(ckpts / cut) is None
+        assert latest_checkpoint(root, ckpts) == ckpts / whole and deepspeed_step(ckpts / whole) == resumed_from
+        _ok(_deepspeed_lwm(manifest, root, "--trainer.max_steps=6", *every, "--ckpt_path=last"))
+        # Lightning logs a step's row after its batch-end checkpoint: a kill during the save of step 4 (after the
+        # 4th batch, row 3) loses that row, and the run resumed after that batch does not log it again
+        lost = {3} if resumed_from == 4 else set()
+        assert _by_step(root, "Train_Total/loss") == {k: v for k, v in full.items() if k not in lost}, cut
