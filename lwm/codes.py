@@ -64,7 +64,10 @@ class CodeDictionary:
         self.counts = torch.zeros(self.tuples.shape[0], dtype=torch.long).index_add_(0, inverse, weights)
 
     def sample(self, shape: tuple[int, ...], by: str = "frequency", generator: torch.Generator | None = None) -> Tensor:
-        """Tuples ``[*shape, L]`` drawn by frequency or uniformly over the used tuples."""
+        """Tuples ``[*shape, L]`` drawn by frequency or uniformly over the used tuples, independently, in row-major
+        order: the first draws are the same whatever ``shape`` asks after them (a rollout of one is rollout 0 of
+        four). Inverse-CDF draws of one uniform each: ``torch.multinomial`` draws one sample by another method
+        than several."""
         if by not in SAMPLING:
             raise ValueError(f"sampling must be one of {SAMPLING}, got {by!r}")
         if self.tuples.shape[0] == 0:
@@ -73,7 +76,9 @@ class CodeDictionary:
         n = 1
         for s in shape:
             n *= s
-        picks = torch.multinomial(weights, n, replacement=True, generator=generator)
+        cdf = weights.cumsum(0)
+        u = torch.rand(n, dtype=torch.double, generator=generator) * cdf[-1]
+        picks = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.numel() - 1)
         return self.tuples[picks].reshape(*shape, len(self.codebook_sizes))
 
     def to_state(self) -> dict[str, Tensor]:

@@ -48,6 +48,19 @@ def test_sampling_by_frequency_and_uniformly():
         CodeDictionary((2,)).sample((1,))
 
 
+@pytest.mark.parametrize("by", ["frequency", "uniform"])
+def test_each_rows_draws_have_the_dictionarys_distribution_and_the_first_draws_do_not_depend_on_how_many(by):
+    d = CodeDictionary((4,))
+    d.update(torch.tensor([[0]] * 5 + [[3]] * 5))  # two tuples, equal counts: 1/2 each either way
+    drawn = d.sample((2, 2000), by, torch.Generator().manual_seed(0))[..., 0]
+    for row in drawn:  # sorted or grouped draws would give row 0 the small tuples only
+        assert (row == 0).float().mean().item() == pytest.approx(0.5, abs=0.05)
+    every = CodeDictionary((4, 8))  # every tuple once: draws that tell random streams apart
+    every.update(torch.cartesian_prod(torch.arange(4), torch.arange(8)))
+    draws = [every.sample(shape, by, torch.Generator().manual_seed(5)).reshape(-1, 2) for shape in ((1,), (3,), (2, 4))]
+    assert torch.equal(draws[0], draws[1][:1]) and torch.equal(draws[1], draws[2][:3])  # (multinomial's n=1: not)
+
+
 def test_file_round_trip_loads_with_weights_only(tmp_path):
     d = CodeDictionary((3,))
     d.update(torch.tensor([[0], [2], [2]]))

@@ -375,6 +375,65 @@ def test_generate_draws_actions_with_the_sampling_asked_for(trained, monkeypatch
     monkeypatch.setattr(CodeDictionary, "sample", spy)
     _generate(ckpt, data, tmp / "uni.gif", "--steps", "2", "--rollouts", "1", "--sampling", "uniform")
     assert seen == ["uniform"]
+    _generate(ckpt, data, tmp / "uni_world.gif", "--steps", "2", "--rollouts", "2", "--sampling", "uniform",
+              "--world", "dictionary")
+    assert seen == ["uniform"] * 3  # the world's draw too
+
+
+@pytest.mark.parametrize("steps", ["1", "3"])
+def test_rollout_0_of_three_draws_from_the_dictionaries_what_a_rollout_of_one_draws(trained, tmp_path, steps):
+    from lwm.codes import CodeDictionary, save_dictionaries
+
+    tmp, ckpt, data = trained
+    every = CodeDictionary((4, 8))  # every tuple once: draws that tell random streams apart
+    every.update(torch.cartesian_prod(torch.arange(4), torch.arange(8)))
+    codes = save_dictionaries(tmp_path / "every.pt", {"Action_Encoder": every, "World_Encoder": every}, windows=32,
+                              global_step=3)
+    common = ["--steps", steps, "--actions", "dictionary", "--world", "dictionary", "--seed", "5", "--codes", str(codes)]
+    _generate(ckpt, data, tmp_path / "one.gif", "--rollouts", "1", *common)
+    _generate(ckpt, data, tmp_path / "three.gif", "--rollouts", "3", *common)
+    with h5py.File(tmp_path / "one.gif.h5") as one, h5py.File(tmp_path / "three.gif.h5") as three:
+        for key in ("action_indices", "world_indices"):
+            assert np.array_equal(one[key][0], three[key][0]), key
+
+
+def test_a_context_longer_than_the_window_reads_its_actions_window_by_window_and_the_world_from_all_of_it(
+        trained, monkeypatch):
+    from lwm.modules.world_model import WorldModel
+
+    tmp, ckpt, data = trained  # trained on 6-frame windows; 14 frames in the file
+    calls, encode_actions, encode_world = [], WorldModel.encode_actions, WorldModel.encode_world
+    monkeypatch.setattr(WorldModel, "encode_actions", lambda self, x, t0=0, window=None: (
+        calls.append(("actions", x.shape[1], window)) or encode_actions(self, x, t0, window)))
+    monkeypatch.setattr(WorldModel, "encode_world", lambda self, x, t0=0: (
+        calls.append(("world", x.shape[1])) or encode_world(self, x, t0)))
+    _generate(ckpt, data, tmp / "ctx8.gif", "--context", "8", "--steps", "2", "--rollouts", "1", "--actions", "random")
+    assert calls == [("world", 8), ("actions", 8, 6)]
+
+
+def test_an_empty_code_dictionary_is_one_error_line(trained, tmp_path, capsys):
+    from lwm.codes import CodeDictionary, save_dictionaries
+
+    tmp, ckpt, data = trained
+    empty = save_dictionaries(tmp_path / "empty.pt", {"Action_Encoder": CodeDictionary((4, 8)),
+                                                      "World_Encoder": CodeDictionary((4, 8))}, windows=0, global_step=3)
+    assert main(["generate", "--ckpt_path", str(ckpt), "--data", str(data), "--codes", str(empty),
+                 "--out", str(tmp_path / "e.gif")]) == 2
+    assert _error_lines(capsys) == [f"error: {empty}: the Action_Encoder dictionary is empty"]
+
+
+def test_a_step_checkpoint_without_its_own_dictionary_takes_the_end_of_fits_with_a_warning(trained, tmp_path, capsys):
+    import shutil
+
+    tmp, ckpt, data = trained
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    step2 = shutil.copy(ckpt.parent / "step=0000002.ckpt", folder)
+    shutil.copy(ckpt.parent / "codes.pt", folder)  # last.ckpt's (step 3); no step=0000002.codes.pt here
+    capsys.readouterr()
+    _generate(step2, data, tmp_path / "s2.gif", "--steps", "2", "--rollouts", "1")
+    assert f"{folder / 'codes.pt'} was made by the encoders of step 3, the checkpoint is at step 2" in (
+        capsys.readouterr().err)
 
 
 def test_generate_puts_the_ground_truth_on_top(trained, monkeypatch):
@@ -398,6 +457,8 @@ def test_generate_uses_the_first_transitions_of_longer_action_indices(trained):
     longer = _generate(ckpt, data, tmp / "i5.gif", "--steps", "3", "--rollouts", "1",
                        "--action-indices", "[[0, 0], [1, 2], [3, 4], [2, 7], [3, 1]]")
     assert np.array_equal(exact, longer)
+    with h5py.File(tmp / "i5.gif.h5") as f:  # the transitions played, not all of those given
+        assert f["action_indices"][...].tolist() == [[[0, 0], [1, 2], [3, 4]]]
 
 
 def test_generate_reads_its_context_at_start(trained):

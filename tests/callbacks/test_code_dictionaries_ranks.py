@@ -1,11 +1,12 @@
-"""Under 2 gloo ranks, when one rank's windows hold NaN: the end-of-fit code dictionaries and the stop after
-non-finite steps in a row raise the same error line on every rank, naming the bad windows of every rank (a rank
-raising alone would leave the others waiting in a collective until the timeout)."""
+"""Under 2 gloo ranks: the end-of-fit code dictionaries add every rank's counts once; when one rank's windows hold
+NaN, they and the stop after non-finite steps in a row raise the same error line on every rank, naming the bad
+windows of every rank (a rank raising alone would leave the others waiting in a collective until the timeout)."""
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import os
 import socket
 from collections.abc import Callable
@@ -17,6 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lwm.callbacks import CodeDictionaries
+from lwm.codes import load_dictionaries
 from lwm.errors import DataError, NonFiniteLossError
 from tests.test_codes import FakeEncoders
 
@@ -47,6 +49,27 @@ def _two_ranks(body: Callable[[int], None]) -> dict[int, str]:
     results = mp.Manager().dict()
     mp.spawn(_on_rank, args=(port, results, body), nprocs=2, join=True)
     return dict(results)
+
+
+def _counted(rank: int, root: str) -> None:
+    n = 2 + rank  # rank 0: 2 windows of 3 frames (1 world code, 2 action codes each), rank 1: 3
+    batch = {"latents": torch.zeros(n, 3, 1, 1, 1), "file_index": torch.zeros(n, dtype=torch.long),
+             "start": torch.zeros(n, dtype=torch.long)}
+    trainer = SimpleNamespace(datamodule=SimpleNamespace(code_loader=lambda _: _Loader([batch], [f"/data/r{rank}.h5"])),
+                              callbacks=[], world_size=2, fast_dev_run=False, is_global_zero=rank == 0,
+                              checkpoint_callback=None, default_root_dir=root, global_step=7,
+                              precision_plugin=SimpleNamespace(forward_context=contextlib.nullcontext))
+    module = SimpleNamespace(model=FakeEncoders(), device=torch.device("cpu"), training=True, eval=lambda: None,
+                             train=lambda mode=True: None)
+    CodeDictionaries().on_train_end(trainer, module)
+
+
+@pytest.mark.timeout(120)
+def test_the_ranks_dictionaries_are_added_once_each(tmp_path):
+    assert _two_ranks(functools.partial(_counted, root=str(tmp_path))) == {0: "no error", 1: "no error"}
+    dictionaries = load_dictionaries(tmp_path / "codes.pt")
+    assert dictionaries["World_Encoder"].counts.tolist() == [5] and dictionaries["Action_Encoder"].counts.tolist() == [10]
+    assert torch.load(tmp_path / "codes.pt", weights_only=True)["windows"] == 5
 
 
 def _code_dictionaries(rank: int) -> None:
