@@ -202,8 +202,8 @@ def systematic_pps(pi: np.ndarray, rng: np.random.Generator) -> np.ndarray:
 
 class FileBatchSampler(Sampler[list[tuple[int, int]]]):
     """Batches of ``(file_index, start)``: each element of the global batch (every rank's batch together) from a
-    different file while there are enough files, each start uniform in the file; rank ``r`` takes its slice of the
-    global batch. A file is in a batch with probability proportional to its number of windows (so windows are
+    different file while there are enough files (else each rank's batch, while there are enough for one), each start
+    uniform in the file; rank ``r`` takes its slice of the global batch. A file is in a batch with probability proportional to its number of windows (so windows are
     drawn uniformly), except that no file can be in a batch twice: a file whose share would exceed one place
     is in every batch, and the others share the remaining places in proportion (``inclusion_probabilities``,
     drawn by ``systematic_pps``). With fewer files than the batch, whole rounds of every file come first.
@@ -254,6 +254,8 @@ class FileBatchSampler(Sampler[list[tuple[int, int]]]):
             picks.extend(rng.permutation(n_files).tolist())
         if rest:
             picks.extend(systematic_pps(self.inclusion(rest), rng).tolist())
+        if rounds and self.world_size > 1:  # a file twice in the global batch: never twice in a rank's
+            picks = _deal(picks, self.world_size, n_files, rng)
         starts = rng.integers(0, self.frames[picks] - self.window + 1)
         mine = slice(self.rank * self.batch_size, (self.rank + 1) * self.batch_size)
         return [(int(f), int(s)) for f, s in zip(picks[mine], starts[mine])]
@@ -283,6 +285,15 @@ class FileBatchSampler(Sampler[list[tuple[int, int]]]):
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.seed, self.epoch = int(state["seed"]), int(state["epoch"])
+
+
+def _deal(picks: list[int], ranks: int, n_files: int, rng: np.random.Generator) -> list[int]:
+    """``picks`` (file indices, each at most ``ranks`` times) as ``ranks`` equal slices of distinct files: grouped by
+    file, the files in a random order, then dealt to the ranks in turn (a file's copies, at most ``ranks`` in a row,
+    go to different ranks); each slice shuffled."""
+    order = rng.permutation(n_files)  # each file's place in the grouping
+    grouped = sorted(picks, key=lambda f: order[f])
+    return [f for r in range(ranks) for f in rng.permutation(grouped[r::ranks]).tolist()]
 
 
 def nonfinite_windows(batch: dict[str, torch.Tensor], paths: list[str]) -> list[str]:

@@ -141,7 +141,9 @@ def test_validation_batches_hold_the_windows_data(manifest):
 @pytest.mark.parametrize(
     ("kw", "field"),
     [({"window": 1}, "data.window"), ({"batch_size": 0}, "data.batch_size"),
-     ({"val_size_percent": 1.5}, "data.val_size_percent"), ({"num_workers": -1}, "data.num_workers")],
+     ({"val_size_percent": 1.5}, "data.val_size_percent"), ({"num_workers": -1}, "data.num_workers"),
+     ({"batches_per_epoch": 0}, "data.batches_per_epoch"), ({"val_batch_size": 0}, "data.val_batch_size"),
+     ({"prefetch_factor": 0}, "data.prefetch_factor"), ({"multiprocessing_context": "nope"}, "data.multiprocessing_context")],
 )
 def test_bad_settings_name_the_field(manifest, kw, field):
     with pytest.raises(DataError, match=field.replace(".", r"\.")):
@@ -531,3 +533,28 @@ def test_a_file_changed_since_indexing_is_named_in_one_warning_before_any_work(m
     recwarn.clear()
     _dm(manifest).setup("fit")
     assert not [w for w in recwarn if "changed since" in str(w.message)]
+
+
+@pytest.mark.parametrize("percent", [0.0, 0.5, 1.0])
+def test_test_and_predict_take_every_val_window_whatever_val_size_percent(dm_manifest, percent):
+    every = {(i, s) for i, f in enumerate(_on_rank(dm_manifest, 0, 1).val_set.frames) for s in range(0, f - 5, 6)}
+    dm = _dm(dm_manifest, val_size_percent=percent)
+    dm.trainer = _FakeTrainer(0, 1)
+    dm.setup("test")
+    assert len(every) == 8 and sorted(dm.test_dataloader().sampler) == sorted(every)
+    assert sorted(dm.predict_dataloader().sampler) == sorted(every)
+
+
+def test_val_batch_size_sets_the_validation_batches(dm_manifest):
+    dm = _on_rank(dm_manifest, 0, 1, batch_size=3, val_batch_size=5)
+    assert [len(b["start"]) for b in dm.val_dataloader()] == [5, 3]  # 8 windows
+
+
+def test_teardown_closes_every_open_file(dm_manifest):
+    dm = _on_rank(dm_manifest, 0, 1)
+    next(iter(dm.train_dataloader()))
+    next(iter(dm.val_dataloader()))
+    handles = [h.file for ds in (dm.train_set, dm.val_set) for h in ds._handles.values()]
+    assert handles
+    dm.teardown("fit")
+    assert not any(h.id.valid for h in handles)

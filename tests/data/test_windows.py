@@ -352,6 +352,24 @@ def test_ranks_take_slices_of_one_global_batch_of_distinct_files():
         FileBatchSampler(frames, WINDOW, batch_size=4, rank=4, world_size=4)
 
 
+@pytest.mark.parametrize("files, batch_size, world_size", [(4, 3, 2), (4, 3, 3), (5, 4, 3), (6, 6, 2), (3, 1, 4)])
+def test_fewer_files_than_the_global_batch_but_enough_for_a_ranks_batch_keeps_each_ranks_batch_distinct(
+        files, batch_size, world_size):
+    """Each file is in the global batch once per round (its count 1 apart from any other's), and never twice in a
+    rank's batch while the rank's batch has enough files; the same global batch on every rank, a slice each."""
+    frames = [40 + 3 * i for i in range(files)]
+    ranks = [FileBatchSampler(frames, WINDOW, batch_size=batch_size, seed=3, rank=r, world_size=world_size,
+                              batches_per_epoch=300) for r in range(world_size)]
+    seen = Counter()
+    for index in range(300):
+        parts = [s.batch(0, index) for s in ranks]
+        assert all(len(p) == batch_size and len({f for f, _ in p}) == batch_size for p in parts), (index, parts)
+        counts = Counter(f for p in parts for f, _ in p)
+        assert set(counts) == set(range(files)) and max(counts.values()) - min(counts.values()) <= 1
+        seen.update((r, f) for r, p in enumerate(parts) for f, _ in p)
+    assert len(seen) == world_size * files  # every rank reads every file
+
+
 def test_batch_size_equal_to_files_uses_every_file():
     s = FileBatchSampler(FRAMES, WINDOW, batch_size=6, seed=0, batches_per_epoch=20)
     assert all(sorted(f for f, _ in b) == list(range(6)) for b in s)
@@ -367,6 +385,16 @@ def test_few_files_whole_rounds(frames, batch_size):
         assert set(counts) == set(range(n))
         assert set(counts.values()) <= {batch_size // n, math.ceil(batch_size / n)}
         assert max(counts.values()) - min(counts.values()) <= 1
+
+
+def test_open_files_are_closed_least_recently_used_first(tmp_path):
+    for i in range(3):
+        write_h5(tmp_path / f"f{i}.h5", 8)
+    ds = H5WindowDataset(index_directory(tmp_path, val_fraction=0.0), "train", 4, max_open=2)
+    for i in (0, 1, 0, 2):
+        ds[(i, 0)]
+    assert list(ds._handles) == [0, 2]  # 1 was the least recently used
+    ds.close()
 
 
 def test_starts_cover_exactly_the_valid_range():
