@@ -14,6 +14,7 @@ from lwm.metrics import (
     delta_psnr,
     psnr,
     random_codes,
+    random_indices,
     sensitivity,
 )
 from lwm.modules.rvq import ResidualVectorQuantizer
@@ -287,3 +288,12 @@ def test_attention_diagonality_leaves_out_queries_not_given():
     assert float(attention_diagonality(attn)) == pytest.approx((T - 1 + 1 / T) / T)
     with pytest.raises(ValueError, match="Q <= T"):
         attention_diagonality(attn.transpose(-1, -2)[..., :, :-1])
+
+
+def test_random_indices_draw_every_code_of_every_level_uniformly():
+    sizes, n = (2, 3, 5), 6000
+    idx = random_indices(sizes, (n,), torch.Generator().manual_seed(0))
+    assert idx.shape == (n, 3)
+    for level, k in enumerate(sizes):
+        counts = torch.bincount(idx[:, level], minlength=k)
+        assert counts.numel() == k and ((counts.float() / n - 1 / k).abs() < 0.03).all(), (level, counts.tolist())

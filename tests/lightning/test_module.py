@@ -673,3 +673,34 @@ def test_check_trainer_refuses_intervals_lightning_accepts_and_takes_the_valid_o
     assert str(e.value).startswith(message)
     for valid in accepted:
         WorldModelModule.check_trainer(L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, **valid))
+
+
+def test_training_steps_update_the_codebooks_at_their_global_step():
+    """The EMA decay's schedule runs on the step the module passes the quantizers: the trainer's global step."""
+    torch.manual_seed(0)
+    module = WorldModelModule(net=NET)
+    seen = {"Action_Encoder": [], "World_Encoder": []}
+    for name, quantizer in module.model.quantizers.items():
+        def spy(residuals, indices, step, _name=name, _update=quantizer._ema_update):
+            seen[_name].append(int(step))
+            return _update(residuals, indices, step)
+
+        quantizer._ema_update = spy
+    _fit(module, _batches(3))
+    assert seen == {"Action_Encoder": [0, 1, 2], "World_Encoder": [0, 1, 2]}
+
+
+def test_revival_waits_for_the_end_of_an_accumulation_window():
+    """With gradient accumulation, revival runs once per due optimizer step, at the batch that ends it."""
+    net = replace(NET, codebook_sizes_action=(16,), codebook_sizes_world=(16,), dead_code_steps=1)
+    torch.manual_seed(0)
+    module = WorldModelModule(net=net, optim=OptimConfig(warmup_steps=0))
+    calls = []
+    for quantizer in module.model.quantizers.values():
+        def revive(generator=None, _revive=quantizer.revive):
+            calls.append(module.global_step)
+            return _revive(generator=generator)
+
+        quantizer.revive = revive
+    _fit(module, _batches(8), callbacks=[DeadCodeRevival(every_n_steps=2)], accumulate_grad_batches=2)
+    assert calls == [2, 2, 4, 4, 6, 6, 8, 8]  # both quantizers at steps 2, 4, 6, 8 (8 steps of 2 batches)

@@ -618,3 +618,17 @@ def test_encode_actions_over_several_chunks_equals_each_window_alone():
         s = i + 2 - W
         alone = model.action_encoder.embed(model.tokenize(x[:, s : s + W]) + model.pos_embedding(W, t0 + s))
         torch.testing.assert_close(windowed.inputs[:, i], alone[:, -1], rtol=0, atol=1e-5)
+
+
+def test_the_token_mask_is_drawn_from_the_given_generator_after_the_pe_start():
+    model = tiny_model(mask_prob=0.3).train()
+    x = clip(B=2, T=5)
+    masks = []
+    for seed in (1, 2):  # whatever the global RNG
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            masks.append(model.compute(x, step=None, generator=torch.Generator().manual_seed(7)).token_mask)
+    assert masks[0].any() and torch.equal(masks[0], masks[1])
+    g = torch.Generator().manual_seed(7)
+    model.sample_time_offset(2, torch.device("cpu"), g)
+    assert torch.equal(masks[0], torch.rand(2, 5, model.grid[0] * model.grid[1], generator=g) < 0.3)
