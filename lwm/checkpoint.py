@@ -78,9 +78,8 @@ def deepspeed_files(path: str | Path) -> tuple[Path, list[Path]]:
 
 
 def deepspeed_step(path: str | Path) -> int | None:
-    """The global step of a DeepSpeed checkpoint directory that lwm marked complete, whose files are the ones it
-    marked, all whole, with that step in their model states; None for any other (cut short by a kill, or not
-    written by lwm)."""
+    """The global step of a DeepSpeed checkpoint directory that lwm marked complete, its files whole, with that step
+    in its model states; None for any other (cut short by a kill, or not written by lwm)."""
     import json
     import zipfile
 
@@ -88,8 +87,6 @@ def deepspeed_step(path: str | Path) -> int | None:
     try:
         mark = json.loads((path / DEEPSPEED_MARK).read_text())
         model, files = deepspeed_files(path)
-        if sorted(f.relative_to(path).as_posix() for f in files) != sorted(mark["files"]):
-            return None
         if not all(zipfile.is_zipfile(f) for f in files):  # a zip's directory is at its end: a file cut short
             return None
         step = int(torch.load(model, map_location="cpu", weights_only=True, mmap=True).get("global_step", -1))
@@ -111,7 +108,8 @@ def mark_deepspeed_saves_complete(strategy: Any) -> None:
     """Make ``strategy``'s (a DeepSpeedStrategy's) saves mark their directory complete (:data:`DEEPSPEED_MARK`):
     rank 0 moves the mark aside before the save (DeepSpeed's begins with a barrier of every rank, so no rank writes
     a file before it is gone) and, once DeepSpeed's closing barrier has every rank's files written, fsyncs them and
-    writes the mark with the step and the files' names."""
+    writes the mark with the step. (The mark does not list the files: on a shared filesystem rank 0's listing of
+    a folder may not show another node's new file yet.)"""
     import json
     import os
 
@@ -133,7 +131,7 @@ def mark_deepspeed_saves_complete(strategy: Any) -> None:
             finally:
                 os.close(fd)
         fsync_dir(files[0].parent if files else path)
-        mark = {"global_step": int(checkpoint["global_step"]), "files": [f.relative_to(path).as_posix() for f in files]}
+        mark = {"global_step": int(checkpoint["global_step"])}
         atomic_write(path / DEEPSPEED_MARK, lambda f: json.dump(mark, f), mode="w")
         (path / DEEPSPEED_WRITING).unlink(missing_ok=True)
         fsync_dir(path)

@@ -735,8 +735,8 @@ def _check_deepspeed_checkpoint(path: Any, label: str) -> None:
     from lwm.checkpoint import DEEPSPEED_MARK, deepspeed_step
 
     if deepspeed_step(path) is None:
-        raise DataError(f"{label} {path}: a DeepSpeed checkpoint that is not whole (no {DEEPSPEED_MARK} matching its "
-                        f"files: a kill cut its write short, or lwm did not write it); give another of the run's "
+        raise DataError(f"{label} {path}: a DeepSpeed checkpoint that is not whole (no {DEEPSPEED_MARK} of its step: "
+                        f"a kill cut its write short, or lwm did not write it); give another of the run's "
                         f"checkpoints")
 
 

@@ -454,7 +454,7 @@ def test_a_bad_ckpt_path_is_one_line_before_any_work(trained, tmp_path, capsys):
     cut = tmp_path / "cut_run/checkpoints/last.ckpt"  # a DeepSpeed directory whose first write a kill cut short:
     (cut / "checkpoint").mkdir(parents=True)  # the model states, no optimizer shard, no completion mark
     torch.save({"module": {}, "global_step": 3}, cut / "checkpoint/mp_rank_00_model_states.pt")
-    not_whole = "a DeepSpeed checkpoint that is not whole (no lwm_complete.json matching its files"
+    not_whole = "a DeepSpeed checkpoint that is not whole (no lwm_complete.json of its step: a kill cut its write short"
     config = (root / "config.yaml").read_bytes()
     cases = [
         ("validate", str(tmp_path / "nope.ckpt"), root, "checkpoint not found"),
