@@ -32,7 +32,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lwm.files import atomic_write, fsync_dir, remove_stale_temp_files
+from lwm.files import atomic_write, fsync_dir, fsync_file, remove_stale_temp_files
 from lwm.loggers import CSVLogger
 
 
@@ -78,14 +78,17 @@ def deepspeed_files(path: str | Path) -> tuple[Path, list[Path]]:
 
 
 def deepspeed_step(path: str | Path) -> int | None:
-    """The global step of a DeepSpeed checkpoint directory that lwm marked complete, its files whole, with that step
-    in its model states; None for any other (cut short by a kill, or not written by lwm)."""
+    """The global step of a DeepSpeed checkpoint directory that lwm marked complete, its files whole (``latest``,
+    which DeepSpeed's load reads, among them), with that step in its model states; None for any other (cut short
+    by a kill, or not written by lwm)."""
     import json
     import zipfile
 
     path = Path(path)
     try:
         mark = json.loads((path / DEEPSPEED_MARK).read_text())
+        if not (path / "latest").is_file():
+            return None
         model, files = deepspeed_files(path)
         if not all(zipfile.is_zipfile(f) for f in files):  # a zip's directory is at its end: a file cut short
             return None
@@ -107,34 +110,31 @@ def deepspeed_written(path: str | Path) -> float | None:
 def mark_deepspeed_saves_complete(strategy: Any) -> None:
     """Make ``strategy``'s (a DeepSpeedStrategy's) saves mark their directory complete (:data:`DEEPSPEED_MARK`):
     rank 0 moves the mark aside before the save (DeepSpeed's begins with a barrier of every rank, so no rank writes
-    a file before it is gone) and, once DeepSpeed's closing barrier has every rank's files written, fsyncs them and
-    writes the mark with the step. (The mark does not list the files: on a shared filesystem rank 0's listing of
-    a folder may not show another node's new file yet.)"""
+    a file before it is gone); after it, every rank fsyncs the directory's files (its own writes are in its own
+    node's cache), and once all have (a barrier) rank 0 writes the mark with the step. (The mark does not list the
+    files: on a shared filesystem a node's listing of a folder may not show another node's new file yet.)"""
     import json
     import os
 
     save = strategy.save_checkpoint
 
     def save_and_mark(checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        path = Path(filepath)
+        path = Path(strategy.broadcast(filepath))  # (rank 0's: each rank names its own hpc file)
         if strategy.is_global_zero and (path / DEEPSPEED_MARK).exists():
             os.replace(path / DEEPSPEED_MARK, path / DEEPSPEED_WRITING)  # (a rename keeps the file's time)
             fsync_dir(path)
-        save(checkpoint, filepath, storage_options)
-        if not strategy.is_global_zero:
-            return
+        save(checkpoint, path, storage_options)
         _, files = deepspeed_files(path)
-        for f in files:  # (each rank's writes, from this node's page cache or a shared filesystem's client)
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        for f in [*files, path / "latest"]:
+            if f.is_file():
+                fsync_file(f)
         fsync_dir(files[0].parent if files else path)
-        mark = {"global_step": int(checkpoint["global_step"])}
-        atomic_write(path / DEEPSPEED_MARK, lambda f: json.dump(mark, f), mode="w")
-        (path / DEEPSPEED_WRITING).unlink(missing_ok=True)
-        fsync_dir(path)
+        strategy.barrier("lwm: a DeepSpeed checkpoint's files on disk")
+        if strategy.is_global_zero:
+            atomic_write(path / DEEPSPEED_MARK, lambda f: json.dump({"global_step": int(checkpoint["global_step"])}, f),
+                         mode="w")
+            (path / DEEPSPEED_WRITING).unlink(missing_ok=True)
+            fsync_dir(path)
 
     strategy.save_checkpoint = save_and_mark
 

@@ -72,6 +72,15 @@ def _pid_alive(pid: str) -> bool:
     return True
 
 
+def fsync_file(path: Path) -> None:
+    """fsync a file another process (or this one) wrote: its data on disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def fsync_dir(directory: Path) -> None:
     try:
         fd = os.open(directory, os.O_RDONLY)

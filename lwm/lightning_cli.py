@@ -30,8 +30,8 @@ from lwm.callbacks import (
     GroundTruthProbes, LearningRateMonitor, ModelSummary, PredictionWriter, RolloutVideos, Sensitivity,
     SlurmRequeue, StepProgressBar,
 )
-from lwm.checkpoint import (AtomicCheckpointIO, ModelCheckpoint, is_deepspeed_checkpoint, mark_deepspeed_saves_complete,
-                            read_checkpoint, run_of, warn_window_mismatch)
+from lwm.checkpoint import (DEEPSPEED_MARK, AtomicCheckpointIO, ModelCheckpoint, deepspeed_step, is_deepspeed_checkpoint,
+                            mark_deepspeed_saves_complete, read_checkpoint, run_of, warn_window_mismatch)
 from lwm.data.datamodule import LatentDataModule
 from lwm.errors import ConfigError, DataError
 from lwm.loggers import WandbConfig, make_loggers, run_log_dir
@@ -396,12 +396,12 @@ class LwmCLI(LightningCLI):
                 self.config[sub].ckpt_path = "last"
             if self.config[sub].get("ckpt_path") == "last" and os.path.exists(self._checkpoint_path(self.config[sub])):
                 self.config[sub].ckpt_path = self._checkpoint_path(self.config[sub])  # (Lightning's: last.ckpt only)
-                if is_deepspeed_checkpoint(self.config[sub].ckpt_path):  # the latest: none of the run's is whole
+                if is_deepspeed_checkpoint(self.config[sub].ckpt_path):  # (not whole where none of the run's is)
                     _check_deepspeed_checkpoint(self.config[sub].ckpt_path, "--ckpt_path last:")
             return
         if sub in ("validate", "test", "predict") and self.config[sub].get("ckpt_path") == "last":
-            path = self._checkpoint_file(self.config[sub])
-            if path is not None:
+            path = self._checkpoint_path(self.config[sub])  # a file, or a DeepSpeed directory (Lightning's `last`
+            if os.path.exists(path):  # would take last.ckpt, a newer or whole one beside it or not)
                 self.config[sub].ckpt_path = path
         try:
             super()._parse_ckpt_path()
@@ -732,8 +732,6 @@ def _read_checkpoint_file(path: Any) -> bool:
 def _check_deepspeed_checkpoint(path: Any, label: str) -> None:
     """A DeepSpeed checkpoint directory without lwm's completion mark (:func:`lwm.checkpoint.deepspeed_step`) is one
     line: DeepSpeed would load its files of two different steps as one checkpoint."""
-    from lwm.checkpoint import DEEPSPEED_MARK, deepspeed_step
-
     if deepspeed_step(path) is None:
         raise DataError(f"{label} {path}: a DeepSpeed checkpoint that is not whole (no {DEEPSPEED_MARK} of its step: "
                         f"a kill cut its write short, or lwm did not write it); give another of the run's "

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from lwm.checkpoint import DEEPSPEED_MARK, DEEPSPEED_WRITING, deepspeed_step
+from lwm.checkpoint import (DEEPSPEED_MARK, DEEPSPEED_WRITING, deepspeed_step, deepspeed_written,
+                            mark_deepspeed_saves_complete)
 from lwm.cli import main
 from lwm.resume import latest_checkpoint
 
@@ -87,10 +90,11 @@ def _save_step(path, step, extra=None):
     torch.save({"global_step": step, **({"x": extra} if extra is not None else {})}, path)
 
 
-def _deepspeed(path, step: int, written: float, ranks: int = 2, model: str = "mp_rank_00_model_states.pt") -> None:
+def _deepspeed(path, step: int, written: float | None, ranks: int = 2,
+               model: str = "mp_rank_00_model_states.pt") -> None:
     """A DeepSpeed checkpoint directory as Lightning's strategy writes it: ``latest`` naming the tag folder, which
     holds the model states (Lightning's client state, the global step among it) and one optimizer shard per rank;
-    then lwm's completion mark, written last, at ``written``."""
+    then lwm's completion mark, written last, at ``written`` (None: DeepSpeed's files only)."""
     folder = path / "checkpoint"
     folder.mkdir(parents=True, exist_ok=True)
     torch.save({"module": {"w": torch.zeros(2)}, "global_step": step}, folder / model)
@@ -98,8 +102,9 @@ def _deepspeed(path, step: int, written: float, ranks: int = 2, model: str = "mp
         torch.save({"optimizer_state_dict": {"m": torch.ones(3)}},
                    folder / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
     (path / "latest").write_text("checkpoint")
-    (path / DEEPSPEED_MARK).write_text(json.dumps({"global_step": step}))
-    os.utime(path / DEEPSPEED_MARK, (written, written))
+    if written is not None:
+        (path / DEEPSPEED_MARK).write_text(json.dumps({"global_step": step}))
+        os.utime(path / DEEPSPEED_MARK, (written, written))
 
 
 def _cut_short(path) -> None:
@@ -157,6 +162,38 @@ def test_a_deepspeed_directory_counts_only_where_lwm_marked_it_whole_and_a_cut_s
     _deepspeed(whole, 7, written=1)
     _cut_short(whole / "checkpoint/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt")  # (no kill can: a damaged disk)
     assert deepspeed_step(whole) is None
+    _deepspeed(whole, 7, written=1)
+    (whole / "latest").unlink()  # (DeepSpeed's load reads it)
+    assert deepspeed_step(whole) is None
+
+
+def test_a_deepspeed_save_moves_the_mark_aside_before_writing_and_marks_the_directory_after(tmp_path):
+    """lwm's wrapper of DeepSpeedStrategy.save_checkpoint, around a stand-in that writes the directory: the mark is
+    gone (moved aside, its time kept) before any file is written, a save that fails leaves no mark, the next marks
+    again; every rank fsyncs, then a barrier, then rank 0 alone writes the mark."""
+    path, seen = tmp_path / "last.ckpt", []
+
+    def save(checkpoint, filepath, storage_options=None):
+        seen.append(sorted(p.name for p in Path(filepath).glob("lwm_*.json")))
+        if checkpoint.get("fail"):
+            raise OSError("disk full")
+        _deepspeed(Path(filepath), checkpoint["global_step"], written=None)
+
+    strategies = [SimpleNamespace(is_global_zero=rank == 0, broadcast=lambda x: x, save_checkpoint=save,
+                                  barrier=lambda name=None: seen.append("barrier")) for rank in (1, 0)]
+    for strategy in strategies:
+        mark_deepspeed_saves_complete(strategy)
+    strategies[0].save_checkpoint({"global_step": 4}, path)  # rank 1: no mark
+    assert seen == [[], "barrier"] and deepspeed_step(path) is None
+    strategies[1].save_checkpoint({"global_step": 4}, path)
+    assert seen[2:] == [[], "barrier"] and deepspeed_step(path) == 4 and deepspeed_written(path) > 1000
+    os.utime(path / DEEPSPEED_MARK, (1000, 1000))
+    with pytest.raises(OSError, match="disk full"):
+        strategies[1].save_checkpoint({"global_step": 6, "fail": True}, path)
+    assert seen[-1] == [DEEPSPEED_WRITING]  # moved aside before the write
+    assert deepspeed_step(path) is None and deepspeed_written(path) == 1000  # as old as its last whole write
+    strategies[1].save_checkpoint({"global_step": 6}, path)
+    assert deepspeed_step(path) == 6 and sorted(p.name for p in path.glob("lwm_*.json")) == [DEEPSPEED_MARK]
 
 
 def test_a_tie_goes_to_last_ckpt_and_an_unreadable_sole_candidate_is_still_returned(tmp_path):

@@ -3,6 +3,7 @@ error line (exit 2) for each kind of bad input, before any training starts."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -440,6 +441,34 @@ def test_a_path_error_is_one_line_naming_the_path(tmp_path, capsys):
                  "--size", "32"]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and str(tmp_path / "afile") in errors[0], errors
+
+
+@pytest.mark.parametrize("verb", ["validate", "predict"])
+def test_eval_last_loads_the_runs_latest_whole_deepspeed_directory(tmp_path, monkeypatch, verb):
+    """Killed while last.ckpt was rewritten for step 4 after step=0000004.ckpt: `last` is that step directory (Lightning
+    would take last.ckpt, cut short)."""
+    from lightning.pytorch.trainer.connectors import checkpoint_connector
+
+    from lwm.checkpoint import DEEPSPEED_MARK, DEEPSPEED_WRITING
+    from tests.test_resume_info import _deepspeed
+
+    manifest = make_dataset(tmp_path / "data", files=4)
+    ckpts = tmp_path / "run/checkpoints"
+    _deepspeed(ckpts / "last.ckpt", 2, written=1000)
+    _deepspeed(ckpts / "step=0000004.ckpt", 4, written=1100)
+    os.replace(ckpts / "last.ckpt" / DEEPSPEED_MARK, ckpts / "last.ckpt" / DEEPSPEED_WRITING)
+    torch.save({"module": {}, "global_step": 4}, ckpts / "last.ckpt/checkpoint/mp_rank_00_model_states.pt")
+    loaded = []
+
+    def select(self, *args, **kwargs):
+        loaded.append(select_ckpt_path(self, *args, **kwargs))
+        raise SystemExit(0)  # (no DeepSpeed here to load it)
+
+    select_ckpt_path = checkpoint_connector._CheckpointConnector._select_ckpt_path
+    monkeypatch.setattr(checkpoint_connector._CheckpointConnector, "_select_ckpt_path", select)
+    with contextlib.suppress(SystemExit):
+        main(tiny_args(manifest, tmp_path / "run", "--ckpt_path=last", verb=verb))
+    assert loaded == [str(ckpts / "step=0000004.ckpt")]
 
 
 def test_a_bad_ckpt_path_is_one_line_before_any_work(trained, tmp_path, capsys):

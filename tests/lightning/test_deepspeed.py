@@ -83,7 +83,7 @@ def test_deepspeed_skips_a_nan_step_resumes_exactly_and_stops_before_a_checkpoin
 
 def test_a_deepspeed_save_cut_short_by_a_kill_is_never_resumed_and_the_run_continues_from_the_latest_whole_one(
         tmp_path):
-    from lwm.checkpoint import DEEPSPEED_MARK, deepspeed_step
+    from lwm.checkpoint import DEEPSPEED_MARK, DEEPSPEED_WRITING, deepspeed_step
     from lwm.resume import latest_checkpoint
 
     manifest = make_dataset(tmp_path / "data")
@@ -105,6 +105,7 @@ def test_a_deepspeed_save_cut_short_by_a_kill_is_never_resumed_and_the_run_conti
         ckpts = root / "checkpoints"
         assert (ckpts / cut / "checkpoint/mp_rank_00_model_states.pt").is_file()
         assert not (ckpts / cut / DEEPSPEED_MARK).exists() and deepspeed_step(ckpts / cut) is None
+        assert (ckpts / cut / DEEPSPEED_WRITING).exists() == (cut == "last.ckpt")  # its last whole write's mark
         assert latest_checkpoint(root, ckpts) == ckpts / whole and deepspeed_step(ckpts / whole) == resumed_from
         _ok(_deepspeed_lwm(manifest, root, "--trainer.max_steps=6", *every, "--ckpt_path=last"))
         # Lightning logs a step's row after its batch-end checkpoint: a kill during the save of step 4 (after the
