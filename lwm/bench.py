@@ -348,7 +348,8 @@ def breakdown(s: Setup, steps: int, warmup: int) -> list[dict]:
                 out.float().sum().backward()
 
             seconds += timed(run, steps, warmup, s.device) * repeat
-            flops += count_flops(run).useful * repeat
+            with model.attention_kernel("sdpa"):  # the useful work, whichever kernel runs (as the step's count)
+                flops += count_flops(run).useful * repeat
         model.zero_grad(set_to_none=True)
         rows.append({"part": name, "ms": seconds * 1e3, "tflop": flops / 1e12, "calls": len(makes) * repeat})
 

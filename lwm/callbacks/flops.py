@@ -55,7 +55,8 @@ class FlopCounter(L.Callback):
 
     def _measure(self, trainer: L.Trainer, pl_module: L.LightningModule, x: torch.Tensor) -> int:
         """One sample's step, times the batch (every counted op is linear in the batch: little memory), with
-        activation checkpointing off (its recomputed forward is not useful work)."""
+        activation checkpointing off (its recomputed forward is not useful work) and attention in its SDPA form
+        (the useful work, whichever kernel runs)."""
         model = pl_module.model
         backward = "deepspeed" not in type(trainer.strategy).__name__.lower()
         generator = torch.Generator(device=x.device).manual_seed(0)  # leave the run's own RNG streams alone
@@ -67,7 +68,7 @@ class FlopCounter(L.Callback):
                 loss.backward()
             pl_module.zero_grad(set_to_none=True)
 
-        with model.checkpointing(False):
+        with model.checkpointing(False), model.attention_kernel("sdpa"):  # (as lwm bench counts it)
             flops = count_flops(step, dense=False).useful * x.shape[0]
         return int(flops if backward else 3 * flops)
 

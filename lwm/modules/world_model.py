@@ -33,6 +33,8 @@ from lwm.modules.rvq import RVQ_EPS, ResidualVectorQuantizer, RVQOutput
 from lwm.modules.st_transformer import (
     ATTENTION_KERNELS,
     KV,
+    Attention,
+    AttentionKernel,
     Detokenizer,
     STTransformer,
     Tokenizer,
@@ -349,6 +351,21 @@ class WorldModel(nn.Module):
         finally:
             for t, was in zip(transformers, saved):
                 t.checkpointing = was
+
+    @contextmanager
+    def attention_kernel(self, kernel: AttentionKernel) -> Iterator[None]:
+        """Every attention's kernel set to ``kernel`` inside the block (``sdpa`` while counting FLOPs: the same
+        function, whose count is the useful work: the plain matmuls' counts the pairs the mask drops), as
+        configured after it."""
+        attentions = [m for m in self.modules() if isinstance(m, Attention)]
+        saved = [a.kernel for a in attentions]
+        for a in attentions:
+            a.kernel = kernel
+        try:
+            yield
+        finally:
+            for a, was in zip(attentions, saved):
+                a.kernel = was
 
     @staticmethod
     def _init_weights(m: nn.Module) -> None:
