@@ -17,6 +17,7 @@ container says it) as the ``fps`` attribute, which decoding and ``lwm generate``
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -253,10 +254,14 @@ def encode_videos(videos: list[str], out: str | Path, codec: str = "pixel", stri
             raise DataError(f"{video}: video not found")
     stems: dict[str, str] = {}
     for video in videos:  # out/<name>.h5: two videos of one name would overwrite each other
-        other = stems.setdefault(Path(video).stem, video)
-        if other != video:
-            raise DataError(f"{video}: same name as {other}, both would be written to {Path(out) / Path(video).stem}.h5 "
-                            f"(encode them into different --out folders)")
+        other = stems.get(Path(video).stem)
+        if other is None:
+            stems[Path(video).stem] = video
+            continue
+        if os.path.samefile(other, video):
+            raise DataError(f"{video}: given twice" + (f" (as {other} too)" if other != video else ""))
+        raise DataError(f"{video}: same name as {other}, both would be written to {Path(out) / Path(video).stem}.h5 "
+                        f"(encode them into different --out folders)")
     earlier = {video: earlier_outputs(Path(out), video, segment is not None) for video in videos}
     if not overwrite:
         for video, paths in earlier.items():

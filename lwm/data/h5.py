@@ -112,7 +112,8 @@ def inspect_h5(
         if check_values:
             for start in range(0, T, chunk_frames):
                 try:
-                    block = np.asarray(ds[start : start + chunk_frames], dtype=np.float32)
+                    block = np.asarray(ds[start : start + chunk_frames])  # (its own float type: float64's
+                    # values beyond float32's range are values, not inf)
                 except OSError as e:  # truncated or corrupt chunk
                     raise DataError(f"{path}: dataset '{key}' unreadable at frames {start}.. ({first_line(e)})") from None
                 check_frames(block, path, key, start, tolerance)

@@ -411,6 +411,9 @@ def index_directory(
     kept = {relative[p]: split for p in good  # a file an older manifest listed under its link's target too
             if (split := kept.get(relative[p], kept.get(_identity(p)))) is not None}
     val = _val_files(good, relative, kept, val_fraction, seed)
+    if val and len(val) == len(good):  # (kept val files, their train files gone)
+        raise DataError(f"{out}: every file would be a val file: the files the existing manifest lists keep their "
+                        f"split, and its train files are gone; --resplit draws the splits again")
     entries = [
         ManifestEntry(relative[p], infos[p].frames, "val" if p in val else "train", infos[p].key, stats[p].st_size,
                       stats[p].st_mtime)
