@@ -306,10 +306,7 @@ def step_flops(s: Setup):
     from lwm.flops import StepFlops, count_flops
     from lwm.modules.world_model import WorldModel
 
-    # On the SDPA kernel, whose masked attention lwm.flops counts for the allowed pairs: the useful work is the
-    # same whichever temporal-attention kernel runs (the plain matmul also computes the masked-out pairs); and
-    # without activation checkpointing, whose recomputed forward is not useful work.
-    model = WorldModel(reference_net(s)).to(s.device).train()
+    model = WorldModel(s.net).to(s.device).train()
 
     def fn() -> None:
         with s.autocast():
@@ -317,7 +314,8 @@ def step_flops(s: Setup):
         loss.backward()
         model.zero_grad(set_to_none=True)
 
-    one, b = count_flops(fn), s.x.shape[0]
+    with model.counting_form():  # the useful work, whichever kernel runs
+        one, b = count_flops(fn), s.x.shape[0]
     return StepFlops(one.useful * b, one.dense * b, {k: v * b for k, v in one.by_module.items()},
                      {k: v * b for k, v in one.by_op.items()})
 
@@ -348,7 +346,7 @@ def breakdown(s: Setup, steps: int, warmup: int) -> list[dict]:
                 out.float().sum().backward()
 
             seconds += timed(run, steps, warmup, s.device) * repeat
-            with model.attention_kernel("sdpa"):  # the useful work, whichever kernel runs (as the step's count)
+            with model.counting_form():  # the useful work, whichever kernel runs (as the step's count)
                 flops += count_flops(run).useful * repeat
         model.zero_grad(set_to_none=True)
         rows.append({"part": name, "ms": seconds * 1e3, "tflop": flops / 1e12, "calls": len(makes) * repeat})

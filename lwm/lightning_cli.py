@@ -400,8 +400,10 @@ class LwmCLI(LightningCLI):
                     _check_deepspeed_checkpoint(self.config[sub].ckpt_path, "--ckpt_path last:")
             return
         if sub in ("validate", "test", "predict") and self.config[sub].get("ckpt_path") == "last":
-            path = self._checkpoint_path(self.config[sub])  # a file, or a DeepSpeed directory (Lightning's `last`
-            if os.path.exists(path):  # would take last.ckpt, a newer or whole one beside it or not)
+            # the run's latest whole checkpoint, a file or a DeepSpeed directory (Lightning's own `last` would take
+            # last.ckpt, whether cut short or behind a newer one)
+            path = self._checkpoint_path(self.config[sub])
+            if os.path.exists(path):
                 self.config[sub].ckpt_path = path
         try:
             super()._parse_ckpt_path()
@@ -734,7 +736,8 @@ def _check_deepspeed_checkpoint(path: Any, label: str) -> None:
     line: DeepSpeed would load its files of two different steps as one checkpoint."""
     if deepspeed_step(path) is None:
         raise DataError(f"{label} {path}: a DeepSpeed checkpoint that is not whole (no {DEEPSPEED_MARK} of its step: "
-                        f"a kill cut its write short, or lwm did not write it); give another of the run's "
+                        f"a kill cut its write short, or an lwm before completion marks wrote it: if you know it "
+                        f"whole, write {{\"global_step\": N}} into its {DEEPSPEED_MARK}); give another of the run's "
                         f"checkpoints")
 
 

@@ -167,10 +167,10 @@ def test_a_deepspeed_directory_counts_only_where_lwm_marked_it_whole_and_a_cut_s
     assert deepspeed_step(whole) is None
 
 
-def test_a_deepspeed_save_moves_the_mark_aside_before_writing_and_marks_the_directory_after(tmp_path):
+def test_a_deepspeed_save_moves_the_mark_aside_before_writing_and_marks_the_directory_after(tmp_path, monkeypatch):
     """lwm's wrapper of DeepSpeedStrategy.save_checkpoint, around a stand-in that writes the directory: the mark is
     gone (moved aside, its time kept) before any file is written, a save that fails leaves no mark, the next marks
-    again; every rank fsyncs, then a barrier, then rank 0 alone writes the mark."""
+    again; every rank fsyncs every file, then a barrier, then rank 0 alone writes the mark."""
     path, seen = tmp_path / "last.ckpt", []
 
     def save(checkpoint, filepath, storage_options=None):
@@ -179,14 +179,24 @@ def test_a_deepspeed_save_moves_the_mark_aside_before_writing_and_marks_the_dire
             raise OSError("disk full")
         _deepspeed(Path(filepath), checkpoint["global_step"], written=None)
 
+    def barrier(name=None):
+        seen.append(("barrier", deepspeed_step(path)))  # (no mark before every rank's files are on disk)
+
+    import lwm.checkpoint
+
+    monkeypatch.setattr(lwm.checkpoint, "fsync_file", lambda f: seen.append(("fsync", f.name)))
     strategies = [SimpleNamespace(is_global_zero=rank == 0, broadcast=lambda x: x, save_checkpoint=save,
-                                  barrier=lambda name=None: seen.append("barrier")) for rank in (1, 0)]
+                                  barrier=barrier) for rank in (1, 0)]
     for strategy in strategies:
         mark_deepspeed_saves_complete(strategy)
-    strategies[0].save_checkpoint({"global_step": 4}, path)  # rank 1: no mark
-    assert seen == [[], "barrier"] and deepspeed_step(path) is None
+    fsynced = [("fsync", name) for name in ("bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                                            "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
+                                            "mp_rank_00_model_states.pt", "latest")]
+    strategies[0].save_checkpoint({"global_step": 4}, path)  # rank 1: its files fsynced, no mark
+    assert seen == [[], *fsynced, ("barrier", None)] and deepspeed_step(path) is None
+    del seen[:]
     strategies[1].save_checkpoint({"global_step": 4}, path)
-    assert seen[2:] == [[], "barrier"] and deepspeed_step(path) == 4 and deepspeed_written(path) > 1000
+    assert seen == [[], *fsynced, ("barrier", None)] and deepspeed_step(path) == 4 and deepspeed_written(path) > 1000
     os.utime(path / DEEPSPEED_MARK, (1000, 1000))
     with pytest.raises(OSError, match="disk full"):
         strategies[1].save_checkpoint({"global_step": 6, "fail": True}, path)

@@ -111,9 +111,8 @@ def inspect_h5(
                             f"width must be >= 1)")
         if check_values:
             for start in range(0, T, chunk_frames):
-                try:
-                    block = np.asarray(ds[start : start + chunk_frames])  # (its own float type: float64's
-                    # values beyond float32's range are values, not inf)
+                try:  # in the file's own float type: a float64 value beyond float32's range is a value, not inf
+                    block = np.asarray(ds[start : start + chunk_frames])
                 except OSError as e:  # truncated or corrupt chunk
                     raise DataError(f"{path}: dataset '{key}' unreadable at frames {start}.. ({first_line(e)})") from None
                 check_frames(block, path, key, start, tolerance)

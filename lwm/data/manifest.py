@@ -356,7 +356,8 @@ def _val_files(good: list[Path], relative: dict[Path, str], kept: dict[str, str]
                seed: int) -> set[Path]:
     """The validation split: the files a manifest already there has in it (``kept``: relative path -> split), and
     new files drawn by a seeded shuffle towards ``val_fraction`` of all (at least one of two or more files where
-    the fraction is positive; never every file)."""
+    the fraction is positive; never every new file: kept val files with no train file left are every file, which
+    :func:`index_directory` refuses)."""
     new = [p for p in good if relative[p] not in kept]
     n_val = val_count(val_fraction, len(good))
     kept_val = sum(kept.get(relative[p]) == "val" for p in good)
@@ -379,7 +380,8 @@ def index_directory(
     (at least one when there are two or more files and the fraction is positive) go to the validation split,
     chosen by a seeded shuffle. Indexing again where a manifest already is keeps every file it lists in its
     split (a run continued on the new manifest never validates on files it trained on) and draws the new
-    files' splits towards ``val_fraction`` (``resplit``: draw every file's split again). Latents whose height or
+    files' splits towards ``val_fraction`` (``resplit``: draw every file's split again; kept splits that leave
+    every file in val, its train files gone, are refused). Latents whose height or
     width is not a multiple of 4 are indexed with a warning: lwm's model cannot train on them; so are latents with
     as many channels as rows and another number of columns (square frames stored channels-last look so). Raises
     :class:`DataError` naming every bad file (one line each) and writes nothing in that case.

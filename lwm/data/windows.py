@@ -202,8 +202,8 @@ def systematic_pps(pi: np.ndarray, rng: np.random.Generator) -> np.ndarray:
 
 class FileBatchSampler(Sampler[list[tuple[int, int]]]):
     """Batches of ``(file_index, start)``: each element of the global batch (every rank's batch together) from a
-    different file while there are enough files (else each rank's batch, while there are enough for one), each start
-    uniform in the file; rank ``r`` takes its slice of the global batch. A file is in a batch with probability proportional to its number of windows (so windows are
+    different file while there are enough files (else of each rank's batch, while there are enough for one), each
+    start uniform in the file; rank ``r`` takes its slice of the global batch. A file is in a batch with probability proportional to its number of windows (so windows are
     drawn uniformly), except that no file can be in a batch twice: a file whose share would exceed one place
     is in every batch, and the others share the remaining places in proportion (``inclusion_probabilities``,
     drawn by ``systematic_pps``). With fewer files than the batch, whole rounds of every file come first.
@@ -288,9 +288,10 @@ class FileBatchSampler(Sampler[list[tuple[int, int]]]):
 
 
 def _deal(picks: list[int], ranks: int, n_files: int, rng: np.random.Generator) -> list[int]:
-    """``picks`` (file indices, each at most ``ranks`` times) as ``ranks`` equal slices of distinct files: grouped by
-    file, the files in a random order, then dealt to the ranks in turn (a file's copies, at most ``ranks`` in a row,
-    go to different ranks); each slice shuffled."""
+    """``picks`` (file indices) as ``ranks`` equal slices: grouped by file, the files in a random order, then dealt
+    to the ranks in turn, so that a file's copies go to different ranks (each slice holds a file at most
+    ceil(its copies / ranks) times: distinct files where no file is picked more than ``ranks`` times, as with at
+    least as many files as a rank's batch); each slice shuffled."""
     order = rng.permutation(n_files)  # each file's place in the grouping
     grouped = sorted(picks, key=lambda f: order[f])
     return [f for r in range(ranks) for f in rng.permutation(grouped[r::ranks]).tolist()]

@@ -354,9 +354,7 @@ class WorldModel(nn.Module):
 
     @contextmanager
     def attention_kernel(self, kernel: AttentionKernel) -> Iterator[None]:
-        """Every attention's kernel set to ``kernel`` inside the block (``sdpa`` while counting FLOPs: the same
-        function, whose count is the useful work: the plain matmuls' counts the pairs the mask drops), as
-        configured after it."""
+        """Every attention's kernel set to ``kernel`` inside the block, as configured after it."""
         attentions = [m for m in self.modules() if isinstance(m, Attention)]
         saved = [a.kernel for a in attentions]
         for a in attentions:
@@ -366,6 +364,15 @@ class WorldModel(nn.Module):
         finally:
             for a, was in zip(attentions, saved):
                 a.kernel = was
+
+    @contextmanager
+    def counting_form(self) -> Iterator[None]:
+        """The model in the form whose FLOP count is the step's useful work (``lwm bench``, the ``flops``
+        callback), inside the block: no activation checkpointing (its recomputed forward is not useful work) and
+        attention by SDPA (counted for the pairs the mask allows; the matmul kernel's count includes the pairs the
+        mask drops). The same function either way."""
+        with self.checkpointing(False), self.attention_kernel("sdpa"):
+            yield
 
     @staticmethod
     def _init_weights(m: nn.Module) -> None:
