@@ -295,6 +295,19 @@ def _as_tuples(value: object) -> object:
     return tuple(value) if isinstance(value, list) else value
 
 
+
+@contextmanager
+def _setting(objects: Sequence[object], name: str, value: object) -> Iterator[None]:
+    """Each of ``objects``' attribute ``name`` set to ``value`` inside the block, as it was after it."""
+    saved = [getattr(o, name) for o in objects]
+    for o in objects:
+        setattr(o, name, value)
+    try:
+        yield
+    finally:
+        for o, was in zip(objects, saved):
+            setattr(o, name, was)
+
 class WorldModel(nn.Module):
     """Latent world model on Video-VAE latents ``x [B, T, C, H, W]`` in [-1, 1].
 
@@ -343,27 +356,14 @@ class WorldModel(nn.Module):
         """Activation checkpointing of every ST transformer set to ``on`` inside the block (e.g. off while
         counting FLOPs: the recomputed forward is not useful work), as configured after it."""
         transformers = (self.action_encoder.transformer, self.world_encoder.transformer, self.dynamics.transformer)
-        saved = [t.checkpointing for t in transformers]
-        for t in transformers:
-            t.checkpointing = on
-        try:
+        with _setting(transformers, "checkpointing", on):
             yield
-        finally:
-            for t, was in zip(transformers, saved):
-                t.checkpointing = was
 
     @contextmanager
     def attention_kernel(self, kernel: AttentionKernel) -> Iterator[None]:
         """Every attention's kernel set to ``kernel`` inside the block, as configured after it."""
-        attentions = [m for m in self.modules() if isinstance(m, Attention)]
-        saved = [a.kernel for a in attentions]
-        for a in attentions:
-            a.kernel = kernel
-        try:
+        with _setting([m for m in self.modules() if isinstance(m, Attention)], "kernel", kernel):
             yield
-        finally:
-            for a, was in zip(attentions, saved):
-                a.kernel = was
 
     @contextmanager
     def counting_form(self) -> Iterator[None]:
