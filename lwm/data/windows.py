@@ -203,10 +203,11 @@ def systematic_pps(pi: np.ndarray, rng: np.random.Generator) -> np.ndarray:
 class FileBatchSampler(Sampler[list[tuple[int, int]]]):
     """Batches of ``(file_index, start)``: each element of the global batch (every rank's batch together) from a
     different file while there are enough files (else of each rank's batch, while there are enough for one), each
-    start uniform in the file; rank ``r`` takes its slice of the global batch. A file is in a batch with probability proportional to its number of windows (so windows are
-    drawn uniformly), except that no file can be in a batch twice: a file whose share would exceed one place
-    is in every batch, and the others share the remaining places in proportion (``inclusion_probabilities``,
-    drawn by ``systematic_pps``). With fewer files than the batch, whole rounds of every file come first.
+    start uniform in the file; rank ``r`` takes its slice of the global batch. A file is in a batch with
+    probability proportional to its number of windows (so windows are drawn uniformly), except that no file can be
+    in a batch twice: a file whose share would exceed one place is in every batch, and the others share the
+    remaining places in proportion (``inclusion_probabilities``, drawn by ``systematic_pps``). With fewer files
+    than the batch, whole rounds of every file come first, dealt to the ranks by file (:func:`_deal`).
 
     ``len(sampler)`` batches make an epoch on this rank: by default the split's non-overlapping windows
     divided by the global batch (``batch_size * world_size``). Batch ``b`` of epoch ``e`` depends only on
