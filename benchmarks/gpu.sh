@@ -1,32 +1,73 @@
 #!/usr/bin/env bash
-# Every GPU measurement the README reports, in stages (each fits a 10-minute slot), from the repository root,
-# with lwm from the source tree and the image's torch, lightning and triton; what the image lacks (omegaconf,
-# jsonargparse, deepspeed, PyAV) is installed from .whl/ when there (benchmarks/gpu_wheels.sh makes it):
+# Every GPU measurement the README reports, from the repository root, with lwm from the source tree and the image's
+# torch, lightning and triton; what the image lacks (omegaconf, jsonargparse, deepspeed, PyAV) is installed from
+# .whl/ when there (benchmarks/gpu_wheels.sh makes it):
 #
-#   benchmarks/gpu.sh OUT_DIR STAGE...      stages: check kernels attention bench breakdown maxbatch maxbatch_ckpt
-#                                           generate loader deepspeed (or: all)
+#   benchmarks/gpu.sh OUT_DIR [--budget SECONDS] STAGE|PLAN...
 #
-# Each stage writes OUT_DIR/STAGE.log (and JSON where the tool has it) and goes on after a failing command, so
-# one run keeps everything that did work. Results go into the README's Performance and Generation sections by
-# hand, with the device's name and the date (both printed by every tool).
+#   stages: check attention loader generate deepspeed bench bench_kernels kernels generate_triton breakdown
+#           maxbatch maxbatch_ckpt
+#   plans:  first  = check attention loader generate deepspeed bench   (a lease's first call)
+#           second = bench_kernels kernels generate_triton breakdown maxbatch maxbatch_ckpt
+#           all    = every stage
+#
+# A lease here is 15 minutes of device time, the machine's start included, and a call returns at most 8 files. So:
+# --budget is the seconds this run may take (give the call's timeout_s about 30 more): a stage starts only if the
+# time left is at least its estimate (MIN below, a guess until a GPU session measures it), every command in it stops
+# at the budget or at the stage's cap (CAP), and the stages go on after a failing or stopped command, so one run
+# keeps everything that did work (lwm bench writes its JSON after each variant). Scratch data, runs and checkpoints
+# go under /tmp (LWM_GPU_SCRATCH), never OUT_DIR. OUT_DIR gets two files: gpu_results.tar.gz (each stage's log and
+# JSON) and summary.txt (each stage's status and seconds, which is printed last). Results go into the README's
+# Performance and Generation sections by hand, with the device's name and the date (both printed by every tool).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${1:?usage: benchmarks/gpu.sh OUT_DIR STAGE...}
+OUT=${1:?usage: benchmarks/gpu.sh OUT_DIR [--budget SECONDS] STAGE|PLAN...}
 shift
-mkdir -p "$OUT"
+BUDGET=0  # 0: no budget
+if [ "${1:-}" = "--budget" ]; then
+    BUDGET=${2:?--budget needs a number of seconds}
+    [[ "$BUDGET" =~ ^[0-9]+$ ]] || { echo "--budget must be a whole number of seconds, got $BUDGET" >&2; exit 2; }
+    shift 2
+fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TRITON_INTERPRET=0
 PY=${PYTHON:-$(command -v python || command -v python3)}
 WHEELS=${WHEELS:-.whl}
+SCRATCH=${LWM_GPU_SCRATCH:-/tmp/lwm_gpu_scratch}
+RESULTS="$SCRATCH/results"  # logs and JSON, packed into OUT_DIR at the end
 LWM="$PY -m lwm.cli"
 BASE=configs/base.yaml
+RESERVE=15  # seconds kept at the end of a budget for packing the results
+
+# Seconds a stage needs to give a result (it is skipped with less left) and the most it may take: estimates from
+# the CPU and the H100 runs of 2026-11-22 (a base step: 314 ms compiled, 460 eager), not yet measured here.
+declare -A MIN=([check]=5 [attention]=60 [loader]=60 [generate]=90 [generate_triton]=90 [deepspeed]=150
+                [bench]=240 [bench_kernels]=240 [kernels]=90 [breakdown]=180 [maxbatch]=240 [maxbatch_ckpt]=240)
+declare -A CAP=([check]=60 [attention]=150 [loader]=120 [generate]=180 [generate_triton]=180 [deepspeed]=300
+                [kernels]=240)  # the others: no cap but the budget
+ALL=(check attention loader generate deepspeed bench bench_kernels kernels generate_triton breakdown maxbatch
+     maxbatch_ckpt)
+FIRST=(check attention loader generate deepspeed bench)
+SECOND=(bench_kernels kernels generate_triton breakdown maxbatch maxbatch_ckpt)
+
 peak() {  # Lightning knows the H100's bf16 dense peak, not the H200's (the same 989 TFLOP/s)
     nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H200 && echo "--peak-tflops 989"
 }
-run() {  # run CMD..., its output appended to the stage's log, its time and status noted
+run() {  # run CMD..., its output appended to the stage's log, its time and status noted; stopped at STAGE_END
     echo "\$ $*" | tee -a "$LOG"
     local start=$SECONDS
-    "$@" 2>&1 | tee -a "$LOG"
-    echo "(status ${PIPESTATUS[0]}, $((SECONDS - start)) s)" | tee -a "$LOG"
+    if [ -n "$STAGE_END" ]; then
+        local left=$((STAGE_END - SECONDS))
+        if [ "$left" -lt 1 ]; then
+            echo "(not run: the stage's time is up)" | tee -a "$LOG"
+            return
+        fi
+        timeout -k 10 "$left" "$@" 2>&1 | tee -a "$LOG"
+    else
+        "$@" 2>&1 | tee -a "$LOG"
+    fi
+    local status=${PIPESTATUS[0]}
+    [ "$status" = 124 ] && echo "(stopped at the stage's time limit)" | tee -a "$LOG"
+    echo "(status $status, $((SECONDS - start)) s)" | tee -a "$LOG"
 }
 
 stage_check() {
@@ -36,64 +77,86 @@ stage_check() {
         run $PY -c "import $m; print('$m', getattr($m, '__version__', ''))"
     done
 }
-stage_kernels() {  # the Triton kernels compiled on the GPU: against SDPA (bf16 too), and their resources
-    # without the project's addopts (--strict-markers would refuse the timeout marker where pytest-timeout is missing)
-    run $PY -m pytest -q -p no:cacheprovider -o addopts=-ra tests/modules/test_triton_attention.py
-    run $PY benchmarks/triton_kernels.py
-}
-stage_attention() {
-    run $PY benchmarks/temporal_attention.py
+stage_attention() {  # temporal attention formulations side by side, % of the copy bandwidth measured in the run
     run $PY benchmarks/temporal_attention.py --backward
+    run $PY benchmarks/temporal_attention.py
 }
-# lwm bench writes its JSON after each variant (and each max-batch trial): a stage cut off by the time limit keeps
-# what it measured. Each compiled variant compiles anew (minutes at base): the parts are stages of their own.
-stage_bench() {  # the base training step: reference, fast path with each temporal kernel, Lightning
-    run $LWM bench --config $BASE --steps 20 --warmup 5 --kernels matmul triton --no-breakdown $(peak) \
-        --json "$OUT/bench.json"
-}
-stage_breakdown() {  # each part alone, and what each rollout pass adds (eager), beside the compiled fast path
-    run $LWM bench --config $BASE --steps 20 --warmup 5 --no-reference --no-lightning $(peak) \
-        --json "$OUT/breakdown.json"
-}
-maxbatch() {
-    run $LWM bench --config $BASE --max-batch --no-reference --no-breakdown --no-lightning --steps 3 --warmup 2 \
-        "$@" $(peak) --json "$OUT/maxbatch${1:+_checkpointing}.json"
-}
-stage_maxbatch() { maxbatch; }
-stage_maxbatch_ckpt() { maxbatch --model.net.activation_checkpointing=true; }
-stage_generate() {
-    for kernel in sdpa triton; do
-        run $PY benchmarks/generate.py --size base --batch 1 32 --frames 16 64 256 --precision bf16 \
-            --temporal-attention $kernel
-    done
-}
-stage_loader() {  # windows/s the loader delivers vs what the step consumes (3x the bench's steps/s x batch 32)
+stage_loader() {  # windows/s the loader delivers; the step consumes the bench's steps/s x batch 32 (bench.json)
     local need=100
-    if [ -f "$OUT/bench.json" ]; then
-        need=$($PY -c "import json; r = json.load(open('$OUT/bench.json')); print(round(max(v['steps_per_s'] for v in r['variants']) * r['batch'], 1))")
+    if [ -f "$RESULTS/bench.json" ]; then
+        need=$($PY -c "import json; r = json.load(open('$RESULTS/bench.json')); print(round(max(v['steps_per_s'] for v in r['variants']) * r['batch'], 1))")
     fi
-    run $PY benchmarks/data_loader.py --need "$need" --workers 1 2 4 --context fork --cache hot --json "$OUT/loader.json"
+    run $PY benchmarks/data_loader.py --need "$need" --workers 1 2 4 --context fork --cache hot \
+        --json "$RESULTS/loader.json"
+}
+stage_generate() {
+    run $PY benchmarks/generate.py --size base --batch 1 32 --frames 16 64 256 --precision bf16 --temporal-attention sdpa
+}
+stage_generate_triton() {
+    run $PY benchmarks/generate.py --size base --batch 1 32 --frames 16 64 256 --precision bf16 \
+        --temporal-attention triton
 }
 stage_deepspeed() {  # ZeRO stage 2 on one GPU: 20 steps with a checkpoint at 10, then resumed from last to 30
-    local data="$OUT/synth" root="$OUT/deepspeed_run"
+    local data="$SCRATCH/synth" root="$SCRATCH/deepspeed_run"
+    rm -rf "$data" "$root"
     run $LWM data synth --out "$data" --episodes 64 --frames 32 --size 128
     local common=(--config configs/deepspeed.yaml --data.manifest "$data/manifest.json" --trainer.devices 1
                   --trainer.default_root_dir "$root" --checkpoint.every_n_train_steps 10 --data.num_workers 2)
     run $LWM fit "${common[@]}" --trainer.max_steps 20
     run $LWM fit "${common[@]}" --trainer.max_steps 30 --ckpt_path last
     run ls -R "$root/checkpoints"
+    run cp "$root/metrics.csv" "$RESULTS/deepspeed_metrics.csv"
 }
+# lwm bench writes its JSON after each variant (and each max-batch trial): a stage stopped at its time keeps what
+# it measured. Each compiled variant compiles anew (minutes at base; inductor's on-disk cache helps the later ones).
+stage_bench() {  # the base training step: eager reference, compiled fast path, the real Lightning step
+    run $LWM bench --config $BASE --steps 20 --warmup 5 --no-breakdown $(peak) --json "$RESULTS/bench.json"
+}
+stage_bench_kernels() {  # the fast path with each temporal-attention kernel, side by side
+    run $LWM bench --config $BASE --steps 20 --warmup 5 --kernels matmul triton --no-reference --no-lightning \
+        --no-breakdown $(peak) --json "$RESULTS/bench_kernels.json"
+}
+stage_kernels() {  # the Triton kernels compiled on the GPU: against SDPA (bf16 too), and their resources
+    # without the project's addopts (--strict-markers would refuse the timeout marker where pytest-timeout is missing)
+    run $PY -m pytest -q -p no:cacheprovider -o addopts=-ra tests/modules/test_triton_attention.py
+    run $PY benchmarks/triton_kernels.py
+}
+stage_breakdown() {  # each part alone, and what each rollout pass adds (eager), beside the compiled fast path
+    run $LWM bench --config $BASE --steps 20 --warmup 5 --no-reference --no-lightning $(peak) \
+        --json "$RESULTS/breakdown.json"
+}
+maxbatch() {  # the largest batch on an 80 GB card (capped at 80 GiB on a larger one), to 8 samples
+    run $LWM bench --config $BASE --max-batch --memory-gib 80 --batch-step 8 --no-reference --no-breakdown \
+        --no-lightning --steps 3 --warmup 2 "$@" $(peak) --json "$RESULTS/maxbatch${1:+_checkpointing}.json"
+}
+stage_maxbatch() { maxbatch; }
+stage_maxbatch_ckpt() { maxbatch --model.net.activation_checkpointing=true; }
 
-stages=("$@")
-[ "${stages[*]:-}" = "all" ] && stages=(check kernels attention bench breakdown maxbatch maxbatch_ckpt generate loader
-                                       deepspeed)
-for s in "${stages[@]}"; do
-    if ! declare -F "stage_$s" >/dev/null; then
-        echo "unknown stage $s (check kernels attention bench breakdown maxbatch maxbatch_ckpt generate loader" \
-             "deepspeed, or all)" >&2
-        exit 2
-    fi
+stages=()
+for arg in "$@"; do
+    case "$arg" in
+        all) stages+=("${ALL[@]}") ;;
+        first) stages+=("${FIRST[@]}") ;;
+        second) stages+=("${SECOND[@]}") ;;
+        *)
+            if ! declare -F "stage_$arg" >/dev/null; then
+                echo "unknown stage $arg (${ALL[*]}; or a plan: first, second, all)" >&2
+                exit 2
+            fi
+            stages+=("$arg") ;;
+    esac
 done
+[ "${#stages[@]}" -gt 0 ] || { echo "usage: benchmarks/gpu.sh OUT_DIR [--budget SECONDS] STAGE|PLAN..." >&2; exit 2; }
+
+mkdir -p "$OUT" "$RESULTS"
+SUMMARY="$RESULTS/summary.txt"
+: >"$SUMMARY"
+pack() {  # OUT_DIR: the summary and one archive of every log and JSON (a call returns at most 8 files)
+    cp "$SUMMARY" "$OUT/summary.txt"
+    tar -czf "$OUT/gpu_results.tar.gz" -C "$RESULTS" .
+}
+trap pack EXIT
+trap 'exit 143' TERM INT  # (packed on the way out)
 install_wheels() {  # packages the image lacks, from benchmarks/gpu_wheels.sh, into /tmp/lwm_site
     if $PY -m pip --version >/dev/null 2>&1; then
         $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/lwm_site \
@@ -103,12 +166,37 @@ install_wheels() {  # packages the image lacks, from benchmarks/gpu_wheels.sh, i
     fi
 }
 if compgen -G "$WHEELS/*.whl" >/dev/null; then
-    install_wheels || { echo "installing $WHEELS/ failed" >&2; exit 1; }
+    install_wheels || { echo "installing $WHEELS/ failed" | tee -a "$SUMMARY" >&2; exit 1; }
     export PYTHONPATH="$PYTHONPATH:/tmp/lwm_site"
 fi
+DEADLINE=$((BUDGET > 0 ? SECONDS + BUDGET - RESERVE : 0))
 for s in "${stages[@]}"; do
-    LOG="$OUT/$s.log"
+    LOG="$RESULTS/$s.log"
+    STAGE_END=""
+    if [ "$BUDGET" -gt 0 ]; then
+        left=$((DEADLINE - SECONDS))
+        if [ "$left" -lt "${MIN[$s]}" ]; then
+            echo "$s: skipped ($left s of the budget left, it needs about ${MIN[$s]} s)" | tee -a "$SUMMARY"
+            continue
+        fi
+        STAGE_END=$DEADLINE
+    fi
+    if [ -n "${CAP[$s]:-}" ]; then
+        capped=$((SECONDS + CAP[$s]))
+        [ -z "$STAGE_END" ] || [ "$capped" -lt "$STAGE_END" ] && STAGE_END=$capped
+    fi
     : >"$LOG"
     echo "== $s ($(date -u +%FT%TZ))" | tee -a "$LOG"
+    start=$SECONDS
     "stage_$s"
+    failed=$(grep -c '^(status [1-9]' "$LOG")
+    stopped=$(grep -c '^(stopped at the stage' "$LOG")
+    unrun=$(grep -c '^(not run' "$LOG")
+    note=""
+    [ "$stopped" -gt 0 ] && note+=", $stopped of them stopped at the time limit"
+    [ "$unrun" -gt 0 ] && note+=", $unrun not run"
+    echo "$s: $((SECONDS - start)) s, $failed command(s) failed$note" | tee -a "$SUMMARY"
 done
+[ "$BUDGET" -gt 0 ] && of=" of a $BUDGET s budget" || of=""
+echo "== summary ($SECONDS s in all$of)"
+cat "$SUMMARY"

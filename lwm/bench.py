@@ -93,6 +93,10 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--no-breakdown", action="store_true", help="skip the per-part timings")
     p.add_argument("--no-reference", action="store_true", help="skip the eager fp32 reference")
     p.add_argument("--max-batch", action="store_true", help="also find the largest batch that fits (GPU only)")
+    p.add_argument("--memory-gib", type=float, help="--max-batch on a card of this many GiB: the process is held to "
+                                                     "it (e.g. 80 on an H200, for an 80 GB card's answer)")
+    p.add_argument("--batch-step", type=int, default=1, help="--max-batch's precision in samples (default 1; 8 "
+                                                             "bisects fewer times, each trial compiles anew)")
     p.add_argument("--no-lightning", action="store_true", help="skip the Lightning variant")
     p.add_argument("--kernels", nargs="+", default=[], metavar="KERNEL",
                    help="also time the fast path with each of these temporal-attention kernels (sdpa matmul triton)")
@@ -108,6 +112,10 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         raise ConfigError(f"--steps must be >= 1 and --warmup >= 0, got {args.steps}, {args.warmup}")
     if args.peak_tflops is not None and not args.peak_tflops > 0:
         raise ConfigError(f"--peak-tflops must be > 0, got {args.peak_tflops}")
+    if args.memory_gib is not None and not args.memory_gib > 0:
+        raise ConfigError(f"--memory-gib must be > 0, got {args.memory_gib}")
+    if args.batch_step < 1:
+        raise ConfigError(f"--batch-step must be >= 1, got {args.batch_step}")
     if not Path(args.config).is_file():
         shipped = ROOT / "configs" / f"{Path(args.config).stem}.yaml"  # `--config tiny`
         hint = f" (did you mean {shipped.relative_to(ROOT)}?)" if shipped.is_file() else ""
@@ -395,9 +403,11 @@ def breakdown(s: Setup, steps: int, warmup: int) -> list[dict]:
     return rows
 
 
-def largest_batch(fits: Callable[[int], bool], start: int = 1, limit: int = 4096) -> int:
+def largest_batch(fits: Callable[[int], bool], start: int = 1, limit: int = 4096, step: int = 1) -> int:
     """The largest batch ``b <= limit`` with ``fits(b)``, assuming fitting is monotone: doubling from ``start``
-    until a batch does not fit, then bisecting (0 when not even ``start`` fits)."""
+    until a batch does not fit, then bisecting until the batch that fits and the one that does not are at most
+    ``step`` apart (``step=1``: exact; the answer is then within ``step - 1`` below the exact one; 0 when not even
+    ``start`` fits)."""
     if not fits(start):
         return 0
     good, bad = start, None
@@ -409,7 +419,7 @@ def largest_batch(fits: Callable[[int], bool], start: int = 1, limit: int = 4096
             good = trial
         else:
             bad = trial
-    while bad - good > 1:
+    while bad - good > step:
         mid = (good + bad) // 2
         good, bad = (mid, bad) if fits(mid) else (good, mid)
     return good
@@ -672,15 +682,21 @@ def run_breakdown(s: Setup, args: argparse.Namespace, console: Console,
     return parts, passes
 
 
-def run_max_batch(s: Setup, console: Console, progress: Progress,
+def run_max_batch(s: Setup, console: Console, progress: Progress, memory_gib: float | None = None, step: int = 1,
                   tried: Callable[[list[dict]], None] = lambda trials: None) -> int | None:
-    """The largest batch whose fast-path step fits in GPU memory (None on the CPU); ``tried`` is called with the
-    trials so far (``{"batch", "fits"}``) after each (each compiles anew: minutes)."""
+    """The largest batch whose fast-path step fits in GPU memory (None on the CPU), to ``step`` samples; with
+    ``memory_gib`` the process is held to that much of the card (an 80 GB card's answer on a larger one). ``tried``
+    is called with the trials so far (``{"batch", "fits"}``) after each (each compiles anew: minutes)."""
     if s.device.type != "cuda":
         console.print("--max-batch: GPU only (the CPU has no memory limit to find)")
         return None
+    total = torch.cuda.get_device_properties(s.device).total_memory
+    held = total if memory_gib is None else min(total, memory_gib * 2**30)
+    if held < total:
+        torch.cuda.set_per_process_memory_fraction(held / total, s.device)
     limit = max(s.batch, 65535 // s.patches)  # temporal attention runs batch x patches sequences: CUDA launches
-    progress(f"searching the largest batch that fits (from {s.batch}, up to {limit})")  # at most 65535 such blocks
+    progress(f"searching the largest batch that fits in {held / 2**30:.0f} GiB (from {s.batch}, up to {limit}, "
+             f"to {step} sample{'s' if step > 1 else ''})")  # at most 65535 such blocks
     fits, trials = fits_on_gpu(s), []
 
     def trial(batch: int) -> bool:
@@ -690,10 +706,14 @@ def run_max_batch(s: Setup, console: Console, progress: Progress,
         tried(trials)
         return ok
 
-    max_batch = largest_batch(trial, start=s.batch, limit=limit)
+    try:
+        max_batch = largest_batch(trial, start=s.batch, limit=limit, step=step)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, s.device)
     capped = " (the search's limit: 65535 temporal sequences)" if max_batch == limit else ""
-    console.print(f"largest batch that fits: {max_batch} x {s.window} frames{capped} (fast path, "
-                  f"{torch.cuda.get_device_properties(s.device).total_memory / 2**30:.0f} GiB)")
+    within = f", within {step - 1} below the largest" if step > 1 and 0 < max_batch < limit else ""
+    memory = f"{held / 2**30:.0f} GiB" + (f" of the card's {total / 2**30:.0f}" if held < total else "")
+    console.print(f"largest batch that fits: {max_batch} x {s.window} frames{capped}{within} (fast path, {memory})")
     return max_batch
 
 
@@ -726,7 +746,7 @@ def main(argv: list[str]) -> int:
            "flops_by_op": flops.by_op, "matmul_tflop_per_s": matmul, "matmul": matmul_what,
            "peak_tflop_per_s": peak / 1e12 if peak else None, "variants": [], "lightning_overhead_ms": None,
            "noise_warning": None, "host_syncs": None, "notes": [], "breakdown": [], "passes": [], "max_batch": None,
-           "max_batch_trials": []}
+           "max_batch_trials": [], "max_batch_memory_gib": args.memory_gib, "max_batch_step": args.batch_step}
 
     def summarise(t: Timings) -> tuple[list[dict], float | None, str | None]:
         """The variants measured so far, into ``out`` and the JSON (now, and again with each later part: a later
@@ -755,7 +775,7 @@ def main(argv: list[str]) -> int:
             out["max_batch_trials"] = trials
             write_json(args.json, out)
 
-        out["max_batch"] = run_max_batch(s, console, progress, tried)
+        out["max_batch"] = run_max_batch(s, console, progress, args.memory_gib, args.batch_step, tried)
         write_json(args.json, out)
     if args.json:
         console.print(f"wrote {args.json}")

@@ -894,8 +894,6 @@ def read_config(args: list[str]) -> dict[str, Any]:
     (no trainer, loggers, data or model): types, unknown keys, typos and broken YAML are refused in one line as by
     ``lwm fit``, then the model's and optimiser's own checks run. ``data.manifest`` may be left out. For verbs that
     check a config before work of their own (``lwm bench``, ``lwm demo``)."""
-    from jsonargparse import namespace_to_dict
-
     from lwm.module import OptimConfig
     from lwm.modules.world_model import WorldModelConfig
 
@@ -913,7 +911,7 @@ def read_config(args: list[str]) -> dict[str, Any]:
         def instantiate_classes(self) -> None:
             pass
 
-    config = namespace_to_dict(ParseOnly(args=args, run=False).config)
+    config = ParseOnly(args=args, run=False).config.clone().as_dict()  # (jsonargparse 5 drops namespace_to_dict)
     model = config.get("model") or {}
     WorldModelConfig(**(model.get("net") or {}))  # their checks (ConfigError): what the module would refuse
     OptimConfig(**(model.get("optim") or {}))

@@ -105,6 +105,8 @@ def test_bench_refuses_bad_arguments(capsys):
     (["--model.net.n_heads=3"], "d_model must be divisible by 4 and by n_heads (3)"),
     (["--model.optim.betas=[1.5, 0.9]"], "optim.betas must be two values in [0, 1)"),
     (["--peak-tflops=-5"], "--peak-tflops must be > 0, got -5.0"),
+    (["--memory-gib=0"], "--memory-gib must be > 0, got 0.0"),
+    (["--batch-step=0"], "--batch-step must be >= 1, got 0"),
     (["--config", "BROKEN"], "BROKEN: Problems parsing config"),
     (["--json", "configs/tiny.yaml"], "--json configs/tiny.yaml: not a .json file name"),  # (it overwrote the config)
     (["--json", "BROKEN/out.json"], "BROKEN/out.json: cannot be created, BROKEN is not a folder (--json)"),
@@ -136,6 +138,48 @@ def test_largest_batch_search_finds_the_boundary_with_few_trials():
     assert largest_batch(lambda b: False, start=8) == 0
     assert largest_batch(lambda b: True, start=8, limit=100) == 100
     assert largest_batch(lambda b: b <= 50, start=32, limit=4096) == 50
+
+
+def test_largest_batch_search_to_a_step_stops_within_it_with_fewer_trials():
+    """--batch-step: the batch found is at most step - 1 below the largest that fits, never above it, and the
+    search stops bisecting there (each trial compiles anew on a GPU)."""
+    from lwm.bench import largest_batch
+
+    for largest in (32, 33, 39, 40, 47, 63, 64, 100):
+        exact, coarse = [], []
+        assert largest_batch(lambda b: exact.append(b) or b <= largest, start=32, limit=4096) == largest
+        found = largest_batch(lambda b: coarse.append(b) or b <= largest, start=32, limit=4096, step=8)
+        assert largest - 7 <= found <= largest, (largest, found)
+        assert len(coarse) <= len(exact) - 2 or len(exact) <= 3, (largest, exact, coarse)
+    assert largest_batch(lambda b: b <= 45, start=32, limit=4096, step=8) in range(38, 46)
+
+
+def test_max_batch_holds_the_process_to_memory_gib_and_lets_go_after(monkeypatch):
+    """--memory-gib 80 on a 139 GiB card: the search runs with the process held to 80/139 of it (an 80 GB card's
+    answer on an H200), released afterwards; a cap above the card's memory holds nothing."""
+    import types
+
+    import torch
+    from rich.console import Console
+
+    import lwm.bench as bench
+
+    fractions = []
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(total_memory=139 * 2**30))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d: fractions.append(round(f, 4)))
+    seen = []
+
+    def fits_on_gpu(s):
+        return lambda b: seen.append(fractions[-1] if fractions else None) or b <= 40
+
+    monkeypatch.setattr(bench, "fits_on_gpu", fits_on_gpu)
+    s = types.SimpleNamespace(device=torch.device("cuda"), batch=32, patches=256, window=16)
+    console = Console(file=open("/dev/null", "w"))
+    assert bench.run_max_batch(s, console, lambda text: None, memory_gib=80, step=8) in range(33, 41)
+    assert set(seen) == {round(80 / 139, 4)} and fractions[-1] == 1.0
+    fractions.clear(), seen.clear()
+    assert bench.run_max_batch(s, console, lambda text: None, memory_gib=200) == 40
+    assert fractions == [1.0] and set(seen) == {None}  # never held (only the release after)
 
 
 def test_step_flops_are_linear_in_the_batch_and_leave_out_checkpointing_recompute():

@@ -4,6 +4,7 @@ fakes: no timing is asserted), bytes and FLOPs are counted as documented, warm-u
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 import types
 
 import pytest
@@ -108,66 +109,128 @@ def test_monitoring_step_timer_skips_the_first_steps(monkeypatch):
     assert len(timer.times) == 3
 
 
-def test_gpu_recipe_parses_and_lists_exactly_its_stages(tmp_path):
-    """benchmarks/gpu.sh: valid bash; "all" runs every stage it defines, and an unknown stage stops it at once."""
+GPU_SH = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.sh"
+
+
+def fake_python(tmp_path: Path, script: str = "") -> tuple[Path, Path]:
+    """A stand-in python for benchmarks/gpu.sh that records each call's arguments (and TRITON_INTERPRET), runs
+    ``script`` (sh), and exits 0; -> (its path, the record)."""
+    record = tmp_path / "calls.txt"
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/bin/sh\necho "TRITON_INTERPRET=$TRITON_INTERPRET $*" >> {record}\n'
+                    f'[ "$*" = "-m pip --version" ] && [ -n "$NO_PIP" ] && exit 1\n{script}\nexit 0\n')
+    fake.chmod(0o755)
+    return fake, record
+
+
+def unpacked(out: Path, tmp_path: Path) -> Path:
+    """OUT_DIR holds exactly the summary and the archive (a device call returns at most 8 files): the archive
+    unpacked."""
+    import tarfile
+
+    assert sorted(f.name for f in out.iterdir()) == ["gpu_results.tar.gz", "summary.txt"]
+    where = tmp_path / "unpacked"
+    with tarfile.open(out / "gpu_results.tar.gz") as tar:
+        tar.extractall(where, filter="data")
+    return where
+
+
+def test_gpu_recipe_parses_and_its_plans_split_its_stages():
+    """benchmarks/gpu.sh: valid bash; ALL lists every stage it defines, the first and second calls' plans split them
+    between them, and an unknown stage or a bad budget stops it at once, writing nothing."""
     import re
     import subprocess
-    from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.sh"
-    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
-    text = script.read_text()
+    assert subprocess.run(["bash", "-n", str(GPU_SH)]).returncode == 0
+    text = GPU_SH.read_text()
     defined = re.findall(r"^stage_(\w+)\(\)", text, flags=re.M)
-    listed = re.search(r'stages=\((check[^)]*)\)', text).group(1).split()
-    assert listed == defined and len(defined) == 10
-    run = subprocess.run(["bash", str(script), str(tmp_path / "out"), "nope"], capture_output=True, text=True)
-    assert run.returncode == 2 and "unknown stage nope" in run.stderr
+    plan = {name: re.search(rf"^{name}=\(([^)]*)\)", text, flags=re.M).group(1).split()
+            for name in ("ALL", "FIRST", "SECOND")}
+    assert sorted(plan["ALL"]) == sorted(defined) and len(defined) == 12
+    assert sorted(plan["FIRST"] + plan["SECOND"]) == sorted(defined)
+    for table in ("MIN", "CAP"):
+        listed = re.findall(r"\[(\w+)\]=\d+", re.search(rf"^declare -A {table}=\(([^)]*)\)", text,
+                                                         flags=re.M | re.S).group(1))
+        assert set(listed) <= set(defined) and (table == "CAP" or set(listed) == set(defined)), table
+    for args, message in ((["nope"], "unknown stage nope"), (["--budget", "5m", "check"], "--budget must be"),
+                          ([], "usage")):
+        run = subprocess.run(["bash", str(GPU_SH), "/nonexistent/out", *args], capture_output=True, text=True)
+        assert run.returncode == 2 and message in run.stderr, (args, run.stderr)
 
 
 def test_gpu_recipe_runs_the_documented_commands(tmp_path):
     """Every stage with a stand-in python that records its arguments and environment: the commands the README
-    describes (compiled kernels, both attention directions, bench with every kernel, the breakdown, max batch with
-    and without checkpointing, generation with sdpa and triton, the loader, a DeepSpeed fit resumed from last)."""
+    describes (both attention directions, the loader, generation with sdpa and triton, a DeepSpeed fit resumed from
+    last, bench, bench with every kernel, the compiled kernels, the breakdown, max batch at 80 GiB with and without
+    checkpointing); the logs and JSON packed into one archive, scratch data outside OUT_DIR."""
     import subprocess
-    from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.sh"
-    record = tmp_path / "calls.txt"
-    fake = tmp_path / "python"
-    fake.write_text(f'#!/bin/sh\necho "TRITON_INTERPRET=$TRITON_INTERPRET $*" >> {record}\n'
-                    f'[ "$*" = "-m pip --version" ] && [ -n "$NO_PIP" ] && exit 1\nexit 0\n')
-    fake.chmod(0o755)
-    out = tmp_path / "out"
+    fake, record = fake_python(tmp_path)
+    out, scratch = tmp_path / "out", tmp_path / "scratch"
     wheels = tmp_path / "wheels"
     wheels.mkdir()
     (wheels / "omegaconf-2.4.0-py3-none-any.whl").write_bytes(b"")
-    run = subprocess.run(["bash", str(script), str(out), "all"], capture_output=True, text=True,
-                         env={"PATH": "/usr/bin:/bin", "PYTHON": str(fake), "WHEELS": str(wheels)})
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": str(fake), "WHEELS": str(wheels), "LWM_GPU_SCRATCH": str(scratch)}
+    run = subprocess.run(["bash", str(GPU_SH), str(out), "first", "second"], capture_output=True, text=True, env=env)
     assert run.returncode == 0, run.stderr
     calls = [c for c in record.read_text().splitlines() if not c.endswith("-m pip --version")]
     assert all(c.startswith("TRITON_INTERPRET=0 ") for c in calls)  # compiled kernels, never the interpreter
     joined = "\n".join(calls)
     # the carried wheels first, into a folder on the path of every later command
     assert calls[0].startswith("TRITON_INTERPRET=0 -m pip install -q --no-index --no-deps") and str(wheels) in calls[0]
-    for expected in ("-m pytest -q -p no:cacheprovider -o addopts=-ra tests/modules/test_triton_attention.py",
-                     "benchmarks/triton_kernels.py", "benchmarks/temporal_attention.py --backward",
-                     "-m lwm.cli bench --config configs/base.yaml --steps 20 --warmup 5 --kernels matmul triton "
-                     "--no-breakdown",
-                     "-m lwm.cli bench --config configs/base.yaml --steps 20 --warmup 5 --no-reference --no-lightning",
-                     "--max-batch --no-reference --no-breakdown --no-lightning --steps 3 --warmup 2 "
-                     "--model.net.activation_checkpointing=true",
+    for expected in ("benchmarks/temporal_attention.py --backward", "benchmarks/data_loader.py --need 100 --workers 1 2 4",
                      "--precision bf16 --temporal-attention sdpa", "--precision bf16 --temporal-attention triton",
-                     "benchmarks/data_loader.py --need 100 --workers 1 2 4",
-                     "-m lwm.cli data synth", "-m lwm.cli fit --config configs/deepspeed.yaml",
-                     "--trainer.max_steps 30 --ckpt_path last"):
+                     f"-m lwm.cli data synth --out {scratch}/synth", "-m lwm.cli fit --config configs/deepspeed.yaml",
+                     "--trainer.max_steps 30 --ckpt_path last",
+                     "-m lwm.cli bench --config configs/base.yaml --steps 20 --warmup 5 --no-breakdown --json",
+                     "--kernels matmul triton --no-reference --no-lightning --no-breakdown",
+                     "-m pytest -q -p no:cacheprovider -o addopts=-ra tests/modules/test_triton_attention.py",
+                     "benchmarks/triton_kernels.py",
+                     "-m lwm.cli bench --config configs/base.yaml --steps 20 --warmup 5 --no-reference --no-lightning",
+                     "--max-batch --memory-gib 80 --batch-step 8 --no-reference --no-breakdown --no-lightning "
+                     "--steps 3 --warmup 2 --model.net.activation_checkpointing=true"):
         assert expected in joined, expected
-    assert sorted(p.name for p in out.glob("*.log")) == sorted(
-        f"{s}.log" for s in ("check", "kernels", "attention", "bench", "breakdown", "maxbatch", "maxbatch_ckpt",
-                             "generate", "loader", "deepspeed"))
+    assert str(out) not in joined  # scratch data, runs and JSON never in OUT_DIR (a call returns 8 files)
+    results = unpacked(out, tmp_path)
+    stages = ("check", "attention", "loader", "generate", "deepspeed", "bench", "bench_kernels", "kernels",
+              "generate_triton", "breakdown", "maxbatch", "maxbatch_ckpt")
+    assert sorted(p.name for p in results.glob("*.log")) == sorted(f"{s}.log" for s in stages)
+    summary = (out / "summary.txt").read_text().splitlines()
+    assert [line.split(":")[0] for line in summary] == list(stages)  # in the plans' order
+    assert (results / "summary.txt").read_text().splitlines() == summary
     # an image without pip: the wheels are unpacked (a wheel is a zip of the installed package)
     record.unlink()
-    run = subprocess.run(["bash", str(script), str(tmp_path / "out2"), "check"], capture_output=True, text=True,
-                         env={"PATH": "/usr/bin:/bin", "PYTHON": str(fake), "WHEELS": str(wheels), "NO_PIP": "1"})
+    run = subprocess.run(["bash", str(GPU_SH), str(tmp_path / "out2"), "check"], capture_output=True, text=True,
+                         env={**env, "NO_PIP": "1"})
     assert run.returncode == 0, run.stderr
     calls = record.read_text().splitlines()
     assert calls[1] == f"TRITON_INTERPRET=0 -m zipfile -e {wheels}/omegaconf-2.4.0-py3-none-any.whl /tmp/lwm_site"
+
+
+def test_gpu_recipe_keeps_to_its_budget(tmp_path):
+    """--budget 25 (10 s for stages, 15 kept for packing): check starts (it needs 5 s), its hanging command is
+    stopped at the budget and the commands after it are not run; attention (60 s) and bench (240 s) are skipped
+    and said to be; the results are packed all the same."""
+    import re
+    import subprocess
+    import time
+
+    fake, record = fake_python(tmp_path, 'case "$*" in *"import torch, lightning"*) sleep 60 ;; esac')
+    out = tmp_path / "out"
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": str(fake), "WHEELS": str(tmp_path / "none"),
+           "LWM_GPU_SCRATCH": str(tmp_path / "scratch")}
+    started = time.monotonic()
+    run = subprocess.run(["bash", str(GPU_SH), str(out), "--budget", "25", "check", "attention", "bench"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert time.monotonic() - started < 25  # stopped at the stages' 10 s, not the command's 60
+    assert "import torch, lightning" in record.read_text() and "import einops" not in record.read_text()
+    summary = (out / "summary.txt").read_text().splitlines()
+    # (nvidia-smi fails too where there is none)
+    assert summary[0].startswith("check: ") and re.search(r"\d command\(s\) failed, 1 of them stopped at the time "
+                                                          r"limit, \d+ not run$", summary[0]), summary[0]
+    assert summary[1].startswith("attention: skipped (") and "it needs about 60 s" in summary[1]
+    assert summary[2].startswith("bench: skipped (") and "it needs about 240 s" in summary[2]
+    log = (unpacked(out, tmp_path) / "check.log").read_text()
+    assert "(stopped at the stage's time limit)" in log and "(not run: the stage's time is up)" in log
+    assert "summary" in run.stdout and summary[0] in run.stdout
