@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Every GPU measurement the README reports, from the repository root, with lwm from the source tree and the image's
-# torch, lightning and triton; what the image lacks (omegaconf, jsonargparse, deepspeed, PyAV) is installed from
-# .whl/ when there (benchmarks/gpu_wheels.sh makes it):
+# Every GPU measurement docs/performance.md reports, from the repository root, with lwm from the source tree and
+# the image's torch, lightning and triton; what the image lacks (omegaconf, jsonargparse, deepspeed, PyAV) is
+# installed from .whl/ when there (benchmarks/gpu_wheels.sh makes it):
 #
 #   benchmarks/gpu.sh OUT_DIR [--budget SECONDS] STAGE|PLAN...
 #
@@ -17,8 +17,8 @@
 # at the budget or at the stage's cap (CAP), and the stages go on after a failing or stopped command, so one run
 # keeps everything that did work (lwm bench writes its JSON after each variant). Scratch data, runs and checkpoints
 # go under /tmp (LWM_GPU_SCRATCH), never OUT_DIR. OUT_DIR gets two files: gpu_results.tar.gz (each stage's log and
-# JSON) and summary.txt (each stage's status and seconds, which is printed last). Results go into the README's
-# Performance and Generation sections by hand, with the device's name and the date (both printed by every tool).
+# JSON) and summary.txt (each stage's status and seconds, which is printed last). Results go into docs/performance.md
+# and docs/generation.md by hand, with the device's name and the date (both printed by every tool).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: benchmarks/gpu.sh OUT_DIR [--budget SECONDS] STAGE|PLAN...}
@@ -90,7 +90,8 @@ stage_loader() {  # windows/s the loader delivers; the step consumes the bench's
         --json "$RESULTS/loader.json"
 }
 stage_generate() {
-    run $PY benchmarks/generate.py --size base --batch 1 32 --frames 16 64 256 --precision bf16 --temporal-attention sdpa
+    run $PY benchmarks/generate.py --size base --batch 1 32 --frames 16 64 256 --precision bf16 \
+        --temporal-attention sdpa
 }
 stage_generate_triton() {
     run $PY benchmarks/generate.py --size base --batch 1 32 --frames 16 64 256 --precision bf16 \
@@ -151,7 +152,18 @@ done
 mkdir -p "$OUT" "$RESULTS"
 SUMMARY="$RESULTS/summary.txt"
 : >"$SUMMARY"
+loader_ratio() {  # the loader's best windows/s over what the fastest step measured consumes (both from this run)
+    [ -f "$RESULTS/bench.json" ] && [ -f "$RESULTS/loader.json" ] || return 0
+    $PY -c "
+import json
+bench, rows = json.load(open('$RESULTS/bench.json')), json.load(open('$RESULTS/loader.json'))
+need = max(v['steps_per_s'] for v in bench['variants']) * bench['batch']
+best = max(r['windows_per_s'] for r in rows)
+print(f'loader: {best:.0f} windows/s, {best / need:.1f}x the {need:.0f} windows/s of the fastest step measured')
+" 2>/dev/null | tee -a "$SUMMARY"
+}
 pack() {  # OUT_DIR: the summary and one archive of every log and JSON (a call returns at most 8 files)
+    loader_ratio
     cp "$SUMMARY" "$OUT/summary.txt"
     tar -czf "$OUT/gpu_results.tar.gz" -C "$RESULTS" .
 }

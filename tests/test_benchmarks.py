@@ -159,8 +159,8 @@ def test_gpu_recipe_parses_and_its_plans_split_its_stages():
 
 
 def test_gpu_recipe_runs_the_documented_commands(tmp_path):
-    """Every stage with a stand-in python that records its arguments and environment: the commands the README
-    describes (both attention directions, the loader, generation with sdpa and triton, a DeepSpeed fit resumed from
+    """Every stage with a stand-in python that records its arguments and environment: the commands
+    docs/performance.md describes (both attention directions, the loader, generation with sdpa and triton, a DeepSpeed fit resumed from
     last, bench, bench with every kernel, the compiled kernels, the breakdown, max batch at 80 GiB with and without
     checkpointing); the logs and JSON packed into one archive, scratch data outside OUT_DIR."""
     import subprocess
@@ -234,3 +234,24 @@ def test_gpu_recipe_keeps_to_its_budget(tmp_path):
     log = (unpacked(out, tmp_path) / "check.log").read_text()
     assert "(stopped at the stage's time limit)" in log and "(not run: the stage's time is up)" in log
     assert "summary" in run.stdout and summary[0] in run.stdout
+
+
+def test_gpu_recipe_says_what_the_loader_delivers_over_what_the_step_consumes(tmp_path):
+    """With bench.json and loader.json from the same run (the loader may run first), the summary ends with the
+    loader's best windows/s over the fastest measured step's consumption (steps/s x batch): issue 7's 3x target."""
+    import json
+    import subprocess
+
+    fake, _ = fake_python(tmp_path, f'case "$*" in *loader.json*) exec {sys.executable} "$@" ;; esac')
+    results = tmp_path / "scratch" / "results"
+    results.mkdir(parents=True)
+    (results / "bench.json").write_text(json.dumps({"batch": 32, "variants": [{"steps_per_s": 2.5},
+                                                                                {"steps_per_s": 3.0}]}))
+    (results / "loader.json").write_text(json.dumps([{"windows_per_s": 300.0}, {"windows_per_s": 480.0}]))
+    out = tmp_path / "out"
+    run = subprocess.run(["bash", str(GPU_SH), str(out), "check"], capture_output=True, text=True,
+                         env={"PATH": "/usr/bin:/bin", "PYTHON": str(fake), "LWM_GPU_SCRATCH": str(tmp_path / "scratch"),
+                              "WHEELS": str(tmp_path / "none")})
+    assert run.returncode == 0, run.stderr
+    line = "loader: 480 windows/s, 5.0x the 96 windows/s of the fastest step measured"
+    assert (out / "summary.txt").read_text().splitlines()[-1] == line and line in run.stdout

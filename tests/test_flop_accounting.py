@@ -36,7 +36,7 @@ def test_breakdown_parts_add_up_to_the_steps_useful_flops(monkeypatch):
 
 
 def test_breakdown_temporal_attention_counts_the_sdpa_form_whatever_the_kernel(monkeypatch):
-    """README: FLOPs are counted on the SDPA form whichever kernel runs; the breakdown's rows too."""
+    """docs/performance.md: FLOPs are counted on the SDPA form whichever kernel runs; the breakdown's rows too."""
     import lwm.bench as bench
 
     monkeypatch.setattr(bench, "timed", lambda fn, steps, warmup, device: 0.5)
@@ -167,8 +167,8 @@ def test_activation_checkpointing_does_not_change_the_logged_flops():
 
 
 def test_the_logged_flops_count_the_sdpa_form_whatever_the_kernel():
-    """README: 'FLOPs are counted on the SDPA form (the useful work whichever kernel runs)' and the callback 'logs
-    the same count' as lwm bench."""
+    """docs/performance.md: 'FLOPs are counted on the SDPA form (the useful work whichever kernel runs)' and the
+    callback 'logs the same count' as lwm bench."""
     from lwm.callbacks.flops import FlopCounter
 
     x = torch.tanh(torch.randn(2, 6, 4, 16, 16))

@@ -180,7 +180,7 @@ class Attention(nn.Module):
 
     ``kernel``: ``sdpa`` (``scaled_dot_product_attention``), ``matmul`` (``q k^T``, masked softmax, ``@ v`` as
     plain batched matmuls, which ``torch.compile`` fuses around; for many short sequences, as in temporal
-    attention, SDPA's kernels are slow: see the README's Performance section) or ``triton`` (one Triton kernel
+    attention, SDPA's kernels are slow: see docs/performance.md) or ``triton`` (one Triton kernel
     per direction for short sequences, :mod:`lwm.modules.triton_attention`; the matmul formulation where it
     does not apply: no GPU, float64, tiles over ``triton_attention.MAX_TILE``). The same function every way.
     """

@@ -3,7 +3,7 @@
 Temporal attention at the base size is many short sequences: ``B * N`` patches (8192 at batch 32) of ``T = 16``
 frames, 8 heads of 64. Each sequence's scores are a ``16 x 16`` tile, so the work is memory-bound: what counts is
 reading q, k, v once and writing the output once. SDPA's fused kernels are built for long sequences and reach a
-fraction of the memory bandwidth here (README, Performance); the plain matmul formulation moves its scores and
+fraction of the memory bandwidth here (docs/performance.md); the plain matmul formulation moves its scores and
 probabilities through memory and transposes q, k, v out of the projection's layout first.
 
 Here one program handles one (sequence, head): it loads its whole ``[T, e]`` q, k and v straight from the qkv

@@ -610,7 +610,8 @@ class WorldModel(nn.Module):
                                                         reuse_prefix)
         prediction_loss = sum(w * l for w, l in zip(self.config.rollout_weights, pass_losses))
         weight_action, weight_world = self.commitment_weights(T)
-        # the commitment losses train their encoder and, through it, the shared tokenizer (README, Model conventions)
+        # the commitment losses train their encoder and, through it, the shared tokenizer (docs/model.md,
+        # Model conventions)
         loss = prediction_loss + weight_action * actions.commit_loss + weight_world * world.commit_loss
 
         values = [loss, prediction_loss, *pass_losses, actions.commit_loss, actions.codebook_loss, world.commit_loss,

@@ -300,7 +300,7 @@ def test_a_preemption_at_a_due_step_on_an_epochs_last_batch_writes_that_step_che
 
 def test_a_ctrl_c_before_the_training_steps_exits_130_with_one_line(tmp_path, capsys):
     """Before lwm's handler is in (the fit loading its data, starting wandb), Ctrl-C is Python's KeyboardInterrupt:
-    Lightning exited 1 after its 'Detected KeyboardInterrupt', where the README promises 130."""
+    Lightning exited 1 after its 'Detected KeyboardInterrupt', where docs/training.md promises 130."""
     manifest = make_dataset(tmp_path / "data", files=4)
     interrupt = ["--trainer.callbacks+=tests.lightning.helpers.SendSignal", "--trainer.callbacks.step=0",
                  "--trainer.callbacks.during=setup"]
