@@ -3,25 +3,25 @@
 # the image's torch, lightning and triton; what the image lacks (omegaconf, jsonargparse, deepspeed, PyAV) is
 # installed from .whl/ when there (benchmarks/gpu_wheels.sh makes it):
 #
-#   benchmarks/gpu.sh OUT_DIR [--budget SECONDS] STAGE|PLAN...
+#   benchmarks/gpu.sh OUT_DIR [--budget SECONDS] STAGE...|all
 #
-#   stages: check attention loader generate deepspeed bench bench_kernels kernels generate_triton breakdown
-#           maxbatch maxbatch_ckpt
-#   plans:  first  = check attention loader generate deepspeed bench   (a lease's first call)
-#           second = bench_kernels kernels generate_triton breakdown maxbatch maxbatch_ckpt
-#           all    = every stage
+#   stages, in the order `all` runs them (the most wanted first): check bench loader attention generate deepspeed
+#   kernels bench_kernels breakdown maxbatch generate_triton maxbatch_ckpt
 #
 # A lease here is 15 minutes of device time, the machine's start included, and a call returns at most 8 files. So:
 # --budget is the seconds this run may take (give the call's timeout_s about 30 more): a stage starts only if the
 # time left is at least its estimate (MIN below, a guess until a GPU session measures it), every command in it stops
-# at the budget or at the stage's cap (CAP), and the stages go on after a failing or stopped command, so one run
-# keeps everything that did work (lwm bench writes its JSON after each variant). Scratch data, runs and checkpoints
-# go under /tmp (LWM_GPU_SCRATCH), never OUT_DIR. OUT_DIR gets two files: gpu_results.tar.gz (each stage's log and
-# JSON) and summary.txt (each stage's status and seconds, which is printed last). Results go into docs/performance.md
-# and docs/generation.md by hand, with the device's name and the date (both printed by every tool).
+# at the budget or at the stage's cap (CAP), and the stages go on after a failing or stopped command (lwm bench
+# writes its JSON after each variant, so a stopped stage keeps what it measured). `all` leaves out the stages an
+# earlier call on the same machine finished (their logs stay), so calls of `all` one after another, on a machine
+# still warm, go on where the last one stopped; a stage named on its own always runs. Scratch data, runs, logs and
+# JSON stay under /tmp (LWM_GPU_SCRATCH), never in OUT_DIR, which gets two files after every stage: summary.txt
+# (each stage's status and seconds, or why it was skipped, call after call; printed last) and gpu_results.tar.gz
+# (every log and JSON so far). Results go into docs/performance.md and docs/generation.md by hand, with the
+# device's name and the date (both printed by every tool).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${1:?usage: benchmarks/gpu.sh OUT_DIR [--budget SECONDS] STAGE|PLAN...}
+OUT=${1:?usage: benchmarks/gpu.sh OUT_DIR [--budget SECONDS] STAGE...|all}
 shift
 BUDGET=0  # 0: no budget
 if [ "${1:-}" = "--budget" ]; then
@@ -39,34 +39,45 @@ BASE=configs/base.yaml
 RESERVE=15  # seconds kept at the end of a budget for packing the results
 
 # Seconds a stage needs to give a result (it is skipped with less left) and the most it may take: estimates from
-# the CPU and the H100 runs of 2026-11-22 (a base step: 314 ms compiled, 460 eager), not yet measured here.
-declare -A MIN=([check]=5 [attention]=60 [loader]=60 [generate]=90 [generate_triton]=90 [deepspeed]=150
-                [bench]=240 [bench_kernels]=240 [kernels]=90 [breakdown]=180 [maxbatch]=240 [maxbatch_ckpt]=240)
-declare -A CAP=([check]=60 [attention]=150 [loader]=120 [generate]=180 [generate_triton]=180 [deepspeed]=300
-                [kernels]=240)  # the others: no cap but the budget
-ALL=(check attention loader generate deepspeed bench bench_kernels kernels generate_triton breakdown maxbatch
+# the CPU and the H100 runs of 2026-11-22 (a base step: 314 ms compiled, 460 eager; compiling at base: minutes),
+# not yet measured on this machine.
+declare -A MIN=([check]=5 [bench]=240 [loader]=45 [attention]=60 [generate]=60 [deepspeed]=150 [kernels]=60
+                [bench_kernels]=240 [breakdown]=180 [maxbatch]=240 [generate_triton]=60 [maxbatch_ckpt]=240)
+declare -A CAP=([check]=60 [bench]=270 [loader]=120 [attention]=150 [generate]=150 [deepspeed]=240 [kernels]=180
+                [generate_triton]=150)  # the others: no cap but the budget
+ALL=(check bench loader attention generate deepspeed kernels bench_kernels breakdown maxbatch generate_triton
      maxbatch_ckpt)
-FIRST=(check attention loader generate deepspeed bench)
-SECOND=(bench_kernels kernels generate_triton breakdown maxbatch maxbatch_ckpt)
 
 peak() {  # Lightning knows the H100's bf16 dense peak, not the H200's (the same 989 TFLOP/s)
-    nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H200 && echo "--peak-tflops 989"
+    nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep H200 >/dev/null && echo "--peak-tflops 989"
 }
+CHILD=""  # the command running now (a signal to this script stops it)
 run() {  # run CMD..., its output appended to the stage's log, its time and status noted; stopped at STAGE_END
     echo "\$ $*" | tee -a "$LOG"
-    local start=$SECONDS
+    local start=$SECONDS left="" out tee_pid status
     if [ -n "$STAGE_END" ]; then
-        local left=$((STAGE_END - SECONDS))
+        left=$((STAGE_END - SECONDS))
         if [ "$left" -lt 1 ]; then
             echo "(not run: the stage's time is up)" | tee -a "$LOG"
             return
         fi
-        timeout -k 10 "$left" "$@" 2>&1 | tee -a "$LOG"
-    else
-        "$@" 2>&1 | tee -a "$LOG"
     fi
-    local status=${PIPESTATUS[0]}
-    [ "$status" = 124 ] && echo "(stopped at the stage's time limit)" | tee -a "$LOG"
+    # in the background, so that a signal to this script is handled at once (bash runs a trap only between
+    # commands); timeout runs the command in a process group of its own and passes a signal on to all of it
+    exec {out}> >(tee -a "$LOG")
+    tee_pid=$!
+    if [ -n "$left" ]; then
+        timeout -k 10 "$left" "$@" >&"$out" 2>&1 &
+    else
+        "$@" >&"$out" 2>&1 &
+    fi
+    CHILD=$!
+    wait "$CHILD"
+    status=$?
+    CHILD=""
+    exec {out}>&-
+    wait "$tee_pid" 2>/dev/null  # (its last lines written before the status line)
+    case "$status" in 124|137) [ -n "$left" ] && echo "(stopped at the stage's time limit)" | tee -a "$LOG" ;; esac
     echo "(status $status, $((SECONDS - start)) s)" | tee -a "$LOG"
 }
 
@@ -82,11 +93,12 @@ stage_attention() {  # temporal attention formulations side by side, % of the co
     run $PY benchmarks/temporal_attention.py
 }
 stage_loader() {  # windows/s the loader delivers; the step consumes the bench's steps/s x batch 32 (bench.json)
-    local need=100
-    if [ -f "$RESULTS/bench.json" ]; then
-        need=$($PY -c "import json; r = json.load(open('$RESULTS/bench.json')); print(round(max(v['steps_per_s'] for v in r['variants']) * r['batch'], 1))")
+    local need=""
+    if [ -f "$RESULTS/bench.json" ]; then  # (a JSON cut short, or no variant measured yet: 100)
+        need=$($PY -c "import json; r = json.load(open('$RESULTS/bench.json'))
+print(round(max(v['steps_per_s'] for v in r['variants']) * r['batch'], 1))" 2>/dev/null)
     fi
-    run $PY benchmarks/data_loader.py --need "$need" --workers 1 2 4 --context fork --cache hot \
+    run $PY benchmarks/data_loader.py --need "${need:-100}" --workers 1 2 4 --context fork --cache hot \
         --json "$RESULTS/loader.json"
 }
 stage_generate() {
@@ -111,10 +123,10 @@ stage_deepspeed() {  # ZeRO stage 2 on one GPU: 20 steps with a checkpoint at 10
 # lwm bench writes its JSON after each variant (and each max-batch trial): a stage stopped at its time keeps what
 # it measured. Each compiled variant compiles anew (minutes at base; inductor's on-disk cache helps the later ones).
 stage_bench() {  # the base training step: eager reference, compiled fast path, the real Lightning step
-    run $LWM bench --config $BASE --steps 20 --warmup 5 --no-breakdown $(peak) --json "$RESULTS/bench.json"
+    run $LWM bench --config $BASE --steps 10 --warmup 3 --no-breakdown $(peak) --json "$RESULTS/bench.json"
 }
 stage_bench_kernels() {  # the fast path with each temporal-attention kernel, side by side
-    run $LWM bench --config $BASE --steps 20 --warmup 5 --kernels matmul triton --no-reference --no-lightning \
+    run $LWM bench --config $BASE --steps 10 --warmup 3 --kernels matmul triton --no-reference --no-lightning \
         --no-breakdown $(peak) --json "$RESULTS/bench_kernels.json"
 }
 stage_kernels() {  # the Triton kernels compiled on the GPU: against SDPA (bf16 too), and their resources
@@ -123,35 +135,36 @@ stage_kernels() {  # the Triton kernels compiled on the GPU: against SDPA (bf16 
     run $PY benchmarks/triton_kernels.py
 }
 stage_breakdown() {  # each part alone, and what each rollout pass adds (eager), beside the compiled fast path
-    run $LWM bench --config $BASE --steps 20 --warmup 5 --no-reference --no-lightning $(peak) \
+    run $LWM bench --config $BASE --steps 10 --warmup 3 --no-reference --no-lightning $(peak) \
         --json "$RESULTS/breakdown.json"
 }
-maxbatch() {  # the largest batch on an 80 GB card (capped at 80 GiB on a larger one), to 8 samples
-    run $LWM bench --config $BASE --max-batch --memory-gib 80 --batch-step 8 --no-reference --no-breakdown \
+# The largest batch on an 80 GB card, to 8 samples: PyTorch sees 79.2 GiB on an H100 80GB, less its CUDA context.
+maxbatch() {
+    run $LWM bench --config $BASE --max-batch --memory-gib 78.5 --batch-step 8 --no-reference --no-breakdown \
         --no-lightning --steps 3 --warmup 2 "$@" $(peak) --json "$RESULTS/maxbatch${1:+_checkpointing}.json"
 }
 stage_maxbatch() { maxbatch; }
 stage_maxbatch_ckpt() { maxbatch --model.net.activation_checkpointing=true; }
 
 stages=()
+plan=""
 for arg in "$@"; do
-    case "$arg" in
-        all) stages+=("${ALL[@]}") ;;
-        first) stages+=("${FIRST[@]}") ;;
-        second) stages+=("${SECOND[@]}") ;;
-        *)
-            if ! declare -F "stage_$arg" >/dev/null; then
-                echo "unknown stage $arg (${ALL[*]}; or a plan: first, second, all)" >&2
-                exit 2
-            fi
-            stages+=("$arg") ;;
-    esac
+    if [ "$arg" = all ]; then
+        stages+=("${ALL[@]}")
+        plan=all
+    elif declare -F "stage_$arg" >/dev/null; then
+        stages+=("$arg")
+    else
+        echo "unknown stage $arg (${ALL[*]}, or all)" >&2
+        exit 2
+    fi
 done
-[ "${#stages[@]}" -gt 0 ] || { echo "usage: benchmarks/gpu.sh OUT_DIR [--budget SECONDS] STAGE|PLAN..." >&2; exit 2; }
+[ "${#stages[@]}" -gt 0 ] || { echo "usage: benchmarks/gpu.sh OUT_DIR [--budget SECONDS] STAGE...|all" >&2; exit 2; }
 
 mkdir -p "$OUT" "$RESULTS"
-SUMMARY="$RESULTS/summary.txt"
-: >"$SUMMARY"
+SUMMARY="$RESULTS/summary.txt"  # every call's lines, one after another
+[ "$BUDGET" -gt 0 ] && of=", budget $BUDGET s" || of=""
+echo "-- call of $(date -u +%FT%TZ): ${*}$of" >>"$SUMMARY"
 loader_ratio() {  # the loader's best windows/s over what the fastest step measured consumes (both from this run)
     [ -f "$RESULTS/bench.json" ] && [ -f "$RESULTS/loader.json" ] || return 0
     $PY -c "
@@ -160,15 +173,19 @@ bench, rows = json.load(open('$RESULTS/bench.json')), json.load(open('$RESULTS/l
 need = max(v['steps_per_s'] for v in bench['variants']) * bench['batch']
 best = max(r['windows_per_s'] for r in rows)
 print(f'loader: {best:.0f} windows/s, {best / need:.1f}x the {need:.0f} windows/s of the fastest step measured')
-" 2>/dev/null | tee -a "$SUMMARY"
+" 2>/dev/null
 }
 pack() {  # OUT_DIR: the summary and one archive of every log and JSON (a call returns at most 8 files)
-    loader_ratio
-    cp "$SUMMARY" "$OUT/summary.txt"
+    { cat "$SUMMARY"; loader_ratio; } >"$OUT/summary.txt"
     tar -czf "$OUT/gpu_results.tar.gz" -C "$RESULTS" .
 }
+on_signal() {  # stop the running command, pack (on EXIT), go
+    [ -n "$CHILD" ] && kill -TERM "$CHILD" 2>/dev/null
+    echo "(stopped by a signal)" >>"$SUMMARY"
+    exit 143
+}
 trap pack EXIT
-trap 'exit 143' TERM INT  # (packed on the way out)
+trap on_signal TERM INT
 install_wheels() {  # packages the image lacks, from benchmarks/gpu_wheels.sh, into /tmp/lwm_site
     if $PY -m pip --version >/dev/null 2>&1; then
         $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/lwm_site \
@@ -178,12 +195,20 @@ install_wheels() {  # packages the image lacks, from benchmarks/gpu_wheels.sh, i
     fi
 }
 if compgen -G "$WHEELS/*.whl" >/dev/null; then
-    install_wheels || { echo "installing $WHEELS/ failed" | tee -a "$SUMMARY" >&2; exit 1; }
+    install_wheels >"$RESULTS/install.log" 2>&1 || {
+        echo "installing $WHEELS/ failed (install.log):" | tee -a "$SUMMARY" >&2
+        tail -5 "$RESULTS/install.log" | tee -a "$SUMMARY" >&2
+        exit 1
+    }
     export PYTHONPATH="$PYTHONPATH:/tmp/lwm_site"
 fi
-DEADLINE=$((BUDGET > 0 ? SECONDS + BUDGET - RESERVE : 0))
+DEADLINE=$((BUDGET - RESERVE))  # SECONDS counts from this script's start: the wheels' install is in the budget
 for s in "${stages[@]}"; do
     LOG="$RESULTS/$s.log"
+    if [ "$plan" = all ] && [ -f "$RESULTS/$s.done" ]; then
+        echo "$s: done in an earlier call" | tee -a "$SUMMARY"
+        continue
+    fi
     STAGE_END=""
     if [ "$BUDGET" -gt 0 ]; then
         left=$((DEADLINE - SECONDS))
@@ -195,8 +220,11 @@ for s in "${stages[@]}"; do
     fi
     if [ -n "${CAP[$s]:-}" ]; then
         capped=$((SECONDS + CAP[$s]))
-        [ -z "$STAGE_END" ] || [ "$capped" -lt "$STAGE_END" ] && STAGE_END=$capped
+        if [ -z "$STAGE_END" ] || [ "$capped" -lt "$STAGE_END" ]; then
+            STAGE_END=$capped
+        fi
     fi
+    rm -f "$RESULTS/$s.done"
     : >"$LOG"
     echo "== $s ($(date -u +%FT%TZ))" | tee -a "$LOG"
     start=$SECONDS
@@ -208,7 +236,8 @@ for s in "${stages[@]}"; do
     [ "$stopped" -gt 0 ] && note+=", $stopped of them stopped at the time limit"
     [ "$unrun" -gt 0 ] && note+=", $unrun not run"
     echo "$s: $((SECONDS - start)) s, $failed command(s) failed$note" | tee -a "$SUMMARY"
+    [ "$stopped" -eq 0 ] && [ "$unrun" -eq 0 ] && touch "$RESULTS/$s.done"  # (all ran to the end, failed or not)
+    pack
 done
-[ "$BUDGET" -gt 0 ] && of=" of a $BUDGET s budget" || of=""
-echo "== summary ($SECONDS s in all$of)"
-cat "$SUMMARY"
+echo "== summary ($SECONDS s in this call$of)"
+cat "$OUT/summary.txt" 2>/dev/null || cat "$SUMMARY"

@@ -406,8 +406,8 @@ def breakdown(s: Setup, steps: int, warmup: int) -> list[dict]:
 def largest_batch(fits: Callable[[int], bool], start: int = 1, limit: int = 4096, step: int = 1) -> int:
     """The largest batch ``b <= limit`` with ``fits(b)``, assuming fitting is monotone: doubling from ``start``
     until a batch does not fit, then bisecting until the batch that fits and the one that does not are at most
-    ``step`` apart (``step=1``: exact; the answer is then within ``step - 1`` below the exact one; 0 when not even
-    ``start`` fits)."""
+    ``step`` apart. The answer fits and is at most ``step - 1`` below the largest that does (``step=1``: exactly
+    it); 0 when not even ``start`` fits."""
     if not fits(start):
         return 0
     good, bad = start, None

@@ -3,6 +3,7 @@ fakes: no timing is asserted), bytes and FLOPs are counted as documented, warm-u
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 import types
@@ -135,19 +136,30 @@ def unpacked(out: Path, tmp_path: Path) -> Path:
     return where
 
 
-def test_gpu_recipe_parses_and_its_plans_split_its_stages():
-    """benchmarks/gpu.sh: valid bash; ALL lists every stage it defines, the first and second calls' plans split them
-    between them, and an unknown stage or a bad budget stops it at once, writing nothing."""
+STAGES = ("check", "bench", "loader", "attention", "generate", "deepspeed", "kernels", "bench_kernels", "breakdown",
+          "maxbatch", "generate_triton", "maxbatch_ckpt")  # `all`, the most wanted first
+
+
+def gpu_recipe(out: Path, *args: str, env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(GPU_SH), str(out), *args], capture_output=True, text=True, env=env,
+                          timeout=timeout)
+
+
+def stand_in_env(tmp_path: Path, fake: Path, **extra: str) -> dict:
+    return {"PATH": "/usr/bin:/bin", "PYTHON": str(fake), "WHEELS": str(tmp_path / "no_wheels"),
+            "LWM_GPU_SCRATCH": str(tmp_path / "scratch"), **extra}
+
+
+def test_gpu_recipe_parses_and_all_runs_every_stage_in_its_order():
+    """benchmarks/gpu.sh: valid bash; `all` is every stage it defines, each has an estimate (MIN), the caps name
+    stages; an unknown stage or a bad budget stops it at once."""
     import re
-    import subprocess
 
     assert subprocess.run(["bash", "-n", str(GPU_SH)]).returncode == 0
     text = GPU_SH.read_text()
     defined = re.findall(r"^stage_(\w+)\(\)", text, flags=re.M)
-    plan = {name: re.search(rf"^{name}=\(([^)]*)\)", text, flags=re.M).group(1).split()
-            for name in ("ALL", "FIRST", "SECOND")}
-    assert sorted(plan["ALL"]) == sorted(defined) and len(defined) == 12
-    assert sorted(plan["FIRST"] + plan["SECOND"]) == sorted(defined)
+    assert tuple(re.search(r"^ALL=\(([^)]*)\)", text, flags=re.M).group(1).split()) == STAGES
+    assert sorted(defined) == sorted(STAGES)
     for table in ("MIN", "CAP"):
         listed = re.findall(r"\[(\w+)\]=\d+", re.search(rf"^declare -A {table}=\(([^)]*)\)", text,
                                                          flags=re.M | re.S).group(1))
@@ -160,48 +172,54 @@ def test_gpu_recipe_parses_and_its_plans_split_its_stages():
 
 def test_gpu_recipe_runs_the_documented_commands(tmp_path):
     """Every stage with a stand-in python that records its arguments and environment: the commands
-    docs/performance.md describes (both attention directions, the loader, generation with sdpa and triton, a DeepSpeed fit resumed from
-    last, bench, bench with every kernel, the compiled kernels, the breakdown, max batch at 80 GiB with and without
-    checkpointing); the logs and JSON packed into one archive, scratch data outside OUT_DIR."""
-    import subprocess
-
+    docs/performance.md describes (bench, the loader, both attention directions, generation with sdpa and triton, a
+    DeepSpeed fit resumed from last, the compiled kernels, bench with every kernel, the breakdown, max batch on an
+    80 GB card with and without checkpointing); the logs and JSON packed into one archive, scratch data outside
+    OUT_DIR; a second call of `all` leaves out what the first finished, a stage named on its own runs again."""
     fake, record = fake_python(tmp_path)
     out, scratch = tmp_path / "out", tmp_path / "scratch"
     wheels = tmp_path / "wheels"
     wheels.mkdir()
     (wheels / "omegaconf-2.4.0-py3-none-any.whl").write_bytes(b"")
-    env = {"PATH": "/usr/bin:/bin", "PYTHON": str(fake), "WHEELS": str(wheels), "LWM_GPU_SCRATCH": str(scratch)}
-    run = subprocess.run(["bash", str(GPU_SH), str(out), "first", "second"], capture_output=True, text=True, env=env)
+    env = stand_in_env(tmp_path, fake, WHEELS=str(wheels))
+    run = gpu_recipe(out, "all", env=env)
     assert run.returncode == 0, run.stderr
     calls = [c for c in record.read_text().splitlines() if not c.endswith("-m pip --version")]
     assert all(c.startswith("TRITON_INTERPRET=0 ") for c in calls)  # compiled kernels, never the interpreter
     joined = "\n".join(calls)
     # the carried wheels first, into a folder on the path of every later command
     assert calls[0].startswith("TRITON_INTERPRET=0 -m pip install -q --no-index --no-deps") and str(wheels) in calls[0]
-    for expected in ("benchmarks/temporal_attention.py --backward", "benchmarks/data_loader.py --need 100 --workers 1 2 4",
+    for expected in ("-m lwm.cli bench --config configs/base.yaml --steps 10 --warmup 3 --no-breakdown --json",
+                     "benchmarks/data_loader.py --need 100 --workers 1 2 4",
+                     "benchmarks/temporal_attention.py --backward",
                      "--precision bf16 --temporal-attention sdpa", "--precision bf16 --temporal-attention triton",
                      f"-m lwm.cli data synth --out {scratch}/synth", "-m lwm.cli fit --config configs/deepspeed.yaml",
                      "--trainer.max_steps 30 --ckpt_path last",
-                     "-m lwm.cli bench --config configs/base.yaml --steps 20 --warmup 5 --no-breakdown --json",
-                     "--kernels matmul triton --no-reference --no-lightning --no-breakdown",
                      "-m pytest -q -p no:cacheprovider -o addopts=-ra tests/modules/test_triton_attention.py",
                      "benchmarks/triton_kernels.py",
-                     "-m lwm.cli bench --config configs/base.yaml --steps 20 --warmup 5 --no-reference --no-lightning",
-                     "--max-batch --memory-gib 80 --batch-step 8 --no-reference --no-breakdown --no-lightning "
+                     "--kernels matmul triton --no-reference --no-lightning --no-breakdown",
+                     "-m lwm.cli bench --config configs/base.yaml --steps 10 --warmup 3 --no-reference --no-lightning",
+                     "--max-batch --memory-gib 78.5 --batch-step 8 --no-reference --no-breakdown --no-lightning "
                      "--steps 3 --warmup 2 --model.net.activation_checkpointing=true"):
         assert expected in joined, expected
     assert str(out) not in joined  # scratch data, runs and JSON never in OUT_DIR (a call returns 8 files)
     results = unpacked(out, tmp_path)
-    stages = ("check", "attention", "loader", "generate", "deepspeed", "bench", "bench_kernels", "kernels",
-              "generate_triton", "breakdown", "maxbatch", "maxbatch_ckpt")
-    assert sorted(p.name for p in results.glob("*.log")) == sorted(f"{s}.log" for s in stages)
+    assert sorted(p.name for p in results.glob("*.log")) == sorted([f"{s}.log" for s in STAGES] + ["install.log"])
     summary = (out / "summary.txt").read_text().splitlines()
-    assert [line.split(":")[0] for line in summary] == list(stages)  # in the plans' order
-    assert (results / "summary.txt").read_text().splitlines() == summary
+    assert summary[0].startswith("-- call of ") and summary[0].endswith(": all")
+    assert [line.split(":")[0] for line in summary[1:]] == list(STAGES)  # in `all`'s order
+    # a second call of `all` (on the same machine: the same scratch folder) leaves out what the first finished
+    record.unlink()
+    run = gpu_recipe(out, "all", env=env)
+    assert run.returncode == 0, run.stderr
+    assert all(c.endswith("-m pip --version") or "-m pip install" in c for c in record.read_text().splitlines())
+    second = (out / "summary.txt").read_text().splitlines()[len(summary):]
+    assert second[0].startswith("-- call of ") and second[1:] == [f"{s}: done in an earlier call" for s in STAGES]
+    run = gpu_recipe(out, "check", env=env)  # named on its own: run again
+    assert run.returncode == 0 and "import torch, lightning" in record.read_text()
     # an image without pip: the wheels are unpacked (a wheel is a zip of the installed package)
     record.unlink()
-    run = subprocess.run(["bash", str(GPU_SH), str(tmp_path / "out2"), "check"], capture_output=True, text=True,
-                         env={**env, "NO_PIP": "1"})
+    run = gpu_recipe(tmp_path / "out2", "check", env={**env, "NO_PIP": "1"})
     assert run.returncode == 0, run.stderr
     calls = record.read_text().splitlines()
     assert calls[1] == f"TRITON_INTERPRET=0 -m zipfile -e {wheels}/omegaconf-2.4.0-py3-none-any.whl /tmp/lwm_site"
@@ -209,38 +227,65 @@ def test_gpu_recipe_runs_the_documented_commands(tmp_path):
 
 def test_gpu_recipe_keeps_to_its_budget(tmp_path):
     """--budget 25 (10 s for stages, 15 kept for packing): check starts (it needs 5 s), its hanging command is
-    stopped at the budget and the commands after it are not run; attention (60 s) and bench (240 s) are skipped
-    and said to be; the results are packed all the same."""
+    stopped at the budget and the commands after it are not run (check is not done: a later `all` runs it again);
+    attention (60 s) and bench (240 s) are skipped and said to be; the results are packed all the same."""
     import re
-    import subprocess
     import time
 
     fake, record = fake_python(tmp_path, 'case "$*" in *"import torch, lightning"*) sleep 60 ;; esac')
     out = tmp_path / "out"
-    env = {"PATH": "/usr/bin:/bin", "PYTHON": str(fake), "WHEELS": str(tmp_path / "none"),
-           "LWM_GPU_SCRATCH": str(tmp_path / "scratch")}
     started = time.monotonic()
-    run = subprocess.run(["bash", str(GPU_SH), str(out), "--budget", "25", "check", "attention", "bench"],
-                         capture_output=True, text=True, env=env, timeout=120)
+    run = gpu_recipe(out, "--budget", "25", "check", "attention", "bench", env=stand_in_env(tmp_path, fake))
     assert run.returncode == 0, run.stderr
     assert time.monotonic() - started < 25  # stopped at the stages' 10 s, not the command's 60
     assert "import torch, lightning" in record.read_text() and "import einops" not in record.read_text()
     summary = (out / "summary.txt").read_text().splitlines()
+    assert summary[0].endswith(": check attention bench, budget 25 s")
     # (nvidia-smi fails too where there is none)
-    assert summary[0].startswith("check: ") and re.search(r"\d command\(s\) failed, 1 of them stopped at the time "
-                                                          r"limit, \d+ not run$", summary[0]), summary[0]
-    assert summary[1].startswith("attention: skipped (") and "it needs about 60 s" in summary[1]
-    assert summary[2].startswith("bench: skipped (") and "it needs about 240 s" in summary[2]
-    log = (unpacked(out, tmp_path) / "check.log").read_text()
+    assert summary[1].startswith("check: ") and re.search(r"\d command\(s\) failed, 1 of them stopped at the time "
+                                                          r"limit, \d+ not run$", summary[1]), summary[1]
+    assert summary[2].startswith("attention: skipped (") and "it needs about 60 s" in summary[2]
+    assert summary[3].startswith("bench: skipped (") and "it needs about 240 s" in summary[3]
+    results = unpacked(out, tmp_path)
+    log = (results / "check.log").read_text()
     assert "(stopped at the stage's time limit)" in log and "(not run: the stage's time is up)" in log
-    assert "summary" in run.stdout and summary[0] in run.stdout
+    assert not (results / "check.done").exists()
+    assert "summary" in run.stdout and summary[1] in run.stdout
+
+
+def test_gpu_recipe_stopped_by_a_signal_stops_its_command_and_packs(tmp_path):
+    """SIGTERM to the recipe (a call's own time limit) while a command runs: the command is stopped at once, not
+    left running, and OUT_DIR still gets the summary and the archive of what was done."""
+    import os
+    import signal
+    import time
+
+    pid_file = tmp_path / "pid"
+    fake, _ = fake_python(tmp_path, f'case "$*" in *"import torch, lightning"*) echo $$ > {pid_file}; exec sleep 60 ;; '
+                                    'esac')
+    out = tmp_path / "out"
+    proc = subprocess.Popen(["bash", str(GPU_SH), str(out), "check"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=stand_in_env(tmp_path, fake), text=True)
+    deadline = time.monotonic() + 30
+    while not pid_file.exists() or not pid_file.read_text().strip():
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=30)
+    assert proc.returncode == 143
+    time.sleep(0.5)
+    with pytest.raises(ProcessLookupError):  # the stand-in's sleep is gone
+        os.kill(int(pid_file.read_text()), 0)
+    summary = (out / "summary.txt").read_text().splitlines()
+    assert summary[-1] == "(stopped by a signal)"
+    assert (unpacked(out, tmp_path) / "check.log").read_text().startswith("== check")
 
 
 def test_gpu_recipe_says_what_the_loader_delivers_over_what_the_step_consumes(tmp_path):
-    """With bench.json and loader.json from the same run (the loader may run first), the summary ends with the
-    loader's best windows/s over the fastest measured step's consumption (steps/s x batch): issue 7's 3x target."""
+    """With bench.json and loader.json from the same machine (the calls' shared scratch folder), the summary ends
+    with the loader's best windows/s over the fastest measured step's consumption (steps/s x batch): issue 7's 3x
+    target."""
     import json
-    import subprocess
 
     fake, _ = fake_python(tmp_path, f'case "$*" in *loader.json*) exec {sys.executable} "$@" ;; esac')
     results = tmp_path / "scratch" / "results"
@@ -249,9 +294,7 @@ def test_gpu_recipe_says_what_the_loader_delivers_over_what_the_step_consumes(tm
                                                                                 {"steps_per_s": 3.0}]}))
     (results / "loader.json").write_text(json.dumps([{"windows_per_s": 300.0}, {"windows_per_s": 480.0}]))
     out = tmp_path / "out"
-    run = subprocess.run(["bash", str(GPU_SH), str(out), "check"], capture_output=True, text=True,
-                         env={"PATH": "/usr/bin:/bin", "PYTHON": str(fake), "LWM_GPU_SCRATCH": str(tmp_path / "scratch"),
-                              "WHEELS": str(tmp_path / "none")})
+    run = gpu_recipe(out, "check", env=stand_in_env(tmp_path, fake))
     assert run.returncode == 0, run.stderr
     line = "loader: 480 windows/s, 5.0x the 96 windows/s of the fastest step measured"
     assert (out / "summary.txt").read_text().splitlines()[-1] == line and line in run.stdout
