@@ -94,7 +94,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--no-reference", action="store_true", help="skip the eager fp32 reference")
     p.add_argument("--max-batch", action="store_true", help="also find the largest batch that fits (GPU only)")
     p.add_argument("--memory-gib", type=float, help="--max-batch on a card of this many GiB: the process is held to "
-                                                     "it (e.g. 80 on an H200, for an 80 GB card's answer)")
+                                                     "it (e.g. 78.5 on an H200: an H100 80GB's answer)")
     p.add_argument("--batch-step", type=int, default=1, help="--max-batch's precision in samples (default 1; 8 "
                                                              "bisects fewer times, each trial compiles anew)")
     p.add_argument("--no-lightning", action="store_true", help="skip the Lightning variant")
@@ -695,7 +695,7 @@ def run_max_batch(s: Setup, console: Console, progress: Progress, memory_gib: fl
     if held < total:
         torch.cuda.set_per_process_memory_fraction(held / total, s.device)
     limit = max(s.batch, 65535 // s.patches)  # temporal attention runs batch x patches sequences: CUDA launches
-    progress(f"searching the largest batch that fits in {held / 2**30:.0f} GiB (from {s.batch}, up to {limit}, "
+    progress(f"searching the largest batch that fits in {held / 2**30:.1f} GiB (from {s.batch}, up to {limit}, "
              f"to {step} sample{'s' if step > 1 else ''})")  # at most 65535 such blocks
     fits, trials = fits_on_gpu(s), []
 
@@ -712,7 +712,7 @@ def run_max_batch(s: Setup, console: Console, progress: Progress, memory_gib: fl
         torch.cuda.set_per_process_memory_fraction(1.0, s.device)
     capped = " (the search's limit: 65535 temporal sequences)" if max_batch == limit else ""
     within = f", within {step - 1} below the largest" if step > 1 and 0 < max_batch < limit else ""
-    memory = f"{held / 2**30:.0f} GiB" + (f" of the card's {total / 2**30:.0f}" if held < total else "")
+    memory = f"{held / 2**30:.1f} GiB" + (f" of the card's {total / 2**30:.1f}" if held < total else "")
     console.print(f"largest batch that fits: {max_batch} x {s.window} frames{capped}{within} (fast path, {memory})")
     return max_batch
 
