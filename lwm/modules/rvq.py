@@ -206,7 +206,10 @@ class ResidualVectorQuantizer(nn.Module):
                 indices.append(idx)
                 q_sum = q_sum + q
                 residual = residual - q
-            quantized = flat + (q_sum - flat).detach()  # straight-through
+            if torch.is_grad_enabled() and flat.requires_grad:
+                quantized = flat + (q_sum - flat).detach()  # straight-through (its value q_sum up to rounding)
+            else:  # no gradient to pass: the code itself, bit for bit what decode_indices(indices) gives
+                quantized = q_sum
             if update:
                 self._ema_update(residuals, indices, step)
             with torch.no_grad():
