@@ -132,7 +132,8 @@ def unpacked(out: Path, tmp_path: Path) -> Path:
     assert sorted(f.name for f in out.iterdir()) == ["gpu_results.tar.gz", "summary.txt"]
     where = tmp_path / "unpacked"
     with tarfile.open(out / "gpu_results.tar.gz") as tar:
-        tar.extractall(where, filter="data")
+        # (the "data" filter: Python 3.10.12 / 3.11.4 on; requires-python allows older 3.10s)
+        tar.extractall(where, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
     return where
 
 
