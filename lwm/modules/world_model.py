@@ -526,14 +526,24 @@ class WorldModel(nn.Module):
         cache = None
         for i in range(c + steps - 1):  # feed frame i, read the prediction of frame i + 1
             if use_cache:
-                token = self.tokenize(frames[i][:, None]) + self.pos_embedding(1, t0 + i)  # [B, 1, N, D]
-                out, cache = self.dynamics.step(token, actions[:, i : i + 1], world, cache, window)
+                nxt, cache = self.step(frames[i], actions[:, i], world, cache, t0 + i, window)
             else:
                 tokens = self.tokenize(torch.stack(frames[: i + 1], dim=1)) + self.pos_embedding(i + 1, t0)  # all again
-                out = self.dynamics(tokens, actions[:, : i + 1], world, window)[0][:, -1:]
+                nxt = self.detokenize(self.dynamics(tokens, actions[:, : i + 1], world, window)[0][:, -1:])[:, 0]
             if i >= c - 1:
-                frames.append(self.detokenize(out)[:, 0])
+                frames.append(nxt)
         return torch.stack(frames[c:], dim=1)
+
+    @torch.no_grad()
+    def step(
+        self, frame: Tensor, action: Tensor, world: Tensor, cache: list[KV] | None, t: int, window: int | None = None,
+    ) -> tuple[Tensor, list[KV]]:
+        """One frame of a KV-cached rollout: ``frame [B, C, H, W]`` at temporal position ``t``, the action ``[B, Da]``
+        taken after it and ``world [B, Dh]`` -> (the next frame ``[B, C, H, W]``, the updated cache). A rollout starts
+        with ``cache=None`` at its first frame; :meth:`generate` is this in a loop."""
+        token = self.tokenize(frame[:, None]) + self.pos_embedding(1, t)  # [B, 1, N, D]
+        out, cache = self.dynamics.step(token, action[:, None], world, cache, window)
+        return self.detokenize(out)[:, 0], cache
 
     def world_phase_at(self, step: int | None) -> str:
         """What the predictor gets for the world at global ``step`` under ``world_curriculum`` (a pure function of
