@@ -34,6 +34,7 @@ import sys
 import time
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 from lwm.errors import ArgumentParser, LwmError, NonFiniteLossError, frame_rate, positive_int
 
@@ -206,7 +207,63 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _OutlivesItsReader:
+    """A text stream (stdout, stderr) whose writes outlive its reader: at the first broken pipe its file descriptor
+    is pointed at /dev/null, so that this write, every later one through any handle of it (rich's progress bar,
+    logging) and Python's flush at exit go nowhere instead of raising. A Ctrl-C of ``lwm fit | tee log`` ends tee
+    too: the fit must still write its checkpoint and exit with the stop's code."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._to_devnull()
+            return len(text)
+
+    def writelines(self, lines: Any) -> None:
+        for line in lines:
+            self.write(line)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._to_devnull()
+
+    def _to_devnull(self) -> None:
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # (no file descriptor: nothing to point)
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._stream.fileno())
+            os.close(devnull)
+            self._stream.flush()  # what the closed pipe did not take, to /dev/null
+
+
+@contextlib.contextmanager
+def _output_outlives_its_reader() -> Iterator[None]:
+    """sys.stdout and sys.stderr as :class:`_OutlivesItsReader` for the command, flushed through it at the end."""
+    streams = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _OutlivesItsReader(sys.stdout), _OutlivesItsReader(sys.stderr)
+    try:
+        yield
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(ValueError):  # (a closed stream)
+                stream.flush()
+        sys.stdout, sys.stderr = streams
+
+
 def main(argv: list[str] | None = None) -> int:
+    with _output_outlives_its_reader():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     warnings.formatwarning = _one_line_warning
     if argv and argv[0] in LIGHTNING_VERBS:

@@ -80,14 +80,14 @@ class SlurmRequeue(L.Callback):
             global _HARD_STOP
             _HARD_STOP = True
             if self._rank_zero:
-                sys.stderr.write("\nSIGINT again: stopping now, unsaved\n")
+                _say("\nSIGINT again: stopping now, unsaved\n")
             raise KeyboardInterrupt
-        if not self._slurm and not self._requested and self._rank_zero:
-            again = " (Ctrl-C again: stop at once, unsaved)" if signum == signal.SIGINT else ""
-            sys.stderr.write(f"\n{signal.Signals(signum).name}: stopping after a checkpoint at the end of this batch"
-                             f"{again}\n")
-        self._requested, self._signal = True, signum
+        first = not self._requested
+        self._requested, self._signal = True, signum  # recorded before anything is said (saying it may fail)
         self._requeue = self._requeue or signum == self._requeue_signal
+        if not self._slurm and first and self._rank_zero:
+            again = " (Ctrl-C again: stop at once, unsaved)" if signum == signal.SIGINT else ""
+            _say(f"\n{signal.Signals(signum).name}: stopping after a checkpoint at the end of this batch{again}\n")
 
     @override
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
@@ -102,7 +102,7 @@ class SlurmRequeue(L.Callback):
                         ", after the training (its checkpoints are written)" if self._over else
                         " (slurm_requeue.interrupts=false: nothing saved)" if not self.interrupts else
                         ", before the training steps (nothing saved)")
-                sys.stderr.write(f"\nSIGINT: stopping now{when}\n")
+                _say(f"\nSIGINT: stopping now{when}\n")
 
     @override
     def on_sanity_check_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -227,6 +227,15 @@ def _requeue_this_job() -> tuple[str, int]:
     if os.environ.get("SLURM_ARRAY_JOB_ID"):
         job = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
     return job, subprocess.call(["scontrol", "requeue", job])
+
+
+def _say(text: str) -> None:
+    """``text`` to stderr from a signal handler, where a closed pipe (the ``| tee`` a Ctrl-C ended too) must not
+    raise into the training step the signal interrupted."""
+    try:
+        sys.stderr.write(text)
+    except (OSError, ValueError):  # (ValueError: a closed stream)
+        pass
 
 
 _HARD_STOP = False  # a Ctrl-C raised KeyboardInterrupt in a fit of this process (Lightning then exits 1)

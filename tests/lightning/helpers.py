@@ -200,3 +200,18 @@ class KillAtLastCheckpoint(L.Callback):
                 import signal
 
                 os.kill(os.getpid(), signal.SIGKILL)
+
+
+class MarkStep(L.Callback):
+    """Writes the file ``path`` at the start of training batch ``step`` (a test outside the process waits for it),
+    and from then on sleeps ``seconds`` per batch (the run cannot finish before the test's signal reaches it)."""
+
+    def __init__(self, path: str, step: int = 1, seconds: float = 0.2) -> None:
+        self.path, self.step, self.seconds = path, step, seconds
+
+    def on_train_batch_start(self, trainer, *args) -> None:
+        if trainer.global_step >= self.step:
+            Path(self.path).touch()
+            import time
+
+            time.sleep(self.seconds)
