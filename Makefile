@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: venv demo test clean
+.PHONY: venv browser demo test clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -21,7 +21,14 @@ venv: $(VENV)/.installed
 demo: venv
 	$(VENV)/bin/lwm demo
 
-test: venv
+# lwm play's browser tests drive Debian's chromium (Playwright, no browser download): installed here where this is
+# root with apt-get; elsewhere the tests are skipped and say why
+browser:
+	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium \
+	  >/dev/null; } || echo "make: chromium not installed (needs root and apt-get): lwm play's browser tests are skipped"
+
+test: venv browser
 	$(PY) -m pytest -n 2 -q tests
 
 clean:

@@ -4,6 +4,7 @@
     lwm overfit --config configs/X.yaml [--steps 1000] [overrides]                     the overfit test
     lwm codes --config configs/X.yaml --ckpt_path CKPT [--max-windows N] [overrides]  code dictionaries
     lwm generate --ckpt_path CKPT --data FILE.h5 [--steps N] [--out VIDEO]             rollouts as video
+    lwm play --ckpt_path CKPT [--data FILE.h5 | --manifest M] [--port 8000]             the world on a web page
     lwm plot RUN_DIR [--out DIR]                                                      figures from metrics.csv
     lwm data index DIR [--val-fraction F] [--out MANIFEST] [--seed S] [--tolerance TOL] [--resplit]
     lwm data encode VIDEO... --out DIR [--codec pixel|wan|cogvideox|hunyuan --vae PATH] [--segment N]  |  lwm data decode FILE.h5 --out VIDEO [--vae PATH]
@@ -128,6 +129,7 @@ _OWN_PARSERS = {
     "overfit": ("lwm.overfit", "the overfit test: one window, many steps"),
     "codes": ("lwm.codes", "code dictionaries of a checkpoint's encoders"),
     "generate": ("lwm.generate", "play a trained model forward, write the video"),
+    "play": ("lwm.play.server", "play the learned world on a local web page, with the keyboard"),
     "plot": ("lwm.plot", "PNG figures of a run from RUN_DIR/metrics.csv"),
     "demo": ("lwm.demo", "the main job on a CPU: synthetic world, fit, validate, videos, report"),
     "resume-info": ("lwm.resume", "RUN_DIR and the checkpoint that continues it (for the SLURM scripts)"),

@@ -1,0 +1,94 @@
+"""One KV-cached rollout played a frame at a time, with undo: what ``lwm play`` steps on each key press.
+
+A :class:`Rollout` starts from one latent frame under one world code and takes one action code tuple per step
+through :meth:`WorldModel.step` (the predictor's key/value cache, sliding its window past the trained length as
+:meth:`WorldModel.generate` does): frame for frame the rollout ``generate`` plays with the same codes, bit for bit.
+Undo goes back to the cache kept after the frame before (the last :data:`RECENT` frames' caches are kept, and one
+every :data:`KEYFRAME_EVERY` frames; undo further back re-feeds the kept frames from the nearest one: the same
+numbers, as the predictor is deterministic).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+RECENT = 64  # the last frames whose predictor cache is kept (undo within them costs nothing)
+KEYFRAME_EVERY = 64  # a cache kept for good every this many frames (an undo further back re-feeds from one)
+
+
+class Rollout:
+    """A rollout of ``model`` from ``start [C, H, W]`` (temporal position 0) under the world code of
+    ``world_indices [Lh]``, attending to the last ``window`` frames (None: all)."""
+
+    def __init__(self, model, start: Tensor, world_indices: Tensor, window: int | None) -> None:
+        self.model = model
+        self.window = window
+        self.world_indices = world_indices.long()  # [Lh]
+        self.world = model.quantizers["World_Encoder"].decode_indices(self.world_indices[None])  # [1, Dh]
+        self.frames: list[Tensor] = [start]  # [C, H, W] each: the start frame, then the generated ones
+        self.actions: list[Tensor] = []  # [La] each: the tuple played after frame i
+        self._caches: dict[int, list | None] = {0: None}  # frames fed -> the predictor's cache after them
+
+    @property
+    def steps(self) -> int:
+        """Frames generated so far."""
+        return len(self.actions)
+
+    @torch.no_grad()
+    def step(self, action: Tensor) -> Tensor:
+        """Play the action tuple ``action [La]`` after the last frame: the next frame ``[C, H, W]``."""
+        n = self.steps
+        nxt, cache = self._feed(self.frames[n], action, self._cache(n), n)
+        self.actions.append(action.long())
+        self.frames.append(nxt)
+        self._caches[n + 1] = cache
+        self._forget(n + 1 - RECENT)
+        return nxt
+
+    @torch.no_grad()
+    def previews(self, actions: Tensor) -> Tensor:
+        """The next frame under each tuple of ``actions [K, La]``, ``[K, C, H, W]``, the rollout unchanged (one
+        :meth:`WorldModel.step` each, from the same cache)."""
+        n, cache = self.steps, self._cache(self.steps)
+        return torch.stack([self._feed(self.frames[n], a, cache, n)[0] for a in actions])
+
+    def undo(self) -> bool:
+        """Take back the last step (False: nothing to take back)."""
+        if not self.actions:
+            return False
+        self._caches.pop(self.steps, None)
+        self.actions.pop()
+        self.frames.pop()
+        return True
+
+    def _feed(self, frame: Tensor, action: Tensor, cache: list | None, t: int) -> tuple[Tensor, list]:
+        """Frame ``t`` and the action after it through the predictor: (frame ``t + 1`` ``[C, H, W]``, the cache)."""
+        code = self.model.quantizers["Action_Encoder"].decode_indices(action.long().to(frame.device)[None])  # [1, Da]
+        nxt, cache = self.model.step(frame[None], code, self.world, cache, t, self.window)
+        return nxt[0], cache
+
+    def _cache(self, fed: int) -> list | None:
+        """The cache after feeding frames ``0..fed-1``: kept, or re-fed from the nearest kept one before it."""
+        if fed in self._caches:
+            return self._caches[fed]
+        base = max(k for k in self._caches if k < fed)
+        cache = self._caches[base]
+        for i in range(base, fed):
+            _, cache = self._feed(self.frames[i], self.actions[i], cache, i)
+        self._caches[fed] = cache
+        return cache
+
+    def _forget(self, fed: int) -> None:
+        """Drop the cache after ``fed`` frames unless it is a keyframe's."""
+        if fed > 0 and fed % KEYFRAME_EVERY:
+            self._caches.pop(fed, None)
+
+    def latents(self) -> Tensor:
+        """Every frame so far, ``[1 + steps, C, H, W]``."""
+        return torch.stack(self.frames)
+
+    def action_indices(self) -> Tensor:
+        """The tuples played, ``[steps, La]``."""
+        La = len(self.model.config.codebook_sizes_action)
+        return torch.stack(self.actions) if self.actions else torch.zeros(0, La, dtype=torch.long)

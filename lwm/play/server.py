@@ -1,0 +1,311 @@
+"""``lwm play``: the learned world on a local web page, played with the keyboard.
+
+    lwm play --ckpt_path RUN_DIR|CKPT [--data FILE.h5 ... | --manifest M] [--codes FILE] [--vae PATH]
+             [--port 8000] [--host 127.0.0.1 [--allow-remote]] [--hold-fps 30]
+
+A Starlette app served by uvicorn: ``/`` is one static page (no build step), ``/ws`` a WebSocket per page (its
+:class:`~lwm.play.player.Session`), ``/record/SID.mp4|gif|json`` the session's video and the codes that
+``lwm generate --action-indices/--world-indices`` replays. The protocol (JSON text from the page, replies in
+order): ``{"op": "step", "action": [codes], "seq": n}``, ``undo``, ``reset``, ``{"op": "start", "file": i,
+"frame": n}``, ``{"op": "world", "mode": "own|dictionary|clip", "index": k, "file": i, "frame": n}``; each is
+answered by a ``state`` message (JSON) and the frame (binary: :data:`HEADER`, then RGBA bytes). Once no request
+came for :data:`PREVIEW_DELAY` seconds, the server sends the next frame under each number key (previews).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import errno
+import ipaddress
+import json
+import secrets
+import socket
+import struct
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+from lwm.errors import MAX_FPS, ArgumentParser, ConfigError, LwmError
+
+STATIC = Path(__file__).with_name("static")
+HEADER = struct.Struct("<BBHHI")  # kind (0 frame, 1 preview), preview index, width, height, seq
+FRAME, PREVIEW = 0, 1
+PREVIEW_DELAY = 0.06  # seconds without a request before the previews are computed (none while a key is held)
+OPS = ("step", "undo", "reset", "start", "world")
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = ArgumentParser(prog="lwm play", description=__doc__.split("\n\n")[0])
+    p.add_argument("--ckpt_path", required=True, help="a checkpoint of `lwm fit`, or a run's folder (its latest)")
+    p.add_argument("--data", action="append", default=[], help="an h5 file to start from (repeat for more; default: "
+                   "the --manifest's files, else the manifest the checkpoint trained on)")
+    p.add_argument("--manifest", help="a manifest whose files the page starts from")
+    p.add_argument("--codes", help="code dictionary (default: codes.pt beside the checkpoint)")
+    p.add_argument("--vae", help="the VAE's local diffusers weights, to decode files encoded with a VAE")
+    p.add_argument("--vae-tiling", action="store_true", help="the VAE decodes in overlapping spatial tiles")
+    p.add_argument("--host", default="127.0.0.1", help="address to serve on (loopback only, unless --allow-remote)")
+    p.add_argument("--allow-remote", action="store_true",
+                   help="serve on a --host other machines can reach (anyone there can play the checkpoint)")
+    p.add_argument("--port", type=int, default=8000, help="port (0: any free one)")
+    p.add_argument("--hold-fps", type=float, default=30.0,
+                   help="frames per second while a key is held (0: as fast as the model makes them)")
+    args = p.parse_args(argv)
+    if args.data and args.manifest:
+        p.error("--data and --manifest: give one of them")
+    if not 0 <= args.port <= 65535:
+        p.error(f"--port must be in 0..65535, got {args.port}")
+    if not 0 <= args.hold_fps <= MAX_FPS:  # (NaN fails too)
+        p.error(f"--hold-fps must be in 0..{MAX_FPS} (0: as fast as the model makes them), got {args.hold_fps}")
+    return args
+
+
+def check_host(host: str, allow_remote: bool) -> None:
+    """Refuse an address other machines can reach unless ``allow_remote``."""
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except socket.gaierror as e:
+        raise ConfigError(f"--host {host}: not an address of this machine ({e.strerror})") from None
+    remote = sorted(a for a in addresses if not ipaddress.ip_address(a.split("%")[0]).is_loopback)
+    if remote and not allow_remote:
+        raise ConfigError(f"--host {host}: {remote[0]} is not a loopback address; anyone who reaches it could play "
+                          f"the checkpoint (--allow-remote to serve it anyway)")
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port``; a port in use is one line."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ConfigError(f"--port {port}: already in use on {host} (another lwm play?); --port N for another, "
+                              f"--port 0 for any free one") from None
+        raise ConfigError(f"--host {host} --port {port}: cannot listen there ({e.strerror})") from None
+    sock.listen(64)
+    return sock
+
+
+# --------------------------------------------------------------------------------------------------
+def frame_message(pixels: np.ndarray, kind: int = FRAME, index: int = 0, seq: int = 0) -> bytes:
+    """A frame for the page: :data:`HEADER`, then ``uint8 [S, S, 3]`` as RGBA bytes (what a canvas takes)."""
+    H, W, _ = pixels.shape
+    rgba = np.concatenate([pixels, np.full((H, W, 1), 255, dtype=np.uint8)], axis=2)
+    return HEADER.pack(kind, index, W, H, seq) + rgba.tobytes()
+
+
+def hello(session) -> dict:
+    """What the page is built from: the keys, files, world choices and settings."""
+    p = session.player
+    return {"type": "hello", "sid": session.sid, "checkpoint": str(p.ckpt_path), "global_step": p.global_step,
+            "codec": p.display.name, "codec_note": p.display.why, "window": p.window, "fps": p.fps,
+            "hold_fps": p.hold_fps, "keys": [b.to_json() for b in p.bindings],
+            "number_keys": len(p.number_keys), "worlds": p.world_choices(),
+            "files": [{"name": f.path.name, "frames": f.frames} for f in p.files],
+            "shape": [p.model.config.in_channels, p.model.config.height, p.model.config.width]}
+
+
+def handle(session, message: dict) -> tuple[dict, bytes]:
+    """Carry out one request of the page (under the session's lock): (the state, the frame message)."""
+    op = message.get("op")
+    if op not in OPS:
+        raise ConfigError(f"op: expected one of {', '.join(OPS)}, got {op!r}")
+    start = time.perf_counter()
+    with session.lock:
+        if op == "step":
+            session.step(message.get("action"))
+        elif op == "undo":
+            session.undo()
+        elif op == "reset":
+            session.reset()
+        elif op == "start":
+            session.start(_int(message, "file"), _int(message, "frame"))
+        else:
+            session.set_world(str(message.get("mode")), _int(message, "index"), _int(message, "file"),
+                              _int(message, "frame"))
+        pixels = session.pixels()
+        state = session.state()
+    seq = _int(message, "seq")
+    state.update(type="state", seq=seq, op=op, ms=1000 * (time.perf_counter() - start))
+    return state, frame_message(pixels, FRAME, 0, seq)
+
+
+def _int(message: dict, key: str) -> int:
+    value = message.get(key, 0)
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**31:
+        raise ConfigError(f"{key}: expected an integer >= 0, got {value!r}")
+    return value
+
+
+def previews(session) -> list[bytes]:
+    """The number keys' next frames, one message each."""
+    with session.lock:
+        pixels = session.previews()
+    return [frame_message(p, PREVIEW, i) for i, p in enumerate(pixels)]
+
+
+def build_app(player, log=None):
+    """The Starlette app of ``player``: the page, its WebSocket and the recordings."""
+    from starlette.applications import Starlette
+    from starlette.responses import FileResponse, JSONResponse, Response
+    from starlette.routing import Mount, Route, WebSocketRoute
+    from starlette.staticfiles import StaticFiles
+    from starlette.websockets import WebSocketDisconnect
+
+    from lwm.play.player import Session
+
+    log = log or (lambda line: print(f"lwm play: {line}", file=sys.stderr, flush=True))
+    sessions: dict[str, Session] = {}
+
+    async def index(request):
+        return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-store"})
+
+    async def record(request):
+        sid, ext = request.path_params["sid"], request.path_params["ext"]
+        session = sessions.get(sid)
+        if session is None:
+            return JSONResponse({"error": f"no session {sid} (its page was closed)"}, status_code=404)
+        if ext not in ("json", "mp4", "gif"):
+            return JSONResponse({"error": f"{ext}: a recording is .mp4, .gif or .json"}, status_code=404)
+        with session.lock:
+            name = f"lwm-play_{session.path.stem}_{session.frame}+{session.rollout.steps}.{ext}"
+        disposition = {"Content-Disposition": f'attachment; filename="{name}"'}
+        if ext == "json":
+            with session.lock:
+                body = json.dumps(session.recording(), indent=1)
+            return Response(body, media_type="application/json", headers=disposition)
+        data = await asyncio.to_thread(_video, session, f".{ext}")
+        return Response(data, media_type="video/mp4" if ext == "mp4" else "image/gif", headers=disposition)
+
+    async def play(ws):
+        await ws.accept()
+        sid = secrets.token_hex(6)
+        try:
+            session = await asyncio.to_thread(Session, player, sid)
+        except LwmError as e:
+            await ws.send_json({"type": "error", "message": str(e)})
+            await ws.close()
+            return
+        sessions[sid] = session
+        log(f"session {sid} opened ({len(sessions)} open)")
+        inbox: asyncio.Queue = asyncio.Queue()
+        reader = asyncio.create_task(_read(ws, inbox, WebSocketDisconnect))
+        how = "the page closed"
+        try:
+            await ws.send_json(hello(session))
+            state, frame = await asyncio.to_thread(handle, session, {"op": "reset"})
+            await ws.send_json(state)
+            await ws.send_bytes(frame)
+            await _serve(ws, session, inbox)
+        except (WebSocketDisconnect, RuntimeError, OSError):  # the page went away mid-reply
+            how = "the page went away mid-rollout"
+        finally:
+            reader.cancel()
+            sessions.pop(sid, None)
+            log(f"session {sid}: {how} after {session.rollout.steps} steps; freed ({len(sessions)} open)")
+
+    routes = [Route("/", index), Route("/record/{sid}.{ext}", record), WebSocketRoute("/ws", play),
+              Mount("/static", StaticFiles(directory=STATIC), name="static")]
+    app = Starlette(routes=routes)
+    app.state.sessions = sessions
+    return app
+
+
+def _video(session, suffix: str) -> bytes:
+    with session.lock:
+        return session.video(suffix)
+
+
+async def _read(ws, inbox: asyncio.Queue, disconnect: type) -> None:
+    """The page's requests into ``inbox`` (None once it closes; a request that is not JSON: a string, its error)."""
+    try:
+        while True:
+            text = await ws.receive_text()
+            try:
+                message = json.loads(text)
+                await inbox.put(message if isinstance(message, dict) else f"not a JSON object: {text[:80]}")
+            except ValueError:
+                await inbox.put(f"not JSON: {text[:80]}")
+    except (disconnect, RuntimeError, KeyError):  # (a binary message from the page: KeyError 'text')
+        await inbox.put(None)
+
+
+async def _serve(ws, session, inbox: asyncio.Queue) -> None:
+    """Answer the page's requests in order; when idle, send the previews once. Returns when the page closes."""
+    due = True  # previews not yet sent for this state
+    while True:
+        try:
+            message = await (asyncio.wait_for(inbox.get(), PREVIEW_DELAY) if due else inbox.get())
+        except asyncio.TimeoutError:
+            for frame in await asyncio.to_thread(previews, session):
+                await ws.send_bytes(frame)
+            due = False
+            continue
+        if message is None:
+            return
+        try:
+            if isinstance(message, str):
+                raise ConfigError(message)
+            state, frame = await asyncio.to_thread(handle, session, message)
+        except LwmError as e:  # a request the session refuses: said on the page
+            await ws.send_json({"type": "error", "message": str(e), "seq": message.get("seq") if isinstance(message, dict) else None})
+            continue
+        except Exception as e:  # a failure of ours: logged, said on the page, the server goes on
+            traceback.print_exc()
+            await ws.send_json({"type": "error", "message": f"internal error: {type(e).__name__}: {e}"})
+            continue
+        await ws.send_json(state)
+        await ws.send_bytes(frame)
+        due = True
+
+
+# --------------------------------------------------------------------------------------------------
+def serve(app, sock: socket.socket) -> None:
+    """Run ``app`` on the listening ``sock`` until Ctrl-C."""
+    import uvicorn
+
+    config = uvicorn.Config(app, log_level="warning", ws_max_size=1 << 20, lifespan="off")
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}/" if ":" in host else f"http://{host}:{port}/"
+
+
+def _need_extra() -> None:
+    """One line where the ``play`` extra is not installed."""
+    for name in ("starlette", "uvicorn"):
+        try:
+            __import__(name)
+        except ImportError:
+            raise ConfigError(f"lwm play needs {name}, in the play extra: pip install 'lwm[play]'") from None
+
+
+def main(argv: list[str]) -> int:
+    """``lwm play``: checks, the port, the model, then the page until Ctrl-C."""
+    from lwm.play.player import load_player
+
+    args = parse(argv)
+    _need_extra()
+    check_host(args.host, args.allow_remote)
+    sock = bind(args.host, args.port)  # a port in use: said before the model loads
+    try:
+        player = load_player(args.ckpt_path, args.data, args.manifest, args.codes, args.vae, args.vae_tiling,
+                             args.hold_fps)
+        app = build_app(player)
+        keys = ", ".join(b.label for b in player.arrow_keys) or "none (the data has no true actions)"
+        print(f"lwm play: {url(sock)}  (checkpoint {player.ckpt_path}, step {player.global_step}; "
+              f"{len(player.files)} files; frames decoded by {player.display.name}; arrow keys: {keys}; Ctrl-C stops)",
+              flush=True)
+        serve(app, sock)
+    finally:
+        sock.close()
+    return 0
+
