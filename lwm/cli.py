@@ -308,7 +308,9 @@ def _hint(line: str) -> str:
     """What to do about a Lightning error whose message does not say it."""
     if line.startswith("No supported gpu backend found"):
         return (" (trainer.accelerator=gpu, as in configs/base.yaml, ddp.yaml and deepspeed.yaml, but this machine has "
-                "no GPU: use configs/tiny.yaml or --trainer.accelerator=cpu)")
+                "no GPU: use configs/tiny.yaml, or this config's model on the CPU with --trainer.accelerator=cpu "
+                "--trainer.precision=32-true --model.compile=false: compiling takes many minutes on a CPU, and bf16 "
+                "is emulated on one without bf16 instructions)")
     return ""
 
 

@@ -13,7 +13,10 @@ edited or torn file is refused by name, not when one of its bad tuples happens t
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Callable
+from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -213,9 +216,13 @@ def _load(path: str | Path) -> tuple[dict[str, CodeDictionary], dict]:
 
 
 @torch.no_grad()
-def collect(model, loader, device: torch.device, max_windows: int | None = None) -> tuple[dict[str, CodeDictionary], int]:
+def collect(model, loader, device: torch.device, max_windows: int | None = None,
+            forward_context: Callable[[], ContextManager] = contextlib.nullcontext,
+            ) -> tuple[dict[str, CodeDictionary], int]:
     """Encode the windows of ``loader`` (batches with ``latents``) with ``model`` (a WorldModel, eval mode) and
-    count the action and world code tuples; at most ``max_windows`` windows. Returns (dictionaries, windows)."""
+    count the action and world code tuples; at most ``max_windows`` windows. The encoders run in
+    ``forward_context()`` (a trainer's autocast), the loader outside it (CPU autocast refuses to stack float16
+    windows). Returns (dictionaries, windows)."""
     quantizers = model.quantizers
     dictionaries = {name: CodeDictionary(q.codebook_sizes) for name, q in quantizers.items()}
     windows = 0
@@ -229,8 +236,10 @@ def collect(model, loader, device: torch.device, max_windows: int | None = None)
             x = x[: max_windows - windows]
             if x.shape[0] == 0:
                 break
-        dictionaries["Action_Encoder"].update(model.encode_actions(x).indices)
-        dictionaries["World_Encoder"].update(model.encode_world(x).indices)
+        with forward_context():
+            actions, world = model.encode_actions(x).indices, model.encode_world(x).indices
+        dictionaries["Action_Encoder"].update(actions)
+        dictionaries["World_Encoder"].update(world)
         windows += x.shape[0]
     return dictionaries, windows
 

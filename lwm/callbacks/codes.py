@@ -78,8 +78,9 @@ class CodeDictionaries(L.Callback):
         pl_module.eval()
         error = None
         try:
-            with trainer.precision_plugin.forward_context():  # the encoders as training ran them (bf16 autocast)
-                dictionaries, windows = collect(pl_module.model, dm.code_loader(self.max_windows), pl_module.device)
+            # the encoders as training ran them (bf16 autocast)
+            dictionaries, windows = collect(pl_module.model, dm.code_loader(self.max_windows), pl_module.device,
+                                            forward_context=trainer.precision_plugin.forward_context)
         except DataError as e:  # bad windows on this rank: every rank raises it, after the gather (no rank hangs)
             dictionaries, windows, error = {}, 0, str(e)
         finally:

@@ -20,15 +20,15 @@ C, H, W = 4, 16, 16  # small frames keep CPU steps fast; the model is told via m
 
 
 def make_dataset(directory: Path, files: int = 8, frames: int = 14, seed: int = 0, val_fraction: float = 0.25,
-                 shape: tuple[int, int, int] = (C, H, W), labels: bool = False) -> Path:
-    """``files`` smooth random clips of ``frames`` (+ i) frames, with random ``actions`` (3 of them) and a
-    ``world_label`` (i mod 2) where ``labels``; returns the manifest path."""
+                 shape: tuple[int, int, int] = (C, H, W), labels: bool = False, dtype: type = np.float32) -> Path:
+    """``files`` smooth random clips of ``frames`` (+ i) frames of ``dtype``, with random ``actions`` (3 of them) and
+    a ``world_label`` (i mod 2) where ``labels``; returns the manifest path."""
     from lwm.data.manifest import index_directory
 
     rng = np.random.default_rng(seed)
     directory.mkdir(parents=True, exist_ok=True)
     for i in range(files):
-        x = np.tanh(0.1 * rng.normal(size=(frames + i, *shape)).cumsum(0)).astype(np.float32)
+        x = np.tanh(0.1 * rng.normal(size=(frames + i, *shape)).cumsum(0)).astype(dtype)
         with h5py.File(directory / f"ep{i:02d}.h5", "w") as f:
             f["latents"] = x
             if labels:  # drawn after the latents: the same latents as without labels

@@ -390,8 +390,28 @@ def test_a_gpu_config_without_a_gpu_is_one_error_line(tmp_path, capsys):
     assert run(manifest, tmp_path / "run", "--trainer.accelerator=gpu") == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert errors == ["error: No supported gpu backend found! (trainer.accelerator=gpu, as in configs/base.yaml, "
-                      "ddp.yaml and deepspeed.yaml, but this machine has no GPU: use configs/tiny.yaml or "
-                      "--trainer.accelerator=cpu)"]
+                      "ddp.yaml and deepspeed.yaml, but this machine has no GPU: use configs/tiny.yaml, or this "
+                      "config's model on the CPU with --trainer.accelerator=cpu --trainer.precision=32-true "
+                      "--model.compile=false: compiling takes many minutes on a CPU, and bf16 is emulated on one without bf16 "
+                      "instructions)"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_the_advice_for_the_base_config_without_a_gpu_trains(tmp_path, capsys):
+    """The flags the error line advises, given to configs/base.yaml (its model, at this data's frame size), train
+    and write the checkpoint and the code dictionaries (--trainer.accelerator=cpu alone led to bf16 autocast, which
+    failed at the end of fit, and to a compile of many minutes)."""
+    from tests.lightning.helpers import REPO, C, H, W
+
+    manifest = make_dataset(tmp_path / "data", files=4, dtype=np.float16)
+    common = ["fit", "--config", str(REPO / "configs" / "base.yaml"), f"--data.manifest={manifest}", "--wandb.mode=disabled",
+              f"--model.net.in_channels={C}", f"--model.net.height={H}", f"--model.net.width={W}", "--data.window=6",
+              "--data.batch_size=2", "--data.num_workers=0", "--trainer.max_steps=1", "--data.val_size_percent=0",
+              "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
+    assert main([*common, f"--trainer.default_root_dir={tmp_path / 'gpu'}"]) == 2
+    advice = re.search(r"on the CPU with (--.*?): ", capsys.readouterr().err).group(1).split()
+    assert main([*common, f"--trainer.default_root_dir={tmp_path / 'run'}", *advice]) == 0
+    assert torch.load(tmp_path / "run/checkpoints/codes.pt", weights_only=True)["global_step"] == 1
 
 
 def test_bad_data_is_refused_before_a_wandb_run_starts(tmp_path, capsys):
@@ -432,6 +452,20 @@ def test_bf16_weights_train_validate_and_monitor(tmp_path):
     assert val and all(torch.isfinite(torch.tensor(r["Val_Total/loss"])) for r in val)
     assert any("Val_Action_Encoder/dPSNR" in r for r in rows)
     assert list((root / "videos").glob("*.mp4")) or list((root / "videos").glob("*.gif"))
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16"])
+def test_bf16_autocast_on_the_cpu_writes_the_code_dictionaries_at_the_end_of_fit_and_of_a_resume(tmp_path, precision):
+    """bf16 autocast on the CPU with float16 files: the end-of-fit code dictionaries read their windows outside the
+    autocast (CPU autocast refused to stack float16 windows: no codes.pt, at the end of fit nor of a resume)."""
+    manifest = make_dataset(tmp_path / "data", files=4, dtype=np.float16)
+    root = tmp_path / "run"
+    assert run(manifest, root, f"--trainer.precision={precision}", "--trainer.max_steps=3") == 0
+    codes = root / "checkpoints" / "codes.pt"
+    assert torch.load(codes, weights_only=True)["global_step"] == 3
+    codes.unlink()  # as a fit stopped in them leaves it: the resume with training over writes them
+    assert run(manifest, root, f"--trainer.precision={precision}", "--trainer.max_steps=3", "--ckpt_path=last") == 0
+    assert torch.load(codes, weights_only=True)["global_step"] == 3
 
 
 def test_a_path_error_is_one_line_naming_the_path(tmp_path, capsys):
