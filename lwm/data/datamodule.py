@@ -167,7 +167,7 @@ class LatentDataModule(L.LightningDataModule):
             ``validate``/``test``/``predict`` given one) keeps the checkpoint's, with a warning where it differs.
         batches_per_epoch: override the epoch length in batches per rank (None: windows / global batch).
         check_files: at setup, open every file of the manifest and check its dataset (under the manifest's ``key``)
-            and shape (headers only).
+            and shape (headers only; the values too of a file changed since `lwm data index` checked them).
         multiprocessing_context: worker start method ("fork", "spawn", "forkserver"; None: the platform's).
         prefetch_factor: batches each worker prepares ahead (each batch of 32 x 16 frames of 16x64x64 is 64 MiB
             of shared memory from float16 files, 128 MiB from float32, so workers x prefetch_factor x that per rank).
@@ -244,19 +244,24 @@ class LatentDataModule(L.LightningDataModule):
                         continue
                     if info.frames < e.frames:
                         problems.append(f"{path}: {info.frames} frames, the manifest says {e.frames} (truncated?)")
-                    elif e.changed_since_checked(path.stat()):
+                    elif e.changed_since_checked(path.stat()):  # its values (NaN/inf, range) checked again
                         changed.append(path)
+                        try:
+                            inspect_h5(path, manifest.channels, manifest.height, manifest.width, key=e.key)
+                        except DataError as err:
+                            problems.append(f"{err} (changed since `lwm data index` checked it)")
                 if missing == len(manifest.entries) > 1:  # a manifest moved without its data, a mount not there
                     raise DataError(f"{manifest.path}: none of its {missing} files exists (the first: "
                                     f"{manifest.resolve(manifest.entries[0])}; paths are relative to the manifest's "
                                     f"folder): was it moved without its data, or is the data's filesystem not mounted?")
                 if problems:
                     raise refused(problems, len(manifest.entries), f" in {manifest.path}")
-                if changed:  # headers only here: their values (NaN/inf, range) were checked by `lwm data index`
+                if changed:  # the others' values were checked by `lwm data index`: headers only here
                     rank_zero_warn(f"{len(changed)} of {len(manifest.entries)} files in {manifest.path} changed since "
                                    f"`lwm data index` checked their values (size or modification time; first: "
-                                   f"{changed[0]}): their values are not checked again here; `lwm data index` on their "
-                                   f"folder checks them (a copy that did not keep modification times shows as changed)")
+                                   f"{changed[0]}): their values were checked again, at every start until `lwm data "
+                                   f"index` on their folder records them (a copy that did not keep modification times "
+                                   f"shows as changed)")
             self.manifest = manifest
         return self.manifest
 

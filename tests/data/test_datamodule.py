@@ -504,8 +504,8 @@ def test_a_bad_seed_is_refused_naming_the_field(manifest, seed):
 
 
 def test_a_file_changed_since_indexing_is_named_in_one_warning_before_any_work(manifest, recwarn):
-    """`lwm data index` records each checked file's size and modification time; a file written since (here one NaN
-    put into its latents in place: same size, the values unchecked by fit's header check) is named at setup."""
+    """`lwm data index` records each checked file's size and modification time; a file written since (here in place:
+    same size, another time) has its values checked again at setup: fine ones are counted in one warning."""
     entries = json.loads(manifest.read_text())["files"]
     stat = (manifest.parent / entries[0]["path"]).stat()
     assert (entries[0]["bytes"], entries[0]["mtime"]) == (stat.st_size, stat.st_mtime)
@@ -520,11 +520,11 @@ def test_a_file_changed_since_indexing_is_named_in_one_warning_before_any_work(m
     changed = (manifest.parent / entries[2]["path"]).resolve()
     indexed = changed.stat().st_mtime
     with h5py.File(changed, "r+") as f:
-        f["latents"][3, 0, 0, 0] = np.nan
+        f["latents"][3, 0, 0, 0] = 0.5
     os.utime(changed, (indexed + 0.01,) * 2)  # written 10 ms after it was indexed: same size, another time
     with pytest.warns(UserWarning, match=r"1 of 8 files in .* changed since `lwm data index` checked their values "
-                                         r"\(size or modification time; first: .*ep\d\.h5\): their values are not "
-                                         r"checked again here"):
+                                         r"\(size or modification time; first: .*ep\d\.h5\): their values were "
+                                         r"checked again"):
         _dm(manifest).setup("fit")
     old = json.loads(manifest.read_text())  # a manifest of an earlier lwm, without the stamps: nothing to compare
     for entry in old["files"]:
@@ -533,6 +533,24 @@ def test_a_file_changed_since_indexing_is_named_in_one_warning_before_any_work(m
     recwarn.clear()
     _dm(manifest).setup("fit")
     assert not [w for w in recwarn if "changed since" in str(w.message)]
+
+
+@pytest.mark.parametrize("value, problem", [(np.nan, "NaN/inf values"), (3.0, "outside [-1, 1]")])
+def test_a_file_given_bad_values_since_indexing_is_refused_at_setup_naming_it(manifest, value, problem):
+    """NaN (it trained the whole run, then the code dictionaries refused it: exit 2, no codes.pt) or values outside
+    [-1, 1] (it trained silently) written into an indexed file: refused before training, the file named."""
+    entries = json.loads(manifest.read_text())["files"]
+    changed = (manifest.parent / entries[2]["path"]).resolve()
+    indexed = changed.stat().st_mtime
+    with h5py.File(changed, "r+") as f:
+        f["latents"][3, 0, 0, 0] = value
+    os.utime(changed, (indexed + 0.01,) * 2)
+    with pytest.raises(DataError) as exc:
+        _dm(manifest).setup("fit")
+    lines = str(exc.value).splitlines()
+    assert lines[0] == f"1 of 8 files in {manifest} refused:"
+    assert lines[1].startswith(f"{changed}: dataset 'latents' has ") and problem in lines[1]
+    assert lines[1].endswith("(changed since `lwm data index` checked it)")
 
 
 @pytest.mark.parametrize("percent", [0.0, 0.5, 1.0])
