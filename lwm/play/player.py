@@ -210,13 +210,13 @@ class Session:
     def pixels(self) -> np.ndarray:
         """The current frame's pixels ``[S, S, 3]``."""
         frames = self.rollout.frames
-        history = torch.stack(frames[:-1]) if self.player.display.is_vae and len(frames) > 1 else None
+        history = torch.stack(frames[-1 - VAE_HISTORY : -1]) if self.player.display.is_vae and len(frames) > 1 else None
         return self.player.display.frames(frames[-1][None], history)[0]
 
     def previews(self) -> np.ndarray:
         """The pixels of the next frame under each number key's tuple, ``[K, S, S, 3]``."""
         actions = torch.tensor([b.action for b in self.player.number_keys])
-        history = torch.stack(self.rollout.frames) if self.player.display.is_vae else None
+        history = torch.stack(self.rollout.frames[-VAE_HISTORY:]) if self.player.display.is_vae else None
         return self.player.display.frames(self.rollout.previews(actions), history)
 
     def state(self) -> dict:
