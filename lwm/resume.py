@@ -76,18 +76,27 @@ def latest_checkpoint(run_dir: Path, checkpoint_dir: Path) -> Path | None:
     """The checkpoint that continues the run: the highest global step among ``last.ckpt``, the step checkpoints
     written after it was last whole (all of them where there is none: a kill during the first ``last.ckpt`` write
     leaves only a step one; a kill during a later one leaves the step file of that step newer than ``last.ckpt``,
-    which is an interval behind or cut short) and the hpc ones."""
+    which is an interval behind or cut short; a ``last.ckpt`` file that does not load, all of them) and the hpc
+    ones. A ``last.ckpt`` passed over for not being whole is said in a warning."""
     hpc = sorted(run_dir.glob("hpc_ckpt_*.ckpt"), key=_number)
     last = checkpoint_dir / "last.ckpt"
     steps = sorted((p for p in checkpoint_dir.glob("*.ckpt") if p.name != last.name), key=_number, reverse=True)
-    since = _written(last) if last.exists() else None
+    last_step = _step(last) if last.exists() else None
+    # a torn last.ckpt file was never whole: its time says nothing (a DeepSpeed one keeps its last whole time)
+    since = _written(last) if last_step is not None or last.is_dir() else None
     if since is not None:  # (a step file older than last.ckpt: of a branch abandoned for an earlier checkpoint)
         steps = [p for p in steps if (written := _written(p)) is not None and written >= since]
     candidates = [p for p in (last, *reversed(hpc), *steps) if p.exists()]
     steps = {p: s for p in candidates if (s := _step(p)) is not None}
     if not steps:  # none readable: the first, for lwm fit to refuse loudly (never a silent fresh start)
         return candidates[0] if candidates else None
-    return max(steps, key=lambda p: steps[p])  # ties: last.ckpt (listed first)
+    found = max(steps, key=lambda p: steps[p])  # ties: last.ckpt (listed first)
+    if last.exists() and last_step is None:
+        from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+        rank_zero_warn(f"{last}: not a whole checkpoint (unreadable, or its write cut short): taking {found}, the "
+                       f"run's latest whole one (step {steps[found]})")
+    return found
 
 
 def main(argv: list[str]) -> int:

@@ -58,6 +58,20 @@ def test_without_last_ckpt_the_latest_step_checkpoint_continues_the_run(tmp_path
     assert latest_checkpoint(run, ckpts) == ckpts / "step=0000180.ckpt"
 
 
+def test_a_torn_last_ckpt_beside_a_whole_step_checkpoint_of_its_step_falls_back_to_it_and_says_so(tmp_path):
+    """The step file is written before last.ckpt of the same step: a last.ckpt that does not load (corrupt on disk,
+    a copy cut short) gives no time to tell branches by; the highest whole step wins, with a warning naming both."""
+    run, ckpts = tmp_path / "run", tmp_path / "run/checkpoints"
+    _ckpt(ckpts / "step=0000100.ckpt", 100, mtime=900)
+    _ckpt(ckpts / "step=0000200.ckpt", 200, mtime=1000)
+    _ckpt(ckpts / "last.ckpt", 200, mtime=1001)
+    _cut_short(ckpts / "last.ckpt")
+    os.utime(ckpts / "last.ckpt", (1001, 1001))
+    with pytest.warns(UserWarning, match=rf"{ckpts / 'last.ckpt'}: not a whole checkpoint .* taking "
+                                         rf"{ckpts / 'step=0000200.ckpt'}, the run's latest whole one \(step 200\)"):
+        assert latest_checkpoint(run, ckpts) == ckpts / "step=0000200.ckpt"
+
+
 def test_resume_info_prints_the_resolved_run_dir_and_checkpoint(tmp_path, capsys):
     root = tmp_path / "a long run directory name with spaces that YAML would fold over two lines" / "run"
     elsewhere = tmp_path / "elsewhere"

@@ -155,6 +155,22 @@ def test_a_kill_during_a_later_last_ckpt_write_resumes_from_that_steps_checkpoin
     assert sorted(train_series(tmp_path / "run")) == [*range(9), 10, 11]
 
 
+def test_a_corrupt_last_ckpt_beside_its_steps_checkpoint_resumes_from_that_one_with_a_warning(tmp_path):
+    """last.ckpt damaged after the run (a bad disk, a copy cut short), step=0000004.ckpt of the same step whole:
+    --ckpt_path last continues from the step file, says so, and the resumed run is the uninterrupted one."""
+    manifest = make_dataset(tmp_path / "data")
+    common = ["--trainer.max_steps=4", "--checkpoint.every_n_train_steps=4", "--data.val_size_percent=0"]
+    assert run(manifest, tmp_path / "full", *common[1:], "--trainer.max_steps=6") == 0
+    assert run(manifest, tmp_path / "run", *common) == 0
+    last = tmp_path / "run/checkpoints/last.ckpt"
+    last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])
+    with pytest.warns(UserWarning, match=rf"{last}: not a whole checkpoint .*taking .*step=0000004\.ckpt, the run's "
+                                         rf"latest whole one \(step 4\)"):
+        assert run(manifest, tmp_path / "run", *common[1:], "--trainer.max_steps=6", "--ckpt_path=last") == 0
+    assert torch.load(last, weights_only=True)["global_step"] == 6
+    assert train_series(tmp_path / "run") == pytest.approx(train_series(tmp_path / "full"), rel=1e-5, abs=1e-7)
+
+
 def test_a_kill_right_after_a_checkpoint_written_at_a_validations_end_keeps_that_validations_row(tmp_path):
     """The step-3 checkpoint waits for the validation after step 3 (logged as step 2, in the row of the step's
     training scalars); killed at the start of the next batch, before a later row began, the run resumes after that
