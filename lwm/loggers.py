@@ -1,8 +1,9 @@
 """Loggers. Every run writes a local CSV of every logged scalar (``RUN_DIR/metrics.csv``), and, unless
-``wandb.mode`` is ``disabled``, a wandb run in ``RUN_DIR/wandb`` (offline by default when no wandb login is
-configured; ``wandb sync RUN_DIR/wandb/offline-run-*`` uploads it later). This is the only module that
-imports wandb; :func:`log_distribution` is how callbacks log a distribution (a wandb histogram, plus
-min/mean/max scalars that reach the CSV).
+``wandb.mode`` (else ``WANDB_MODE``) is ``disabled``, a wandb run in ``RUN_DIR/wandb`` (``WANDB_DIR/wandb`` where
+that is set; offline by default when no wandb login is configured; ``wandb sync RUN_DIR/wandb/offline-run-*``
+uploads it later). The ``wandb.*`` keys a config leaves unset keep wandb's environment variables' meaning. This
+is the only module that imports wandb; :func:`log_distribution` is how callbacks log a distribution (a wandb
+histogram, plus min/mean/max scalars that reach the CSV).
 
 Lightning's CSV writer, resumed into an existing ``metrics.csv``, forgets the columns already in the file and
 fails to rewrite the header when the first new row lacks one of them (a validation metric, say); this one
@@ -117,12 +118,21 @@ class CSVLogger(_LightningCSVLogger):
 
 @dataclass(frozen=True)
 class WandbConfig:
-    """wandb settings (``wandb.*`` in configs)."""
+    """wandb settings (``wandb.*`` in configs). A key left unset keeps wandb's environment variable's meaning."""
 
-    mode: Literal["online", "offline", "disabled"] | None = None  # None: online when logged in, else offline
-    project: str = "lwm"  # wandb project
-    name: str | None = None  # run name (None: the run directory's name)
-    entity: str | None = None  # wandb team or user (None: your default)
+    # None: WANDB_MODE, else online when logged in, else offline
+    mode: Literal["online", "offline", "disabled"] | None = None
+    project: str | None = None  # wandb project (None: WANDB_PROJECT, else lwm)
+    name: str | None = None  # run name (None: WANDB_NAME, else the run directory's name)
+    entity: str | None = None  # wandb team or user (None: WANDB_ENTITY, else your default)
+
+
+WANDB_MODES = ("online", "offline", "disabled", "dryrun", "run", "shared")  # wandb's (dryrun: offline; run: online)
+
+
+def wandb_mode(mode: str | None) -> str:
+    """The wandb run's mode: ``mode`` (the config's), else ``WANDB_MODE``, else online when logged in, else offline."""
+    return mode or os.environ.get("WANDB_MODE") or ("online" if wandb_logged_in() else "offline")
 
 
 def wandb_logged_in() -> bool:
@@ -198,7 +208,9 @@ def make_loggers(root: str, wandb: WandbConfig = WandbConfig(), strict: bool = T
     ``resume``: a fit, resumed (True: it continues its wandb run, :func:`wandb_run_id`) or not (False: a new run
     id, recorded for its resumes); None: not a fit (a new wandb run, not recorded)."""
     loggers: list = [CSVLogger(save_dir=root)]
-    mode = wandb.mode or ("online" if wandb_logged_in() else "offline")
+    mode = wandb_mode(wandb.mode)
+    if mode not in WANDB_MODES:  # (from WANDB_MODE)
+        raise ConfigError(f"WANDB_MODE={mode}: wandb's modes are {', '.join(WANDB_MODES)} (or set wandb.mode)")
     if mode != "disabled" and not wandb_installed():
         if wandb.mode is not None and strict:
             raise ConfigError(f"wandb.mode={wandb.mode}, but wandb is not installed (pip install wandb, or "
@@ -208,10 +220,12 @@ def make_loggers(root: str, wandb: WandbConfig = WandbConfig(), strict: bool = T
         mode = "disabled"
     if mode != "disabled":
         fit = resume is not None
-        loggers.append(WandbLogger(
-            save_dir=root, project=wandb.project, entity=wandb.entity, offline=mode == "offline",
-            name=wandb.name or os.path.basename(os.path.abspath(root)),
-            id=wandb_run_id(root, resume) if fit else None,  # Lightning's WandbLogger resumes with "allow"
+        loggers.append(WandbLogger(  # mode passed to wandb, not Lightning's offline (it sets WANDB_MODE for good)
+            save_dir=os.environ.get("WANDB_DIR") or root, project=wandb.project or os.environ.get("WANDB_PROJECT") or
+            "lwm", entity=wandb.entity, mode=mode, name=wandb.name or os.environ.get("WANDB_NAME") or
+            os.path.basename(os.path.abspath(root)),
+            # Lightning's WandbLogger resumes with "allow"
+            id=(os.environ.get("WANDB_RUN_ID") or wandb_run_id(root, resume)) if fit else None,
             run_id_file=Path(root) / RUN_ID_FILE if fit else None, wait_for_lock=fit,
         ))
     return loggers

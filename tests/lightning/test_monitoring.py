@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from lwm.errors import ConfigError
 from lwm.loggers import RUN_ID_FILE, CSVLogger, WandbConfig, make_loggers, wandb_logged_in, wandb_run_id
 from tests.lightning.helpers import make_dataset, read_metrics, run, tiny_args
 
@@ -54,12 +55,45 @@ def test_wandb_is_offline_without_a_login_and_can_be_disabled(tmp_path, monkeypa
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     assert not wandb_logged_in()
+    for var in ("WANDB_MODE", "WANDB_DIR", "WANDB_PROJECT", "WANDB_NAME", "WANDB_RUN_ID"):
+        monkeypatch.delenv(var, raising=False)
     loggers = make_loggers(str(tmp_path / "run"))
     assert isinstance(loggers[0], CSVLogger) and type(loggers[1]).__name__ == "WandbLogger"
-    assert loggers[1]._offline and loggers[1].save_dir == str(tmp_path / "run")
+    assert loggers[1]._wandb_init["mode"] == "offline" and loggers[1].save_dir == str(tmp_path / "run")
+    assert (loggers[1]._wandb_init["project"], loggers[1]._wandb_init["name"]) == ("lwm", "run")
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
-    assert wandb_logged_in() and not make_loggers(str(tmp_path / "r2"))[1]._offline
+    assert wandb_logged_in() and make_loggers(str(tmp_path / "r2"))[1]._wandb_init["mode"] == "online"
     assert len(make_loggers(str(tmp_path / "r3"), WandbConfig(mode="disabled"))) == 1
+
+
+def test_wandbs_environment_variables_keep_their_meaning_where_the_config_leaves_the_key_unset(tmp_path, monkeypatch):
+    """WANDB_MODE=disabled started an offline run in RUN_DIR/wandb all the same; WANDB_DIR, WANDB_PROJECT,
+    WANDB_NAME and WANDB_RUN_ID were overridden too. A key the config sets wins over its variable."""
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert len(make_loggers(str(tmp_path / "run"), resume=False)) == 1
+    assert make_loggers(str(tmp_path / "run"), WandbConfig(mode="offline"))[1]._wandb_init["mode"] == "offline"
+    for var, value in (("WANDB_MODE", "online"), ("WANDB_DIR", str(tmp_path / "elsewhere")),
+                       ("WANDB_PROJECT", "theirs"), ("WANDB_NAME", "their-run"), ("WANDB_RUN_ID", "abc123")):
+        monkeypatch.setenv(var, value)
+    init = make_loggers(str(tmp_path / "run"), resume=False)[1]._wandb_init
+    assert {k: init[k] for k in ("mode", "dir", "project", "name", "id")} == {
+        "mode": "online", "dir": str(tmp_path / "elsewhere"), "project": "theirs", "name": "their-run", "id": "abc123"}
+    init = make_loggers(str(tmp_path / "run"), WandbConfig(mode="offline", project="mine", name="my-run"))[1]._wandb_init
+    assert (init["mode"], init["project"], init["name"]) == ("offline", "mine", "my-run")
+    monkeypatch.setenv("WANDB_MODE", "offlin")
+    with pytest.raises(ConfigError, match="WANDB_MODE=offlin: wandb's modes are online, offline, disabled"):
+        make_loggers(str(tmp_path / "run"))
+
+
+def test_wandb_mode_disabled_in_the_environment_writes_no_wandb_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    manifest = make_dataset(tmp_path / "data", files=4)
+    args = [a for a in tiny_args(manifest, tmp_path / "run", "--trainer.max_steps=1", "--data.val_size_percent=0")
+            if a != "--wandb.mode=disabled"]
+    from lwm.cli import main
+
+    assert main(args) == 0
+    assert (tmp_path / "run/checkpoints/last.ckpt").is_file() and not (tmp_path / "run/wandb").exists()
 
 
 def test_wandb_online_without_a_login_is_one_line(tmp_path, monkeypatch, capsys):
