@@ -321,3 +321,29 @@ def test_the_command_prints_the_url_and_serves_the_page_until_ctrl_c(trained):
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 128 + signal.SIGINT  # (lwm's exit status for Ctrl-C)
     assert "Traceback" not in proc.stderr.read()
+
+
+def test_a_vae_file_plays_through_the_vae(trained, tmp_path):
+    """With --vae, each page frame is the last video frame of its latent decoded after the latents before it (at most
+    3); the recorded video is the whole rollout decoded after the file's latents before the start frame."""
+    diffusers = pytest.importorskip("diffusers")
+    from lwm.data.vae import VAECodec
+    from tests.data.test_vae import TINY
+
+    ckpt, _, _ = trained
+    torch.manual_seed(0)
+    diffusers.AutoencoderKLWan(**TINY["wan"]).save_pretrained(tmp_path / "wan")
+    codec = VAECodec.load("wan", tmp_path / "wan", size=128)  # [16, 16, 16] latents, the tiny model's
+    latents = np.tanh(0.3 * np.random.default_rng(0).normal(size=(10, 16, 16, 16))).astype(np.float32)
+    with h5py.File(tmp_path / "clip.h5", "w") as f:
+        f["latents"] = latents
+        f.attrs["codec"] = codec.attr
+    player = load_player(str(ckpt), [str(tmp_path / "clip.h5")], None, None, str(tmp_path / "wan"), False, 30)
+    assert player.display.is_vae and player.display.name == "wan"
+    session = Session(player, "s")
+    session.start(0, 1)
+    _play(session, player.number_keys[:1] * 2)  # (the tiny VAE takes seconds a decode on 2 cores)
+    played = session.rollout.latents().numpy()  # [3, 16, 16, 16]
+    assert np.array_equal(session.pixels(), codec.decode(played[-1:], before=played[:2])[-1])
+    video = player.display.video(session.rollout.latents(), player.before(0, 1))
+    assert np.array_equal(video, codec.decode(played, before=latents[:1])) and video.shape == (12, 128, 128, 3)

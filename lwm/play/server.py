@@ -245,9 +245,15 @@ async def _serve(ws, session, inbox: asyncio.Queue) -> None:
         try:
             message = await (asyncio.wait_for(inbox.get(), PREVIEW_DELAY) if due else inbox.get())
         except asyncio.TimeoutError:
-            for frame in await asyncio.to_thread(previews, session):
-                await ws.send_bytes(frame)
             due = False
+            try:
+                frames = await asyncio.to_thread(previews, session)
+            except Exception as e:  # (a decoder's failure, say): the page plays on without them
+                traceback.print_exc()
+                await ws.send_json({"type": "error", "message": f"previews: {type(e).__name__}: {e}"})
+                continue
+            for frame in frames:
+                await ws.send_bytes(frame)
             continue
         if message is None:
             return
@@ -303,9 +309,9 @@ def main(argv: list[str]) -> int:
                              args.hold_fps)
         app = build_app(player)
         keys = ", ".join(b.label for b in player.arrow_keys) or "none (the data has no true actions)"
+        shown = f"frames shown as {player.display.name}" + (f" ({player.display.why})" if player.display.why else "")
         print(f"lwm play: {url(sock)}  (checkpoint {player.ckpt_path}, step {player.global_step}; "
-              f"{len(player.files)} files; frames decoded by {player.display.name}; arrow keys: {keys}; Ctrl-C stops)",
-              flush=True)
+              f"{len(player.files)} files; {shown}; arrow keys: {keys}; Ctrl-C stops)", flush=True)
         serve(app, sock)
     finally:
         sock.close()
