@@ -312,6 +312,10 @@ def _given_codes(args: argparse.Namespace, model, transitions: int,
         if idx.shape[0] < transitions:
             raise ConfigError(f"--action-indices: {transitions} transitions needed ({_count(args.context, 'frame')} of context, "
                               f"{args.steps} steps), got {idx.shape[0]}")
+        if idx.shape[0] > transitions:  # (the latents file records the ones played)
+            print(f"warning: --action-indices: {idx.shape[0]} transitions given, the rollout plays the first "
+                  f"{transitions} ({_count(args.context, 'frame')} of context, {args.steps} steps); --steps "
+                  f"{idx.shape[0] - args.context + 1} plays them all", file=sys.stderr)
         actions = idx[:transitions].to(device)
         _decode(model.quantizers["Action_Encoder"], actions, "--action-indices")
     return world, actions
@@ -412,8 +416,11 @@ def _write(args: argparse.Namespace, out: Path, latents_path: Path, rollouts: to
     shown = (f"decoded by the {decoder.name} codec" if decoder is not None else
              f"latent channels 0-2 shown as RGB: {missing_codec(codec, str(args.data))}")
     truth = "ground truth" if clip.shape[1] == T else f"ground truth: {clip.shape[1]} of {T} frames"
+    megabytes = latents_path.stat().st_size / 1e6
     print(f"wrote {out} ({truth}, then {_count(R, 'rollout')} of "
-          f"{_count(args.steps, 'frame')} after {_count(args.context, 'context frame')}; {shown}) and {out}.h5")
+          f"{_count(args.steps, 'frame')} after {_count(args.context, 'context frame')}; {shown}) and {latents_path} "
+          f"({megabytes:.3g} MB: the rollouts' latents and the codes each played, which --action-indices and "
+          f"--world-indices take back to play it again)")
 
 
 def _count(n: int, noun: str) -> str:

@@ -461,6 +461,51 @@ def test_generate_uses_the_first_transitions_of_longer_action_indices(trained):
         assert f["action_indices"][...].tolist() == [[[0, 0], [1, 2], [3, 4]]]
 
 
+def test_more_action_indices_than_the_rollout_plays_are_said_in_a_warning(trained, capsys):
+    tmp, ckpt, data = trained
+    _generate(ckpt, data, tmp / "w5.gif", "--steps", "3", "--rollouts", "1",
+              "--action-indices", "[[0, 0], [1, 2], [3, 4], [2, 7], [3, 1]]")
+    assert ("warning: --action-indices: 5 transitions given, the rollout plays the first 3 (1 frame of context, 3 "
+            "steps); --steps 5 plays them all") in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("codec", [None, "unknown", "wan"])
+def test_a_vae_folder_that_is_not_one_or_not_used_is_refused_before_any_output(trained, tmp_path, capsys, codec):
+    """`--vae /missing/folder` went unnoticed where the file's codec takes no VAE (none, one lwm does not know, the
+    pixel codec: tests/data/test_convert.py); given for a VAE
+    file, a folder without one is refused as by `lwm data encode`. Nothing is written."""
+    import shutil
+
+    tmp, ckpt, data = trained
+    copy = tmp_path / "ep.h5"
+    shutil.copy(data, copy)
+    specs = {"unknown": {"name": "cosmos"}, "wan": {"name": "wan", "size": 128, "frames_per_latent": 4,
+                                                             "shift": [0.0] * 4, "scale": [1.0] * 4}}
+    if codec == "wan":
+        pytest.importorskip("diffusers")
+    if codec is not None:
+        with h5py.File(copy, "a") as f:
+            f.attrs["codec"] = json.dumps(specs[codec])
+    out = tmp_path / "x.gif"
+    assert main(["generate", "--ckpt_path", str(ckpt), "--data", str(copy), "--out", str(out), "--steps", "2",
+                 "--vae", str(tmp_path / "missing")]) == 2
+    lines = _error_lines(capsys)
+    assert len(lines) == 1 and lines[0].startswith(f"error: --vae {tmp_path / 'missing'}: ")
+    assert ("no diffusers VAE there" if codec == "wan" else f"{copy} is not encoded with a VAE") in lines[0]
+    assert not out.exists() and not (tmp_path / "x.gif.h5").exists()
+
+
+def test_the_output_line_says_what_the_latents_file_beside_the_video_is_for(trained, tmp_path, capsys):
+    tmp, ckpt, data = trained
+    out = tmp_path / "o.gif"
+    _generate(ckpt, data, out, "--steps", "2", "--rollouts", "1", "--actions", "random")
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    size = (tmp_path / "o.gif.h5").stat().st_size / 1e6
+    assert line.startswith(f"wrote {out} (") and line.endswith(
+        f"and {out}.h5 ({size:.3g} MB: the rollouts' latents and the codes each played, which --action-indices and "
+        f"--world-indices take back to play it again)")
+
+
 def test_generate_reads_its_context_at_start(trained):
     tmp, ckpt, data = trained
     out = _generate(ckpt, data, tmp / "s3.gif", "--start", "3", "--context", "2", "--steps", "2", "--rollouts", "1",

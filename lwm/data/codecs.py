@@ -79,14 +79,18 @@ def codec_spec(attr: object, path: str = "") -> dict | None:
 def codec_from_attr(attr: object, path: str = "", vae: str | None = None, device: str = "cpu", tiling: bool = False):
     """The codec a file's ``codec`` attribute names, or None when there is none, when it is unknown, or when it
     is a diffusers VAE (:mod:`lwm.data.vae`) and no ``vae`` weights folder is given (``tiling``: the VAE decodes
-    in tiles, :func:`lwm.data.vae.load_vae`)."""
+    in tiles, :func:`lwm.data.vae.load_vae`). A ``vae`` given for a file whose codec takes none is refused (it
+    would be ignored: a wrong path went unnoticed)."""
+    from lwm.data.vae import CLASSES, VAECodec
+
     spec = codec_spec(attr, path)
+    if vae is not None and (spec is None or spec["name"] not in CLASSES):
+        raise DataError(f"--vae {vae}: {path} is not encoded with a VAE ({missing_codec(attr, path)}): leave --vae "
+                        f"out")
     if spec is None:
         return None
     if spec["name"] == "pixel":
         return PixelCodec(size=int(spec.get("size", 128)))
-    from lwm.data.vae import CLASSES, VAECodec
-
     if spec["name"] in CLASSES and vae is not None:
         return VAECodec.from_attr(spec, vae, device, tiling=tiling)
     return None
@@ -99,6 +103,8 @@ def missing_codec(attr: object, path: str = "") -> str:
     spec = codec_spec(attr, path)
     if spec is None:
         return "the file names no codec"
+    if spec["name"] == "pixel":
+        return "the file names the pixel codec, which has no weights"
     if spec["name"] in CLASSES:
         return f"the file was encoded with the {spec['name']} VAE: pass --vae PATH (its diffusers weights) to decode it"
     return f"the file names a codec lwm does not know ({spec['name']!r})"

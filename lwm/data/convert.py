@@ -150,6 +150,8 @@ def make_codec(codec: str = "pixel", vae: str | Path | None = None, size: int | 
         raise DataError(f"--codec {codec}: unknown (known: {', '.join(CODECS)})")
     check_size(codec, size)  # before a VAE (or diffusers) is loaded
     if codec == "pixel":
+        if vae is not None:  # (ignored, a wrong path went unnoticed)
+            raise DataError(f"--vae {vae}: the pixel codec has no weights (--vae is for --codec {', '.join(CODECS[1:])})")
         return PixelCodec(size=size or 128)
     if vae is None:
         raise DataError(f"--codec {codec} needs --vae PATH, a local folder with the VAE's diffusers weights")

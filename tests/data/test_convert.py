@@ -43,12 +43,23 @@ def test_square_resize_crops_the_centre():
     (["data", "encode", "/nope.mp4", "--out", "OUT"], "/nope.mp4: video not found"),
     (["data", "encode", "IN", "--out", "OUT", "--codec", "cosmos"], "--codec cosmos: unknown (known: pixel, wan, cogvideox, hunyuan)"),
     (["data", "encode", "IN", "--out", "OUT", "--codec", "wan"], "--codec wan needs --vae PATH"),
+    (["data", "encode", "IN", "--out", "OUT", "--vae", "/missing"], "--vae /missing: the pixel codec has no weights"),
 ])
 def test_encode_errors(tmp_path, capsys, argv, message):
     video = write_video(tmp_path / "v.mp4", np.zeros((2, 16, 16, 3), dtype=np.uint8))
     argv = [str(video) if a == "IN" else str(tmp_path / "o") if a == "OUT" else a for a in argv]
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_decode_refuses_a_vae_the_files_codec_does_not_take(tmp_path, capsys):
+    """A pixel file decoded with --vae /missing: the folder was ignored, a wrong path unnoticed."""
+    h5 = tmp_path / "p.h5"
+    write_latents(h5, PixelCodec(size=32), np.zeros((2, 32, 32, 3), dtype=np.uint8))
+    assert main(["data", "decode", str(h5), "--out", str(tmp_path / "x.gif"), "--vae", "/missing"]) == 2
+    assert (f"--vae /missing: {h5} is not encoded with a VAE (the file names the pixel codec, which has no weights): "
+            f"leave --vae out") in capsys.readouterr().err
+    assert not (tmp_path / "x.gif").exists()
 
 
 def test_decode_needs_a_codec(tmp_path, capsys):
