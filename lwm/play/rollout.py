@@ -25,7 +25,7 @@ class Rollout:
         self.model = model
         self.window = window
         self.world_indices = world_indices.long()  # [Lh]
-        self.world = model.quantizers["World_Encoder"].decode_indices(self.world_indices[None])  # [1, Dh]
+        self.world = model.quantizers["World_Encoder"].decode_indices(self.world_indices[None].to(start.device))  # [1, Dh]
         self.frames: list[Tensor] = [start]  # [C, H, W] each: the start frame, then the generated ones
         self.actions: list[Tensor] = []  # [La] each: the tuple played after frame i
         self._caches: dict[int, list | None] = {0: None}  # frames fed -> the predictor's cache after them
