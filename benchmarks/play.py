@@ -104,8 +104,14 @@ def main() -> int:
             page.goto(url)
             page.wait_for_function("window.lwm.stats.frames >= 1")
             latencies = presses(page, args.presses)
-            if args.screenshot:
-                time.sleep(0.5)  # the previews
+            if args.screenshot:  # from the start frame again, three steps in (the previews drawn)
+                page.keyboard.press("r")
+                page.wait_for_function("lwm.state.step === 0")
+                for key in ("1", "2", "1"):
+                    page.keyboard.press(key)
+                    time.sleep(GAP_S)
+                page.wait_for_function("lwm.state.step === 3")
+                time.sleep(1.0)
                 page.screenshot(path=args.screenshot)
             key = "ArrowUp" if page.evaluate("lwm.hello.keys.length") > page.evaluate("lwm.hello.number_keys") + 1 \
                 else "1"

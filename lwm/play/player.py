@@ -213,9 +213,9 @@ class Session:
         history = torch.stack(frames[-1 - VAE_HISTORY : -1]) if self.player.display.is_vae and len(frames) > 1 else None
         return self.player.display.frames(frames[-1][None], history)[0]
 
-    def previews(self) -> np.ndarray:
-        """The pixels of the next frame under each number key's tuple, ``[K, S, S, 3]``."""
-        actions = torch.tensor([b.action for b in self.player.number_keys])
+    def previews(self, keys: slice = slice(None)) -> np.ndarray:
+        """The pixels of the next frame under each number key's tuple (those of ``keys``), ``[K, S, S, 3]``."""
+        actions = torch.tensor([b.action for b in self.player.number_keys[keys]])
         history = torch.stack(self.rollout.frames[-VAE_HISTORY:]) if self.player.display.is_vae else None
         return self.player.display.frames(self.rollout.previews(actions), history)
 

@@ -9,7 +9,8 @@ A Starlette app served by uvicorn: ``/`` is one static page (no build step), ``/
 order): ``{"op": "step", "action": [codes], "seq": n}``, ``undo``, ``reset``, ``{"op": "start", "file": i,
 "frame": n}``, ``{"op": "world", "mode": "own|dictionary|clip", "index": k, "file": i, "frame": n}``; each is
 answered by a ``state`` message (JSON) and the frame (binary: :data:`HEADER`, then RGBA bytes). Once no request
-came for :data:`PREVIEW_DELAY` seconds, the server sends the next frame under each number key (previews).
+came for :data:`PREVIEW_DELAY` seconds, the server sends the next frame under each number key (previews), one at a
+time, stopping at the next request.
 """
 
 from __future__ import annotations
@@ -145,11 +146,11 @@ def _int(message: dict, key: str) -> int:
     return value
 
 
-def previews(session) -> list[bytes]:
-    """The number keys' next frames, one message each."""
+def preview(session, key: int) -> bytes:
+    """Number key ``key``'s next frame, as a message."""
     with session.lock:
-        pixels = session.previews()
-    return [frame_message(p, PREVIEW, i) for i, p in enumerate(pixels)]
+        pixels = session.previews(slice(key, key + 1))[0]
+    return frame_message(pixels, PREVIEW, key)
 
 
 def build_app(player, log=None):
@@ -238,6 +239,22 @@ async def _read(ws, inbox: asyncio.Queue, disconnect: type) -> None:
         await inbox.put(None)
 
 
+async def _previews(ws, session, inbox: asyncio.Queue) -> bool:
+    """Send the number keys' previews one by one, stopping at the page's next request (a key press waits for one
+    preview at most): whether some are still due."""
+    for key in range(len(session.player.number_keys)):
+        if not inbox.empty():
+            return True
+        try:
+            frame = await asyncio.to_thread(preview, session, key)
+        except Exception as e:  # (a decoder's failure, say): the page plays on without them
+            traceback.print_exc()
+            await ws.send_json({"type": "error", "message": f"previews: {type(e).__name__}: {e}"})
+            return False
+        await ws.send_bytes(frame)
+    return False
+
+
 async def _serve(ws, session, inbox: asyncio.Queue) -> None:
     """Answer the page's requests in order; when idle, send the previews once. Returns when the page closes."""
     due = True  # previews not yet sent for this state
@@ -245,15 +262,7 @@ async def _serve(ws, session, inbox: asyncio.Queue) -> None:
         try:
             message = await (asyncio.wait_for(inbox.get(), PREVIEW_DELAY) if due else inbox.get())
         except asyncio.TimeoutError:
-            due = False
-            try:
-                frames = await asyncio.to_thread(previews, session)
-            except Exception as e:  # (a decoder's failure, say): the page plays on without them
-                traceback.print_exc()
-                await ws.send_json({"type": "error", "message": f"previews: {type(e).__name__}: {e}"})
-                continue
-            for frame in frames:
-                await ws.send_bytes(frame)
+            due = await _previews(ws, session, inbox)
             continue
         if message is None:
             return

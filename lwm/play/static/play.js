@@ -163,4 +163,5 @@ $("undo").onclick = () => request({op: "undo"});
 // a control keeps no focus (Space or an arrow key would work it instead of playing)
 document.querySelectorAll("button").forEach((b) => b.addEventListener("click", () => b.blur()));
 document.querySelectorAll("select").forEach((s) => s.addEventListener("change", () => s.blur()));
+setInterval(() => hud(performance.now()), 250);  // the rate falls to 0 once nothing is played
 ws.onclose = () => { $("message").textContent = "disconnected from lwm play (reload the page once it runs again)"; };
