@@ -261,6 +261,9 @@ def _output_outlives_its_reader() -> Iterator[None]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # OpenMP's threads sleep when they wait instead of spinning (read as torch loads: for the `lwm` command): a core
+    # taken by another process no longer stalls the others
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     with _output_outlives_its_reader():
         return _main(argv)
 

@@ -74,6 +74,26 @@ def relative_interpolations(args: list[str]) -> list[str]:
     return out
 
 
+def negative_values_joined(args: list[str]) -> list[str]:
+    """``--key -1e-3`` as ``--key=-1e-3``: argparse takes a value that starts with ``-`` and is no plain decimal (an
+    exponent, ``-inf``) for an option, and refuses the key ("expected one argument")."""
+    out: list[str] = []
+    for arg in map(str, args):
+        if out and out[-1].startswith("--") and "=" not in out[-1] and arg.startswith("-") and _is_number(arg):
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def _relative_to(key: str, target: str) -> str:
     """``${target}`` as written in the value of ``key``: ``_relative_to("checkpoint.dirpath", "trainer.x")`` is
     ``${..trainer.x}`` (one dot per level up from the key to the keys' common prefix, at least one)."""
@@ -251,7 +271,7 @@ class LwmCLI(LightningCLI):
         if not run and any(str(a).split("=")[0] == "--ckpt_path" for a in (args or [])):
             raise ConfigError("--ckpt_path: this command does not take one (lwm fit --ckpt_path resumes a run)")
         _interpolations_within_the_config()
-        args = relative_interpolations(args) if args is not None else None
+        args = negative_values_joined(relative_interpolations(args)) if args is not None else None
         self._verb_free = not run  # our verbs (codes, overfit, bench, demo) parse a fit's options without a verb
         self._latest: dict[tuple[str, str], str] = {}  # (RUN_DIR, CHECKPOINT_DIR) -> what `last` resolves to
         super().__init__(
@@ -567,6 +587,8 @@ class LwmCLI(LightningCLI):
     before_validate = before_test = before_predict = _check_data
 
     def before_fit(self) -> None:
+        if self.trainer.max_steps == 0:  # (Lightning stops at once: no step, no checkpoint, a config.yaml written)
+            raise ConfigError("trainer.max_steps=0: a fit of no step (a number of steps, or -1: no limit)")
         self._sweep_temp_files()
         self._check_data()
 
@@ -603,6 +625,12 @@ class LwmCLI(LightningCLI):
         return make_loggers(str(log_dir), wandb, strict=not self._verb_free, resume=resume)
 
     def _run_subcommand(self, subcommand: str) -> None:
+        from lightning.pytorch.accelerators import CPUAccelerator
+
+        if isinstance(self.trainer.accelerator, CPUAccelerator):
+            from lwm.threads import set_cpu_threads
+
+            rank_zero_info(f"CPU threads: {set_cpu_threads(self.trainer.num_devices)}")
         if subcommand in ("validate", "test", "predict") and self.trainer.is_global_zero:
             self._warn_other_run(subcommand)
         try:
@@ -850,9 +878,13 @@ def parse_error_line(message: str, options: list[str], args: list[str] | None = 
         return f"{key}: expected {'an' if kind[0] in 'aeiou' else 'a'} {kind}, got {value}"
     literal = re.fullmatch(r'Parser key "([^"]+)": .*?typing\.Literal\[([^\]]*)\].*Given value: (.*)', line)
     if literal and ("Union subtypes" in line or "Expected a typing.Literal" in line):
-        key, choices, value = literal.groups()  # a Literal (or None) setting: its choices, not the Union dump
+        key, _, value = literal.groups()  # a Literal (or None) setting: its choices, not the Union dump
+        groups = re.findall(r"Expected a typing\.Literal\[([^\]]*)\]", line) or [literal[2]]
+        choices: dict[str, str] = {}
+        for choice in ", ".join(groups).split(", "):
+            choices.setdefault(choice.strip("'\""), choice)  # (64 and '64': one)
         nullable = ", or null" if "NoneType" in line else ""
-        return f"{key}: expected one of {choices}{nullable}, got {value}"
+        return f"{key}: expected one of {', '.join(choices.values())}{nullable}, got {value}"
     if match := re.fullmatch(r'Parser key "config": File does not exist: \'([^\']*)\'', line):  # made absolute
         path = next((c for c in config_files(args or []) if os.path.abspath(c) == match.group(1)), match.group(1))
         return f"--config {path}: file not found"

@@ -43,6 +43,13 @@ def manifest(tmp_path_factory):
                                                         "config"),  # an omegaconf traceback
         # jsonargparse's dump of the Union's subtypes and errors, in place of the choices
         (["--wandb.mode=onlin"], "wandb.mode: expected one of 'online', 'offline', 'disabled', or null, got onlin"),
+        # every Literal of the Union (it listed the first, 64, 32, 16: not bf16-mixed)
+        (["--trainer.precision=7"], "trainer.precision: expected one of 64, 32, 16, 'transformer-engine', "
+                                    "'transformer-engine-float16', '16-true', '16-mixed', 'bf16-true', 'bf16-mixed', "
+                                    "'32-true', '64-true', 'bf16', or null, got 7"),
+        # a negative number in an exponent's form, given apart from its key: argparse took it for an option
+        (["--model.optim.lr", "-1e-3"], "model.optim.lr must be > 0, got -0.001"),
+        (["--trainer.max_steps=0"], "trainer.max_steps=0: a fit of no step"),  # it ran, and wrote nothing but a config
         # Lightning's "found `ModelCheckpoint` in callbacks list", of a callback the user never added
         (["--trainer.enable_checkpointing=false"], "trainer.enable_checkpointing=false: lwm always checkpoints"),
     ],
@@ -95,6 +102,13 @@ def test_an_interpolation_names_a_key_of_the_same_config_under_every_verb(manife
                                     "--e=${oc.env:HOME}", "${trainer.x}"]) == [
         "--checkpoint.dirpath=${..trainer.default_root_dir}/c", "--a.b", "${.c}-${..x}", "--e=${oc.env:HOME}",
         "${trainer.x}"]
+
+
+def test_a_negative_number_given_apart_from_its_key_joins_it():
+    from lwm.lightning_cli import negative_values_joined
+
+    assert negative_values_joined(["--a", "-1e-3", "--b", "-.5", "-2", "--c=-1", "-x", "--d", "-inf", "--e", "-f"]) == [
+        "--a=-1e-3", "--b=-.5", "-2", "--c=-1", "-x", "--d=-inf", "--e", "-f"]
 
 
 @pytest.mark.parametrize(("body", "message"), [
