@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import sys
 from dataclasses import replace
 from types import SimpleNamespace
@@ -345,9 +346,11 @@ def test_non_finite_data_stops_the_cli_with_one_line_and_keeps_the_checkpoint(tm
     root = tmp_path / "run"
     assert run(manifest, root, "--trainer.max_steps=4", "--checkpoint.every_n_train_steps=2",
                "--data.val_size_percent=0") == 0
-    for f in (tmp_path / "data").glob("*.h5"):  # the data goes bad after indexing (a faulty copy, say)
+    for f in (tmp_path / "data").glob("*.h5"):  # the data goes bad after indexing (a faulty copy, say) ...
+        indexed = f.stat()
         with h5py.File(f, "r+") as h:
             h["latents"][...] = np.nan
+        os.utime(f, ns=(indexed.st_atime_ns, indexed.st_mtime_ns))  # ... unseen (a changed time is refused at setup)
     capsys.readouterr()
     assert run(manifest, root, "--trainer.max_steps=20", "--checkpoint.every_n_train_steps=2",
                "--data.val_size_percent=0", "--model.max_nonfinite=3", "--ckpt_path=last") == 2
@@ -376,8 +379,10 @@ def test_validate_on_data_gone_bad_names_the_windows(tmp_path, recwarn):
     bad = tmp_path / "bad"
     shutil.copytree(tmp_path / "data", bad)
     entry = next(e for e in json.loads(manifest.read_text())["files"] if e["split"] == "val")
+    indexed = (bad / entry["path"]).stat()
     with h5py.File(bad / entry["path"], "r+") as f:
         f["latents"][0] = np.nan
+    os.utime(bad / entry["path"], ns=(indexed.st_atime_ns, indexed.st_mtime_ns))  # unseen by the manifest's stamps
     assert run(bad / manifest.name, root, "--ckpt_path=last", verb="validate") == 0
     said = [str(w.message) for w in recwarn if "non-finite latents" in str(w.message)]
     assert len(said) == 1 and str((bad / entry["path"]).resolve()) + " (frames 0..5)" in said[0], said
