@@ -1,6 +1,6 @@
 """The intra-op threads of a run on the CPU. torch starts one per physical core whatever else runs there; with
 OpenMP's threads waiting on each other, a core busy with another process slows every step (on 2 cores with one
-other busy process, 10x: 0.28 steps/s of the demo's model against 2.15 with one thread). lwm takes the cores not
+other busy process, 8x: 0.28 steps/s of the demo's model against 2.15 with one thread). lwm takes the cores not
 in use instead, unless the user chose (``OMP_NUM_THREADS``, or ``torch.set_num_threads`` before lwm). The count
 decides the float order of the kernels: runs with the same count on the same CPU kind and torch give the same
 numbers, another count other ones."""
