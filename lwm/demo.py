@@ -26,7 +26,6 @@ that place the run and its data (:data:`OWN_KEYS`: the demo's, under ``--out``).
 from __future__ import annotations
 
 import argparse
-import math
 import signal
 import time
 from pathlib import Path
@@ -35,6 +34,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lwm.errors import ArgumentParser, ConfigError
+from lwm.study import probe_margin
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 LAST = "checkpoints/last.ckpt"
@@ -66,11 +66,6 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
             raise ConfigError(f"{key}: lwm demo sets it (its run lives in --out; run it again with the same --out "
                               f"to resume it)")
     return args, rest
-
-
-def probe_margin(chance: float, samples: int) -> float:
-    """Three standard deviations of a chance-level classifier's accuracy on ``samples`` held-out samples."""
-    return 3.0 * math.sqrt(max(chance * (1.0 - chance), 1e-12) / max(samples, 1))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     metrics = {k: float(v) for k, v in cli.trainer.validate(cli.model, datamodule=cli.datamodule,
                                                             ckpt_path=str(run_dir / LAST), verbose=False)[0].items()}
     dm = cli.datamodule
+    study = held_out_study(cli.model.model.eval(), manifest_path, dm.window, run_dir / "checkpoints" / "codes.pt")
     times["validate"] = time.perf_counter() - t
 
     console.rule("[bold]4/4 video[/]: rollouts of a validation episode")
@@ -148,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     times["video"] = time.perf_counter() - t
     times["total"] = time.perf_counter() - start
 
-    report(console, metrics, times)
+    report(console, metrics, times, study)
     console.print("\n[bold]outputs[/]")
     for label, path in (
         ("data (h5 + manifest)", manifest_path.parent), ("run: metrics, config", run_dir / "metrics.csv"),
@@ -161,11 +157,23 @@ def main(argv: list[str] | None = None) -> int:
         if path.exists():  # a very short --steps logs no training row and validates nothing during the fit
             console.print(f"  {label:<52} {path}", soft_wrap=True)
     console.print(f"  figures: lwm plot {run_dir}", soft_wrap=True)
+    console.print(f"\n[bold]play it[/]: lwm play --ckpt_path {run_dir} --manifest {manifest_path}", soft_wrap=True)
     return 0
 
 
-def report(console: Console, m: dict[str, float], times: dict[str, float]) -> None:
-    """The table and the two verdicts, from the validation metrics."""
+def held_out_study(model, manifest_path: Path, window: int, codes: Path) -> dict | None:
+    """:func:`lwm.study.evaluate` on the validation episodes (None where their windows are too short for t=4)."""
+    from lwm.codes import load_dictionaries
+    from lwm.study import evaluate, load_clips
+
+    if window <= 4 or not codes.is_file():
+        return None
+    clips = load_clips(manifest_path, "val", window)
+    return evaluate(model, clips, t=4, dictionary=load_dictionaries(codes)["Action_Encoder"])
+
+
+def report(console: Console, m: dict[str, float], times: dict[str, float], study: dict | None = None) -> None:
+    """The table and the verdicts, from the validation metrics and the held-out study (:mod:`lwm.study`)."""
     tf, copy = m["Val_Dynamics_Predictor/tf_loss"], m["Val_Dynamics_Predictor/copy_last_loss"]
     table = Table(title="validation (every window of the held-out episodes)")
     for col in ("", "model", "baseline / chance"):
@@ -189,6 +197,18 @@ def report(console: Console, m: dict[str, float], times: dict[str, float]) -> No
             margin = probe_margin(chance, samples)
             verdicts.append(("latent actions carry information about the true actions", acc > chance + margin,
                              f"probe {acc:.3f} vs chance {chance:.3f} + 3 sd {margin:.3f} ({samples} held-out transitions)"))
+    if study is not None:
+        a, w = study["action_dpsnr"], study["world_dpsnr"]
+        table.add_row("frame 1 / frame 4 from frame 0: PSNR, dB", f"{study['psnr'][0]:.2f} / {study['psnr'][-1]:.2f}",
+                      f"{study['copy_psnr'][0]:.2f} / {study['copy_psnr'][-1]:.2f}")
+        table.add_row("action sensitivity at frame 4, dB: vs random / dictionary / another clip's codes",
+                      f"{a['random']:.2f} / {a['dictionary']:.2f} / {a['other_clip']:.2f}", "0")
+        table.add_row("world sensitivity at frame 4, dB: vs a random code / same-world clip's code",
+                      f"{w['random']:.2f} / {w['same_world']:.2f}", "0")
+        verdicts.append(("the latent actions steer the predictions", a["dictionary"] > 1.0,
+                         f"{a['dictionary']:.2f} dB better than actions drawn from the code dictionary (> 1 dB)"))
+        verdicts.append(("the world code is the world's, not the clip's", abs(w["same_world"]) <= 0.2,
+                         f"another clip of the same world's code predicts {w['same_world']:.2f} dB worse (<= 0.2 dB)"))
     console.print(table)
     for text, ok, detail in verdicts:
         console.print(f"  {'[green]yes[/]' if ok else '[red]not yet[/]'}  {text}: {detail}", soft_wrap=True)

@@ -10,7 +10,8 @@ import torch
 from rich.console import Console
 
 from lwm.cli import main
-from lwm.demo import probe_margin, report
+from lwm.demo import report
+from lwm.study import probe_margin
 
 
 def test_the_demo_pipeline_end_to_end(tmp_path, capsys, recwarn):
@@ -33,6 +34,8 @@ def test_the_demo_pipeline_end_to_end(tmp_path, capsys, recwarn):
     assert "latent actions carry information about the true actions: probe" in flat
     assert not [w for w in recwarn if "dirpath has changed" in str(w.message)]  # (Lightning's, at the validate stage)
     assert str(out / "rollout_inferred.mp4") in printed.replace("\n", "")
+    assert f"lwm play --ckpt_path {out / 'run'} --manifest {out / 'data' / 'manifest.json'}" in flat
+    assert "action sensitivity at frame 4" in flat and "the world code is the world's" in flat
     # 9 generated frames after the first (min(frames - 1, 2 * (window - 1))); pixel-decoded 32x32 rows:
     # ground truth above the rollout, 4 px apart
     inferred = iio.imread(out / "rollout_inferred.mp4", plugin="pyav")
@@ -102,3 +105,22 @@ def test_report_arithmetic_and_verdicts():
     assert "yes  latent actions carry information" in text  # 0.30 > 0.20 + 0.04
     report(console, {**metrics, "Val_Action_Encoder/probe_accuracy": 0.23}, times={})
     assert "not yet  latent actions carry information" in console.export_text()  # 0.23 < 0.24
+
+
+def test_report_of_the_held_out_study():
+    metrics = {"Val_Dynamics_Predictor/tf_loss": 0.01, "Val_Dynamics_Predictor/copy_last_loss": 0.05,
+               "Val_Dynamics_Predictor/tf_psnr": 20.0, "Val_Dynamics_Predictor/copy_last_psnr": 13.0}
+    study = {"psnr": [24.0, 22.0, 20.0, 19.0], "copy_psnr": [12.0, 10.0, 9.0, 8.5],
+             "action_dpsnr": {"random": 13.0, "dictionary": 12.5, "other_clip": 12.0},
+             "world_dpsnr": {"random": 2.0, "same_world": 0.1}}
+    console = Console(width=200, record=True)
+    report(console, metrics, {}, study)
+    text = console.export_text()
+    assert "24.00 / 19.00" in text and "12.00 / 8.50" in text
+    assert "yes  the latent actions steer the predictions: 12.50 dB" in text
+    assert "yes  the world code is the world's, not the clip's: another clip of the same world's code predicts 0.10 dB" in text
+    study["action_dpsnr"]["dictionary"], study["world_dpsnr"]["same_world"] = 0.5, 0.6
+    report(console, metrics, {}, study)
+    text = console.export_text()
+    assert "not yet  the latent actions steer the predictions" in text
+    assert "not yet  the world code is the world's" in text

@@ -75,22 +75,34 @@ class ActionEncoder(nn.Module):
 
     def __init__(
         self, d_model: int, n_heads: int, depth: int, d_code: int, codebook_sizes: Sequence[int],
-        mlp_ratio: float = 4.0, st: dict | None = None, **rvq_kwargs,
+        mlp_ratio: float = 4.0, st: dict | None = None, lookahead: bool = True, per_transition: bool = False,
+        **rvq_kwargs,
     ) -> None:
         super().__init__()
-        # The shift is applied once: stacking shifted masks would let output i see frame i + depth.
-        masks = ["shifted_causal"] + ["causal"] * (depth - 1)
+        # The shift is applied once: stacking shifted masks would let output i see frame i + depth. Without
+        # ``lookahead`` every block is causal (input i already holds frame i+1: the "delta" action input).
+        # ``per_transition``: each input frame is read alone (it holds the whole transition), no history.
+        masks = ["shifted_causal" if lookahead else "causal"] + ["causal"] * (depth - 1)
+        self.per_transition = per_transition
         self.transformer = STTransformer(d_model, n_heads, masks, mlp_ratio, **(st or {}))
         self.to_code = nn.Linear(d_model, d_code)
         self.rvq = ResidualVectorQuantizer(d_code, codebook_sizes, **rvq_kwargs)
 
     def embed(self, tokens: Tensor) -> Tensor:
         """Pre-quantization action vectors ``[B, T-1, Da]`` in fp32."""
-        h, _, _ = self.transformer(tokens)  # [B, T, N, D]; position i has seen frames 0..i+1
+        if self.per_transition:
+            h = self.transformer(tokens.flatten(0, 1)[:, None])[0][:, 0].unflatten(0, tokens.shape[:2])
+        else:
+            h, _, _ = self.transformer(tokens)  # [B, T, N, D]; position i has seen frames 0..i+1
         return code_projection(self.to_code, h[:, :-1].mean(dim=2, dtype=torch.float32))  # [B, T-1, Da]
 
     def attention(self, tokens: Tensor) -> list[Tensor]:
-        """Per-block temporal attention weights ``[B, heads, T, T]``, averaged over patches (diagnostics)."""
+        """Per-block temporal attention weights ``[B, heads, T, T]``, averaged over patches (diagnostics; reading
+        each transition alone, every frame attends to itself only)."""
+        if self.per_transition:
+            B, T = tokens.shape[:2]
+            eye = torch.eye(T, device=tokens.device).expand(B, self.transformer.blocks[0].temporal.n_heads, T, T)
+            return [eye] * len(self.transformer.blocks)
         return self.transformer(tokens, return_attn=True)[1]
 
     def forward(self, tokens: Tensor, step: int | Tensor | None = None) -> RVQOutput:
@@ -126,10 +138,13 @@ class DynamicsPredictor(nn.Module):
     output, as in every residual VQ)."""
 
     def __init__(self, d_model: int, n_heads: int, depth: int, d_action: int, d_world: int, mlp_ratio: float = 4.0,
-                 st: dict | None = None) -> None:
+                 st: dict | None = None, fusion: str = "add") -> None:
         super().__init__()
         self.action_proj = nn.Linear(d_action, d_model)  # W_a^z
         self.world_proj = nn.Linear(d_world, d_model)  # W_h^z
+        if fusion == "film":  # and a per-channel scale of the tokens from each code (zero at init: additive)
+            self.action_scale, self.world_scale = nn.Linear(d_action, d_model), nn.Linear(d_world, d_model)
+        self.fusion = fusion
         self.transformer = STTransformer(d_model, n_heads, ["causal"] * depth, mlp_ratio, **(st or {}))
 
     def condition(self, actions: Tensor, world: Tensor) -> Tensor:
@@ -139,6 +154,16 @@ class DynamicsPredictor(nn.Module):
         world = to_weight_dtype(world, self.world_proj.weight.dtype)
         return self.action_proj(actions)[:, :, None] + self.world_proj(world)[:, None, None]
 
+    def fuse(self, tokens: Tensor, actions: Tensor, world: Tensor) -> Tensor:
+        """The predictor's input: ``tokens [B, t, N, D]`` with the codes of ``actions [B, t, Da]`` and ``world [B, Dh]``
+        added (the requirement's), or with ``fusion="film"`` also scaling them, ``tokens * (1 + s) + condition``."""
+        fused = tokens + self.condition(actions, world)
+        if self.fusion == "film":
+            actions = to_weight_dtype(actions, self.action_scale.weight.dtype)
+            world = to_weight_dtype(world, self.world_scale.weight.dtype)
+            fused = fused + tokens * (self.action_scale(actions)[:, :, None] + self.world_scale(world)[:, None, None])
+        return fused
+
     def forward(
         self, tokens: Tensor, actions: Tensor, world: Tensor, window: int | None = None, past: list[KV] | None = None
     ) -> tuple[Tensor, list[KV]]:
@@ -147,7 +172,7 @@ class DynamicsPredictor(nn.Module):
         last ``window`` frames only (per block: stacked, an output depends on up to ``depth * (window - 1) + 1``
         frames, as in any sliding-window attention). ``past``: per-block keys/values of ``p`` earlier frames that ``tokens`` follow
         (output ``i`` then predicts frame ``p + i + 1``)."""
-        out, _, cache = self.transformer(tokens + self.condition(actions, world), window=window, past=past)
+        out, _, cache = self.transformer(self.fuse(tokens, actions, world), window=window, past=past)
         return out, cache
 
     def step(
@@ -155,7 +180,10 @@ class DynamicsPredictor(nn.Module):
     ) -> tuple[Tensor, list[KV]]:
         """One new frame: ``token [B, 1, N, D]``, ``action [B, 1, Da]`` -> (its output ``[B, 1, N, D]``, the
         updated key/value cache); equal to the last output of :meth:`forward` on the whole sequence."""
-        return self.transformer.step(token + self.condition(action, world), cache, window)
+        return self.transformer.step(self.fuse(token, action, world), cache, window)
+
+
+ACTION_INPUTS = ("tokens", "frames", "delta", "transition")
 
 
 @dataclass(frozen=True)
@@ -190,6 +218,19 @@ class WorldModelConfig:
     # Optional world-token warm-up (not the requirement's, off by default): the predictor first trains this many
     # steps without the world token, then this many with the world encoder's output unquantized, then with the code.
     world_curriculum: tuple[int, int] = (0, 0)
+    # Not the requirement's (off by default): the predictor outputs the change from the frame it was fed, so an
+    # untrained model copies the last frame (its detokenizer's last layer starts at zero).
+    residual: bool = False
+    # What the action encoder reads: "tokens" (the shared tokenizer's, the requirement's), or a tokenizer of its own
+    # on the "frames", or on each frame beside its change to the next ("delta"; Genie's latent action model reads
+    # pixels, not the dynamics' tokens), or that for each transition alone, without the frames before
+    # ("transition": an action code that cannot say "as before").
+    action_input: str = "tokens"
+    action_spatial_pe: bool = True  # the action encoder's tokens get the spatial PE (without: its code cannot say where)
+    # The frames the world encoder reads: the first world_frames of a clip (None: all of them, the requirement's). A
+    # world code that sees the frames it helps predict can carry them rather than the world.
+    world_frames: int | None = None
+    fusion: str = "add"  # how the codes enter the predictor: "add" (the requirement's) or "film" (added and scaling)
 
     # The fields that decide the parameters' and buffers' shapes (a checkpoint loads only where they agree).
     SHAPE_FIELDS: ClassVar[tuple[str, ...]] = (
@@ -264,6 +305,12 @@ def _config_problems(c: WorldModelConfig) -> list[str]:
     if len(c.world_curriculum) != 2 or any(int(n) < 0 for n in c.world_curriculum):
         problems.append(f"world_curriculum must be two step counts >= 0 (without, then unquantized), got "
                         f"{tuple(c.world_curriculum)}")
+    if c.world_frames is not None and c.world_frames < 1:
+        problems.append(f"world_frames must be >= 1 (or null: every frame), got {c.world_frames}")
+    if c.fusion not in ("add", "film"):
+        problems.append(f"fusion must be add or film, got {c.fusion!r}")
+    if c.action_input not in ACTION_INPUTS:
+        problems.append(f"action_input must be one of {ACTION_INPUTS}, got {c.action_input!r}")
     if c.temporal_attention not in ATTENTION_KERNELS:
         problems.append(f"temporal_attention must be one of {ATTENTION_KERNELS}, got {c.temporal_attention!r}")
     return problems
@@ -328,13 +375,18 @@ class WorldModel(nn.Module):
         st = dict(checkpointing=c.activation_checkpointing, temporal_attention=c.temporal_attention)
 
         self.tokenizer = Tokenizer(c.in_channels, c.d_model, c.tokenizer_hidden)
+        if c.action_input != "tokens":  # the action encoder's own tokenizer
+            channels = c.in_channels if c.action_input == "frames" else 2 * c.in_channels
+            self.action_tokenizer = Tokenizer(channels, c.d_model, c.tokenizer_hidden)
         self.detokenizer = Detokenizer(c.in_channels, c.d_model, c.tokenizer_hidden)
         self.action_encoder = ActionEncoder(c.d_model, c.n_heads, c.depth_action, c.d_code_action,
-                                            c.codebook_sizes_action, c.mlp_ratio, st, **rvq)
+                                            c.codebook_sizes_action, c.mlp_ratio, st,
+                                            lookahead=c.action_input in ("tokens", "frames"),
+                                            per_transition=c.action_input == "transition", **rvq)
         self.world_encoder = WorldEncoder(c.d_model, c.n_heads, c.depth_world, c.d_code_world,
                                           c.codebook_sizes_world, c.mlp_ratio, st, **rvq)
         self.dynamics = DynamicsPredictor(c.d_model, c.n_heads, c.depth_dynamics, c.d_code_action, c.d_code_world,
-                                          c.mlp_ratio, st)
+                                          c.mlp_ratio, st, c.fusion)
         # Never used when mask_prob is 0: frozen then, so that DDP (find_unused_parameters=False) finds no
         # parameter without a gradient.
         self.mask_token = nn.Parameter(torch.randn(c.d_model) * 0.02, requires_grad=c.mask_prob > 0)
@@ -347,6 +399,13 @@ class WorldModel(nn.Module):
         for layer in (self.action_encoder.to_code, self.world_encoder.to_code, self.dynamics.action_proj,
                       self.dynamics.world_proj):
             nn.init.normal_(layer.weight, std=layer.in_features**-0.5)
+        if c.fusion == "film":
+            for layer in (self.dynamics.action_scale, self.dynamics.world_scale):
+                nn.init.zeros_(layer.weight)
+        if c.residual:
+            last = self.detokenizer.net[-1]
+            nn.init.zeros_(last.weight)
+            nn.init.zeros_(last.bias)
         if c.temporal_attention == "triton" and triton_attention.triton is None:
             warnings.warn("temporal_attention=triton: the triton package is not installed, so temporal attention runs "
                           "as plain matmuls (the same function, slower)", stacklevel=2)
@@ -413,10 +472,30 @@ class WorldModel(nn.Module):
         B = tokens.shape[0]
         return self.detokenizer(to_maps(tokens, *self.grid)).unflatten(0, (B, -1))
 
-    def pos_embedding(self, length: int, t0: int | Tensor = 0) -> Tensor:
-        """Spatial + temporal PE for frames ``t0..t0+length-1``: ``[length, N, D]`` or ``[B, length, N, D]``."""
-        temporal = temporal_pos_embedding(length, self.config.d_model, t0, self.spatial_pe.device)  # [(B,) T, D]
-        return (temporal[..., :, None, :] + self.spatial_pe).to(self.param_dtype)
+    def action_tokens(self, x: Tensor, t0: int | Tensor = 0, z: Tensor | None = None) -> Tensor:
+        """What the action encoder reads of frames ``x [B, T, C, H, W]``: ``[B, T, N, D]`` with the PE of frames
+        ``t0..``; ``z``: the shared tokenizer's tokens of ``x`` where already computed (``action_input`` "tokens")."""
+        c = self.config
+        if c.action_input == "tokens":
+            tokens = self.tokenize(x) if z is None else z
+        else:
+            if c.action_input in ("delta", "transition"):  # frame t beside its change to frame t+1 (0 after the last)
+                x = torch.cat([x, torch.cat([x[:, 1:] - x[:, :-1], torch.zeros_like(x[:, :1])], dim=1)], dim=2)
+            B = x.shape[0]
+            tokens = to_sequence(self.action_tokenizer(to_weight_dtype(x.flatten(0, 1), self.param_dtype)), B)
+        return tokens + self.pos_embedding(x.shape[1], t0, spatial=c.action_spatial_pe)
+
+    def next_frames(self, out: Tensor, fed: Tensor) -> Tensor:
+        """The predictor's output tokens ``[B, t, N, D]`` at frames ``fed [B, t, C, H, W]`` -> the predicted next frames
+        ``[B, t, C, H, W]``: the detokenized output, added to ``fed`` when the model is ``residual``."""
+        pred = self.detokenize(out)
+        return fed + pred if self.config.residual else pred
+
+    def pos_embedding(self, length: int, t0: int | Tensor = 0, spatial: bool = True) -> Tensor:
+        """Spatial + temporal PE for frames ``t0..t0+length-1``: ``[length, N, D]`` or ``[B, length, N, D]``
+        (without ``spatial``: the temporal PE alone, ``[(B,) length, 1, D]``)."""
+        temporal = temporal_pos_embedding(length, self.config.d_model, t0, self.spatial_pe.device)[..., :, None, :]
+        return (temporal + self.spatial_pe if spatial else temporal).to(self.param_dtype)
 
     def sample_time_offset(self, batch: int, device: torch.device, generator: torch.Generator | None = None) -> Tensor:
         """The requirement's random temporal-PE start, one per sample: ``[B]`` ints in [0, max_time_offset]."""
@@ -451,29 +530,30 @@ class WorldModel(nn.Module):
         self.check_frames(x, min_frames=2)
         B, T = x.shape[:2]
         if window is None or T <= window:
-            return self.action_encoder(self.tokenize(x) + self.pos_embedding(T, t0))
+            return self.action_encoder(self.action_tokens(x, t0))
         if window < 2:
             raise ValueError(f"window must be >= 2 frames (one transition), got {window}")
-        z = [self.action_encoder.embed(self.tokenize(x[:, :window]) + self.pos_embedding(window, t0))]
+        z = [self.action_encoder.embed(self.action_tokens(x[:, :window], t0))]
         starts = list(range(1, T - window + 1))  # window s: frames s..s+window-1, its last action a_{s+window-2}
         per_chunk = max(1, self.ACTION_CHUNK_FRAMES // (B * window))
         for i in range(0, len(starts), per_chunk):
             chunk = starts[i : i + per_chunk]
             clips = torch.stack([x[:, s : s + window] for s in chunk], dim=1).flatten(0, 1)  # [B*n, window, C, H, W]
             offsets = torch.arange(chunk[0], chunk[-1] + 1, device=x.device).repeat(B) + t0  # [B*n], sample-major
-            last = self.action_encoder.embed(self.tokenize(clips) + self.pos_embedding(window, offsets))[:, -1]
+            last = self.action_encoder.embed(self.action_tokens(clips, offsets))[:, -1]
             z.append(last.reshape(B, len(chunk), -1))
         return self.action_encoder.rvq(torch.cat(z, dim=1))  # [B, T-1, Da]: eval, no step: no codebook update
 
     def encode_world(self, x: Tensor, t0: int | Tensor = 0) -> RVQOutput:
         """World hypothesis of a clip: quantized ``[B, Dh]``, indices ``[B, Lh]``."""
         self.check_frames(x)
+        x = x[:, : self.config.world_frames]
         return self.world_encoder(self.tokenize(x) + self.pos_embedding(x.shape[1], t0))
 
     def action_attention(self, x: Tensor, t0: int | Tensor = 0) -> list[Tensor]:
         """Temporal attention weights of each action-encoder block, ``[B, heads, T, T]`` averaged over patches."""
         self.check_frames(x, min_frames=2)
-        return self.action_encoder.attention(self.tokenize(x) + self.pos_embedding(x.shape[1], t0))
+        return self.action_encoder.attention(self.action_tokens(x, t0))
 
     def predict(self, context: Tensor, actions: Tensor, world: Tensor, t0: int | Tensor = 0) -> Tensor:
         """One-step predictions ``[B, t, C, H, W]``: output ``i`` predicts frame ``i+1`` from
@@ -482,7 +562,7 @@ class WorldModel(nn.Module):
         B, t = context.shape[:2]
         self.check_codes(actions, world, B, t, f"t={t}")
         tokens = self.tokenize(context) + self.pos_embedding(t, t0)
-        return self.detokenize(self.dynamics(tokens, actions, world)[0])
+        return self.next_frames(self.dynamics(tokens, actions, world)[0], context)
 
     def check_codes(self, actions: Tensor, world: Tensor, B: int, transitions: int, what: str,
                     at_least: bool = False) -> None:
@@ -529,7 +609,8 @@ class WorldModel(nn.Module):
                 nxt, cache = self.step(frames[i], actions[:, i], world, cache, t0 + i, window)
             else:
                 tokens = self.tokenize(torch.stack(frames[: i + 1], dim=1)) + self.pos_embedding(i + 1, t0)  # all again
-                nxt = self.detokenize(self.dynamics(tokens, actions[:, : i + 1], world, window)[0][:, -1:])[:, 0]
+                out = self.dynamics(tokens, actions[:, : i + 1], world, window)[0][:, -1:]
+                nxt = self.next_frames(out, frames[i][:, None])[:, 0]
             if i >= c - 1:
                 frames.append(nxt)
         return torch.stack(frames[c:], dim=1)
@@ -543,7 +624,7 @@ class WorldModel(nn.Module):
         with ``cache=None`` at its first frame; :meth:`generate` is this in a loop."""
         token = self.tokenize(frame[:, None]) + self.pos_embedding(1, t)  # [B, 1, N, D]
         out, cache = self.dynamics.step(token, action[:, None], world, cache, window)
-        return self.detokenize(out)[:, 0], cache
+        return self.next_frames(out, frame[:, None])[:, 0], cache
 
     def world_phase_at(self, step: int | None) -> str:
         """What the predictor gets for the world at global ``step`` under ``world_curriculum`` (a pure function of
@@ -610,10 +691,10 @@ class WorldModel(nn.Module):
 
         z_raw = self.tokenize(x)  # [B, T, N, D], the only tokenizer pass over the ground truth
         pe = self.pos_embedding(T, t0)  # [(B,) T, N, D]
-        actions = self.action_encoder(z_raw + pe, step)  # unmasked: [B, T-1, Da]
+        actions = self.action_encoder(self.action_tokens(x, t0, z_raw), step)  # unmasked: [B, T-1, Da]
         mask = self.sample_token_mask(B, T, x.device, generator)  # [B, T, N] or None
         z_masked = self.apply_token_mask(z_raw, mask) + pe
-        world = self.world_encoder(z_masked, step)  # [B, Dh]
+        world = self.world_encoder(z_masked[:, : self.config.world_frames], step)  # [B, Dh]
         world_in = self.world_input(world, world_phase)  # [B, Dh]: the code, unless a warm-up phase
 
         predictions, pass_losses = self._rollout_passes(x, z_raw, z_masked, mask, pe, actions.quantized, world_in,
@@ -650,11 +731,11 @@ class WorldModel(nn.Module):
         for k in range(passes):
             first = k if reuse_prefix else 0  # the first position this pass computes
             if k == 0:
-                inputs = z_masked[:, :-1]  # frames 0..T-2
+                inputs, fed = z_masked[:, :-1], x[:, :-1]  # frames 0..T-2
             else:
-                inputs = self._rollout_inputs(predictions[-1], first, z_raw, mask, pe)
+                inputs, fed = self._rollout_inputs(x, predictions[-1], first, z_raw, mask, pe)
             out, cache = self.dynamics(inputs, actions[:, first:], world, past=past)
-            pred = self.detokenize(out)  # [B, T-1-first, C, H, W]: predictions of frames first+1..T-1
+            pred = self.next_frames(out, fed)  # [B, T-1-first, C, H, W]: predictions of frames first+1..T-1
             if first:  # positions 0..first-1: pass k-1's (the same, by the proof)
                 pred = torch.cat([predictions[-1][:, :first], pred], dim=1)
             predictions.append(pred)
@@ -663,16 +744,20 @@ class WorldModel(nn.Module):
                 past = _kv_prefix(cache, k + 1)
         return predictions, pass_losses
 
-    def _rollout_inputs(self, previous: Tensor, first: int, z_raw: Tensor, mask: Tensor | None, pe: Tensor) -> Tensor:
-        """A rollout pass's inputs at positions ``first..T-2`` ``[B, T-1-first, N, D]``: frame 0 at position 0 (where
-        ``first`` is 0), then ``previous`` (the pass before's predictions ``[B, T-1, C, H, W]`` of frames 1..T-1)
-        re-tokenized, the frame predicted for position p fed at position p; masked as teacher forcing, PE added."""
+    def _rollout_inputs(self, x: Tensor, previous: Tensor, first: int, z_raw: Tensor, mask: Tensor | None,
+                        pe: Tensor) -> tuple[Tensor, Tensor]:
+        """A rollout pass's inputs at positions ``first..T-2``: the tokens ``[B, T-1-first, N, D]`` and the frames they
+        are made of ``[B, T-1-first, C, H, W]``: frame 0 of ``x`` at position 0 (where ``first`` is 0), then
+        ``previous`` (the pass before's predictions ``[B, T-1, C, H, W]`` of frames 1..T-1), the frame predicted for
+        position p fed at position p; re-tokenized, masked as teacher forcing, PE added."""
         positions = previous.shape[1]  # T-1
-        fed = self.tokenize(previous[:, max(first - 1, 0) : positions - 1])  # predictions of frames max(first, 1)..T-2
+        frames = previous[:, max(first - 1, 0) : positions - 1]  # predictions of frames max(first, 1)..T-2
+        tokens = self.tokenize(frames)
         if first == 0:
-            fed = torch.cat([z_raw[:, :1], fed], dim=1)
-        fed = self.apply_token_mask(fed, None if mask is None else mask[:, first:positions])
-        return fed + pe[..., first:positions, :, :]
+            tokens = torch.cat([z_raw[:, :1], tokens], dim=1)
+            frames = torch.cat([x[:, :1].to(frames.dtype), frames], dim=1)
+        tokens = self.apply_token_mask(tokens, None if mask is None else mask[:, first:positions])
+        return tokens + pe[..., first:positions, :, :], frames
 
     def commitment_weights(self, T: int) -> tuple[float, float]:
         """The weights of the two commitment losses next to the per-element prediction MSE, for clips of ``T``.
@@ -704,9 +789,12 @@ class WorldModel(nn.Module):
         """What :meth:`compile_parts` compiles: every module of the step but the quantizers, which stay eager
         (their EMA update writes buffers, reads the step count and under DDP runs a collective): the step's
         only graph breaks are the two quantizer calls."""
-        return {"tokenizer": self.tokenizer, "detokenizer": self.detokenizer,
-                "action transformer": self.action_encoder.transformer,
-                "world transformer": self.world_encoder.transformer, "dynamics": self.dynamics}
+        parts = {"tokenizer": self.tokenizer, "detokenizer": self.detokenizer,
+                 "action transformer": self.action_encoder.transformer,
+                 "world transformer": self.world_encoder.transformer, "dynamics": self.dynamics}
+        if hasattr(self, "action_tokenizer"):
+            parts["action tokenizer"] = self.action_tokenizer
+        return parts
 
     def compile_parts(self, **kwargs) -> None:
         """``torch.compile`` :attr:`compiled_parts` in place (state-dict keys unchanged)."""

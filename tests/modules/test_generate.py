@@ -9,11 +9,15 @@ import torch
 from lwm.modules.world_model import WorldModel
 
 
-def _model() -> WorldModel:
+def _model(**overrides) -> WorldModel:
     torch.manual_seed(0)
-    return WorldModel(in_channels=2, height=8, width=8, d_model=16, n_heads=2, depth_action=1, depth_world=1,
-                      depth_dynamics=2, d_code_action=4, d_code_world=4, codebook_sizes_action=(3, 4),
-                      codebook_sizes_world=(3,)).eval()
+    model = WorldModel(**{**dict(in_channels=2, height=8, width=8, d_model=16, n_heads=2, depth_action=1, depth_world=1,
+                                 depth_dynamics=2, d_code_action=4, d_code_world=4, codebook_sizes_action=(3, 4),
+                                 codebook_sizes_world=(3,)), **overrides}).eval()
+    for name, module in model.named_modules():  # layers that start at zero (residual, film): given weights
+        if name in ("detokenizer.net.6", "dynamics.action_scale", "dynamics.world_scale"):
+            torch.nn.init.normal_(module.weight, std=0.1)
+    return model
 
 
 def _inputs(model, B=2, c=2, steps=9, seed=1):
@@ -37,12 +41,13 @@ def _count_calls(monkeypatch, obj, name: str) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize(("window", "c"), [(None, 2), (4, 2), (None, 3), (4, 5), (1, 2)])
-def test_cached_rollout_equals_full_recomputation(monkeypatch, window, c):
+@pytest.mark.parametrize(("window", "c", "options"), [(None, 2, {}), (4, 2, {}), (None, 3, {}), (4, 5, {}), (1, 2, {}),
+                                                  (4, 2, {"residual": True, "fusion": "film"})])
+def test_cached_rollout_equals_full_recomputation(monkeypatch, window, c, options):
     """The same frames with and without the cache; with it each fed frame (the c context frames, then the
     generated ones but the last: c + steps - 1) is one cached ``dynamics.step`` and the full predictor never
     runs, without it the reverse."""
-    model = _model()
+    model = _model(**options)
     context, actions, world = _inputs(model, c=c)  # c + 9 frames: longer than the window of 4
     cached_calls = _count_calls(monkeypatch, model.dynamics, "step")
     full_calls = _count_calls(monkeypatch, model.dynamics, "forward")

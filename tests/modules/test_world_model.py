@@ -103,8 +103,13 @@ def _changed(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def test_predictor_output_i_ignores_frames_and_actions_after_i():
-    model = tiny_model().eval().double()
+@pytest.mark.parametrize(("residual", "fusion"), [(False, "add"), (True, "add"), (False, "film")])
+def test_predictor_output_i_ignores_frames_and_actions_after_i(residual, fusion):
+    model = tiny_model(residual=residual, fusion=fusion).eval().double()
+    # (layers that start at zero: given weights, so that the prediction depends on what they read)
+    zero_at_init = ["detokenizer.net.6"] * residual + ["dynamics.action_scale", "dynamics.world_scale"] * (fusion == "film")
+    for layer in zero_at_init:
+        torch.nn.init.normal_(model.get_submodule(layer).weight, std=0.1)
     T = 6
     x = clip(T=T).double()
     a = torch.randn(2, T, 8, dtype=torch.float64)
@@ -120,21 +125,22 @@ def test_predictor_output_i_ignores_frames_and_actions_after_i():
 
 
 @torch.no_grad()
-def test_action_i_depends_on_frames_up_to_i_plus_1_only():
-    model = tiny_model().eval().double()
+@pytest.mark.parametrize("action_input", ["tokens", "frames", "delta", "transition"])
+def test_action_i_depends_on_frames_up_to_i_plus_1_only(action_input):
+    model = tiny_model(action_input=action_input).eval().double()
     T = 7
     x = clip(T=T).double()
 
     def actions(frames):
-        z = model.action_encoder.embed(model.tokenize(frames) + model.pos_embedding(T))
-        return z  # [B, T-1, Da], before quantization
+        return model.action_encoder.embed(model.action_tokens(frames))  # [B, T-1, Da], before quantization
 
     base = actions(x)
     for j in range(T):
         x2 = x.clone()
         x2[:, j] += 0.5
-        # a_i summarises i -> i+1: it sees frame j iff j <= i + 1
-        assert _changed(actions(x2), base).tolist() == [j <= i + 1 for i in range(T - 1)], f"frame {j}"
+        # a_i summarises i -> i+1: it sees frame j iff j <= i + 1 (read alone, the transition's two frames only)
+        expected = [j <= i + 1 and (action_input != "transition" or j >= i) for i in range(T - 1)]
+        assert _changed(actions(x2), base).tolist() == expected, f"frame {j}"
 
 
 @torch.no_grad()
@@ -632,3 +638,44 @@ def test_the_token_mask_is_drawn_from_the_given_generator_after_the_pe_start():
     g = torch.Generator().manual_seed(7)
     model.sample_time_offset(2, torch.device("cpu"), g)
     assert torch.equal(masks[0], torch.rand(2, 5, model.grid[0] * model.grid[1], generator=g) < 0.3)
+
+
+@torch.no_grad()
+def test_an_untrained_residual_model_copies_the_last_frame():
+    """With ``residual`` the predictor outputs the change from the frame it was fed: at init (the detokenizer's
+    last layer at zero) every prediction, teacher-forced, rolled out or generated, is the frame before."""
+    model = tiny_model(residual=True).eval()
+    x = clip(T=6)
+    out = model.compute(x, step=None)
+    for pred in out.predictions:
+        assert torch.equal(pred[:, 0], x[:, 0])
+    assert torch.equal(out.predictions[0], x[:, :-1])
+    a, h = torch.randn(2, 8, 8), torch.randn(2, 8)
+    assert torch.equal(model.generate(x[:, :1], a, h, steps=4), x[:, :1].expand(-1, 4, -1, -1, -1))
+
+
+@pytest.mark.parametrize("action_input", ["frames", "delta", "transition"])
+def test_an_action_tokenizer_of_its_own_feeds_only_the_action_encoder(action_input):
+    model = tiny_model(action_input=action_input)
+    x = clip(T=6)
+    shared = model.tokenize(x)
+    own = model.action_tokens(x)
+    assert own.shape == shared.shape
+    model.compute(x, step=0, generator=torch.Generator().manual_seed(0)).loss.backward()
+    assert all(p.grad is not None for p in model.action_tokenizer.parameters())
+
+
+def test_world_frames_limits_what_the_world_code_sees():
+    model = tiny_model(world_frames=2).eval().double()
+    x = clip(T=6).double()
+    base = model.encode_world(x).inputs
+    for j in range(6):
+        x2 = x.clone()
+        x2[:, j] += 0.5
+        assert ((model.encode_world(x2).inputs - base).abs().amax() > 1e-10) == (j < 2), f"frame {j}"
+
+
+def test_without_its_spatial_pe_the_action_encoder_reads_only_the_temporal_one():
+    with_pe, without = tiny_model(), tiny_model(action_spatial_pe=False)
+    x = clip(T=5)
+    assert torch.allclose(with_pe.action_tokens(x, 3) - without.action_tokens(x, 3), with_pe.spatial_pe, atol=1e-6)

@@ -1,0 +1,206 @@
+"""Does it learn? Fit recipes on several datasets, then measure on held-out clips what the model learned.
+
+    python benchmarks/learning.py [--out runs/learning] [--size full|smoke] [--datasets synth ...]
+                                  [--recipes recipe requirement ...] [--steps N]
+
+For each dataset (made here: the synthetic world with and without distractors, Atari footage of three games,
+every one at the demo's 32x32 pixels through the pixel codec) and each recipe (``configs/demo.yaml`` with a few
+overrides: the recipe itself, the requirement's settings, and the recipe without each of its changes), it runs
+``lwm fit`` for ``--steps`` steps, then evaluates the final checkpoint on held-out clips (a recording of its own,
+made with another seed) with :func:`lwm.study.evaluate`: PSNR of frames 1..4 generated from frame 0 against
+copy-last-frame, action sensitivity (random, dictionary and another clip's codes), world sensitivity and the
+leak check, NMI and linear probes against the true actions and worlds, code usage. Prints one table, writes
+``OUT/learning.json`` and ``OUT/learning.png``. Finished runs are reused: run it again to add recipes or datasets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+
+from lwm.study import load_clips
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "demo.yaml"
+SIZE = 32  # pixels: [16, 16, 16] latents, the demo's
+GAMES = ("pong", "breakout", "freeway")
+
+# name -> (maker, train settings, held-out settings) per size
+DATASETS = {
+    "full": {
+        "synth": ("synth", dict(episodes=1024, frames=16, distractors=0), dict(episodes=256, frames=16, distractors=0)),
+        "synth_distractors": ("synth", dict(episodes=1024, frames=16, distractors=2),
+                              dict(episodes=256, frames=16, distractors=2)),
+        "atari": ("atari", dict(episodes=24, frames=256), dict(episodes=4, frames=256)),
+    },
+    "smoke": {
+        "synth": ("synth", dict(episodes=16, frames=16, distractors=0), dict(episodes=8, frames=16, distractors=0)),
+        "atari": ("atari", dict(episodes=2, frames=32), dict(episodes=1, frames=32)),
+    },
+}
+
+# The recipe is configs/demo.yaml as it is; each other entry overrides it.
+REQUIREMENT = ["--model.net.residual=false", "--model.net.action_input=tokens", "--model.net.action_spatial_pe=true",
+               "--model.net.world_frames=null", "--model.net.codebook_sizes_action=[4, 8]",
+               "--model.net.codebook_sizes_world=[4, 8]"]
+RECIPES = {
+    "recipe": [],
+    "requirement": REQUIREMENT,
+    "no_residual": ["--model.net.residual=false"],
+    "token_actions": ["--model.net.action_input=tokens", "--model.net.action_spatial_pe=true"],
+    "action_spatial_pe": ["--model.net.action_spatial_pe=true"],
+    "world_sees_clip": ["--model.net.world_frames=null"],
+    "codebooks_4x8": ["--model.net.codebook_sizes_action=[4, 8]", "--model.net.codebook_sizes_world=[4, 8]"],
+}
+
+
+def make_data(out: Path, name: str, maker: str, settings: dict, seed: int, games: tuple[str, ...]) -> Path:
+    """The dataset's manifest (made once; a second call finds it)."""
+    manifest = out / "manifest.json"
+    if manifest.is_file():
+        return manifest
+    if maker == "synth":
+        from lwm.data.synth import make_dataset
+
+        return make_dataset(out, settings["episodes"], settings["frames"], seed, size=SIZE,
+                            distractors=settings["distractors"])
+    from lwm.data.atari import make_dataset
+    from lwm.data.codecs import PixelCodec
+
+    return make_dataset(out, list(games), settings["episodes"], settings["frames"], seed, codec=PixelCodec(size=SIZE),
+                        log=lambda line: None)
+
+
+def fit(run_dir: Path, manifest: Path, steps: int, overrides: list[str], smoke: bool) -> float:
+    """``lwm fit`` of the demo config with ``overrides`` for ``steps`` steps into ``run_dir``; its wall time."""
+    args = [sys.executable, "-m", "lwm", "fit", "--config", str(CONFIG), f"--data.manifest={manifest}",
+            f"--trainer.default_root_dir={run_dir}", f"--trainer.max_steps={steps}",
+            "--trainer.enable_progress_bar=false", *overrides]
+    if smoke:
+        args += ["--trainer.val_check_interval=null", "--data.batch_size=4"]
+    start = time.perf_counter()
+    done = subprocess.run(args, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"lwm fit failed for {run_dir} (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    return time.perf_counter() - start
+
+
+def evaluate_run(run_dir: Path, test_manifest: Path) -> dict:
+    from lwm.checkpoint import load_checkpoint, trained_window
+    from lwm.codes import load_dictionaries
+    from lwm.study import evaluate
+
+    raw, module = load_checkpoint(run_dir / "checkpoints" / "last.ckpt")
+    model = module.model.eval()
+    clips = load_clips(test_manifest, None, trained_window(raw), per_file=16)  # every file of the held-out recording
+    dictionary = load_dictionaries(run_dir / "checkpoints" / "codes.pt")["Action_Encoder"]
+    phase = model.world_phase_of_weights(int(raw["global_step"]))
+    return evaluate(model, clips, t=4, dictionary=dictionary, world_phase=phase)
+
+
+def row(dataset: str, recipe: str, r: dict) -> str:
+    a, w = r["action"] or {}, r["world"] or {}
+    probe = lambda d: f"{d['probe']:.2f} ({d['chance']:.2f}+{d['margin']:.2f})" if d else "-"
+    return (f"| {dataset} | {recipe} | {r['psnr'][0]:.2f} / {r['copy_psnr'][0]:.2f} | {r['psnr'][-1]:.2f} / "
+            f"{r['copy_psnr'][-1]:.2f} | {r['action_dpsnr']['random']:.2f} / {r['action_dpsnr']['dictionary']:.2f} / "
+            f"{r['action_dpsnr']['other_clip']:.2f} | {r['world_dpsnr']['random']:.2f} / "
+            f"{r['world_dpsnr']['same_world']:.2f} | {a.get('nmi', float('nan')):.2f} | {probe(a)} | "
+            f"{w.get('nmi', float('nan')):.2f} | {probe(w)} | {r['action_usage']['tuples']} / "
+            f"{r['world_usage']['tuples']} | {r['fit_seconds'] / 60:.1f} |")
+
+
+HEADER = ("| data | recipe | PSNR t=1 / copy | PSNR t=4 / copy | action dPSNR rand / dict / other clip | "
+          "world dPSNR rand / same-world gap | action NMI | action probe (chance+3sd) | world NMI | "
+          "world probe (chance+3sd) | tuples used a / w | fit min |\n|" + "---|" * 12)
+
+
+def per_world_rows(dataset: str, recipe: str, r: dict, names: dict[int, str]) -> list[str]:
+    return [f"| {dataset} | {recipe} | {names.get(int(k), k)} | {v['psnr'][0]:.2f} / {v['copy_psnr'][0]:.2f} | "
+            f"{v['psnr'][-1]:.2f} / {v['copy_psnr'][-1]:.2f} | {v['action_dpsnr_dictionary']:.2f} | "
+            f"{v['action_dpsnr_other_clip']:.2f} | {v['world_gap_same_world']:.2f} |"
+            for k, v in sorted(r["per_world"].items(), key=lambda kv: int(kv[0]))]
+
+
+def figure(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    datasets = sorted({d for d, _ in (k.split("/") for k in results)})
+    fig, axes = plt.subplots(1, len(datasets), figsize=(4.5 * len(datasets), 3.6), squeeze=False)
+    for ax, dataset in zip(axes[0], datasets):
+        copy = None
+        for key, r in results.items():
+            d, recipe = key.split("/")
+            if d != dataset:
+                continue
+            ax.plot(range(1, len(r["psnr"]) + 1), r["psnr"], marker="o", label=recipe)
+            copy = r["copy_psnr"]
+        if copy:
+            ax.plot(range(1, len(copy) + 1), copy, "k--", label="copy last frame")
+        ax.set_title(dataset)
+        ax.set_xlabel("frame generated from frame 0")
+        ax.set_ylabel("PSNR (dB, latents)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="runs/learning", help="data, runs and results (default runs/learning)")
+    p.add_argument("--size", choices=sorted(DATASETS), default="full", help="full (by hand) or smoke (CI)")
+    p.add_argument("--datasets", nargs="+", help="default: every one of the size")
+    p.add_argument("--recipes", nargs="+", default=["recipe", "requirement"], choices=sorted(RECIPES))
+    p.add_argument("--steps", type=int, help="training steps per fit (default: 2500 full, 3 smoke)")
+    p.add_argument("--games", nargs="+", default=list(GAMES), help=f"Atari games (default {' '.join(GAMES)})")
+    args = p.parse_args(argv)
+    smoke = args.size == "smoke"
+    steps = args.steps or (3 if smoke else 2500)
+    datasets = {k: v for k, v in DATASETS[args.size].items() if not args.datasets or k in args.datasets}
+    out = Path(args.out)
+    results: dict[str, dict] = {}
+    names: dict[str, dict[int, str]] = {}
+    for dataset, (maker, train, test) in datasets.items():
+        manifest = make_data(out / "data" / dataset, dataset, maker, train, 0, tuple(args.games))
+        test_manifest = make_data(out / "data" / f"{dataset}_test", dataset, maker, test, 1, tuple(args.games))
+        names[dataset] = dict(enumerate(args.games)) if maker == "atari" else {}
+        for recipe in args.recipes:
+            key = f"{dataset}/{recipe}"
+            saved = out / "results" / f"{dataset}__{recipe}__{steps}.json"
+            if saved.is_file():
+                results[key] = json.loads(saved.read_text())
+                continue
+            run_dir = out / "runs" / dataset / f"{recipe}__{steps}"
+            print(f"fit {key}: {steps} steps ...", flush=True)
+            seconds = fit(run_dir, manifest, steps, RECIPES[recipe], smoke)
+            r = evaluate_run(run_dir, test_manifest)
+            r.update(fit_seconds=seconds, steps=steps, overrides=RECIPES[recipe], date=str(date.today()))
+            saved.parent.mkdir(parents=True, exist_ok=True)
+            saved.write_text(json.dumps(r, indent=1))
+            results[key] = r
+    print(f"\n{steps} steps per fit (configs/demo.yaml), held-out clips of T=8; PSNR on latents (dB)\n")
+    print(HEADER)
+    for key, r in results.items():
+        print(row(*key.split("/"), r))
+    print("\n| data | recipe | world | PSNR t=1 / copy | PSNR t=4 / copy | action dPSNR dict | action dPSNR other clip "
+          "| world gap same-world |\n|" + "---|" * 8)
+    for key, r in results.items():
+        dataset, recipe = key.split("/")
+        print("\n".join(per_world_rows(dataset, recipe, r, names[dataset])))
+    (out / "learning.json").write_text(json.dumps(results, indent=1))
+    figure(results, out / "learning.png")
+    print(f"\n{out / 'learning.json'}, {out / 'learning.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
