@@ -231,6 +231,9 @@ class WorldModelConfig:
     # world code that sees the frames it helps predict can carry them rather than the world.
     world_frames: int | None = None
     fusion: str = "add"  # how the codes enter the predictor: "add" (the requirement's) or "film" (added and scaling)
+    # The probability that a training step's predictor sees each frame alone, without the frames before it: the codes
+    # must then carry the whole transition (a sticky policy's history otherwise tells much of the next action).
+    context_dropout: float = 0.0
 
     # The fields that decide the parameters' and buffers' shapes (a checkpoint loads only where they agree).
     SHAPE_FIELDS: ClassVar[tuple[str, ...]] = (
@@ -290,6 +293,8 @@ def _config_problems(c: WorldModelConfig) -> list[str]:
     for name in ("beta_action", "beta_world"):
         if name not in nonfinite and not getattr(c, name) >= 0:
             problems.append(f"{name} must be >= 0, got {getattr(c, name)}")
+    if "context_dropout" not in nonfinite and not 0.0 <= c.context_dropout <= 1.0:
+        problems.append(f"context_dropout must lie in [0, 1], got {c.context_dropout}")
     if "mask_prob" not in nonfinite and not 0.0 <= c.mask_prob < 1.0:
         problems.append(f"mask_prob must lie in [0, 1), got {c.mask_prob}")
     if not c.rollout_weights:
@@ -697,8 +702,11 @@ class WorldModel(nn.Module):
         world = self.world_encoder(z_masked[:, : self.config.world_frames], step)  # [B, Dh]
         world_in = self.world_input(world, world_phase)  # [B, Dh]: the code, unless a warm-up phase
 
+        dropout = self.config.context_dropout
+        alone = self.training and dropout > 0 and bool(
+            torch.rand((), device=x.device, generator=generator) < dropout)
         predictions, pass_losses = self._rollout_passes(x, z_raw, z_masked, mask, pe, actions.quantized, world_in,
-                                                        reuse_prefix)
+                                                        reuse_prefix, window=1 if alone else None)
         prediction_loss = sum(w * l for w, l in zip(self.config.rollout_weights, pass_losses))
         weight_action, weight_world = self.commitment_weights(T)
         # the commitment losses train their encoder and, through it, the shared tokenizer (docs/model.md,
@@ -712,7 +720,7 @@ class WorldModel(nn.Module):
 
     def _rollout_passes(
         self, x: Tensor, z_raw: Tensor, z_masked: Tensor, mask: Tensor | None, pe: Tensor, actions: Tensor,
-        world: Tensor, reuse_prefix: bool,
+        world: Tensor, reuse_prefix: bool, window: int | None = None,
     ) -> tuple[list[Tensor], list[Tensor]]:
         """The teacher-forcing pass and the rollout passes of :meth:`compute` -> per pass its predictions
         ``[B, T-1, C, H, W]`` of frames 1..T-1 and its loss (the MSE over the positions it scores).
@@ -722,7 +730,7 @@ class WorldModel(nn.Module):
         frame p at position p >= 1, and scores positions k..T-2. By the requirement's proof its first k positions get
         the same inputs as pass k-1's, so (causal predictor) the same outputs and temporal keys/values: pass k
         computes positions k..T-2 only, after pass k-1's keys/values of positions 0..k-1. ``reuse_prefix=False``
-        recomputes every position."""
+        recomputes every position. ``window``: the frames each position's predictor attends to (None: all before it)."""
         target = x[:, 1:]  # frames 1..T-1
         predictions: list[Tensor] = []
         pass_losses: list[Tensor] = []
@@ -734,7 +742,7 @@ class WorldModel(nn.Module):
                 inputs, fed = z_masked[:, :-1], x[:, :-1]  # frames 0..T-2
             else:
                 inputs, fed = self._rollout_inputs(x, predictions[-1], first, z_raw, mask, pe)
-            out, cache = self.dynamics(inputs, actions[:, first:], world, past=past)
+            out, cache = self.dynamics(inputs, actions[:, first:], world, window=window, past=past)
             pred = self.next_frames(out, fed)  # [B, T-1-first, C, H, W]: predictions of frames first+1..T-1
             if first:  # positions 0..first-1: pass k-1's (the same, by the proof)
                 pred = torch.cat([predictions[-1][:, :first], pred], dim=1)

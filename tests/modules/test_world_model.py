@@ -679,3 +679,19 @@ def test_without_its_spatial_pe_the_action_encoder_reads_only_the_temporal_one()
     with_pe, without = tiny_model(), tiny_model(action_spatial_pe=False)
     x = clip(T=5)
     assert torch.allclose(with_pe.action_tokens(x, 3) - without.action_tokens(x, 3), with_pe.spatial_pe, atol=1e-6)
+
+
+@torch.no_grad()
+def test_context_dropout_makes_each_prediction_depend_on_its_own_frame_alone():
+    # (one code per level: the codes are the same whatever the frames, so only the predictor's reading can differ)
+    model = tiny_model(context_dropout=1.0, mask_prob=0.0, codebook_sizes_action=(1,), codebook_sizes_world=(1,))
+    model = model.train().double()
+    x = clip(T=6).double()
+    base = model.compute(x, step=None, t0=0).predictions[0]
+    x2 = x.clone()
+    x2[:, 2] += 0.5
+    moved = model.compute(x2, step=None, t0=0).predictions[0]  # position p predicts frame p+1 from frame p alone
+    assert _changed(moved, base).tolist() == [False, False, True, False, False]
+    model.eval()  # evaluation: every frame before
+    assert _changed(model.compute(x2, step=None, t0=0).predictions[0], model.compute(x, step=None, t0=0).predictions[0]
+                    ).tolist() == [False, False, True, True, True]
