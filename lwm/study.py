@@ -94,7 +94,7 @@ def _rollout_mse(model, x: Tensor, actions: Tensor, world: Tensor, steps: int) -
 
 @torch.no_grad()
 def evaluate(model, clips: Clips, t: int = 4, dictionary: CodeDictionary | None = None, batch_size: int = 64,
-             seed: int = 0, world_phase: str = "quantized") -> dict:
+             seed: int = 0, world_phase: str = "quantized", world_factors: dict[str, Tensor] | None = None) -> dict:
     """Every number of the learning study for ``model`` (a ``WorldModel`` in eval mode) on ``clips``:
 
     * ``psnr[k]`` / ``copy_psnr[k]``: PSNR (of the mean MSE) of frame ``k = 1..t`` generated from frame 0 with the
@@ -104,7 +104,8 @@ def evaluate(model, clips: Clips, t: int = 4, dictionary: CodeDictionary | None 
       when no ``dictionary`` is given) and ``other_clip`` (the inferred actions of another file's clip);
     * ``world_dpsnr``: against a ``random`` world code and ``same_world`` (the code inferred from another file of
       the same world label: the leak check, 0 where the world code carries the world and not the clip);
-    * ``action_nmi`` / ``world_nmi``, ``*_probe`` (accuracy, chance, 3 sd) against the true labels, code usage.
+    * ``action`` / ``world``: NMI and a linear probe (accuracy, chance, 3 sd) against the true labels, code usage;
+      ``world_factors``: the same for other labels of the clips' worlds (e.g. a world's speed, ``{name: [N]}``).
     """
     device = next(model.parameters()).device
     g = torch.Generator().manual_seed(seed)
@@ -125,6 +126,7 @@ def evaluate(model, clips: Clips, t: int = 4, dictionary: CodeDictionary | None 
         dictionary = CodeDictionary(tuple(q_action.codebook_sizes))
         dictionary.update(action_idx)
     others = {"other_clip": other_clip(clips, False, g), "same_world": other_clip(clips, True, g)}
+    draws = torch.Generator().manual_seed(seed + 1)  # the random and dictionary codes (on the CPU)
 
     mse = torch.zeros(n, t)  # inferred codes, frames 1..t
     controls = {name: torch.zeros(n) for name in ("random", "dictionary", "other_clip", "world_random", "same_world")}
@@ -136,13 +138,13 @@ def evaluate(model, clips: Clips, t: int = 4, dictionary: CodeDictionary | None 
         world = world_vec[idx].to(device)
         mse[idx] = _rollout_mse(model, x, actions, world, t).cpu()
         drawn = {
-            "random": random_codes(q_action, (B, t), g.manual_seed(seed + 1 + s)).to(device),
-            "dictionary": q_action.decode_indices(dictionary.sample((B, t), generator=g).to(device)),
+            "random": random_codes(q_action, (B, t), draws).to(device),
+            "dictionary": q_action.decode_indices(dictionary.sample((B, t), generator=draws).to(device)),
             "other_clip": q_action.decode_indices(action_idx[others["other_clip"][idx]].to(device)),
         }
         for name, codes in drawn.items():
             controls[name][idx] = _rollout_mse(model, x, codes, world, t)[:, -1].cpu()
-        random_world = random_codes(q_world, (B,), g.manual_seed(seed + 2 + s)).to(device)
+        random_world = random_codes(q_world, (B,), draws).to(device)
         if world_phase == "off":
             random_world = torch.zeros_like(random_world)
         worlds = {"world_random": random_world, "same_world": world_vec[others["same_world"][idx]].to(device)}
@@ -175,6 +177,8 @@ def evaluate(model, clips: Clips, t: int = 4, dictionary: CodeDictionary | None 
     true_actions = clips.actions[:, : T - 1]
     result["action"] = _against_labels(action_idx, true_actions, q_action)
     result["world"] = _against_labels(world_idx, clips.worlds, q_world)
+    result["world_factors"] = {name: _against_labels(world_idx, labels, q_world)
+                               for name, labels in (world_factors or {}).items()}
     return result
 
 

@@ -14,6 +14,8 @@ Each episode is a 128x128 RGB clip (encoded with :class:`~lwm.data.codecs.PixelC
   play out, i.e. the agent's speed (8 or 16 px per step) and the edges (walls that stop the agent, or wrapping
   round to the other side). See :data:`WORLDS`. In a walled world the policy never pushes into a wall (a
   blocked move is redrawn among the allowed ones), so every move action moves the agent by exactly its speed.
+* ``look_alike``: every world drawn on the first world's background, so that only the dynamics (speed, edges)
+  tell the worlds apart, and a frame never shows which world it is.
 * two **distractors** (``distractors``: 0 to 4), coloured discs that drift at a constant velocity and bounce off the edges, the same for
   a given episode seed whatever the actions; the agent is drawn over them.
 
@@ -161,10 +163,11 @@ def simulate(seed: int, frames: int, world: int | None = None, worlds: int = K, 
     return world, agent, actions, discs, d_col
 
 
-def draw(world: int, agent: np.ndarray, discs: np.ndarray, colours: np.ndarray, size: int = SIZE) -> np.ndarray:
-    """Render all frames at once: ``uint8 [T, size, size, 3]``."""
+def draw(world: int, agent: np.ndarray, discs: np.ndarray, colours: np.ndarray, size: int = SIZE,
+         look_alike: bool = False) -> np.ndarray:
+    """Render all frames at once: ``uint8 [T, size, size, 3]`` (``look_alike``: on the first world's background)."""
     T = agent.shape[0]
-    frames = np.broadcast_to(background(world, size), (T, size, size, 3)).copy()
+    frames = np.broadcast_to(background(0 if look_alike else world, size), (T, size, size, 3)).copy()
     grid = np.arange(size)
     r = scaled(DISTRACTOR_RADIUS, size)
     for d in range(discs.shape[0]):
@@ -180,13 +183,13 @@ def draw(world: int, agent: np.ndarray, discs: np.ndarray, colours: np.ndarray, 
 
 
 def render_episode(seed: int, frames: int, world: int | None = None, worlds: int = K, size: int = SIZE,
-                   distractors: int = DISTRACTORS) -> tuple[np.ndarray, np.ndarray, int]:
+                   distractors: int = DISTRACTORS, look_alike: bool = False) -> tuple[np.ndarray, np.ndarray, int]:
     """``(frames uint8 [T, size, size, 3], actions int64 [T], world_label)`` of the episode with this seed.
 
     ``actions[t]`` is the action after frame ``t`` (it moves the agent into frame ``t + 1``). ``world`` picks
     the world (default: drawn from the seed among the first ``worlds``)."""
     world, agent, actions, discs, colours = simulate(seed, frames, world, worlds, size, distractors)
-    return draw(world, agent, discs, colours, size), actions, world
+    return draw(world, agent, discs, colours, size, look_alike), actions, world
 
 
 def agent_position(frame: np.ndarray) -> tuple[int, int]:
@@ -229,6 +232,7 @@ def _latent_shape(path: Path) -> tuple[int, ...] | None:
 def make_dataset(
     out_dir: str | Path, episodes: int = 64, frames: int = 32, seed: int = 0, val_fraction: float = 0.125,
     worlds: int = K, size: int = SIZE, distractors: int = DISTRACTORS, overwrite: bool = False,
+    look_alike: bool = False,
     remedy: str = "--overwrite replaces it, or synthesise into another folder",
 ) -> Path:
     """Write ``episodes`` files ``out_dir/ep_XXXX.h5`` (``latents`` float16 through the pixel codec, ``actions``
@@ -257,7 +261,8 @@ def make_dataset(
     from lwm.data.manifest import existing_h5
 
     existing_h5(out, {f"ep_{i:04d}.h5" for i in range(episodes)}, "; synthesise into an empty folder")
-    settings = {"seed": seed, "frames": frames, "size": size, "worlds": worlds, "distractors": distractors}
+    settings = {"seed": seed, "frames": frames, "size": size, "worlds": worlds, "distractors": distractors,
+                **({"look_alike": True} if look_alike else {})}
     existing = [i for i in range(episodes) if (out / f"ep_{i:04d}.h5").exists()]
     if not overwrite:  # never replace the files of another data set without being asked
         for i in existing:
@@ -276,7 +281,8 @@ def make_dataset(
 
     codec = PixelCodec(size=size)
     for i in range(episodes):
-        video, actions, label = render_episode(episode_seed(seed, i), frames, i % worlds, size=size, distractors=distractors)
+        video, actions, label = render_episode(episode_seed(seed, i), frames, i % worlds, size=size,
+                                               distractors=distractors, look_alike=look_alike)
         write_latents(out / f"ep_{i:04d}.h5", codec, video, actions, world_label=label,
                       attrs={SETTINGS_ATTR: json.dumps({**settings, "episode": i})})
 
@@ -302,13 +308,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--worlds", type=int, default=K, help=f"number of worlds used, 1..{K} (default {K})")
     parser.add_argument("--size", type=int, default=SIZE, help=f"frame size in pixels, a multiple of 16 (default {SIZE}; latents are size/2)")
     parser.add_argument("--distractors", type=int, default=DISTRACTORS, help=f"drifting discs, 0..4 (default {DISTRACTORS})")
+    parser.add_argument("--look-alike", action="store_true",
+                        help="every world on the same background: only the dynamics (speed, edges) tell them apart")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace episode files (and the manifest) in --out made with other settings (default: "
                              "refused; the same settings again rewrite the same files)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     path = make_dataset(args.out, args.episodes, args.frames, args.seed, args.val_fraction, args.worlds, args.size,
-                        args.distractors, overwrite=args.overwrite)
+                        args.distractors, overwrite=args.overwrite, look_alike=args.look_alike)
     manifest = Manifest.load(path)
     print(f"{path}: {args.episodes} synthetic episodes x {args.frames} frames in {args.worlds} worlds "
           f"({len(manifest.split('train'))} train, {len(manifest.split('val'))} val), "

@@ -110,6 +110,15 @@ def test_worlds_change_motion_and_background():
     assert (a_slow[:-1] != 0).any() and not np.array_equal(p_slow, p_fast)
 
 
+def test_look_alike_worlds_share_the_first_frame_and_differ_in_motion():
+    episodes = [render_episode(4, 24, world=w, look_alike=True) for w in range(K)]
+    for frames, _, _ in episodes[1:]:  # the same start on the same background: one frame does not tell the world
+        np.testing.assert_array_equal(frames[0], episodes[0][0][0])
+    (f_slow, a_slow, _), (f_fast, a_fast, _) = episodes[2], episodes[3]
+    np.testing.assert_array_equal(a_slow, a_fast)
+    assert not np.array_equal(positions(f_slow), positions(f_fast))  # the speeds differ
+
+
 def test_bad_arguments(tmp_path):
     with pytest.raises(DataError, match=rf"^world must lie in 0\.\.{K - 1}, got {K}$"):
         render_episode(0, 4, world=K)
