@@ -21,8 +21,9 @@ import lightning as L
 import torch
 
 from lwm.callbacks import AttentionDiagonality, CodebookMonitor, DeadCodeRevival, FlopCounter, Sensitivity
-from lwm.loggers import CSVLogger
-from lwm.module import OptimConfig, WorldModelModule
+from lwm.training.loggers import CSVLogger
+from lwm.training.optim import OptimConfig
+from lwm.training.module import WorldModelModule
 from lwm.modules.world_model import WorldModelConfig
 
 SIZES = {

@@ -7,7 +7,7 @@ It runs where wandb and diffusers are not installed (nothing here imports them).
 
 import sys
 
-from lwm.bench import main
+from lwm.cli.bench import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

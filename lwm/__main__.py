@@ -2,6 +2,6 @@
 
 import sys
 
-from lwm.cli import main
+from lwm.cli.main import main
 
 sys.exit(main())

@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from lwm.cli import main
+from lwm.cli.main import main
 
 
 def test_bench_runs_at_tiny_and_writes_every_number(tmp_path, capsys):
@@ -35,7 +35,7 @@ def test_bench_runs_at_tiny_and_writes_every_number(tmp_path, capsys):
 def test_bench_times_each_temporal_attention_kernel_side_by_side(monkeypatch, tmp_path):
     """``--kernels``: one fast-path row per other kernel, each step built with that kernel (the configured one
     not twice), the config's own restored for what follows."""
-    import lwm.bench as bench
+    import lwm.cli.bench as bench
 
     built = []
     real = bench.plain_step
@@ -64,7 +64,7 @@ def test_bench_times_each_temporal_attention_kernel_side_by_side(monkeypatch, tm
 def test_a_kernel_that_fails_in_bench_keeps_the_other_rows(monkeypatch, tmp_path):
     """A kernel whose step fails (e.g. out of memory, or a compile error) becomes a note; the table and the JSON
     keep every other row."""
-    import lwm.bench as bench
+    import lwm.cli.bench as bench
 
     real = bench.plain_step
 
@@ -124,7 +124,7 @@ def test_bench_reads_the_config_as_fit_does_and_refuses_bad_values_in_one_line(t
 
 
 def test_largest_batch_search_finds_the_boundary_with_few_trials():
-    from lwm.bench import largest_batch
+    from lwm.cli.bench import largest_batch
 
     for limit_that_fits in (1, 2, 3, 37, 64, 100, 1000):
         tried = []
@@ -143,7 +143,7 @@ def test_largest_batch_search_finds_the_boundary_with_few_trials():
 def test_largest_batch_search_to_a_step_stops_within_it_with_fewer_trials():
     """--batch-step: the batch found is at most step - 1 below the largest that fits, never above it, and the
     search stops bisecting there (each trial compiles anew on a GPU)."""
-    from lwm.bench import largest_batch
+    from lwm.cli.bench import largest_batch
 
     for largest in (32, 33, 39, 40, 47, 63, 64, 100):
         exact, coarse = [], []
@@ -162,7 +162,7 @@ def test_max_batch_holds_the_process_to_memory_gib_and_lets_go_after(monkeypatch
     import torch
     from rich.console import Console
 
-    import lwm.bench as bench
+    import lwm.cli.bench as bench
 
     fractions = []
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(total_memory=139 * 2**30))
@@ -188,8 +188,8 @@ def test_step_flops_are_linear_in_the_batch_and_leave_out_checkpointing_recomput
     forward is not counted."""
     import torch
 
-    from lwm.bench import Setup, step_flops
-    from lwm.flops import count_flops
+    from lwm.cli.bench import Setup, step_flops
+    from lwm.modules.flops import count_flops
     from lwm.modules.world_model import WorldModel
 
     cfg = {"model": {"net": {"in_channels": 4, "height": 8, "width": 8, "d_model": 32, "n_heads": 2,
@@ -216,7 +216,7 @@ def test_step_flops_are_linear_in_the_batch_and_leave_out_checkpointing_recomput
 def test_a_step_that_runs_out_of_memory_does_not_fit_and_other_errors_surface():
     import torch
 
-    from lwm.bench import runs_on_gpu
+    from lwm.cli.bench import runs_on_gpu
 
     def failing(error):
         def step():
@@ -231,7 +231,7 @@ def test_a_step_that_runs_out_of_memory_does_not_fit_and_other_errors_surface():
 
 
 def test_timed_leaves_the_warmup_out_and_averages_over_the_timed_steps(monkeypatch):
-    import lwm.bench as bench
+    import lwm.cli.bench as bench
 
     clock = {"t": 0.0, "calls": 0}
 
@@ -245,7 +245,7 @@ def test_timed_leaves_the_warmup_out_and_averages_over_the_timed_steps(monkeypat
 
 
 def test_step_times_are_each_timed_step_after_the_warmup(monkeypatch):
-    import lwm.bench as bench
+    import lwm.cli.bench as bench
 
     clock = {"t": 0.0, "calls": 0}
 
@@ -262,7 +262,7 @@ def test_bench_reports_each_variants_spread_and_warns_when_the_timings_are_noisy
     """The case a user met on a busy machine: one fast-path step slowed 19x by another process made its mean larger
     than Lightning's and the overhead negative. The median, min and max of the timed steps are in the table and the
     JSON; the speed-ups and the overhead are of the medians, and a one-line warning says the timings are noisy."""
-    import lwm.bench as bench
+    import lwm.cli.bench as bench
 
     times = iter([[1.0, 1.2, 1.1], [0.4, 7.6, 0.5]])  # the reference, then the fast path (seconds per step)
     monkeypatch.setattr(bench, "step_times", lambda fn, steps, warmup, device: next(times))
@@ -307,7 +307,7 @@ def test_bench_reports_each_variants_spread_and_warns_when_the_timings_are_noisy
     ({"fast path": 600.0}, (1.0, None), None),  # Lightning not measured
 ])
 def test_the_noise_warning_names_each_reason(medians, spreads, expected):
-    from lwm.bench import lightning_overhead_ms, noise_warning
+    from lwm.cli.bench import lightning_overhead_ms, noise_warning
 
     rows = [{"variant": k, "ms_median": m, "max_over_min": spread} for (k, m), spread in zip(medians.items(), spreads)]
     overhead = lightning_overhead_ms(rows)
@@ -324,7 +324,7 @@ def test_the_noise_warning_names_each_reason(medians, spreads, expected):
 
 
 def test_the_matmul_roofline_counts_two_flops_per_multiply_add(monkeypatch):
-    import lwm.bench as bench
+    import lwm.cli.bench as bench
 
     monkeypatch.setattr(bench, "timed", lambda fn, steps, warmup, device: 0.5)
     tflops, what = bench.matmul_tflops(torch.device("cpu"))
@@ -334,7 +334,7 @@ def test_the_matmul_roofline_counts_two_flops_per_multiply_add(monkeypatch):
 def test_bench_numbers_follow_from_the_step_times_and_flops(monkeypatch, tmp_path, capsys):
     """With every timer replaced (0.5 s a fast/reference step and a breakdown part, 2 s a Lightning step, a 4 TFLOP/s
     matmul), each number in the JSON is a known function of the others."""
-    import lwm.bench as bench
+    import lwm.cli.bench as bench
 
     monkeypatch.setattr(bench, "step_times", lambda fn, steps, warmup, device: [0.5] * steps)
     monkeypatch.setattr(bench, "lightning_step_times", lambda s, steps, warmup: [2.0] * steps)
@@ -385,7 +385,7 @@ def test_bench_numbers_follow_from_the_step_times_and_flops(monkeypatch, tmp_pat
 def test_a_variant_that_fails_keeps_the_earlier_ones_in_the_json(monkeypatch, tmp_path, capsys):
     """The JSON is written after each variant: a later one that fails (or a stage cut off by its time limit) keeps
     what was measured; each variant's median is printed as it is measured."""
-    import lwm.bench as bench
+    import lwm.cli.bench as bench
 
     def killed(s, steps, warmup):
         raise RuntimeError("killed")
@@ -406,8 +406,8 @@ def test_a_variant_that_fails_keeps_the_earlier_ones_in_the_json(monkeypatch, tm
 def test_breakdown_counts_useful_attention_flops(monkeypatch):
     """A part's FLOPs are its useful ones: the temporal attention counts fewer than PyTorch's dense count of the
     same calls (no recomputed scores in the backward), the causal one of the dynamics predictor fewer still."""
-    import lwm.bench as bench
-    import lwm.flops as flops
+    import lwm.cli.bench as bench
+    import lwm.modules.flops as flops
 
     monkeypatch.setattr(bench, "timed", lambda fn, steps, warmup, device: 0.5)
     cfg = {"model": {"net": {"in_channels": 4, "height": 8, "width": 8, "d_model": 32, "n_heads": 2,
@@ -427,8 +427,8 @@ def test_breakdown_counts_useful_attention_flops(monkeypatch):
 def test_lightning_timing_starts_after_the_warmup(monkeypatch):
     """Each step timed from its batch start to the next, from batch ``warmup`` to batch ``warmup + steps``: with a
     clock that reads the square of the number of training steps run so far, 2^2..5^2 at those starts."""
-    import lwm.bench as bench
-    from lwm.module import WorldModelModule
+    import lwm.cli.bench as bench
+    from lwm.training.module import WorldModelModule
 
     done = {"n": 0}
     original = WorldModelModule.training_step
@@ -448,7 +448,7 @@ def test_lightning_timing_starts_after_the_warmup(monkeypatch):
 
 
 def _setup(**net):
-    from lwm.bench import Setup
+    from lwm.cli.bench import Setup
 
     cfg = {"model": {"net": {"in_channels": 4, "height": 8, "width": 8, "d_model": 16, "n_heads": 2,
                              "depth_action": 1, "depth_world": 1, "depth_dynamics": 1, "d_code_action": 4,
@@ -458,7 +458,7 @@ def _setup(**net):
 
 
 def test_the_reference_is_the_plain_model_eager_fp32_for_loop_adamw_recomputing_every_pass(monkeypatch):
-    from lwm.bench import plain_step, reference_net
+    from lwm.cli.bench import plain_step, reference_net
 
     s = _setup(activation_checkpointing=True, temporal_attention="matmul")
     ref = reference_net(s)
@@ -482,7 +482,7 @@ def test_the_reference_is_the_plain_model_eager_fp32_for_loop_adamw_recomputing_
 
 def test_micro_batches_weight_each_chunk_by_its_share_of_the_batch(monkeypatch):
     """Batch 3 in 2 micro-batches (2 + 1 samples): the accumulated gradient is that of the batch mean."""
-    from lwm.bench import plain_step
+    from lwm.cli.bench import plain_step
 
     s = _setup()
     grads = {}
@@ -496,7 +496,7 @@ def test_micro_batches_weight_each_chunk_by_its_share_of_the_batch(monkeypatch):
 
 
 def test_the_fit_probe_leaves_the_setups_batch_alone(monkeypatch):
-    import lwm.bench as bench
+    import lwm.cli.bench as bench
 
     s = _setup()
     x = s.x
@@ -512,7 +512,7 @@ def test_each_compiled_variant_compiles_from_fresh_caches(monkeypatch, tmp_path)
     steps. Compiled here on the CPU with dynamo's eager backend (the same cache entries, without inductor's
     compile time) and the limit at 4, so that two variants' entries exceed it: each variant compiles the same
     graphs from fresh caches, dynamo hits no limit, and the JSON says so per variant."""
-    import lwm.bench as bench
+    import lwm.cli.bench as bench
     from torch._dynamo.utils import counters
 
     from lwm.modules.world_model import WorldModel
@@ -554,8 +554,8 @@ def test_the_dynamo_watch_records_recompile_limit_hits_graph_breaks_and_compiles
     """What makes a compiled row mis-measured is counted and named in a note: a function past its recompile limit
     (from then on uncompiled for new shapes), a graph break, a compilation between the timed steps' first and last
     marks."""
-    from lwm.bench import StepClock
-    from lwm.dynamo_watch import DynamoWatch, dynamo_note
+    from lwm.cli.bench import StepClock
+    from lwm.cli.dynamo_watch import DynamoWatch, dynamo_note
 
     def scaled(x):
         return x * 2
@@ -604,7 +604,7 @@ def test_host_syncs_are_listed_by_place_with_counts():
     message, which is the same for all ("called a synchronizing CUDA operation")."""
     import warnings
 
-    from lwm.bench import ROOT, sync_count, sync_sites
+    from lwm.cli.bench import ROOT, sync_count, sync_sites
 
     def caught(message, filename, lineno):
         return warnings.WarningMessage(UserWarning(message), UserWarning, filename, lineno)
@@ -624,7 +624,7 @@ def test_host_syncs_are_listed_by_place_with_counts():
 def test_rollout_passes_time_a_config_whose_first_weights_are_zero(monkeypatch, tmp_path):
     """rollout_weights [0, 1] is valid (teacher forcing unweighted), but its first pass alone, [0], is not: the
     per-pass steps keep every pass's weight positive (each pass is computed whatever its weight)."""
-    import lwm.bench as bench
+    import lwm.cli.bench as bench
 
     monkeypatch.setattr(bench, "step_times", lambda fn, steps, warmup, device: [0.5] * steps)
     out = tmp_path / "bench.json"

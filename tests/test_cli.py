@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from lwm.cli import main
+from lwm.cli.main import main
 
 
 def _write(path, frames=12, fill=None):
@@ -52,7 +52,7 @@ def test_data_synth_through_the_lwm_command(tmp_path, capsys):
 def test_an_error_raised_in_a_loader_worker_prints_its_message_only():
     from torch._utils import ExceptionWrapper
 
-    from lwm.cli import error_lines
+    from lwm.cli.main import error_lines
     from lwm.data.h5 import DataError
 
     try:
@@ -68,7 +68,7 @@ def test_an_error_raised_in_a_loader_worker_prints_its_message_only():
 
 
 def test_seeded_streams_differ_for_every_distinct_tuple_and_repeat_for_the_same():
-    from lwm.seeds import seeded_generator
+    from lwm.utils.seeds import seeded_generator
 
     tuples = [(0, 0, 1), (0, 1, 0), (1, 0, 0), (0, 0, 2), (0, 2, 0), (0, 1, 1), (1, 1, 0)]
     draws = [tuple(torch.randint(0, 2**31, (4,), generator=seeded_generator("cpu", *t)).tolist()) for t in tuples]
@@ -78,7 +78,8 @@ def test_seeded_streams_differ_for_every_distinct_tuple_and_repeat_for_the_same(
 
 
 def test_positive_int_and_first_line():
-    from lwm.errors import first_line, positive_int
+    from lwm.utils.errors import first_line
+    from lwm.utils.args import positive_int
 
     assert positive_int("1") == 1
     for bad in ("0", "-3", "x"):
@@ -89,18 +90,18 @@ def test_positive_int_and_first_line():
 
 
 def test_error_lines_take_the_last_raise_of_a_chained_worker_traceback():
-    from lwm.cli import error_lines
-    from lwm.errors import DataError
+    from lwm.cli.main import error_lines
+    from lwm.utils.errors import DataError
 
     e = DataError("Caught DataError in DataLoader worker process 0.\nOriginal Traceback (most recent call last):\n"
-                  "  File ...\nlwm.errors.DataError: inner\n\nDuring handling of the above exception, another "
+                  "  File ...\nlwm.utils.errors.DataError: inner\n\nDuring handling of the above exception, another "
                   "exception occurred:\n\nTraceback (most recent call last):\n  File ...\n"
-                  "lwm.errors.DataError: outer\nsecond line")
+                  "lwm.utils.errors.DataError: outer\nsecond line")
     assert error_lines(e) == ["outer", "second line"]
 
 
 def test_did_you_mean_only_for_a_near_key():
-    from lwm.lightning_cli import parse_error_line
+    from lwm.cli.lightning_cli import parse_error_line
 
     keys = ["--model.net.d_model", "--trainer.max_steps", "--data.window"]
     assert "did you mean --model.net.d_model?" in parse_error_line("unrecognized arguments: --model.net.dmodel=3", keys)
@@ -118,7 +119,7 @@ def test_did_you_mean_only_for_a_near_key():
 
 
 def test_a_missing_required_key_is_named_as_its_option(capsys):
-    from lwm.cli import main
+    from lwm.cli.main import main
 
     tiny = str(Path(__file__).parents[1] / "configs/tiny.yaml")
     assert main(["fit", "--config", tiny]) == 2  # (jsonargparse: "... required: fit.data.manifest")
@@ -126,12 +127,12 @@ def test_a_missing_required_key_is_named_as_its_option(capsys):
 
 
 def test_an_os_error_not_about_a_path_keeps_its_traceback(monkeypatch):
-    import lwm.plot
+    import lwm.cli.plot
 
     def fail(argv):
         raise OSError(28, "No space left on device")  # no filename: a real failure, not a one-line path error
 
-    monkeypatch.setattr(lwm.plot, "main", fail)
+    monkeypatch.setattr(lwm.cli.plot, "main", fail)
     with pytest.raises(OSError, match="No space left"):
         main(["plot", "x"])
 

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from lwm.cli import main
-from lwm.codes import CodeDictionary, collect, dictionaries_step, load_dictionaries, save_dictionaries
-from lwm.errors import DataError
+from lwm.cli.main import main
+from lwm.inference.dictionary import CodeDictionary, collect, dictionaries_step, load_dictionaries, save_dictionaries
+from lwm.utils.errors import DataError
 from tests.lightning.helpers import make_dataset, run, tiny_args
 
 
@@ -91,15 +91,15 @@ def test_lwm_codes_equals_the_dictionaries_written_at_the_end_of_fit(tmp_path, c
     assert "code tuples in use" in out and " transitions; most frequent" in out and " windows; most frequent" in out
     # 3 seeded windows: the checkpoint's seed picks them, whatever data.seed says (a resume with another seed
     # rewrites RUN_DIR/config.yaml; the fit's own windows are the checkpoint's seed's)
-    import lwm.codes
+    import lwm.cli.codes
 
-    encoded, collect = [], lwm.codes.collect
+    encoded, collect = [], lwm.cli.codes.collect
 
     def spy(model, loader, *rest):
         encoded.append(list(loader.sampler))  # the (file, start) windows encoded
         return collect(model, loader, *rest)
 
-    monkeypatch.setattr(lwm.codes, "collect", spy)
+    monkeypatch.setattr(lwm.cli.codes, "collect", spy)
     for seed in (0, 7):
         assert main([*args, "--max-windows=3", f"--data.seed={seed}", f"--out={tmp_path / f'seed{seed}.pt'}"]) == 0
     assert len(encoded[0]) == 3 and encoded[0] == encoded[1]
@@ -188,7 +188,7 @@ def _codes(tmp, ckpt, *extra) -> list[str]:
 def test_codes_out_that_is_not_a_code_dictionary_is_refused_before_any_work(trained, capsys, monkeypatch, target):
     """`--out` replaced whatever it named with the dictionary (a checkpoint, the manifest, a data file: exit 0), and
     a folder failed after all the encoding, naming a temporary file."""
-    import lwm.codes
+    import lwm.cli.codes
 
     tmp, ckpt, manifest = trained
     copy = tmp / "weights.pt"  # the checkpoint under a name that does not say so
@@ -203,7 +203,7 @@ def test_codes_out_that_is_not_a_code_dictionary_is_refused_before_any_work(trai
     }.get(target, f"--out {out}: exists and is not a code dictionary, refusing to replace it (remove it or choose "
                   f"another --out)")
     before = {p: p.read_bytes() for p in (ckpt, copy, manifest, tmp / "data/ep00.h5")}
-    monkeypatch.setattr(lwm.codes, "collect", lambda *a, **k: pytest.fail("encoded before the refusal"))
+    monkeypatch.setattr(lwm.cli.codes, "collect", lambda *a, **k: pytest.fail("encoded before the refusal"))
     assert main(_codes(tmp, ckpt, "--out", str(out))) == 2
     assert [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")] == [f"error: {expected}"]
     assert {p: p.read_bytes() for p in before} == before and not (tmp / "new.ckpt").exists()
@@ -224,7 +224,7 @@ def test_codes_out_rewrites_a_code_dictionary_and_the_default_path(trained):
 
 
 def test_is_dictionary_file_tells_a_dictionary_from_other_files(tmp_path):
-    from lwm.codes import is_dictionary_file
+    from lwm.inference.dictionary import is_dictionary_file
 
     d = CodeDictionary((2,))
     d.update(torch.tensor([[1]]))

@@ -9,9 +9,9 @@ import pytest
 import torch
 from rich.console import Console
 
-from lwm.cli import main
-from lwm.demo import report
-from lwm.study import probe_margin
+from lwm.cli.main import main
+from lwm.cli.demo import report
+from lwm.inference.study import probe_margin
 
 
 def test_the_demo_pipeline_end_to_end(tmp_path, capsys, recwarn):

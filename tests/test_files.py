@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from lwm.files import atomic_write, temp_path
+from lwm.utils.files import atomic_write, temp_path
 
 
 def test_a_failed_write_leaves_the_old_file_and_no_temp(tmp_path):
@@ -28,7 +28,7 @@ def test_a_temp_file_is_stale_only_when_its_writer_is_surely_gone(tmp_path, monk
     says PermissionError) is alive."""
     import socket
 
-    from lwm.files import stale_temp_files
+    from lwm.utils.files import stale_temp_files
 
     other = tmp_path / ".last.ckpt.tmp-other-node-12345"
     other.write_bytes(b"x")
@@ -50,13 +50,13 @@ def test_a_temp_file_is_stale_only_when_its_writer_is_surely_gone(tmp_path, monk
 
 def test_the_data_is_synced_before_the_rename_and_the_folder_after(tmp_path, monkeypatch):
     """A crash (power, node) soon after a rename could otherwise leave an empty or torn checkpoint under the name."""
-    import lwm.checkpoint
-    import lwm.files
+    import lwm.training.checkpoint
+    import lwm.utils.files
 
     events = []
     real_fsync, real_replace = os.fsync, os.replace
-    monkeypatch.setattr(lwm.files.os, "fsync", lambda fd: events.append(("fsync", os.path.isdir(
+    monkeypatch.setattr(lwm.utils.files.os, "fsync", lambda fd: events.append(("fsync", os.path.isdir(
         f"/proc/self/fd/{fd}"))) or real_fsync(fd))
-    monkeypatch.setattr(lwm.files.os, "replace", lambda a, b: events.append(("replace", str(b))) or real_replace(a, b))
-    path = lwm.checkpoint.atomic_save({"global_step": 1}, tmp_path / "last.ckpt")
+    monkeypatch.setattr(lwm.utils.files.os, "replace", lambda a, b: events.append(("replace", str(b))) or real_replace(a, b))
+    path = lwm.training.checkpoint.atomic_save({"global_step": 1}, tmp_path / "last.ckpt")
     assert events == [("fsync", False), ("replace", str(path)), ("fsync", True)]  # file data, rename, folder

@@ -23,7 +23,7 @@ TINY = {"in_channels": 4, "height": 8, "width": 8, "d_model": 32, "n_heads": 2, 
 def test_breakdown_parts_add_up_to_the_steps_useful_flops(monkeypatch):
     """Identity: the parts timed alone (tokenizer, detokenizer, each sub-layer x depth x calls, quantizers) are every
     FLOP of the step but a few small projections: their sum is the step's useful count to 0.2% (0.1% left at this size)."""
-    import lwm.bench as bench
+    import lwm.cli.bench as bench
 
     monkeypatch.setattr(bench, "timed", lambda fn, steps, warmup, device: 0.5)
     s = bench.Setup({"model": {"net": TINY}, "data": {"batch_size": 2, "window": 6}}, torch.device("cpu"))
@@ -37,7 +37,7 @@ def test_breakdown_parts_add_up_to_the_steps_useful_flops(monkeypatch):
 
 def test_breakdown_temporal_attention_counts_the_sdpa_form_whatever_the_kernel(monkeypatch):
     """docs/performance.md: FLOPs are counted on the SDPA form whichever kernel runs; the breakdown's rows too."""
-    import lwm.bench as bench
+    import lwm.cli.bench as bench
 
     monkeypatch.setattr(bench, "timed", lambda fn, steps, warmup, device: 0.5)
     rows = {}
@@ -50,7 +50,7 @@ def test_breakdown_temporal_attention_counts_the_sdpa_form_whatever_the_kernel(m
 
 def test_rates_are_of_the_mean_step(monkeypatch, tmp_path):
     """Unequal steps: TFLOP/s, frames/s and MFU are of the mean (0.5 s), the speed-up of the medians."""
-    import lwm.bench as bench
+    import lwm.cli.bench as bench
 
     monkeypatch.setattr(bench, "step_times", lambda fn, steps, warmup, device: [0.25, 0.25, 1.0])
     monkeypatch.setattr(bench, "matmul_tflops", lambda device: (4.0, "fake"))
@@ -69,7 +69,7 @@ def test_rates_are_of_the_mean_step(monkeypatch, tmp_path):
 def test_the_printed_tables_show_the_jsons_numbers(monkeypatch, tmp_path, capsys):
     """The printed TFLOP/s, MFU, the title's useful/dense GFLOP and the breakdown's TFLOP/s and share are the
     JSON's numbers (0.1 ms a step and a call of a part; the eager step with 1, 2, 3 rollout passes 1, 2, 3 ms)."""
-    import lwm.bench as bench
+    import lwm.cli.bench as bench
 
     monkeypatch.setattr(bench, "step_times", lambda fn, steps, warmup, device: [1e-4] * steps)
     passes = iter([1e-3, 2e-3, 3e-3])
@@ -100,7 +100,7 @@ def test_the_printed_tables_show_the_jsons_numbers(monkeypatch, tmp_path, capsys
 
 
 def test_cuda_step_clock_reads_event_milliseconds_as_seconds(monkeypatch):
-    import lwm.bench as bench
+    import lwm.cli.bench as bench
 
     class Event:
         clock = 0.0
@@ -132,7 +132,7 @@ class _Trainer:
 
 
 def _module(**net):
-    from lwm.module import WorldModelModule
+    from lwm.training.module import WorldModelModule
     from tests.lightning.test_module import NET
     from dataclasses import replace
 
@@ -143,8 +143,8 @@ def _module(**net):
 def test_under_deepspeed_the_step_counts_the_forward_three_times():
     """Known answer: DeepSpeed's step is counted as 3 x the useful forward (the backward as twice it); and the real
     backward is within 5% of that (2x the forward but the first convolution's input gradient)."""
-    from lwm.callbacks.flops import FlopCounter
-    from lwm.flops import count_flops
+    from lwm.callbacks.flop_counter import FlopCounter
+    from lwm.modules.flops import count_flops
 
     module, x = _module(), torch.tanh(torch.randn(2, 6, 4, 16, 16))
     forward = count_flops(lambda: module.model.compute(x[:1], step=None, generator=torch.Generator().manual_seed(0)),
@@ -157,7 +157,7 @@ def test_under_deepspeed_the_step_counts_the_forward_three_times():
 
 
 def test_activation_checkpointing_does_not_change_the_logged_flops():
-    from lwm.callbacks.flops import FlopCounter
+    from lwm.callbacks.flop_counter import FlopCounter
 
     x = torch.tanh(torch.randn(2, 6, 4, 16, 16))
     plain = FlopCounter()._measure(_Trainer(), _module(), x)
@@ -169,7 +169,7 @@ def test_activation_checkpointing_does_not_change_the_logged_flops():
 def test_the_logged_flops_count_the_sdpa_form_whatever_the_kernel():
     """docs/performance.md: 'FLOPs are counted on the SDPA form (the useful work whichever kernel runs)' and the
     callback 'logs the same count' as lwm bench."""
-    from lwm.callbacks.flops import FlopCounter
+    from lwm.callbacks.flop_counter import FlopCounter
 
     x = torch.tanh(torch.randn(2, 6, 4, 16, 16))
     assert FlopCounter()._measure(_Trainer(), _module(temporal_attention="matmul"), x) == \
@@ -178,7 +178,7 @@ def test_the_logged_flops_count_the_sdpa_form_whatever_the_kernel():
 
 def _interval(monkeypatch, world_size=1, validations=(10.0,)):
     from lwm.callbacks import flops as flops_module
-    from lwm.callbacks.flops import FlopCounter
+    from lwm.callbacks.flop_counter import FlopCounter
 
     clock = [0.0]
     monkeypatch.setattr(flops_module.time, "perf_counter", lambda: clock[0])
@@ -215,7 +215,7 @@ def test_tflops_per_s_is_per_device_and_leaves_every_validation_out(monkeypatch)
                                                   ("32-true", torch.float32), ("bf16-true", torch.bfloat16)])
 def test_mfu_is_of_the_peak_for_the_training_precision(monkeypatch, precision, dtype):
     from lwm.callbacks import flops as flops_module
-    from lwm.callbacks.flops import FlopCounter
+    from lwm.callbacks.flop_counter import FlopCounter
 
     asked = []
     monkeypatch.setattr(flops_module, "get_available_flops", lambda device, d: asked.append(d) or 2e12)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-from lwm.flops import allowed_fraction, attention_mapping, count_flops
+from lwm.modules.flops import allowed_fraction, attention_mapping, count_flops
 from lwm.modules import triton_attention
 from lwm.modules.st_transformer import Attention, temporal_mask
 

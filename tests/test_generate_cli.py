@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from lwm.cli import main
-from lwm.module import WorldModelModule
+from lwm.cli.main import main
+from lwm.training.module import WorldModelModule
 from tests.lightning.helpers import make_dataset, run
 
 
@@ -91,7 +91,7 @@ def test_bad_generation_requests_are_one_error_line(trained, capsys, monkeypatch
 
 def _no_codec_built(monkeypatch) -> list:
     """Record each codec built by `lwm generate` (none here: a stand-in that shows latent channels)."""
-    import lwm.generate as gen
+    import lwm.inference.generation as gen
 
     built = []
     monkeypatch.setattr(gen, "codec_from_attr", lambda *args: built.append(args))
@@ -152,7 +152,7 @@ def test_an_edited_code_dictionary_is_refused_before_the_codec(trained, tmp_path
 def test_dictionary_actions_do_not_depend_on_where_the_world_comes_from(trained, tmp_path, monkeypatch):
     """With --world dictionary the world's draws came first from the actions' generator: the same --seed drew
     other actions than with --world inferred. The world and the actions draw from streams of their own."""
-    from lwm.codes import CodeDictionary, save_dictionaries
+    from lwm.inference.dictionary import CodeDictionary, save_dictionaries
 
     tmp, ckpt, data = trained
     every = CodeDictionary((4, 8))  # every tuple once: draws that tell the streams apart
@@ -184,7 +184,7 @@ def test_dictionary_actions_do_not_depend_on_where_the_world_comes_from(trained,
 
 
 def test_a_code_dictionary_of_another_model_is_refused_by_name(trained, capsys):
-    from lwm.codes import CodeDictionary, save_dictionaries
+    from lwm.inference.dictionary import CodeDictionary, save_dictionaries
 
     tmp, ckpt, data = trained
     other = tmp / "other_codes.pt"
@@ -200,7 +200,7 @@ def test_a_code_dictionary_of_another_model_is_refused_by_name(trained, capsys):
 def test_a_code_dictionary_of_another_step_is_used_with_a_warning(trained, capsys):
     import shutil
 
-    from lwm.codes import dictionaries_step, load_dictionaries, save_dictionaries
+    from lwm.inference.dictionary import dictionaries_step, load_dictionaries, save_dictionaries
 
     tmp, ckpt, data = trained
     codes = ckpt.parent / "codes.pt"
@@ -291,7 +291,7 @@ def test_a_bad_code_dictionary_file_and_window_are_refused(trained, tmp_path, ca
 def test_lwm_codes_from_the_run_config_writes_each_checkpoint_its_own_dictionary(trained, capsys):
     """The command the step-mismatch warning suggests works on the fit's own config.yaml; a step checkpoint's
     dictionary goes beside it under its name (codes.pt stays last.ckpt's), and generate finds it."""
-    from lwm.codes import dictionaries_step
+    from lwm.inference.dictionary import dictionaries_step
 
     tmp, ckpt, data = trained
     step2 = ckpt.parent / "step=0000002.ckpt"
@@ -310,7 +310,7 @@ def test_lwm_codes_from_the_run_config_writes_each_checkpoint_its_own_dictionary
 def test_the_context_transitions_keep_their_inferred_actions(trained):
     """With several context frames and drawn actions, the transitions between context frames get the actions
     inferred from them; the draws start at the first generated frame."""
-    from lwm.metrics import random_codes
+    from lwm.utils.metrics import random_codes
 
     tmp, ckpt, data = trained
     gen = _generate(ckpt, data, tmp / "ctx.gif", "--steps", "3", "--rollouts", "1", "--actions", "random",
@@ -362,7 +362,7 @@ def test_inferred_actions_of_a_rollout_longer_than_the_window_are_read_window_by
 
 
 def test_generate_draws_actions_with_the_sampling_asked_for(trained, monkeypatch):
-    from lwm.codes import CodeDictionary
+    from lwm.inference.dictionary import CodeDictionary
 
     tmp, ckpt, data = trained
     seen = []
@@ -382,7 +382,7 @@ def test_generate_draws_actions_with_the_sampling_asked_for(trained, monkeypatch
 
 @pytest.mark.parametrize("steps", ["1", "3"])
 def test_rollout_0_of_three_draws_from_the_dictionaries_what_a_rollout_of_one_draws(trained, tmp_path, steps):
-    from lwm.codes import CodeDictionary, save_dictionaries
+    from lwm.inference.dictionary import CodeDictionary, save_dictionaries
 
     tmp, ckpt, data = trained
     every = CodeDictionary((4, 8))  # every tuple once: draws that tell random streams apart
@@ -412,7 +412,7 @@ def test_a_context_longer_than_the_window_reads_its_actions_window_by_window_and
 
 
 def test_an_empty_code_dictionary_is_one_error_line(trained, tmp_path, capsys):
-    from lwm.codes import CodeDictionary, save_dictionaries
+    from lwm.inference.dictionary import CodeDictionary, save_dictionaries
 
     tmp, ckpt, data = trained
     empty = save_dictionaries(tmp_path / "empty.pt", {"Action_Encoder": CodeDictionary((4, 8)),
@@ -437,8 +437,8 @@ def test_a_step_checkpoint_without_its_own_dictionary_takes_the_end_of_fits_with
 
 
 def test_generate_puts_the_ground_truth_on_top(trained, monkeypatch):
-    import lwm.generate as gen
-    from lwm.video import latent_preview
+    import lwm.inference.generation as gen
+    from lwm.utils.video import latent_preview
 
     tmp, ckpt, data = trained
     grids = []
@@ -527,7 +527,7 @@ def test_random_actions_differ_between_rollouts(trained):
 @pytest.mark.parametrize("tiling", [False, True])
 def test_generate_hands_vae_and_tiling_to_the_codec(trained, monkeypatch, tiling):
     """``--vae PATH [--vae-tiling]`` reach the codec that decodes the video (a stand-in here: no VAE weights)."""
-    import lwm.generate as gen
+    import lwm.inference.generation as gen
 
     tmp, ckpt, data = trained
     asked = []
@@ -544,12 +544,12 @@ def test_generate_hands_vae_and_tiling_to_the_codec(trained, monkeypatch, tiling
 
 def _no_checkpoint_loaded(monkeypatch):
     """Fail the test if the checkpoint is loaded: the refusals below come before any work."""
-    import lwm.checkpoint
+    import lwm.training.checkpoint
 
     def load(*args, **kwargs):
         raise AssertionError("the checkpoint was loaded before the refusal")
 
-    monkeypatch.setattr(lwm.checkpoint, "load_checkpoint", load)
+    monkeypatch.setattr(lwm.training.checkpoint, "load_checkpoint", load)
 
 
 @pytest.mark.parametrize("kind", ["latents onto the input", "video onto the input", "hard link"])
@@ -600,7 +600,7 @@ def test_non_finite_latents_in_the_data_are_refused(trained, tmp_path, capsys):
 def test_generate_plays_at_the_datas_frame_rate_unless_told(trained, tmp_path, monkeypatch):
     import shutil
 
-    import lwm.generate as gen
+    import lwm.inference.generation as gen
 
     tmp, ckpt, data = trained
     rates = []
@@ -655,13 +655,15 @@ def test_a_run_folder_or_last_stands_for_the_runs_last_checkpoint(trained, tmp_p
      "ep00_0_1+16_random-inferred_seed0_step0000007.mp4"),
 ])
 def test_the_default_video_name_tells_the_frames_codes_sources_seed_and_checkpoint_apart(extra, name):
-    from lwm.generate import default_name, parse
+    from lwm.inference.generation import default_name
+    from lwm.cli.generate import parse
 
     assert default_name(parse(["--ckpt_path", "c.ckpt", "--data", "d/ep00.h5", *extra]), step=7) == name
 
 
 def test_given_action_indices_are_named_by_the_tuples_played():
-    from lwm.generate import default_name, parse
+    from lwm.inference.generation import default_name
+    from lwm.cli.generate import parse
 
     def name(indices):
         return default_name(parse(["--ckpt_path", "c", "--data", "ep00.h5", "--steps", "2",
@@ -745,8 +747,8 @@ class _Decoder:
 def test_a_ground_truth_the_file_has_in_part_is_shown_then_blank(trained, tmp_path, capsys, monkeypatch, codec):
     """--steps 60 --context 3 on a 40-frame file left the ground truth out of the video: here frames 10..13 of a
     14-frame file, 4 of the 7 the rollout covers, then blank cells; the latents file holds the same 4."""
-    import lwm.generate as gen
-    from lwm.video import BLANK, latent_preview
+    import lwm.inference.generation as gen
+    from lwm.utils.video import BLANK, latent_preview
 
     tmp, ckpt, data = trained
     grids = []
@@ -837,7 +839,7 @@ def test_the_codes_played_are_recorded_and_replay_each_rollout(trained):
 def test_a_failing_decode_keeps_the_rollout_latents(trained, tmp_path, monkeypatch):
     """The latents are written before any frame is decoded: a decoder that fails (out of memory at 512 px) loses
     the video, not the rollouts."""
-    import lwm.generate as gen
+    import lwm.inference.generation as gen
 
     tmp, ckpt, data = trained
 
@@ -868,7 +870,7 @@ def test_only_the_frames_read_are_checked_for_non_finite_values(trained, tmp_pat
 def test_a_vae_files_rows_are_decoded_after_the_latents_before_start(trained, tmp_path, capsys, monkeypatch):
     """A video VAE's decoder carries history: with --start 3 every row (the ground truth, each rollout) is decoded
     after the file's latents 0..2, as a decode of the whole file would give its frames; a note says so."""
-    import lwm.generate as gen
+    import lwm.inference.generation as gen
 
     tmp, ckpt, data = trained
     seen = []

@@ -7,16 +7,8 @@ import math
 import pytest
 import torch
 
-from lwm.metrics import (
-    attention_diagonality,
-    codebook_diversity,
-    codebook_usage,
-    delta_psnr,
-    psnr,
-    random_codes,
-    random_indices,
-    sensitivity,
-)
+from lwm.utils.metrics import (attention_diagonality, codebook_diversity, codebook_usage, delta_psnr, psnr,
+    random_codes, random_indices, sensitivity)
 from lwm.modules.rvq import ResidualVectorQuantizer
 from lwm.modules.world_model import WorldModel
 from tests.modules.test_generate import step_by_step
@@ -120,14 +112,14 @@ def test_sensitivity_is_zero_when_the_codes_do_not_matter():
 
 
 def test_code_ids_mixed_radix():
-    from lwm.metrics import code_ids
+    from lwm.utils.metrics import code_ids
 
     indices = torch.tensor([[0, 0], [0, 3], [1, 0], [2, 3]])
     assert code_ids(indices, (3, 4)).tolist() == [0, 3, 4, 11]
 
 
 def test_nmi_identical_renamed_and_independent_labels():
-    from lwm.metrics import nmi
+    from lwm.utils.metrics import nmi
 
     a = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
     assert nmi(a, a).item() == pytest.approx(1.0)
@@ -137,7 +129,7 @@ def test_nmi_identical_renamed_and_independent_labels():
 
 
 def test_linear_probe_separable_and_random_features():
-    from lwm.metrics import linear_probe_accuracy, probe_train_size
+    from lwm.utils.metrics import linear_probe_accuracy, probe_train_size
 
     g = torch.Generator().manual_seed(0)
     labels = torch.randint(0, 3, (600,), generator=g)
@@ -163,7 +155,7 @@ def test_linear_probe_separable_and_random_features():
 
 
 def test_copy_last_loss_known_values():
-    from lwm.metrics import copy_last_loss
+    from lwm.utils.metrics import copy_last_loss
 
     still = torch.ones(2, 5, 3, 4, 4)
     assert copy_last_loss(still).item() == 0.0
@@ -195,7 +187,7 @@ def test_sensitivity_world_known_answer_with_given_random_codes(monkeypatch):
     """With the random codes fixed (a code other than the inferred one for every clip and transition), each
     PSNR_rand is frame 4 of the rollout with that quantizer's codes random and the other's inferred: the world's
     differs from PSNR_seq (world dPSNR not 0) and equals the rollout with the given world and inferred actions."""
-    import lwm.metrics as metrics
+    import lwm.utils.metrics as metrics
 
     model = _tiny_model()
     x = torch.rand(3, 6, 2, 8, 8, generator=torch.Generator().manual_seed(2)) * 2 - 1
@@ -246,7 +238,7 @@ def test_sensitivity_feeds_the_world_as_the_curriculum_phase_does():
 
 
 def test_weighted_mean_weighs_values_and_keeps_nan():
-    from lwm.metrics import WeightedMean
+    from lwm.utils.metrics import WeightedMean
 
     m = WeightedMean()
     m.update(torch.tensor(1.0), weight=3)

@@ -5,8 +5,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lwm.errors import ConfigError
-from lwm.nonfinite import SkippedSteps, check_deepspeed_skips_overflow, deepspeed_checks_overflow, deepspeed_scaling_loss
+from lwm.utils.errors import ConfigError
+from lwm.training.nonfinite import (SkippedSteps, check_deepspeed_skips_overflow, deepspeed_checks_overflow,
+    deepspeed_scaling_loss)
 
 VERDICTS = [False, True, True, False, True, True, True, False]  # True: the step's gradient was not finite
 

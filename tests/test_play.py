@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from lwm.cli import main
+from lwm.cli.main import main
 from lwm.play import rollout as rollout_module
 from lwm.play.player import Session, load_player
 from lwm.play.server import HEADER, PREVIEW, build_app, frame_message

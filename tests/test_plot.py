@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from lwm.errors import DataError
-from lwm.plot import FIGURES, main, plot_run, read_metrics
+from lwm.utils.errors import DataError
+from lwm.cli.plot import FIGURES, main, plot_run, read_metrics
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 TFLOPS = ("Train_Total/tflops", "Val_Total/tflops")
@@ -151,7 +151,7 @@ def test_read_metrics_sorts_each_series_by_step(tmp_path):
 
 
 def test_a_log_axis_needs_every_finite_value_positive():
-    from lwm.plot import _all_positive
+    from lwm.cli.plot import _all_positive
 
     assert _all_positive({"a": [(0, float("nan")), (1, 1.0), (2, float("inf"))]}, "a")  # non-finite: ignored
     assert _all_positive({"a": [(0, 1.0), (1, float("-inf"))]}, "a")  # a diverged step's -inf too
@@ -161,7 +161,7 @@ def test_a_log_axis_needs_every_finite_value_positive():
 
 
 def test_loss_vs_tflops_keeps_only_points_a_log_log_axis_shows():
-    from lwm.plot import _against
+    from lwm.cli.plot import _against
 
     tflops = [(0, 0.0), (2, 1.0), (4, 2.0), (6, 3.0)]
     loss = [(0, 5.0), (2, 4.0), (4, 0.0), (5, 9.0), (6, 3.0)]
@@ -169,7 +169,7 @@ def test_loss_vs_tflops_keeps_only_points_a_log_log_axis_shows():
 
 
 def test_the_min_max_band_pairs_values_by_step():
-    from lwm.plot import _band
+    from lwm.cli.plot import _band
 
     calls = []
     ax = types.SimpleNamespace(fill_between=lambda *a, **kw: calls.append(a))
@@ -178,7 +178,7 @@ def test_the_min_max_band_pairs_values_by_step():
 
 
 def test_codebook_usage_of_validation_alone_is_drawn():
-    from lwm.plot import codebook_usage_figure
+    from lwm.cli.plot import codebook_usage_figure
 
     fig = codebook_usage_figure({"Val_Action_Encoder/codebook_usage_level_0": [(0, 0.5), (1, 0.6)]})
     assert [line.get_label() for line in fig.axes[0].get_lines()] == ["level 0 val"]
@@ -187,7 +187,7 @@ def test_codebook_usage_of_validation_alone_is_drawn():
 def test_the_teacher_forced_panel_draws_the_copy_last_frame_baseline_from_the_csv(tmp_path):
     """The val TF loss must beat copy-last-frame: its panel draws the logged baseline dashed, at the CSV's steps and
     values; the other panels, and a run that did not log it, have no such line."""
-    from lwm.plot import losses_figure
+    from lwm.cli.plot import losses_figure
 
     tf = ["Train_Dynamics_Predictor/tf_loss", "Val_Dynamics_Predictor/tf_loss"]
     run_dir = write_run(tmp_path / "run", ["Train_Total/loss", "Val_Total/loss", *tf, BASELINE])

@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lwm.checkpoint import (DEEPSPEED_MARK, DEEPSPEED_WRITING, deepspeed_step, deepspeed_written,
-                            mark_deepspeed_saves_complete)
-from lwm.cli import main
-from lwm.resume import latest_checkpoint
+from lwm.training.checkpoint import (DEEPSPEED_MARK, DEEPSPEED_WRITING, deepspeed_step, deepspeed_written,
+    mark_deepspeed_saves_complete)
+from lwm.cli.main import main
+from lwm.training.run_dir import latest_checkpoint
 
 TINY = "configs/tiny.yaml"
 
@@ -196,9 +196,9 @@ def test_a_deepspeed_save_moves_the_mark_aside_before_writing_and_marks_the_dire
     def barrier(name=None):
         seen.append(("barrier", deepspeed_step(path)))  # (no mark before every rank's files are on disk)
 
-    import lwm.checkpoint
+    import lwm.training.checkpoint
 
-    monkeypatch.setattr(lwm.checkpoint, "fsync_file", lambda f: seen.append(("fsync", f.name)))
+    monkeypatch.setattr(lwm.training.checkpoint, "fsync_file", lambda f: seen.append(("fsync", f.name)))
     strategies = [SimpleNamespace(is_global_zero=rank == 0, broadcast=lambda x: x, save_checkpoint=save,
                                   barrier=barrier) for rank in (1, 0)]
     for strategy in strategies:
@@ -232,13 +232,13 @@ def test_a_tie_goes_to_last_ckpt_and_an_unreadable_sole_candidate_is_still_retur
 
 
 def test_a_checkpoint_that_needs_unpickling_is_not_read(tmp_path):
-    from lwm.checkpoint import read_checkpoint
-    from lwm.errors import DataError
+    from lwm.training.checkpoint import read_checkpoint
+    from lwm.utils.errors import DataError
     run, ckpts = tmp_path / "run", tmp_path / "run/checkpoints"
     _save_step(ckpts / "last.ckpt", 5)
     _save_step(run / "hpc_ckpt_1.ckpt", 10, extra=NotAWeight())
     assert latest_checkpoint(run, ckpts) == ckpts / "last.ckpt"
-    from lwm.checkpoint import AtomicCheckpointIO
+    from lwm.training.checkpoint import AtomicCheckpointIO
 
     with pytest.raises(Exception, match="Unsupported global"):  # Lightning's loads: weights_only whatever it asks
         AtomicCheckpointIO().load_checkpoint(run / "hpc_ckpt_1.ckpt", weights_only=False)
@@ -253,7 +253,7 @@ def test_a_checkpoint_that_needs_unpickling_is_not_read(tmp_path):
 def test_a_run_its_checkpoint_folder_and_last_name_its_latest_checkpoint(tmp_path):
     """`lwm codes|generate` take the run's latest checkpoint where given the run, its checkpoint folder or `last`:
     a step file newer than last.ckpt, or an hpc one (in RUN_DIR, not in the checkpoint folder)."""
-    from lwm.checkpoint import checkpoint_file
+    from lwm.training.run_dir import checkpoint_file
 
     run, ckpts = tmp_path / "run", tmp_path / "run/checkpoints"
     (run / "config.yaml").parent.mkdir(parents=True)

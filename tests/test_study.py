@@ -7,7 +7,7 @@ import torch
 
 from lwm.modules.rvq import RVQOutput
 from lwm.modules.world_model import WorldModel
-from lwm.study import Clips, evaluate, other_clip
+from lwm.inference.study import Clips, evaluate, other_clip
 
 
 def _model(**overrides) -> WorldModel:

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-import lwm.threads as threads
+import lwm.utils.threads as threads
 from tests.lightning.helpers import REPO, make_dataset
 from tests.lightning.procs import lwm_command, lwm_env
 

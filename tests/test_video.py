@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from lwm.errors import DataError
-from lwm.video import check_output, grid, latent_preview, write_video
+from lwm.utils.errors import DataError
+from lwm.utils.video import check_output, grid, latent_preview, write_video
 
 
 def test_grid_stacks_rows_top_to_bottom():
@@ -25,7 +25,7 @@ def test_grid_stacks_rows_top_to_bottom():
 def test_grid_shows_a_short_row_then_blank_cells():
     """A ground truth the file has only part of: its frames, then blank (BLANK, black) cells; the video is as long as
     the longest row."""
-    from lwm.video import BLANK
+    from lwm.utils.video import BLANK
 
     a, b = np.full((3, 4, 5, 3), 10, np.uint8), np.full((1, 4, 5, 3), 200, np.uint8)
     g = grid([b, a], pad=1)
@@ -106,14 +106,14 @@ def test_a_failed_video_write_keeps_the_old_file(tmp_path, monkeypatch):
 def test_a_video_write_cut_off_while_writing_the_file_keeps_the_old_one(tmp_path, monkeypatch):
     """The new video goes to a temporary name and replaces the old one in one rename: a write that fails (a full
     disk) leaves the old file whole and no temporary behind."""
-    import lwm.video
+    import lwm.utils.video
 
     old = write_video(tmp_path / "v.mp4", np.zeros((2, 8, 8, 3), np.uint8)).read_bytes()
 
     def cut(src, dst):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(lwm.video.os, "replace", cut)
+    monkeypatch.setattr(lwm.utils.video.os, "replace", cut)
     with pytest.raises(OSError, match="No space left"):
         write_video(tmp_path / "v.mp4", np.full((2, 8, 8, 3), 255, np.uint8))
     assert (tmp_path / "v.mp4").read_bytes() == old and [p.name for p in tmp_path.iterdir()] == ["v.mp4"]
@@ -165,7 +165,7 @@ def test_a_temp_video_that_cannot_be_removed_does_not_fail_the_write(tmp_path, m
 def test_an_mp4_taller_than_h264_takes_is_refused_in_one_line(tmp_path):
     """libx264 takes at most 16384 pixels a side: a grid of 33 rows of 512 px (lwm generate --rollouts 32 on 512 px
     VAE data) is refused by name, not an encoder traceback after all the work."""
-    from lwm.video import check_mp4_size
+    from lwm.utils.video import check_mp4_size
 
     with pytest.raises(DataError, match=r"g\.mp4: a 17024x512 video; H\.264 takes at most 16384 pixels a side"):
         check_mp4_size(33 * 516 - 4, 512, tmp_path / "g.mp4")
@@ -176,6 +176,6 @@ def test_an_mp4_taller_than_h264_takes_is_refused_in_one_line(tmp_path):
 
 
 def test_gif_frame_delays_are_whole_centiseconds_of_at_least_20_ms():
-    from lwm.video import gif_delay_ms
+    from lwm.utils.video import gif_delay_ms
 
     assert [gif_delay_ms(fps) for fps in (8, 10, 24, 50, 60, 120)] == [120, 100, 40, 20, 20, 20]

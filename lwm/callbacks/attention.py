@@ -9,11 +9,11 @@ import lightning as L
 import torch
 from typing_extensions import override
 
-from lwm.callbacks.ranks import every_rank
-from lwm.callbacks.schedule import logs_at_this_step
-from lwm.errors import ConfigError
-from lwm.loggers import log_distribution
-from lwm.metrics import attention_diagonality
+from lwm.training.trainer_state import every_rank
+from lwm.training.trainer_state import logs_at_this_step
+from lwm.utils.errors import ConfigError
+from lwm.training.loggers import log_distribution
+from lwm.utils.metrics import attention_diagonality
 
 
 class AttentionDiagonality(L.Callback):

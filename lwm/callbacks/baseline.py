@@ -7,7 +7,7 @@ from typing import Any
 import lightning as L
 from typing_extensions import override
 
-from lwm.metrics import WeightedMean, copy_last_loss, psnr_from_mse
+from lwm.utils.metrics import WeightedMean, copy_last_loss, psnr_from_mse
 
 
 class CopyLastBaseline(L.Callback):

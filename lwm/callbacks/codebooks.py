@@ -10,9 +10,9 @@ import lightning as L
 import torch
 from typing_extensions import override
 
-from lwm.callbacks.schedule import is_logging_step
-from lwm.loggers import log_distribution
-from lwm.metrics import WeightedMean, codebook_diversity, codebook_usage, used_codes
+from lwm.training.trainer_state import is_logging_step
+from lwm.training.loggers import log_distribution
+from lwm.utils.metrics import WeightedMean, codebook_diversity, codebook_usage, used_codes
 
 
 class CodebookMonitor(L.Callback):

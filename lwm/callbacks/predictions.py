@@ -16,8 +16,8 @@ import torch
 from lightning.pytorch.callbacks import BasePredictionWriter
 from typing_extensions import override
 
-from lwm.checkpoint import atomic_save
-from lwm.loggers import run_log_dir
+from lwm.training.checkpoint import atomic_save
+from lwm.training.loggers import run_log_dir
 
 
 class PredictionWriter(BasePredictionWriter):

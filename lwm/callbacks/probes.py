@@ -9,9 +9,9 @@ import numpy as np
 import torch
 from typing_extensions import override
 
-from lwm.callbacks.ranks import every_rank
-from lwm.errors import ConfigError
-from lwm.metrics import code_ids, linear_probe_accuracy, nmi, probe_train_size
+from lwm.training.trainer_state import every_rank
+from lwm.utils.errors import ConfigError
+from lwm.utils.metrics import code_ids, linear_probe_accuracy, nmi, probe_train_size
 
 
 class GroundTruthProbes(L.Callback):

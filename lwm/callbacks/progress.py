@@ -62,7 +62,7 @@ class StepProgressBar(RichProgressBar):
                  theme: RichProgressBarTheme = RichProgressBarTheme(), console_kwargs: dict[str, Any] | None = None,
                  text_every_s: float = 60.0) -> None:
         super().__init__(refresh_rate=refresh_rate, leave=leave, theme=theme, console_kwargs=console_kwargs)
-        from lwm.errors import ConfigError
+        from lwm.utils.errors import ConfigError
 
         if not text_every_s >= 0:
             raise ConfigError(f"progress_bar.text_every_s must be >= 0 (0: no plain progress lines), got "

@@ -7,8 +7,8 @@ from typing import Any
 import lightning as L
 from typing_extensions import override
 
-from lwm.callbacks.schedule import accumulating, is_logging_step
-from lwm.errors import ConfigError
+from lwm.training.trainer_state import accumulating, is_logging_step
+from lwm.utils.errors import ConfigError
 
 
 class DeadCodeRevival(L.Callback):

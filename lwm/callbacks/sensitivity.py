@@ -8,9 +8,9 @@ import lightning as L
 import torch
 from typing_extensions import override
 
-from lwm.errors import ConfigError
-from lwm.metrics import WeightedMean, sensitivity
-from lwm.seeds import seeded_generator
+from lwm.utils.errors import ConfigError
+from lwm.utils.metrics import WeightedMean, sensitivity
+from lwm.utils.seeds import seeded_generator
 
 
 class Sensitivity(L.Callback):

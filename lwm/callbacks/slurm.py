@@ -40,9 +40,9 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities.exceptions import _TunerExitException
 from typing_extensions import override
 
-from lwm.callbacks.ranks import every_rank
-from lwm.checkpoint import ModelCheckpoint
-from lwm.errors import ConfigError
+from lwm.training.trainer_state import every_rank
+from lwm.training.checkpoint import ModelCheckpoint
+from lwm.utils.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from lightning.pytorch.callbacks import RichModelSummary
 from lightning.pytorch.utilities.model_summary import get_formatted_model_size, get_human_readable_count
 from typing_extensions import override
 
-from lwm.errors import ConfigError
+from lwm.utils.errors import ConfigError
 
 HIDDEN_COLUMNS = ("FLOPs",)
 HIDDEN_PREFIXES = ("val_metrics",)

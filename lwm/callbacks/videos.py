@@ -9,9 +9,10 @@ import lightning as L
 import torch
 from typing_extensions import override
 
-from lwm.errors import MAX_FPS, ConfigError
-from lwm.loggers import log_video, run_log_dir
-from lwm.video import grid, latent_preview, write_video
+from lwm.utils.video import MAX_FPS
+from lwm.utils.errors import ConfigError
+from lwm.training.loggers import log_video, run_log_dir
+from lwm.utils.video import grid, latent_preview, write_video
 
 
 class RolloutVideos(L.Callback):

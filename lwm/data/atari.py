@@ -29,7 +29,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from lwm.errors import ArgumentParser, DataError
+from lwm.utils.args import ArgumentParser
+from lwm.utils.errors import DataError
 
 SCREEN = (210, 160)
 ALE_FPS = 60  # the emulator's frames per second

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from einops import rearrange
 
-from lwm.errors import DataError
+from lwm.utils.errors import DataError
 
 LUMA = np.array([0.299, 0.587, 0.114], dtype=np.float32)  # ITU-R BT.601
 

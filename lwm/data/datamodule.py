@@ -31,7 +31,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from torch.utils.data import DataLoader
 
 from lwm.data.h5 import DataError, inspect_h5
-from lwm.errors import refused
+from lwm.utils.errors import refused
 from lwm.data.manifest import Manifest, checking
 from lwm.data.windows import FileBatchSampler, H5WindowDataset, collate_windows
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from lwm.errors import DataError, first_line
+from lwm.utils.errors import DataError, first_line
 
 LATENTS_KEY = "latents"
 ACTIONS_KEY = "actions"

@@ -28,8 +28,8 @@ import numpy as np
 from rich.console import Console
 from rich.progress import track
 
-from lwm.files import atomic_write
-from lwm.errors import refused
+from lwm.utils.files import atomic_write
+from lwm.utils.errors import refused
 from lwm.data.h5 import (LATENTS_KEY, MODEL_MULTIPLE, SLOW_CHUNK_FRAMES, DataError, GeneratedFile, H5Info,
                          inspect_h5)
 

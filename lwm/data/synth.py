@@ -293,7 +293,7 @@ def main(argv: list[str]) -> int:
     """``lwm data synth --out DIR --episodes N [--frames T] [--seed S] [--val-fraction F] [--worlds K] [--size S]
     [--distractors D] [--overwrite]``."""
     from lwm.data.manifest import Manifest
-    from lwm.errors import ArgumentParser
+    from lwm.utils.args import ArgumentParser
 
     parser = ArgumentParser(
         prog="lwm data synth",

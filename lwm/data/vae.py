@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lwm.errors import DataError, first_line
+from lwm.utils.errors import DataError, first_line
 
 SPREAD = 4.0  # normalised latents are divided by this before clipping to [-1, 1]
 TEMPORAL = 4  # video frames per latent step (after the first)

@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import Dataset, Sampler, default_collate
 
 from lwm.data.h5 import ACTIONS_KEY, DataError, parse_world_label
-from lwm.errors import first_line
+from lwm.utils.errors import first_line
 from lwm.data.manifest import Manifest, ManifestEntry
 
 MISSING = -1  # value of `actions` / `world_label` in a batch when the file has none

@@ -27,7 +27,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from lwm.errors import ConfigError
+from lwm.utils.errors import ConfigError
 from lwm.modules import triton_attention
 from lwm.modules.rvq import RVQ_EPS, ResidualVectorQuantizer, RVQOutput
 from lwm.modules.st_transformer import (

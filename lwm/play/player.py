@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lwm.errors import ConfigError, DataError
+from lwm.utils.errors import ConfigError, DataError
 from lwm.play.controls import Binding, action_names, cooccurrence, most_frequent_noop, number_keys, true_action_keys
 from lwm.play.rollout import Rollout
 
@@ -53,7 +53,7 @@ class Display:
     def frames(self, new: Tensor, history: Tensor | None = None) -> np.ndarray:
         """The pixels of each latent of ``new [K, C, H, W]``, ``[K, S, S, 3]`` (a VAE: the last video frame of each,
         decoded after the latents of ``history [h, C, H, W]`` before it)."""
-        from lwm.video import latent_preview
+        from lwm.utils.video import latent_preview
 
         if self.decoder is None:
             return latent_preview(new.cpu())
@@ -64,7 +64,7 @@ class Display:
 
     def video(self, latents: Tensor, before: np.ndarray | None = None) -> np.ndarray:
         """The video of ``latents [T, C, H, W]`` (a VAE: every frame, after the file's latents ``before``)."""
-        from lwm.video import latent_preview
+        from lwm.utils.video import latent_preview
 
         if self.decoder is None:
             return latent_preview(latents.cpu())
@@ -247,7 +247,7 @@ class Session:
     def video(self, suffix: str) -> bytes:
         """The session's frames as an ``.mp4`` or ``.gif`` file's bytes (the start frame first), at the data's fps,
         enlarged (nearest) to at least :data:`RECORDING_SIDE` pixels."""
-        from lwm.video import write_video
+        from lwm.utils.video import write_video
 
         frames = self.player.display.video(self.rollout.latents(), self.player.before(self.file, self.frame))
         scale = max(1, -(-RECORDING_SIDE // frames.shape[1]))
@@ -262,7 +262,8 @@ def load_player(ckpt_path: str, data: list[str], manifest: str | None, codes: st
                 vae_tiling: bool, hold_fps: float) -> Player:
     """Everything ``lwm play`` needs, checked, each problem one line naming the file: the checkpoint, its code
     dictionary, the data files (the model's latent shape), the codec."""
-    from lwm.checkpoint import checkpoint_file, load_checkpoint, read_checkpoint, trained_window
+    from lwm.training.run_dir import checkpoint_file
+    from lwm.training.checkpoint import load_checkpoint, read_checkpoint, trained_window
     from lwm.data.codecs import codec_from_attr, missing_codec
     from lwm.data.h5 import file_fps
 
@@ -288,7 +289,7 @@ def load_player(ckpt_path: str, data: list[str], manifest: str | None, codes: st
 def _dictionaries(ckpt_path: Path, codes: str | None, raw: dict) -> tuple[Path, dict]:
     """The checkpoint's code dictionaries (``--codes``, else ``codes.pt`` or ``NAME.codes.pt`` beside it); a
     checkpoint without one is one line saying how to make it."""
-    from lwm.codes import default_codes_path, dictionaries_step, load_dictionaries
+    from lwm.inference.dictionary import default_codes_path, dictionaries_step, load_dictionaries
 
     path = Path(codes) if codes else default_codes_path(ckpt_path)
     if not codes and not path.is_file() and (ckpt_path.parent / "codes.pt").is_file():

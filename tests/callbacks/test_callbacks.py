@@ -16,10 +16,11 @@ from lwm.callbacks import (
     AttentionDiagonality, CodebookMonitor, CodeDictionaries, DeadCodeRevival, FlopCounter, GroundTruthProbes,
     RolloutVideos, Sensitivity, SlurmRequeue,
 )
-from lwm.errors import ConfigError
-from lwm.metrics import attention_diagonality, codebook_diversity, codebook_usage, sensitivity
-from lwm.module import OptimConfig, WorldModelModule
-from lwm.seeds import seeded_generator
+from lwm.utils.errors import ConfigError
+from lwm.utils.metrics import attention_diagonality, codebook_diversity, codebook_usage, sensitivity
+from lwm.training.optim import OptimConfig
+from lwm.training.module import WorldModelModule
+from lwm.utils.seeds import seeded_generator
 from tests.lightning.test_module import NET, _batches, _fit
 
 
@@ -218,7 +219,7 @@ def _labelled(n: int) -> list[dict[str, torch.Tensor]]:
 
 def test_copy_last_baseline_is_the_weighted_mean_over_the_validation_set():
     from lwm.callbacks import CopyLastBaseline
-    from lwm.metrics import copy_last_loss
+    from lwm.utils.metrics import copy_last_loss
 
     data = _batches(3)
     data[1] = {"latents": data[1]["latents"][:1]}  # batches of 2, 1 and 2 clips
@@ -235,7 +236,7 @@ def test_copy_last_baseline_is_the_weighted_mean_over_the_validation_set():
 
 def test_probes_log_nmi_and_probe_accuracy_of_the_codes_against_the_labels():
     from lwm.callbacks import GroundTruthProbes
-    from lwm.metrics import code_ids, linear_probe_accuracy, nmi
+    from lwm.utils.metrics import code_ids, linear_probe_accuracy, nmi
 
     module, data = _module(), _labelled(3)
     with torch.no_grad():  # every world code level holds one vector k times: every clip gets the codes (0, ..., 0)
@@ -488,7 +489,7 @@ class _FakeTrainer:
 
 # a step of accumulate_grad_batches batches costs that many batches' FLOPs
 def test_flops_per_step_count_every_accumulated_batch():
-    from lwm.callbacks.flops import FlopCounter
+    from lwm.callbacks.flop_counter import FlopCounter
 
     module = WorldModelModule(net=NET).train()
     x = torch.tanh(torch.randn(2, 6, 4, 16, 16))
@@ -499,7 +500,7 @@ def test_flops_per_step_count_every_accumulated_batch():
 
 # cumulative TFLOPs count every rank
 def test_cumulative_tflops_count_every_rank():
-    from lwm.callbacks.flops import FlopCounter
+    from lwm.callbacks.flop_counter import FlopCounter
 
     counter = FlopCounter()
     counter.flops_per_step = int(1e12)
@@ -508,7 +509,7 @@ def test_cumulative_tflops_count_every_rank():
 
 # a run resumed on another number of GPUs goes on from the checkpoint's sum
 def test_cumulative_tflops_travel_with_checkpoints_across_world_sizes():
-    from lwm.callbacks.flops import FlopCounter
+    from lwm.callbacks.flop_counter import FlopCounter
 
     counter = FlopCounter()
     counter.flops_per_step = int(1e12)
@@ -525,8 +526,8 @@ def test_cumulative_tflops_travel_with_checkpoints_across_world_sizes():
 
 # the step's FLOPs are the useful ones (masked attention for its allowed pairs), below the dense count
 def test_flop_counter_counts_useful_attention_flops():
-    from lwm.callbacks.flops import FlopCounter
-    from lwm.flops import count_flops
+    from lwm.callbacks.flop_counter import FlopCounter
+    from lwm.modules.flops import count_flops
 
     module = WorldModelModule(net=NET).train()
     x = torch.tanh(torch.randn(2, 6, 4, 16, 16))
@@ -573,7 +574,7 @@ def test_slurm_does_not_save_inside_an_accumulation_window(tmp_path):
 # a preemption also rewrites last.ckpt (with the step checkpoint if due) through lwm's ModelCheckpoint
 def test_slurm_preemption_writes_last_ckpt_too(tmp_path):
     from lwm.callbacks import SlurmRequeue
-    from lwm.checkpoint import ModelCheckpoint
+    from lwm.training.checkpoint import ModelCheckpoint
 
     stops = []
 
@@ -636,7 +637,7 @@ def test_codebook_coverage_is_the_union_of_every_batch():
 # world codes are paired with their own clip's world label (what the NMI and the probe are computed on)
 def test_probes_pair_world_codes_with_their_clips_labels():
     from lwm.callbacks import GroundTruthProbes
-    from lwm.metrics import code_ids, nmi
+    from lwm.utils.metrics import code_ids, nmi
 
     torch.manual_seed(0)
     module = WorldModelModule(net=NET, optim=OptimConfig(warmup_steps=0))
@@ -737,7 +738,7 @@ def test_validation_codebook_usage_counts_runs_of_the_training_batch_size():
 # the video's second row is the model's rollout from frame 0 (not the ground truth)
 def test_rollout_video_rows_are_ground_truth_then_generated(tmp_path):
     from lwm.callbacks import RolloutVideos
-    from lwm.video import grid, latent_preview
+    from lwm.utils.video import grid, latent_preview
 
     torch.manual_seed(0)
     module = WorldModelModule(net=NET, optim=OptimConfig(warmup_steps=0))
@@ -827,7 +828,7 @@ def test_a_second_ctrl_c_stops_at_once(capsys):
     import signal
 
     from lwm.callbacks import SlurmRequeue, slurm
-    from lwm.cli import main
+    from lwm.cli.main import main
 
     requeue = SlurmRequeue()
     requeue._active = True
@@ -838,11 +839,11 @@ def test_a_second_ctrl_c_stops_at_once(capsys):
         requeue._on_signal(signal.SIGINT, None)
     assert "SIGINT again: stopping now, unsaved" in capsys.readouterr().err
     assert slurm.hard_stopped()  # `lwm` makes Lightning's exit 1 a 130
-    with mock.patch("lwm.lightning_cli.lightning_cli", side_effect=SystemExit(1)):
+    with mock.patch("lwm.cli.lightning_cli.lightning_cli", side_effect=SystemExit(1)):
         assert main(["fit"]) == 130
     requeue.setup(None, None, "fit")  # the next fit starts afresh
     assert not slurm.hard_stopped()
-    with mock.patch("lwm.lightning_cli.lightning_cli", side_effect=SystemExit(1)), pytest.raises(SystemExit):
+    with mock.patch("lwm.cli.lightning_cli.lightning_cli", side_effect=SystemExit(1)), pytest.raises(SystemExit):
         main(["fit"])  # any other exit 1 stays what it was
     term = SlurmRequeue()
     term._active = True

@@ -18,8 +18,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lwm.callbacks import CodeDictionaries
-from lwm.codes import load_dictionaries
-from lwm.errors import DataError, NonFiniteLossError
+from lwm.inference.dictionary import load_dictionaries
+from lwm.utils.errors import DataError, NonFiniteLossError
 from tests.test_codes import FakeEncoders
 
 
@@ -94,7 +94,7 @@ def test_a_bad_window_on_one_rank_stops_every_rank_with_its_line():
 
 
 def _nonfinite_stop(rank: int) -> None:
-    from lwm.module import WorldModelModule
+    from lwm.training.module import WorldModelModule
     from tests.lightning.test_module import NET
 
     module = WorldModelModule(net=NET, max_nonfinite=3)

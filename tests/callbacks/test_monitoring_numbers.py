@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from lwm.callbacks import GroundTruthProbes, Sensitivity
-from lwm.metrics import nmi, probe_train_size, sensitivity
-from lwm.module import OptimConfig, WorldModelModule
-from lwm.seeds import seeded_generator
+from lwm.utils.metrics import nmi, probe_train_size, sensitivity
+from lwm.training.optim import OptimConfig
+from lwm.training.module import WorldModelModule
+from lwm.utils.seeds import seeded_generator
 from tests.callbacks.test_callbacks import _feed, _probe_windows, _validate
 from tests.lightning.test_module import NET, _batches
 
@@ -74,7 +75,7 @@ def test_sensitivity_random_codes_are_drawn_per_batch_stream():
 
 def test_attention_diagonality_averages_the_heads():
     """Head 0 on itself (1.0), head 1 on frame 0 (query 0 alone on its diagonal: 1/Q): their mean, not the max."""
-    from lwm.metrics import attention_diagonality
+    from lwm.utils.metrics import attention_diagonality
 
     T, Q = 5, 4
     attn = torch.zeros(1, 2, Q, T)
@@ -86,7 +87,7 @@ def test_attention_diagonality_averages_the_heads():
 def test_attention_diagonality_logs_every_block():
     """depth_action=2: block 0 (shifted mask) and block 1 each logged, each its own block's value."""
     from lwm.callbacks import AttentionDiagonality
-    from lwm.metrics import attention_diagonality
+    from lwm.utils.metrics import attention_diagonality
 
     torch.manual_seed(0)
     module = WorldModelModule(net=dataclasses.replace(NET, depth_action=2), optim=OptimConfig(warmup_steps=0))
@@ -127,7 +128,7 @@ def test_training_attention_diagonality_is_over_every_ranks_clips(monkeypatch):
 
 
 def attention_diagonality_of(module, x):
-    from lwm.metrics import attention_diagonality
+    from lwm.utils.metrics import attention_diagonality
 
     return attention_diagonality(module.model.action_attention(x)[0][..., :-1, :])
 

@@ -10,10 +10,10 @@ import pytest
 
 pytest.importorskip("ale_py")
 
-from lwm.cli import main  # noqa: E402
+from lwm.cli.main import main  # noqa: E402
 from lwm.data.atari import make_dataset, record  # noqa: E402
 from lwm.data.manifest import Manifest  # noqa: E402
-from lwm.errors import DataError  # noqa: E402
+from lwm.utils.errors import DataError  # noqa: E402
 
 
 def test_record_is_seeded_and_plays_the_games_legal_actions():

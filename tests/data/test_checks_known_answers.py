@@ -12,11 +12,11 @@ import h5py
 import numpy as np
 import pytest
 
-from lwm.cli import main
+from lwm.cli.main import main
 from lwm.data import convert
 from lwm.data.h5 import DataError, inspect_h5
 from lwm.data.manifest import ManifestEntry, index_directory, val_count
-from lwm.video import write_video
+from lwm.utils.video import write_video
 from tests.data.conftest import write_h5
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from lwm.data.codecs import PixelCodec, codec_from_attr
-from lwm.errors import DataError
+from lwm.utils.errors import DataError
 
 
 def test_round_trip_is_exact_and_latents_are_in_range():

@@ -10,13 +10,13 @@ import imageio.v3 as iio
 import numpy as np
 import pytest
 
-from lwm.cli import main
+from lwm.cli.main import main
 from lwm.data import convert
 from lwm.data.codecs import PixelCodec
 from lwm.data.convert import framing, make_codec, read_video, square_resize, write_latents
 from lwm.data.h5 import DataError, inspect_h5
 from lwm.data.vae import latent_actions
-from lwm.video import write_video
+from lwm.utils.video import write_video
 
 
 def test_encode_then_decode_returns_the_resized_frames(tmp_path):

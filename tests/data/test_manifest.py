@@ -10,7 +10,7 @@ import h5py
 import numpy as np
 import pytest
 
-from lwm.cli import main
+from lwm.cli.main import main
 from lwm.data.h5 import DataError
 from lwm.data.manifest import Manifest, ManifestEntry, index_directory
 from tests.data.conftest import pattern, write_h5
@@ -174,7 +174,7 @@ def test_bad_files_are_all_named_and_nothing_written(data_dir, tmp_path):
 
 
 def test_many_bad_files_are_named_up_to_a_limit_then_counted(data_dir):
-    from lwm.errors import LISTED_PROBLEMS
+    from lwm.utils.errors import LISTED_PROBLEMS
 
     for i in range(LISTED_PROBLEMS + 5):
         (data_dir / f"zz_bad_{i:02d}.h5").write_bytes(b"not hdf5")

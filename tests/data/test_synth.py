@@ -9,7 +9,7 @@ import h5py
 import numpy as np
 import pytest
 
-from lwm.cli import main as lwm
+from lwm.cli.main import main as lwm
 from lwm.data.codecs import PixelCodec
 from lwm.data.h5 import DataError, inspect_h5
 from lwm.data.manifest import Manifest
@@ -137,7 +137,7 @@ def test_a_bad_val_fraction_is_refused_before_rendering(tmp_path):
 
 
 def test_bad_distractors_are_refused_before_the_folder_is_made(tmp_path, capsys):
-    from lwm.cli import main as lwm
+    from lwm.cli.main import main as lwm
 
     out = tmp_path / "out"
     assert lwm(["data", "synth", "--out", str(out), "--episodes", "2", "--frames", "4", "--size", "32",

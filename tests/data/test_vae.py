@@ -18,7 +18,7 @@ diffusers = pytest.importorskip("diffusers")
 from lwm.data.codecs import codec_from_attr, missing_codec  # noqa: E402
 from lwm.data.convert import decode_file, encode_videos  # noqa: E402
 from lwm.data.vae import CLASSES, SPREAD, VAECodec, latent_actions, latent_frames, video_frames  # noqa: E402
-from lwm.errors import DataError  # noqa: E402
+from lwm.utils.errors import DataError  # noqa: E402
 
 TINY = {
     "wan": dict(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
@@ -110,7 +110,7 @@ def test_tiled_decoding_splits_large_frames_and_stays_close(name, vae_dirs):
 @pytest.mark.parametrize("tiling", [False, True])
 def test_decode_command_hands_vae_and_tiling_to_the_codec(tmp_path, monkeypatch, tiling):
     """``lwm data decode --vae PATH [--vae-tiling]`` load the VAE with tiling as asked (a stand-in VAE codec)."""
-    from lwm.cli import main
+    from lwm.cli.main import main
 
     path = tmp_path / "clip.h5"
     with h5py.File(path, "w") as f:
@@ -212,7 +212,7 @@ def test_a_vae_with_missing_weights_is_refused(tmp_path, vae_dirs):
 
 def test_the_encode_log_says_the_latent_frames_and_the_frames_dropped(tmp_path, vae_dirs):
     """10 frames through a VAE are 3 latent frames covering 9; the 10th fills no group of 4 and is dropped."""
-    from lwm.video import write_video
+    from lwm.utils.video import write_video
 
     video = write_video(tmp_path / "clip.mp4", frames(10))
     lines: list[str] = []

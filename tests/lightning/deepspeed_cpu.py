@@ -20,8 +20,8 @@ import deepspeed  # noqa: E402
 import lightning.pytorch.strategies.deepspeed as lightning_deepspeed  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy  # noqa: E402
 
-from lwm.cli import main  # noqa: E402
-from lwm.module import WorldModelModule  # noqa: E402
+from lwm.cli.main import main  # noqa: E402
+from lwm.training.module import WorldModelModule  # noqa: E402
 
 
 def _patch_for_the_cpu() -> None:

@@ -12,7 +12,7 @@ from lightning.pytorch.loggers.logger import Logger
 import numpy as np
 import torch
 
-from lwm.cli import main
+from lwm.cli.main import main
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny.yaml"
@@ -126,7 +126,7 @@ class DumpQuantizers(L.Callback):
 
 
 class WandbLogger(Logger):
-    """A stand-in for Lightning's WandbLogger (lwm.loggers finds it by class name): ``experiment.log`` appends
+    """A stand-in for Lightning's WandbLogger (lwm.training.loggers finds it by class name): ``experiment.log`` appends
     what it is given to ``self.sent`` (and whether it committed a history row to ``self.commits``)."""
 
     name, version = "fake", "0"

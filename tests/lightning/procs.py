@@ -87,7 +87,7 @@ def check_checkpoints(directory: Path, max_steps: int) -> dict[str, int]:
     if "last.ckpt" in steps:
         assert 0 < steps["last.ckpt"] <= max_steps, steps
     if steps:
-        from lwm.resume import latest_checkpoint
+        from lwm.training.run_dir import latest_checkpoint
 
         assert steps[latest_checkpoint(directory.parent, directory).name] == max(steps.values()), steps
     return steps

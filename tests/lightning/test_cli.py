@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from lwm.checkpoint import trained_window
-from lwm.cli import main
+from lwm.training.checkpoint import trained_window
+from lwm.cli.main import main
 from tests.lightning.helpers import make_dataset, read_metrics, run, tiny_args, train_series
 
 
@@ -66,7 +66,7 @@ def test_validate_test_and_predict_run_from_a_checkpoint_beside_the_fit(trained)
     assert n == sum(f["frames"] // 6 for f in files) and codes["action_indices"].shape == (n, 5, 2) and codes["world_indices"].shape == (n, 2)
     assert codes["global_step"] == 8 and all(f.endswith(".h5") for f in codes["file"])
     with torch.no_grad():  # the codes of the first window, computed directly
-        from lwm.module import WorldModelModule
+        from lwm.training.module import WorldModelModule
 
         model = WorldModelModule.load_from_checkpoint(ckpt, weights_only=True).model.eval()
         with h5py.File(codes["file"][0]) as f:
@@ -130,7 +130,7 @@ def test_a_resumed_fit_keeps_the_configs_settings_and_may_change_what_is_not_sha
     not the checkpoint's: a new learning rate, weight decay, betas and eps reach the optimizer (Lightning restores
     the old ones with its state), the schedule continues from the step with the new peak, and activation
     checkpointing applies. The lr is logged every step (Train_Total/lr/pg1, /pg2)."""
-    from lwm.module import OptimConfig
+    from lwm.training.optim import OptimConfig
 
     manifest = make_dataset(tmp_path / "data", files=4)
     root = tmp_path / "run"
@@ -224,7 +224,7 @@ class _Commented:
 
 
 def test_field_comments_are_the_end_of_line_or_the_lines_above():
-    from lwm.lightning_cli import field_comments
+    from lwm.cli.lightning_cli import field_comments
 
     assert field_comments(_Commented) == {"width": "the width", "depth": "the depth, said above it over two lines"}
 
@@ -272,13 +272,13 @@ def test_overfit_drives_the_tf_loss_towards_zero(tmp_path, capsys):
 
 
 def test_overfit_trains_on_the_window_its_file_and_start_name(tmp_path, capsys, monkeypatch):
-    import lwm.overfit
+    import lwm.cli.overfit
     from lwm.data.manifest import Manifest
 
     manifest = make_dataset(tmp_path / "data", files=4)
     train = [Manifest.load(manifest).resolve(e) for e in Manifest.load(manifest).split("train")]
     seen = []
-    monkeypatch.setattr(lwm.overfit, "_Repeat", lambda item, times: seen.append(item) or [item] * times)
+    monkeypatch.setattr(lwm.cli.overfit, "_Repeat", lambda item, times: seen.append(item) or [item] * times)
     assert run(manifest, tmp_path / "run", "--steps=1", "--file=1", "--start=2", verb="overfit") == 0
     with h5py.File(train[1]) as f:  # the second train file's frames 2..7 (window 6), every step
         np.testing.assert_array_equal(seen[0]["latents"].numpy(), f["latents"][2:8])
@@ -483,7 +483,7 @@ def test_eval_last_loads_the_runs_latest_whole_deepspeed_directory(tmp_path, mon
     would take last.ckpt, cut short)."""
     from lightning.pytorch.trainer.connectors import checkpoint_connector
 
-    from lwm.checkpoint import DEEPSPEED_MARK, DEEPSPEED_WRITING
+    from lwm.training.checkpoint import DEEPSPEED_MARK, DEEPSPEED_WRITING
     from tests.test_resume_info import _deepspeed
 
     manifest = make_dataset(tmp_path / "data", files=4)
@@ -679,8 +679,8 @@ def test_one_fit_at_a_time_in_a_run_dir(tmp_path, capsys, monkeypatch):
     import os
     import socket
 
-    from lwm.errors import ConfigError
-    from lwm.lightning_cli import _RunLock
+    from lwm.utils.errors import ConfigError
+    from lwm.training.run_dir import _RunLock
 
     manifest = make_dataset(tmp_path / "data", files=4)
     root = tmp_path / "run"

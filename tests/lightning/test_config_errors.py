@@ -85,8 +85,8 @@ def test_an_interpolation_names_a_key_of_the_same_config_under_every_verb(manife
     """``${trainer.default_root_dir}`` in a config file (or on the command line) follows the command line's
     override under fit and under our verbs (jsonargparse resolves over ``fit.*`` under lwm fit: it was a traceback);
     an interpolation naming no key is one line."""
-    from lwm.cli import main
-    from lwm.lightning_cli import relative_interpolations
+    from lwm.cli.main import main
+    from lwm.cli.lightning_cli import relative_interpolations
     from tests.lightning.helpers import TINY
 
     config = tmp_path / "c.yaml"
@@ -105,7 +105,7 @@ def test_an_interpolation_names_a_key_of_the_same_config_under_every_verb(manife
 
 
 def test_a_negative_number_given_apart_from_its_key_joins_it():
-    from lwm.lightning_cli import negative_values_joined
+    from lwm.cli.lightning_cli import negative_values_joined
 
     assert negative_values_joined(["--a", "-1e-3", "--b", "-.5", "-2", "--c=-1", "-x", "--d", "-inf", "--e", "-f"]) == [
         "--a=-1e-3", "--b=-.5", "-2", "--c=-1", "-x", "--d=-inf", "--e", "-f"]
@@ -132,7 +132,7 @@ def test_an_empty_or_single_value_section_of_a_config_file_is_one_line_naming_it
 
 def test_an_override_before_a_config_that_sets_the_key_again_is_refused(manifest, tmp_path, capsys):
     """jsonargparse lets the later --config win: the override was lost without a word."""
-    from lwm.cli import main
+    from lwm.cli.main import main
     from tests.lightning.helpers import TINY
 
     root = tmp_path / "run"

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lwm.data.datamodule import LatentDataModule
-from lwm.module import WorldModelModule
+from lwm.training.module import WorldModelModule
 from tests.lightning.helpers import make_dataset, read_metrics, run
 from tests.lightning.procs import one_thread, run_lwm
 

@@ -83,8 +83,8 @@ def test_deepspeed_skips_a_nan_step_resumes_exactly_and_stops_before_a_checkpoin
 
 def test_a_deepspeed_save_cut_short_by_a_kill_is_never_resumed_and_the_run_continues_from_the_latest_whole_one(
         tmp_path):
-    from lwm.checkpoint import DEEPSPEED_MARK, DEEPSPEED_WRITING, deepspeed_step
-    from lwm.resume import latest_checkpoint
+    from lwm.training.checkpoint import DEEPSPEED_MARK, DEEPSPEED_WRITING, deepspeed_step
+    from lwm.training.run_dir import latest_checkpoint
 
     manifest = make_dataset(tmp_path / "data")
     every = ("--checkpoint.every_n_train_steps=2", "--trainer.val_check_interval=null")

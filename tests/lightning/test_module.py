@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from lwm.callbacks.revival import DeadCodeRevival
-from lwm.errors import ConfigError, NonFiniteLossError
-from lwm.module import OptimConfig, WorldModelModule
+from lwm.utils.errors import ConfigError, NonFiniteLossError
+from lwm.training.optim import OptimConfig
+from lwm.training.module import WorldModelModule
 from lwm.modules.world_model import WorldModelConfig
 from tests.lightning.helpers import C, H, W, make_dataset, run
 
@@ -626,7 +627,7 @@ def test_deepspeed_fp16_overflows_count_towards_the_stop_only_below_a_loss_scale
 
 
 def test_without_deepspeed_there_is_no_engine_count():
-    from lwm.nonfinite import deepspeed_skipped_steps
+    from lwm.training.nonfinite import deepspeed_skipped_steps
 
     module = _train(_batches(2))
     assert deepspeed_skipped_steps(module.trainer) is None and not module.skips.reading_engine

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from lwm.errors import ConfigError
-from lwm.loggers import RUN_ID_FILE, CSVLogger, WandbConfig, make_loggers, wandb_logged_in, wandb_run_id
+from lwm.utils.errors import ConfigError
+from lwm.training.loggers import RUN_ID_FILE, CSVLogger, WandbConfig, make_loggers, wandb_logged_in, wandb_run_id
 from tests.lightning.helpers import make_dataset, read_metrics, run, tiny_args
 
 LOSSES = ["Total/loss", "Dynamics_Predictor/tf_loss", "Dynamics_Predictor/rollout_1_loss",
@@ -90,7 +90,7 @@ def test_wandb_mode_disabled_in_the_environment_writes_no_wandb_folder(tmp_path,
     manifest = make_dataset(tmp_path / "data", files=4)
     args = [a for a in tiny_args(manifest, tmp_path / "run", "--trainer.max_steps=1", "--data.val_size_percent=0")
             if a != "--wandb.mode=disabled"]
-    from lwm.cli import main
+    from lwm.cli.main import main
 
     assert main(args) == 0
     assert (tmp_path / "run/checkpoints/last.ckpt").is_file() and not (tmp_path / "run/wandb").exists()
@@ -103,7 +103,7 @@ def test_wandb_online_without_a_login_is_one_line(tmp_path, monkeypatch, capsys)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     manifest = make_dataset(tmp_path / "data", files=4)
     args = [a for a in tiny_args(manifest, tmp_path / "run", "--trainer.max_steps=1") if a != "--wandb.mode=disabled"]
-    from lwm.cli import main
+    from lwm.cli.main import main
 
     assert main([*args, "--wandb.mode=online"]) == 2
     err = capsys.readouterr().err
@@ -146,7 +146,7 @@ def test_a_resumed_fit_continues_its_wandb_run(tmp_path):
 def test_which_fits_resume_a_run(tmp_path, monkeypatch):
     """What decides whether a fit continues its wandb run: a checkpoint that exists, or Lightning's SLURM
     requeue checkpoint where Lightning resumes from it (under SLURM, given no --ckpt_path)."""
-    from lwm.lightning_cli import fit_resumes
+    from lwm.training.run_dir import fit_resumes
 
     for var in ("SLURM_NTASKS", "SLURM_JOB_NAME"):
         monkeypatch.delenv(var, raising=False)
@@ -186,8 +186,8 @@ def test_flop_counter_counts_forward_and_backward_of_the_step():
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from lwm.callbacks.flops import FlopCounter
-    from lwm.module import WorldModelModule
+    from lwm.callbacks.flop_counter import FlopCounter
+    from lwm.training.module import WorldModelModule
     from tests.lightning.test_module import NET
 
     module = WorldModelModule(net=NET).train()
@@ -209,9 +209,9 @@ def test_log_distribution_sends_a_histogram_to_wandb_and_min_mean_max_to_every_l
     import lightning as L
     import torch
     import wandb
-    from lwm.loggers import log_distribution
+    from lwm.training.loggers import log_distribution
     from tests.lightning.helpers import WandbLogger
-    from lwm.module import WorldModelModule
+    from lwm.training.module import WorldModelModule
     from tests.lightning.test_module import NET, _batches
 
     wandb_logger = WandbLogger()
@@ -237,7 +237,7 @@ def test_a_histogram_of_nearly_equal_or_non_finite_values_is_made_not_raised():
     import numpy as np
     import torch
     import wandb
-    from lwm.loggers import histogram_values
+    from lwm.training.loggers import histogram_values
 
     close = torch.tensor([0.44466572, 0.44466575])  # float32
     with pytest.raises(ValueError, match="Too many bins"):
@@ -252,7 +252,7 @@ def test_the_model_summary_has_no_zero_flops_and_no_metric_rows(capsys):
     from lightning.pytorch.utilities.model_summary import summarize
 
     from lwm.callbacks import ModelSummary
-    from lwm.module import WorldModelModule
+    from lwm.training.module import WorldModelModule
     from tests.lightning.test_module import NET
 
     s = summarize(WorldModelModule(net=NET), max_depth=2)
@@ -268,7 +268,7 @@ def test_tflops_per_s_leaves_the_validation_time_out(monkeypatch):
     from types import SimpleNamespace
 
     from lwm.callbacks import flops as flops_module
-    from lwm.callbacks.flops import FlopCounter
+    from lwm.callbacks.flop_counter import FlopCounter
 
     clock = [0.0]
     monkeypatch.setattr(flops_module.time, "perf_counter", lambda: clock[0])
@@ -291,10 +291,10 @@ def test_tflops_per_s_leaves_the_validation_time_out(monkeypatch):
 
 
 def test_without_wandb_installed_the_default_logs_to_the_csv_and_an_explicit_mode_is_refused(tmp_path, monkeypatch):
-    import lwm.loggers
-    from lwm.errors import ConfigError
+    import lwm.training.loggers
+    from lwm.utils.errors import ConfigError
 
-    monkeypatch.setattr(lwm.loggers, "wandb_installed", lambda: False)
+    monkeypatch.setattr(lwm.training.loggers, "wandb_installed", lambda: False)
     with pytest.warns(UserWarning, match="wandb is not installed"):
         loggers = make_loggers(str(tmp_path / "run"))
     assert len(loggers) == 1 and isinstance(loggers[0], CSVLogger)
@@ -313,9 +313,9 @@ def test_histograms_sit_at_the_step_of_their_scalars_and_once_per_accumulated_st
     import torch
 
     from lwm.callbacks import AttentionDiagonality, CodebookMonitor
-    from lwm.loggers import CSVLogger as LwmCSV
+    from lwm.training.loggers import CSVLogger as LwmCSV
     from tests.lightning.helpers import WandbLogger
-    from lwm.module import WorldModelModule
+    from lwm.training.module import WorldModelModule
     from tests.lightning.test_module import NET, _batches
 
     wandb_logger = WandbLogger()

@@ -142,7 +142,7 @@ def test_timed_validation_keeps_lightnings_deferral():
     own clock): the checkpoint waits for it, as in Lightning."""
     from types import SimpleNamespace
 
-    from lwm.checkpoint import _validation_follows
+    from lwm.training.checkpoint import _validation_follows
 
     assert _validation_follows(SimpleNamespace(_val_check_time_interval=6.0))
 
@@ -438,7 +438,7 @@ def test_a_second_step_checkpoint_callback_of_other_files_keeps_its_own_state(tm
     manifest = make_dataset(tmp_path / "data")
     keep = tmp_path / "keep"
     common = ["--data.val_size_percent=0", "--checkpoint.every_n_train_steps=2", "--checkpoint.save_top_k=1",
-              "--trainer.callbacks+=lwm.checkpoint.ModelCheckpoint", "--trainer.callbacks.monitor=step",
+              "--trainer.callbacks+=lwm.training.checkpoint.ModelCheckpoint", "--trainer.callbacks.monitor=step",
               "--trainer.callbacks.mode=max", "--trainer.callbacks.every_n_train_steps=4",
               "--trainer.callbacks.save_top_k=-1", f"--trainer.callbacks.dirpath={keep}",
               "--trainer.callbacks.filename=step={step:07d}", "--trainer.callbacks.auto_insert_metric_name=false"]

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lwm.resume import latest_checkpoint
+from lwm.training.run_dir import latest_checkpoint
 from tests.lightning.helpers import REPO, make_dataset, run, train_series
 from tests.lightning.procs import check_checkpoints, lwm_command, lwm_env, one_thread, run_lwm
 
@@ -213,7 +213,7 @@ def test_ckpt_path_last_in_an_empty_run_dir_starts_fresh(tmp_path):
 
 
 def test_a_save_removes_only_the_temp_files_of_dead_writers(tmp_path):
-    from lwm.checkpoint import AtomicCheckpointIO
+    from lwm.training.checkpoint import AtomicCheckpointIO
 
     dead = subprocess.Popen(["true"])
     dead.wait()

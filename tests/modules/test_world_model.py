@@ -4,7 +4,7 @@ import warnings
 import pytest
 import torch
 
-from lwm.errors import ConfigError
+from lwm.utils.errors import ConfigError
 from lwm.modules import triton_attention
 from lwm.modules.world_model import WorldModel, WorldModelConfig
 
@@ -62,7 +62,7 @@ def test_the_requirements_defaults():
     """REQUIREMENT.md's defaults, read off the built model: 3 ST blocks per transformer, codebook sizes
     (12, 64, 256) and (12, 24, 48, 256, 256, 256), 10% token masking, 2 rollout passes weighted (1, 0.8, 0.5)."""
     from lwm.callbacks.sensitivity import Sensitivity
-    from lwm.overfit import parse
+    from lwm.cli.overfit import parse
 
     model = WorldModel()
     for part in (model.action_encoder, model.world_encoder, model.dynamics):
@@ -178,7 +178,7 @@ def test_rollout_reusing_the_previous_pass_equals_recomputing_it(checkpointing, 
     """Each rollout pass computes only the positions after the ones the previous pass already has (attending to
     its keys/values there): the same predictions, losses and gradients as recomputing every position, with
     token masks and a random PE start per sample, and fewer FLOPs."""
-    from lwm.flops import count_flops
+    from lwm.modules.flops import count_flops
 
     x = clip(T=7)
     results = []

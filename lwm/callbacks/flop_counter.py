@@ -13,16 +13,16 @@ from lightning.fabric.utilities.throughput import get_available_flops
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lwm.callbacks.schedule import is_logging_step
-from lwm.errors import ConfigError
-from lwm.flops import count_flops
+from lwm.training.trainer_state import is_logging_step
+from lwm.utils.errors import ConfigError
+from lwm.modules.flops import count_flops
 
 PRECISION_DTYPES = {"bf16": torch.bfloat16, "16": torch.float16, "32": torch.float32, "64": torch.float64}
 
 
 class FlopCounter(L.Callback):
     """On the first training batch, counts the FLOPs of one training step (forward with teacher forcing and
-    every rollout pass, and backward; :func:`lwm.flops.count_flops` on the real batch: the attention kernels
+    every rollout pass, and backward; :func:`lwm.modules.flops.count_flops` on the real batch: the attention kernels
     counted on the CPU too, and masked attention for the pairs its mask allows) without updating anything.
     Then logs, at the logging interval, ``Train_Total/tflops`` (cumulative over all ranks: per-step FLOPs x
     world size, summed over the steps; the sum travels with checkpoints, so a run resumed on another number of

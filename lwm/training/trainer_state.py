@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import lightning as L
+import torch.distributed as dist
+from typing import Any
 
 
 def is_logging_step(trainer: L.Trainer) -> bool:
@@ -31,3 +33,13 @@ def accumulating(trainer: L.Trainer) -> bool:
     (the optimizer has not stepped after it): per-step work waits for the batch that ends the step."""
     fit_loop = getattr(trainer, "fit_loop", None)
     return fit_loop is not None and trainer.training and fit_loop._should_accumulate()
+
+
+def every_rank(trainer: L.Trainer, obj: Any) -> list[Any]:
+    """Every rank's ``obj`` in rank order (``[obj]`` in a single process). Under DDP a collective: every rank must
+    call it, the same number of times, or the others wait forever."""
+    if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
+        parts: list[Any] = [None] * trainer.world_size
+        dist.all_gather_object(parts, obj)
+        return parts
+    return [obj]

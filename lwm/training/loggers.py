@@ -32,8 +32,8 @@ from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
-from lwm.errors import ConfigError, first_line
-from lwm.files import atomic_write, remove_stale_temp_files
+from lwm.utils.errors import ConfigError, first_line
+from lwm.utils.files import atomic_write, remove_stale_temp_files
 
 
 class _AppendingWriter(ExperimentWriter):

@@ -37,7 +37,8 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-from lwm.errors import ArgumentParser, LwmError, NonFiniteLossError, frame_rate, positive_int
+from lwm.utils.args import ArgumentParser, frame_rate, positive_int
+from lwm.utils.errors import LwmError, NonFiniteLossError
 
 LIGHTNING_VERBS = ("fit", "validate", "test", "predict")
 
@@ -85,7 +86,7 @@ def _data_decode(args: argparse.Namespace) -> int:
 
 def _lightning(args: argparse.Namespace) -> int:
     from lwm.callbacks.slurm import interrupted_by
-    from lwm.lightning_cli import lightning_cli
+    from lwm.cli.lightning_cli import lightning_cli
 
     if args.verb != "fit":  # evaluating a checkpoint needs none of its callbacks' states (Lightning asks for them)
         warnings.filterwarnings("ignore", message="Be aware that when using `ckpt_path`, callbacks used to create")
@@ -126,14 +127,14 @@ def _wide_output() -> Iterator[None]:
 
 # Verbs that parse their own arguments: verb -> (the module whose ``main(argv)`` runs it, its help line).
 _OWN_PARSERS = {
-    "overfit": ("lwm.overfit", "the overfit test: one window, many steps"),
-    "codes": ("lwm.codes", "code dictionaries of a checkpoint's encoders"),
-    "generate": ("lwm.generate", "play a trained model forward, write the video"),
-    "play": ("lwm.play.server", "play the learned world on a local web page, with the keyboard"),
-    "plot": ("lwm.plot", "PNG figures of a run from RUN_DIR/metrics.csv"),
-    "demo": ("lwm.demo", "the main job on a CPU: synthetic world, fit, validate, videos, report"),
-    "resume-info": ("lwm.resume", "RUN_DIR and the checkpoint that continues it (for the SLURM scripts)"),
-    "bench": ("lwm.bench", "time a config's training step beside an eager fp32 reference; FLOPs, MFU, breakdown"),
+    "overfit": ("lwm.cli.overfit", "the overfit test: one window, many steps"),
+    "codes": ("lwm.cli.codes", "code dictionaries of a checkpoint's encoders"),
+    "generate": ("lwm.cli.generate", "play a trained model forward, write the video"),
+    "play": ("lwm.cli.play", "play the learned world on a local web page, with the keyboard"),
+    "plot": ("lwm.cli.plot", "PNG figures of a run from RUN_DIR/metrics.csv"),
+    "demo": ("lwm.cli.demo", "the main job on a CPU: synthetic world, fit, validate, videos, report"),
+    "resume-info": ("lwm.cli.resume_info", "RUN_DIR and the checkpoint that continues it (for the SLURM scripts)"),
+    "bench": ("lwm.cli.bench", "time a config's training step beside an eager fp32 reference; FLOPs, MFU, breakdown"),
     "data synth": ("lwm.data.synth", "make the built-in synthetic world"),
     "data atari": ("lwm.data.atari", "record Atari games (ale-py) with true actions, game id as world label"),
 }

@@ -8,7 +8,6 @@ it (`lwm data index` and `lwm --help` should not pay for Lightning).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import glob
 import logging
 import os
@@ -18,7 +17,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
-import lightning as L
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.strategies import DeepSpeedStrategy
@@ -30,14 +28,17 @@ from lwm.callbacks import (
     GroundTruthProbes, LearningRateMonitor, ModelSummary, PredictionWriter, RolloutVideos, Sensitivity,
     SlurmRequeue, StepProgressBar,
 )
-from lwm.checkpoint import (DEEPSPEED_MARK, AtomicCheckpointIO, ModelCheckpoint, deepspeed_step, is_deepspeed_checkpoint,
-                            mark_deepspeed_saves_complete, read_checkpoint, run_of, warn_window_mismatch)
+from lwm.training.checkpoint import (DEEPSPEED_MARK, AtomicCheckpointIO, ModelCheckpoint, deepspeed_step,
+    is_deepspeed_checkpoint, mark_deepspeed_saves_complete, read_checkpoint, warn_window_mismatch)
+from lwm.training.run_dir import run_of
 from lwm.data.datamodule import LatentDataModule
-from lwm.errors import ConfigError, DataError
-from lwm.loggers import WandbConfig, make_loggers, run_log_dir
-from lwm.module import OptimConfig, WorldModelModule
+from lwm.utils.errors import ConfigError, DataError
+from lwm.training.loggers import WandbConfig, make_loggers, run_log_dir
+from lwm.training.optim import OptimConfig
+from lwm.training.run_dir import _HoldRunLock, fit_resumes
+from lwm.training.module import WorldModelModule
 from lwm.modules.world_model import WorldModelConfig
-from lwm.nonfinite import deepspeed_checks_overflow
+from lwm.training.nonfinite import deepspeed_checks_overflow
 
 
 def _interpolations_within_the_config() -> None:
@@ -138,19 +139,6 @@ def _drop_advert(record: logging.LogRecord) -> bool:
     return not any(advert in message for advert in _ADVERTS)
 
 
-def fit_resumes(ckpt_path: str | None, root: str) -> bool:
-    """Whether a fit continues a run: from ``ckpt_path`` (``last`` resolved) where that exists, or, given none, from
-    a requeue's ``RUN_DIR/hpc_ckpt_N.ckpt`` under SLURM (where Lightning resumes from it)."""
-    hpc = bool(glob.glob(os.path.join(root, "hpc_ckpt_*.ckpt")))
-    if ckpt_path == "hpc":
-        return hpc
-    if ckpt_path:
-        return os.path.exists(ckpt_path)
-    from lightning.fabric.plugins.environments import SLURMEnvironment
-
-    return hpc and SLURMEnvironment.detect()
-
-
 class _SaveRunConfig(SaveConfigCallback):
     """``RUN_DIR/config.yaml`` (and ``RUN_DIR/<verb>/config.yaml``); a fit's without its ``ckpt_path``: the run's
     settings, not where this start resumed from (a copy of it starting another run would resume this one's
@@ -170,97 +158,6 @@ class _SaveRunConfig(SaveConfigCallback):
             self.already_saved = True
             return
         super().setup(trainer, pl_module, stage)
-
-
-class _RunLock:
-    """One fit at a time per RUN_DIR: an exclusive ``flock`` on ``RUN_DIR/.lwm.lock``, held by global rank 0 while
-    the fit runs (two fits into one folder would write the same ``last.ckpt`` and ``metrics.csv``; say the same
-    job submitted twice). The file names its holder (host, pid, SLURM job). Where the filesystem has no locks, none.
-    A SLURM requeue of the holder's own job goes on (its previous start is over, whatever a network filesystem's
-    lock says)."""
-
-    def __init__(self, run_dir: str) -> None:
-        import fcntl
-        import socket
-
-        self.path = os.path.join(run_dir, ".lwm.lock")
-        self._made = None if os.path.isdir(run_dir) else run_dir  # removed again if left empty (a check refused)
-        os.makedirs(run_dir, exist_ok=True)
-        job = os.environ.get("SLURM_JOB_ID", "")
-        self._file: Any = open(self.path, "a+")
-        try:
-            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._file.seek(0)
-            holder = self._file.read().split()
-            self._file.close()
-            self._file = None
-            if job and len(holder) == 3 and holder[2] == job:
-                rank_zero_warn(f"{self.path}: held by this SLURM job's previous start ({' '.join(holder[:2])}): "
-                               f"going on")
-                return
-            who = f"pid {holder[1]} on {holder[0]}" + (f", SLURM job {holder[2]}" if len(holder) == 3 else "") \
-                if len(holder) >= 2 else "another process"
-            raise ConfigError(f"trainer.default_root_dir={run_dir}: another lwm fit is running in it ({who}; "
-                              f"{self.path}); wait for it, or start this one in another folder") from None
-        except OSError:  # no locks on this filesystem (some network ones): none taken
-            self._file.close()
-            self._file = None
-            with contextlib.suppress(OSError):
-                os.unlink(self.path)
-            return
-        self._file.seek(0)
-        self._file.truncate()
-        self._file.write(f"{socket.gethostname()} {os.getpid()}{' ' + job if job else ''}\n")
-        self._file.flush()
-
-    def release(self) -> None:
-        """Removed, then unlocked (a fit started at that very moment may lock the removed file: as without one)."""
-        if self._file is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(self.path)
-            self._file.close()
-            self._file = None
-            if self._made is not None:
-                with contextlib.suppress(OSError):  # (not empty: the run's files)
-                    os.rmdir(self._made)
-
-
-class _HoldRunLock(L.Callback):
-    """Takes :class:`_RunLock` for a fit at its setup, once the ranks can talk: global rank 0 locks and every rank
-    raises its refusal (a refusal on rank 0 alone before the process group exists leaves the others of an
-    ``srun``/``torchrun`` start waiting for it). Released at teardown (and by the CLI after the fit, whatever
-    happened)."""
-
-    def __init__(self) -> None:
-        self.lock: _RunLock | None = None
-
-    @override
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
-        refusal = None
-        if trainer.is_global_zero:
-            try:
-                self.lock = _RunLock(trainer.default_root_dir)
-            except ConfigError as e:
-                refusal = str(e)
-        if trainer.world_size > 1:
-            refusal = trainer.strategy.broadcast(refusal, src=0)
-        if refusal is not None:
-            raise ConfigError(refusal)
-        for logger in trainer.loggers:  # held: their runs may start (a wandb run: not for a refused fit)
-            if getattr(logger, "wait_for_lock", False):
-                logger.wait_for_lock = False
-
-    @override
-    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self.release()
-
-    def release(self) -> None:
-        if self.lock is not None:
-            self.lock.release()
-            self.lock = None
 
 
 class LwmCLI(LightningCLI):
@@ -372,7 +269,7 @@ class LwmCLI(LightningCLI):
         the highest global step among ``CHECKPOINT_DIR/last.ckpt``, else the step checkpoints beside it, and the
         hpc ones), ``CHECKPOINT_DIR/last.ckpt`` (RUN_DIR/checkpoints by default) where there is none yet."""
 
-        from lwm.resume import latest_checkpoint
+        from lwm.training.run_dir import latest_checkpoint
 
         path = config.get("ckpt_path")
         if path != "last":
@@ -469,7 +366,7 @@ class LwmCLI(LightningCLI):
         ``last`` without a checkpoint refused."""
         path = config.get("ckpt_path")
         if path is None:  # Lightning's default: the model as initialised (a baseline; rarely what was meant)
-            from lwm.resume import latest_checkpoint
+            from lwm.training.run_dir import latest_checkpoint
 
             found = latest_checkpoint(Path(self.run_dir(config)), Path(self.checkpoint_dir(config)))
             hint = f"--ckpt_path last takes {found}" if found is not None else "give --ckpt_path"
@@ -628,7 +525,7 @@ class LwmCLI(LightningCLI):
         from lightning.pytorch.accelerators import CPUAccelerator
 
         if isinstance(self.trainer.accelerator, CPUAccelerator):
-            from lwm.threads import set_cpu_threads
+            from lwm.utils.threads import set_cpu_threads
 
             rank_zero_info(f"CPU threads: {set_cpu_threads(self.trainer.num_devices)}")
         if subcommand in ("validate", "test", "predict") and self.trainer.is_global_zero:
@@ -662,8 +559,8 @@ class LwmCLI(LightningCLI):
         takes the digits of ``.hpc_ckpt_1.ckpt.tmp-HOST-PID`` for an hpc checkpoint's number (a SLURM start
         then fails to find it), and a finished run's last video or checkpoint write has no later write to
         sweep it."""
-        from lwm.files import remove_stale_temp_files
-        from lwm.video import VIDEO_SUFFIXES
+        from lwm.utils.files import remove_stale_temp_files
+        from lwm.utils.video import VIDEO_SUFFIXES
 
         root = Path(self.trainer.default_root_dir)
         checkpoints = Path(self.checkpoint_dir(self.config[self.config.subcommand]))
@@ -926,7 +823,7 @@ def read_config(args: list[str]) -> dict[str, Any]:
     (no trainer, loggers, data or model): types, unknown keys, typos and broken YAML are refused in one line as by
     ``lwm fit``, then the model's and optimiser's own checks run. ``data.manifest`` may be left out. For verbs that
     check a config before work of their own (``lwm bench``, ``lwm demo``)."""
-    from lwm.module import OptimConfig
+    from lwm.training.optim import OptimConfig
     from lwm.modules.world_model import WorldModelConfig
 
     class ParseOnly(LwmCLI):

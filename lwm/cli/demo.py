@@ -33,10 +33,11 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from lwm.errors import ArgumentParser, ConfigError
-from lwm.study import probe_margin
+from lwm.utils.args import ArgumentParser
+from lwm.utils.errors import ConfigError
+from lwm.inference.study import probe_margin
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
 LAST = "checkpoints/last.ckpt"
 # the keys whose values the demo sets, the later stages reading them: the run's folder, its checkpoints, its data
 OWN_KEYS = ("--ckpt_path", "--trainer.default_root_dir", "--checkpoint.dirpath", "--data.manifest")
@@ -70,12 +71,12 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     from lwm.callbacks.slurm import interrupted_by
-    from lwm.resume import latest_checkpoint
-    from lwm.lightning_cli import lightning_cli, read_config
+    from lwm.training.run_dir import latest_checkpoint
+    from lwm.cli.lightning_cli import lightning_cli, read_config
     from lwm.data.manifest import Manifest
     from lwm.data.synth import make_dataset
-    from lwm.generate import parse as generate_args
-    from lwm.generate import run as generate
+    from lwm.cli.generate import parse as generate_args
+    from lwm.inference.generation import run as generate
 
     args, rest = parse(argv or [])
     console = Console()
@@ -162,9 +163,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def held_out_study(model, manifest_path: Path, window: int, codes: Path) -> dict | None:
-    """:func:`lwm.study.evaluate` on the validation episodes (None where their windows are too short for t=4)."""
-    from lwm.codes import load_dictionaries
-    from lwm.study import evaluate, load_clips
+    """:func:`lwm.inference.study.evaluate` on the validation episodes (None where their windows are too short for t=4)."""
+    from lwm.inference.dictionary import load_dictionaries
+    from lwm.inference.study import evaluate, load_clips
 
     if window <= 4 or not codes.is_file():
         return None
@@ -173,7 +174,7 @@ def held_out_study(model, manifest_path: Path, window: int, codes: Path) -> dict
 
 
 def report(console: Console, m: dict[str, float], times: dict[str, float], study: dict | None = None) -> None:
-    """The table and the verdicts, from the validation metrics and the held-out study (:mod:`lwm.study`)."""
+    """The table and the verdicts, from the validation metrics and the held-out study (:mod:`lwm.inference.study`)."""
     tf, copy = m["Val_Dynamics_Predictor/tf_loss"], m["Val_Dynamics_Predictor/copy_last_loss"]
     table = Table(title="validation (every window of the held-out episodes)")
     for col in ("", "model", "baseline / chance"):

@@ -27,7 +27,7 @@ GPU, fp32 2048^3 on a CPU), and each variant's peak memory on a GPU. Each step i
 (CUDA events on a GPU, the clock on a CPU); the Lightning variant from batch start to batch start, on float16
 batches in pinned memory as the data module delivers them. The speed-ups and Lightning's overhead are of the
 medians; a negative overhead, or a variant whose slowest step takes over 1.5x its fastest, prints a warning
-that the timings are noisy (another process competing): rerun them. FLOPs are counted by :mod:`lwm.flops` on
+that the timings are noisy (another process competing): rerun them. FLOPs are counted by :mod:`lwm.modules.flops` on
 one sample of the real step and multiplied by the batch (``FlopCounterMode`` plus the CPU attention kernel,
 which PyTorch counts as zero, with masked attention counted for the pairs the mask allows; the dense count is
 in the JSON; without activation checkpointing's recomputed forward). On a GPU, one fast-path step also runs under
@@ -76,8 +76,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from lwm.dynamo_watch import ROOT, DynamoWatch, dynamo_note, fresh_compile_caches, short_path
-from lwm.errors import ArgumentParser, ConfigError
+from lwm.cli.dynamo_watch import ROOT, DynamoWatch, dynamo_note, fresh_compile_caches, short_path
+from lwm.utils.args import ArgumentParser
+from lwm.utils.errors import ConfigError
 from lwm.modules import triton_attention
 
 DEFAULT_CONFIG = ROOT / "configs" / "tiny.yaml"
@@ -121,7 +122,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         hint = f" (did you mean {shipped.relative_to(ROOT)}?)" if shipped.is_file() else ""
         raise ConfigError(f"--config {args.config}: not found{hint}")
     if args.json is not None:  # before minutes of timing: a path that cannot be written, or the config itself
-        from lwm.video import check_output
+        from lwm.utils.video import check_output
 
         if Path(args.json).suffix != ".json":
             raise ConfigError(f"--json {args.json}: not a .json file name")
@@ -132,7 +133,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def load_config(path: str, overrides: list[str]) -> dict[str, Any]:
     """The config as ``lwm fit`` reads and checks it (:func:`lwm.lightning_cli.read_config`; the step runs on random
     latents, so ``data.manifest`` may be left out), and the batch and window the step needs."""
-    from lwm.lightning_cli import read_config
+    from lwm.cli.lightning_cli import read_config
     from lwm.modules.world_model import WorldModelConfig
 
     config = read_config(["--config", path, *overrides])
@@ -206,7 +207,7 @@ class Setup:
     """The config's model, optimiser settings, precision and a random batch."""
 
     def __init__(self, cfg: dict, device: torch.device) -> None:
-        from lwm.module import OptimConfig
+        from lwm.training.optim import OptimConfig
         from lwm.modules.world_model import WorldModelConfig
 
         model = cfg.get("model") or {}
@@ -277,7 +278,7 @@ def lightning_step_times(s: Setup, steps: int, warmup: int) -> list[float]:
     """Seconds of each timed step of the real Lightning training step (from batch start to batch start)."""
     import lightning as L
 
-    from lwm.module import WorldModelModule
+    from lwm.training.module import WorldModelModule
 
     class Timer(L.Callback):
         def __init__(self) -> None:
@@ -311,7 +312,7 @@ def step_flops(s: Setup):
     """FLOPs of one training step (forward with every pass, backward) at the real batch's shapes: counted on
     one sample and multiplied by the batch (every counted op, matmuls, convolutions, attention, the codebook
     distances, is linear in the batch; tested), which needs little memory where the step itself barely fits."""
-    from lwm.flops import StepFlops, count_flops
+    from lwm.modules.flops import StepFlops, count_flops
     from lwm.modules.world_model import WorldModel
 
     model = WorldModel(s.net).to(s.device).train()
@@ -330,7 +331,7 @@ def step_flops(s: Setup):
 
 def breakdown(s: Setup, steps: int, warmup: int) -> list[dict]:
     """Each part alone (forward + backward, eager, the step's shapes and precision): seconds and FLOPs per step."""
-    from lwm.flops import count_flops
+    from lwm.modules.flops import count_flops
     from lwm.modules.world_model import WorldModel
 
     torch.manual_seed(0)

@@ -9,9 +9,9 @@ from pathlib import Path
 import lightning as L
 from typing_extensions import override
 
-from lwm.callbacks.ranks import every_rank
-from lwm.codes import collect, dictionaries_step, save_dictionaries
-from lwm.errors import ConfigError, DataError
+from lwm.training.trainer_state import every_rank
+from lwm.inference.dictionary import collect, dictionaries_step, save_dictionaries
+from lwm.utils.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lwm.errors import ArgumentParser, DataError
+from lwm.utils.args import ArgumentParser
+from lwm.utils.errors import DataError
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

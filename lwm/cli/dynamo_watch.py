@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def fresh_compile_caches() -> None:

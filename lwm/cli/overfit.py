@@ -19,7 +19,8 @@ from typing import Any
 import lightning as L
 from torch.utils.data import DataLoader, Dataset
 
-from lwm.errors import ArgumentParser, ConfigError
+from lwm.utils.args import ArgumentParser
+from lwm.utils.errors import ConfigError
 
 TF_KEY = "Train_Dynamics_Predictor/tf_loss"
 # the keys lwm overfit sets itself, whatever the config or the command line says (and what to use instead)
@@ -105,7 +106,7 @@ def main(argv: list[str]) -> int:
 
 def _run(args: argparse.Namespace, rest: list[str]) -> int:
     from lwm.callbacks.slurm import SlurmRequeue, interrupted_by
-    from lwm.lightning_cli import LwmCLI
+    from lwm.cli.lightning_cli import LwmCLI
 
     class OverfitCLI(LwmCLI):
         def before_instantiate_classes(self) -> None:

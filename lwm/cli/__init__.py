@@ -1,0 +1,1 @@
+"""The command line: the ``lwm`` dispatcher (:mod:`lwm.cli.main`), the LightningCLI, one file per verb."""

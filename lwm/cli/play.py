@@ -1,0 +1,64 @@
+"""``lwm play``: the learned world on a local web page, one KV-cached frame per key press."""
+
+from __future__ import annotations
+
+import argparse
+
+from lwm.play.server import bind, build_app, check_host, serve, url
+from lwm.utils.args import ArgumentParser
+from lwm.utils.errors import ConfigError
+from lwm.utils.video import MAX_FPS
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = ArgumentParser(prog="lwm play", description=__doc__.split("\n\n")[0])
+    p.add_argument("--ckpt_path", required=True, help="a checkpoint of `lwm fit`, or a run's folder (its latest)")
+    p.add_argument("--data", action="append", default=[], help="an h5 file to start from (repeat for more; default: "
+                   "the --manifest's files, else the manifest the checkpoint trained on)")
+    p.add_argument("--manifest", help="a manifest whose files the page starts from")
+    p.add_argument("--codes", help="code dictionary (default: codes.pt beside the checkpoint)")
+    p.add_argument("--vae", help="the VAE's local diffusers weights, to decode files encoded with a VAE")
+    p.add_argument("--vae-tiling", action="store_true", help="the VAE decodes in overlapping spatial tiles")
+    p.add_argument("--host", default="127.0.0.1", help="address to serve on (loopback only, unless --allow-remote)")
+    p.add_argument("--allow-remote", action="store_true",
+                   help="serve on a --host other machines can reach (anyone there can play the checkpoint)")
+    p.add_argument("--port", type=int, default=8000, help="port (0: any free one)")
+    p.add_argument("--hold-fps", type=float, default=30.0,
+                   help="frames per second while a key is held (0: as fast as the model makes them)")
+    args = p.parse_args(argv)
+    if args.data and args.manifest:
+        p.error("--data and --manifest: give one of them")
+    if not 0 <= args.port <= 65535:
+        p.error(f"--port must be in 0..65535, got {args.port}")
+    if not 0 <= args.hold_fps <= MAX_FPS:  # (NaN fails too)
+        p.error(f"--hold-fps must be in 0..{MAX_FPS} (0: as fast as the model makes them), got {args.hold_fps}")
+    return args
+
+def _need_extra() -> None:
+    """One line where the ``play`` extra is not installed."""
+    for name in ("starlette", "uvicorn"):
+        try:
+            __import__(name)
+        except ImportError:
+            raise ConfigError(f"lwm play needs {name}, in the play extra: pip install 'lwm[play]'") from None
+
+def main(argv: list[str]) -> int:
+    """``lwm play``: checks, the port, the model, then the page until Ctrl-C."""
+    from lwm.play.player import load_player
+
+    args = parse(argv)
+    _need_extra()
+    check_host(args.host, args.allow_remote)
+    sock = bind(args.host, args.port)  # a port in use: said before the model loads
+    try:
+        player = load_player(args.ckpt_path, args.data, args.manifest, args.codes, args.vae, args.vae_tiling,
+                             args.hold_fps)
+        app = build_app(player)
+        keys = ", ".join(b.label for b in player.arrow_keys) or "none (the data has no true actions)"
+        shown = f"frames shown as {player.display.name}" + (f" ({player.display.why})" if player.display.why else "")
+        print(f"lwm play: {url(sock)}  (checkpoint {player.ckpt_path}, step {player.global_step}; "
+              f"{len(player.files)} files; {shown}; arrow keys: {keys}; Ctrl-C stops)", flush=True)
+        serve(app, sock)
+    finally:
+        sock.close()
+    return 0

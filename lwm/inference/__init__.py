@@ -1,0 +1,1 @@
+"""Using a trained model: code dictionaries, generation, the learning study."""

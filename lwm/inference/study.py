@@ -1,0 +1,203 @@
+"""What a trained world model learned, on held-out clips: prediction against copy-last-frame, action and world
+sensitivity with in-distribution controls, the world-code leak check, and the codes against the true labels.
+
+:func:`evaluate` takes a model and :class:`Clips` (windows of held-out files with their true actions and world
+labels) and returns plain numbers; ``benchmarks/learning.py`` and ``lwm demo`` print them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from lwm.inference.dictionary import CodeDictionary
+from lwm.utils.metrics import code_ids, linear_probe_accuracy, nmi, probe_train_size, psnr_from_mse, random_codes
+
+
+@dataclass
+class Clips:
+    """Held-out windows: ``latents [N, T, C, H, W]``, true ``actions [N, T]`` (after frame t; -1: none), ``worlds [N]``
+    (world labels, -1: none) and ``files [N]`` (which file each window comes from)."""
+
+    latents: Tensor
+    actions: Tensor
+    worlds: Tensor
+    files: Tensor
+
+    def __len__(self) -> int:
+        return self.latents.shape[0]
+
+
+def load_clips(manifest_path: str | Path, split: str | None, window: int, per_file: int | None = None) -> Clips:
+    """The non-overlapping windows of ``window`` frames of a manifest's ``split`` files (None: every file), from
+    frame 0 (at most ``per_file`` of each file, evenly spread)."""
+    import h5py
+    import numpy as np
+
+    from lwm.data.h5 import find_latents_key, parse_world_label
+    from lwm.data.manifest import Manifest
+
+    manifest = Manifest.load(manifest_path)
+    latents, actions, worlds, files = [], [], [], []
+    for i, entry in enumerate(manifest.entries if split is None else manifest.split(split)):
+        path = manifest.resolve(entry)
+        with h5py.File(path, "r") as f:
+            x = f[find_latents_key(f, path)]
+            starts = list(range(0, x.shape[0] - window + 1, window))
+            if per_file is not None and len(starts) > per_file:
+                starts = [starts[j] for j in np.linspace(0, len(starts) - 1, per_file).round().astype(int)]
+            a = f["actions"][:] if "actions" in f else np.full(x.shape[0], -1)
+            label = parse_world_label(f.attrs["world_label"], path) if "world_label" in f.attrs else -1
+            for s in starts:
+                latents.append(torch.from_numpy(np.asarray(x[s : s + window], dtype=np.float32)))
+                actions.append(torch.from_numpy(np.asarray(a[s : s + window], dtype=np.int64)))
+                worlds.append(label)
+                files.append(i)
+    if not latents:
+        raise ValueError(f"{manifest_path}: no {split} file holds a window of {window} frames")
+    return Clips(torch.stack(latents), torch.stack(actions), torch.tensor(worlds), torch.tensor(files))
+
+
+def probe_margin(chance: float, samples: int) -> float:
+    """Three standard deviations of a chance-level classifier's accuracy on ``samples`` held-out samples."""
+    return 3.0 * math.sqrt(max(chance * (1.0 - chance), 1e-12) / max(samples, 1))
+
+
+def other_clip(clips: Clips, same_world: bool, generator: torch.Generator) -> Tensor:
+    """``[N]`` for each clip the index of another one: of another file (of the same world label where ``same_world``),
+    drawn at random; another window of the same file where no other file qualifies, the clip itself where none."""
+    n = len(clips)
+    pick = torch.arange(n)
+    order = torch.randperm(n, generator=generator)
+    for i in range(n):
+        ok = clips.files[order] != clips.files[i]
+        if same_world:
+            ok &= clips.worlds[order] == clips.worlds[i]
+        if not ok.any():  # no other file: another window of this one
+            ok = (order != i) & ((clips.worlds[order] == clips.worlds[i]) if same_world else True)
+        if ok.any():
+            pick[i] = order[ok.nonzero()[0, 0]]
+        order = order.roll(1)  # another draw for the next clip
+    return pick
+
+
+@torch.no_grad()
+def _rollout_mse(model, x: Tensor, actions: Tensor, world: Tensor, steps: int) -> Tensor:
+    """``[B, steps]``: per clip the MSE of frames ``1..steps`` generated from frame 0."""
+    pred = model.generate(x[:, :1], actions[:, :steps], world, steps=steps)
+    return (pred.float() - x[:, 1 : steps + 1].float()).pow(2).flatten(2).mean(-1)
+
+
+@torch.no_grad()
+def evaluate(model, clips: Clips, t: int = 4, dictionary: CodeDictionary | None = None, batch_size: int = 64,
+             seed: int = 0, world_phase: str = "quantized", world_factors: dict[str, Tensor] | None = None) -> dict:
+    """Every number of the learning study for ``model`` (a ``WorldModel`` in eval mode) on ``clips``:
+
+    * ``psnr[k]`` / ``copy_psnr[k]``: PSNR (of the mean MSE) of frame ``k = 1..t`` generated from frame 0 with the
+      inferred codes, and of copying frame 0; per world label under ``per_world``;
+    * ``action_dpsnr``: the requirement's dPSNR at ``t`` (mean over clips of PSNR_seq - PSNR_control) against
+      ``random`` codes (uniform per level), ``dictionary`` draws (by frequency; the held-out codes' own counts
+      when no ``dictionary`` is given) and ``other_clip`` (the inferred actions of another file's clip);
+    * ``world_dpsnr``: against a ``random`` world code and ``same_world`` (the code inferred from another file of
+      the same world label: the leak check, 0 where the world code carries the world and not the clip);
+    * ``action`` / ``world``: NMI and a linear probe (accuracy, chance, 3 sd) against the true labels, code usage;
+      ``world_factors``: the same for other labels of the clips' worlds (e.g. a world's speed, ``{name: [N]}``).
+    """
+    device = next(model.parameters()).device
+    g = torch.Generator().manual_seed(seed)
+    q_action, q_world = model.quantizers["Action_Encoder"], model.quantizers["World_Encoder"]
+    n, T = clips.latents.shape[:2]
+    if T <= t:
+        raise ValueError(f"clips of {T} frames: the study generates frame t={t} from frame 0, so T must be > {t}")
+    # the codes of every clip
+    action_idx, world_idx, world_vec = [], [], []
+    for s in range(0, n, batch_size):
+        x = clips.latents[s : s + batch_size].to(device)
+        a, w = model.encode_actions(x), model.encode_world(x)
+        action_idx.append(a.indices.cpu())
+        world_idx.append(w.indices.cpu())
+        world_vec.append(model.world_input(w, world_phase).cpu())
+    action_idx, world_idx, world_vec = torch.cat(action_idx), torch.cat(world_idx), torch.cat(world_vec)
+    if dictionary is None:
+        dictionary = CodeDictionary(tuple(q_action.codebook_sizes))
+        dictionary.update(action_idx)
+    others = {"other_clip": other_clip(clips, False, g), "same_world": other_clip(clips, True, g)}
+    draws = torch.Generator().manual_seed(seed + 1)  # the random and dictionary codes (on the CPU)
+
+    mse = torch.zeros(n, t)  # inferred codes, frames 1..t
+    controls = {name: torch.zeros(n) for name in ("random", "dictionary", "other_clip", "world_random", "same_world")}
+    for s in range(0, n, batch_size):
+        idx = torch.arange(s, min(s + batch_size, n))
+        B = len(idx)
+        x = clips.latents[idx].to(device)
+        actions = q_action.decode_indices(action_idx[idx].to(device))  # [B, T-1, Da]
+        world = world_vec[idx].to(device)
+        mse[idx] = _rollout_mse(model, x, actions, world, t).cpu()
+        drawn = {
+            "random": random_codes(q_action, (B, t), draws).to(device),
+            "dictionary": q_action.decode_indices(dictionary.sample((B, t), generator=draws).to(device)),
+            "other_clip": q_action.decode_indices(action_idx[others["other_clip"][idx]].to(device)),
+        }
+        for name, codes in drawn.items():
+            controls[name][idx] = _rollout_mse(model, x, codes, world, t)[:, -1].cpu()
+        random_world = random_codes(q_world, (B,), draws).to(device)
+        if world_phase == "off":
+            random_world = torch.zeros_like(random_world)
+        worlds = {"world_random": random_world, "same_world": world_vec[others["same_world"][idx]].to(device)}
+        for name, w in worlds.items():
+            controls[name][idx] = _rollout_mse(model, x, actions, w, t)[:, -1].cpu()
+
+    x0 = clips.latents[:, :1].float()
+    copy = (clips.latents[:, 1 : t + 1].float() - x0).pow(2).flatten(2).mean(-1)  # [N, t]
+    seq = psnr_from_mse(mse[:, -1])
+    result = {
+        "clips": n, "files": int(clips.files.unique().numel()), "t": t,
+        "psnr": psnr_from_mse(mse.mean(0)).tolist(), "copy_psnr": psnr_from_mse(copy.mean(0)).tolist(),
+        "action_dpsnr": {k: float((seq - psnr_from_mse(controls[k])).mean())
+                         for k in ("random", "dictionary", "other_clip")},
+        "world_dpsnr": {k: float((seq - psnr_from_mse(controls[k])).mean()) for k in ("random", "same_world")},
+        "action_usage": _usage(action_idx, q_action.codebook_sizes),
+        "world_usage": _usage(world_idx, q_world.codebook_sizes),
+        "per_world": {},
+    }
+    result["world_dpsnr"]["random"] = float((seq - psnr_from_mse(controls["world_random"])).mean())
+    for label in clips.worlds.unique().tolist():
+        m = clips.worlds == label
+        result["per_world"][int(label)] = {
+            "clips": int(m.sum()), "psnr": psnr_from_mse(mse[m].mean(0)).tolist(),
+            "copy_psnr": psnr_from_mse(copy[m].mean(0)).tolist(),
+            "action_dpsnr_dictionary": float((seq[m] - psnr_from_mse(controls["dictionary"][m])).mean()),
+            "action_dpsnr_other_clip": float((seq[m] - psnr_from_mse(controls["other_clip"][m])).mean()),
+            "world_gap_same_world": float((seq[m] - psnr_from_mse(controls["same_world"][m])).mean()),
+        }
+    true_actions = clips.actions[:, : T - 1]
+    result["action"] = _against_labels(action_idx, true_actions, q_action)
+    result["world"] = _against_labels(world_idx, clips.worlds, q_world)
+    result["world_factors"] = {name: _against_labels(world_idx, labels, q_world)
+                               for name, labels in (world_factors or {}).items()}
+    return result
+
+
+def _usage(indices: Tensor, sizes) -> dict:
+    """Codes used per level (of each level's size) and distinct tuples used, on the clips."""
+    flat = indices.reshape(-1, len(sizes))
+    return {"levels": [int(flat[:, l].unique().numel()) for l in range(len(sizes))], "sizes": list(sizes),
+            "tuples": int(torch.unique(flat, dim=0).shape[0])}
+
+
+def _against_labels(indices: Tensor, labels: Tensor, quantizer) -> dict | None:
+    """NMI of the code tuples with the labels, and a held-out linear probe from the code vectors (chance, 3 sd)."""
+    keep = labels >= 0
+    if keep.sum() < 4:
+        return None
+    codes, y = indices[keep], labels[keep]
+    features = quantizer.decode_indices(codes.to(quantizer.codebook(0).device)).cpu()
+    accuracy, chance = linear_probe_accuracy(features, y)
+    held_out = len(y) - probe_train_size(len(y))
+    return {"nmi": float(nmi(code_ids(codes, quantizer.codebook_sizes), y)), "probe": accuracy, "chance": chance,
+            "margin": probe_margin(chance, held_out), "samples": int(len(y))}
+

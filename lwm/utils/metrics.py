@@ -1,0 +1,227 @@
+"""The requirement's monitoring metrics as standalone functions (no Lightning, no logging): each takes
+tensors and returns tensors on the same device, so callers decide when to sync.
+
+* :func:`attention_diagonality`: share of each query's attention on itself and the next frame.
+* :func:`codebook_usage`: fraction of each level's codes used by a batch of indices.
+* :func:`codebook_diversity`: min / max / mean pairwise MSE between the codes of a codebook.
+* :func:`psnr`, :func:`psnr_from_mse`, :func:`delta_psnr`: the requirement's ``10 log10(1 / MSE)`` on latents and its difference.
+* :func:`random_indices`, :func:`random_codes`, :func:`sensitivity`: the action and world sensitivities (dPSNR at
+  frame ``t``).
+* :func:`nmi`, :func:`linear_probe_accuracy`, :func:`code_ids`: codes against ground-truth labels.
+* :func:`copy_last_loss`: the copy-last-frame baseline, so a prediction loss means something.
+* :class:`WeightedMean`: the validation means over batches and ranks (NaN kept, no host sync).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+from torchmetrics import Metric
+
+
+@torch.no_grad()
+def attention_diagonality(attn: Tensor) -> Tensor:
+    """``attn [B, heads, Q, T]`` (rows sum to 1; queries ``0..Q-1`` of ``T`` keys, ``Q <= T``) -> ``[B]``: per
+    sample, the attention mass on the main diagonal and the next one (query ``i`` on keys ``i`` and ``i + 1``),
+    averaged over queries and heads. 1.0 when every query looks only at itself and the next frame. The action
+    encoder's queries are ``0..T-2`` (``Q = T - 1``: the last frame gives no action). Uniform attention over the keys
+    a mask allows is far above ``1/T``: there, ``2 (H_T - 1) / (T - 1)`` under the shifted-causal mask (0.317 at
+    ``T = 16``, 0.491 at ``T = 8``; ``H`` the harmonic numbers) and ``H_{T-1} / (T - 1)`` under a causal one (0.221,
+    0.370), the level of an encoder that attends to nothing in particular."""
+    if attn.ndim != 4 or attn.shape[-2] > attn.shape[-1]:
+        raise ValueError(f"attn: expected [B, heads, Q <= T, T], got {tuple(attn.shape)}")
+    Q, T = attn.shape[-2:]
+    main = attn.diagonal(dim1=-2, dim2=-1)  # [B, heads, Q]
+    upper = attn.diagonal(offset=1, dim1=-2, dim2=-1)  # [B, heads, min(Q, T-1)]
+    per_query = main.clone()
+    per_query[..., : upper.shape[-1]] += upper
+    return per_query.float().mean(dim=(1, 2))
+
+
+@torch.no_grad()
+def used_codes(indices: Tensor, codebook_sizes: Sequence[int]) -> list[Tensor]:
+    """``indices [..., L]`` -> per level a ``[K_l]`` bool mask of the codes used at least once (no host sync)."""
+    if indices.shape[-1] != len(codebook_sizes):
+        raise ValueError(f"indices: expected {len(codebook_sizes)} levels in the last dim, got {tuple(indices.shape)}")
+    flat = indices.reshape(-1, len(codebook_sizes))
+    return [torch.zeros(k, dtype=torch.bool, device=indices.device).index_fill_(0, flat[:, level], True)
+            for level, k in enumerate(codebook_sizes)]
+
+
+def codebook_usage(indices: Tensor, codebook_sizes: Sequence[int]) -> Tensor:
+    """``indices [..., L]`` -> ``[L]``: codes of each level used at least once / codes in the level."""
+    return torch.stack([mask.float().mean() for mask in used_codes(indices, codebook_sizes)])
+
+
+@torch.no_grad()
+def codebook_diversity(codes: Tensor) -> Tensor:
+    """``codes [K, d]`` -> ``[3]``: (min, max, mean) MSE over the ``K (K - 1) / 2`` distinct pairs of codes.
+    A min of 0 means two identical codes. A codebook of one code has no pair: NaNs."""
+    if codes.ndim != 2:
+        raise ValueError(f"codes: expected [K, d], got {tuple(codes.shape)}")
+    K = codes.shape[0]
+    if K < 2:
+        return torch.full((3,), float("nan"), device=codes.device)
+    c = codes.float()
+    # exact differences: cdist's matmul form (its default above 25 rows) can put identical codes 0.01 apart
+    mse = torch.cdist(c, c, compute_mode="donot_use_mm_for_euclid_dist").pow(2) / c.shape[1]  # [K, K]
+    i, j = torch.triu_indices(K, K, offset=1, device=codes.device)
+    pairs = mse[i, j]
+    return torch.stack([pairs.min(), pairs.max(), pairs.mean()])
+
+
+def psnr(target: Tensor, prediction: Tensor) -> Tensor:
+    """``[B, ...]`` -> ``[B]``: ``10 log10(1 / MSE)`` per sample, the MSE over all but the first dim (latents in
+    [-1, 1] are used as they are: a peak of 1, as the requirement defines it)."""
+    return psnr_from_mse((prediction.float() - target.float()).pow(2).flatten(1).mean(dim=1))
+
+
+def psnr_from_mse(mse: Tensor) -> Tensor:
+    """``10 log10(1 / MSE)``, elementwise, in fp32 (a peak of 1)."""
+    return 10.0 * torch.log10(1.0 / mse.float())
+
+
+def delta_psnr(target: Tensor, prediction: Tensor, prediction_random: Tensor) -> Tensor:
+    """``[3]``: (dPSNR, PSNR_seq, PSNR_rand), batch means; ``dPSNR = mean_b(PSNR_seq - PSNR_rand)``."""
+    seq, rand = psnr(target, prediction), psnr(target, prediction_random)
+    return torch.stack([(seq - rand).mean(), seq.mean(), rand.mean()])
+
+
+def random_indices(codebook_sizes: Sequence[int], lead: Sequence[int], generator: torch.Generator | None = None,
+                   device: torch.device | str | None = None) -> Tensor:
+    """Code indices ``[*lead, L]`` drawn uniformly per level (on the generator's device, else ``device``)."""
+    device = generator.device if generator is not None else device
+    return torch.stack(
+        [torch.randint(0, k, tuple(lead), device=device, generator=generator) for k in codebook_sizes], dim=-1
+    )
+
+
+@torch.no_grad()
+def random_codes(quantizer, lead: Sequence[int], generator: torch.Generator | None = None) -> Tensor:
+    """Codes ``[*lead, dim]`` of indices drawn uniformly per level (the requirement's random actions/worlds)."""
+    device = quantizer.codebook(0).device
+    return quantizer.decode_indices(random_indices(quantizer.codebook_sizes, lead, generator, device).to(device))
+
+
+@torch.no_grad()
+def sensitivity(model, x: Tensor, t: int = 4, generator: torch.Generator | None = None,
+                world_phase: str = "quantized") -> dict[str, Tensor]:
+    """Action and world sensitivity of a clip batch ``x [B, T > t, C, H, W]`` at frame ``t``: frames ``1..t``
+    generated from frame 0 with the inferred codes, and again with random actions (world inferred) and with
+    a random world (actions inferred). The world goes in as ``world_phase`` (``WorldModel.world_phase_at``: under
+    a ``world_curriculum``, what the predictor trains on; in the ``"off"`` phase it gets no world, a random one
+    neither, and the world's dPSNR is 0). Returns ``{"Action_Encoder": [3], "World_Encoder": [3]}``, each
+    (dPSNR, PSNR_seq, PSNR_rand) as :func:`delta_psnr`."""
+    if x.shape[1] <= t:
+        raise ValueError(f"sensitivity at t={t} needs clips of more than {t} frames, got T={x.shape[1]}")
+    B = x.shape[0]
+    actions, world = model.infer_codes(x, world_phase)  # [B, T-1, Da], [B, Dh]
+    actions = actions[:, :t]  # a_0..a_{t-1} (causal, one frame of lookahead: the same as from frames 0..t)
+    target = x[:, t]
+    seq = model.generate(x[:, :1], actions, world, steps=t)[:, -1]  # the KV-cached rollout
+    quantizers = model.quantizers
+    rand_actions = random_codes(quantizers["Action_Encoder"], (B, t), generator).to(actions.dtype)
+    if world_phase == "off":  # the predictor gets no world: a random one is none too
+        rand_world = torch.zeros_like(world)
+    else:
+        rand_world = random_codes(quantizers["World_Encoder"], (B,), generator).to(world.dtype)
+    action_rand = model.generate(x[:, :1], rand_actions, world, steps=t)[:, -1]
+    world_rand = model.generate(x[:, :1], actions, rand_world, steps=t)[:, -1]
+    return {
+        "Action_Encoder": delta_psnr(target, seq, action_rand),
+        "World_Encoder": delta_psnr(target, seq, world_rand),
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# Ground-truth probes (when the data has true actions / world labels) and the copy-last baseline
+# --------------------------------------------------------------------------------------------------
+def code_ids(indices: Tensor, codebook_sizes: Sequence[int]) -> Tensor:
+    """Code tuples ``[..., L]`` -> one integer id each ``[...]`` (mixed radix, level 0 most significant)."""
+    ids = torch.zeros(indices.shape[:-1], dtype=torch.long, device=indices.device)
+    for level, k in enumerate(codebook_sizes):
+        ids = ids * k + indices[..., level].long()
+    return ids
+
+
+@torch.no_grad()
+def nmi(predicted: Tensor, target: Tensor) -> Tensor:
+    """Normalised mutual information between two integer labelings ``[N]``: 1 for the same partition (up to
+    renaming), about 0 for independent ones (torchmetrics' arithmetic normalisation)."""
+    from torchmetrics.functional.clustering import normalized_mutual_info_score
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Sparse invariant checks")
+        return normalized_mutual_info_score(predicted.long().cpu(), target.long().cpu())
+
+
+def linear_probe_accuracy(
+    features: Tensor, labels: Tensor, train_fraction: float = 0.5, steps: int = 300, seed: int = 0
+) -> tuple[float, float]:
+    """Held-out accuracy of a linear classifier (multinomial logistic regression, full-batch Adam on
+    standardised features) trained on a seeded ``train_fraction`` of ``features [N, d]`` -> ``labels [N]``;
+    returns ``(accuracy, chance)`` where chance is the held-out rate of the training set's majority class."""
+    with torch.inference_mode(False):  # callers at validation run under inference mode: train outside it
+        return _linear_probe(features.detach().float().cpu().clone(), labels.detach().long().cpu().clone(),
+                             train_fraction, steps, seed)
+
+
+def probe_train_size(n: int, train_fraction: float = 0.5) -> int:
+    """How many of ``n`` samples :func:`linear_probe_accuracy` trains on (the rest are held out)."""
+    return max(1, min(n - 1, int(round(train_fraction * n))))
+
+
+def _linear_probe(x: Tensor, y: Tensor, train_fraction: float, steps: int, seed: int) -> tuple[float, float]:
+    n = x.shape[0]
+    if n < 4:
+        return float("nan"), float("nan")
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    cut = probe_train_size(n, train_fraction)
+    train, test = order[:cut], order[cut:]
+    mean, std = x[train].mean(0), x[train].std(0).clamp_min(1e-6)
+    x = (x - mean) / std
+    classes = int(y.max()) + 1
+    with torch.enable_grad():
+        torch.manual_seed(seed)
+        probe = torch.nn.Linear(x.shape[1], classes)
+        opt = torch.optim.Adam(probe.parameters(), lr=0.05)
+        for _ in range(steps):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(probe(x[train]), y[train]).backward()
+            opt.step()
+    with torch.no_grad():
+        accuracy = (probe(x[test]).argmax(-1) == y[test]).float().mean().item()
+    majority = torch.bincount(y[train], minlength=classes).argmax()
+    return accuracy, (y[test] == majority).float().mean().item()
+
+
+def copy_last_loss(x: Tensor) -> Tensor:
+    """The copy-last-frame baseline's one-step MSE on a clip batch ``x [B, T, ...]`` (predict frame ``i+1``
+    as frame ``i``), comparable with the teacher-forcing loss."""
+    return (x[:, 1:].float() - x[:, :-1].float()).pow(2).mean()
+
+
+class WeightedMean(Metric):
+    """The weighted mean of everything passed to ``update(value, weight=1)`` (each value a tensor or number, its
+    weight e.g. a batch size), summed over ranks at ``compute`` (torchmetrics' sync). Unlike torchmetrics'
+    ``MeanMetric`` it keeps NaN: a NaN value makes the mean NaN, where ``MeanMetric`` drops it (a mean over fewer
+    windows that looks finite) after a host sync to look for it in every update."""
+
+    full_state_update = False
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.add_state("total", default=torch.tensor(0.0), dist_reduce_fx="sum")
+        self.add_state("weight", default=torch.tensor(0.0), dist_reduce_fx="sum")
+
+    def update(self, value: Tensor | float, weight: Tensor | float = 1.0) -> None:
+        value = torch.as_tensor(value, device=self.device).float()
+        weight = torch.as_tensor(weight, device=self.device).float().expand_as(value)
+        self.total += (value * weight).sum()
+        self.weight += weight.sum()
+
+    def compute(self) -> Tensor:
+        return self.total / self.weight
