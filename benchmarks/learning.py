@@ -3,14 +3,15 @@
     python benchmarks/learning.py [--out runs/learning] [--size full|smoke] [--datasets synth ...]
                                   [--recipes recipe requirement ...] [--steps N]
 
-For each dataset (made here: the synthetic world with and without distractors, Atari footage of three games,
-every one at the demo's 32x32 pixels through the pixel codec) and each recipe (``configs/demo.yaml`` with a few
-overrides: the recipe itself, the requirement's settings, and the recipe without each of its changes), it runs
-``lwm fit`` for ``--steps`` steps, then evaluates the final checkpoint on held-out clips (a recording of its own,
-made with another seed) with :func:`lwm.study.evaluate`: PSNR of frames 1..4 generated from frame 0 against
-copy-last-frame, action sensitivity (random, dictionary and another clip's codes), world sensitivity and the
-leak check, NMI and linear probes against the true actions and worlds, code usage. Prints one table, writes
-``OUT/learning.json`` and ``OUT/learning.png``. Finished runs are reused: run it again to add recipes or datasets.
+For each dataset (made here, every one at the demo's 32x32 pixels through the pixel codec: the synthetic world,
+with distractors, with look-alike worlds that only their dynamics tell apart, and Atari footage of four games) and
+each recipe (``configs/demo.yaml`` as it is, with the requirement's settings, without one of its changes, or with
+one of the requirement's open questions), it runs ``lwm fit`` for ``--steps`` steps, then evaluates the final
+checkpoint on held-out clips (a recording of its own, made with another seed) with :func:`lwm.study.evaluate`:
+PSNR of frames 1..4 generated from frame 0 against copy-last-frame, action sensitivity (random, dictionary and
+another clip's codes), world sensitivity and the leak check, NMI and linear probes against the true actions and
+worlds, code usage. Prints the tables, writes ``OUT/learning.json`` and ``OUT/learning.png``. Finished runs are
+reused: run it again to add recipes or datasets.
 """
 
 from __future__ import annotations
@@ -30,35 +31,48 @@ from lwm.study import load_clips
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "demo.yaml"
 SIZE = 32  # pixels: [16, 16, 16] latents, the demo's
-GAMES = ("pong", "breakout", "freeway")
+GAMES = ("pong", "breakout", "freeway", "boxing")
 
-# name -> (maker, train settings, held-out settings) per size
+SYNTH = dict(frames=16, distractors=0, look_alike=False)
+# name -> (maker, train settings, held-out settings, recipes) per size
 DATASETS = {
     "full": {
-        "synth": ("synth", dict(episodes=1024, frames=16, distractors=0), dict(episodes=256, frames=16, distractors=0)),
-        "synth_distractors": ("synth", dict(episodes=1024, frames=16, distractors=2),
-                              dict(episodes=256, frames=16, distractors=2)),
-        "atari": ("atari", dict(episodes=24, frames=256), dict(episodes=4, frames=256)),
+        "synth": ("synth", dict(SYNTH, episodes=1024), dict(SYNTH, episodes=256), "ablations questions"),
+        "synth_distractors": ("synth", dict(SYNTH, episodes=1024, distractors=2),
+                              dict(SYNTH, episodes=256, distractors=2), ""),
+        "synth_look_alike": ("synth", dict(SYNTH, episodes=1024, look_alike=True),
+                             dict(SYNTH, episodes=256, look_alike=True), "world"),
+        "atari": ("atari", dict(episodes=24, frames=256), dict(episodes=4, frames=256), "ablations"),
     },
     "smoke": {
-        "synth": ("synth", dict(episodes=16, frames=16, distractors=0), dict(episodes=8, frames=16, distractors=0)),
-        "atari": ("atari", dict(episodes=2, frames=32), dict(episodes=1, frames=32)),
+        "synth": ("synth", dict(SYNTH, episodes=16), dict(SYNTH, episodes=8), ""),
+        "atari": ("atari", dict(episodes=2, frames=32), dict(episodes=1, frames=32), ""),
     },
 }
 
-# The recipe is configs/demo.yaml as it is; each other entry overrides it.
-REQUIREMENT = ["--model.net.residual=false", "--model.net.action_input=tokens", "--model.net.action_spatial_pe=true",
-               "--model.net.world_frames=null", "--model.net.codebook_sizes_action=[4, 8]",
-               "--model.net.codebook_sizes_world=[4, 8]"]
-RECIPES = {
-    "recipe": [],
-    "requirement": REQUIREMENT,
-    "no_residual": ["--model.net.residual=false"],
-    "token_actions": ["--model.net.action_input=tokens", "--model.net.action_spatial_pe=true"],
-    "action_spatial_pe": ["--model.net.action_spatial_pe=true"],
-    "world_sees_clip": ["--model.net.world_frames=null"],
-    "codebooks_4x8": ["--model.net.codebook_sizes_action=[4, 8]", "--model.net.codebook_sizes_world=[4, 8]"],
+# The recipe is configs/demo.yaml as it is; each other entry overrides it: the requirement's settings, the recipe
+# without one of its changes (ablations), and the requirement's open questions.
+NET = "--model.net."
+REQUIREMENT = [f"{NET}residual=false", f"{NET}action_input=tokens", f"{NET}action_spatial_pe=true",
+               f"{NET}codebook_sizes_action=[4, 8]", f"{NET}codebook_sizes_world=[4, 8]", f"{NET}context_dropout=0"]
+ABLATIONS = {
+    "no_residual": [f"{NET}residual=false"],
+    "token_actions": [f"{NET}action_input=tokens"],
+    "delta_actions": [f"{NET}action_input=delta"],
+    "action_spatial_pe": [f"{NET}action_spatial_pe=true"],
+    "action_codes_4x8": [f"{NET}codebook_sizes_action=[4, 8]"],
+    "world_codes_4x8": [f"{NET}codebook_sizes_world=[4, 8]"],
+    "no_context_dropout": [f"{NET}context_dropout=0"],
 }
+WORLD_QUESTIONS = {
+    "world_first_frame": [f"{NET}world_frames=1"],
+    "world_warmup": [f"{NET}world_curriculum=[500, 500]"],
+    "world_codes_64": [f"{NET}codebook_sizes_world=[64]"],
+}
+QUESTIONS = {**WORLD_QUESTIONS, "film_fusion": [f"{NET}fusion=film"]}
+RECIPES = {"recipe": [], "requirement": REQUIREMENT, **ABLATIONS, **QUESTIONS}
+PLANS = {"": ["recipe", "requirement"], "ablations": list(ABLATIONS), "questions": list(QUESTIONS),
+         "world": list(WORLD_QUESTIONS)}
 
 
 def make_data(out: Path, name: str, maker: str, settings: dict, seed: int, games: tuple[str, ...]) -> Path:
@@ -70,7 +84,7 @@ def make_data(out: Path, name: str, maker: str, settings: dict, seed: int, games
         from lwm.data.synth import make_dataset
 
         return make_dataset(out, settings["episodes"], settings["frames"], seed, size=SIZE,
-                            distractors=settings["distractors"])
+                            distractors=settings["distractors"], look_alike=settings["look_alike"])
     from lwm.data.atari import make_dataset
     from lwm.data.codecs import PixelCodec
 
@@ -92,7 +106,7 @@ def fit(run_dir: Path, manifest: Path, steps: int, overrides: list[str], smoke: 
     return time.perf_counter() - start
 
 
-def evaluate_run(run_dir: Path, test_manifest: Path) -> dict:
+def evaluate_run(run_dir: Path, test_manifest: Path, synthetic: bool) -> dict:
     from lwm.checkpoint import load_checkpoint, trained_window
     from lwm.codes import load_dictionaries
     from lwm.study import evaluate
@@ -102,7 +116,13 @@ def evaluate_run(run_dir: Path, test_manifest: Path) -> dict:
     clips = load_clips(test_manifest, None, trained_window(raw), per_file=16)  # every file of the held-out recording
     dictionary = load_dictionaries(run_dir / "checkpoints" / "codes.pt")["Action_Encoder"]
     phase = model.world_phase_of_weights(int(raw["global_step"]))
-    return evaluate(model, clips, t=4, dictionary=dictionary, world_phase=phase)
+    factors = None
+    if synthetic:  # what the synthetic worlds differ in besides their background: speed and edges
+        from lwm.data.synth import WORLDS
+
+        factors = {name: torch.tensor([getattr(WORLDS[w], name) for w in clips.worlds.tolist()]).long()
+                   for name in ("speed", "wrap")}
+    return evaluate(model, clips, t=4, dictionary=dictionary, world_phase=phase, world_factors=factors)
 
 
 def row(dataset: str, recipe: str, r: dict) -> str:
@@ -159,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="runs/learning", help="data, runs and results (default runs/learning)")
     p.add_argument("--size", choices=sorted(DATASETS), default="full", help="full (by hand) or smoke (CI)")
     p.add_argument("--datasets", nargs="+", help="default: every one of the size")
-    p.add_argument("--recipes", nargs="+", default=["recipe", "requirement"], choices=sorted(RECIPES))
+    p.add_argument("--recipes", nargs="+", choices=sorted(RECIPES),
+                   help="default: recipe and requirement everywhere, ablations and open questions where planned")
     p.add_argument("--steps", type=int, help="training steps per fit (default: 2500 full, 3 smoke)")
     p.add_argument("--games", nargs="+", default=list(GAMES), help=f"Atari games (default {' '.join(GAMES)})")
     args = p.parse_args(argv)
@@ -169,11 +190,12 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     results: dict[str, dict] = {}
     names: dict[str, dict[int, str]] = {}
-    for dataset, (maker, train, test) in datasets.items():
+    for dataset, (maker, train, test, plans) in datasets.items():
         manifest = make_data(out / "data" / dataset, dataset, maker, train, 0, tuple(args.games))
         test_manifest = make_data(out / "data" / f"{dataset}_test", dataset, maker, test, 1, tuple(args.games))
         names[dataset] = dict(enumerate(args.games)) if maker == "atari" else {}
-        for recipe in args.recipes:
+        recipes = args.recipes or [r for plan in ["", *plans.split()] for r in PLANS[plan]]
+        for recipe in recipes:
             key = f"{dataset}/{recipe}"
             saved = out / "results" / f"{dataset}__{recipe}__{steps}.json"
             if saved.is_file():
@@ -182,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             run_dir = out / "runs" / dataset / f"{recipe}__{steps}"
             print(f"fit {key}: {steps} steps ...", flush=True)
             seconds = fit(run_dir, manifest, steps, RECIPES[recipe], smoke)
-            r = evaluate_run(run_dir, test_manifest)
+            r = evaluate_run(run_dir, test_manifest, maker == "synth")
             r.update(fit_seconds=seconds, steps=steps, overrides=RECIPES[recipe], date=str(date.today()))
             saved.parent.mkdir(parents=True, exist_ok=True)
             saved.write_text(json.dumps(r, indent=1))
