@@ -58,7 +58,6 @@ REQUIREMENT = [f"{NET}residual=false", f"{NET}action_input=tokens", f"{NET}actio
 ABLATIONS = {
     "no_residual": [f"{NET}residual=false"],
     "token_actions": [f"{NET}action_input=tokens"],
-    "delta_actions": [f"{NET}action_input=delta"],
     "action_spatial_pe": [f"{NET}action_spatial_pe=true"],
     "action_codes_4x8": [f"{NET}codebook_sizes_action=[4, 8]"],
     "world_codes_4x8": [f"{NET}codebook_sizes_world=[4, 8]"],
@@ -70,7 +69,9 @@ WORLD_QUESTIONS = {
     "world_codes_64": [f"{NET}codebook_sizes_world=[64]"],
 }
 QUESTIONS = {**WORLD_QUESTIONS, "film_fusion": [f"{NET}fusion=film"]}
-RECIPES = {"recipe": [], "requirement": REQUIREMENT, **ABLATIONS, **QUESTIONS}
+# the action encoder with the frames before (its input as "transition"): not in any plan
+OTHERS = {"delta_actions": [f"{NET}action_input=delta"]}
+RECIPES = {"recipe": [], "requirement": REQUIREMENT, **ABLATIONS, **QUESTIONS, **OTHERS}
 PLANS = {"": ["recipe", "requirement"], "ablations": list(ABLATIONS), "questions": list(QUESTIONS),
          "world": list(WORLD_QUESTIONS)}
 
@@ -179,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="runs/learning", help="data, runs and results (default runs/learning)")
     p.add_argument("--size", choices=sorted(DATASETS), default="full", help="full (by hand) or smoke (CI)")
     p.add_argument("--datasets", nargs="+", help="default: every one of the size")
-    p.add_argument("--recipes", nargs="+", choices=sorted(RECIPES),
+    p.add_argument("--recipes", nargs="+", choices=sorted(RECIPES), metavar="RECIPE",
                    help="default: recipe and requirement everywhere, ablations and open questions where planned")
     p.add_argument("--steps", type=int, help="training steps per fit (default: 2500 full, 3 smoke)")
     p.add_argument("--games", nargs="+", default=list(GAMES), help=f"Atari games (default {' '.join(GAMES)})")
