@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: venv browser demo test clean
+.PHONY: venv browser demo test test-fast clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,10 @@ browser:
 
 test: venv browser
 	$(PY) -m pytest -n 2 -q tests
+
+# the unit tier, for the edit-test loop: the tests not marked slow (under 3 minutes on 2 cores)
+test-fast: venv
+	$(PY) -m pytest -n 2 -q -m unit tests
 
 clean:
 	rm -rf $(VENV) .pytest_cache

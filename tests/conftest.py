@@ -14,3 +14,10 @@ import torch  # noqa: E402
 def _one_intra_op_thread():
     torch.set_num_threads(1)
     yield
+
+
+def pytest_collection_modifyitems(items):
+    """Every test not marked ``slow`` is in the unit tier (``make test-fast``: ``-m unit``)."""
+    for item in items:
+        if item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.unit)

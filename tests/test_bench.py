@@ -11,6 +11,7 @@ import torch
 from lwm.cli.main import main
 
 
+@pytest.mark.slow
 def test_bench_runs_at_tiny_and_writes_every_number(tmp_path, capsys):
     out = tmp_path / "bench.json"
     argv = ["bench", "--config", "configs/tiny.yaml", "--steps", "1", "--warmup", "0", "--json", str(out),
@@ -61,6 +62,7 @@ def test_bench_times_each_temporal_attention_kernel_side_by_side(monkeypatch, tm
     assert not built  # refused before any step is built or timed
 
 
+@pytest.mark.slow
 def test_a_kernel_that_fails_in_bench_keeps_the_other_rows(monkeypatch, tmp_path):
     """A kernel whose step fails (e.g. out of memory, or a compile error) becomes a note; the table and the JSON
     keep every other row."""
@@ -96,6 +98,7 @@ def test_bench_refuses_bad_arguments(capsys):
     assert "unrecognized arguments: stray" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("extra", "message"), [
     (["--data.batch_size=0"], "data.batch_size must be >= 1, got 0"),
     (["--data.batch_size", "0"], "data.batch_size must be >= 1, got 0"),  # the space form, as under lwm fit
@@ -182,6 +185,7 @@ def test_max_batch_holds_the_process_to_memory_gib_and_lets_go_after(monkeypatch
     assert fractions == [1.0] and set(seen) == {None}  # never held (only the release after)
 
 
+@pytest.mark.slow
 def test_step_flops_are_linear_in_the_batch_and_leave_out_checkpointing_recompute():
     """The bench and the flop counter count one sample's step and multiply by the batch: an identity for every
     counted op (matmuls, convolutions, attention, codebook distances); activation checkpointing's recomputed
@@ -258,6 +262,7 @@ def test_step_times_are_each_timed_step_after_the_warmup(monkeypatch):
     assert clock["calls"] == 5
 
 
+@pytest.mark.slow
 def test_bench_reports_each_variants_spread_and_warns_when_the_timings_are_noisy(monkeypatch, tmp_path, capsys):
     """The case a user met on a busy machine: one fast-path step slowed 19x by another process made its mean larger
     than Lightning's and the overhead negative. The median, min and max of the timed steps are in the table and the
@@ -331,6 +336,7 @@ def test_the_matmul_roofline_counts_two_flops_per_multiply_add(monkeypatch):
     assert tflops == pytest.approx(2 * 2048**3 / 0.5 / 1e12) and what == "float32 2048^3"
 
 
+@pytest.mark.slow
 def test_bench_numbers_follow_from_the_step_times_and_flops(monkeypatch, tmp_path, capsys):
     """With every timer replaced (0.5 s a fast/reference step and a breakdown part, 2 s a Lightning step, a 4 TFLOP/s
     matmul), each number in the JSON is a known function of the others."""
@@ -382,6 +388,7 @@ def test_bench_numbers_follow_from_the_step_times_and_flops(monkeypatch, tmp_pat
     assert sum(p["tflop"] for p in passes) * 1e12 == pytest.approx(r["flops_useful"], rel=1e-9)
 
 
+@pytest.mark.slow
 def test_a_variant_that_fails_keeps_the_earlier_ones_in_the_json(monkeypatch, tmp_path, capsys):
     """The JSON is written after each variant: a later one that fails (or a stage cut off by its time limit) keeps
     what was measured; each variant's median is printed as it is measured."""
@@ -403,6 +410,7 @@ def test_a_variant_that_fails_keeps_the_earlier_ones_in_the_json(monkeypatch, tm
     assert "fast path: 500.0 ms/step (median), 20 frames/s" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_breakdown_counts_useful_attention_flops(monkeypatch):
     """A part's FLOPs are its useful ones: the temporal attention counts fewer than PyTorch's dense count of the
     same calls (no recomputed scores in the backward), the causal one of the dynamics predictor fewer still."""
@@ -505,6 +513,7 @@ def test_the_fit_probe_leaves_the_setups_batch_alone(monkeypatch):
     assert s.x is x
 
 
+@pytest.mark.slow
 def test_each_compiled_variant_compiles_from_fresh_caches(monkeypatch, tmp_path):
     """A review found every compiled variant (the fast path, each --kernels row, the Lightning step) adding dynamo
     cache entries to the same code objects, about three each in ``DynamicsPredictor.forward`` (one per rollout
@@ -621,6 +630,7 @@ def test_host_syncs_are_listed_by_place_with_counts():
     assert sync_count(sites) == "3 (at 2 places)" and sync_count([]) == "0"
 
 
+@pytest.mark.slow
 def test_rollout_passes_time_a_config_whose_first_weights_are_zero(monkeypatch, tmp_path):
     """rollout_weights [0, 1] is valid (teacher forcing unweighted), but its first pass alone, [0], is not: the
     per-pass steps keep every pass's weight positive (each pass is computed whatever its weight)."""

@@ -11,6 +11,7 @@ import types
 import pytest
 
 
+@pytest.mark.slow
 def test_temporal_attention_benchmark_counts_bytes_and_flops(monkeypatch, capsys):
     """With every timing 1 ns, GB/s is the bytes moved: forward 4x q's bytes, forward + backward 12x; TFLOP/s
     / 1000 is the FLOPs (4 n h t^2 e forward, 3x that with the backward); the copy moves 2x its bytes."""
@@ -82,6 +83,7 @@ def test_generate_benchmark_frames_per_second_and_ratio(monkeypatch, capsys):
     assert "temporal attention triton" in capsys.readouterr().out and kernels[2:] == [{"triton"}, {"triton"}]
 
 
+@pytest.mark.slow
 def test_data_loader_benchmark_rates_follow_from_the_elapsed_time(tmp_path, monkeypatch):
     """With a clock that advances 1 s per reading, the timed batches take exactly 1 s: windows/s is batches x batch,
     MB/s those windows' bytes in the file's dtype, ms/batch 1000 / batches."""
@@ -171,6 +173,7 @@ def test_gpu_recipe_parses_and_all_runs_every_stage_in_its_order():
         assert run.returncode == 2 and message in run.stderr, (args, run.stderr)
 
 
+@pytest.mark.slow
 def test_gpu_recipe_runs_the_documented_commands(tmp_path):
     """Every stage with a stand-in python that records its arguments and environment: the commands
     docs/performance.md describes (bench, the loader, both attention directions, generation with sdpa and triton, a
@@ -226,6 +229,7 @@ def test_gpu_recipe_runs_the_documented_commands(tmp_path):
     assert calls[1] == f"TRITON_INTERPRET=0 -m zipfile -e {wheels}/omegaconf-2.4.0-py3-none-any.whl /tmp/lwm_site"
 
 
+@pytest.mark.slow
 def test_gpu_recipe_keeps_to_its_budget(tmp_path):
     """--budget 25 (10 s for stages, 15 kept for packing): check starts (it needs 5 s), its hanging command is
     stopped at the budget and the commands after it are not run (check is not done: a later `all` runs it again);

@@ -118,6 +118,7 @@ def test_did_you_mean_only_for_a_near_key():
         "unrecognized arguments: --checkpoint.every_n_steps=3", keys)
 
 
+@pytest.mark.slow
 def test_a_missing_required_key_is_named_as_its_option(capsys):
     from lwm.cli.main import main
 

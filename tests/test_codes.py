@@ -74,6 +74,7 @@ def test_file_round_trip_loads_with_weights_only(tmp_path):
         load_dictionaries(tmp_path / "nope.pt")
 
 
+@pytest.mark.slow
 def test_lwm_codes_equals_the_dictionaries_written_at_the_end_of_fit(tmp_path, capsys, monkeypatch):
     manifest = make_dataset(tmp_path / "data", files=5)
     root = tmp_path / "run"
@@ -150,6 +151,7 @@ def test_collect_stops_at_max_windows_across_batches():
     assert dictionaries["Action_Encoder"].total == 5 * 2
 
 
+@pytest.mark.slow
 def test_a_fit_resumed_with_training_over_writes_missing_dictionaries(tmp_path, caplog):
     """A preemption answered at the last step (or during the dictionaries) is requeued; the resumed fit's training
     loop does not run (Lightning skips it), so the dictionaries are written at the fit's end where missing or of
@@ -183,6 +185,7 @@ def _codes(tmp, ckpt, *extra) -> list[str]:
     return ["codes", "--config", str(tmp / "run/config.yaml"), "--ckpt_path", str(ckpt), *extra]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["checkpoint", "checkpoint as .pt", "manifest", "h5 file", "folder", "ckpt name",
                                     "file parent"])
 def test_codes_out_that_is_not_a_code_dictionary_is_refused_before_any_work(trained, capsys, monkeypatch, target):
@@ -209,6 +212,7 @@ def test_codes_out_that_is_not_a_code_dictionary_is_refused_before_any_work(trai
     assert {p: p.read_bytes() for p in before} == before and not (tmp / "new.ckpt").exists()
 
 
+@pytest.mark.slow
 def test_codes_out_rewrites_a_code_dictionary_and_the_default_path(trained):
     """An existing dictionary at --out is replaced (as is the default codes.pt beside last.ckpt); the files are
     the same dictionary (same windows, same step)."""
@@ -298,6 +302,7 @@ def test_a_file_torch_will_not_load_with_weights_only_is_refused_without_torchs_
         load_dictionaries(tmp_path / "ckpt.pt")
 
 
+@pytest.mark.slow
 def test_codes_without_config_reads_the_runs_own(trained, capsys):
     """`lwm codes --ckpt_path RUN/checkpoints/last.ckpt` (or RUN) without --config: the run's config.yaml, as given
     explicitly (without it, the package defaults' window and data settings made another dictionary)."""

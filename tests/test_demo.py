@@ -14,6 +14,7 @@ from lwm.cli.demo import report
 from lwm.inference.study import probe_margin
 
 
+@pytest.mark.slow
 def test_the_demo_pipeline_end_to_end(tmp_path, capsys, recwarn):
     out = tmp_path / "demo"
     argv = ["demo", "--out", str(out), "--steps", "12", "--episodes", "24", "--frames", "10",

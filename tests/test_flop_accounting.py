@@ -20,6 +20,7 @@ TINY = {"in_channels": 4, "height": 8, "width": 8, "d_model": 32, "n_heads": 2, 
 
 # --- lwm/bench.py ---------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_breakdown_parts_add_up_to_the_steps_useful_flops(monkeypatch):
     """Identity: the parts timed alone (tokenizer, detokenizer, each sub-layer x depth x calls, quantizers) are every
     FLOP of the step but a few small projections: their sum is the step's useful count to 0.2% (0.1% left at this size)."""
@@ -66,6 +67,7 @@ def test_rates_are_of_the_mean_step(monkeypatch, tmp_path):
         assert v["mfu_peak"] == pytest.approx(r["flops_useful"] / 0.5 / 10e12)
 
 
+@pytest.mark.slow
 def test_the_printed_tables_show_the_jsons_numbers(monkeypatch, tmp_path, capsys):
     """The printed TFLOP/s, MFU, the title's useful/dense GFLOP and the breakdown's TFLOP/s and share are the
     JSON's numbers (0.1 ms a step and a call of a part; the eager step with 1, 2, 3 rollout passes 1, 2, 3 ms)."""
@@ -226,6 +228,7 @@ def test_mfu_is_of_the_peak_for_the_training_precision(monkeypatch, precision, d
 
 # --- benchmarks/temporal_attention.py ---------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_temporal_attention_rollout_pass_bytes_and_flops(monkeypatch, capsys):
     """A rollout pass of t - c queries after c cached keys (timings 1 ns): forward moves q and out at t - c rows and k,
     v at t rows; its FLOPs are the (t - c) x t rectangle."""

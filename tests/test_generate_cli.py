@@ -32,6 +32,7 @@ def _generate(ckpt, data, out, *extra) -> np.ndarray:
         return f["latents"][...]
 
 
+@pytest.mark.slow
 def test_video_and_latents_are_written_and_seeded(trained):
     tmp, ckpt, data = trained
     a = _generate(ckpt, data, tmp / "a.gif", "--steps", "5", "--rollouts", "2", "--actions", "random")
@@ -149,6 +150,7 @@ def test_an_edited_code_dictionary_is_refused_before_the_codec(trained, tmp_path
     assert built == []
 
 
+@pytest.mark.slow
 def test_dictionary_actions_do_not_depend_on_where_the_world_comes_from(trained, tmp_path, monkeypatch):
     """With --world dictionary the world's draws came first from the actions' generator: the same --seed drew
     other actions than with --world inferred. The world and the actions draw from streams of their own."""
@@ -197,6 +199,7 @@ def test_a_code_dictionary_of_another_model_is_refused_by_name(trained, capsys):
     assert len(errors) == 1 and "other_codes.pt: Action_Encoder codebook sizes [5, 5]" in errors[0], errors
 
 
+@pytest.mark.slow
 def test_a_code_dictionary_of_another_step_is_used_with_a_warning(trained, capsys):
     import shutil
 
@@ -223,6 +226,7 @@ def test_an_unknown_video_suffix_is_refused_before_any_work(trained, capsys):
     assert not (tmp / "x.avi.h5").exists()
 
 
+@pytest.mark.slow
 def test_the_inferred_world_does_not_depend_on_the_number_of_steps(trained):
     """The world code is inferred from the training window's length of frames, however many are generated: the
     first frames of a short and a long rollout with the same actions are the same."""
@@ -288,6 +292,7 @@ def test_a_bad_code_dictionary_file_and_window_are_refused(trained, tmp_path, ca
     assert "--max-windows must be >= 1" in _error_lines(capsys)[0]
 
 
+@pytest.mark.slow
 def test_lwm_codes_from_the_run_config_writes_each_checkpoint_its_own_dictionary(trained, capsys):
     """The command the step-mismatch warning suggests works on the fit's own config.yaml; a step checkpoint's
     dictionary goes beside it under its name (codes.pt stays last.ckpt's), and generate finds it."""
@@ -326,6 +331,7 @@ def test_the_context_transitions_keep_their_inferred_actions(trained):
     assert np.allclose(gen[0, 3:], expected[0].numpy(), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_positions_past_the_trained_range_are_warned_about(trained, capsys):
     tmp, ckpt, data = trained  # window 6, max_time_offset 32: training fed positions up to 32 + 6 - 2 = 36
     capsys.readouterr()
@@ -544,12 +550,14 @@ def test_generate_hands_vae_and_tiling_to_the_codec(trained, monkeypatch, tiling
 
 def _no_checkpoint_loaded(monkeypatch):
     """Fail the test if the checkpoint is loaded: the refusals below come before any work."""
-    import lwm.training.checkpoint
+    import lwm.cli.codes
+    import lwm.inference.generation
 
     def load(*args, **kwargs):
         raise AssertionError("the checkpoint was loaded before the refusal")
 
-    monkeypatch.setattr(lwm.training.checkpoint, "load_checkpoint", load)
+    for module in (lwm.inference.generation, lwm.cli.codes):
+        monkeypatch.setattr(module, "load_checkpoint", load)
 
 
 @pytest.mark.parametrize("kind", ["latents onto the input", "video onto the input", "hard link"])
@@ -597,6 +605,7 @@ def test_non_finite_latents_in_the_data_are_refused(trained, tmp_path, capsys):
     assert [p.name for p in tmp_path.iterdir()] == ["inf.h5"]  # no video, no latents
 
 
+@pytest.mark.slow
 def test_generate_plays_at_the_datas_frame_rate_unless_told(trained, tmp_path, monkeypatch):
     import shutil
 
@@ -621,6 +630,7 @@ def test_generate_plays_at_the_datas_frame_rate_unless_told(trained, tmp_path, m
     assert rates[-1] == 6.0  # each latent step is 4 frames of the 24 fps video
 
 
+@pytest.mark.slow
 def test_a_run_folder_or_last_stands_for_the_runs_last_checkpoint(trained, tmp_path, capsys):
     tmp, ckpt, data = trained
     by_file = _generate(ckpt, data, tmp_path / "file.gif", "--steps", "2", "--rollouts", "1", "--actions", "random")
@@ -675,6 +685,7 @@ def test_given_action_indices_are_named_by_the_tuples_played():
     assert name("[[0, 0], [1, 3]]") != played
 
 
+@pytest.mark.slow
 def test_runs_of_other_settings_write_other_default_videos_and_the_same_again_is_refused(trained, capsys,
                                                                                         monkeypatch):
     """Six runs of other --actions/--world on one clip each wrote RUN_DIR/generated/ep00_0.mp4 over the last; so
@@ -775,6 +786,7 @@ def test_a_ground_truth_the_file_has_in_part_is_shown_then_blank(trained, tmp_pa
             in capsys.readouterr().out)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_outside_a_checkpoints_folder_writes_beside_itself_and_a_curriculum_phase_warns(trained, tmp_path,
                                                                                                   capsys):
     """A checkpoint copied elsewhere (not RUN_DIR/checkpoints/): its default video goes to its own folder's
@@ -809,6 +821,7 @@ def test_rollouts_with_nothing_drawn_are_the_same_and_it_is_said(trained, capsys
     assert "nothing is drawn" not in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_codes_played_are_recorded_and_replay_each_rollout(trained):
     """The latents file holds each rollout's action and world indices (what --action-indices and --world-indices
     take); given back, they play that rollout again. Random actions are drawn rollout by rollout: rollout 0

@@ -182,6 +182,7 @@ def _reply(ws):
     return state, frame
 
 
+@pytest.mark.slow
 def test_the_api_answers_each_request_with_its_frame(player):
     from starlette.testclient import TestClient
 
@@ -304,6 +305,7 @@ def test_a_port_in_use_and_a_remote_host_are_one_line(trained, capsys, monkeypat
                                "options)"]
 
 
+@pytest.mark.slow
 def test_the_command_prints_the_url_and_serves_the_page_until_ctrl_c(trained):
     ckpt, _, manifest = trained
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -323,6 +325,7 @@ def test_the_command_prints_the_url_and_serves_the_page_until_ctrl_c(trained):
     assert "Traceback" not in proc.stderr.read()
 
 
+@pytest.mark.slow
 def test_a_vae_file_plays_through_the_vae(trained, tmp_path):
     """With --vae, each page frame is the last video frame of its latent decoded after the latents before it (at most
     3); the recorded video is the whole rollout decoded after the file's latents before the start frame."""

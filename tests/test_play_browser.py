@@ -15,6 +15,8 @@ import pytest
 
 from tests.test_play import tiny_run
 
+pytestmark = pytest.mark.slow  # end-to-end: `make test-fast` leaves it out
+
 pytest.importorskip("starlette", reason="lwm play needs the play extra (starlette, uvicorn): pip install 'lwm[play]'")
 
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

@@ -78,6 +78,7 @@ def test_read_metrics_keeps_the_last_row_per_step_and_drops_empty_cells(tmp_path
     }
 
 
+@pytest.mark.slow
 def test_every_column_writes_the_five_figures(tmp_path, capsys):
     run_dir = write_run(tmp_path / "run", every_column())
     assert main([str(run_dir)]) == 0
@@ -91,6 +92,7 @@ def test_every_column_writes_the_five_figures(tmp_path, capsys):
     assert all(f"wrote {out / name}" in printed for name in FIGURES)
 
 
+@pytest.mark.slow
 def test_a_run_without_tflops_skips_that_figure_and_says_why(tmp_path, capsys):
     # only the total loss of the loss panels: a 1-panel losses.png keeps the test fast
     columns = [c for c in every_column() if c not in TFLOPS and ("loss" not in c or c.endswith("Total/loss"))]

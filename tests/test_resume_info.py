@@ -72,6 +72,7 @@ def test_a_torn_last_ckpt_beside_a_whole_step_checkpoint_of_its_step_falls_back_
         assert latest_checkpoint(run, ckpts) == ckpts / "step=0000200.ckpt"
 
 
+@pytest.mark.slow
 def test_resume_info_prints_the_resolved_run_dir_and_checkpoint(tmp_path, capsys):
     root = tmp_path / "a long run directory name with spaces that YAML would fold over two lines" / "run"
     elsewhere = tmp_path / "elsewhere"
@@ -85,6 +86,7 @@ def test_resume_info_prints_the_resolved_run_dir_and_checkpoint(tmp_path, capsys
     assert main(["resume-info", f"--trainer.default_root_dir={root}"]) == 2  # no --config
 
 
+@pytest.mark.slow
 def test_resume_info_reads_layered_configs_in_order(tmp_path, capsys):
     """`train.sbatch base.yaml --config extra.yaml ...`: every config, as lwm fit reads them."""
     base, extra = tmp_path / "base.yaml", tmp_path / "extra.yaml"

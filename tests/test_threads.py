@@ -81,6 +81,7 @@ def test_ranks_on_one_machine_share_the_idle_cores_through_omp_num_threads(fresh
     assert os.environ["OMP_NUM_THREADS"] == "2"  # (Lightning's launcher keeps it, the ranks it starts inherit it)
 
 
+@pytest.mark.slow
 @needs_two_cpus
 def test_a_cpu_fit_beside_a_busy_process_takes_one_thread_and_says_so(tmp_path):
     """On 2 cores with one busy with another process, torch's 2 threads made the demo's step 10x slower."""

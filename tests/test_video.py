@@ -103,6 +103,7 @@ def test_a_failed_video_write_keeps_the_old_file(tmp_path, monkeypatch):
     assert (tmp_path / "v.gif").read_bytes() == old and [p.name for p in tmp_path.iterdir()] == ["v.gif"]
 
 
+@pytest.mark.slow
 def test_a_video_write_cut_off_while_writing_the_file_keeps_the_old_one(tmp_path, monkeypatch):
     """The new video goes to a temporary name and replaces the old one in one rename: a write that fails (a full
     disk) leaves the old file whole and no temporary behind."""
@@ -119,6 +120,7 @@ def test_a_video_write_cut_off_while_writing_the_file_keeps_the_old_one(tmp_path
     assert (tmp_path / "v.mp4").read_bytes() == old and [p.name for p in tmp_path.iterdir()] == ["v.mp4"]
 
 
+@pytest.mark.slow
 def test_a_video_write_removes_the_temp_videos_of_dead_writers_only(tmp_path):
     """A run killed while writing ``videos/step_N.mp4`` leaves its temp file; the next video write in that folder
     removes it (any video's name), not a live writer's, nor another file's."""
@@ -138,6 +140,7 @@ def test_a_video_write_removes_the_temp_videos_of_dead_writers_only(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["step_0001000.mp4"] + [p.name for p in kept])
 
 
+@pytest.mark.slow
 def test_a_temp_video_that_cannot_be_removed_does_not_fail_the_write(tmp_path, monkeypatch):
     """Another user's stale temp file in a shared folder (not ours to remove): the video is written and returned."""
     import os

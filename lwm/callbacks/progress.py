@@ -12,6 +12,8 @@ from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.callbacks.progress.rich_progress import RichProgressBarTheme
 from typing_extensions import override
 
+from lwm.utils.errors import ConfigError
+
 VAL_KEYS = ("Val_Total/loss", "Val_Dynamics_Predictor/tf_loss", "Val_Dynamics_Predictor/copy_last_loss")
 
 
@@ -62,7 +64,6 @@ class StepProgressBar(RichProgressBar):
                  theme: RichProgressBarTheme = RichProgressBarTheme(), console_kwargs: dict[str, Any] | None = None,
                  text_every_s: float = 60.0) -> None:
         super().__init__(refresh_rate=refresh_rate, leave=leave, theme=theme, console_kwargs=console_kwargs)
-        from lwm.utils.errors import ConfigError
 
         if not text_every_s >= 0:
             raise ConfigError(f"progress_bar.text_every_s must be >= 0 (0: no plain progress lines), got "

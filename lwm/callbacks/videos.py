@@ -9,7 +9,7 @@ import lightning as L
 import torch
 from typing_extensions import override
 
-from lwm.utils.video import MAX_FPS
+from lwm.utils.args import MAX_FPS
 from lwm.utils.errors import ConfigError
 from lwm.training.loggers import log_video, run_log_dir
 from lwm.utils.video import grid, latent_preview, write_video

@@ -76,10 +76,17 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from lwm.cli.dynamo_watch import ROOT, DynamoWatch, dynamo_note, fresh_compile_caches, short_path
+from lwm.cli.dynamo_watch import dynamo_note, DynamoWatch, fresh_compile_caches, ROOT, short_path
+from lwm.cli.lightning_cli import read_config
+from lwm.modules import triton_attention
+from lwm.modules.flops import count_flops, StepFlops
+from lwm.modules.st_transformer import ATTENTION_KERNELS
+from lwm.modules.world_model import WorldModel, WorldModelConfig
+from lwm.training.module import WorldModelModule
+from lwm.training.optim import OptimConfig
 from lwm.utils.args import ArgumentParser
 from lwm.utils.errors import ConfigError
-from lwm.modules import triton_attention
+from lwm.utils.video import check_output
 
 DEFAULT_CONFIG = ROOT / "configs" / "tiny.yaml"
 
@@ -104,7 +111,6 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--peak-tflops", type=float, help="the device's bf16 dense peak, where Lightning does not know "
                                                       "it (e.g. 989 for an H200)")
     args, rest = p.parse_known_args(argv)
-    from lwm.modules.st_transformer import ATTENTION_KERNELS
 
     unknown = [k for k in args.kernels if k not in ATTENTION_KERNELS]
     if unknown:
@@ -122,7 +128,6 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         hint = f" (did you mean {shipped.relative_to(ROOT)}?)" if shipped.is_file() else ""
         raise ConfigError(f"--config {args.config}: not found{hint}")
     if args.json is not None:  # before minutes of timing: a path that cannot be written, or the config itself
-        from lwm.utils.video import check_output
 
         if Path(args.json).suffix != ".json":
             raise ConfigError(f"--json {args.json}: not a .json file name")
@@ -133,8 +138,6 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def load_config(path: str, overrides: list[str]) -> dict[str, Any]:
     """The config as ``lwm fit`` reads and checks it (:func:`lwm.lightning_cli.read_config`; the step runs on random
     latents, so ``data.manifest`` may be left out), and the batch and window the step needs."""
-    from lwm.cli.lightning_cli import read_config
-    from lwm.modules.world_model import WorldModelConfig
 
     config = read_config(["--config", path, *overrides])
     data = config.get("data") or {}
@@ -207,8 +210,6 @@ class Setup:
     """The config's model, optimiser settings, precision and a random batch."""
 
     def __init__(self, cfg: dict, device: torch.device) -> None:
-        from lwm.training.optim import OptimConfig
-        from lwm.modules.world_model import WorldModelConfig
 
         model = cfg.get("model") or {}
         try:
@@ -247,7 +248,6 @@ def plain_step(s: Setup, fast: bool, compile_: bool = True, micro: int = 1) -> t
     """One training step in a plain loop: the fast path (the config's precision, compile unless ``compile_`` is
     False, fused AdamW on a GPU) or the reference (eager fp32, for-loop AdamW, :func:`reference_net`; its
     batch in ``micro`` micro-batches with accumulated gradients where it does not fit in memory at once)."""
-    from lwm.modules.world_model import WorldModel
 
     torch.manual_seed(0)
     model = WorldModel(s.net if fast else reference_net(s)).to(s.device).train()
@@ -278,7 +278,6 @@ def lightning_step_times(s: Setup, steps: int, warmup: int) -> list[float]:
     """Seconds of each timed step of the real Lightning training step (from batch start to batch start)."""
     import lightning as L
 
-    from lwm.training.module import WorldModelModule
 
     class Timer(L.Callback):
         def __init__(self) -> None:
@@ -312,8 +311,6 @@ def step_flops(s: Setup):
     """FLOPs of one training step (forward with every pass, backward) at the real batch's shapes: counted on
     one sample and multiplied by the batch (every counted op, matmuls, convolutions, attention, the codebook
     distances, is linear in the batch; tested), which needs little memory where the step itself barely fits."""
-    from lwm.modules.flops import StepFlops, count_flops
-    from lwm.modules.world_model import WorldModel
 
     model = WorldModel(s.net).to(s.device).train()
 
@@ -331,8 +328,6 @@ def step_flops(s: Setup):
 
 def breakdown(s: Setup, steps: int, warmup: int) -> list[dict]:
     """Each part alone (forward + backward, eager, the step's shapes and precision): seconds and FLOPs per step."""
-    from lwm.modules.flops import count_flops
-    from lwm.modules.world_model import WorldModel
 
     torch.manual_seed(0)
     model = WorldModel(s.net).to(s.device).train()

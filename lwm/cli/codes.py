@@ -6,18 +6,18 @@ import sys
 
 import torch
 
+from lwm.cli.lightning_cli import config_files, LwmCLI
 from lwm.inference.dictionary import check_out, collect, default_codes_path, save_dictionaries
+from lwm.training.checkpoint import load_checkpoint, warn_window_mismatch
+from lwm.training.run_dir import checkpoint_file, run_of
 from lwm.utils.args import ArgumentParser
+from lwm.utils.errors import ConfigError
+from lwm.utils.video import check_output
 
 
 def main(argv: list[str]) -> int:
     """``lwm codes [--config CFG] --ckpt_path CKPT [--max-windows N] [--out PATH] [overrides]``; without
     ``--config``, the config of the run the checkpoint belongs to (``RUN/config.yaml``), where there is one."""
-    from lwm.training.run_dir import checkpoint_file, run_of
-    from lwm.training.checkpoint import load_checkpoint, warn_window_mismatch
-    from lwm.utils.errors import ConfigError
-    from lwm.cli.lightning_cli import LwmCLI, config_files
-    from lwm.utils.video import check_output
 
     parser = ArgumentParser(
         prog="lwm codes", description="Code dictionaries of a trained model on its training data.",

@@ -33,9 +33,17 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from lwm.callbacks.slurm import interrupted_by
+from lwm.cli.generate import parse as generate_args
+from lwm.cli.lightning_cli import lightning_cli, read_config
+from lwm.data.manifest import Manifest
+from lwm.data.synth import make_dataset
+from lwm.inference.dictionary import load_dictionaries
+from lwm.inference.generation import run as generate
+from lwm.inference.study import evaluate, load_clips, probe_margin
+from lwm.training.run_dir import latest_checkpoint
 from lwm.utils.args import ArgumentParser
 from lwm.utils.errors import ConfigError
-from lwm.inference.study import probe_margin
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
 LAST = "checkpoints/last.ckpt"
@@ -70,13 +78,6 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lwm.callbacks.slurm import interrupted_by
-    from lwm.training.run_dir import latest_checkpoint
-    from lwm.cli.lightning_cli import lightning_cli, read_config
-    from lwm.data.manifest import Manifest
-    from lwm.data.synth import make_dataset
-    from lwm.cli.generate import parse as generate_args
-    from lwm.inference.generation import run as generate
 
     args, rest = parse(argv or [])
     console = Console()
@@ -164,8 +165,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def held_out_study(model, manifest_path: Path, window: int, codes: Path) -> dict | None:
     """:func:`lwm.inference.study.evaluate` on the validation episodes (None where their windows are too short for t=4)."""
-    from lwm.inference.dictionary import load_dictionaries
-    from lwm.inference.study import evaluate, load_clips
 
     if window <= 4 or not codes.is_file():
         return None

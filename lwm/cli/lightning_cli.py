@@ -23,22 +23,22 @@ from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lwm.callbacks import (
-    AttentionDiagonality, CodebookMonitor, CodeDictionaries, CopyLastBaseline, DeadCodeRevival, FlopCounter,
-    GroundTruthProbes, LearningRateMonitor, ModelSummary, PredictionWriter, RolloutVideos, Sensitivity,
-    SlurmRequeue, StepProgressBar,
-)
-from lwm.training.checkpoint import (DEEPSPEED_MARK, AtomicCheckpointIO, ModelCheckpoint, deepspeed_step,
-    is_deepspeed_checkpoint, mark_deepspeed_saves_complete, read_checkpoint, warn_window_mismatch)
-from lwm.training.run_dir import run_of
+from lwm.callbacks import (AttentionDiagonality, CodebookMonitor, CodeDictionaries, CopyLastBaseline, DeadCodeRevival,
+    FlopCounter, GroundTruthProbes, LearningRateMonitor, ModelSummary, PredictionWriter, RolloutVideos, Sensitivity,
+    SlurmRequeue, StepProgressBar)
 from lwm.data.datamodule import LatentDataModule
-from lwm.utils.errors import ConfigError, DataError
-from lwm.training.loggers import WandbConfig, make_loggers, run_log_dir
-from lwm.training.optim import OptimConfig
-from lwm.training.run_dir import _HoldRunLock, fit_resumes
-from lwm.training.module import WorldModelModule
 from lwm.modules.world_model import WorldModelConfig
+from lwm.training.checkpoint import (AtomicCheckpointIO, DEEPSPEED_MARK, deepspeed_step, is_deepspeed_checkpoint,
+    mark_deepspeed_saves_complete, ModelCheckpoint, read_checkpoint, warn_window_mismatch)
+from lwm.training.loggers import make_loggers, run_log_dir, WandbConfig
+from lwm.training.module import WorldModelModule
 from lwm.training.nonfinite import deepspeed_checks_overflow
+from lwm.training.optim import OptimConfig
+from lwm.training.run_dir import _HoldRunLock, fit_resumes, latest_checkpoint, run_of
+from lwm.utils.errors import ConfigError, DataError
+from lwm.utils.files import remove_stale_temp_files
+from lwm.utils.threads import set_cpu_threads
+from lwm.utils.video import VIDEO_SUFFIXES
 
 
 def _interpolations_within_the_config() -> None:
@@ -269,7 +269,6 @@ class LwmCLI(LightningCLI):
         the highest global step among ``CHECKPOINT_DIR/last.ckpt``, else the step checkpoints beside it, and the
         hpc ones), ``CHECKPOINT_DIR/last.ckpt`` (RUN_DIR/checkpoints by default) where there is none yet."""
 
-        from lwm.training.run_dir import latest_checkpoint
 
         path = config.get("ckpt_path")
         if path != "last":
@@ -366,7 +365,6 @@ class LwmCLI(LightningCLI):
         ``last`` without a checkpoint refused."""
         path = config.get("ckpt_path")
         if path is None:  # Lightning's default: the model as initialised (a baseline; rarely what was meant)
-            from lwm.training.run_dir import latest_checkpoint
 
             found = latest_checkpoint(Path(self.run_dir(config)), Path(self.checkpoint_dir(config)))
             hint = f"--ckpt_path last takes {found}" if found is not None else "give --ckpt_path"
@@ -525,7 +523,6 @@ class LwmCLI(LightningCLI):
         from lightning.pytorch.accelerators import CPUAccelerator
 
         if isinstance(self.trainer.accelerator, CPUAccelerator):
-            from lwm.utils.threads import set_cpu_threads
 
             rank_zero_info(f"CPU threads: {set_cpu_threads(self.trainer.num_devices)}")
         if subcommand in ("validate", "test", "predict") and self.trainer.is_global_zero:
@@ -559,8 +556,6 @@ class LwmCLI(LightningCLI):
         takes the digits of ``.hpc_ckpt_1.ckpt.tmp-HOST-PID`` for an hpc checkpoint's number (a SLURM start
         then fails to find it), and a finished run's last video or checkpoint write has no later write to
         sweep it."""
-        from lwm.utils.files import remove_stale_temp_files
-        from lwm.utils.video import VIDEO_SUFFIXES
 
         root = Path(self.trainer.default_root_dir)
         checkpoints = Path(self.checkpoint_dir(self.config[self.config.subcommand]))
@@ -823,8 +818,6 @@ def read_config(args: list[str]) -> dict[str, Any]:
     (no trainer, loggers, data or model): types, unknown keys, typos and broken YAML are refused in one line as by
     ``lwm fit``, then the model's and optimiser's own checks run. ``data.manifest`` may be left out. For verbs that
     check a config before work of their own (``lwm bench``, ``lwm demo``)."""
-    from lwm.training.optim import OptimConfig
-    from lwm.modules.world_model import WorldModelConfig
 
     class ParseOnly(LwmCLI):
         def add_arguments_to_parser(self, parser) -> None:

@@ -19,6 +19,8 @@ from typing import Any
 import lightning as L
 from torch.utils.data import DataLoader, Dataset
 
+from lwm.callbacks.slurm import interrupted_by, SlurmRequeue
+from lwm.cli.lightning_cli import LwmCLI
 from lwm.utils.args import ArgumentParser
 from lwm.utils.errors import ConfigError
 
@@ -105,8 +107,6 @@ def main(argv: list[str]) -> int:
 
 
 def _run(args: argparse.Namespace, rest: list[str]) -> int:
-    from lwm.callbacks.slurm import SlurmRequeue, interrupted_by
-    from lwm.cli.lightning_cli import LwmCLI
 
     class OverfitCLI(LwmCLI):
         def before_instantiate_classes(self) -> None:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 
+from lwm.play.player import load_player
 from lwm.play.server import bind, build_app, check_host, serve, url
 from lwm.utils.args import ArgumentParser
 from lwm.utils.errors import ConfigError
-from lwm.utils.video import MAX_FPS
+from lwm.utils.args import MAX_FPS
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -44,7 +45,6 @@ def _need_extra() -> None:
 
 def main(argv: list[str]) -> int:
     """``lwm play``: checks, the port, the model, then the page until Ctrl-C."""
-    from lwm.play.player import load_player
 
     args = parse(argv)
     _need_extra()

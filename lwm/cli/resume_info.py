@@ -7,6 +7,7 @@ import io
 import os
 from pathlib import Path
 
+from lwm.cli.lightning_cli import config_files, lightning_cli
 from lwm.training.run_dir import latest_checkpoint
 from lwm.utils.errors import ConfigError
 
@@ -15,7 +16,6 @@ def run_paths(args: list[str]) -> tuple[Path, Path]:
     """``(RUN_DIR, CHECKPOINT_DIR)`` of ``lwm fit ARGS`` (``--config`` files and overrides, in their order)."""
     import yaml
 
-    from lwm.cli.lightning_cli import lightning_cli
 
     out = io.StringIO()
     try:
@@ -33,7 +33,6 @@ def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
         return 0
-    from lwm.cli.lightning_cli import config_files
 
     configs = config_files(argv)
     if not configs:

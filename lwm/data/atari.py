@@ -29,6 +29,9 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from lwm.data.codecs import PixelCodec
+from lwm.data.convert import frames_note, make_codec, write_latents
+from lwm.data.manifest import existing_h5, index_directory
 from lwm.utils.args import ArgumentParser
 from lwm.utils.errors import DataError
 
@@ -107,7 +110,6 @@ def check_arguments(out_dir: str | Path, game_list: list[str], episodes: int, fr
     unknown = [g for g in game_list if g not in known]
     if unknown:
         raise DataError(f"--games: unknown game(s) {', '.join(unknown)} (ale-py knows {len(known)}, e.g. pong, breakout)")
-    from lwm.data.manifest import existing_h5
 
     out = Path(out_dir)
     if not out.is_dir():
@@ -128,9 +130,6 @@ def make_dataset(out_dir: str | Path, game_list: list[str], episodes: int = 8, f
                  overwrite: bool = False) -> Path:
     """Record ``episodes`` per game into ``out_dir/<game>_NNN.h5`` and index them; returns the manifest path.
     Arguments as :func:`check_arguments` checks them."""
-    from lwm.data.codecs import PixelCodec
-    from lwm.data.convert import frames_note, write_latents
-    from lwm.data.manifest import index_directory
 
     check_arguments(out_dir, game_list, episodes, frames, frame_skip, sticky, val_fraction, overwrite)
     codec = codec or PixelCodec()
@@ -152,7 +151,6 @@ def make_dataset(out_dir: str | Path, game_list: list[str], episodes: int = 8, f
 
 def main(argv: list[str]) -> int:
     """``lwm data atari --games G... --out DIR ...``."""
-    from lwm.data.convert import make_codec
 
     parser = ArgumentParser(prog="lwm data atari", description=__doc__.splitlines()[0])
     parser.add_argument("--games", nargs="+", required=True, help="ALE game ids, e.g. pong breakout (world_label = position)")

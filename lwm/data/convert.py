@@ -28,11 +28,12 @@ import torch
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from lwm.data.codecs import PixelCodec, codec_from_attr, missing_codec
-from lwm.data.h5 import MODEL_MULTIPLE, DataError, file_fps, inspect_h5
-from lwm.data.vae import SPATIAL, TEMPORAL, latent_frames, video_frames
+from lwm.data.codecs import codec_from_attr, missing_codec, PixelCodec
+from lwm.data.h5 import DataError, file_fps, inspect_h5, MODEL_MULTIPLE
+from lwm.data.vae import latent_frames, SPATIAL, TEMPORAL, VAECodec, video_frames
 from lwm.utils.errors import first_line
 from lwm.utils.files import remove_stale_temp_files, temp_path
+from lwm.utils.video import check_output, VIDEO_SUFFIXES, write_video
 
 CODECS = ("pixel", "wan", "cogvideox", "hunyuan")
 
@@ -155,7 +156,6 @@ def make_codec(codec: str = "pixel", vae: str | Path | None = None, size: int | 
         return PixelCodec(size=size or 128)
     if vae is None:
         raise DataError(f"--codec {codec} needs --vae PATH, a local folder with the VAE's diffusers weights")
-    from lwm.data.vae import VAECodec
 
     return VAECodec.load(codec, vae, size or 512, device, dtype, tiling)
 
@@ -359,7 +359,6 @@ def decode_file(path: str | Path, out: str | Path, fps: float | None = None, vae
     """Decode an h5 file through the codec its ``codec`` attribute names and write the video, at ``fps`` (None: the
     file's ``fps`` attribute, else 8). Refuses an existing ``out`` (unless ``overwrite``) and latents that are not
     finite or outside [-1, 1] (:func:`inspect_h5`'s check): a codec would make them a wrong video, silently."""
-    from lwm.utils.video import VIDEO_SUFFIXES, check_output, write_video
 
     if Path(out).suffix not in VIDEO_SUFFIXES:  # before any decoding
         raise DataError(f"{out}: the video must end in one of {', '.join(VIDEO_SUFFIXES)}")

@@ -30,10 +30,11 @@ import numpy as np
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from torch.utils.data import DataLoader
 
+from lwm.data.codecs import codec_from_attr
 from lwm.data.h5 import DataError, inspect_h5
+from lwm.data.manifest import checking, Manifest
+from lwm.data.windows import collate_windows, FileBatchSampler, H5WindowDataset
 from lwm.utils.errors import refused
-from lwm.data.manifest import Manifest, checking
-from lwm.data.windows import FileBatchSampler, H5WindowDataset, collate_windows
 
 
 def ignore_requeue_signal(worker_id: int) -> None:
@@ -270,7 +271,6 @@ class LatentDataModule(L.LightningDataModule):
         None: no codec, one lwm cannot run without weights (a VAE), or none known."""
         import h5py
 
-        from lwm.data.codecs import codec_from_attr
 
         manifest = self.load_manifest()
         entries = manifest.split("val") or manifest.entries

@@ -35,7 +35,10 @@ from pathlib import Path
 import numpy as np
 
 from lwm.data.codecs import PixelCodec
+from lwm.data.convert import write_latents
 from lwm.data.h5 import DataError
+from lwm.data.manifest import existing_h5, index_directory, Manifest
+from lwm.utils.args import ArgumentParser
 
 SIZE = 128  # frame height and width in pixels at the default size; lengths below are at this size
 AGENT = 24  # agent side in pixels
@@ -258,7 +261,6 @@ def make_dataset(
     check_size(size)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    from lwm.data.manifest import existing_h5
 
     existing_h5(out, {f"ep_{i:04d}.h5" for i in range(episodes)}, "; synthesise into an empty folder")
     settings = {"seed": seed, "frames": frames, "size": size, "worlds": worlds, "distractors": distractors,
@@ -276,8 +278,6 @@ def make_dataset(
                 raise DataError(f"{out / f'ep_{i:04d}.h5'}: exists, made with {was} (this run: {now}); {remedy}")
         if not existing and (out / "manifest.json").exists():
             raise DataError(f"{out / 'manifest.json'}: exists; {remedy}")
-    from lwm.data.convert import write_latents
-    from lwm.data.manifest import index_directory
 
     codec = PixelCodec(size=size)
     for i in range(episodes):
@@ -292,8 +292,6 @@ def make_dataset(
 def main(argv: list[str]) -> int:
     """``lwm data synth --out DIR --episodes N [--frames T] [--seed S] [--val-fraction F] [--worlds K] [--size S]
     [--distractors D] [--overwrite]``."""
-    from lwm.data.manifest import Manifest
-    from lwm.utils.args import ArgumentParser
 
     parser = ArgumentParser(
         prog="lwm data synth",

@@ -23,7 +23,9 @@ import torch
 from torch import Tensor
 
 from lwm.data.windows import nonfinite_windows
-from lwm.utils.errors import DataError, torch_load_failure
+from lwm.training.checkpoint import atomic_save
+from lwm.utils.errors import ConfigError, DataError, torch_load_failure
+from lwm.utils.video import check_output
 
 SAMPLING = ("frequency", "uniform")
 
@@ -131,8 +133,6 @@ def check_state(state: dict[str, Tensor]) -> None:
 def save_dictionaries(path: str | Path, dictionaries: dict[str, CodeDictionary], windows: int,
                       global_step: int | None = None) -> Path:
     """Write ``codes.pt`` atomically; ``global_step``: the encoders' checkpoint step."""
-    from lwm.training.checkpoint import atomic_save
-    from lwm.utils.video import check_output
 
     check_output(path, "the code dictionary")  # a folder in the way: one line, not the rename's error on a temp name
     meta = {"windows": windows, **({"global_step": int(global_step)} if global_step is not None else {})}
@@ -147,8 +147,6 @@ def check_out(path: str | Path) -> Path:
     """Refuse ``lwm codes --out`` before any encoding, with one line naming it: a ``.ckpt`` name, a folder, and an
     existing file that is not a code dictionary (a checkpoint, a manifest, an h5 file: ``--out`` replaces only
     its own kind of file)."""
-    from lwm.utils.errors import ConfigError
-    from lwm.utils.video import check_output
 
     path = Path(path)
     if path.suffix == ".ckpt":  # resuming (last.ckpt, hpc_ckpt_N.ckpt) and people take a .ckpt for a checkpoint

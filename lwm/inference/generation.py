@@ -27,14 +27,15 @@ import h5py
 import numpy as np
 import torch
 
-from lwm.inference.dictionary import default_codes_path, dictionaries_step, load_dictionaries
 from lwm.data.codecs import codec_from_attr, codec_spec, missing_codec
-from lwm.data.h5 import DataError, check_frames, file_fps, inspect_h5
+from lwm.data.h5 import check_frames, DataError, file_fps, inspect_h5
+from lwm.inference.dictionary import default_codes_path, dictionaries_step, load_dictionaries
+from lwm.training.checkpoint import load_checkpoint, read_checkpoint, trained_window
+from lwm.training.run_dir import checkpoint_file
 from lwm.utils.errors import ConfigError
 from lwm.utils.metrics import random_indices
 from lwm.utils.seeds import seeded_generator
-from lwm.utils.video import (GRID_PAD, PREVIEW_SCALE, check_mp4_size, check_output, grid,
-    latent_preview, write_video)
+from lwm.utils.video import check_mp4_size, check_output, grid, GRID_PAD, latent_preview, PREVIEW_SCALE, write_video
 
 ACTIONS = ("dictionary", "inferred", "random")
 WORLDS = ("inferred", "dictionary")
@@ -117,8 +118,6 @@ def _decode(quantizer, indices: torch.Tensor, option: str) -> torch.Tensor:
 
 def run(args: argparse.Namespace) -> Path:
     """``lwm generate``: checks, the checkpoint and the clip, the world and the actions, the rollouts, the files."""
-    from lwm.training.run_dir import checkpoint_file
-    from lwm.training.checkpoint import load_checkpoint, read_checkpoint, trained_window
 
     ckpt_path = checkpoint_file(args.ckpt_path)  # a run's folder: its latest checkpoint
     # missing, foreign, torn: said first (read memory-mapped: no weights loaded yet); its step names the video

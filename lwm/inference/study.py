@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from lwm.data.h5 import find_latents_key, parse_world_label
+from lwm.data.manifest import Manifest
 from lwm.inference.dictionary import CodeDictionary
 from lwm.utils.metrics import code_ids, linear_probe_accuracy, nmi, probe_train_size, psnr_from_mse, random_codes
 
@@ -38,8 +40,6 @@ def load_clips(manifest_path: str | Path, split: str | None, window: int, per_fi
     import h5py
     import numpy as np
 
-    from lwm.data.h5 import find_latents_key, parse_world_label
-    from lwm.data.manifest import Manifest
 
     manifest = Manifest.load(manifest_path)
     latents, actions, worlds, files = [], [], [], []

@@ -18,9 +18,16 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lwm.utils.errors import ConfigError, DataError
-from lwm.play.controls import Binding, action_names, cooccurrence, most_frequent_noop, number_keys, true_action_keys
+from lwm.data.codecs import codec_from_attr, missing_codec
+from lwm.data.h5 import check_frames, file_fps, GeneratedFile, inspect_h5
+from lwm.data.manifest import Manifest
+from lwm.inference.dictionary import default_codes_path, dictionaries_step, load_dictionaries
+from lwm.play.controls import action_names, Binding, cooccurrence, most_frequent_noop, number_keys, true_action_keys
 from lwm.play.rollout import Rollout
+from lwm.training.checkpoint import load_checkpoint, read_checkpoint, trained_window
+from lwm.training.run_dir import checkpoint_file
+from lwm.utils.errors import ConfigError, DataError
+from lwm.utils.video import latent_preview, write_video
 
 VAE_HISTORY = 3  # latents a video VAE decodes before a new one on the page (its decoder carries history)
 WORLD_CHOICES = 32  # the dictionary's most frequent world tuples offered on the page
@@ -53,7 +60,6 @@ class Display:
     def frames(self, new: Tensor, history: Tensor | None = None) -> np.ndarray:
         """The pixels of each latent of ``new [K, C, H, W]``, ``[K, S, S, 3]`` (a VAE: the last video frame of each,
         decoded after the latents of ``history [h, C, H, W]`` before it)."""
-        from lwm.utils.video import latent_preview
 
         if self.decoder is None:
             return latent_preview(new.cpu())
@@ -64,7 +70,6 @@ class Display:
 
     def video(self, latents: Tensor, before: np.ndarray | None = None) -> np.ndarray:
         """The video of ``latents [T, C, H, W]`` (a VAE: every frame, after the file's latents ``before``)."""
-        from lwm.utils.video import latent_preview
 
         if self.decoder is None:
             return latent_preview(latents.cpu())
@@ -116,7 +121,6 @@ class Player:
     def read(self, file: int, frame: int, frames: int = 1) -> Tensor:
         """Frames ``frame..frame+frames-1`` of file number ``file`` (as far as it has them), ``[t, C, H, W]`` on the
         device; a file or frame out of range, or values not finite in [-1, 1], is a one-line error."""
-        from lwm.data.h5 import check_frames
 
         if not 0 <= file < len(self.files):
             raise ConfigError(f"file {file}: the page has files 0..{len(self.files) - 1}")
@@ -247,7 +251,6 @@ class Session:
     def video(self, suffix: str) -> bytes:
         """The session's frames as an ``.mp4`` or ``.gif`` file's bytes (the start frame first), at the data's fps,
         enlarged (nearest) to at least :data:`RECORDING_SIDE` pixels."""
-        from lwm.utils.video import write_video
 
         frames = self.player.display.video(self.rollout.latents(), self.player.before(self.file, self.frame))
         scale = max(1, -(-RECORDING_SIDE // frames.shape[1]))
@@ -262,10 +265,6 @@ def load_player(ckpt_path: str, data: list[str], manifest: str | None, codes: st
                 vae_tiling: bool, hold_fps: float) -> Player:
     """Everything ``lwm play`` needs, checked, each problem one line naming the file: the checkpoint, its code
     dictionary, the data files (the model's latent shape), the codec."""
-    from lwm.training.run_dir import checkpoint_file
-    from lwm.training.checkpoint import load_checkpoint, read_checkpoint, trained_window
-    from lwm.data.codecs import codec_from_attr, missing_codec
-    from lwm.data.h5 import file_fps
 
     path = checkpoint_file(ckpt_path)
     raw = read_checkpoint(path, what="lwm checkpoint")
@@ -289,7 +288,6 @@ def load_player(ckpt_path: str, data: list[str], manifest: str | None, codes: st
 def _dictionaries(ckpt_path: Path, codes: str | None, raw: dict) -> tuple[Path, dict]:
     """The checkpoint's code dictionaries (``--codes``, else ``codes.pt`` or ``NAME.codes.pt`` beside it); a
     checkpoint without one is one line saying how to make it."""
-    from lwm.inference.dictionary import default_codes_path, dictionaries_step, load_dictionaries
 
     path = Path(codes) if codes else default_codes_path(ckpt_path)
     if not codes and not path.is_file() and (ckpt_path.parent / "codes.pt").is_file():
@@ -331,8 +329,6 @@ def _warn_world_phase(model, step: int) -> None:
 def _data_files(model, data: list[str], manifest: str | None, raw: dict) -> list[DataFile]:
     """The files to start from: ``--data`` files, else the ``--manifest``'s, else the manifest the checkpoint trained
     on; each of the model's latent shape ``[C, H, W]`` (another is one line naming the file)."""
-    from lwm.data.h5 import GeneratedFile, inspect_h5
-    from lwm.data.manifest import Manifest
 
     c = model.config
     shape = [c.in_channels, c.height, c.width]

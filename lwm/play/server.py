@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from lwm.play.player import Session
 from lwm.utils.errors import ConfigError, LwmError
 
 STATIC = Path(__file__).with_name("static")
@@ -135,7 +136,6 @@ def build_app(player, log=None):
     from starlette.staticfiles import StaticFiles
     from starlette.websockets import WebSocketDisconnect
 
-    from lwm.play.player import Session
 
     log = log or (lambda line: print(f"lwm play: {line}", file=sys.stderr, flush=True))
     sessions: dict[str, Session] = {}

@@ -32,8 +32,10 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lwm.utils.files import atomic_write, fsync_dir, fsync_file, remove_stale_temp_files
 from lwm.training.loggers import CSVLogger
+from lwm.training.module import WorldModelModule
+from lwm.utils.errors import DataError, first_line, LwmError, torch_load_failure
+from lwm.utils.files import atomic_write, fsync_dir, fsync_file, remove_stale_temp_files
 
 
 def atomic_save(obj: Any, path: str | Path) -> Path:
@@ -143,7 +145,6 @@ def read_checkpoint(path: str | Path, label: str = "", what: str = "checkpoint")
     """The dict of a Lightning checkpoint file (``weights_only=True``, memory-mapped: the tensors are not read); a
     missing, unreadable (torn) or foreign file (another program's tensors, a code dictionary), a folder or a
     DeepSpeed checkpoint directory is a one-line :class:`~lwm.errors.DataError` naming ``label`` and the path."""
-    from lwm.utils.errors import DataError, torch_load_failure
 
     where = f"{label} {path}".strip()
     folder = Path(path)
@@ -186,8 +187,6 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> tuple[dict[s
     """``(the checkpoint's dict, its WorldModelModule)`` of an lwm checkpoint file (``weights_only=True``), for the
     verbs that take a model from one (``lwm codes``, ``lwm generate``). A missing, foreign or unreadable file, or
     a DeepSpeed checkpoint directory, is a one-line :class:`~lwm.errors.DataError` naming it."""
-    from lwm.utils.errors import DataError, LwmError, first_line
-    from lwm.training.module import WorldModelModule
 
     raw = read_checkpoint(path, what="lwm checkpoint")  # (a folder, DeepSpeed's or not: refused there)
     try:

@@ -33,15 +33,15 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
-from lwm.training.trainer_state import every_rank
-from lwm.training.trainer_state import accumulating, is_logging_step, logs_at_this_step
+from lwm.data.datamodule import LatentDataModule
 from lwm.data.windows import nonfinite_mask, nonfinite_windows, window_name
-from lwm.utils.errors import ConfigError, NonFiniteLossError
-from lwm.utils.metrics import WeightedMean, psnr_from_mse
 from lwm.modules.world_model import WorldModel, WorldModelConfig
+from lwm.training.nonfinite import (check_deepspeed_skips_overflow, deepspeed_scaling_loss, deepspeed_skipped_steps,
+    SkippedSteps)
 from lwm.training.optim import OptimConfig
-from lwm.training.nonfinite import (SkippedSteps, check_deepspeed_skips_overflow, deepspeed_scaling_loss,
-    deepspeed_skipped_steps)
+from lwm.training.trainer_state import accumulating, every_rank, is_logging_step, logs_at_this_step
+from lwm.utils.errors import ConfigError, NonFiniteLossError
+from lwm.utils.metrics import psnr_from_mse, WeightedMean
 from lwm.utils.seeds import seeded_generator
 
 
@@ -106,7 +106,6 @@ class WorldModelModule(L.LightningModule):
     # ----------------------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
         """Check that the data fits the model before any work starts."""
-        from lwm.data.datamodule import LatentDataModule
 
         if self._trainer is not None:
             self.check_trainer(self.trainer)

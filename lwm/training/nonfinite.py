@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lwm.utils.errors import ConfigError
+
 
 class SkippedSteps:
     """Steps skipped over the run (``total``) and the latest run of them in a row (``in_a_row``), both checkpointed
@@ -122,7 +124,6 @@ def check_deepspeed_skips_overflow(trainer: Any) -> None:
     """Raise :class:`~lwm.errors.ConfigError` where a DeepSpeed engine in bf16 would apply a non-finite gradient:
     its ZeRO optimizer skips such a step only with ``bf16.check_grad_overflow`` (off by default in DeepSpeed 0.19.2;
     lwm's CLI turns it on, :func:`deepspeed_checks_overflow`), and lwm's guard counts the steps the engine skips."""
-    from lwm.utils.errors import ConfigError
 
     engine = getattr(getattr(trainer, "strategy", None), "deepspeed_engine", None) if trainer is not None else None
     optimizer = getattr(engine, "optimizer", None)

@@ -6,7 +6,8 @@ import argparse
 import math
 
 from lwm.utils.errors import ConfigError
-from lwm.utils.video import MAX_FPS
+
+MAX_FPS = 1000  # frames per second a video is written at, at most (PyAV's H.264 fails at some rates above 65536)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -11,11 +11,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lwm.utils.args import MAX_FPS
 from lwm.utils.errors import DataError
 from lwm.utils.files import atomic_write, remove_stale_temp_files
 
 VIDEO_SUFFIXES = (".mp4", ".gif")
-MAX_FPS = 1000  # frames per second a video is written at, at most (PyAV's H.264 fails at some rates above 65536)
 
 
 def check_output(path: str | Path, what: str = "--out", inputs: Mapping[str, str | Path] | None = None) -> Path:

@@ -179,6 +179,7 @@ def test_sensitivity_frame_must_lie_in_the_window():
     Sensitivity(t=6).setup(SimpleNamespace(datamodule=None), None, "validate")  # no window known: nothing to check
 
 
+@pytest.mark.slow
 def test_rollout_videos_are_written_every_n_validations_and_sent_to_wandb(tmp_path):
     import imageio.v3 as iio
     import wandb
@@ -234,6 +235,7 @@ def test_copy_last_baseline_is_the_weighted_mean_over_the_validation_set():
     assert logged["Val_Dynamics_Predictor/tf_psnr"] == pytest.approx(10 * math.log10(1 / tf), rel=1e-5)
 
 
+@pytest.mark.slow
 def test_probes_log_nmi_and_probe_accuracy_of_the_codes_against_the_labels():
     from lwm.callbacks import GroundTruthProbes
     from lwm.utils.metrics import code_ids, linear_probe_accuracy, nmi

@@ -22,6 +22,8 @@ from lwm.inference.dictionary import load_dictionaries
 from lwm.utils.errors import DataError, NonFiniteLossError
 from tests.test_codes import FakeEncoders
 
+pytestmark = pytest.mark.slow  # end-to-end: `make test-fast` leaves it out
+
 
 class _Loader(list):
     def __init__(self, batches, paths):

@@ -133,6 +133,7 @@ def attention_diagonality_of(module, x):
     return attention_diagonality(module.model.action_attention(x)[0][..., :-1, :])
 
 
+@pytest.mark.slow
 def test_a_second_validation_logs_its_own_windows_only():
     """The same callback instances validate twice (as in a fit) on other windows: the second logs equal those of a
     fresh callback on the second windows alone (nothing carried over from the first validation)."""

@@ -19,6 +19,7 @@ from lwm.data.vae import latent_actions
 from lwm.utils.video import write_video
 
 
+@pytest.mark.slow
 def test_encode_then_decode_returns_the_resized_frames(tmp_path):
     frames = np.random.default_rng(0).integers(0, 256, (5, 96, 160, 3), dtype=np.uint8)
     video = write_video(tmp_path / "clip.mp4", frames)
@@ -84,6 +85,7 @@ def test_decode_refuses_an_unknown_video_suffix_first(tmp_path, capsys):
     assert "x.avi: the video must end in one of .mp4, .gif" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_segments_split_a_video_into_files_that_decode_to_its_frames(tmp_path, capsys):
     """--segment 3 over 7 frames: files of 3, 3 and 1 frames, whose decoded frames in order are the video's."""
     frames = np.random.default_rng(1).integers(0, 256, (7, 40, 40, 3), dtype=np.uint8)
@@ -122,6 +124,7 @@ def test_a_vae_segment_must_be_one_plus_a_multiple_of_four(tmp_path, capsys, seg
     assert not (tmp_path / "o").exists()  # refused before any VAE is loaded or folder made
 
 
+@pytest.mark.slow
 def test_files_record_the_frame_rate_that_decoding_plays_them_at(tmp_path):
     """A 30 fps video kept every 2nd frame is 15 fps: recorded, and decoded at that rate unless --fps says."""
     frames = np.random.default_rng(0).integers(0, 256, (6, 16, 16, 3), dtype=np.uint8)
@@ -309,6 +312,7 @@ def test_framing_says_the_crop_and_the_resize(source, size, note):
     assert framing(source, size) == note
 
 
+@pytest.mark.slow
 def test_the_encode_line_gives_the_latent_shape_and_the_centre_crop(tmp_path, capsys):
     """A 160x96 video lost 40% of its width to the centre crop, and the line said only `(3 frames)`."""
     video = write_video(tmp_path / "wide.mp4", np.zeros((3, 96, 160, 3), dtype=np.uint8))
@@ -367,6 +371,7 @@ def test_a_failed_overwrite_leaves_the_old_files_as_they_were(tmp_path, monkeypa
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before and not lines  # no temporary files either
 
 
+@pytest.mark.slow
 def test_a_segmented_overwrite_keeps_another_videos_file_of_the_name(tmp_path):
     """long.h5 of long.mp4 was removed by `encode long.gif --segment 3 --overwrite`, which never writes long.h5."""
     rng = np.random.default_rng(6)

@@ -221,6 +221,7 @@ class _WorkerSignals(torch.utils.data.Dataset):
         return torch.tensor(os.getpid())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_loader_workers_leave_slurms_signals_to_the_main_process(manifest, context):
     """SLURM signals every process of the step, and Ctrl-C every process of the terminal's group. A forked worker

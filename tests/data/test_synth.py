@@ -87,6 +87,7 @@ def test_wrapping_worlds_wrap():
     assert crossed
 
 
+@pytest.mark.slow
 def test_sticky_policy():
     _, actions, _ = render_episode(0, 2000, world=2)  # a wrapping world: no move is ever redrawn
     repeats = (actions[1:] == actions[:-1]).mean()

@@ -93,6 +93,7 @@ def test_decode_gives_the_frames_of_every_latent_count(name, vae_dirs):
             assert np.abs(part.astype(int) - full[: len(part)].astype(int)).max() <= 8, t
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(TINY))
 def test_tiled_decoding_splits_large_frames_and_stays_close(name, vae_dirs):
     """``--vae-tiling`` (``tiling=True``): 320 px frames are decoded in the VAE's 256 px tiles, blended: the same
@@ -135,6 +136,7 @@ def test_frame_alignment():
     np.testing.assert_array_equal(latent_actions(np.arange(10)), [0, 4, 8])  # the action after frame 4k
 
 
+@pytest.mark.slow
 def test_encode_and_decode_through_the_command(tmp_path, vae_dirs):
     import imageio.v3 as iio
 
@@ -210,6 +212,7 @@ def test_a_vae_with_missing_weights_is_refused(tmp_path, vae_dirs):
         VAECodec.load("hunyuan", partial, size=SIZE)
 
 
+@pytest.mark.slow
 def test_the_encode_log_says_the_latent_frames_and_the_frames_dropped(tmp_path, vae_dirs):
     """10 frames through a VAE are 3 latent frames covering 9; the 10th fills no group of 4 and is dropped."""
     from lwm.utils.video import write_video

@@ -279,6 +279,7 @@ def assert_batches_equal(a: list[dict], b: list[dict]) -> None:
             assert torch.equal(x[k], y[k]), k
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_workers_open_files_parent_never(dataset, count_opens, context):
     sampler = FileBatchSampler(dataset.frames, WINDOW, batch_size=3, seed=11, batches_per_epoch=6)
@@ -501,6 +502,7 @@ def test_selection_frequency_with_bigger_batches():
     assert all(300 * 0.85 < counts[i] < 300 * 1.15 for i in range(1, 6)), counts
 
 
+@pytest.mark.slow
 def test_inclusion_is_proportional_to_windows():
     """Windows 1, 1, 2, 4 and batch 2: each file is in a batch with probability 2 * windows / 8 (0.25, 0.25,
     0.5, 1), i.e. windows are drawn uniformly; drawing files one after another without replacement would

@@ -45,6 +45,7 @@ def test_fit_validates_four_times_per_epoch_and_checkpoints(trained):
     assert (root / "config.yaml").is_file()
 
 
+@pytest.mark.slow
 def test_validate_test_and_predict_run_from_a_checkpoint_beside_the_fit(trained):
     """In the fit's RUN_DIR they log into RUN_DIR/<verb>/, at the checkpoint's step, and leave the fit's files be."""
     manifest, root = trained
@@ -80,6 +81,7 @@ def test_validate_test_and_predict_run_from_a_checkpoint_beside_the_fit(trained)
         assert main(tiny_args(manifest, root, verb="test")) == 0
 
 
+@pytest.mark.slow
 def test_a_checkpoint_brings_its_own_model_shape_or_is_refused_by_field(trained, capsys):
     """validate/test/predict take the model from the checkpoint (`last` too, as Lightning does for a file); a
     fit resumed with another model shape is one error line naming the field, before anything is written."""
@@ -94,6 +96,7 @@ def test_a_checkpoint_brings_its_own_model_shape_or_is_refused_by_field(trained,
     assert ((root / "checkpoints/last.ckpt").read_bytes(), (root / "metrics.csv").read_bytes()) == before
 
 
+@pytest.mark.slow
 def test_data_of_another_shape_than_the_checkpoints_model_names_the_checkpoint(trained, tmp_path, capsys):
     """Under validate (and lwm codes) the model is the checkpoint's: no --model.net setting changes its shape, so
     the refusal names the checkpoint, not settings to change."""
@@ -109,6 +112,7 @@ def test_data_of_another_shape_than_the_checkpoints_model_names_the_checkpoint(t
                           "[4, 32, 32] (use data of the checkpoint's shape, or a checkpoint trained on this data)"], argv
 
 
+@pytest.mark.slow
 def test_validate_with_another_window_than_the_checkpoints_says_so(trained, recwarn, caplog, capsys):
     manifest, root = trained  # trained on 6-frame windows
     assert main(tiny_args(manifest, root, "--ckpt_path=last", "--data.window=5", verb="validate")) == 0
@@ -125,6 +129,7 @@ def test_validate_with_another_window_than_the_checkpoints_says_so(trained, recw
         "error: data.val_size_percent=0: lwm validate would validate no window (1: all of them)"]
 
 
+@pytest.mark.slow
 def test_a_resumed_fit_keeps_the_configs_settings_and_may_change_what_is_not_shape(tmp_path, capsys):
     """A fit resumed from a checkpoint file (as the SLURM scripts do) or `last` uses the command line's settings,
     not the checkpoint's: a new learning rate, weight decay, betas and eps reach the optimizer (Lightning restores
@@ -156,6 +161,7 @@ def test_a_resumed_fit_keeps_the_configs_settings_and_may_change_what_is_not_sha
     assert logged[0] == pytest.approx(1e-3 * OptimConfig(lr=1e-3, warmup_steps=warmup).lr_factor(0, 2))  # the first run's
 
 
+@pytest.mark.slow
 def test_a_resume_may_switch_the_fused_adamw_on_and_off(tmp_path):
     """The restored groups keep the old run's kernel choice: switching it (a CPU run resumed on a GPU, fp16
     resumed as bf16) crashed in AdamW before the groups took this run's."""
@@ -170,6 +176,7 @@ def test_a_resume_may_switch_the_fused_adamw_on_and_off(tmp_path):
         assert all(int(s["step"]) == steps for s in ckpt["optimizer_states"][0]["state"].values())
 
 
+@pytest.mark.slow
 def test_a_checkpoint_with_unknown_hyperparameters_is_one_error_line(trained, tmp_path, capsys):
     manifest, root = trained
     ckpt = torch.load(root / "checkpoints/last.ckpt", weights_only=True)
@@ -180,6 +187,7 @@ def test_a_checkpoint_with_unknown_hyperparameters_is_one_error_line(trained, tm
     assert len(errors) == 1 and "odd.ckpt: its hyperparameters do not fit this lwm" in errors[0], errors
 
 
+@pytest.mark.slow
 def test_a_fit_into_a_log_file_prints_plain_progress_lines_and_a_summary(tmp_path, capsys):
     """Not on a terminal (SLURM's output, nohup), rich shows its bar only at the end: plain lines say how far the fit
     is, each validation's losses, and where it ended."""
@@ -239,6 +247,7 @@ def test_fit_help_describes_the_model_and_optimiser_fields_and_titles_the_sectio
     assert "dead-code revival of both quantizers (``revival.*``):" in out
 
 
+@pytest.mark.slow
 def test_overfit_drives_the_tf_loss_towards_zero(tmp_path, capsys):
     manifest = make_dataset(tmp_path / "data", files=4)
     args = tiny_args(manifest, tmp_path / "run", "--model.optim.lr=3e-3", verb="overfit")
@@ -271,6 +280,7 @@ def test_overfit_drives_the_tf_loss_towards_zero(tmp_path, capsys):
     assert (tmp_path / "run/overfit/metrics.csv").read_bytes() == first  # the first run's file as it was
 
 
+@pytest.mark.slow
 def test_overfit_trains_on_the_window_its_file_and_start_name(tmp_path, capsys, monkeypatch):
     import lwm.cli.overfit
     from lwm.data.manifest import Manifest
@@ -290,6 +300,7 @@ def test_overfit_trains_on_the_window_its_file_and_start_name(tmp_path, capsys, 
         assert capsys.readouterr().err.splitlines() == [f"error: {message}"]
 
 
+@pytest.mark.slow
 def test_an_interrupted_overfit_does_not_advise_a_resume_it_refuses(tmp_path, caplog):
     """Stopped by SIGTERM (at the start of step 3: saved at its end), `lwm overfit` saves its last.ckpt and says it does not resume (it takes no --ckpt_path,
     and a new run gets a folder of its own), not the fit's `continue with --ckpt_path last`."""
@@ -304,6 +315,7 @@ def test_an_interrupted_overfit_does_not_advise_a_resume_it_refuses(tmp_path, ca
     assert "--ckpt_path last" not in caplog.text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
@@ -346,6 +358,7 @@ def test_bad_config_is_one_error_line_before_training(tmp_path, capsys, extra, m
     assert not (tmp_path / "run/checkpoints").exists()
 
 
+@pytest.mark.slow
 def test_bad_data_is_named_before_training_and_nothing_is_lost(tmp_path, capsys):
     manifest = make_dataset(tmp_path / "data", files=4)
     root = tmp_path / "run"
@@ -362,6 +375,7 @@ def test_bad_data_is_named_before_training_and_nothing_is_lost(tmp_path, capsys)
     assert "nope.json: manifest not found" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_validation_fraction_that_leaves_one_rank_no_batch_is_one_error_line(tmp_path, capsys):
     """5 validation windows in batches of 2: 2 batches on rank 0, 1 on rank 1, whose half is no batch. Lightning
     raises on rank 1 alone, rank 0 training on and waiting for it in a collective; refused before either starts."""
@@ -375,6 +389,7 @@ def test_a_validation_fraction_that_leaves_one_rank_no_batch_is_one_error_line(t
                "--trainer.max_steps=1") == 0  # one process: half of its 3 batches is one
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
 @pytest.mark.parametrize("extra", [
     ["--trainer.val_check_interval=00:00:00:30"],  # timed validation: Lightning keeps no integer interval
@@ -385,6 +400,7 @@ def test_validation_settings_lightning_accepts_pass_the_early_check(tmp_path, ex
     assert run(manifest, tmp_path / "run", "--trainer.max_steps=2", *extra) == 0
 
 
+@pytest.mark.slow
 def test_a_gpu_config_without_a_gpu_is_one_error_line(tmp_path, capsys):
     manifest = make_dataset(tmp_path / "data", files=4)
     assert run(manifest, tmp_path / "run", "--trainer.accelerator=gpu") == 2
@@ -396,6 +412,7 @@ def test_a_gpu_config_without_a_gpu_is_one_error_line(tmp_path, capsys):
                       "instructions)"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
 def test_the_advice_for_the_base_config_without_a_gpu_trains(tmp_path, capsys):
     """The flags the error line advises, given to configs/base.yaml (its model, at this data's frame size), train
@@ -414,6 +431,7 @@ def test_the_advice_for_the_base_config_without_a_gpu_trains(tmp_path, capsys):
     assert torch.load(tmp_path / "run/checkpoints/codes.pt", weights_only=True)["global_step"] == 1
 
 
+@pytest.mark.slow
 def test_bad_data_is_refused_before_a_wandb_run_starts(tmp_path, capsys):
     manifest = make_dataset(tmp_path / "data", files=4)
     root = tmp_path / "run"
@@ -424,6 +442,7 @@ def test_bad_data_is_refused_before_a_wandb_run_starts(tmp_path, capsys):
         assert not (root / "wandb").exists() and not (root / "metrics.csv").exists()
 
 
+@pytest.mark.slow
 def test_plot_writes_the_figures_of_a_run(trained, capsys):
     _, root = trained
     assert main(["plot", str(root)]) == 0
@@ -436,6 +455,7 @@ def test_plot_writes_the_figures_of_a_run(trained, capsys):
     assert f"metrics.csv: a file; lwm plot takes the run's folder ({root})" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_bf16_weights_train_validate_and_monitor(tmp_path):
     """Half-precision weights (``bf16-true`` here; DeepSpeed's bf16 casts the same way): float32 or float16 batches
     and fp32 codebook entries are cast to bf16 where they enter the model; the fit, its validation and every
@@ -454,6 +474,7 @@ def test_bf16_weights_train_validate_and_monitor(tmp_path):
     assert list((root / "videos").glob("*.mp4")) or list((root / "videos").glob("*.gif"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16"])
 def test_bf16_autocast_on_the_cpu_writes_the_code_dictionaries_at_the_end_of_fit_and_of_a_resume(tmp_path, precision):
     """bf16 autocast on the CPU with float16 files: the end-of-fit code dictionaries read their windows outside the
@@ -477,6 +498,7 @@ def test_a_path_error_is_one_line_naming_the_path(tmp_path, capsys):
     assert len(errors) == 1 and str(tmp_path / "afile") in errors[0], errors
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("verb", ["validate", "predict"])
 def test_eval_last_loads_the_runs_latest_whole_deepspeed_directory(tmp_path, monkeypatch, verb):
     """Killed while last.ckpt was rewritten for step 4 after step=0000004.ckpt: `last` is that step directory (Lightning
@@ -505,6 +527,7 @@ def test_eval_last_loads_the_runs_latest_whole_deepspeed_directory(tmp_path, mon
     assert loaded == [str(ckpts / "step=0000004.ckpt")]
 
 
+@pytest.mark.slow
 def test_a_bad_ckpt_path_is_one_line_before_any_work(trained, tmp_path, capsys):
     manifest, root = trained
     garbage = tmp_path / "garbage.ckpt"
@@ -558,6 +581,7 @@ def test_four_validations_per_epoch_without_a_config(tmp_path, capsys):
     assert "  val_check_interval: 0.25\n" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_fit_without_a_logger_runs(tmp_path):
     """trainer.logger=false: the always-on callbacks that log (the lr monitor among them) stay quiet."""
     manifest = make_dataset(tmp_path / "data", files=4)
@@ -566,6 +590,7 @@ def test_a_fit_without_a_logger_runs(tmp_path):
     assert torch.load(tmp_path / "run/checkpoints/last.ckpt", weights_only=True)["global_step"] == 2
 
 
+@pytest.mark.slow
 def test_validating_another_runs_checkpoint_says_where_its_files_go(trained, tmp_path, recwarn):
     manifest, root = trained
     ckpt = root / "checkpoints/last.ckpt"
@@ -583,6 +608,7 @@ def test_validating_another_runs_checkpoint_says_where_its_files_go(trained, tmp
     assert not [w for w in recwarn if "writes its files under" in str(w.message)]
 
 
+@pytest.mark.slow
 def test_lightning_verbs_edge_cases(tmp_path, caplog, recwarn):
     """A fit with --ckpt_path last and no checkpoint yet starts fresh (the SLURM script's first start) and says
     so (without Lightning's save_last hint); a val_check_interval equal to the epoch's batches passes the early
@@ -605,6 +631,7 @@ def test_lightning_verbs_edge_cases(tmp_path, caplog, recwarn):
     assert not any(n in caplog.text for n in noise)
 
 
+@pytest.mark.slow
 def test_a_fresh_fit_into_a_run_dir_holding_a_run_is_refused(tmp_path, capsys):
     """Without --ckpt_path, a fit into a RUN_DIR whose checkpoints exist would start over, replace last.ckpt and
     splice a second run into metrics.csv: one line instead, nothing touched; --ckpt_path last continues it."""
@@ -632,6 +659,7 @@ def test_a_fresh_fit_into_a_run_dir_holding_a_run_is_refused(tmp_path, capsys):
     assert [int(r["step"]) for r in read_metrics(root) if "Train_Total/loss" in r] == [0, 1, 2]  # no second run
 
 
+@pytest.mark.slow
 def test_a_runs_config_yaml_starts_a_new_run_elsewhere_not_a_resume_of_it(tmp_path):
     """RUN_DIR/config.yaml records the run's settings, not the checkpoint a start resumed from: a copy of it
     pointed at another folder starts a new run (it resumed the first run's last.ckpt silently)."""
@@ -652,6 +680,7 @@ def test_a_runs_config_yaml_starts_a_new_run_elsewhere_not_a_resume_of_it(tmp_pa
     assert torch.load(root / "checkpoints/last.ckpt", weights_only=True)["global_step"] == 4  # `last` continues it
 
 
+@pytest.mark.slow
 def test_a_fast_dev_run_leaves_no_files(tmp_path):
     """Lightning's trial run writes no checkpoint: lwm's last.ckpt, code dictionaries and videos neither (its
     last.ckpt refused the real fit after it as a second run)."""
@@ -673,6 +702,7 @@ def test_a_fast_dev_run_leaves_no_files(tmp_path):
     assert (root / "validate" / "config.yaml").is_file() and list((root / "validate" / "videos").glob("*.mp4"))
 
 
+@pytest.mark.slow
 def test_one_fit_at_a_time_in_a_run_dir(tmp_path, capsys, monkeypatch):
     """Two fits into one folder (the same job submitted twice) wrote one metrics.csv and last.ckpt: the second
     is one line naming the first (host, pid), before any work; the lock goes with the fit."""
@@ -707,6 +737,7 @@ def test_one_fit_at_a_time_in_a_run_dir(tmp_path, capsys, monkeypatch):
     first.release()
 
 
+@pytest.mark.slow
 def test_validates_results_table_is_whole_in_a_log(trained, tmp_path, capsys):
     """Not on a terminal (a log file, SLURM's output) rich cut Lightning's table to 80 columns: six rows read
     `Val_Action_Encoder/attention_diagona…`, which no one can tell apart."""

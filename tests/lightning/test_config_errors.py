@@ -13,6 +13,7 @@ def manifest(tmp_path_factory):
     return make_dataset(tmp_path_factory.mktemp("data"), files=4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
@@ -64,6 +65,7 @@ def test_bad_setting_is_one_error_line_naming_the_key(manifest, tmp_path, capsys
     assert not root.exists() or not any(root.iterdir())  # nothing written (a wandb folder neither)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_dirpath_or_data_setting_found_only_later_is_refused_first(manifest, tmp_path, capsys):
     """A checkpoint folder that is a file failed at the first save, after the training; a negative epoch length
     or an unknown worker start method crashed after config.yaml was written."""
@@ -81,6 +83,7 @@ def test_a_checkpoint_dirpath_or_data_setting_found_only_later_is_refused_first(
         assert not root.exists() or not any(root.iterdir())
 
 
+@pytest.mark.slow
 def test_an_interpolation_names_a_key_of_the_same_config_under_every_verb(manifest, tmp_path, capsys):
     """``${trainer.default_root_dir}`` in a config file (or on the command line) follows the command line's
     override under fit and under our verbs (jsonargparse resolves over ``fit.*`` under lwm fit: it was a traceback);
@@ -111,6 +114,7 @@ def test_a_negative_number_given_apart_from_its_key_joins_it():
         "--a=-1e-3", "--b=-.5", "-2", "--c=-1", "-x", "--d=-inf", "--e", "-f"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("body", "message"), [
     ("model:\n  net:\n", "model.net is empty, not a section of keys"),  # a TypeError traceback
     ("model:\n  optim: 5\n", "model.optim is 5, not a section of keys"),
@@ -144,6 +148,7 @@ def test_an_override_before_a_config_that_sets_the_key_again_is_refused(manifest
     assert not root.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [["--optimizer=SGD"], ["--lr_scheduler=StepLR"]])
 def test_lightnings_optimizer_options_are_refused(manifest, tmp_path, capsys, extra):
     """`--optimizer SGD` replaced the module's AdamW, decay groups and schedule with a Lightning warning only."""
@@ -156,6 +161,7 @@ def test_lightnings_optimizer_options_are_refused(manifest, tmp_path, capsys, ex
     assert not root.exists()
 
 
+@pytest.mark.slow
 def test_a_config_yaml_of_a_run_from_before_keeps_loading(manifest, tmp_path):
     """The config.yaml of runs before lwm left Lightning's optimizer arguments out holds them as null."""
     old = tmp_path / "config.yaml"

@@ -15,6 +15,8 @@ from lwm.training.module import WorldModelModule
 from tests.lightning.helpers import make_dataset, read_metrics, run
 from tests.lightning.procs import one_thread, run_lwm
 
+pytestmark = pytest.mark.slow  # end-to-end: `make test-fast` leaves it out
+
 
 @pytest.fixture(autouse=True)
 def _one_thread():  # in-process runs too (a busy 2-core machine; see procs.lwm_env)

@@ -22,8 +22,8 @@ from tests.lightning.helpers import REPO, make_dataset, read_metrics, tiny_args
 from tests.lightning.procs import lwm_env
 
 pytest.importorskip("deepspeed")
-pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
-                                reason="DeepSpeed's CPU accelerator builds a C++ op at its first use: no C++ compiler")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                                reason="DeepSpeed's CPU accelerator builds a C++ op at its first use: no C++ compiler")]
 
 DEEPSPEED = ["--trainer.strategy=deepspeed_stage_2", "--trainer.precision=bf16-mixed", "--trainer.accelerator=cpu",
              "--trainer.devices=1"]

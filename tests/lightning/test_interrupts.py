@@ -16,6 +16,7 @@ from tests.lightning.helpers import REPO, make_dataset
 from tests.lightning.procs import lwm_command, lwm_env
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
 def test_a_signal_to_the_group_with_its_output_pipes_closed_still_saves_and_exits_with_the_stops_code(tmp_path, name):
     """The terminal's Ctrl-C reaches the whole process group, the pipe's reader included: the fit's stdout and

@@ -342,6 +342,7 @@ def test_fp16_refuses_a_fused_adamw():
         _train(_batches(1), fused=True, plugins=_fp16())
 
 
+@pytest.mark.slow
 def test_non_finite_data_stops_the_cli_with_one_line_and_keeps_the_checkpoint(tmp_path, capsys):
     manifest = make_dataset(tmp_path / "data", files=4)
     root = tmp_path / "run"
@@ -366,6 +367,7 @@ def test_non_finite_data_stops_the_cli_with_one_line_and_keeps_the_checkpoint(tm
         assert torch.equal(value, last["state_dict"][key]), key
 
 
+@pytest.mark.slow
 def test_validate_on_data_gone_bad_names_the_windows(tmp_path, recwarn):
     """`lwm validate` on a file that went NaN after indexing: the metrics are NaN (it says nothing else), so it
     warns once, naming the windows; with good data it says nothing."""
@@ -390,6 +392,7 @@ def test_validate_on_data_gone_bad_names_the_windows(tmp_path, recwarn):
     assert "so the Val_* metrics are NaN" in said[0]
 
 
+@pytest.mark.slow
 def test_checkpoint_loads_with_weights_only(tmp_path):
     manifest = make_dataset(tmp_path / "data", files=4)
     assert run(manifest, tmp_path / "run", "--trainer.max_steps=3", "--data.val_size_percent=0") == 0
@@ -534,6 +537,7 @@ def test_step_randomness_depends_on_step_and_rank():
     assert not torch.equal(draw(3, 0), draw(3, 1))
 
 
+@pytest.mark.slow
 def test_the_world_curriculum_follows_the_global_step_in_training_and_validation(tmp_path, monkeypatch):
     """model.net.world_curriculum=[2, 2]: steps 0-1 without the world token, 2-3 unquantized, then the code; a
     validation gives the world as the weights' last training step had it (validations after steps 2, 4, 6: the

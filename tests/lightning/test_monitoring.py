@@ -28,6 +28,7 @@ VAL_ONLY = [f"{q}/{m}" for q in ("Action_Encoder", "World_Encoder") for m in ("d
     f"{q}/codebook_coverage_level_{l}" for q in ("Action_Encoder", "World_Encoder") for l in (0, 1)]
 
 
+@pytest.mark.slow
 def test_every_metric_reaches_the_csv_in_its_namespace(tmp_path):
     manifest = make_dataset(tmp_path / "data", files=6)
     root = tmp_path / "run"
@@ -85,6 +86,7 @@ def test_wandbs_environment_variables_keep_their_meaning_where_the_config_leaves
         make_loggers(str(tmp_path / "run"))
 
 
+@pytest.mark.slow
 def test_wandb_mode_disabled_in_the_environment_writes_no_wandb_folder(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "disabled")
     manifest = make_dataset(tmp_path / "data", files=4)
@@ -96,6 +98,7 @@ def test_wandb_mode_disabled_in_the_environment_writes_no_wandb_folder(tmp_path,
     assert (tmp_path / "run/checkpoints/last.ckpt").is_file() and not (tmp_path / "run/wandb").exists()
 
 
+@pytest.mark.slow
 def test_wandb_online_without_a_login_is_one_line(tmp_path, monkeypatch, capsys):
     """wandb's UsageError ("No API key configured") came out as a 55-line traceback."""
     pytest.importorskip("wandb")
@@ -114,6 +117,7 @@ def test_wandb_online_without_a_login_is_one_line(tmp_path, monkeypatch, capsys)
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+@pytest.mark.slow
 def test_a_resumed_fit_continues_its_wandb_run(tmp_path):
     """Each `lwm fit` is its own process (a requeue, a restart): the resumed one logs to the same wandb run id
     (offline: a second offline-run folder of that id, which `wandb sync` appends); a fit that starts afresh in
@@ -162,6 +166,7 @@ def test_which_fits_resume_a_run(tmp_path, monkeypatch):
     assert fit_resumes(None, str(root))
 
 
+@pytest.mark.slow
 def test_tflops_are_the_measured_step_flops_times_steps(tmp_path, caplog):
     manifest = make_dataset(tmp_path / "data", files=6)
     root = tmp_path / "run"

@@ -31,6 +31,7 @@ def test_validations_leave_no_hidden_tasks_behind(tmp_path):
     assert tasks == [1] + [3] * 6  # the sanity check's; then it, training's and the latest validation's
 
 
+@pytest.mark.slow
 def test_a_run_resumed_mid_epoch_counts_its_epoch_to_its_end(tmp_path):
     """Resumed at step 5 of 32-batch epochs with max_steps 12: the bar counts batches 6..12 of 12 (Lightning's
     counted from batch 5 on to a total of the 7 remaining steps, and ran past it)."""

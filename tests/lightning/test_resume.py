@@ -8,6 +8,7 @@ import torch
 from tests.lightning.helpers import SimulatedCrash, make_dataset, process_starts, read_metrics, run, train_series
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [0, 2])  # with workers, batches are drawn ahead of the training step
 def test_stop_and_resume_equals_uninterrupted(tmp_path, workers):
     manifest = make_dataset(tmp_path / "data")
@@ -31,6 +32,7 @@ def test_stop_and_resume_equals_uninterrupted(tmp_path, workers):
         assert torch.allclose(value.float(), b["state_dict"][key].float(), rtol=1e-4, atol=1e-6), key
 
 
+@pytest.mark.slow
 def test_extending_a_finished_run_equals_the_longer_run(tmp_path):
     """A run that ended at max_steps (mid-epoch, no step checkpoint there), extended with a larger max_steps and
     --ckpt_path last, draws the batches and logs the steps (training and validation) of the longer run. The
@@ -51,6 +53,7 @@ def test_extending_a_finished_run_equals_the_longer_run(tmp_path):
                               torch.tensor([full[s] for s in sorted(full)]), rtol=1e-5, atol=1e-7), key
 
 
+@pytest.mark.slow
 def test_the_final_step_gets_its_step_checkpoint_too(tmp_path):
     """A run ending at max_steps on an epoch's last batch (where Lightning defers the step checkpoint to the
     validation after it) writes it, and so does its extension."""
@@ -68,6 +71,7 @@ def test_the_final_step_gets_its_step_checkpoint_too(tmp_path):
         assert torch.load(tmp_path / "run/checkpoints" / name, weights_only=True)["global_step"] == int(name[5:12])
 
 
+@pytest.mark.slow
 def test_the_final_step_checkpoint_ranked_by_a_validation_metric_gets_the_fresh_value(tmp_path):
     import os
 
@@ -88,6 +92,7 @@ def _step_checkpoints(folder) -> list[int]:
                   for n in (p.name for p in folder.glob("*.ckpt")) if n != "last.ckpt")
 
 
+@pytest.mark.slow
 def test_step_checkpoints_on_an_epochs_last_batch_are_written_with_step_based_validation(tmp_path):
     """Validation every 1000 steps across epochs (check_val_every_n_epoch: null), a checkpoint every 5 steps on
     epochs of 5 batches: each falls on an epoch's last batch, which Lightning defers to a validation that does not
@@ -105,6 +110,7 @@ def test_step_checkpoints_on_an_epochs_last_batch_are_written_with_step_based_va
     assert process_starts(tmp_path / "run") == [0, 10]  # step 10 logged by the crashed run, then from its checkpoint
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["epoch_end", "mid_epoch", "every_step"])
 def test_a_crash_in_the_validation_after_a_step_checkpoint_loses_no_validation(tmp_path, where):
     """A validation after the batch a checkpoint is due at, on an epoch's last batch (after steps 5, 10, 15) or
@@ -147,6 +153,7 @@ def test_timed_validation_keeps_lightnings_deferral():
     assert _validation_follows(SimpleNamespace(_val_check_time_interval=6.0))
 
 
+@pytest.mark.slow
 def test_a_checkpoint_ranked_by_a_validation_metric_waits_only_for_a_validation_that_follows(tmp_path):
     """Validation after steps 7 and 14 (check_val_every_n_epoch: null): the step-5 checkpoint waits for the first
     validation (no metric to rank it by before it), the step-10 one (an epoch's last batch, no validation after it)
@@ -163,6 +170,7 @@ def test_a_checkpoint_ranked_by_a_validation_metric_waits_only_for_a_validation_
     assert abs(float(names[1][8:].removesuffix(".ckpt")) - val[6]) < 1e-6  # the validation after step 7
 
 
+@pytest.mark.slow
 def test_resume_with_gradient_accumulation_and_revival_every_step(tmp_path):
     """With ``accumulate_grad_batches`` and a revival at every optimizer step, a resumed run revives at the
     same steps as an uninterrupted one (never after the first micro-batch of a restarted process)."""
@@ -182,6 +190,7 @@ def test_resume_with_gradient_accumulation_and_revival_every_step(tmp_path):
         assert torch.allclose(value.float(), b[key].float(), rtol=1e-4, atol=1e-6), key
 
 
+@pytest.mark.slow
 def test_a_resume_with_another_batch_size_finishes_the_epoch_at_the_same_batch_index(tmp_path):
     """Stopped after 3 of 4 batches of 3 windows; resumed with batches of 2 (7 an epoch): the epoch goes on with
     batches 3 to 6 (Lightning's count and the sampler's agree), then epoch 1; the warning says so."""
@@ -196,6 +205,7 @@ def test_a_resume_with_another_batch_size_finishes_the_epoch_at_the_same_batch_i
     assert [epochs[s] for s in range(8)] == [0] * 7 + [1]
 
 
+@pytest.mark.slow
 def test_a_resume_with_another_seed_validates_as_the_uninterrupted_run(tmp_path):
     """Resumed with another data.seed, the run keeps the checkpoint's (as the warning says) for its training
     batches and for its validation subset (half the windows: a seeded draw): its losses and validation values
@@ -224,6 +234,7 @@ SLURM_ENV = {"SLURM_NTASKS": "1", "SLURM_JOB_NAME": "train", "SLURM_NODELIST": "
              "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NTASKS_PER_NODE": "1"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("during", ["validation", "training"])
 def test_a_preemption_saves_at_the_next_batch_end_runs_no_more_validation_and_resumes_exactly(
         tmp_path, monkeypatch, during):
@@ -259,6 +270,7 @@ def test_a_preemption_saves_at_the_next_batch_end_runs_no_more_validation_and_re
     assert resumed_val[7] == pytest.approx(full_val[7], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_a_slurm_restart_without_ckpt_path_resumes_from_the_latest_checkpoint_not_an_older_hpc_one(
         tmp_path, monkeypatch):
     """Preempted at step 4 (hpc_ckpt_1.ckpt), requeued, trained on to step 10, then the node died (no signal, no
@@ -282,6 +294,7 @@ def test_a_slurm_restart_without_ckpt_path_resumes_from_the_latest_checkpoint_no
     assert sorted(train_series(root)) == list(range(12))
 
 
+@pytest.mark.slow
 def test_a_preemption_at_a_due_step_on_an_epochs_last_batch_writes_that_step_checkpoint(tmp_path, monkeypatch):
     """SIGTERM under SLURM in the training batch that makes step 5, the last of an epoch of 5 with checkpoints every
     5 steps (Lightning defers such a step file to the validation after it, which the stop skips): the stop writes
@@ -298,6 +311,7 @@ def test_a_preemption_at_a_due_step_on_an_epochs_last_batch_writes_that_step_che
     assert step(ckpts / "step=0000005.ckpt") == step(ckpts / "last.ckpt") == step(tmp_path / "run/hpc_ckpt_1.ckpt") == 5
 
 
+@pytest.mark.slow
 def test_a_ctrl_c_before_the_training_steps_exits_130_with_one_line(tmp_path, capsys):
     """Before lwm's handler is in (the fit loading its data, starting wandb), Ctrl-C is Python's KeyboardInterrupt:
     Lightning exited 1 after its 'Detected KeyboardInterrupt', where docs/training.md promises 130."""
@@ -323,6 +337,7 @@ def test_a_ctrl_c_before_the_training_steps_exits_130_with_one_line(tmp_path, ca
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
 def test_an_interrupt_outside_slurm_saves_last_ckpt_at_the_batch_end_and_resumes_exactly(tmp_path, name):
     """Ctrl-C or kill outside SLURM: last.ckpt is written at the end of that batch (no hpc checkpoint), the fit
@@ -349,6 +364,7 @@ def test_an_interrupt_outside_slurm_saves_last_ckpt_at_the_batch_end_and_resumes
                           rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_an_interrupt_in_a_validation_inside_an_accumulation_window_saves_at_the_windows_end(tmp_path):
     """With accumulate_grad_batches=2 and a validation after every batch (epochs of 5 batches), Ctrl-C at the
     first batch of step 3 (epoch 1's first) comes before the validation after that batch, inside the window:
@@ -380,6 +396,7 @@ def test_an_interrupt_in_a_validation_inside_an_accumulation_window_saves_at_the
         assert torch.allclose(value.float(), b["state_dict"][key].float(), rtol=1e-4, atol=1e-6), key
 
 
+@pytest.mark.slow
 def test_a_resume_with_another_checkpoint_interval_keeps_ranking_the_step_files(tmp_path, recwarn):
     """Step files every 2 steps, then resumed with one every 3: the 3 most recent (by step) are kept across both,
     the earlier ones removed, and Lightning does not ask for the old callback."""
@@ -393,6 +410,7 @@ def test_a_resume_with_another_checkpoint_interval_keeps_ranking_the_step_files(
     assert not [w for w in recwarn if "callbacks used to create the checkpoint" in str(w.message)]
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_an_earlier_lwm_keyed_as_lightning_does_keeps_its_ranking(tmp_path):
     """Earlier lwm versions saved the checkpoint callback's state under Lightning's key (intervals included): it is
     still found, so the resumed run goes on removing the older step files."""
@@ -412,6 +430,7 @@ def test_a_checkpoint_of_an_earlier_lwm_keyed_as_lightning_does_keeps_its_rankin
     assert _step_checkpoints(tmp_path / "run/checkpoints") == [6, 8]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["mid_epoch", "epoch_end"])
 def test_a_resume_from_a_validations_end_with_another_validation_schedule_logs_every_step_once(tmp_path, where):
     """The step checkpoint written at the end of the validation after step 3 (every 3 steps) or 5 (each epoch's
@@ -432,6 +451,7 @@ def test_a_resume_from_a_validations_end_with_another_validation_schedule_logs_e
     assert sorted(train_series(tmp_path / "run")) == list(range(8))
 
 
+@pytest.mark.slow
 def test_a_second_step_checkpoint_callback_of_other_files_keeps_its_own_state(tmp_path):
     """The default rolling step files, plus one every 4 steps kept forever in another folder (the same monitor):
     both run, and a resume finds each one's state."""
@@ -451,6 +471,7 @@ def test_a_second_step_checkpoint_callback_of_other_files_keeps_its_own_state(tm
     assert len(states) == 2
 
 
+@pytest.mark.slow
 def test_a_checkpoint_at_the_end_of_a_validation_after_an_accumulating_batch_leaves_one_row_per_step(tmp_path):
     """With gradient accumulation a validation can follow a batch that did not step (no training row yet at its
     step): the checkpoint written at its end does not write that step's row early (a second, partial row of the

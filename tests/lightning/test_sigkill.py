@@ -69,6 +69,7 @@ def _kill_once(cmd: list[str], ckpt_dir: Path, mode: str, rng: random.Random) ->
     return killed, left
 
 
+@pytest.mark.slow
 def test_sigkill_anywhere_then_resume_equals_uninterrupted(tmp_path):
     manifest = make_dataset(tmp_path / "data")
     run_lwm(manifest, tmp_path / "ref", *COMMON)  # uninterrupted, in a subprocess like the others (same threads)
@@ -123,6 +124,7 @@ def test_sigkill_anywhere_then_resume_equals_uninterrupted(tmp_path):
         assert torch.equal(value, b["state_dict"][key]), key
 
 
+@pytest.mark.slow
 def test_a_kill_during_a_last_ckpt_write_loses_one_metrics_row(tmp_path):
     """Killed while last.ckpt of step 5 is written (its step checkpoint done, the step's scalars not yet logged),
     resumed from that step checkpoint: only that step's row is missing from metrics.csv (logged as step 4); the
@@ -139,6 +141,7 @@ def test_a_kill_during_a_last_ckpt_write_loses_one_metrics_row(tmp_path):
     assert sorted(train_series(tmp_path / "run", "Val_Total/loss")) == [2, 7]  # after steps 3 and 8 (epochs of 5)
 
 
+@pytest.mark.slow
 def test_a_kill_during_a_later_last_ckpt_write_resumes_from_that_steps_checkpoint(tmp_path):
     """Killed while last.ckpt of step 10 is written (step=0000010.ckpt complete, last.ckpt still step 5's, a whole
     interval behind): --ckpt_path last continues from step 10, the latest complete checkpoint; only step 10's row
@@ -155,6 +158,7 @@ def test_a_kill_during_a_later_last_ckpt_write_resumes_from_that_steps_checkpoin
     assert sorted(train_series(tmp_path / "run")) == [*range(9), 10, 11]
 
 
+@pytest.mark.slow
 def test_a_corrupt_last_ckpt_beside_its_steps_checkpoint_resumes_from_that_one_with_a_warning(tmp_path):
     """last.ckpt damaged after the run (a bad disk, a copy cut short), step=0000004.ckpt of the same step whole:
     --ckpt_path last continues from the step file, says so, and the resumed run is the uninterrupted one."""
@@ -171,6 +175,7 @@ def test_a_corrupt_last_ckpt_beside_its_steps_checkpoint_resumes_from_that_one_w
     assert train_series(tmp_path / "run") == pytest.approx(train_series(tmp_path / "full"), rel=1e-5, abs=1e-7)
 
 
+@pytest.mark.slow
 def test_a_kill_right_after_a_checkpoint_written_at_a_validations_end_keeps_that_validations_row(tmp_path):
     """The step-3 checkpoint waits for the validation after step 3 (logged as step 2, in the row of the step's
     training scalars); killed at the start of the next batch, before a later row began, the run resumes after that
@@ -188,6 +193,7 @@ def test_a_kill_right_after_a_checkpoint_written_at_a_validations_end_keeps_that
     assert sorted(train_series(tmp_path / "run", "Val_Total/loss")) == [2, 5]
 
 
+@pytest.mark.slow
 def test_ckpt_path_last_in_an_empty_run_dir_starts_fresh(tmp_path):
     manifest = make_dataset(tmp_path / "data")
     common = ["--trainer.max_steps=4", "--checkpoint.every_n_train_steps=2", "--data.val_size_percent=0"]
@@ -237,6 +243,7 @@ def test_a_save_removes_only_the_temp_files_of_dead_writers(tmp_path):
     assert sorted(os.listdir(tmp_path)) == sorted(p.name for p in (live, live_here, elsewhere_new)) + ["last.ckpt"]
 
 
+@pytest.mark.slow
 def test_a_fit_sweeps_the_temp_files_killed_writes_left_in_its_folders(tmp_path, monkeypatch):
     """A kill during an hpc save leaves .hpc_ckpt_1.ckpt.tmp-HOST-PID, whose digits Lightning took for hpc
     checkpoint 199999 (under SLURM, a start with no --ckpt_path then failed to find it); one during a finished

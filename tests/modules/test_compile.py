@@ -21,6 +21,7 @@ def _steps(q: ResidualVectorQuantizer, lin: torch.nn.Linear, fn, data):
     return torch.stack(losses), lin.weight.grad.clone()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_inductor_compiled_step_equals_eager_with_ema_updates():
     torch.manual_seed(0)
@@ -43,6 +44,7 @@ def test_inductor_compiled_step_equals_eager_with_ema_updates():
         assert torch.allclose(a.float(), b.float(), atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("kernel", ["sdpa", pytest.param("triton", marks=TRITON)])
 def test_compile_parts_keeps_state_dict_keys_and_the_loss(kernel):
@@ -68,6 +70,7 @@ def test_compile_parts_keeps_state_dict_keys_and_the_loss(kernel):
     assert torch.allclose(losses[0][1], losses[1][1], atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("checkpointing", "kernel"), [(False, "sdpa"), (True, "sdpa"),
                                                      pytest.param(False, "triton", marks=TRITON)])

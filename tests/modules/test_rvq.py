@@ -586,6 +586,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_ddp_two_ranks_match_single_process(tmp_path):
     if not dist.is_available() or not dist.is_gloo_available():
@@ -736,6 +737,7 @@ def _ddp_draw_worker(rank: int, world: int, port: int, outdir: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_ddp_init_and_revival_draw_from_every_ranks_rows_as_one_process_from_the_whole_batch(tmp_path):
     """Data init and revival under 2 ranks equal one process fed the concatenated batch with rank 0's random
@@ -776,6 +778,7 @@ def _ddp_nan_init_worker(rank: int, world: int, port: int, outdir: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_one_ranks_non_finite_first_batch_initialises_no_rank(tmp_path):
     """A NaN in one rank's first batch leaves every rank's codebooks uninitialised (as one process fed the whole

@@ -100,6 +100,7 @@ def test_half_precision_kernel_is_close_to_fp32(device, dtype):
     assert ((half.grad.float() - qkv.grad).norm() / qkv.grad.norm()) < 2.5 * bound
 
 
+@pytest.mark.slow
 @CPU
 def test_op_registration_passes_torch_opcheck():
     """Schema, fake (meta) implementation and autograd registration, as torch.compile relies on them."""
@@ -195,6 +196,7 @@ def test_without_triton_the_triton_setting_warns_and_computes_the_same(monkeypat
         WorldModel(in_channels=2, height=8, width=8, d_model=16, n_heads=2, temporal_attention="triton")
 
 
+@pytest.mark.slow
 @CPU
 @pytest.mark.timeout(300)
 def test_inductor_compiled_attention_equals_eager():

@@ -40,6 +40,7 @@ def test_every_trainable_parameter_gets_a_gradient(mask_prob):
     assert model.mask_token.requires_grad == (mask_prob > 0)
 
 
+@pytest.mark.slow
 def test_shapes_at_requirement_defaults():
     torch.manual_seed(0)
     model = WorldModel().eval()  # C=16, 64x64, D=512, 3 blocks each, codebooks (12,64,256) / (12,24,48,256,256,256)
@@ -172,6 +173,7 @@ def test_rollout_pass_k_repeats_previous_pass_on_its_first_k_positions(train):
         assert not torch.allclose(cur[:, k], prev[:, k], atol=1e-4), f"pass {k} predicts something new at {k}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("checkpointing", "kernel"), [(False, "sdpa"), (True, "sdpa"), (False, "matmul"),
                                                      pytest.param(False, "triton", marks=TRITON)])
 def test_rollout_reusing_the_previous_pass_equals_recomputing_it(checkpointing, kernel):
@@ -299,6 +301,7 @@ def test_time_offset_sampling_and_eval_default():
 # --------------------------------------------------------------------------------------------------
 # Training and precision
 # --------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_loss_falls_on_one_fixed_clip():
     model = tiny_model(mask_prob=0.0).train()
     t = torch.linspace(0, 1, 6)[:, None, None, None]
@@ -426,6 +429,7 @@ def test_several_problems_are_one_line_each():
                                          "model.net.depth_world must be >= 1, got 0"]
 
 
+@pytest.mark.slow
 @TRITON
 def test_temporal_attention_kernel_reaches_every_temporal_attention_and_gives_the_same_step(monkeypatch):
     launches = []
