@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 import time
@@ -126,6 +127,45 @@ def evaluate_run(run_dir: Path, test_manifest: Path, synthetic: bool) -> dict:
     return evaluate(model, clips, t=4, dictionary=dictionary, world_phase=phase, world_factors=factors)
 
 
+def action_effect(game: str, states: int = 38, t: int = 4, seed: int = 1) -> float:
+    """How much the actions change frame ``t`` of a game at the benchmark's size: from ``states`` states along a
+    sticky-random play, the mean latent MSE between two futures played ``t`` steps with independent uniform actions
+    (the emulator is deterministic, so the actions alone make them differ). A model's error at frame ``t`` (MSE e)
+    grows by about this much under wrong actions: its action sensitivity is at most about 10 log10(1 + effect / e)."""
+    import numpy as np
+
+    from lwm.data.atari import _ale, stretch
+    from lwm.data.codecs import PixelCodec
+
+    ale_py, codec = _ale(), PixelCodec(size=SIZE)
+    ale = ale_py.ALEInterface()
+    ale.setLoggerMode(ale_py.LoggerMode.Error)
+    ale.setInt("random_seed", seed)
+    ale.setFloat("repeat_action_probability", 0.0)
+    ale.loadROM(ale_py.roms.get_rom_path(game))
+    legal, rng = list(ale.getMinimalActionSet()), np.random.default_rng(seed)
+    effects, choice = [], 0
+    for step in range(20 + 10 * states):
+        if rng.random() >= 0.75:  # the recordings' sticky policy
+            choice = int(rng.integers(len(legal)))
+        for _ in range(4):  # the recordings' frame skip
+            ale.act(legal[choice])
+        if step < 20 or step % 10:
+            continue
+        state, futures = ale.cloneState(), []
+        for _ in range(2):
+            ale.restoreState(state)
+            for _ in range(t):
+                action = legal[int(rng.integers(len(legal)))]
+                for _ in range(4):
+                    ale.act(action)
+            futures.append(ale.getScreenRGB())
+        ale.restoreState(state)
+        latents = codec.encode(stretch(np.stack(futures), SIZE))
+        effects.append(float(((latents[0] - latents[1]) ** 2).mean()))
+    return float(np.mean(effects))
+
+
 def row(dataset: str, recipe: str, r: dict) -> str:
     a, w = r["action"] or {}, r["world"] or {}
     probe = lambda d: f"{d['probe']:.2f} ({d['chance']:.2f}+{d['margin']:.2f})" if d else "-"
@@ -209,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
             r.update(fit_seconds=seconds, steps=steps, overrides=RECIPES[recipe], date=str(date.today()))
             saved.parent.mkdir(parents=True, exist_ok=True)
             saved.write_text(json.dumps(r, indent=1))
-            results[key] = r
+            results[key] = json.loads(saved.read_text())  # as a later call reads it (world labels as strings)
     print(f"\n{steps} steps per fit (configs/demo.yaml), held-out clips of T=8; PSNR on latents (dB)\n")
     print(HEADER)
     for key, r in results.items():
@@ -219,6 +259,14 @@ def main(argv: list[str] | None = None) -> int:
     for key, r in results.items():
         dataset, recipe = key.split("/")
         print("\n".join(per_world_rows(dataset, recipe, r, names[dataset])))
+    if any(maker == "atari" for maker, *_ in datasets.values()) and not smoke:
+        print("\n| game | action effect on frame 4 (MSE) | recipe's MSE at frame 4 | bound on action dPSNR (dB) |\n"
+              "|---|---|---|---|")
+        recipe = results.get("atari/recipe")
+        for label, game in enumerate(args.games):
+            effect = action_effect(game)
+            error = 10 ** (-recipe["per_world"][str(label)]["psnr"][-1] / 10) if recipe else float("nan")
+            print(f"| {game} | {effect:.2e} | {error:.2e} | {10 * math.log10(1 + effect / error):.2f} |")
     (out / "learning.json").write_text(json.dumps(results, indent=1))
     figure(results, out / "learning.png")
     print(f"\n{out / 'learning.json'}, {out / 'learning.png'}")
