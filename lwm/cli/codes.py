@@ -44,7 +44,7 @@ def main(argv: list[str]) -> int:
         rest = ["--config", str(config), *rest]
     cli = LwmCLI(args=rest, run=False)
     dm = cli.datamodule  # the data; the model is the checkpoint's
-    ckpt_path = checkpoint_file(args.ckpt_path, cli.checkpoint_dir(cli.config))
+    ckpt_path = checkpoint_file(args.ckpt_path, cli.run_dir(cli.config).checkpoints)
     # before any work; the default path (lwm's own name beside the checkpoint) may be rewritten whatever it holds
     out = check_out(args.out) if args.out else check_output(default_codes_path(ckpt_path), "the code dictionary")
     checkpoint, module = load_checkpoint(ckpt_path)

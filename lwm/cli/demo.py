@@ -41,7 +41,7 @@ from lwm.data.synth import make_dataset
 from lwm.inference.dictionary import load_dictionaries
 from lwm.inference.generation import run as generate
 from lwm.inference.study import evaluate, load_clips, probe_margin
-from lwm.training.run_dir import latest_checkpoint
+from lwm.training.run_dir import RunDir
 from lwm.utils.args import ArgumentParser
 from lwm.utils.errors import ConfigError
 
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     run_dir, times = out / "run", {}
     # an interrupted (or finished) demo: continue it from its latest checkpoint, never start it over
-    resume = latest_checkpoint(run_dir, run_dir / "checkpoints")
+    resume = RunDir(run_dir).latest()
 
     shape = [f"--model.net.height={args.size // 2}", f"--model.net.width={args.size // 2}"]
     config = read_config(["--config", args.config, *shape, *rest])  # a bad option: refused before the data is made

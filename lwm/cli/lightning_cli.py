@@ -8,7 +8,6 @@ it (`lwm data index` and `lwm --help` should not pay for Lightning).
 from __future__ import annotations
 
 import argparse
-import glob
 import logging
 import os
 import re
@@ -28,17 +27,15 @@ from lwm.callbacks import (AttentionDiagonality, CodebookMonitor, CodeDictionari
     SlurmRequeue, StepProgressBar)
 from lwm.data.datamodule import LatentDataModule
 from lwm.modules.world_model import WorldModelConfig
-from lwm.training.checkpoint import (AtomicCheckpointIO, DEEPSPEED_MARK, deepspeed_step, is_deepspeed_checkpoint,
-    mark_deepspeed_saves_complete, ModelCheckpoint, read_checkpoint, warn_window_mismatch)
+from lwm.training.checkpoint import (AtomicCheckpointIO, ModelCheckpoint, is_deepspeed_checkpoint,
+                                     mark_deepspeed_saves_complete, read_checkpoint, warn_window_mismatch)
 from lwm.training.loggers import make_loggers, run_log_dir, WandbConfig
 from lwm.training.module import WorldModelModule
 from lwm.training.nonfinite import deepspeed_checks_overflow
 from lwm.training.optim import OptimConfig
-from lwm.training.run_dir import _HoldRunLock, fit_resumes, latest_checkpoint, run_of
-from lwm.utils.errors import ConfigError, DataError
-from lwm.utils.files import remove_stale_temp_files
+from lwm.training.run_dir import HoldRunLock, RunDir, check_deepspeed_checkpoint, run_of
+from lwm.utils.errors import ConfigError
 from lwm.utils.threads import set_cpu_threads
-from lwm.utils.video import VIDEO_SUFFIXES
 
 
 def _interpolations_within_the_config() -> None:
@@ -114,7 +111,7 @@ def _quiet_lightning() -> None:
     warnings.filterwarnings("ignore", message="You have overridden `on_after_batch_transfer` in `LightningModule`")
     # data.val_size_percent=0: the data module's val_dataloader is an empty list on purpose (no validation)
     warnings.filterwarnings("ignore", message="Total length of `list` across ranks is zero")
-    # every resume: a fit that would start over in a folder with checkpoints is refused before this (fit_resumes)
+    # every resume: a fit that would start over in a folder with checkpoints is refused before this
     warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
     # recent torch, under configs/ddp.yaml: its replacement (forward_sync_buffers) is not in older torch, and the
     # quantizers need no buffer sync in the forward (they all-reduce their EMA statistics themselves)
@@ -170,7 +167,7 @@ class LwmCLI(LightningCLI):
         _interpolations_within_the_config()
         args = negative_values_joined(relative_interpolations(args)) if args is not None else None
         self._verb_free = not run  # our verbs (codes, overfit, bench, demo) parse a fit's options without a verb
-        self._latest: dict[tuple[str, str], str] = {}  # (RUN_DIR, CHECKPOINT_DIR) -> what `last` resolves to
+        self._run_dirs: dict[tuple[str, str], RunDir] = {}
         super().__init__(
             WorldModelModule,
             LatentDataModule,
@@ -264,141 +261,42 @@ class LwmCLI(LightningCLI):
             parser.add_argument("--weights_only", type=Optional[bool], default=None,
                                 help="(read from a fit's config.yaml and ignored: checkpoints load weights only)")
 
-    def _checkpoint_path(self, config: Any) -> str | None:
-        """``ckpt_path`` as a path: ``last`` is the run's latest checkpoint (:func:`lwm.resume.latest_checkpoint`:
-        the highest global step among ``CHECKPOINT_DIR/last.ckpt``, else the step checkpoints beside it, and the
-        hpc ones), ``CHECKPOINT_DIR/last.ckpt`` (RUN_DIR/checkpoints by default) where there is none yet."""
-
-
-        path = config.get("ckpt_path")
-        if path != "last":
-            return path
-        root = self.run_dir(config)
-        key = (root, self.checkpoint_dir(config))
-        if key not in self._latest:  # (each candidate's step is read from its file: once)
-            found = latest_checkpoint(Path(root), Path(key[1]))
-            self._latest[key] = str(found) if found is not None else os.path.join(key[1], "last.ckpt")
-        return self._latest[key]
-
-    @staticmethod
-    def run_dir(config: Any) -> str:
-        """The run's folder (RUN_DIR): ``trainer.default_root_dir``, by default the working directory."""
-        return config.get("trainer", {}).get("default_root_dir") or "."
-
-    @staticmethod
-    def checkpoint_dir(config: Any) -> str:
-        """The run's checkpoint folder: ``checkpoint.dirpath``, by default ``RUN_DIR/checkpoints``."""
-        root = LwmCLI.run_dir(config)
-        return (config.get("checkpoint") or {}).get("dirpath") or os.path.join(root, "checkpoints")
+    def run_dir(self, config: Any) -> RunDir:
+        """The run directory of a verb's config (one per folder pair: ``last`` is resolved once)."""
+        run = RunDir.of(config)
+        return self._run_dirs.setdefault((run.root, run.checkpoints), run)
 
     def _checkpoint_file(self, config: Any) -> str | None:
         """``ckpt_path`` as a file (None where there is none, or a DeepSpeed directory)."""
-        path = self._checkpoint_path(config)
+        path = self.run_dir(config).resolve(config.get("ckpt_path"))
         return path if path and os.path.isfile(path) else None
 
     def _parse_ckpt_path(self) -> None:
-        # Lightning puts the hyperparameters of a checkpoint *file* given as --ckpt_path over the config. For
-        # validate/test/predict lwm does so for `last` too (the model is the checkpoint's); a fit resumes with
-        # the config's settings instead, a file or `last` alike (a changed learning rate applies; the model's
-        # shape must match: _check_checkpoint_fits).
+        """Check ``--ckpt_path`` and resolve ``last`` to the run's latest whole checkpoint (Lightning's ``last`` is
+        ``last.ckpt``, whether cut short or behind a newer one). A fit resumes with the config's settings; the
+        evaluating verbs take the checkpoint's hyperparameters (Lightning's, for a file)."""
         sub = self.config.get("subcommand")
         if sub is None:
             return
-        self._check_ckpt_path(sub)
+        config = self.config[sub]
+        run = self.run_dir(config)
         if sub == "fit":
-            if self.config[sub].get("ckpt_path") is None and fit_resumes(None, self.run_dir(self.config[sub])):
-                # a SLURM restart without --ckpt_path: the run's latest checkpoint, hpc or not (Lightning would
-                # take the highest-numbered hpc_ckpt_N.ckpt, even where last.ckpt is steps ahead of it)
-                self.config[sub].ckpt_path = "last"
-            if self.config[sub].get("ckpt_path") == "last" and os.path.exists(self._checkpoint_path(self.config[sub])):
-                self.config[sub].ckpt_path = self._checkpoint_path(self.config[sub])  # (Lightning's: last.ckpt only)
-                if is_deepspeed_checkpoint(self.config[sub].ckpt_path):  # (not whole where none of the run's is)
-                    _check_deepspeed_checkpoint(self.config[sub].ckpt_path, "--ckpt_path last:")
+            run.check_fit(config.get("ckpt_path"), config.get("checkpoint.save_last"))
+            if config.get("ckpt_path") is None and run.resumes(None):  # a SLURM restart: the latest, hpc or not
+                config.ckpt_path = "last"
+            if config.get("ckpt_path") == "last" and os.path.exists(run.last):
+                config.ckpt_path = run.last
+                if is_deepspeed_checkpoint(run.last):
+                    check_deepspeed_checkpoint(run.last, "--ckpt_path last:")
             return
-        if sub in ("validate", "test", "predict") and self.config[sub].get("ckpt_path") == "last":
-            # the run's latest whole checkpoint, a file or a DeepSpeed directory (Lightning's own `last` would take
-            # last.ckpt, whether cut short or behind a newer one)
-            path = self._checkpoint_path(self.config[sub])
-            if os.path.exists(path):
-                self.config[sub].ckpt_path = path
+        run.check_eval(sub, config.get("ckpt_path"))
+        if config.get("ckpt_path") == "last" and os.path.exists(run.last):
+            config.ckpt_path = run.last
         try:
             super()._parse_ckpt_path()
         except argparse.ArgumentError as e:
             raise ConfigError(f"{self.config[sub].get('ckpt_path')}: its hyperparameters do not fit this lwm "
                               f"({parse_error_line(str(e), [])})") from None
-
-    def _check_ckpt_path(self, sub: str) -> None:
-        """A missing or unreadable ``--ckpt_path`` file is one line, before any work; so is ``last`` where the
-        run has no checkpoint under validate/test/predict (Lightning would go on with untrained weights; a fit
-        starts fresh, with Lightning's warning)."""
-        if sub == "fit":
-            self._check_fit_ckpt_path(self.config[sub])
-        else:
-            self._check_eval_ckpt_path(sub, self.config[sub])
-
-    def _check_fit_ckpt_path(self, config: Any) -> None:
-        """fit: ``checkpoint.save_last`` true; the checkpoint folder a folder; no ``--ckpt_path`` (or another run's
-        checkpoint) into a run folder that holds a run is refused; ``last`` without a checkpoint yet starts a new
-        run."""
-        save_last = config.get("checkpoint.save_last")
-        if save_last is not True:  # "link": a link to the last step file, stale after a stop on a signal or at the end
-            raise ConfigError(f"checkpoint.save_last={save_last}: lwm needs true (last.ckpt written as a file of its "
-                              f"own at a stop, a signal and the end of fit: what --ckpt_path last and the SLURM "
-                              f"scripts resume from)")
-        directory = self.checkpoint_dir(config)
-        if os.path.exists(directory) and not os.path.isdir(directory):  # else found at the first save
-            raise ConfigError(f"checkpoint.dirpath={directory}: exists and is not a folder")
-        path = config.get("ckpt_path")
-        if path is None:
-            self._check_no_run_yet(config)
-        elif path == "last":
-            last = self._checkpoint_path(config)
-            if not (os.path.isfile(last) or os.path.isdir(last)):  # a directory: DeepSpeed's
-                # (Lightning says so too, with a hint about save_last that does not apply: lwm saves it)
-                warnings.filterwarnings("ignore", message=r".*ckpt_path=\"last\"\) is set, but there is no last")
-                rank_zero_info(f"--ckpt_path last: no {last} yet, so this fit starts a new run")
-        elif _read_checkpoint_file(path) and not self._of_this_run(config, path):
-            self._check_no_run_yet(config, f" (--ckpt_path {path} is not one of its checkpoints)")
-
-    def _check_eval_ckpt_path(self, sub: str, config: Any) -> None:
-        """validate/test/predict: without ``--ckpt_path`` a warning (the untrained model, Lightning's default);
-        ``last`` without a checkpoint refused."""
-        path = config.get("ckpt_path")
-        if path is None:  # Lightning's default: the model as initialised (a baseline; rarely what was meant)
-
-            found = latest_checkpoint(Path(self.run_dir(config)), Path(self.checkpoint_dir(config)))
-            hint = f"--ckpt_path last takes {found}" if found is not None else "give --ckpt_path"
-            rank_zero_warn(f"lwm {sub} without --ckpt_path: the untrained model, as initialised ({hint})")
-        elif path == "last":
-            last = self._checkpoint_path(config)
-            if not (os.path.isfile(last) or os.path.isdir(last)):  # a directory: DeepSpeed's
-                raise ConfigError(f"--ckpt_path last: no checkpoint in the run ({last} does not exist)")
-            if is_deepspeed_checkpoint(last):
-                _check_deepspeed_checkpoint(last, "--ckpt_path last:")
-        else:
-            _read_checkpoint_file(path)
-
-    def _of_this_run(self, config: Any, path: str) -> bool:
-        """Whether ``path`` is one of the run's own checkpoints (in its checkpoint folder, or an hpc one)."""
-        root = self.run_dir(config)
-        folder = os.path.realpath(os.path.dirname(os.path.abspath(path)))
-        return folder in (os.path.realpath(self.checkpoint_dir(config)), os.path.realpath(root))
-
-    def _check_no_run_yet(self, config: Any, why: str = "") -> None:
-        """A fit without ``--ckpt_path`` (or from another run's checkpoint) into a RUN_DIR whose checkpoint folder
-        already holds a run's checkpoints is refused: it would start over, replace ``last.ckpt`` and the code
-        dictionaries, and splice a second run into ``metrics.csv``. (Under SLURM, where a requeue left an
-        ``hpc_ckpt_N.ckpt``, the fit resumes from the run's latest checkpoint instead: :meth:`_parse_ckpt_path`.)"""
-        root = self.run_dir(config)
-        if fit_resumes(None, root):
-            return
-        directory = self.checkpoint_dir(config)
-        found = sorted(glob.glob(os.path.join(glob.escape(directory), "*.ckpt")))
-        if found:
-            name = "last.ckpt" if any(os.path.basename(f) == "last.ckpt" for f in found) else os.path.basename(found[-1])
-            raise ConfigError(f"{os.path.join(directory, name)}: trainer.default_root_dir={root} already holds a "
-                              f"run{why}; continue it with --ckpt_path last, or start a new one in another "
-                              f"trainer.default_root_dir")
 
     def _check_checkpoint_fits(self) -> None:
         """A checkpoint of another model shape is one line naming the fields, not a state-dict traceback."""
@@ -484,7 +382,7 @@ class LwmCLI(LightningCLI):
     def before_fit(self) -> None:
         if self.trainer.max_steps == 0:  # (Lightning stops at once: no step, no checkpoint, a config.yaml written)
             raise ConfigError("trainer.max_steps=0: a fit of no step (a number of steps, or -1: no limit)")
-        self._sweep_temp_files()
+        self.run_dir(self.config[self.subcommand]).sweep_temp_files()
         self._check_data()
 
     def instantiate_trainer(self, **kwargs: Any):
@@ -515,7 +413,8 @@ class LwmCLI(LightningCLI):
         (never into the fit's metrics.csv or config.yaml); a resumed fit continues its wandb run."""
         evaluating = self.subcommand in ("validate", "test", "predict")
         log_dir = os.path.join(run_dir, self.subcommand) if evaluating else run_dir
-        resume = fit_resumes(self._checkpoint_path(self.config["fit"]), log_dir) if self.subcommand == "fit" else None
+        resume = self.run_dir(self.config["fit"]).resumes(self.config["fit"].get("ckpt_path")) \
+            if self.subcommand == "fit" else None
         wandb = self._get(self.config_init, "wandb")
         return make_loggers(str(log_dir), wandb, strict=not self._verb_free, resume=resume)
 
@@ -531,7 +430,7 @@ class LwmCLI(LightningCLI):
             super()._run_subcommand(subcommand)
         finally:
             for callback in self.trainer.callbacks:  # (teardown is not reached from every failure)
-                if isinstance(callback, _HoldRunLock):
+                if isinstance(callback, HoldRunLock):
                     callback.release()
         evaluated = subcommand in ("validate", "test", "predict") and not self.trainer.fast_dev_run  # (a trial: none)
         if evaluated and self.trainer.is_global_zero:
@@ -551,20 +450,6 @@ class LwmCLI(LightningCLI):
                           f"trainer.default_root_dir {root / subcommand} (--trainer.default_root_dir={run} puts them "
                           f"beside its checkpoints)", stacklevel=2)
 
-    def _sweep_temp_files(self) -> None:
-        """The temp files a killed process left in the run's folders, swept before anything reads them: Lightning
-        takes the digits of ``.hpc_ckpt_1.ckpt.tmp-HOST-PID`` for an hpc checkpoint's number (a SLURM start
-        then fails to find it), and a finished run's last video or checkpoint write has no later write to
-        sweep it."""
-
-        root = Path(self.trainer.default_root_dir)
-        checkpoints = Path(self.checkpoint_dir(self.config[self.config.subcommand]))
-        for folder, ours in ((root, lambda n: n.startswith("hpc_ckpt_") or n == "metrics.csv"),
-                             (root / "videos", lambda n: Path(n).suffix in VIDEO_SUFFIXES),
-                             (checkpoints, lambda n: n.endswith(".ckpt") or n == "codes.pt")):
-            if folder.is_dir():
-                remove_stale_temp_files(folder, target=ours)
-
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list) -> Any:
         # The rich progress bar and summary are on by default; the trainer's switches turn them off.
         if config.get("enable_progress_bar") is False:
@@ -572,7 +457,7 @@ class LwmCLI(LightningCLI):
         if config.get("enable_model_summary") is False:
             callbacks = [c for c in callbacks if not isinstance(c, ModelSummary)]
         if self.subcommand == "fit":
-            callbacks = [*callbacks, _HoldRunLock()]  # (before the config is saved: a refused fit writes none)
+            callbacks = [*callbacks, HoldRunLock()]  # (before the config is saved: a refused fit writes none)
         return super()._instantiate_trainer(config, callbacks)
 
 
@@ -632,33 +517,6 @@ def _option_names(parser: Any) -> list[str]:
         for sub in (getattr(action, "choices", None) or {}).values() if isinstance(action, argparse._SubParsersAction) else ():
             names += _option_names(sub)
     return names
-
-
-def _read_checkpoint_file(path: Any) -> bool:
-    """Read a ``--ckpt_path`` that names a local checkpoint file (missing, torn, foreign: one line) and return True;
-    False, unread, for what Lightning resolves itself (``best``, ``hpc``, the model registry) and for a DeepSpeed
-    directory or a remote path."""
-    from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
-
-    if path in ("best", "hpc", "registry") or str(path).startswith("registry:"):
-        return False
-    if is_deepspeed_checkpoint(path):
-        _check_deepspeed_checkpoint(path, "--ckpt_path")
-        return False
-    if not _is_local_file_protocol(str(path)):  # a remote one: fsspec's
-        return False
-    read_checkpoint(path, "--ckpt_path")
-    return True
-
-
-def _check_deepspeed_checkpoint(path: Any, label: str) -> None:
-    """A DeepSpeed checkpoint directory without lwm's completion mark (:func:`lwm.checkpoint.deepspeed_step`) is one
-    line: DeepSpeed would load its files of two different steps as one checkpoint."""
-    if deepspeed_step(path) is None:
-        raise DataError(f"{label} {path}: a DeepSpeed checkpoint that is not whole (no {DEEPSPEED_MARK} of its step: "
-                        f"a kill cut its write short, or an lwm before completion marks wrote it: if you know it "
-                        f"whole, write {{\"global_step\": N}} into its {DEEPSPEED_MARK}); give another of the run's "
-                        f"checkpoints")
 
 
 def _with_atomic_checkpoints(trainer_config: dict) -> list | None:

@@ -1,54 +1,51 @@
-"""``lwm resume-info --config CFG [overrides]``: where a run lives and which checkpoint continues it, for the
-SLURM scripts (``slurm/train.sbatch`` runs it at every start of a job, first or requeued).
+"""The run directory: RUN_DIR (``trainer.default_root_dir``), its checkpoint folder, which checkpoint continues the
+run (``--ckpt_path last``, a SLURM requeue, ``lwm resume-info``), the refusals that protect a run, and its lock.
 
-Prints two lines: ``RUN_DIR`` (``trainer.default_root_dir`` as lwm resolves the config, overrides and
-interpolations; ``.`` when unset) and the checkpoint to resume from, or an empty line when the run has none.
-The candidates are ``CHECKPOINT_DIR/last.ckpt`` (``checkpoint.dirpath``, by default ``RUN_DIR/checkpoints``),
-the step checkpoints beside it written after it (a kill between a step's two writes, the step file and then
-``last.ckpt``, leaves the step file the newer; where there is no ``last.ckpt``, all of them) and
-``RUN_DIR/hpc_ckpt_N.ckpt`` (written when SLURM preempts); the one at the highest global step wins (ties:
-``last.ckpt``), read from the file (``weights_only``, memory-mapped; a DeepSpeed directory: from its model
-states, where lwm marked it complete), not from its modification time, which a DeepSpeed checkpoint (a
-directory rewritten in place) or a shared filesystem's clock skew would get wrong (the time only tells a step
-file written after ``last.ckpt``, in the same folder by the same job, from one left by an abandoned branch: a
-run resumed from an older checkpoint writes ``last.ckpt`` anew).
+The checkpoint that continues a run is the one at the highest global step, read from the files (never their times:
+DeepSpeed rewrites directories in place, shared filesystems skew clocks), among ``last.ckpt``, the step checkpoints
+written since it was last whole, and ``RUN_DIR/hpc_ckpt_N.ckpt``. docs/training.md, Resume, says why each is there.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import glob
 import os
 import re
+import socket
+import warnings
 from pathlib import Path
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+import torch
+from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lwm.training.checkpoint import deepspeed_step, deepspeed_written, is_deepspeed_checkpoint
-from lwm.utils.errors import ConfigError
+from lwm.training.checkpoint import (DEEPSPEED_MARK, deepspeed_step, deepspeed_written, is_deepspeed_checkpoint,
+                                     read_checkpoint)
+from lwm.utils.errors import ConfigError, DataError
+from lwm.utils.files import remove_stale_temp_files
+from lwm.utils.video import VIDEO_SUFFIXES
+
+EVAL_VERBS = ("validate", "test", "predict")
 
 
 def _step(path: Path) -> int | None:
-    """The global step of a checkpoint file, or of a DeepSpeed checkpoint directory lwm marked complete
-    (:func:`lwm.checkpoint.deepspeed_step`); None: unreadable, torn, a DeepSpeed write cut short."""
-    import torch
-
-
-    if path.is_dir():  # DeepSpeed's, rewritten in place: a kill during its write leaves files of two steps
+    """A checkpoint's global step (a DeepSpeed directory's where lwm marked it whole); None: torn or foreign."""
+    if path.is_dir():
         return deepspeed_step(path)
     try:
         return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("global_step", -1))
-    except Exception:  # a torn or foreign file: not a candidate
+    except Exception:
         return None
 
 
 def _written(path: Path) -> float | None:
-    """When a checkpoint was last written whole (None: never): a file's time; a DeepSpeed directory's (rewritten in
-    place: the folder's own time is not it), :func:`lwm.checkpoint.deepspeed_written`."""
-
+    """When a checkpoint was last whole: a file's time, a DeepSpeed directory's completion mark's."""
     return deepspeed_written(path) if path.is_dir() else path.stat().st_mtime
 
 
@@ -58,24 +55,20 @@ def _number(path: Path) -> int:
 
 
 def latest_checkpoint(run_dir: Path, checkpoint_dir: Path) -> Path | None:
-    """The checkpoint that continues the run: the highest global step among ``last.ckpt``, the step checkpoints
-    written after it was last whole (all of them where there is none: a kill during the first ``last.ckpt`` write
-    leaves only a step one; a kill during a later one leaves the step file of that step newer than ``last.ckpt``,
-    which is an interval behind or cut short; a ``last.ckpt`` file that does not load, all of them) and the hpc
-    ones. A ``last.ckpt`` passed over for not being whole is said in a warning."""
+    """The checkpoint that continues the run: the highest step among ``last.ckpt``, the step checkpoints written
+    since it was last whole (all of them where it does not load) and the hpc ones; ties go to ``last.ckpt``."""
     hpc = sorted(run_dir.glob("hpc_ckpt_*.ckpt"), key=_number)
     last = checkpoint_dir / "last.ckpt"
     steps = sorted((p for p in checkpoint_dir.glob("*.ckpt") if p.name != last.name), key=_number, reverse=True)
     last_step = _step(last) if last.exists() else None
-    # a torn last.ckpt file was never whole: its time says nothing (a DeepSpeed one keeps its last whole time)
-    since = _written(last) if last_step is not None or last.is_dir() else None
-    if since is not None:  # (a step file older than last.ckpt: of a branch abandoned for an earlier checkpoint)
+    since = _written(last) if last_step is not None or last.is_dir() else None  # a torn file was never whole
+    if since is not None:  # an older step file: of a branch abandoned for an earlier checkpoint
         steps = [p for p in steps if (written := _written(p)) is not None and written >= since]
     candidates = [p for p in (last, *reversed(hpc), *steps) if p.exists()]
     steps = {p: s for p in candidates if (s := _step(p)) is not None}
     if not steps:  # none readable: the first, for lwm fit to refuse loudly (never a silent fresh start)
         return candidates[0] if candidates else None
-    found = max(steps, key=lambda p: steps[p])  # ties: last.ckpt (listed first)
+    found = max(steps, key=lambda p: steps[p])
     if last.exists() and last_step is None:
         rank_zero_warn(f"{last}: not a whole checkpoint (unreadable, or its write cut short): taking {found}, the "
                        f"run's latest whole one (step {steps[found]})")
@@ -83,8 +76,8 @@ def latest_checkpoint(run_dir: Path, checkpoint_dir: Path) -> Path | None:
 
 
 def run_of(path: str | Path) -> Path | None:
-    """The folder of the fit a checkpoint belongs to: ``RUN`` of ``RUN/checkpoints/X.ckpt``, or ``RUN`` given itself
-    (a run's folder holds the fit's ``config.yaml`` and ``checkpoints/``); None for anything else."""
+    """The fit's folder of ``RUN/checkpoints/X.ckpt``, or ``RUN`` itself (it holds ``config.yaml`` and
+    ``checkpoints/``); None for anything else."""
     path = Path(path)
     if path.parent.name == "checkpoints" and (path.parent.parent / "config.yaml").is_file():
         return path.parent.parent
@@ -92,10 +85,10 @@ def run_of(path: str | Path) -> Path | None:
         return path
     return None
 
+
 def checkpoint_file(path: str | Path, checkpoints: str | Path | None = None) -> Path:
-    """A ``--ckpt_path`` as the file to read: a run's folder (RUN_DIR) or its checkpoint folder is the run's latest
-    checkpoint (:func:`lwm.resume.latest_checkpoint`: ``last.ckpt``, or a newer step or hpc one), and so is
-    ``last`` where the verb knows the run's checkpoint folder; else as given."""
+    """A ``--ckpt_path`` as the file to read: a run's folder or checkpoint folder (and ``last``, given the folder)
+    is its latest checkpoint; anything else as given."""
     if str(path) == "last":
         if checkpoints is None:
             raise ConfigError("--ckpt_path last: this command has no run folder to look in; give the run's folder "
@@ -104,38 +97,142 @@ def checkpoint_file(path: str | Path, checkpoints: str | Path | None = None) -> 
         found = latest_checkpoint(folder.parent, folder)
         return found if found is not None else folder / "last.ckpt"  # (missing: named by the loader)
     path = Path(path)
-    if not path.is_dir() or is_deepspeed_checkpoint(path):  # a file; DeepSpeed's
+    if not path.is_dir() or is_deepspeed_checkpoint(path):
         return path
     if (path / "checkpoints").is_dir():  # RUN_DIR
         run, folder = path, path / "checkpoints"
-    else:  # its checkpoint folder (RUN_DIR/checkpoints: the hpc ones are in RUN_DIR), or a folder of checkpoints
-        run, folder = (path.resolve().parent if path.resolve().name == "checkpoints" else path), path  # (`.` too)
+    else:  # a checkpoint folder (the hpc ones are in its parent), or any folder of checkpoints
+        run, folder = (path.resolve().parent if path.resolve().name == "checkpoints" else path), path
     return latest_checkpoint(run, folder) or path
 
 
-def fit_resumes(ckpt_path: str | None, root: str) -> bool:
-    """Whether a fit continues a run: from ``ckpt_path`` (``last`` resolved) where that exists, or, given none, from
-    a requeue's ``RUN_DIR/hpc_ckpt_N.ckpt`` under SLURM (where Lightning resumes from it)."""
-    hpc = bool(glob.glob(os.path.join(root, "hpc_ckpt_*.ckpt")))
-    if ckpt_path == "hpc":
-        return hpc
-    if ckpt_path:
-        return os.path.exists(ckpt_path)
-    from lightning.fabric.plugins.environments import SLURMEnvironment
+def check_deepspeed_checkpoint(path: Any, label: str) -> None:
+    """Refuse a DeepSpeed directory without lwm's completion mark: its files may be of two steps."""
+    if deepspeed_step(path) is None:
+        raise DataError(f"{label} {path}: a DeepSpeed checkpoint that is not whole (no {DEEPSPEED_MARK} of its step: "
+                        f"a kill cut its write short, or an lwm before completion marks wrote it: if you know it "
+                        f"whole, write {{\"global_step\": N}} into its {DEEPSPEED_MARK}); give another of the run's "
+                        f"checkpoints")
 
-    return hpc and SLURMEnvironment.detect()
 
-class _RunLock:
-    """One fit at a time per RUN_DIR: an exclusive ``flock`` on ``RUN_DIR/.lwm.lock``, held by global rank 0 while
-    the fit runs (two fits into one folder would write the same ``last.ckpt`` and ``metrics.csv``; say the same
-    job submitted twice). The file names its holder (host, pid, SLURM job). Where the filesystem has no locks, none.
-    A SLURM requeue of the holder's own job goes on (its previous start is over, whatever a network filesystem's
-    lock says)."""
+def read_checkpoint_arg(path: Any) -> bool:
+    """Read a ``--ckpt_path`` naming a local checkpoint file (refused in one line if missing, torn or foreign):
+    True; False, unread, for what Lightning resolves (``best``, ``hpc``, the registry), DeepSpeed's, remote paths."""
+    if path in ("best", "hpc", "registry") or str(path).startswith("registry:"):
+        return False
+    if is_deepspeed_checkpoint(path):
+        check_deepspeed_checkpoint(path, "--ckpt_path")
+        return False
+    if not _is_local_file_protocol(str(path)):
+        return False
+    read_checkpoint(path, "--ckpt_path")
+    return True
+
+
+class RunDir:
+    """One run's folder: its paths, the checkpoint ``last`` names, whether a fit resumes, the refusals that keep a
+    run whole, and the lock. Made from a parsed config (``trainer.default_root_dir``, ``checkpoint.dirpath``)."""
+
+    def __init__(self, root: str | Path, checkpoints: str | Path | None = None) -> None:
+        self.root = str(root)
+        self.checkpoints = str(checkpoints) if checkpoints else os.path.join(self.root, "checkpoints")
+        self._last: str | None = None
+
+    @classmethod
+    def of(cls, config: Any) -> RunDir:
+        root = (config.get("trainer") or {}).get("default_root_dir") or "."
+        return cls(root, (config.get("checkpoint") or {}).get("dirpath"))
+
+    def latest(self) -> Path | None:
+        return latest_checkpoint(Path(self.root), Path(self.checkpoints))
+
+    @property
+    def last(self) -> str:
+        """What ``--ckpt_path last`` names: the latest checkpoint, else ``CHECKPOINT_DIR/last.ckpt`` (read once)."""
+        if self._last is None:
+            found = self.latest()
+            self._last = str(found) if found is not None else os.path.join(self.checkpoints, "last.ckpt")
+        return self._last
+
+    def resolve(self, ckpt_path: str | None) -> str | None:
+        return self.last if ckpt_path == "last" else ckpt_path
+
+    def resumes(self, ckpt_path: str | None) -> bool:
+        """Whether a fit continues the run: from ``ckpt_path`` where it exists, or, given none, from a requeue's
+        hpc checkpoint under SLURM (as Lightning does)."""
+        hpc = bool(glob.glob(os.path.join(self.root, "hpc_ckpt_*.ckpt")))
+        if ckpt_path == "hpc":
+            return hpc
+        if ckpt_path:
+            return os.path.exists(self.resolve(ckpt_path))
+        return hpc and SLURMEnvironment.detect()
+
+    def owns(self, path: str) -> bool:
+        """Whether ``path`` is one of the run's checkpoints (its checkpoint folder, or an hpc one)."""
+        folder = os.path.realpath(os.path.dirname(os.path.abspath(path)))
+        return folder in (os.path.realpath(self.checkpoints), os.path.realpath(self.root))
+
+    def check_fit(self, ckpt_path: str | None, save_last: Any) -> None:
+        """Refuse a fit that would break the run: no ``last.ckpt`` of its own (``save_last`` not true), a checkpoint
+        folder that is a file, or a start over a run's checkpoints. ``last`` without a checkpoint starts a new run."""
+        if save_last is not True:  # "link": stale after a stop on a signal or at the end
+            raise ConfigError(f"checkpoint.save_last={save_last}: lwm needs true (last.ckpt written as a file of its "
+                              f"own at a stop, a signal and the end of fit: what --ckpt_path last and the SLURM "
+                              f"scripts resume from)")
+        if os.path.exists(self.checkpoints) and not os.path.isdir(self.checkpoints):
+            raise ConfigError(f"checkpoint.dirpath={self.checkpoints}: exists and is not a folder")
+        if ckpt_path is None:
+            self.check_no_run_yet()
+        elif ckpt_path == "last":
+            if not os.path.exists(self.last):
+                warnings.filterwarnings("ignore", message=r".*ckpt_path=\"last\"\) is set, but there is no last")
+                rank_zero_info(f"--ckpt_path last: no {self.last} yet, so this fit starts a new run")
+        elif read_checkpoint_arg(ckpt_path) and not self.owns(ckpt_path):
+            self.check_no_run_yet(f" (--ckpt_path {ckpt_path} is not one of its checkpoints)")
+
+    def check_eval(self, verb: str, ckpt_path: str | None) -> None:
+        """validate/test/predict: no ``--ckpt_path`` is warned about (the untrained model), ``last`` without a
+        checkpoint refused, a file read."""
+        if ckpt_path is None:
+            found = self.latest()
+            hint = f"--ckpt_path last takes {found}" if found is not None else "give --ckpt_path"
+            rank_zero_warn(f"lwm {verb} without --ckpt_path: the untrained model, as initialised ({hint})")
+        elif ckpt_path == "last":
+            if not os.path.exists(self.last):
+                raise ConfigError(f"--ckpt_path last: no checkpoint in the run ({self.last} does not exist)")
+            if is_deepspeed_checkpoint(self.last):
+                check_deepspeed_checkpoint(self.last, "--ckpt_path last:")
+        else:
+            read_checkpoint_arg(ckpt_path)
+
+    def check_no_run_yet(self, why: str = "") -> None:
+        """A fresh fit into a folder that holds a run's checkpoints would start over on them: refused (a SLURM
+        requeue's resumes instead)."""
+        if self.resumes(None):
+            return
+        found = sorted(glob.glob(os.path.join(glob.escape(self.checkpoints), "*.ckpt")))
+        if found:
+            name = "last.ckpt" if any(os.path.basename(f) == "last.ckpt" for f in found) else os.path.basename(found[-1])
+            raise ConfigError(f"{os.path.join(self.checkpoints, name)}: trainer.default_root_dir={self.root} already "
+                              f"holds a run{why}; continue it with --ckpt_path last, or start a new one in another "
+                              f"trainer.default_root_dir")
+
+    def sweep_temp_files(self) -> None:
+        """Remove the temp files killed writers left (Lightning reads ``.hpc_ckpt_1.ckpt.tmp-HOST-PID``'s digits as
+        an hpc checkpoint's number)."""
+        root = Path(self.root)
+        for folder, ours in ((root, lambda n: n.startswith("hpc_ckpt_") or n == "metrics.csv"),
+                             (root / "videos", lambda n: Path(n).suffix in VIDEO_SUFFIXES),
+                             (Path(self.checkpoints), lambda n: n.endswith(".ckpt") or n == "codes.pt")):
+            if folder.is_dir():
+                remove_stale_temp_files(folder, target=ours)
+
+
+class RunLock:
+    """One fit at a time per RUN_DIR: an exclusive ``flock`` on ``RUN_DIR/.lwm.lock`` naming its holder (host, pid,
+    SLURM job), held by global rank 0. None where the filesystem has no locks; a requeue of the holder's job goes on."""
 
     def __init__(self, run_dir: str) -> None:
-        import fcntl
-        import socket
-
         self.path = os.path.join(run_dir, ".lwm.lock")
         self._made = None if os.path.isdir(run_dir) else run_dir  # removed again if left empty (a check refused)
         os.makedirs(run_dir, exist_ok=True)
@@ -168,7 +265,7 @@ class _RunLock:
         self._file.flush()
 
     def release(self) -> None:
-        """Removed, then unlocked (a fit started at that very moment may lock the removed file: as without one)."""
+        """Removed, then unlocked."""
         if self._file is not None:
             with contextlib.suppress(OSError):
                 os.unlink(self.path)
@@ -178,14 +275,12 @@ class _RunLock:
                 with contextlib.suppress(OSError):  # (not empty: the run's files)
                     os.rmdir(self._made)
 
-class _HoldRunLock(L.Callback):
-    """Takes :class:`_RunLock` for a fit at its setup, once the ranks can talk: global rank 0 locks and every rank
-    raises its refusal (a refusal on rank 0 alone before the process group exists leaves the others of an
-    ``srun``/``torchrun`` start waiting for it). Released at teardown (and by the CLI after the fit, whatever
-    happened)."""
+class HoldRunLock(L.Callback):
+    """Takes the :class:`RunLock` at a fit's setup, once the ranks can talk (rank 0 locks, every rank raises its
+    refusal); released at teardown and by the CLI after the fit."""
 
     def __init__(self) -> None:
-        self.lock: _RunLock | None = None
+        self.lock: RunLock | None = None
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -194,7 +289,7 @@ class _HoldRunLock(L.Callback):
         refusal = None
         if trainer.is_global_zero:
             try:
-                self.lock = _RunLock(trainer.default_root_dir)
+                self.lock = RunLock(trainer.default_root_dir)
             except ConfigError as e:
                 refusal = str(e)
         if trainer.world_size > 1:

@@ -68,7 +68,7 @@ def run_lwm(manifest: Path, root: Path, *extra: str, verb: str = "fit", timeout:
 
 def check_checkpoints(directory: Path, max_steps: int) -> dict[str, int]:
     """Every ``*.ckpt`` in ``directory`` loads with ``weights_only=True``; ``step=N.ckpt`` holds global step N;
-    what ``--ckpt_path last`` takes (:func:`lwm.resume.latest_checkpoint`) holds the highest step of them all
+    what ``--ckpt_path last`` takes (:meth:`lwm.training.run_dir.RunDir.latest`) holds the highest step of them all
     (``last.ckpt`` lags where a run died between a step's two writes, the step file and then ``last.ckpt``).
     Returns ``{file name: global_step}``."""
     steps = {}

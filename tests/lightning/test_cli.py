@@ -710,11 +710,11 @@ def test_one_fit_at_a_time_in_a_run_dir(tmp_path, capsys, monkeypatch):
     import socket
 
     from lwm.utils.errors import ConfigError
-    from lwm.training.run_dir import _RunLock
+    from lwm.training.run_dir import RunLock
 
     manifest = make_dataset(tmp_path / "data", files=4)
     root = tmp_path / "run"
-    holder = _RunLock(str(root))  # another fit, as far as the lock goes (a lock is per open file)
+    holder = RunLock(str(root))  # another fit, as far as the lock goes (a lock is per open file)
     assert run(manifest, root, "--trainer.max_steps=1", "--wandb.mode=offline") == 2  # (its wandb run started, and
     # replaced the running fit's id in wandb/run_id: Lightning starts it before the callbacks' setup, the lock's)
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
@@ -728,12 +728,12 @@ def test_one_fit_at_a_time_in_a_run_dir(tmp_path, capsys, monkeypatch):
     assert not (root / ".lwm.lock").exists()  # released at the end
     # a SLURM requeue of the holder's own job goes on (its previous start is over); another job's does not
     monkeypatch.setenv("SLURM_JOB_ID", "7")
-    first = _RunLock(str(tmp_path / "slurm"))
+    first = RunLock(str(tmp_path / "slurm"))
     with pytest.warns(UserWarning, match="held by this SLURM job's previous start"):
-        _RunLock(str(tmp_path / "slurm")).release()
+        RunLock(str(tmp_path / "slurm")).release()
     monkeypatch.setenv("SLURM_JOB_ID", "8")
     with pytest.raises(ConfigError, match="SLURM job 7"):
-        _RunLock(str(tmp_path / "slurm"))
+        RunLock(str(tmp_path / "slurm"))
     first.release()
 
 
