@@ -1,12 +1,13 @@
 """Does it learn? Fit recipes on several datasets, then measure on held-out clips what the model learned.
 
     python benchmarks/learning.py [--out runs/learning] [--size full|smoke] [--datasets synth ...]
-                                  [--recipes recipe requirement ...] [--steps N]
+                                  [--recipes recipe requirement ...] [--steps 2500] [--study-steps 1000]
 
 For each dataset (made here, every one at the demo's 32x32 pixels through the pixel codec: the synthetic world,
 with distractors, with look-alike worlds that only their dynamics tell apart, and Atari footage of four games) and
 each recipe (``configs/demo.yaml`` as it is, with the requirement's settings, without one of its changes, or with
-one of the requirement's open questions), it runs ``lwm fit`` for ``--steps`` steps, then evaluates the final
+one of the requirement's open questions), it runs ``lwm fit`` (the recipe and the requirement's setting for
+``--steps``, the ablations and questions beside the recipe for ``--study-steps``), then evaluates the final
 checkpoint on held-out clips (a recording of its own, made with another seed) with :func:`lwm.study.evaluate`:
 PSNR of frames 1..4 generated from frame 0 against copy-last-frame, action sensitivity (random, dictionary and
 another clip's codes), world sensitivity and the leak check, NMI and linear probes against the true actions and
@@ -101,6 +102,8 @@ def fit(run_dir: Path, manifest: Path, steps: int, overrides: list[str], smoke: 
             "--trainer.enable_progress_bar=false", *overrides]
     if smoke:
         args += ["--trainer.val_check_interval=null", "--data.batch_size=4"]
+    if (run_dir / "checkpoints" / "last.ckpt").exists():  # an interrupted benchmark: the fit goes on
+        args += ["--ckpt_path", "last"]
     start = time.perf_counter()
     done = subprocess.run(args, capture_output=True, text=True)
     if done.returncode:
@@ -166,10 +169,10 @@ def action_effect(game: str, states: int = 38, t: int = 4, seed: int = 1) -> flo
     return float(np.mean(effects))
 
 
-def row(dataset: str, recipe: str, r: dict) -> str:
+def row(key: str, r: dict) -> str:
     a, w = r["action"] or {}, r["world"] or {}
     probe = lambda d: f"{d['probe']:.2f} ({d['chance']:.2f}+{d['margin']:.2f})" if d else "-"
-    return (f"| {dataset} | {recipe} | {r['psnr'][0]:.2f} / {r['copy_psnr'][0]:.2f} | {r['psnr'][-1]:.2f} / "
+    return (f"| {' | '.join(key.split('/'))} | {r['psnr'][0]:.2f} / {r['copy_psnr'][0]:.2f} | {r['psnr'][-1]:.2f} / "
             f"{r['copy_psnr'][-1]:.2f} | {r['action_dpsnr']['random']:.2f} / {r['action_dpsnr']['dictionary']:.2f} / "
             f"{r['action_dpsnr']['other_clip']:.2f} | {r['world_dpsnr']['random']:.2f} / "
             f"{r['world_dpsnr']['same_world']:.2f} | {a.get('nmi', float('nan')):.2f} | {probe(a)} | "
@@ -177,13 +180,13 @@ def row(dataset: str, recipe: str, r: dict) -> str:
             f"{r['world_usage']['tuples']} | {r['fit_seconds'] / 60:.1f} |")
 
 
-HEADER = ("| data | recipe | PSNR t=1 / copy | PSNR t=4 / copy | action dPSNR rand / dict / other clip | "
+HEADER = ("| data | recipe | steps | PSNR t=1 / copy | PSNR t=4 / copy | action dPSNR rand / dict / other clip | "
           "world dPSNR rand / same-world gap | action NMI | action probe (chance+3sd) | world NMI | "
-          "world probe (chance+3sd) | tuples used a / w | fit min |\n|" + "---|" * 12)
+          "world probe (chance+3sd) | tuples used a / w | fit min |\n|" + "---|" * 13)
 
 
-def per_world_rows(dataset: str, recipe: str, r: dict, names: dict[int, str]) -> list[str]:
-    return [f"| {dataset} | {recipe} | {names.get(int(k), k)} | {v['psnr'][0]:.2f} / {v['copy_psnr'][0]:.2f} | "
+def per_world_rows(key: str, r: dict, names: dict[int, str]) -> list[str]:
+    return [f"| {' | '.join(key.split('/'))} | {names.get(int(k), k)} | {v['psnr'][0]:.2f} / {v['copy_psnr'][0]:.2f} | "
             f"{v['psnr'][-1]:.2f} / {v['copy_psnr'][-1]:.2f} | {v['action_dpsnr_dictionary']:.2f} | "
             f"{v['action_dpsnr_other_clip']:.2f} | {v['world_gap_same_world']:.2f} |"
             for k, v in sorted(r["per_world"].items(), key=lambda kv: int(kv[0]))]
@@ -195,15 +198,15 @@ def figure(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    datasets = sorted({d for d, _ in (k.split("/") for k in results)})
+    datasets = sorted({k.split("/")[0] for k in results})
     fig, axes = plt.subplots(1, len(datasets), figsize=(4.5 * len(datasets), 3.6), squeeze=False)
     for ax, dataset in zip(axes[0], datasets):
         copy = None
         for key, r in results.items():
-            d, recipe = key.split("/")
+            d, recipe, steps = key.split("/")
             if d != dataset:
                 continue
-            ax.plot(range(1, len(r["psnr"]) + 1), r["psnr"], marker="o", label=recipe)
+            ax.plot(range(1, len(r["psnr"]) + 1), r["psnr"], marker="o", label=f"{recipe} ({steps} steps)")
             copy = r["copy_psnr"]
         if copy:
             ax.plot(range(1, len(copy) + 1), copy, "k--", label="copy last frame")
@@ -222,11 +225,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--datasets", nargs="+", help="default: every one of the size")
     p.add_argument("--recipes", nargs="+", choices=sorted(RECIPES), metavar="RECIPE",
                    help="default: recipe and requirement everywhere, ablations and open questions where planned")
-    p.add_argument("--steps", type=int, help="training steps per fit (default: 2500 full, 3 smoke)")
+    p.add_argument("--steps", type=int, help="training steps of the recipe and the requirement's setting (default: "
+                   "2500 full, the demo's; 3 smoke)")
+    p.add_argument("--study-steps", type=int, default=1000, help="training steps of the ablations and open questions, "
+                   "each beside the recipe at as many steps (default 1000)")
     p.add_argument("--games", nargs="+", default=list(GAMES), help=f"Atari games (default {' '.join(GAMES)})")
     args = p.parse_args(argv)
     smoke = args.size == "smoke"
-    steps = args.steps or (3 if smoke else 2500)
+    headline = args.steps or (3 if smoke else 2500)
     datasets = {k: v for k, v in DATASETS[args.size].items() if not args.datasets or k in args.datasets}
     out = Path(args.out)
     results: dict[str, dict] = {}
@@ -235,9 +241,11 @@ def main(argv: list[str] | None = None) -> int:
         manifest = make_data(out / "data" / dataset, dataset, maker, train, 0, tuple(args.games))
         test_manifest = make_data(out / "data" / f"{dataset}_test", dataset, maker, test, 1, tuple(args.games))
         names[dataset] = dict(enumerate(args.games)) if maker == "atari" else {}
-        recipes = args.recipes or [r for plan in ["", *plans.split()] for r in PLANS[plan]]
-        for recipe in recipes:
-            key = f"{dataset}/{recipe}"
+        runs = [(r, headline) for r in args.recipes or PLANS[""]]
+        studied = [r for plan in plans.split() for r in PLANS[plan]] if not args.recipes else []
+        runs += [(r, args.study_steps) for r in (["recipe"] if studied else []) + studied]
+        for recipe, steps in runs:
+            key = f"{dataset}/{recipe}/{steps}"
             saved = out / "results" / f"{dataset}__{recipe}__{steps}.json"
             if saved.is_file():
                 results[key] = json.loads(saved.read_text())
@@ -250,19 +258,18 @@ def main(argv: list[str] | None = None) -> int:
             saved.parent.mkdir(parents=True, exist_ok=True)
             saved.write_text(json.dumps(r, indent=1))
             results[key] = json.loads(saved.read_text())  # as a later call reads it (world labels as strings)
-    print(f"\n{steps} steps per fit (configs/demo.yaml), held-out clips of T=8; PSNR on latents (dB)\n")
+    print("\nconfigs/demo.yaml with each recipe's overrides, held-out clips of T=8; PSNR on latents (dB)\n")
     print(HEADER)
     for key, r in results.items():
-        print(row(*key.split("/"), r))
-    print("\n| data | recipe | world | PSNR t=1 / copy | PSNR t=4 / copy | action dPSNR dict | action dPSNR other clip "
-          "| world gap same-world |\n|" + "---|" * 8)
+        print(row(key, r))
+    print("\n| data | recipe | steps | world | PSNR t=1 / copy | PSNR t=4 / copy | action dPSNR dict | action dPSNR "
+          "other clip | world gap same-world |\n|" + "---|" * 9)
     for key, r in results.items():
-        dataset, recipe = key.split("/")
-        print("\n".join(per_world_rows(dataset, recipe, r, names[dataset])))
+        print("\n".join(per_world_rows(key, r, names[key.split("/")[0]])))
     if any(maker == "atari" for maker, *_ in datasets.values()) and not smoke:
         print("\n| game | action effect on frame 4 (MSE) | recipe's MSE at frame 4 | bound on action dPSNR (dB) |\n"
               "|---|---|---|---|")
-        recipe = results.get("atari/recipe")
+        recipe = results.get(f"atari/recipe/{headline}")
         for label, game in enumerate(args.games):
             effect = action_effect(game)
             error = 10 ** (-recipe["per_world"][str(label)]["psnr"][-1] / 10) if recipe else float("nan")

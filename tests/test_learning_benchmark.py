@@ -18,15 +18,15 @@ def test_learning_benchmark_at_the_smoke_size(tmp_path, capsys, monkeypatch):
     argv = ["--size", "smoke", "--out", str(out), "--datasets", "synth", "--recipes", "recipe", "--steps", "2"]
     assert learning.main(argv) == 0
     printed = capsys.readouterr().out
-    result = json.loads((out / "learning.json").read_text())["synth/recipe"]
+    result = json.loads((out / "learning.json").read_text())["synth/recipe/2"]
     assert (out / "learning.png").stat().st_size > 0
     # the baseline: frames 1..4 against frame 0 of every held-out window
     clips = load_clips(out / "data" / "synth_test" / "manifest.json", None, 8, per_file=16)
     copy = (clips.latents[:, 1:5] - clips.latents[:, :1]).pow(2).flatten(2).mean(-1).mean(0)
     assert result["copy_psnr"] == pytest.approx((10 * torch.log10(1 / copy)).tolist(), abs=1e-4)
     assert result["clips"] == len(clips) and result["steps"] == 2
-    assert f"| synth | recipe | {result['psnr'][0]:.2f} / {result['copy_psnr'][0]:.2f} |" in printed
+    assert f"| synth | recipe | 2 | {result['psnr'][0]:.2f} / {result['copy_psnr'][0]:.2f} |" in printed
 
     monkeypatch.setattr(learning, "fit", lambda *args: pytest.fail("refitted a finished run"))
     assert learning.main(argv) == 0
-    assert json.loads((out / "learning.json").read_text())["synth/recipe"] == result
+    assert json.loads((out / "learning.json").read_text())["synth/recipe/2"] == result
