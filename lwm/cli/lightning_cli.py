@@ -8,6 +8,8 @@ it (`lwm data index` and `lwm --help` should not pay for Lightning).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import difflib
 import logging
 import os
 import re
@@ -38,17 +40,14 @@ from lwm.utils.errors import ConfigError
 from lwm.utils.threads import set_cpu_threads
 
 
-def _interpolations_within_the_config() -> None:
-    """``${trainer.default_root_dir}`` in a config names a key of that same config under every verb: jsonargparse
-    resolves interpolations over the whole command's config (``fit.trainer...`` under ``lwm fit``, no prefix under
-    our own verbs), so they are rewritten relative to where they stand (``${..trainer.default_root_dir}``) as a file
-    is read. (A jsonargparse before that setting: write the relative form.)"""
+def _parsing_settings() -> None:
+    """``${trainer.default_root_dir}`` names a key of the same config under every verb (jsonargparse resolves over
+    ``fit.*`` under ``lwm fit``); ``--help`` reads the typed configs' attribute docstrings."""
     import jsonargparse
 
-    try:
-        jsonargparse.set_parsing_settings(omegaconf_absolute_to_relative_paths=True)
-    except TypeError:
-        pass
+    for setting in ("omegaconf_absolute_to_relative_paths", "docstring_parse_attribute_docstrings"):
+        with contextlib.suppress(TypeError):  # (an older jsonargparse: without it)
+            jsonargparse.set_parsing_settings(**{setting: True})
 
 
 _ABSOLUTE = re.compile(r"\$\{([A-Za-z_][\w.]*)\}")  # ${trainer.default_root_dir}, not ${..x} nor ${oc.env:X}
@@ -164,7 +163,7 @@ class LwmCLI(LightningCLI):
         _quiet_lightning()
         if not run and any(str(a).split("=")[0] == "--ckpt_path" for a in (args or [])):
             raise ConfigError("--ckpt_path: this command does not take one (lwm fit --ckpt_path resumes a run)")
-        _interpolations_within_the_config()
+        _parsing_settings()
         args = negative_values_joined(relative_interpolations(args)) if args is not None else None
         self._verb_free = not run  # our verbs (codes, overfit, bench, demo) parse a fit's options without a verb
         self._run_dirs: dict[tuple[str, str], RunDir] = {}
@@ -188,7 +187,8 @@ class LwmCLI(LightningCLI):
         from omegaconf.errors import OmegaConfBaseException
 
         given = [str(a) for a in args or []]
-        _check_sections(given, _option_names(parser))
+        options = _option_names(parser)
+        _check_config_files(given, options)
         _check_override_order(given)
         try:
             super().parse_arguments(parser, args)
@@ -197,15 +197,13 @@ class LwmCLI(LightningCLI):
                 if config.get(key) is not None:
                     raise ConfigError(f"{key}: lwm trains with its own AdamW and schedule, set under model.optim.* "
                                       f"(Lightning's --optimizer and --lr_scheduler are not used)")
-        except OmegaConfBaseException as e:  # an interpolation that names no key, say
+        except OmegaConfBaseException as e:  # an interpolation of a key that is not there, say
             key = re.sub(r"^(fit|validate|test|predict)\.", "", str(getattr(e, "full_key", "") or ""))
-            message = (str(getattr(e, "msg", "") or e).strip().splitlines() or [type(e).__name__])[0]
-            missing = re.match(r"Interpolation key '\.*([^']+)' not found", message)
-            message = f"${{{missing[1]}}} names no key of the config" if missing else message
+            message = (str(e).strip().splitlines() or [type(e).__name__])[0]  # omegaconf's first line
             raise ConfigError(f"{key}: {message}" if key else message) from None
-        except argparse.ArgumentError as e:
-            line = parse_error_line(str(e), _option_names(parser), [str(a) for a in args or []])
-            broken = _broken_config_file(args or []) if not line.startswith("--config ") else None
+        except argparse.ArgumentError as e:  # jsonargparse's own message, on one line
+            line = parse_error_line(str(e), options, given)
+            broken = next((f for f in config_files(given) if not isinstance(_read_yaml_or_none(f), dict)), None)
             raise ConfigError(f"--config {broken}: {line}" if broken else line) from None
 
     def _set_seed(self) -> None:
@@ -251,7 +249,7 @@ class LwmCLI(LightningCLI):
             if key in parser.groups:
                 parser.groups[key].title = title
         parser.set_defaults({"model_summary.max_depth": 2, "lr_monitor.logging_interval": "step"})
-        _help_from_comments(parser, {"model.net": WorldModelConfig, "model.optim": OptimConfig})
+        _help_from_comments(parser, {"model.net": WorldModelConfig})
         parser.add_class_arguments(WandbConfig, "wandb")
         for key in _NOT_LIGHTNINGS_OPTIMIZER:  # in the config.yaml of runs before lwm left them out: null, accepted
             parser.add_argument(f"--{key}", type=Optional[Any], default=None, help=argparse.SUPPRESS)
@@ -537,25 +535,18 @@ def config_files(args: list[str]) -> list[str]:
             for i, a in enumerate(map(str, args)) if a in ("-c", "--config") or a.startswith("--config=")]
 
 
+def _read_yaml_or_none(path: str) -> Any:
+    try:
+        return _read_yaml(path)
+    except Exception:
+        return None
+
+
 def _read_yaml(path: str) -> Any:
     import yaml
 
     with open(path) as f:
         return yaml.safe_load(f)
-
-
-def _broken_config_file(args: list[str]) -> str | None:
-    """The first ``--config`` file among ``args`` that is not a YAML mapping (broken, empty), for the error line:
-    jsonargparse's own names no file."""
-    import yaml
-
-    for path in config_files(args):
-        try:
-            if not isinstance(_read_yaml(path), dict):
-                return path
-        except (OSError, yaml.YAMLError):
-            return path
-    return None
 
 
 def _config_file_with(args: list[str], key: str) -> str | None:
@@ -574,33 +565,78 @@ def _config_file_with(args: list[str], key: str) -> str | None:
     return found
 
 
-def _check_sections(args: list[str], options: list[str]) -> None:
-    """A section of a ``--config`` file (``trainer:``, ``model: net:``) that is empty or a single value is one line
-    naming the file (jsonargparse raises a TypeError on some, and drops ``trainer: 5`` silently: a run on
-    Lightning's defaults)."""
-    sections = {o[2:].split(".")[0] for o in options if o.startswith("--") and "." in o} | _MODEL_SECTIONS
+# Lightning's optimizer arguments (LightningCLI(auto_configure_optimizers=False)): refused unless null
+_NOT_LIGHTNINGS_OPTIMIZER = ("optimizer", "lr_scheduler")
+
+
+_RECURSE = {"model.net", "model.optim"}  # below the top level, only lwm's own sections: Lightning's take values too
+
+
+def _check_config_files(args: list[str], options: list[str]) -> None:
+    """Our own reading of the ``--config`` files, before jsonargparse's (whose errors name no file): a missing file,
+    a section that is not a mapping (``trainer: 5`` was dropped silently) and an unknown key are one line naming
+    the file; a file that is not YAML is left to jsonargparse."""
+    known = {o[2:] for o in options if o.startswith("--")}
+    sections = {o.rsplit(".", 1)[0] for o in known if "." in o}
+    sections |= {s.split(".")[0] for s in sections}
     for path in config_files(args):
+        if not os.path.isfile(path):
+            raise ConfigError(f"--config {path}: file not found")
         try:
             node = _read_yaml(path)
-        except Exception:  # (broken files are named by parse_arguments)
+        except Exception:
             continue
         stack = [("", node)] if isinstance(node, dict) else []
         while stack:
             prefix, mapping = stack.pop()
             for key, value in mapping.items():
                 name = f"{prefix}{key}"
-                if name not in sections:
+                if name in known and not (name in _RECURSE or "." not in name and name in sections):
                     continue
-                if isinstance(value, dict):
-                    stack.append((f"{name}.", value))
-                else:
+                if name not in sections:
+                    hint = _nearest(f"--{name}", options)
+                    raise ConfigError(f"--config {path}: unknown key {name}" + (
+                        f" (did you mean {hint[2:]}?)" if hint else ""))
+                if not isinstance(value, dict):
+                    if "." in name and name not in _RECURSE:
+                        continue
                     raise ConfigError(f"--config {path}: {name} is {'empty' if value is None else repr(value)}, not "
                                       f"a section of keys (give it keys, or leave it out)")
+                stack.append((f"{name}.", value))
 
 
-# Lightning's optimizer arguments (LightningCLI(auto_configure_optimizers=False)): refused unless null
-_NOT_LIGHTNINGS_OPTIMIZER = ("optimizer", "lr_scheduler")
-_MODEL_SECTIONS = {"model.net", "model.optim"}  # (below the top level, only lwm's own: Lightning's take values too)
+def _nearest(key: str, options: list[str]) -> str | None:
+    """The known option a mistyped ``--key`` most likely meant: the one of the same last part (in the same section,
+    if several), else the one of that section whose name has all its words, else the closest spelling."""
+    last = key.rsplit(".", 1)[-1].lstrip("-")
+    same = {o for o in options if o.rsplit(".", 1)[-1] == last}
+    same = {o for o in same if o.split(".")[0] == key.split(".")[0]} or same
+    if len(same) == 1:
+        return next(iter(same))
+    words = set(last.split("_"))
+    wider = {o for o in options if "." in key and o.rsplit(".", 1)[0] == key.rsplit(".", 1)[0]
+             and words <= set(o.rsplit(".", 1)[-1].split("_"))}
+    if len(wider) == 1:
+        return next(iter(wider))
+    close = difflib.get_close_matches(key, set(options), n=1, cutoff=0.75)
+    return close[0] if close else None
+
+
+def _known(key: str, options: list[str]) -> bool:
+    """Whether ``--key`` is an option, or a key under one that takes a class or a list (``--trainer.callbacks.x``)."""
+    parts = key.split(".")
+    prefixes = (".".join(parts[:i]) for i in range(1, len(parts)))
+    return key in options or any(p in options and not any(o.startswith(f"{p}.") and o != f"{p}.help" for o in options)
+                                 for p in prefixes)
+
+
+def parse_error_line(message: str, options: list[str], args: list[str] | None = None) -> str:
+    """jsonargparse's error on one line, with the nearest option of each unknown ``--key`` among ``args``."""
+    line = " ".join(message.split())
+    unknown = [key for key in (str(a).split("=", 1)[0] for a in args or []) if key.startswith("--")
+               and key not in ("--config", "-c") and not _known(key, options)]
+    hints = [hint for key in unknown if (hint := _nearest(key, options))]
+    return f"{line} (did you mean {', '.join(hints)}?)" if hints else line
 
 
 def _check_override_order(args: list[str]) -> None:
@@ -613,62 +649,6 @@ def _check_override_order(args: list[str]) -> None:
         if later is not None:
             raise ConfigError(f"--{key} comes before --config {later}, which sets it again (a later config wins): "
                               f"put the overrides after the --config files")
-
-
-_VERBS = r"(?:fit|validate|test|predict)\."
-
-
-def parse_error_line(message: str, options: list[str], args: list[str] | None = None) -> str:
-    """jsonargparse's error as one line: an unknown key with the nearest known one ("--model.net.dmodel 3" -> "...
-    (did you mean --model.net.d_model?)"; in a ``--config`` file, that file named), a value of the wrong type as
-    ``KEY: expected an int, got VALUE``, a missing required key as its option (``--data.manifest``)."""
-    line = " ".join(part.strip() for part in message.splitlines() if part.strip())
-    if match := re.fullmatch(r'Parser key "([^"]+)": Expected a <class \'(\w+)\'>\. Got value: (.*)', line):
-        key, kind, value = match.groups()
-        return f"{key}: expected {'an' if kind[0] in 'aeiou' else 'a'} {kind}, got {value}"
-    literal = re.fullmatch(r'Parser key "([^"]+)": .*?typing\.Literal\[([^\]]*)\].*Given value: (.*)', line)
-    if literal and ("Union subtypes" in line or "Expected a typing.Literal" in line):
-        key, _, value = literal.groups()  # a Literal (or None) setting: its choices, not the Union dump
-        groups = re.findall(r"Expected a typing\.Literal\[([^\]]*)\]", line) or [literal[2]]
-        choices: dict[str, str] = {}
-        for choice in ", ".join(groups).split(", "):
-            choices.setdefault(choice.strip("'\""), choice)  # (64 and '64': one)
-        nullable = ", or null" if "NoneType" in line else ""
-        return f"{key}: expected one of {', '.join(choices.values())}{nullable}, got {value}"
-    if match := re.fullmatch(r'Parser key "config": File does not exist: \'([^\']*)\'', line):  # made absolute
-        path = next((c for c in config_files(args or []) if os.path.abspath(c) == match.group(1)), match.group(1))
-        return f"--config {path}: file not found"
-    if match := re.fullmatch(r"the following arguments are required: (.*)", line):
-        keys = [f"--{re.sub(_VERBS, '', k.strip())}" for k in match.group(1).split(",")]
-        return f"the following arguments are required: {', '.join(keys)}"
-    given: list[str] = []
-    in_file = False
-    if line.startswith("unrecognized arguments:"):  # on the command line
-        given = [a.split("=", 1)[0] for a in line.split(":", 1)[1].split() if a.startswith("--")]
-    elif match := re.search(r"does not accept option '([^']+)'", line):  # in a --config file
-        key, in_file = match.group(1), True
-        given = [f"--{key}"]
-        where = _config_file_with(args or [], key)
-        line = f"--config {where}: unknown key {key}" if where else f"unknown key {key}"  # (a --key='{...}' value)
-    if not given:
-        return line
-    import difflib
-
-    def nearest(key: str) -> list[str]:  # the one option of the same last part (--max_steps, --model.lr), else the
-        last = key.rsplit(".", 1)[-1].lstrip("-")  # one in the same section whose last part has all its words
-        same = {o for o in options if o.rsplit(".", 1)[-1] == last}  # (every_n_steps: every_n_train_steps), else
-        same = {o for o in same if o.split(".")[0] == key.split(".")[0]} or same  # the closest
-        if len(same) == 1:
-            return sorted(same)
-        words = set(last.split("_"))
-        wider = {o for o in options if o.rsplit(".", 1)[0] == key.rsplit(".", 1)[0] and "." in key
-                 and words <= set(o.rsplit(".", 1)[-1].split("_"))}
-        return sorted(wider) if len(wider) == 1 else difflib.get_close_matches(key, set(options), n=1, cutoff=0.75)
-
-    hints = [m[0].removeprefix("--" if in_file else "") for g in given if (m := nearest(g))]
-    if hints:
-        line += f" (did you mean {', '.join(hints)}?)"
-    return f"{line}; see `--help` for the keys"
 
 
 def read_config(args: list[str]) -> dict[str, Any]:

@@ -120,11 +120,14 @@ class CSVLogger(_LightningCSVLogger):
 class WandbConfig:
     """wandb settings (``wandb.*`` in configs). A key left unset keeps wandb's environment variable's meaning."""
 
-    # None: WANDB_MODE, else online when logged in, else offline
     mode: Literal["online", "offline", "disabled"] | None = None
-    project: str | None = None  # wandb project (None: WANDB_PROJECT, else lwm)
-    name: str | None = None  # run name (None: WANDB_NAME, else the run directory's name)
-    entity: str | None = None  # wandb team or user (None: WANDB_ENTITY, else your default)
+    """None: WANDB_MODE, else online when logged in, else offline"""
+    project: str | None = None
+    """wandb project (None: WANDB_PROJECT, else lwm)"""
+    name: str | None = None
+    """run name (None: WANDB_NAME, else the run directory's name)"""
+    entity: str | None = None
+    """wandb team or user (None: WANDB_ENTITY, else your default)"""
 
 
 WANDB_MODES = ("online", "offline", "disabled", "dryrun", "run", "shared")  # wandb's (dryrun: offline; run: online)

@@ -17,13 +17,20 @@ from lwm.utils.errors import ConfigError
 class OptimConfig:
     """AdamW and its schedule."""
 
-    lr: float = 3e-4  # peak learning rate
-    weight_decay: float = 0.05  # decoupled weight decay on matrices and conv kernels (not biases, norms, mask token)
-    betas: tuple[float, float] = (0.9, 0.95)  # AdamW (beta1, beta2)
-    eps: float = 1e-8  # AdamW epsilon
-    warmup_steps: int = 1000  # linear warmup over this many optimizer steps: lr * (step + 1) / (warmup_steps + 1)
-    min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio at trainer.max_steps
-    fused: bool | None = None  # fused AdamW kernel (None: on when the parameters are on a CUDA device, except fp16)
+    lr: float = 3e-4
+    """peak learning rate"""
+    weight_decay: float = 0.05
+    """decoupled weight decay on matrices and conv kernels (not biases, norms, mask token)"""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW (beta1, beta2)"""
+    eps: float = 1e-8
+    """AdamW epsilon"""
+    warmup_steps: int = 1000
+    """linear warmup over this many optimizer steps: lr * (step + 1) / (warmup_steps + 1)"""
+    min_lr_ratio: float = 0.1
+    """the cosine ends at lr * min_lr_ratio at trainer.max_steps"""
+    fused: bool | None = None
+    """fused AdamW kernel (None: on when the parameters are on a CUDA device, except fp16)"""
 
     def __post_init__(self) -> None:
         """Refuse invalid values, one line per problem naming the field (``model.optim.X``)."""
