@@ -179,7 +179,7 @@ def test_the_logged_flops_count_the_sdpa_form_whatever_the_kernel():
 
 
 def _interval(monkeypatch, world_size=1, validations=(10.0,)):
-    from lwm.callbacks import flops as flops_module
+    from lwm.callbacks import flop_counter as flops_module
     from lwm.callbacks.flop_counter import FlopCounter
 
     clock = [0.0]
@@ -216,7 +216,7 @@ def test_tflops_per_s_is_per_device_and_leaves_every_validation_out(monkeypatch)
 @pytest.mark.parametrize(("precision", "dtype"), [("bf16-mixed", torch.bfloat16), ("16-mixed", torch.float16),
                                                   ("32-true", torch.float32), ("bf16-true", torch.bfloat16)])
 def test_mfu_is_of_the_peak_for_the_training_precision(monkeypatch, precision, dtype):
-    from lwm.callbacks import flops as flops_module
+    from lwm.callbacks import flop_counter as flops_module
     from lwm.callbacks.flop_counter import FlopCounter
 
     asked = []

@@ -17,13 +17,7 @@ from lwm.utils.metrics import attention_diagonality
 
 
 class AttentionDiagonality(L.Callback):
-    """``{Train,Val}_Action_Encoder/attention_diagonality_block_k`` for every action-encoder block ``k``: the
-    share of each query's temporal attention on itself and the next frame (1.0: a pure one-step-lookahead
-    transition encoder), over the queries whose outputs are actions (``0..T-2``: the last frame's output is dropped,
-    never trained), one value per clip, logged as a distribution (wandb histogram; min/mean/max in the CSV): of the
-    training batch at the logging interval (every rank's clips; before the step's update, as the step's losses
-    describe those weights), and of the first ``batches`` validation batches after each validation. One extra
-    action-encoder pass (no gradient, under the run's precision) per such batch."""
+    """``{Train,Val}_Action_Encoder/attention_diagonality_block_k`` for every action-encoder block ``k``."""
 
     def __init__(self, batches: int = 1) -> None:
         if batches < 1:
@@ -31,7 +25,7 @@ class AttentionDiagonality(L.Callback):
         self.batches = batches
         self._values: list[list[torch.Tensor]] = []
 
-    _train_step_done = -1  # the optimizer step (batches that stepped) whose training diagonality was logged
+    _train_step_done = -1  # the optimizer step
 
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
@@ -41,7 +35,7 @@ class AttentionDiagonality(L.Callback):
             return
         self._train_step_done = step
         blocks = self._diagonality(trainer, pl_module, batch["latents"])
-        if trainer.world_size > 1:  # every rank's clips (a collective: the test above is the same on every rank)
+        if trainer.world_size > 1:  # every rank's clips
             parts = every_rank(trainer, [b.cpu() for b in blocks])
             blocks = [torch.cat(values).to(pl_module.device) for values in zip(*parts)]
         for block, values in enumerate(blocks):
@@ -70,7 +64,7 @@ class AttentionDiagonality(L.Callback):
         if trainer.sanity_checking:
             return
         blocks = [torch.cat(values) for values in zip(*self._values)]  # per block [clips]; [] on a rank without any
-        if trainer.world_size > 1:  # every rank's clips (a collective: every rank gets here)
+        if trainer.world_size > 1:  # every rank's clips
             parts = every_rank(trainer, [b.cpu() for b in blocks])
             blocks = [torch.cat(values).to(pl_module.device) for values in zip(*[p for p in parts if p])]
         for block, values in enumerate(blocks):

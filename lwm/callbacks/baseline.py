@@ -11,9 +11,7 @@ from lwm.utils.metrics import WeightedMean, copy_last_loss, psnr_from_mse
 
 
 class CopyLastBaseline(L.Callback):
-    """``Val_Dynamics_Predictor/copy_last_loss``: the one-step MSE of predicting every frame as the previous
-    one, over the whole validation set (all ranks): the teacher-forcing loss must go below it; and
-    ``copy_last_psnr``, its PSNR (of the mean MSE, as the module's ``tf_psnr``)."""
+    """``Val_Dynamics_Predictor/copy_last_loss``."""
 
     def __init__(self) -> None:
         self._mean = WeightedMean()

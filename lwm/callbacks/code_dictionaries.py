@@ -17,12 +17,8 @@ log = logging.getLogger(__name__)
 
 
 class CodeDictionaries(L.Callback):
-    """After training, encodes up to ``max_windows`` fixed training windows (None: all; each rank its share)
-    and writes ``RUN_DIR/checkpoints/codes.pt``: the code tuples of both quantizers with their counts.
-
-    A fit resumed where training is already over (a preemption answered at the last step, or during these
-    dictionaries, is requeued: the resumed fit's training loop does not run) writes them at its end where
-    ``codes.pt`` is missing or of another step."""
+    """After training, encodes up to ``max_windows`` fixed training windows (None: all; each rank its share) and
+    writes ``RUN_DIR/checkpoints/codes.pt``."""
 
     def __init__(self, max_windows: int | None = 4096) -> None:
         if max_windows is not None and max_windows < 1:
@@ -81,7 +77,7 @@ class CodeDictionaries(L.Callback):
             # the encoders as training ran them (bf16 autocast)
             dictionaries, windows = collect(pl_module.model, dm.code_loader(self.max_windows), pl_module.device,
                                             forward_context=trainer.precision_plugin.forward_context)
-        except DataError as e:  # bad windows on this rank: every rank raises it, after the gather (no rank hangs)
+        except DataError as e:  # bad windows on this rank
             dictionaries, windows, error = {}, 0, str(e)
         finally:
             pl_module.train(was_training)

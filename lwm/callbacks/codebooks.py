@@ -16,27 +16,13 @@ from lwm.utils.metrics import WeightedMean, codebook_diversity, codebook_usage, 
 
 
 class CodebookMonitor(L.Callback):
-    """Logs, for each quantizer ``Q`` (``Action_Encoder``, ``World_Encoder``) and level ``l``:
-
-    * ``{Train,Val}_Q/codebook_usage_level_l``: codes used in a batch / codes in the level (the requirement's
-      "in each batch": a batch of ``data.batch_size``, one rank's), at the logging interval for the batches of
-      that step (the mean over ranks), and after each validation as the mean over consecutive runs of
-      ``data.batch_size`` validation windows on each rank (whatever ``data.val_batch_size``; a rank's last,
-      shorter run counts only where it has no full one), over all ranks: the two read the same way, and a
-      partial last batch does not pull the mean down. The levels' usages also as a distribution
-      ``{Train,Val}_Q/codebook_usage``;
-    * ``Val_Q/codebook_coverage_level_l``: codes used anywhere in the validation set (any rank) / codes in the level;
-    * ``{Train,Val}_Q/codebook_diversity_{min,max,mean}_level_l``: pairwise MSE between the level's codes;
-    * ``Train_Q/ema_decay``: the EMA decay of this step's update (a function of the step).
-
-    Device tensors only between logging steps: no host sync per step.
-    """
+    """Logs, for each quantizer ``Q`` (``Action_Encoder``, ``World_Encoder``) and level ``l``:"""
 
     def __init__(self) -> None:
-        self._val_used: dict[str, list[torch.Tensor]] = {}  # per quantizer and level: codes seen in validation
+        self._val_used: dict[str, list[torch.Tensor]] = {}  # per quantizer and level
         self._val_usage: dict[str, list[WeightedMean]] = {}  # per quantizer and level: mean per-batch usage
         self._val_pending: dict[str, torch.Tensor | None] = {}  # per quantizer: windows' codes not yet in a batch
-        self._val_runs = 0  # full runs of batch_size windows counted in this validation (per quantizer, the same)
+        self._val_runs = 0  # full runs of batch_size windows counted in this validation
 
     @staticmethod
     def _diversity(pl_module: L.LightningModule, prefix: str, name: str, quantizer) -> dict[str, torch.Tensor]:
@@ -55,7 +41,7 @@ class CodebookMonitor(L.Callback):
             return
         for name, quantizer in pl_module.model.quantizers.items():
             usage = codebook_usage(outputs[name], quantizer.codebook_sizes)  # [L]
-            if trainer.world_size > 1:  # each rank's batch of data.batch_size, as in validation: their mean
+            if trainer.world_size > 1:  # each rank's batch of data.batch_size, as in validation
                 usage = trainer.strategy.reduce(usage, reduce_op="mean")
             logs = {f"Train_{name}/codebook_usage_level_{l}": u for l, u in enumerate(usage)}
             logs.update(self._diversity(pl_module, "Train", name, quantizer))

@@ -21,17 +21,9 @@ PRECISION_DTYPES = {"bf16": torch.bfloat16, "16": torch.float16, "32": torch.flo
 
 
 class FlopCounter(L.Callback):
-    """On the first training batch, counts the FLOPs of one training step (forward with teacher forcing and
-    every rollout pass, and backward; :func:`lwm.modules.flops.count_flops` on the real batch: the attention kernels
-    counted on the CPU too, and masked attention for the pairs its mask allows) without updating anything.
-    Then logs, at the logging interval, ``Train_Total/tflops`` (cumulative over all ranks: per-step FLOPs x
-    world size, summed over the steps; the sum travels with checkpoints, so a run resumed on another number of
-    GPUs goes on from it), ``Train_Total/tflops_per_s`` (per device, over the interval's training time: the
-    validations in it left out) and ``Train_Total/mfu`` when the device's peak is known (or given as
-    ``peak_tflops``, e.g. 989 for an H200's bf16 dense peak, which Lightning does not know); and
-    ``Val_Total/tflops`` with every validation, so validation losses can be plotted against compute.
-    Under DeepSpeed the backward is not run: it is counted as twice the forward (as the useful count has it for
-    matmuls and attention; it adds the first convolution's input gradient, which the step does not compute)."""
+    """On the first training batch, counts the FLOPs of one training step (forward with teacher forcing and every
+    rollout pass, and backward; :func:`lwm.modules.flops.count_flops` on the real batch: the attention kernels
+    counted on the CPU too, and masked attention for the pairs its mask allows) without updating anything."""
 
     def __init__(self, peak_tflops: float | None = None) -> None:
         if peak_tflops is not None and not (math.isfinite(peak_tflops) and peak_tflops > 0):
@@ -41,8 +33,8 @@ class FlopCounter(L.Callback):
         self.flops_per_step: int | None = None  # per device
         self._last: tuple[float, int] | None = None  # (time, global step) at the last log
         self._validation_started: float | None = None
-        self._paused = 0.0  # seconds spent validating since the last log: not training time
-        self._tflops = 0.0  # cumulative over all ranks, up to global step _counted_step (in checkpoints)
+        self._paused = 0.0  # seconds spent validating since the last log
+        self._tflops = 0.0  # cumulative over all ranks, up to global step _counted_step
         self._counted_step: int | None = None  # None: nothing counted yet (a fresh run, or an older checkpoint)
 
     @override

@@ -10,8 +10,8 @@ from typing_extensions import override
 
 
 class LearningRateMonitor(_LightningLearningRateMonitor):
-    """Lightning's LearningRateMonitor (``Train_Total/lr/pg1``, ``/pg2``), which does nothing under
-    ``trainer.logger: false`` instead of refusing the run (Lightning's raises: the callback is always on here)."""
+    """Lightning's LearningRateMonitor (``Train_Total/lr/pg1``, ``/pg2``), which does nothing under ``trainer.logger:
+    false`` instead of refusing the run (Lightning's raises: the callback is always on here)."""
 
     @override
     def on_train_start(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:

@@ -1,10 +1,5 @@
 """``lwm predict``'s output: the action and world codes of every validation window, written to
-``RUN_DIR/predict/codes_per_window[_rank<r>].pt`` (plain tensors and strings; loads with ``weights_only=True``)::
-
-    {"action_indices": [N, T-1, La] int64, "world_indices": [N, Lh] int64,
-     "file": [N] (the window's h5 path), "start": [N] int64 (its first frame), "global_step": int}
-
-One file per rank (``_rank<r>`` only with several ranks): each holds its share of the windows."""
+``RUN_DIR/predict/codes_per_window[_rank<r>].pt`` (plain tensors and strings; loads with ``weights_only=True``)::"""
 
 from __future__ import annotations
 

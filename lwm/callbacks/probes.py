@@ -16,21 +16,7 @@ from lwm.utils.metrics import code_ids, linear_probe_accuracy, nmi, probe_train_
 
 class GroundTruthProbes(L.Callback):
     """When validation batches carry true ``actions`` (the action after frame ``t``, so the one of transition
-    ``t -> t+1`` that ``a_t`` summarises) or a ``world_label`` (``-1``: none), logs after each validation:
-
-    * ``Val_Action_Encoder/nmi``: normalised mutual information between the action-code tuples and the true
-      actions (1: the codes are the actions up to renaming; about 0: unrelated);
-    * ``Val_Action_Encoder/probe_accuracy`` and ``.../probe_chance``: held-out accuracy of a linear classifier
-      from the quantized action vector to the true action, and the majority-class rate to beat, on
-      ``.../probe_samples`` held-out samples;
-    * the same under ``Val_World_Encoder/`` for world codes and world labels.
-
-    Up to ``max_samples`` codes per quantizer, gathered from every rank; the probe trains on half of them
-    (at least 4: fewer give no held-out accuracy). The samples are put in one canonical order before the probe's
-    seeded split and the ``max_samples`` cut: a pseudo-random order of ``(file, frame)`` (the batches' ``file_index``
-    and ``start``), so the numbers do not depend on how the windows were dealt to ranks or batched; batches
-    without ``file_index`` keep the order they came in.
-    """
+    ``t -> t+1`` that ``a_t`` summarises) or a ``world_label`` (``-1``: none), logs after each validation:"""
 
     def __init__(self, max_samples: int = 20000) -> None:
         if max_samples < 4:
@@ -70,8 +56,7 @@ class GroundTruthProbes(L.Callback):
                     self._compact(name)
 
     def _order(self, batch: dict[str, torch.Tensor], frames: int) -> torch.Tensor:
-        """``[B, frames]`` int64 keys of the samples of a batch: a fixed pseudo-random function of (file, frame)
-        (splitmix64), or the order of arrival when the batch does not say where its windows come from."""
+        """``[B, frames]`` int64 keys of the samples of a batch."""
         B = batch["actions"].shape[0]
         if "file_index" not in batch or "start" not in batch:
             return self._arrivals + torch.arange(B * frames).reshape(B, frames)
@@ -83,8 +68,8 @@ class GroundTruthProbes(L.Callback):
         return torch.from_numpy((z ^ (z >> np.uint64(31))).view(np.int64))
 
     def _compact(self, name: str) -> None:
-        """Keep this rank's ``max_samples`` samples first in the canonical order (which every rank's cut keeps in
-        the cut of all of them)."""
+        """Keep this rank's ``max_samples`` samples first in the canonical order (which every rank's cut keeps in the
+        cut of all of them)."""
         keys = torch.cat(self._keys[name])
         first = keys.argsort()[: self.max_samples]
         self._keys[name] = [keys[first]]
@@ -120,6 +105,6 @@ class GroundTruthProbes(L.Callback):
             logs.update({f"Val_{name}/nmi": float(nmi(code_ids(codes, quantizer.codebook_sizes), labels)),
                          f"Val_{name}/probe_accuracy": accuracy, f"Val_{name}/probe_chance": chance,
                          f"Val_{name}/probe_samples": float(len(labels) - probe_train_size(len(labels)))})
-        logs = trainer.strategy.broadcast(logs, src=0)  # every rank logs them: a monitored key exists on each
+        logs = trainer.strategy.broadcast(logs, src=0)  # every rank logs them
         if logs:
             pl_module.log_dict(logs, on_step=False, on_epoch=True, rank_zero_only=True)

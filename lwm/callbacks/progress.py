@@ -40,8 +40,8 @@ def _skipped(trainer: L.Trainer) -> str:
 
 
 def fit_summary(trainer: L.Trainer, seconds: float) -> str:
-    """One line at the end of a fit: where it got, how long it took, its last losses, the steps it skipped and
-    where its checkpoint is."""
+    """One line at the end of a fit: where it got, how long it took, its last losses, the steps it skipped and where
+    its checkpoint is."""
     parts = [f"fit done: {_step(trainer)} in {_clock(seconds)}", _metrics(trainer, ("Train_Total/loss", *VAL_KEYS)),
              _skipped(trainer)]
     checkpoint = getattr(trainer.checkpoint_callback, "last_model_path", "") or ""
@@ -52,13 +52,9 @@ def fit_summary(trainer: L.Trainer, seconds: float) -> str:
 
 class StepProgressBar(RichProgressBar):
     """``Epoch 3 · step 1200/100000`` instead of Lightning's ``Epoch 3/-2`` when only ``max_steps`` is set, and one
-    validation task at a time (Lightning's bar keeps each finished validation's hidden task: over days of training,
-    thousands, each one more to render at every refresh), and an epoch resumed mid-way counted to its end (its
-    total set at its first batch, through Lightning's private ``_initialize_train_progress_bar_id``).
-
-    Where the output is not a terminal (a log file, SLURM's output), rich shows the bar only when it ends: there a
-    plain line every ``text_every_s`` seconds of training says the step, the speed, the loss and the time to go,
-    and one after each validation its losses (``text_every_s: 0``: none)."""
+    validation task at a time (Lightning's bar keeps each finished validation's hidden task: over days of
+    training, thousands, each one more to render at every refresh), and an epoch resumed mid-way counted to its
+    end (its total set at its first batch, through Lightning's private ``_initialize_train_progress_bar_id``)."""
 
     def __init__(self, refresh_rate: int = 1, leave: bool = False,
                  theme: RichProgressBarTheme = RichProgressBarTheme(), console_kwargs: dict[str, Any] | None = None,
@@ -68,11 +64,11 @@ class StepProgressBar(RichProgressBar):
         if not text_every_s >= 0:
             raise ConfigError(f"progress_bar.text_every_s must be >= 0 (0: no plain progress lines), got "
                               f"{text_every_s}")
-        if refresh_rate < 0:  # (turned the bar and the plain lines off, silently)
+        if refresh_rate < 0:
             raise ConfigError(f"progress_bar.refresh_rate must be >= 0 (batches between refreshes; 0: no bar), got "
                               f"{refresh_rate}")
         self.text_every_s = text_every_s
-        self._start: tuple[float, int] | None = None  # (time, global step) of this process's first training batch
+        self._start: tuple[float, int] | None = None
         self._last_text = 0.0
         self._epoch_sized: int | None = None  # the epoch whose bar total was set at its first batch in this process
 
@@ -85,9 +81,8 @@ class StepProgressBar(RichProgressBar):
         self._console.print(line, markup=False, highlight=False, soft_wrap=True)
 
     def progress_line(self, trainer: L.Trainer, now: float) -> str:
-        """``step 1200/100000 · epoch 3 · 2.14 steps/s · Train_Total/loss 0.0123 · 0:09:20 elapsed, 12:48:00 to
-        go`` (with ``· 3 steps skipped (non-finite loss or gradient)`` before the time where there are): the speed
-        over this process's steps so far (validations included: the time to go is wall-clock)."""
+        """``step 1200/100000 · epoch 3 · 2.14 steps/s · Train_Total/loss 0.0123 · 0:09:20 elapsed, 12:48:00 to go``
+        (with ``· 3 steps skipped (non-finite loss or gradient)`` before the time where there are)."""
         t0, step0 = self._start if self._start is not None else (now, trainer.global_step)
         done, seconds = trainer.global_step - step0, max(now - t0, 1e-9)
         text = f"{_step(trainer)} · epoch {trainer.current_epoch} · {done / seconds:.3g} steps/s"
@@ -103,8 +98,7 @@ class StepProgressBar(RichProgressBar):
     @staticmethod
     def epoch_batches(trainer: L.Trainer, batch_idx: int) -> int | float:
         """The batches the current epoch runs, counted at its batch ``batch_idx``: all of them, or as far as
-        ``max_steps`` ends it. (Lightning's bar counts the remaining steps from the epoch's first batch, also where a
-        resumed run starts mid-epoch: its counter then ran past its total, ``53/50``.)"""
+        ``max_steps`` ends it."""
         total = trainer.num_training_batches
         if trainer.max_steps is not None and trainer.max_steps > 0:
             left = (trainer.max_steps - trainer.global_step) * trainer.accumulate_grad_batches
@@ -119,7 +113,7 @@ class StepProgressBar(RichProgressBar):
             self._start = (time.monotonic(), trainer.global_step)
             self._last_text = self._start[0]
         if self.progress is not None and self.train_progress_bar_id is None and not self.is_disabled:
-            self._initialize_train_progress_bar_id()  # an epoch resumed mid-way: Lightning waits for its first batch end
+            self._initialize_train_progress_bar_id()  # an epoch resumed mid-way
         if self._epoch_sized != trainer.current_epoch and self.progress is not None \
                 and self.train_progress_bar_id is not None:
             self._epoch_sized = trainer.current_epoch

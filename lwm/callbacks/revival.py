@@ -12,16 +12,7 @@ from lwm.utils.errors import ConfigError
 
 
 class DeadCodeRevival(L.Callback):
-    """Every ``every_n_steps`` optimizer steps, right after the step's EMA update, call each quantizer's
-    ``revive``; log the codes revived per level since the last logged step
-    (``Train_<Quantizer>/revived_codes_level_<l>``, at the logging interval).
-
-    The interval is a training setting of its own: ``null`` ties it to ``trainer.log_every_n_steps``, so that
-    logging more or less often would change the training. The rows are drawn from the step's own generator
-    (``WorldModelModule.step_generator``, stream 1), so a resumed run revives exactly what an uninterrupted one
-    would; rank 0's draws are broadcast under DDP. Each check costs one host sync per quantizer, hence not every
-    step by default.
-    """
+    """Every ``every_n_steps`` optimizer steps, right after the step's EMA update, call each quantizer's ``revive``."""
 
     def __init__(self, every_n_steps: int | None = 10) -> None:
         if every_n_steps is not None and every_n_steps < 1:
@@ -30,7 +21,7 @@ class DeadCodeRevival(L.Callback):
         self._revived: dict[str, int] = {}  # codes revived per quantizer and level since the last logged step
 
     @override
-    def state_dict(self) -> dict[str, Any]:  # the counts not yet logged travel with a checkpoint (a requeue)
+    def state_dict(self) -> dict[str, Any]:  # the counts not yet logged travel with a checkpoint
         return {"revived": dict(self._revived)}
 
     @override
@@ -38,8 +29,8 @@ class DeadCodeRevival(L.Callback):
         self._revived = {str(k): int(v) for k, v in state_dict.get("revived", {}).items()}
 
     def _due(self, trainer: L.Trainer) -> bool:
-        """After the batch that ends an optimizer step (never inside an accumulation window: a revival there
-        would depend on where a resumed run restarted), at the interval."""
+        """After the batch that ends an optimizer step (never inside an accumulation window: a revival there would
+        depend on where a resumed run restarted), at the interval."""
         if self.every_n_steps is None:
             return is_logging_step(trainer)
         return not accumulating(trainer) and trainer.global_step % self.every_n_steps == 0

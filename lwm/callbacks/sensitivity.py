@@ -15,17 +15,14 @@ from lwm.utils.seeds import seeded_generator
 
 class Sensitivity(L.Callback):
     """After each validation, ``Val_Action_Encoder/{dPSNR,PSNR_seq,PSNR_rand}`` (the requirement's names) and the
-    same under ``Val_World_Encoder/``: frames ``1..t`` generated from frame 0 with the inferred codes vs with
-    random ones (uniform per level), PSNR at frame ``t`` (the requirement's and Genie's t = 4), averaged over the
-    clips of the first ``batches`` validation batches of every rank. The random codes are seeded, the same at
-    every validation. The world goes in as validation feeds it (under a ``world_curriculum``, its phase)."""
+    same under ``Val_World_Encoder/``."""
 
     NAMES = ("dPSNR", "PSNR_seq", "PSNR_rand")
 
     def __init__(self, t: int = 4, batches: int = 1, seed: int = 0) -> None:
         bad = [f"sensitivity.{name} must be >= 1, got {value}" for name, value in (("t", t), ("batches", batches))
                if value < 1]
-        if seed < 0:  # (numpy's seeds are >= 0: a traceback at the first validation, after training)
+        if seed < 0:
             bad.append(f"sensitivity.seed must be >= 0, got {seed}")
         if bad:
             raise ConfigError("\n".join(bad))
@@ -40,8 +37,8 @@ class Sensitivity(L.Callback):
         self._means = {f"{q}/{n}": WeightedMean() for q in ("Action_Encoder", "World_Encoder") for n in self.NAMES}
 
     def check_window(self, window: int) -> None:
-        """Raise :class:`ConfigError` unless validation windows of ``window`` frames hold frame ``t`` (else
-        nothing would be logged)."""
+        """Raise :class:`ConfigError` unless validation windows of ``window`` frames hold frame ``t`` (else nothing
+        would be logged)."""
         if self.t >= window:
             raise ConfigError(f"sensitivity.t must be < data.window ({window}: frames 0..{window - 1}; frame t is "
                               f"generated from frame 0), got {self.t}")

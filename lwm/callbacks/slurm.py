@@ -1,29 +1,5 @@
 """Stopping on a signal with a checkpoint written at the end of a batch, not inside the signal handler: a SLURM
-preemption or requeue, and outside SLURM an interrupt (Ctrl-C, ``kill``).
-
-Lightning's SLURM auto-requeue (SIGUSR1, e.g. from ``sbatch --signal=USR1@90``) saves ``RUN_DIR/hpc_ckpt_N.ckpt``
-from within the signal handler, usually in the middle of a training step (the data fetcher has already drawn the
-next batches): a run resumed from it logs every step one higher, skips batches and no longer matches an
-uninterrupted run. :class:`SlurmRequeue` replaces that handler (once Lightning has set it, before the sanity check
-and at the start of training) by one that only takes note; at the next training batch end, the same one on every
-rank, it saves the hpc checkpoint and ``last.ckpt`` (with the same mid-epoch state as a step checkpoint), runs
-``scontrol requeue`` on rank 0 and stops training, without the validation Lightning would start before an early
-stop. A signal during a fit's validation (which can outlast the grace time on a large split) is answered at the
-next validation batch end the same way, and the fit ends there: the resumed run goes on training, skipping the rest
-of that validation (its metrics are not logged); a validation inside a gradient-accumulation window (a validation
-interval that is no multiple of ``accumulate_grad_batches``) runs to its end and the window's last batch answers (a
-save inside the window would lose its gradients). SIGTERM (SLURM's default preemption, ``scancel``) saves the same
-way, without the requeue: SLURM requeues a preempted job by itself. With several ranks they agree every
-``every_n_steps`` steps (a collective and a host read: not every step), so the save comes at most that many steps
-after the signal (in a validation: every ``every_n_steps`` batches, among those every rank runs). A preempted run
-skips the end-of-training code dictionaries (:class:`~lwm.callbacks.codes.CodeDictionaries`): the grace time is
-short.
-
-Outside SLURM (``interrupts``, on by default), SIGTERM and a first Ctrl-C (SIGINT) are answered the same way
-without the hpc checkpoint (``last.ckpt`` is what ``--ckpt_path last`` continues), and ``lwm fit`` exits with
-128 + the signal's number (130 for Ctrl-C, 143 for SIGTERM); a second Ctrl-C stops at once, unsaved (exit 130
-too). Lightning's own handling loses the steps since the last checkpoint.
-"""
+preemption or requeue, and outside SLURM an interrupt (Ctrl-C, ``kill``)."""
 
 from __future__ import annotations
 
@@ -58,13 +34,13 @@ class SlurmRequeue(L.Callback):
         self._requested = False
         self._signal: int | None = None  # the last one that came
         self._requeue_signal: int | None = getattr(signal, "SIGUSR1", None)  # SLURMEnvironment's, set at the start
-        self._requeue = False  # the requeue signal came (SIGTERM alone: SLURM requeues or cancels by itself)
-        self.resume_hint = "continue with --ckpt_path last"  # what the stop's line advises (lwm overfit: its own)
+        self._requeue = False  # the requeue signal came
+        self.resume_hint = "continue with --ckpt_path last"  # what the stop's line advises
         self.preempted = False  # this run stopped on a signal, with its checkpoints written
-        self.interrupted: int | None = None  # outside SLURM: the signal that stopped the run (exit code 128 + it)
-        self._val_batches: int | None = None  # validation batches every rank runs (several ranks)
+        self.interrupted: int | None = None  # outside SLURM
+        self._val_batches: int | None = None  # validation batches every rank runs
         self._previous: dict[int, Any] = {}  # the handlers ours replaced, put back when training is over
-        self._over = False  # the training is over (its last batch and validation done)
+        self._over = False  # the training is over
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -75,15 +51,14 @@ class SlurmRequeue(L.Callback):
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if signum == signal.SIGINT and self._requested and self._signal == signal.SIGINT:
-            # a second Ctrl-C: stop now, unsaved. Lightning's KeyboardInterrupt handling ignores further ones, kills
-            # the processes it launched (several GPUs without torchrun/srun) and exits 1: `lwm` makes that 130
+            # a second Ctrl-C: stop now, unsaved.
             global _HARD_STOP
             _HARD_STOP = True
             if self._rank_zero:
                 _say("\nSIGINT again: stopping now, unsaved\n")
             raise KeyboardInterrupt
         first = not self._requested
-        self._requested, self._signal = True, signum  # recorded before anything is said (saying it may fail)
+        self._requested, self._signal = True, signum  # recorded before anything is said
         self._requeue = self._requeue or signum == self._requeue_signal
         if not self._slurm and first and self._rank_zero:
             again = " (Ctrl-C again: stop at once, unsaved)" if signum == signal.SIGINT else ""
@@ -92,8 +67,7 @@ class SlurmRequeue(L.Callback):
     @override
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         """A Ctrl-C where ours is not the handler (before the training steps begin: loading, the sanity check's
-        start; after they end; or with ``interrupts`` off) stopped the fit at once, as a second one does: said in
-        one line (Lightning's own is dropped), and ``lwm`` makes Lightning's exit 1 a 130."""
+        start; after they end; or with ``interrupts`` off) stopped the fit at once, as a second one does."""
         global _HARD_STOP
         if isinstance(exception, KeyboardInterrupt) and not _HARD_STOP:  # (a second Ctrl-C has said it)
             _HARD_STOP = True
@@ -106,7 +80,7 @@ class SlurmRequeue(L.Callback):
 
     @override
     def on_sanity_check_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.on_train_start(trainer, pl_module)  # Lightning's handler is set by now: replace it before the check
+        self.on_train_start(trainer, pl_module)  # Lightning's handler is set by now
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -115,8 +89,7 @@ class SlurmRequeue(L.Callback):
         env = trainer._accelerator_connector.cluster_environment
         self._slurm = isinstance(env, SLURMEnvironment) and env.auto_requeue
         self._rank_zero = trainer.is_global_zero
-        # Lightning restores every handler at teardown. SIGTERM (how SLURM preempts by default, scancel, kill)
-        # saves too: Lightning's handler only stops, losing the steps since the last checkpoint.
+        # Lightning restores every handler at teardown.
         if self._slurm:
             self._requeue_signal = env.requeue_signal or signal.SIGUSR1
             self._install(self._requeue_signal)
@@ -128,13 +101,12 @@ class SlurmRequeue(L.Callback):
 
     def _install(self, signum: int) -> None:
         current = signal.signal(signum, self._on_signal)
-        if current != self._on_signal:  # (installed again at the start of training, after the sanity check)
+        if current != self._on_signal:
             self._previous[signum] = current
 
     @override
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """After the last training batch (and its validation), the signals go back to the handlers ours replaced:
-        nothing is left to save at a batch end (a Ctrl-C during the end-of-training code dictionaries stops)."""
+        """After the last training batch (and its validation), the signals go back to the handlers ours replaced."""
         max_epochs = trainer.max_epochs if trainer.max_epochs is not None and trainer.max_epochs >= 0 else None
         over = (trainer.should_stop or 0 < trainer.max_steps <= trainer.global_step
                 or (max_epochs is not None and trainer.current_epoch + 1 >= max_epochs))
@@ -148,7 +120,7 @@ class SlurmRequeue(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if not self._active:
             return
-        if trainer.fit_loop._should_accumulate():  # not inside an accumulation window (its gradients would be lost)
+        if trainer.fit_loop._should_accumulate():  # not inside an accumulation window
             return
         if trainer.world_size > 1 and trainer.global_step % self.every_n_steps:  # ranks agree every n steps
             return
@@ -158,7 +130,7 @@ class SlurmRequeue(L.Callback):
     @override
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.preempted and trainer.state.fn == "fit" and not trainer.sanity_checking:
-            raise _TunerExitException  # the validation Lightning starts before any early stop: not in a grace time
+            raise _TunerExitException  # the validation Lightning starts before any early stop
 
     @override
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -170,25 +142,24 @@ class SlurmRequeue(L.Callback):
     @override
     def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:
-        """A signal during a fit's validation (which can outlast SLURM's grace time on a large split): save the
-        training state at once and end the fit; the resumed run skips the rest of this validation."""
+        """A signal during a fit's validation (which can outlast SLURM's grace time on a large split)."""
         if not self._active or trainer.sanity_checking or trainer.state.fn != "fit":
             return
-        fit_loop = getattr(trainer, "fit_loop", None)  # (schedule.accumulating is for training batches only)
+        fit_loop = getattr(trainer, "fit_loop", None)
         if fit_loop is not None and fit_loop._should_accumulate():  # a validation inside an accumulation window
-            return  # (an interval no multiple of it): the window's last batch answers (a save would lose its gradients)
+            return
         if trainer.world_size > 1 and (batch_idx % self.every_n_steps or batch_idx >= (self._val_batches or 0)):
             return
         if self._preempt(trainer):
-            raise _TunerExitException  # Lightning's own clean early end of a fit: teardown, loggers finalized
+            raise _TunerExitException  # Lightning's own clean early end of a fit
 
     def _preempt(self, trainer: L.Trainer) -> bool:
         """If a signal came (to any rank: a collective with several), save the hpc checkpoint (under SLURM) and
         ``last.ckpt``, requeue on the requeue signal, and say so (the caller stops the run)."""
         requested, requeue = self._requested, self._requeue
-        if trainer.world_size > 1:  # ranks get the signal at different batches: agree on one
+        if trainer.world_size > 1:  # ranks get the signal at different batches
             requested = trainer.strategy.reduce_boolean_decision(requested, all=False)
-            if requested:  # and on whether any rank got the requeue signal (not SIGTERM alone)
+            if requested:  # and on whether any rank got the requeue signal
                 requeue = trainer.strategy.reduce_boolean_decision(requeue, all=False)
         if not requested:
             return False
@@ -238,7 +209,7 @@ def _say(text: str) -> None:
         pass
 
 
-_HARD_STOP = False  # a Ctrl-C raised KeyboardInterrupt in a fit of this process (Lightning then exits 1)
+_HARD_STOP = False  # a Ctrl-C raised KeyboardInterrupt in a fit of this process
 
 
 def hard_stopped() -> bool:
@@ -248,15 +219,14 @@ def hard_stopped() -> bool:
 
 
 def interrupted_by(trainer: Any) -> int | None:
-    """The signal that stopped ``trainer``'s fit outside SLURM, after its checkpoint (None if none did): the
-    command then exits with 128 + it."""
+    """The signal that stopped ``trainer``'s fit outside SLURM, after its checkpoint (None if none did): the command
+    then exits with 128 + it."""
     return next((c.interrupted for c in getattr(trainer, "callbacks", []) if getattr(c, "interrupted", None)), None)
 
 
 def _remove_older_hpc_checkpoints(path: str) -> None:
     """The hpc checkpoints before ``path`` (``hpc_ckpt_N.ckpt``, one per preemption: Lightning keeps them all and
-    resumes from the highest N), now that it is written: each is a whole training state, and a run preempted
-    every few hours for days would fill its disk."""
+    resumes from the highest N), now that it is written."""
     import re
     import shutil
     from pathlib import Path

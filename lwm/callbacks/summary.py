@@ -18,7 +18,7 @@ HIDDEN_PREFIXES = ("val_metrics",)
 
 class ModelSummary(RichModelSummary):
     def __init__(self, max_depth: int = 1, **summarize_kwargs: Any) -> None:
-        if max_depth < -1:  # (Lightning's ValueError came at the fit's start, a traceback)
+        if max_depth < -1:
             raise ConfigError(f"model_summary.max_depth must be -1 (all), 0 (none) or > 0, got {max_depth}")
         super().__init__(max_depth, **summarize_kwargs)
 

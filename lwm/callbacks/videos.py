@@ -16,18 +16,13 @@ from lwm.utils.video import grid, latent_preview, write_video
 
 
 class RolloutVideos(L.Callback):
-    """Every ``every_n_validations``-th validation of a fit (the first included; the count is checkpointed), and
-    at ``lwm validate``, on rank 0: the first ``clips`` clips of the first validation batch are generated from
-    their first frame with their inferred actions and world code (as validation feeds it, under a
-    ``world_curriculum``; the predictor's cached rollout, frames 1..T-1), and written as
-    ``RUN_DIR/videos/step_NNNNNNN.mp4`` (each clip: ground truth above, rollout below; decoded to pixels by the
-    validation files' codec when lwm has it, else latent channels 0-2 as RGB) and logged to wandb as
-    ``Val_Dynamics_Predictor/rollout_video``."""
+    """Every ``every_n_validations``-th validation of a fit (the first included; the count is checkpointed), and at
+    ``lwm validate``, on rank 0."""
 
     def __init__(self, every_n_validations: int = 4, clips: int = 2, fps: int = 4) -> None:
         bad = [f"rollout_videos.{name} must be >= 1, got {value}" for name, value in
                (("every_n_validations", every_n_validations), ("clips", clips), ("fps", fps)) if value < 1]
-        if fps > MAX_FPS:  # (PyAV's H.264 failed at 100000, after the validation: its metrics lost)
+        if fps > MAX_FPS:
             bad.append(f"rollout_videos.fps must be at most {MAX_FPS}, got {fps}")
         if bad:
             raise ConfigError("\n".join(bad))
@@ -36,7 +31,7 @@ class RolloutVideos(L.Callback):
         self._clip: torch.Tensor | None = None
         self.last_path: Path | None = None
 
-    def _due(self, trainer: L.Trainer) -> bool:  # in fit, every n-th validation; `lwm validate`'s one, always
+    def _due(self, trainer: L.Trainer) -> bool:  # in fit, every n-th validation
         cadence = trainer.state.fn != "fit" or self._validations % self.every_n_validations == 0
         trial = trainer.fast_dev_run  # (Lightning's trial run, of any verb: no files)
         return not trainer.sanity_checking and trainer.is_global_zero and cadence and not trial

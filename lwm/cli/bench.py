@@ -1,61 +1,4 @@
-"""``lwm bench``: how fast a training step of a config runs, measured side by side with a plain reference.
-
-    lwm bench [--config CFG (configs/tiny.yaml)] [--steps N (10)] [--warmup N (3)] [--json OUT.json] [--no-breakdown]
-              [--no-reference] [--no-lightning] [--max-batch] [--peak-tflops P] [--kernels K ...]
-              [--section.key=value ...]
-
-On random latents of the config's shape (``data.batch_size`` x ``data.window`` frames of ``model.net``'s
-``[C, H, W]``), on the GPU when there is one (else the CPU), it times
-
-* **lightning**: the real training step, ``WorldModelModule`` in a Lightning ``Trainer`` with the config's
-  precision, ``model.compile`` (on a GPU; ignored on the CPU), fused AdamW, gradient clipping and the
-  non-finite guard (the monitoring callbacks are off: ``benchmarks/monitoring.py`` measures them);
-* **fast path**: the same step (autocast, compile, fused AdamW, clipping) in a plain loop, so that
-  ``lightning - fast path`` is Lightning's overhead; with ``--kernels matmul triton`` also the fast path with
-  each of those temporal-attention kernels (``model.net.temporal_attention``), side by side;
-* **reference**: the same model eager in true fp32 (no TF32) with a for-loop AdamW and no compile, recomputing
-  every position of every rollout pass (the fast step reuses the positions the previous pass already has),
-  without the options under test (activation checkpointing, the temporal-attention kernel), so every variant
-  is compared with the same reference; where its batch does not fit in GPU memory it accumulates 2, 4, ...
-  micro-batches (said in its label). Every speed-up is a ratio to it, measured in the same run. Its TFLOP/s
-  counts the fast step's (useful) FLOPs.
-
-For each: ms/step (the mean of the timed steps, with their median, min and max), steps/s, frames/s, tokens/s
-(frames x patches), achieved TFLOP/s and MFU (rates of the mean), against the device's bf16 dense peak (when
-Lightning knows it, else ``--peak-tflops``) and against a large matmul timed in the same run (bf16 8192^3 on a
-GPU, fp32 2048^3 on a CPU), and each variant's peak memory on a GPU. Each step is timed with no sync in between
-(CUDA events on a GPU, the clock on a CPU); the Lightning variant from batch start to batch start, on float16
-batches in pinned memory as the data module delivers them. The speed-ups and Lightning's overhead are of the
-medians; a negative overhead, or a variant whose slowest step takes over 1.5x its fastest, prints a warning
-that the timings are noisy (another process competing): rerun them. FLOPs are counted by :mod:`lwm.modules.flops` on
-one sample of the real step and multiplied by the batch (``FlopCounterMode`` plus the CPU attention kernel,
-which PyTorch counts as zero, with masked attention counted for the pairs the mask allows; the dense count is
-in the JSON; without activation checkpointing's recomputed forward). On a GPU, one fast-path step also runs under
-``torch.cuda.set_sync_debug_mode``: the host synchronisations it makes are counted (and listed in the JSON, by
-``file:line`` with their counts).
-
-Each compiled variant (the fast path, each ``--kernels`` row, the Lightning step, each ``--max-batch`` trial) is
-compiled from fresh caches (``torch._dynamo.reset()``): its models are new instances of the same classes, whose code
-objects would otherwise keep the earlier variants' cache entries until dynamo's ``recompile_limit`` is hit and part
-of the step runs uncompiled. What dynamo still did in each variant (:class:`DynamoWatch`: recompile-limit hits,
-graph breaks, frames it could not compile, compilations during the timed steps) is in the JSON's ``dynamo`` of
-each variant, and a note says when a row is mis-measured by it.
-
-The **breakdown** times each part alone, forward and backward, with the step's shapes and precision
-(eager): tokenizer, detokenizer (every rollout pass, at the positions it computes), the spatial
-attention, temporal attention and MLP sub-layers of each transformer (times its depth and calls), the quantizers (with their EMA update) and the
-optimizer; ``other`` is the eager fast-path step minus their sum (loss, masks, positional embeddings,
-re-tokenizing the rollout inputs). Parts timed alone do not overlap as they do in a compiled step. Then what each
-rollout pass adds to the eager step (:func:`rollout_passes`: the step with teacher forcing only, then each pass
-added, by difference).
-
-``--max-batch`` (GPU only) then finds the largest batch whose fast-path step fits in memory (doubling from
-``data.batch_size``, then bisecting, up to 65535 temporal-attention sequences; try it with
-``--model.net.activation_checkpointing=true`` too; ``--no-reference --no-breakdown --no-lightning`` runs it alone).
-
-The tables are printed; ``--json`` writes everything, after each variant, part and max-batch trial (a later
-failure, or a time limit, keeps what was measured).
-"""
+"""``lwm bench``: how fast a training step of a config runs, measured side by side with a plain reference."""
 
 from __future__ import annotations
 
@@ -127,12 +70,12 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         shipped = ROOT / "configs" / f"{Path(args.config).stem}.yaml"  # `--config tiny`
         hint = f" (did you mean {shipped.relative_to(ROOT)}?)" if shipped.is_file() else ""
         raise ConfigError(f"--config {args.config}: not found{hint}")
-    if args.json is not None:  # before minutes of timing: a path that cannot be written, or the config itself
+    if args.json is not None:  # before minutes of timing
 
         if Path(args.json).suffix != ".json":
             raise ConfigError(f"--json {args.json}: not a .json file name")
         check_output(args.json, "--json", inputs={"--config": args.config})
-    return args, rest  # the config's overrides (--key=value or --key value), read and checked by load_config
+    return args, rest  # the config's overrides
 
 
 def load_config(path: str, overrides: list[str]) -> dict[str, Any]:
@@ -155,8 +98,7 @@ def sync(device: torch.device) -> None:
 
 
 class StepClock:
-    """Marks between steps, read once at the end, with no sync in between (steps overlap as in training): CUDA
-    events on a GPU (each marks when the GPU reaches it, i.e. when the steps before it have run), else the clock."""
+    """Marks between steps, read once at the end, with no sync in between (steps overlap as in training)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -246,8 +188,8 @@ def reference_net(s: Setup):
 def plain_step(s: Setup, fast: bool, compile_: bool = True, micro: int = 1) -> tuple[
         Callable[[], torch.Tensor], torch.nn.Module, torch.optim.Optimizer]:
     """One training step in a plain loop: the fast path (the config's precision, compile unless ``compile_`` is
-    False, fused AdamW on a GPU) or the reference (eager fp32, for-loop AdamW, :func:`reference_net`; its
-    batch in ``micro`` micro-batches with accumulated gradients where it does not fit in memory at once)."""
+    False, fused AdamW on a GPU) or the reference (eager fp32, for-loop AdamW, :func:`reference_net`; its batch in
+    ``micro`` micro-batches with accumulated gradients where it does not fit in memory at once)."""
 
     torch.manual_seed(0)
     model = WorldModel(s.net if fast else reference_net(s)).to(s.device).train()
@@ -261,7 +203,7 @@ def plain_step(s: Setup, fast: bool, compile_: bool = True, micro: int = 1) -> t
 
     def step() -> torch.Tensor:
         i = next(counter)
-        for x in s.x.chunk(micro):  # the batch mean: each chunk's mean weighted by its share
+        for x in s.x.chunk(micro):  # the batch mean
             with s.autocast(fast and s.bf16):
                 loss = model.compute(x, i, reuse_prefix=fast).loss
             (loss * (x.shape[0] / s.x.shape[0])).backward()
@@ -308,15 +250,13 @@ def lightning_step_times(s: Setup, steps: int, warmup: int) -> list[float]:
 
 
 def step_flops(s: Setup):
-    """FLOPs of one training step (forward with every pass, backward) at the real batch's shapes: counted on
-    one sample and multiplied by the batch (every counted op, matmuls, convolutions, attention, the codebook
-    distances, is linear in the batch; tested), which needs little memory where the step itself barely fits."""
+    """FLOPs of one training step (forward with every pass, backward) at the real batch's shapes."""
 
     model = WorldModel(s.net).to(s.device).train()
 
     def fn() -> None:
         with s.autocast():
-            loss = model.compute(s.x[:1], step=None).loss  # no codebook update: the count leaves nothing changed
+            loss = model.compute(s.x[:1], step=None).loss  # no codebook update
         loss.backward()
         model.zero_grad(set_to_none=True)
 
@@ -335,14 +275,14 @@ def breakdown(s: Setup, steps: int, warmup: int) -> list[dict]:
     N, D = s.patches, s.net.d_model
     passes = len(s.net.rollout_weights)
     rows: list[dict] = []
-    leaves: list[torch.Tensor] = []  # the parts' inputs that need a gradient (as in the step)
+    leaves: list[torch.Tensor] = []  # the parts' inputs that need a gradient
 
     def part(name: str, makes: list[Callable[[], torch.Tensor]], repeat: int = 1) -> None:
         """One row: each of ``makes`` (one per call in the step, shapes may differ), ``repeat`` times (the depth)."""
         seconds = flops = 0.0
         for fn in makes:
             def run(fn=fn) -> None:
-                for leaf in leaves:  # gradients written, not added to the last call's (as after the step's zero_grad)
+                for leaf in leaves:  # gradients written, not added to the last call's
                     leaf.grad = None
                 model.zero_grad(set_to_none=True)
                 with s.autocast():
@@ -350,14 +290,12 @@ def breakdown(s: Setup, steps: int, warmup: int) -> list[dict]:
                 out.float().sum().backward()
 
             seconds += timed(run, steps, warmup, s.device) * repeat
-            with model.counting_form():  # the useful work, whichever kernel runs (as the step's count)
+            with model.counting_form():  # the useful work, whichever kernel runs
                 flops += count_flops(run).useful * repeat
         model.zero_grad(set_to_none=True)
         rows.append({"part": name, "ms": seconds * 1e3, "tflop": flops / 1e12, "calls": len(makes) * repeat})
 
-    # Rollout pass k (0: teacher forcing) computes positions k..T-2 of the T-1 (see WorldModel.compute): its input
-    # (re-tokenized, for k >= 1) and output have T-1-k frames, its temporal attention has k cached positions.
-    # The data needs no gradient; the rollout passes' re-tokenized predictions and the detokenizer's input do.
+    # Rollout pass k (0: teacher forcing) computes positions k..T-2 of the T-1 (see WorldModel.compute).
     tokens = torch.randn(B, T, N, D, device=s.device)
     predictions, detokenizer_input = s.x.clone().requires_grad_(True), tokens.clone().requires_grad_(True)
     leaves += [predictions, detokenizer_input]
@@ -367,7 +305,7 @@ def breakdown(s: Setup, steps: int, warmup: int) -> list[dict]:
     part("detokenizer", [lambda n=n: model.detokenize(detokenizer_input[:, :n]) for n in new])
     heads = s.net.n_heads
     kv = torch.randn(B * N, heads, passes, D // heads, device=s.device, requires_grad=True)  # the earlier
-    leaves.append(kv)  # passes' keys and values: the gradient reaches them
+    leaves.append(kv)  # passes' keys and values
     for name, transformer, lengths in (
         ("action encoder", model.action_encoder.transformer, [T]),
         ("world encoder", model.world_encoder.transformer, [T]),
@@ -400,10 +338,7 @@ def breakdown(s: Setup, steps: int, warmup: int) -> list[dict]:
 
 
 def largest_batch(fits: Callable[[int], bool], start: int = 1, limit: int = 4096, step: int = 1) -> int:
-    """The largest batch ``b <= limit`` with ``fits(b)``, assuming fitting is monotone: doubling from ``start``
-    until a batch does not fit, then bisecting until the batch that fits and the one that does not are at most
-    ``step`` apart. The answer fits and is at most ``step - 1`` below the largest that does (``step=1``: exactly
-    it); 0 when not even ``start`` fits."""
+    """The largest batch ``b <= limit`` with ``fits(b)``, assuming fitting is monotone."""
     if not fits(start):
         return 0
     good, bad = start, None
@@ -422,8 +357,8 @@ def largest_batch(fits: Callable[[int], bool], start: int = 1, limit: int = 4096
 
 
 def runs_on_gpu(make: Callable[[], Callable[[], object]], calls: int = 1) -> bool:
-    """Whether the step ``make()`` builds runs ``calls`` times without running out of GPU memory (or an
-    allocation failure reported by cuBLAS/cuDNN, or a kernel's launch limit); frees what it allocated."""
+    """Whether the step ``make()`` builds runs ``calls`` times without running out of GPU memory (or an allocation
+    failure reported by cuBLAS/cuDNN, or a kernel's launch limit)."""
     step = None
     try:
         step = make()
@@ -472,8 +407,8 @@ class Progress:
 
 @dataclass
 class Timings:
-    """The seconds of each timed step of each variant, in the order timed, with its peak GPU memory and notes on
-    what ran."""
+    """The seconds of each timed step of each variant, in the order timed, with its peak GPU memory and notes on what
+    ran."""
 
     seconds: dict[str, list[float]] = field(default_factory=dict)
     memory: dict[str, float | None] = field(default_factory=dict)
@@ -495,9 +430,7 @@ class Timings:
 
 def time_variants(s: Setup, args: argparse.Namespace, progress: Progress,
                   measured: Callable[[Timings], None] = lambda t: None) -> Timings:
-    """The reference, the fast path (and its other kernels, with ``--kernels``) and the Lightning step, timed;
-    ``measured`` is called after each (the JSON is written there: a later variant that fails or runs out of time
-    keeps the earlier ones)."""
+    """The reference, the fast path (and its other kernels, with ``--kernels``) and the Lightning step, timed."""
     device, t = s.device, Timings()
 
     def measure(label: str, run: Callable[[], float]) -> None:
@@ -542,7 +475,7 @@ def time_variants(s: Setup, args: argparse.Namespace, progress: Progress,
     return t
 
 
-NOISY_SPREAD = 1.5  # a variant whose slowest timed step takes this many times its fastest: noisy timings
+NOISY_SPREAD = 1.5  # a variant whose slowest timed step takes this many times its fastest
 
 
 def step_stats(seconds: list[float]) -> dict:
@@ -554,9 +487,9 @@ def step_stats(seconds: list[float]) -> dict:
 
 
 def variant_rows(s: Setup, t: Timings, flops_useful: float, matmul: float, peak: float | None) -> list[dict]:
-    """Each variant's step times (mean, median, min, max), rates and MFUs (of the mean: the throughput of the
-    timed steps) and speed-up over the reference (of the medians: one step slowed by another process moves
-    the mean, not the median); the JSON's ``variants``."""
+    """Each variant's step times (mean, median, min, max), rates and MFUs (of the mean: the throughput of the timed
+    steps) and speed-up over the reference (of the medians: one step slowed by another process moves the mean, not
+    the median)."""
     stats = {label: step_stats(seconds) for label, seconds in t.seconds.items()}
     reference = next((v["ms_median"] for k, v in stats.items() if k.startswith("reference")), None)
     frames, tokens = s.batch * s.window, s.batch * s.window * s.patches
@@ -581,9 +514,7 @@ def lightning_overhead_ms(rows: list[dict]) -> float | None:
 
 
 def noise_warning(rows: list[dict], overhead: float | None, warmup: int = 1) -> str | None:
-    """One line when the timings cannot be trusted: a negative Lightning overhead (the real step cannot be faster
-    than the same step without Lightning), or a variant whose slowest step took over ``NOISY_SPREAD`` times its
-    fastest; None otherwise. With ``warmup`` 0 the first timed steps carry first-call costs: said as the cause."""
+    """One line when the timings cannot be trusted."""
     reasons = [f"Lightning overhead {overhead:+.1f} ms/step < 0"] if overhead is not None and overhead < 0 else []
     reasons += [f"{row['variant']}: slowest step {row['max_over_min']:.2f}x the fastest" for row in rows
                 if row["max_over_min"] is not None and row["max_over_min"] > NOISY_SPREAD]
@@ -628,8 +559,7 @@ def print_variants(console: Console, rows: list[dict], t: Timings, flops, matmul
 
 def rollout_passes(s: Setup, steps: int, warmup: int) -> list[dict]:
     """What each rollout pass adds to the eager step (all its parts, forward and backward: re-tokenizing, the
-    predictor, the detokenizer, its loss), by difference: the step with teacher forcing only, then with each
-    pass added; seconds (``ms``) and useful FLOPs (``tflop``) of each, and the whole step's (``step_ms``)."""
+    predictor, the detokenizer, its loss), by difference."""
     configured, rows, before = s.net, [], (0.0, 0)
     try:
         for k in range(1, len(configured.rollout_weights) + 1):
@@ -649,9 +579,7 @@ def rollout_passes(s: Setup, steps: int, warmup: int) -> list[dict]:
 
 def run_breakdown(s: Setup, args: argparse.Namespace, console: Console,
                   measured: Callable[[list[dict]], None] = lambda parts: None) -> tuple[list[dict], list[dict]]:
-    """Each part timed alone, and ``other``: the eager step minus their sum; then what each rollout pass adds to
-    the eager step (:func:`rollout_passes`); printed as two tables. ``measured`` gets the parts as soon as they are
-    timed (the JSON keeps them should the rollout passes fail)."""
+    """Each part timed alone, and ``other``: the eager step minus their sum."""
     steps, warmup = max(1, args.steps // 2), min(args.warmup, 2)
     parts = breakdown(s, steps, warmup)
     measured(parts)
@@ -680,9 +608,7 @@ def run_breakdown(s: Setup, args: argparse.Namespace, console: Console,
 
 def run_max_batch(s: Setup, console: Console, progress: Progress, memory_gib: float | None = None, step: int = 1,
                   tried: Callable[[list[dict]], None] = lambda trials: None) -> int | None:
-    """The largest batch whose fast-path step fits in GPU memory (None on the CPU), to ``step`` samples; with
-    ``memory_gib`` the process is held to that much of the card (an 80 GB card's answer on a larger one). ``tried``
-    is called with the trials so far (``{"batch", "fits"}``) after each (each compiles anew: minutes)."""
+    """The largest batch whose fast-path step fits in GPU memory (None on the CPU), to ``step`` samples."""
     if s.device.type != "cuda":
         console.print("--max-batch: GPU only (the CPU has no memory limit to find)")
         return None
@@ -690,7 +616,7 @@ def run_max_batch(s: Setup, console: Console, progress: Progress, memory_gib: fl
     held = total if memory_gib is None else min(total, memory_gib * 2**30)
     if held < total:
         torch.cuda.set_per_process_memory_fraction(held / total, s.device)
-    limit = max(s.batch, 65535 // s.patches)  # temporal attention runs batch x patches sequences: CUDA launches
+    limit = max(s.batch, 65535 // s.patches)  # temporal attention runs batch x patches sequences
     progress(f"searching the largest batch that fits in {held / 2**30:.1f} GiB (from {s.batch}, up to {limit}, "
              f"to {step} sample{'s' if step > 1 else ''})")  # at most 65535 such blocks
     fits, trials = fits_on_gpu(s), []
@@ -785,8 +711,8 @@ def write_json(path: str | None, out: dict) -> None:
 
 
 def reference_micro_batches(s: Setup) -> int | None:
-    """How many micro-batches the fp32 reference needs to fit in GPU memory (1 on the CPU): the fewest of
-    1, 2, 4, ... (up to one sample each) whose step runs; None when none does."""
+    """How many micro-batches the fp32 reference needs to fit in GPU memory (1 on the CPU): the fewest of 1, 2, 4,
+    ..."""
     if s.device.type != "cuda":
         return 1
     micro = 1
@@ -810,8 +736,8 @@ def fp32_matmuls() -> Iterator[None]:
 
 
 def host_syncs(step: Callable[[], object], device: torch.device) -> list[dict] | None:
-    """The host synchronisations one (warm) step makes on a GPU, as ``torch.cuda.set_sync_debug_mode`` reports
-    them, by place (:func:`sync_sites`; None on the CPU)."""
+    """The host synchronisations one (warm) step makes on a GPU, as ``torch.cuda.set_sync_debug_mode`` reports them,
+    by place (:func:`sync_sites`; None on the CPU)."""
     if device.type != "cuda":
         return None
     sync(device)
@@ -827,9 +753,7 @@ def host_syncs(step: Callable[[], object], device: torch.device) -> list[dict] |
 
 
 def sync_sites(caught: list[warnings.WarningMessage]) -> list[dict]:
-    """The synchronisation warnings among ``caught``, one entry per place and message, in the order first met:
-    ``where`` (the ``file:line`` that made it, relative to the repository or site-packages), ``message`` (its first
-    line) and ``count``."""
+    """The synchronisation warnings among ``caught``, one entry per place and message, in the order first met."""
     sites: Counter = Counter()
     for w in caught:
         text = str(w.message)

@@ -16,8 +16,7 @@ from lwm.utils.video import check_output
 
 
 def main(argv: list[str]) -> int:
-    """``lwm codes [--config CFG] --ckpt_path CKPT [--max-windows N] [--out PATH] [overrides]``; without
-    ``--config``, the config of the run the checkpoint belongs to (``RUN/config.yaml``), where there is one."""
+    """``lwm codes [--config CFG] --ckpt_path CKPT [--max-windows N] [--out PATH] [overrides]``."""
 
     parser = ArgumentParser(
         prog="lwm codes", description="Code dictionaries of a trained model on its training data.",
@@ -36,7 +35,7 @@ def main(argv: list[str]) -> int:
     if args.ckpt_path == "last" and not has_config:
         raise ConfigError("--ckpt_path last: which run's? Give --config CFG (its trainer.default_root_dir), or the "
                           "run's folder as --ckpt_path RUN_DIR")
-    run = run_of(args.ckpt_path)  # without --config: the config of the run the checkpoint belongs to
+    run = run_of(args.ckpt_path)  # without --config
     config = run / "config.yaml" if run is not None else None
     if config is not None and not has_config:
         print(f"lwm codes: the run's config {config} (its data, window and seed; --config to give another)",
@@ -49,7 +48,7 @@ def main(argv: list[str]) -> int:
     out = check_out(args.out) if args.out else check_output(default_codes_path(ckpt_path), "the code dictionary")
     checkpoint, module = load_checkpoint(ckpt_path)
     warn_window_mismatch(checkpoint, dm.window, ckpt_path)  # the codes depend on it
-    dm.keep_checkpoint_seed(checkpoint)  # the fit's windows (a resume with another data.seed rewrote config.yaml)
+    dm.keep_checkpoint_seed(checkpoint)  # the fit's windows
     dm.setup("fit")
     module.check_data(dm.frame_shape, dm.window, str(dm.manifest_path), model_from=str(ckpt_path))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,27 +1,4 @@
-"""``lwm demo``: the whole main job on a CPU, with no data of your own and no network.
-
-    lwm demo [--out runs/demo] [--steps N] [--episodes N] [--config configs/demo.yaml] [--section.key=value ...]
-
-1. **data**: the built-in synthetic world (:mod:`lwm.data.synth`: an agent moved by 5 true actions in 4 worlds)
-   rendered at ``--size`` pixels through the pixel codec, ``OUT/data`` (h5 files and ``manifest.json``);
-2. **fit**: ``lwm fit --config configs/demo.yaml`` on it, ``OUT/run`` (``metrics.csv``, ``checkpoints/``
-   with ``last.ckpt`` and ``codes.pt``, ``videos/`` of rollouts at validation);
-3. **validate**: the final checkpoint over every validation window: the losses, the copy-last-frame baseline
-   and the ground-truth probes (what ``lwm validate --ckpt_path OUT/run/checkpoints/last.ckpt`` reports with
-   ``--data.val_size_percent=1``);
-4. **video**: a validation episode played forward from its first frame with the actions the model reads from
-   it, under the ground truth (``OUT/rollout_inferred.mp4``), and four futures with actions sampled from the
-   code dictionary (``OUT/rollout_sampled.mp4``);
-5. **report**: a table, two verdicts (does the model beat copy-last-frame; do the latent actions carry
-   information about the true actions) and the path of every output.
-
-Run again with the same ``--out``, it resumes the run from ``OUT/run/checkpoints/last.ckpt`` (an interrupted
-demo continues where it stopped; a finished one is validated and reported again); other data settings than
-the first run's are refused.
-
-Any other ``--section.key=value`` is passed to ``lwm fit`` (e.g. ``--wandb.mode=offline``), but for the keys
-that place the run and its data (:data:`OWN_KEYS`: the demo's, under ``--out``).
-"""
+"""``lwm demo``: the whole main job on a CPU, with no data of your own and no network."""
 
 from __future__ import annotations
 
@@ -47,7 +24,7 @@ from lwm.utils.errors import ConfigError
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
 LAST = "checkpoints/last.ckpt"
-# the keys whose values the demo sets, the later stages reading them: the run's folder, its checkpoints, its data
+# the keys whose values the demo sets, the later stages reading them.
 OWN_KEYS = ("--ckpt_path", "--trainer.default_root_dir", "--checkpoint.dirpath", "--data.manifest")
 
 
@@ -67,7 +44,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         raise ConfigError(f"--config {args.config}: not found (configs/demo.yaml comes with the lwm repository)")
     if args.steps is not None and args.steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {args.steps}")
-    if args.episodes < 2:  # (lwm data synth's own rules come before any file is written)
+    if args.episodes < 2:
         raise ConfigError(f"--episodes must be >= 2 (one of every eight is held out for validation), got "
                           f"{args.episodes}")
     for key in OWN_KEYS:
@@ -92,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.frames < window:
         raise ConfigError(f"--frames {args.frames}: shorter than the fit's window (data.window {window}): the "
                           f"episodes must hold one")
-    earlier = out / "data" / "manifest.json"  # more episodes than an earlier run's: its model, on other data
+    earlier = out / "data" / "manifest.json"  # more episodes than an earlier run's
     listed = len(Manifest.load(earlier).entries) if earlier.is_file() else args.episodes
     if listed != args.episodes:
         raise ConfigError(f"{earlier}: lists {listed} episodes (this run: --episodes {args.episodes}); run the demo "
@@ -138,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     episode = str(manifest.resolve(manifest.split("val")[0]))
     steps = min(args.frames - 1, 2 * (dm.window - 1))
     common_gen = ["--ckpt_path", str(run_dir / LAST), "--data", episode, "--steps", str(steps), "--fps", "4",
-                  "--overwrite"]  # the demo's own videos: a second run writes them again
+                  "--overwrite"]  # the demo's own videos
     inferred = generate(generate_args([*common_gen, "--actions", "inferred", "--rollouts", "1",
                                        "--out", str(out / "rollout_inferred.mp4")]))
     sampled = generate(generate_args([*common_gen, "--actions", "dictionary", "--rollouts", "4",

@@ -18,27 +18,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def fresh_compile_caches() -> None:
-    """``torch._dynamo.reset()``, before each compiled variant is built: its models are new instances of the same
-    classes, whose code objects (``DynamicsPredictor.forward``, ...) would otherwise keep every earlier variant's
-    cache entries (about three each, one per rollout pass) until dynamo's ``recompile_limit`` (8) is hit; from
-    then on a rollout pass runs uncompiled at every timed step. Each variant is measured with its own caches."""
+    """``torch._dynamo.reset()``, before each compiled variant is built."""
     torch._dynamo.reset()
 
 
 class DynamoWatch:
     """What dynamo did in one variant, from its first step to its last timed one (``torch._dynamo.utils.counters``
-    and dynamo's recompile-limit warnings): all zero where nothing is compiled. :meth:`result`:
-
-    * ``graphs``: the graphs it compiled;
-    * ``recompile_limit_hits`` (and ``recompile_limit_functions``, where dynamo's warning was logged): a compiled
-      function that hit ``config.recompile_limit`` runs uncompiled from then on, wherever its cache has no entry;
-    * ``graph_breaks``, ``unsupported`` (frames dynamo could not compile, other than the recompile limit), each
-      reason's first line with its count;
-    * ``compiles_in_timed_steps``: frames compiled between the first and the last :class:`StepClock` mark (their
-      compile time is timed; None where the steps were not timed by a StepClock)."""
+    and dynamo's recompile-limit warnings): all zero where nothing is compiled. :meth:`result`:"""
 
     active: ClassVar[DynamoWatch | None] = None  # the one watching now: StepClock's marks tell it
-    LOGGER = "torch._dynamo.convert_frame"  # where dynamo warns "torch._dynamo hit config.recompile_limit (8)"
+    LOGGER = "torch._dynamo.convert_frame"  # where dynamo warns "torch._dynamo hit config.recompile_limit
 
     def __init__(self) -> None:
         self.start, self.end = self.snapshot(), None

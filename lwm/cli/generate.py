@@ -53,7 +53,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     for option, text, ndim in (("--action-indices", args.action_indices, 2),
                                ("--world-indices", args.world_indices, 1)):
         if text:
-            _parse_indices(text, option, ndim)  # the JSON now; its shape and codes against the checkpoint's codebooks
+            _parse_indices(text, option, ndim)  # the JSON now
     return args
 
 def main(argv: list[str]) -> int:

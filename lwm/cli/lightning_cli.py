@@ -24,9 +24,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lwm.callbacks import (AttentionDiagonality, CodebookMonitor, CodeDictionaries, CopyLastBaseline, DeadCodeRevival,
-    FlopCounter, GroundTruthProbes, LearningRateMonitor, ModelSummary, PredictionWriter, RolloutVideos, Sensitivity,
-    SlurmRequeue, StepProgressBar)
+from lwm.callbacks import DEFAULTS, ModelSummary, Sensitivity, StepProgressBar
 from lwm.data.datamodule import LatentDataModule
 from lwm.modules.world_model import WorldModelConfig
 from lwm.training.checkpoint import (AtomicCheckpointIO, ModelCheckpoint, is_deepspeed_checkpoint,
@@ -42,7 +40,7 @@ from lwm.utils.threads import set_cpu_threads
 
 def _parsing_settings() -> None:
     """``${trainer.default_root_dir}`` names a key of the same config under every verb (jsonargparse resolves over
-    ``fit.*`` under ``lwm fit``); ``--help`` reads the typed configs' attribute docstrings."""
+    ``fit.*`` under ``lwm fit``)."""
     import jsonargparse
 
     for setting in ("omegaconf_absolute_to_relative_paths", "docstring_parse_attribute_docstrings"):
@@ -54,8 +52,8 @@ _ABSOLUTE = re.compile(r"\$\{([A-Za-z_][\w.]*)\}")  # ${trainer.default_root_dir
 
 
 def relative_interpolations(args: list[str]) -> list[str]:
-    """Command-line values with ``${a.b}`` rewritten relative to their key, as config files are (``--checkpoint.dirpath
-    '${trainer.default_root_dir}/c'`` -> ``${..trainer.default_root_dir}/c``): the same under every verb."""
+    """Command-line values with ``${a.b}`` rewritten relative to their key, as config files are
+    (``--checkpoint.dirpath '${trainer.default_root_dir}/c'`` -> ``${..trainer.default_root_dir}/c``)."""
     out = list(args)
     for i, arg in enumerate(out):
         if "${" not in str(arg):
@@ -92,8 +90,7 @@ def _is_number(text: str) -> bool:
 
 
 def _relative_to(key: str, target: str) -> str:
-    """``${target}`` as written in the value of ``key``: ``_relative_to("checkpoint.dirpath", "trainer.x")`` is
-    ``${..trainer.x}`` (one dot per level up from the key to the keys' common prefix, at least one)."""
+    """``${target}`` as written in the value of ``key``."""
     path, target_path = key.split("."), target.split(".")
     common = 0
     while common < min(len(path), len(target_path)) and path[common] == target_path[common]:
@@ -102,9 +99,8 @@ def _relative_to(key: str, target: str) -> str:
 
 
 def _quiet_lightning() -> None:
-    """Lightning's noise that does not apply to lwm, filtered at each CLI (a test's warning filters are reset
-    after it). `lwm` passes its own argv on purpose; Lightning's pytree helper trips a torch deprecation each run;
-    the module's on_after_batch_transfer (the dtype cast) is meant to serve with our DataModule."""
+    """Lightning's noise that does not apply to lwm, filtered at each CLI (a test's warning filters are reset after
+    it)."""
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     warnings.filterwarnings("ignore", message="You have overridden `on_after_batch_transfer` in `LightningModule`")
@@ -116,9 +112,9 @@ def _quiet_lightning() -> None:
     # quantizers need no buffer sync in the forward (they all-reduce their EMA statistics themselves)
     warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated")
     # under DDP, a hint per epoch-level key: lwm's are reduced across ranks before they are logged (torchmetrics, or
-    # gathered by the callback and logged by rank 0); tests/lightning/test_ddp.py checks 2 ranks == 1 process
+    # gathered by the callback and logged by rank 0).
     warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\('(Train|Val)_.*sync_dist=True")
-    if "SLURM_JOB_ID" not in os.environ:  # not in a job: Lightning's advice to prepend srun misleads (a CPU user)
+    if "SLURM_JOB_ID" not in os.environ:  # not in a job
         warnings.filterwarnings("ignore", message="The `srun` command is available on your system but is not used")
     for name in ("lightning.fabric.utilities.rank_zero", "lightning.pytorch.utilities.rank_zero"):
         logging.getLogger(name).addFilter(_drop_advert)
@@ -131,14 +127,12 @@ _ADVERTS = ("try installing [litlogger]",  # Lightning's logger tip, on every ru
 def _drop_advert(record: logging.LogRecord) -> bool:
     message = record.getMessage()
     if "Detected KeyboardInterrupt, attempting graceful shutdown" in message:
-        return False  # lwm's line says it (SlurmRequeue: "SIGINT again: ...", "SIGINT: stopping now, ...")
+        return False  # lwm's line says it
     return not any(advert in message for advert in _ADVERTS)
 
 
 class _SaveRunConfig(SaveConfigCallback):
-    """``RUN_DIR/config.yaml`` (and ``RUN_DIR/<verb>/config.yaml``); a fit's without its ``ckpt_path``: the run's
-    settings, not where this start resumed from (a copy of it starting another run would resume this one's
-    checkpoint; ``--ckpt_path last`` continues the run)."""
+    """``RUN_DIR/config.yaml`` (and ``RUN_DIR/<verb>/config.yaml``)."""
 
     @override
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -175,7 +169,7 @@ class LwmCLI(LightningCLI):
             parser_kwargs={"parser_mode": "omegaconf+", "exit_on_error": False, "allow_abbrev": False},
             save_config_callback=_SaveRunConfig,
             save_config_kwargs={"overwrite": True},  # a resumed run rewrites RUN_DIR/config.yaml
-            auto_configure_optimizers=False,  # the module's AdamW and schedule (model.optim), never --optimizer
+            auto_configure_optimizers=False,  # the module's AdamW and schedule
             # the data module shards by rank itself; 4 validations per epoch (the requirement's), config or not
             trainer_defaults={"use_distributed_sampler": False, "val_check_interval": 0.25},
             args=args,
@@ -222,26 +216,10 @@ class LwmCLI(LightningCLI):
             "checkpoint.mode": "max",
             "checkpoint.filename": "step={step:07d}",
             "checkpoint.auto_insert_metric_name": False,
-            "checkpoint.enable_version_counter": False,  # one run per RUN_DIR: last.ckpt is always the latest
+            "checkpoint.enable_version_counter": False,  # one run per RUN_DIR
         })
-        # Always-on callbacks, each configurable under its key (e.g. --revival.every_n_steps 10); the title is
-        # its section's in --help.
-        for key, callback, title in (
-            ("revival", DeadCodeRevival, "dead-code revival of both quantizers"),
-            ("codebooks", CodebookMonitor, "codebook usage, diversity and EMA decay in the logs"),
-            ("diagonality", AttentionDiagonality, "the action encoder's temporal attention diagonality"),
-            ("sensitivity", Sensitivity, "action and world sensitivity (dPSNR) after each validation"),
-            ("flops", FlopCounter, "TFLOPs of training and MFU"),
-            ("code_dictionaries", CodeDictionaries, "code dictionaries (codes.pt) at the end of fit"),
-            ("rollout_videos", RolloutVideos, "rollout videos at validation"),
-            ("copy_last", CopyLastBaseline, "the copy-last-frame baseline of validation"),
-            ("probes", GroundTruthProbes, "NMI and linear probes of the codes against true labels"),
-            ("progress_bar", StepProgressBar, "the progress bar"),
-            ("model_summary", ModelSummary, "the model summary at the start"),
-            ("slurm_requeue", SlurmRequeue, "preemption and requeue; outside SLURM Ctrl-C and kill save too"),
-            ("lr_monitor", LearningRateMonitor, "the learning rate in the logs (Train_Total/lr/pg1, /pg2)"),
-            ("prediction_writer", PredictionWriter, "lwm predict's codes per window"),
-        ):
+        # Always-on callbacks, each configurable under its key (e.g. --revival.every_n_steps 10).
+        for key, (callback, title) in DEFAULTS.items():
             parser.add_lightning_class_args(callback, key)
             parser.groups[key].title = f"{title} (``{key}.*``)"
         parser.groups["checkpoint"].title = "checkpoints (``checkpoint.*``; Lightning's ModelCheckpoint)"
@@ -251,9 +229,9 @@ class LwmCLI(LightningCLI):
         parser.set_defaults({"model_summary.max_depth": 2, "lr_monitor.logging_interval": "step"})
         _help_from_comments(parser, {"model.net": WorldModelConfig})
         parser.add_class_arguments(WandbConfig, "wandb")
-        for key in _NOT_LIGHTNINGS_OPTIMIZER:  # in the config.yaml of runs before lwm left them out: null, accepted
+        for key in _NOT_LIGHTNINGS_OPTIMIZER:  # in the config.yaml of runs before lwm left them out
             parser.add_argument(f"--{key}", type=Optional[Any], default=None, help=argparse.SUPPRESS)
-        if self._verb_free:  # a fit's RUN_DIR/config.yaml records its ckpt_path: accepted there, and unused
+        if self._verb_free:  # a fit's RUN_DIR/config.yaml records its ckpt_path
             parser.add_argument("--ckpt_path", type=Optional[str], default=None,
                                 help="(read from a fit's config.yaml and ignored)")
             parser.add_argument("--weights_only", type=Optional[bool], default=None,
@@ -271,8 +249,7 @@ class LwmCLI(LightningCLI):
 
     def _parse_ckpt_path(self) -> None:
         """Check ``--ckpt_path`` and resolve ``last`` to the run's latest whole checkpoint (Lightning's ``last`` is
-        ``last.ckpt``, whether cut short or behind a newer one). A fit resumes with the config's settings; the
-        evaluating verbs take the checkpoint's hyperparameters (Lightning's, for a file)."""
+        ``last.ckpt``, whether cut short or behind a newer one)."""
         sub = self.config.get("subcommand")
         if sub is None:
             return
@@ -318,15 +295,14 @@ class LwmCLI(LightningCLI):
                               f"use the run's own config (--config RUN_DIR/config.yaml)")
 
     def _check_data(self) -> None:
-        """Read and check the manifest, its files and the model's fit to them before the trainer starts
-        anything (a wandb run, a log folder): a data error leaves nothing behind. The trainer's own setup
-        repeats the rank-dependent check (validation windows for every rank)."""
+        """Read and check the manifest, its files and the model's fit to them before the trainer starts anything (a
+        wandb run, a log folder)."""
         self._check_checkpoint_fits()
         dm, trainer = self.datamodule, self.trainer
         dm.setup(self.subcommand)
         from_checkpoint = self._checkpoint_file(self.config[self.subcommand]) if self.subcommand != "fit" else None
         self.model.check_data(dm.frame_shape, dm.window, str(dm.manifest_path), model_from=from_checkpoint)
-        self.model.check_trainer(trainer)  # (its setup checks again, for runs without the CLI: too late here)
+        self.model.check_trainer(trainer)
         for callback in trainer.callbacks:
             if isinstance(callback, Sensitivity):
                 callback.check_window(dm.window)
@@ -378,16 +354,15 @@ class LwmCLI(LightningCLI):
     before_validate = before_test = before_predict = _check_data
 
     def before_fit(self) -> None:
-        if self.trainer.max_steps == 0:  # (Lightning stops at once: no step, no checkpoint, a config.yaml written)
+        if self.trainer.max_steps == 0:
             raise ConfigError("trainer.max_steps=0: a fit of no step (a number of steps, or -1: no limit)")
         self.run_dir(self.config[self.subcommand]).sweep_temp_files()
         self._check_data()
 
     def instantiate_trainer(self, **kwargs: Any):
-        """Lightning's Trainer with lwm's run layout: checkpoints in ``RUN_DIR/checkpoints``, the loggers (CSV,
-        wandb) in RUN_DIR (``RUN_DIR/<verb>`` for validate/test/predict), atomic checkpoint writes."""
+        """Lightning's Trainer with lwm's run layout."""
         trainer_config = self._get(self.config_init, "trainer", default={})
-        if trainer_config.get("enable_checkpointing") is False:  # (Lightning: "found ModelCheckpoint in callbacks")
+        if trainer_config.get("enable_checkpointing") is False:
             raise ConfigError("trainer.enable_checkpointing=false: lwm always checkpoints (last.ckpt is what "
                               "--ckpt_path last, a signal and a SLURM requeue resume from); "
                               "checkpoint.every_n_train_steps sets how often")
@@ -407,8 +382,8 @@ class LwmCLI(LightningCLI):
         return trainer
 
     def _default_loggers(self, run_dir: str) -> list:
-        """The CSV logger and wandb (:func:`make_loggers`) in RUN_DIR, or ``RUN_DIR/<verb>`` for validate/test/predict
-        (never into the fit's metrics.csv or config.yaml); a resumed fit continues its wandb run."""
+        """The CSV logger and wandb (:func:`make_loggers`) in RUN_DIR, or ``RUN_DIR/<verb>`` for
+        validate/test/predict (never into the fit's metrics.csv or config.yaml)."""
         evaluating = self.subcommand in ("validate", "test", "predict")
         log_dir = os.path.join(run_dir, self.subcommand) if evaluating else run_dir
         resume = self.run_dir(self.config["fit"]).resumes(self.config["fit"].get("ckpt_path")) \
@@ -436,7 +411,7 @@ class LwmCLI(LightningCLI):
 
     def _warn_other_run(self, subcommand: str) -> None:
         """Warn (one line) where ``--ckpt_path`` is another run's checkpoint (``RUN/checkpoints/X.ckpt``, RUN holding
-        a config.yaml): this command's files go under the config's ``trainer.default_root_dir``, not beside it."""
+        a config.yaml)."""
 
         path = self._checkpoint_file(self.config[subcommand])
         if path is None:
@@ -455,13 +430,12 @@ class LwmCLI(LightningCLI):
         if config.get("enable_model_summary") is False:
             callbacks = [c for c in callbacks if not isinstance(c, ModelSummary)]
         if self.subcommand == "fit":
-            callbacks = [*callbacks, HoldRunLock()]  # (before the config is saved: a refused fit writes none)
+            callbacks = [*callbacks, HoldRunLock()]
         return super()._instantiate_trainer(config, callbacks)
 
 
 def field_comments(cls: type) -> dict[str, str]:
-    """``{field: its comment}`` of a dataclass, from its source: the ``# comment`` at the end of the field's line,
-    else the comment lines right above it (the configs' one-line comments, which ``--help`` cannot read)."""
+    """``{field: its comment}`` of a dataclass, from its source."""
     import dataclasses
     import inspect
     import io
@@ -490,8 +464,8 @@ def field_comments(cls: type) -> dict[str, str]:
 
 
 def _help_from_comments(parser: Any, sections: dict[str, type]) -> None:
-    """``--help`` text of each field of the dataclasses under ``sections`` from their comments (none where the
-    source is not installed)."""
+    """``--help`` text of each field of the dataclasses under ``sections`` from their comments (none where the source
+    is not installed)."""
     try:
         helps = {f"{prefix}.{name}": text for prefix, cls in sections.items()
                  for name, text in field_comments(cls).items()}
@@ -518,8 +492,8 @@ def _option_names(parser: Any) -> list[str]:
 
 
 def _with_atomic_checkpoints(trainer_config: dict) -> list | None:
-    """The trainer's plugins plus :class:`AtomicCheckpointIO` (writes to a temp file, then renamed), or None where
-    it does not apply: DeepSpeed writes its checkpoint directories itself, and a given CheckpointIO is kept."""
+    """The trainer's plugins plus :class:`AtomicCheckpointIO` (writes to a temp file, then renamed), or None where it
+    does not apply."""
     strategy = trainer_config.get("strategy")
     deepspeed = isinstance(strategy, DeepSpeedStrategy) or (isinstance(strategy, str) and "deepspeed" in strategy)
     plugins = trainer_config.get("plugins") or []
@@ -569,13 +543,11 @@ def _config_file_with(args: list[str], key: str) -> str | None:
 _NOT_LIGHTNINGS_OPTIMIZER = ("optimizer", "lr_scheduler")
 
 
-_RECURSE = {"model.net", "model.optim"}  # below the top level, only lwm's own sections: Lightning's take values too
+_RECURSE = {"model.net", "model.optim"}  # below the top level, only lwm's own sections
 
 
 def _check_config_files(args: list[str], options: list[str]) -> None:
-    """Our own reading of the ``--config`` files, before jsonargparse's (whose errors name no file): a missing file,
-    a section that is not a mapping (``trainer: 5`` was dropped silently) and an unknown key are one line naming
-    the file; a file that is not YAML is left to jsonargparse."""
+    """Our own reading of the ``--config`` files, before jsonargparse's (whose errors name no file)."""
     known = {o[2:] for o in options if o.startswith("--")}
     sections = {o.rsplit(".", 1)[0] for o in known if "." in o}
     sections |= {s.split(".")[0] for s in sections}
@@ -606,8 +578,7 @@ def _check_config_files(args: list[str], options: list[str]) -> None:
 
 
 def _nearest(key: str, options: list[str]) -> str | None:
-    """The known option a mistyped ``--key`` most likely meant: the one of the same last part (in the same section,
-    if several), else the one of that section whose name has all its words, else the closest spelling."""
+    """The known option a mistyped ``--key`` most likely meant."""
     last = key.rsplit(".", 1)[-1].lstrip("-")
     same = {o for o in options if o.rsplit(".", 1)[-1] == last}
     same = {o for o in same if o.split(".")[0] == key.split(".")[0]} or same
@@ -653,9 +624,7 @@ def _check_override_order(args: list[str]) -> None:
 
 def read_config(args: list[str]) -> dict[str, Any]:
     """A fit's config (``["--config", FILE, *overrides]``) read by the fit's parser, as a dict, instantiating nothing
-    (no trainer, loggers, data or model): types, unknown keys, typos and broken YAML are refused in one line as by
-    ``lwm fit``, then the model's and optimiser's own checks run. ``data.manifest`` may be left out. For verbs that
-    check a config before work of their own (``lwm bench``, ``lwm demo``)."""
+    (no trainer, loggers, data or model)."""
 
     class ParseOnly(LwmCLI):
         def add_arguments_to_parser(self, parser) -> None:
@@ -673,12 +642,12 @@ def read_config(args: list[str]) -> dict[str, Any]:
 
     config = ParseOnly(args=args, run=False).config.clone().as_dict()  # (jsonargparse 5 drops namespace_to_dict)
     model = config.get("model") or {}
-    WorldModelConfig(**(model.get("net") or {}))  # their checks (ConfigError): what the module would refuse
+    WorldModelConfig(**(model.get("net") or {}))  # their checks
     OptimConfig(**(model.get("optim") or {}))
     return config
 
 
 def lightning_cli(args: list[str], run: bool = True):
-    """Build (and with ``run`` execute) the LightningCLI for ``args`` (``["fit", "--config", ...]``, or without
-    a verb when ``run`` is False)."""
+    """Build (and with ``run`` execute) the LightningCLI for ``args`` (``["fit", "--config", ...]``, or without a
+    verb when ``run`` is False)."""
     return LwmCLI(args=args, run=run)

@@ -1,28 +1,4 @@
-"""The ``lwm`` command.
-
-    lwm fit|validate|test|predict --config configs/X.yaml [--section.key=value ...]   (LightningCLI)
-    lwm overfit --config configs/X.yaml [--steps 1000] [overrides]                     the overfit test
-    lwm codes --config configs/X.yaml --ckpt_path CKPT [--max-windows N] [overrides]  code dictionaries
-    lwm generate --ckpt_path CKPT --data FILE.h5 [--steps N] [--out VIDEO]             rollouts as video
-    lwm play --ckpt_path CKPT [--data FILE.h5 | --manifest M] [--port 8000]             the world on a web page
-    lwm plot RUN_DIR [--out DIR]                                                      figures from metrics.csv
-    lwm data index DIR [--val-fraction F] [--out MANIFEST] [--seed S] [--tolerance TOL] [--resplit]
-    lwm data encode VIDEO... --out DIR [--codec pixel|wan|cogvideox|hunyuan --vae PATH] [--segment N]  |  lwm data decode FILE.h5 --out VIDEO [--vae PATH]
-    lwm data synth --out DIR --episodes N                                             the built-in world
-    lwm data atari --games pong breakout --out DIR [--episodes N]                       Atari footage (ale-py)
-    lwm bench [--config CFG] [--steps N] [--json OUT]                                 training-step speed, MFU
-    lwm resume-info --config CFG [overrides]                                          RUN_DIR + checkpoint (SLURM)
-    lwm demo [--out runs/demo] [--steps N]                                           the main job on a CPU
-
-The Lightning verbs read OmegaConf/LightningCLI YAML (``parser_mode="omegaconf+"``: interpolations such as
-``${trainer.default_root_dir}`` follow command-line overrides). Every run writes ``RUN_DIR/metrics.csv``,
-``RUN_DIR/config.yaml`` and ``RUN_DIR/checkpoints/`` (``last.ckpt`` plus every ``checkpoint.every_n_train_steps``),
-where ``RUN_DIR`` is ``trainer.default_root_dir``; ``--ckpt_path last`` resumes from there. ``validate``,
-``test`` and ``predict`` log into ``RUN_DIR/<verb>/`` (their own ``metrics.csv``, ``config.yaml``, ``videos/``),
-at the checkpoint's global step, and leave the fit's files alone.
-
-Errors exit 2 with one ``error: ...`` line per problem, naming the file or field.
-"""
+"""The ``lwm`` command."""
 
 from __future__ import annotations
 
@@ -48,7 +24,6 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
     return f"{filename}:{lineno}: {category.__name__}: {message}\n"
 
 
-# --------------------------------------------------------------------------------------------------
 def _data_index(args: argparse.Namespace) -> int:
     from lwm.data.manifest import index_directory, val_count
 
@@ -88,7 +63,7 @@ def _lightning(args: argparse.Namespace) -> int:
     from lwm.callbacks.slurm import interrupted_by
     from lwm.cli.lightning_cli import lightning_cli
 
-    if args.verb != "fit":  # evaluating a checkpoint needs none of its callbacks' states (Lightning asks for them)
+    if args.verb != "fit":  # evaluating a checkpoint needs none of its callbacks' states
         warnings.filterwarnings("ignore", message="Be aware that when using `ckpt_path`, callbacks used to create")
     start = time.monotonic()
     with _wide_output():
@@ -99,14 +74,13 @@ def _lightning(args: argparse.Namespace) -> int:
         from lwm.callbacks.progress import fit_summary
 
         print(fit_summary(trainer, time.monotonic() - start))
-    return 128 + signum if signum else 0  # a fit stopped by Ctrl-C or kill (after saving): 130, 143
+    return 128 + signum if signum else 0  # a fit stopped by Ctrl-C or kill
 
 
 @contextlib.contextmanager
 def _wide_output() -> Iterator[None]:
     """Not on a terminal (a log file, SLURM's output), 200 columns for Lightning's results table, which it sizes by
-    the terminal (``COLUMNS``, else 80 or 120) and rich cuts to 80: six rows read
-    ``Val_Action_Encoder/attention_diagona…``."""
+    the terminal (``COLUMNS``, else 80 or 120) and rich cuts to 80."""
     if sys.stdout.isatty():
         yield
         return
@@ -211,10 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 class _OutlivesItsReader:
-    """A text stream (stdout, stderr) whose writes outlive its reader: at the first broken pipe its file descriptor
-    is pointed at /dev/null, so that this write, every later one through any handle of it (rich's progress bar,
-    logging) and Python's flush at exit go nowhere instead of raising. A Ctrl-C of ``lwm fit | tee log`` ends tee
-    too: the fit must still write its checkpoint and exit with the stop's code."""
+    """A text stream (stdout, stderr) whose writes outlive its reader."""
 
     def __init__(self, stream: Any) -> None:
         self._stream = stream
@@ -262,8 +233,7 @@ def _output_outlives_its_reader() -> Iterator[None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # OpenMP's threads sleep when they wait instead of spinning (read as torch loads: for the `lwm` command): a core
-    # taken by another process no longer stalls the others
+    # OpenMP's threads sleep when they wait instead of spinning (read as torch loads: for the `lwm` command).
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     with _output_outlives_its_reader():
         return _main(argv)
@@ -284,17 +254,17 @@ def _main(argv: list[str] | None = None) -> int:
         if args is None:
             args = build_parser().parse_args(argv)
         return args.func(args)
-    except SystemExit as e:  # Lightning's exit 1 after a Ctrl-C it caught (its processes killed), in any verb that
-        from lwm.callbacks.slurm import hard_stopped  # fits or evaluates (lwm fit, demo, overfit, ...): 130
+    except SystemExit as e:  # Lightning's exit 1 after a Ctrl-C it caught
+        from lwm.callbacks.slurm import hard_stopped  # fits or evaluates
 
         if e.code == 1 and hard_stopped():
             return 128 + signal.SIGINT
         raise
-    except KeyboardInterrupt:  # (a fit's Ctrl-C is answered by its callbacks; this one came before or around it)
+    except KeyboardInterrupt:
         print("\nstopped by Ctrl-C (SIGINT)", file=sys.stderr)
         return 128 + signal.SIGINT
     except OSError as e:
-        if e.filename is None:  # not about a path: a real failure, with its traceback
+        if e.filename is None:  # not about a path
             raise
         where = f"{e.filename}" + (f" -> {e.filename2}" if e.filename2 else "")
         print(f"error: {where}: {e.strerror or e}", file=sys.stderr)  # exists, is a folder, no permission, ...
@@ -319,9 +289,7 @@ def _hint(line: str) -> str:
 
 
 def error_lines(e: BaseException) -> list[str]:
-    """The lines of an lwm error for the terminal. One raised in a DataLoader worker comes back wrapped ("Caught
-    DataError in DataLoader worker process 0", the worker's traceback, then "lwm....DataError: MESSAGE"): its
-    MESSAGE alone."""
+    """The lines of an lwm error for the terminal."""
     lines = str(e).splitlines()
     if lines and lines[0].startswith("Caught ") and "Original Traceback" in str(e):
         prefix = f"{type(e).__module__}.{type(e).__qualname__}: "

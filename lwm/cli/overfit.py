@@ -1,13 +1,4 @@
-"""The requirement's overfit test: one datapoint from the training data, many steps, every loss logged.
-
-    lwm overfit --config configs/tiny.yaml --data.manifest M [--steps 1000] [--file 0] [--start 0] [overrides]
-
-The model, optimiser and data loading are exactly those of ``lwm fit`` with the same config (manifest + h5
-window); the only datapoint is the window ``[start, start + data.window)`` of train file ``--file``, fed as a
-batch of one at every step. Nothing is validated. Every loss of every step goes to ``RUN_DIR/overfit/metrics.csv``
-(``RUN_DIR`` = ``trainer.default_root_dir``; ``overfit_2``, ``overfit_3``, ... when it exists) and the first and
-last teacher-forcing loss are printed: a healthy model drives it towards zero.
-"""
+"""The requirement's overfit test: one datapoint from the training data, many steps, every loss logged."""
 
 from __future__ import annotations
 
@@ -57,8 +48,8 @@ class _Record(L.Callback):
 
 
 class _DataHparams(L.Callback):
-    """Writes the data module's hyperparameters into the checkpoints, as ``lwm fit`` does (``lwm generate`` reads
-    the trained window there): the fit here runs on a loader of its own, not the data module."""
+    """Writes the data module's hyperparameters into the checkpoints, as ``lwm fit`` does (``lwm generate`` reads the
+    trained window there)."""
 
     def __init__(self, hparams: dict[str, Any]) -> None:
         self.hparams = hparams
@@ -79,7 +70,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     args, rest = parser.parse_known_args(argv)
     if args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
-    for key, instead in OWN_KEYS.items():  # given on the command line, and silently overridden: said
+    for key, instead in OWN_KEYS.items():  # given on the command line, and silently overridden
         if any(a.split("=")[0] == key for a in rest):
             warnings.warn(f"{key}: lwm overfit sets it itself (every step logged, one window, a batch of one, no "
                           f"validation, checkpoints in its folder): ignored" + (f"; use {instead}" if instead else ""))
@@ -87,8 +78,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def _fresh_folder(path: str) -> str:
-    """``path``, or ``path_2``, ``path_3``, ... the first that does not exist or is an empty folder (one a refused
-    run left): a run never appends to an earlier one's metrics.csv or leaves its checkpoints beside the new ones."""
+    """``path``, or ``path_2``, ``path_3``, ..."""
     candidate, n = path, 1
     while os.path.exists(candidate) and not (os.path.isdir(candidate) and not any(os.scandir(candidate))):
         n += 1
@@ -98,7 +88,7 @@ def _fresh_folder(path: str) -> str:
 
 def main(argv: list[str]) -> int:
     args, rest = parse(argv)
-    inherited = "LWM_OVERFIT_DIR" in os.environ  # a DDP child of an overfit run: its parent's folder
+    inherited = "LWM_OVERFIT_DIR" in os.environ  # a DDP child of an overfit run
     try:
         return _run(args, rest)
     finally:
@@ -117,7 +107,7 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
             os.environ["LWM_OVERFIT_DIR"] = trainer.default_root_dir = folder
             trainer.max_steps, trainer.max_epochs = args.steps, 1
             trainer.limit_val_batches, trainer.num_sanity_val_steps, trainer.val_check_interval = 0, 0, 1.0
-            trainer.check_val_every_n_epoch = 1  # (a config's null, validation counted across epochs, needs an int)
+            trainer.check_val_every_n_epoch = 1
             # every loss of every step, --steps optimizer steps of one batch each, whatever the config says
             trainer.log_every_n_steps, trainer.accumulate_grad_batches, trainer.limit_train_batches = 1, 1, 1.0
             self.config.checkpoint.dirpath = None  # into the overfit folder, never over a run's checkpoints

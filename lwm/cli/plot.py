@@ -1,20 +1,4 @@
-"""``lwm plot RUN_DIR [--out DIR]``: figures of a run from ``RUN_DIR/metrics.csv``.
-
-Writes, into ``--out`` (default ``RUN_DIR/figures``):
-
-* ``losses.png``: train vs val total, teacher-forced, rollout-1/2 and prediction losses, and the commitment and
-  codebook losses of both quantizers, against the step; the teacher-forced panel also has the copy-last-frame
-  baseline (``Val_Dynamics_Predictor/copy_last_loss``, dashed) that the val loss must beat, where it was logged;
-* ``val_loss_vs_tflops.png``: the val total and teacher-forced losses against the cumulative training TFLOPs
-  (log-log);
-* ``sensitivity.png``: Delta-PSNR, PSNR with the clip's own codes (seq) and with random codes (rand), of the
-  action and world codes, against the step;
-* ``codebook_usage.png``: the fraction of codes used per RVQ level, train and val, one panel per quantizer;
-* ``attention_diagonality.png``: the mean attention diagonality per action-encoder block, with a min-max band.
-
-A figure whose columns are all missing (e.g. the TFLOPs of a run that predates them) is skipped with a note.
-matplotlib is imported only here, and only when plotting; figures are drawn with the Agg canvas (no display).
-"""
+"""``lwm plot RUN_DIR [--out DIR]``: figures of a run from ``RUN_DIR/metrics.csv``."""
 
 from __future__ import annotations
 
@@ -37,17 +21,11 @@ Series = list[tuple[int, float]]
 Metrics = dict[str, Series]
 
 _NOT_METRICS = ("step", "epoch")
-_MARKER_MAX_POINTS = 60  # series this short (typically validation) get a dot per point
+_MARKER_MAX_POINTS = 60  # series this short
 
 
-# --------------------------------------------------------------------------------------------------
-# reading
 def read_metrics(path: str | Path) -> Metrics:
-    """``{column: [(step, value), ...]}`` of a Lightning ``metrics.csv``, each series sorted by step.
-
-    Empty cells are dropped; a step that appears in several rows (a resumed run re-logs the steps after its
-    checkpoint) keeps the value of the last row that has the column. ``step`` and ``epoch`` are not series.
-    """
+    """``{column: [(step, value), ...]}`` of a Lightning ``metrics.csv``, each series sorted by step."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: no such file (a training run writes RUN_DIR/metrics.csv)")
@@ -85,8 +63,6 @@ def _parse(cell: str | None) -> float | None:
         return None
 
 
-# --------------------------------------------------------------------------------------------------
-# figures: each builder draws one figure, or raises _Skip naming what was missing
 class _Skip(Exception):
     """The figure cannot be drawn; the message says why."""
 
@@ -216,10 +192,8 @@ FIGURES: dict[str, Callable[[Metrics], Figure]] = {
 }
 
 
-# --------------------------------------------------------------------------------------------------
-# drawing helpers
 def _grid(n: int, ncols: int) -> tuple[Figure, list[Axes]]:
-    from matplotlib.figure import Figure  # the Agg canvas draws it: no pyplot, no display, no global state
+    from matplotlib.figure import Figure  # the Agg canvas draws it
 
     ncols = min(ncols, n)
     nrows = math.ceil(n / ncols)
@@ -281,11 +255,8 @@ def _quantizer_name(quantizer: str) -> str:
     return quantizer.removesuffix("_Encoder").lower()
 
 
-# --------------------------------------------------------------------------------------------------
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> tuple[list[Path], dict[str, str]]:
-    """Write the figures of ``run_dir`` into ``out`` (default ``run_dir/figures``).
-
-    Returns the paths written and ``{figure file name: why it was skipped}``."""
+    """Write the figures of ``run_dir`` into ``out`` (default ``run_dir/figures``)."""
     run_dir = Path(run_dir)
     if run_dir.is_file():
         raise DataError(f"{run_dir}: a file; lwm plot takes the run's folder ({run_dir.parent})")

@@ -1,25 +1,4 @@
-"""Real game footage from the Arcade Learning Environment: ``lwm data atari``.
-
-    lwm data atari --games pong breakout --out DIR [--episodes 8] [--frames 256] [--seed 0]
-                   [--frame-skip 4] [--sticky 0.75] [--codec pixel | wan|cogvideox|hunyuan --vae PATH] [--overwrite]
-
-ale-py is an optional extra (``pip install 'lwm[atari]'``; its wheel ships the ROMs). Each episode plays
-one game from a reset with a sticky-random policy: at each decision the previous action is repeated with
-probability ``--sticky``, else one of the game's minimal action set is drawn uniformly. Every recorded frame
-is ``--frame-skip`` emulator frames under the same action. An episode ends after ``--frames`` frames or at
-game over. The 210x160 screen is resized (stretched) to the codec's square size and encoded; files hold
-
-* ``actions[t]``: the ALE action id (0..17, e.g. 0 NOOP, 1 FIRE, 3 RIGHT, 4 LEFT) taken after frame ``t``;
-* ``world_label``: the game's index in ``--games``, and the game's name in the ``game`` attribute;
-* ``fps``: the emulator's 60 frames per second over ``--frame-skip``, the rate the recording plays at.
-
-``--out`` must hold no other h5 files (they would join the manifest); files of this run's names (an earlier
-recording) are refused unless ``--overwrite``. Every argument is checked before a VAE is loaded.
-
-With a video-VAE codec (4 frames per latent step) each action is held for 4 recorded frames from frame 0,
-so the action stored for latent transition ``k -> k+1`` (the one after frame ``4k``) is exactly the action
-behind the 4 frames that latent ``k+1`` brings in (see :mod:`lwm.data.vae`).
-"""
+"""Real game footage from the Arcade Learning Environment: ``lwm data atari``."""
 
 from __future__ import annotations
 
@@ -56,7 +35,7 @@ def games() -> list[str]:
 def record(game: str, seed: int, frames: int, frame_skip: int = 4, sticky: float = 0.75,
            hold: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """Play ``game`` from a reset: ``(frames uint8 [F, 210, 160, 3], actions int64 [F])`` with ``F <= frames``
-    (shorter at game over). The policy decides every ``hold`` frames; a pure function of ``seed``."""
+    (shorter at game over)."""
     ale_py = _ale()
     rom = ale_py.roms.get_rom_path(game) if game in ale_py.roms.get_all_rom_ids() else None
     if rom is None:
@@ -93,15 +72,13 @@ def stretch(video: np.ndarray, size: int) -> np.ndarray:
 
 def check_arguments(out_dir: str | Path, game_list: list[str], episodes: int, frames: int, frame_skip: int,
                     sticky: float, val_fraction: float, overwrite: bool = False) -> None:
-    """Refuse bad arguments in one line, before anything is recorded or loaded: the ranges, unknown or repeated
-    games (a repeat wrote its files twice, under a second label), and an ``out_dir`` holding other h5 files, or
-    (unless ``overwrite``) this run's files or a manifest."""
+    """Refuse bad arguments in one line, before anything is recorded or loaded."""
     if not game_list:
         raise DataError("--games: name at least one game")
     if episodes < 1 or frames < 2 or frame_skip < 1 or not 0.0 <= sticky <= 1.0:
         raise DataError(f"need --episodes >= 1, --frames >= 2, --frame-skip >= 1 and --sticky in [0, 1], got "
                         f"{episodes}, {frames}, {frame_skip}, {sticky}")
-    if not 0.0 <= val_fraction < 1.0:  # before any episode is recorded (index_directory would refuse it after)
+    if not 0.0 <= val_fraction < 1.0:  # before any episode is recorded
         raise DataError(f"--val-fraction must lie in [0, 1), got {val_fraction}")
     repeated = sorted({g for g in game_list if game_list.count(g) > 1})
     if repeated:
@@ -128,8 +105,7 @@ def _name(game: str, episode: int) -> str:
 def make_dataset(out_dir: str | Path, game_list: list[str], episodes: int = 8, frames: int = 256, seed: int = 0,
                  frame_skip: int = 4, sticky: float = 0.75, codec=None, val_fraction: float = 0.125, log=print,
                  overwrite: bool = False) -> Path:
-    """Record ``episodes`` per game into ``out_dir/<game>_NNN.h5`` and index them; returns the manifest path.
-    Arguments as :func:`check_arguments` checks them."""
+    """Record ``episodes`` per game into ``out_dir/<game>_NNN.h5`` and index them; returns the manifest path."""
 
     check_arguments(out_dir, game_list, episodes, frames, frame_skip, sticky, val_fraction, overwrite)
     codec = codec or PixelCodec()

@@ -1,11 +1,4 @@
-"""Codecs between video frames and lwm's 16-channel latents ``[T, 16, 64, 64]`` in [-1, 1].
-
-:class:`PixelCodec` is built in and has no weights: 128x128 RGB frames, 2x2 pixel-unshuffled to 12 channels
-at 64x64, plus the 2x2-unshuffled luma (4 channels), each mapped ``v / 127.5 - 1``. Decoding reads the 12
-RGB channels back (the luma channels are redundant, there to give the model a brightness view), so
-``decode(encode(frames)) == frames`` exactly for uint8 frames. A file says how to decode it in its ``codec``
-attribute (JSON, e.g. ``{"name": "pixel", "version": 1, "size": 128}``); :func:`codec_from_attr` reads it.
-"""
+"""Codecs between video frames and lwm's 16-channel latents ``[T, 16, 64, 64]`` in [-1, 1]."""
 
 from __future__ import annotations
 
@@ -25,7 +18,7 @@ LUMA = np.array([0.299, 0.587, 0.114], dtype=np.float32)  # ITU-R BT.601
 class PixelCodec:
     """RGB ``uint8 [T, 128, 128, 3]`` <-> latents ``float32 [T, 16, 64, 64]`` in [-1, 1]."""
 
-    size: int = 128  # frame height and width in pixels (latents are size/2)
+    size: int = 128  # frame height and width in pixels
     name: str = "pixel"
     version: int = 1
     frames_per_latent: int = 1  # video frames per latent step
@@ -77,10 +70,9 @@ def codec_spec(attr: object, path: str = "") -> dict | None:
 
 
 def codec_from_attr(attr: object, path: str = "", vae: str | None = None, device: str = "cpu", tiling: bool = False):
-    """The codec a file's ``codec`` attribute names, or None when there is none, when it is unknown, or when it
-    is a diffusers VAE (:mod:`lwm.data.vae`) and no ``vae`` weights folder is given (``tiling``: the VAE decodes
-    in tiles, :func:`lwm.data.vae.load_vae`). A ``vae`` given for a file whose codec takes none is refused (it
-    would be ignored: a wrong path went unnoticed)."""
+    """The codec a file's ``codec`` attribute names, or None when there is none, when it is unknown, or when it is a
+    diffusers VAE (:mod:`lwm.data.vae`) and no ``vae`` weights folder is given (``tiling``: the VAE decodes in
+    tiles, :func:`lwm.data.vae.load_vae`)."""
     from lwm.data.vae import CLASSES, VAECodec
 
     spec = codec_spec(attr, path)

@@ -1,19 +1,4 @@
-"""Videos <-> h5 latent files through a codec: ``lwm data encode`` and ``lwm data decode``.
-
-    lwm data encode VIDEO... --out DIR [--codec pixel|wan|cogvideox|hunyuan] [--vae PATH] [--size S] [--stride N]
-                    [--segment N] [--vae-tiling] [--overwrite]
-    lwm data decode FILE.h5 --out VIDEO.mp4|.gif [--fps F] [--vae PATH] [--overwrite]
-
-Frames are centre-cropped to a square and resized to the codec's size (128x128 for ``pixel``, 512x512 for the
-diffusers VAEs, which need ``--vae`` with their local weights; see :mod:`lwm.data.vae`). A ``--size`` whose latents
-the model cannot train on (height and width multiples of 4: ``pixel`` needs a multiple of 8, the VAEs one of 32)
-is refused before any video is read. One h5 file per video, or with ``--segment N`` one per ``N`` frames (then
-``lwm data index DIR``), each logged in one line with its latent shape and any crop; files of a video's name
-already in ``DIR`` are refused (``--overwrite``: replaced once the video is encoded, the rest removed; a failed
-encode leaves them). Frames are read one at a time.
-The files record the frame rate of the frames they encode (the source's divided by ``--stride``, where the
-container says it) as the ``fps`` attribute, which decoding and ``lwm generate`` play them at by default.
-"""
+"""Videos <-> h5 latent files through a codec: ``lwm data encode`` and ``lwm data decode``."""
 
 from __future__ import annotations
 
@@ -40,9 +25,7 @@ CODECS = ("pixel", "wan", "cogvideox", "hunyuan")
 
 def check_size(codec: str, size: int | None) -> None:
     """Refuse a ``--size`` that gives latents the model cannot train on (height and width positive multiples of
-    :data:`MODEL_MULTIPLE`): the pixel codec's latents are ``size/2``, a VAE's ``size/8``, so ``size`` must be a
-    positive multiple of 8 or 32; the message names the nearest valid sizes. None (the codec's default) and
-    unknown codecs (refused by :func:`make_codec`) pass."""
+    :data:`MODEL_MULTIPLE`)."""
     if size is None or codec not in CODECS:
         return
     cell = 2 if codec == "pixel" else SPATIAL  # pixels per latent cell
@@ -74,8 +57,7 @@ def square_resize(frames: np.ndarray, size: int) -> np.ndarray:
 
 
 def framing(source: tuple[int, int], size: int) -> str:
-    """What :func:`square_resize` did to frames of ``(height, width)`` ``source``, for a log line: ``"; 160x96
-    frames centre-cropped to 96x96, then resized to 128x128"`` (width x height), or ``""`` where nothing."""
+    """What :func:`square_resize` did to frames of ``(height, width)`` ``source``, for a log line."""
     H, W = source
     side = min(H, W)
     steps = [f"centre-cropped to {side}x{side}"] if H != W else []
@@ -85,8 +67,7 @@ def framing(source: tuple[int, int], size: int) -> str:
 
 
 def iter_video(path: str | Path, stride: int = 1) -> Iterator[np.ndarray]:
-    """The frames of a video file one at a time, ``uint8 [H, W, 3]`` (every ``stride``-th): decoded as they
-    are read, so a long video never sits in memory at its native resolution."""
+    """The frames of a video file one at a time, ``uint8 [H, W, 3]`` (every ``stride``-th)."""
     import imageio.v3 as iio
 
     path = Path(path)
@@ -112,7 +93,7 @@ def iter_video(path: str | Path, stride: int = 1) -> Iterator[np.ndarray]:
 
 def _eight_bit(frame: np.ndarray, path: str | Path, index: int) -> np.ndarray:
     """A frame's colour as ``uint8``: 16-bit frames (PNG, TIFF) by their high byte (a cast would wrap them modulo
-    256); any other kind of value is refused in one line."""
+    256)."""
     if frame.dtype == np.uint8:
         return frame
     if frame.dtype == np.uint16:
@@ -121,15 +102,15 @@ def _eight_bit(frame: np.ndarray, path: str | Path, index: int) -> np.ndarray:
 
 
 def source_fps(path: str | Path) -> float | None:
-    """The frame rate a video's container declares (None where it declares none; and for GIFs, whose per-frame
-    delays PyAV reports as a rate of 100)."""
+    """The frame rate a video's container declares (None where it declares none; and for GIFs, whose per-frame delays
+    PyAV reports as a rate of 100)."""
     import imageio.v3 as iio
 
     if Path(path).suffix.lower() == ".gif":
         return None
     try:
         fps = iio.immeta(path, plugin="pyav").get("fps")
-    except Exception:  # not a container PyAV reads: the frames themselves may still be readable
+    except Exception:  # not a container PyAV reads
         return None
     return float(fps) if fps and np.isfinite(fps) and fps > 0 else None
 
@@ -144,9 +125,8 @@ def read_video(path: str | Path, stride: int = 1) -> np.ndarray:
 
 def make_codec(codec: str = "pixel", vae: str | Path | None = None, size: int | None = None,
                device: str = "cpu", dtype: torch.dtype = torch.float32, tiling: bool = False):
-    """The codec ``--codec`` names: the built-in pixel codec, or a diffusers VAE loaded from ``vae`` (``tiling``:
-    it encodes in overlapping spatial tiles, see :func:`lwm.data.vae.load_vae`); ``size`` is checked first
-    (:func:`check_size`)."""
+    """The codec ``--codec`` names: the built-in pixel codec, or a diffusers VAE loaded from ``vae`` (``tiling``: it
+    encodes in overlapping spatial tiles, see :func:`lwm.data.vae.load_vae`)."""
     if codec not in CODECS:
         raise DataError(f"--codec {codec}: unknown (known: {', '.join(CODECS)})")
     check_size(codec, size)  # before a VAE (or diffusers) is loaded
@@ -160,12 +140,12 @@ def make_codec(codec: str = "pixel", vae: str | Path | None = None, size: int | 
     return VAECodec.load(codec, vae, size or 512, device, dtype, tiling)
 
 
-ENCODE_CHUNK = 256  # frames a frame-by-frame codec (the pixel codec) encodes at a time: bounded float32 copies
+ENCODE_CHUNK = 256  # frames a frame-by-frame codec
 
 
 def _encoded(codec, frames: np.ndarray) -> Iterator[tuple[np.ndarray, int]]:
-    """``(latents, clipped)`` of ``frames``: chunk by chunk for a frame-by-frame codec, in one call for a
-    temporal one (a causal video VAE encodes the clip as a whole)."""
+    """``(latents, clipped)`` of ``frames``: chunk by chunk for a frame-by-frame codec, in one call for a temporal
+    one (a causal video VAE encodes the clip as a whole)."""
     step = ENCODE_CHUNK if codec.frames_per_latent == 1 else max(1, len(frames))
     for i in range(0, len(frames), step):
         chunk = frames[i : i + step]
@@ -177,11 +157,9 @@ def _encoded(codec, frames: np.ndarray) -> Iterator[tuple[np.ndarray, int]]:
 
 def write_latents(target: Path, codec, frames: np.ndarray, actions: np.ndarray | None = None,
                   world_label: int | None = None, attrs: dict | None = None) -> int:
-    """Encode ``uint8 [F, S, S, 3]`` frames into the h5 file ``target`` (``latents`` float16, ``codec``
-    attribute; optional per-frame ``actions``, subsampled to latent steps, ``world_label`` and other ``attrs``);
-    written to a temporary name and renamed, so a failure never leaves a half-written file. Returns the clipped
-    count."""
-    tmp = temp_path(target)  # (a kill leaves it: the next encode into the folder sweeps it)
+    """Encode ``uint8 [F, S, S, 3]`` frames into the h5 file ``target`` (``latents`` float16, ``codec`` attribute;
+    optional per-frame ``actions``, subsampled to latent steps, ``world_label`` and other ``attrs``)."""
+    tmp = temp_path(target)
     clipped, n = 0, 0
     try:
         with h5py.File(tmp, "w") as f:
@@ -224,10 +202,7 @@ def source_video(path: Path) -> str | None:
 
 
 def earlier_outputs(out: Path, video: str | Path, segmented: bool = False) -> list[Path]:
-    """The files in ``out`` an earlier encode of ``video`` wrote: ``stem.h5`` and ``stem_NNNN.h5``, its segments of
-    any ``--segment``, recorded as encoded from this video (by name alone where written before lwm recorded it):
-    ``scene_0001.h5`` encoded from ``scene_0001.mp4`` is not a segment of ``scene.mp4``. Unless ``segmented``,
-    ``stem.h5`` is where this encode writes: that one whichever video wrote it. Sorted."""
+    """The files in ``out`` an earlier encode of ``video`` wrote."""
     if not out.is_dir():
         return []
     name, stem = Path(video).name, Path(video).stem
@@ -241,21 +216,13 @@ def encode_videos(videos: list[str], out: str | Path, codec: str = "pixel", stri
                   vae: str | Path | None = None, size: int | None = None, device: str = "cpu",
                   dtype: torch.dtype = torch.float32, segment: int | None = None, log=print,
                   tiling: bool = False, overwrite: bool = False) -> list[Path]:
-    """Encode each video to ``out/<name>.h5``, or with ``segment`` to ``out/<name>_0000.h5``, ... of at most
-    ``segment`` frames each (after ``stride``; each file encoded on its own, a clip of its own); ``log`` gets one
-    line per file. Frames are read and resized one at a time: memory holds one file's frames at the codec's
-    size (``segment`` bounds it for long videos). Where ``out`` already holds a file of a video's name
-    (:func:`earlier_outputs`: an earlier encode's, perhaps of other segments) it is refused before any video is
-    read, unless ``overwrite``: then the video's new files replace them once all of them are written (they are
-    written to temporary names: a failed encode leaves the old files as they were), and those left over (other
-    segments) are removed; another video's file is never touched. A ``size`` whose latents the model cannot train
-    on is refused first (:func:`check_size`)."""
+    """Encode each video to ``out/<name>.h5``, or with ``segment`` to ``out/<name>_0000.h5``, ..."""
     check_size(codec, size)
     for video in videos:  # fail on a missing video before loading a VAE
         if not Path(video).is_file():
             raise DataError(f"{video}: video not found")
     stems: dict[str, str] = {}
-    for video in videos:  # out/<name>.h5: two videos of one name would overwrite each other
+    for video in videos:  # out/<name>.h5
         other = stems.get(Path(video).stem)
         if other is None:
             stems[Path(video).stem] = video
@@ -281,9 +248,9 @@ def encode_videos(videos: list[str], out: str | Path, codec: str = "pixel", stri
     out = Path(out)
     made = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    remove_stale_temp_files(out)  # of encodes killed mid-way (their old files are whole)
+    remove_stale_temp_files(out)  # of encodes killed mid-way
     written: list[Path] = []
-    staged: list[tuple[Path, Path, str]] = []  # this video's (temporary file, target, log line), moved in at its end
+    staged: list[tuple[Path, Path, str]] = []  # this video's
 
     def write(target: Path, frames: list[np.ndarray], video: str, fps: float | None, source: tuple[int, int]) -> None:
         if target in written or target in [t for _, t, _ in staged]:  # a segment name another video's file took
@@ -304,7 +271,7 @@ def encode_videos(videos: list[str], out: str | Path, codec: str = "pixel", stri
 
     def encode(video: str, progress: Progress) -> None:
         stem, frames, part, fps = Path(video).stem, [], 0, source_fps(video)
-        source = (0, 0)  # (height, width) of the frames read, for the log line
+        source = (0, 0)
         task = progress.add_task(f"encoding {Path(video).name}", total=None)
         for frame in iter_video(video, stride):
             frames.append(square_resize(frame[None], c.size)[0])
@@ -326,7 +293,7 @@ def encode_videos(videos: list[str], out: str | Path, codec: str = "pixel", stri
         for video in videos:
             try:
                 encode(video, progress)
-            except BaseException:  # its files written so far, to temporary names: removed (the old ones kept)
+            except BaseException:  # its files written so far, to temporary names
                 for tmp, _, _ in staged:
                     tmp.unlink(missing_ok=True)
                 if made and not any(out.iterdir()):
@@ -337,15 +304,15 @@ def encode_videos(videos: list[str], out: str | Path, codec: str = "pixel", stri
                 written.append(target)
                 log(line)
             staged.clear()
-            for stale in earlier[video]:  # old segments would be indexed beside the new ones: removed
+            for stale in earlier[video]:  # old segments would be indexed beside the new ones
                 if stale not in written:
                     stale.unlink(missing_ok=True)
     return written
 
 
 def frames_note(codec, frames: int) -> str:
-    """``"N frames"`` encoded, for a log line; through a VAE also the latent frames and the trailing frames that
-    fill no group of :data:`TEMPORAL` (dropped)."""
+    """``"N frames"`` encoded, for a log line; through a VAE also the latent frames and the trailing frames that fill
+    no group of :data:`TEMPORAL` (dropped)."""
     what = f"{frames} frames"
     if codec.frames_per_latent > 1:
         latents, dropped = latent_frames(frames), frames - video_frames(latent_frames(frames))
@@ -357,8 +324,7 @@ def frames_note(codec, frames: int) -> str:
 def decode_file(path: str | Path, out: str | Path, fps: float | None = None, vae: str | Path | None = None,
                 tiling: bool = False, device: str = "cpu", overwrite: bool = False) -> Path:
     """Decode an h5 file through the codec its ``codec`` attribute names and write the video, at ``fps`` (None: the
-    file's ``fps`` attribute, else 8). Refuses an existing ``out`` (unless ``overwrite``) and latents that are not
-    finite or outside [-1, 1] (:func:`inspect_h5`'s check): a codec would make them a wrong video, silently."""
+    file's ``fps`` attribute, else 8)."""
 
     if Path(out).suffix not in VIDEO_SUFFIXES:  # before any decoding
         raise DataError(f"{out}: the video must end in one of {', '.join(VIDEO_SUFFIXES)}")

@@ -1,16 +1,5 @@
 """The LightningDataModule: random training windows from the manifest's ``train`` files, a fixed set of
-validation windows from its ``val`` files, each rank its own share, the sampler position in checkpoints.
-
-* Training: :class:`FileBatchSampler` (each batch element from a different file, a random start), sharded
-  by rank (``use_distributed_sampler: false`` in the trainer: Lightning must not re-wrap it). One epoch is
-  the split's non-overlapping windows divided by the global batch.
-* Resume: the train loader is a :class:`ResumableDataLoader`; Lightning stores its ``state_dict`` (epoch and
-  batches consumed) in every checkpoint and restores it, so a resumed run draws exactly the batches an
-  uninterrupted run would have drawn; where the train files, the window or the epoch length changed since the
-  checkpoint, it warns. The data module's own state (the seed) keeps the checkpoint's validation subset too.
-* Validation: the val files' non-overlapping windows in a seeded order, the first ``val_size_percent`` of
-  them (0: no validation, 1: all), dealt to ranks round-robin; the same windows at every validation.
-"""
+validation windows from its ``val`` files, each rank its own share, the sampler position in checkpoints."""
 
 from __future__ import annotations
 
@@ -39,14 +28,7 @@ from lwm.utils.errors import refused
 
 def ignore_requeue_signal(worker_id: int) -> None:
     """In a DataLoader worker: leave SLURM's signals (sent to every process of the job step) and Ctrl-C to the main
-    process, which saves at the next batch end (:class:`~lwm.callbacks.SlurmRequeue`). A forked worker
-    inherits Lightning's SIGUSR1 handler, which would write a checkpoint of nothing and requeue the job from
-    the worker: ignored. PyTorch's SIGTERM handler kills the worker, which fails the step before the save:
-    a SIGTERM from anyone but the process that started the worker is ignored (a thread takes it with
-    ``sigwaitinfo``, which names the sender), and one from it (shutting its workers down) ends the worker as
-    before. (A spawned worker may already run torch's threads, which do not block SIGTERM: there PyTorch's
-    handler can still take it.) Ctrl-C reaches every process of the terminal's group: a worker ignores it (the
-    main process saves and stops; torch's worker loop would end quietly and fail the next batch it owes)."""
+    process, which saves at the next batch end (:class:`~lwm.callbacks.SlurmRequeue`)."""
     if hasattr(signal, "SIGUSR1"):
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -64,19 +46,7 @@ def ignore_requeue_signal(worker_id: int) -> None:
 
 
 class ResumableDataLoader(DataLoader):
-    """A DataLoader over a :class:`FileBatchSampler` that knows how many batches it has handed out this epoch.
-
-    ``state_dict() -> {"epoch", "batches", "seed", "global_batch", "stream"}``; after ``load_state_dict`` the next
-    iteration of that epoch starts at batch ``batches``. Lightning saves and restores it with the fit loop (it
-    checks for these two methods). A run resumed with another global batch (``batch_size`` x ranks) continues the
-    epoch at the same batch index, as Lightning's own count of the epoch's batches does, with a warning: its
-    batches are not the uninterrupted run's, and the epoch (of this run's length) holds more or fewer windows
-    than one epoch of either run. The sampler keeps the checkpoint's seed, with a warning where ``data.seed``
-    differs (``on_seed``, if given, is told the checkpoint's seed). ``stream`` (:meth:`LatentDataModule.stream`:
-    the train files and their frames, the window, the epoch length setting) is what else decides the batches: a
-    resume where it differs from the checkpoint's warns in one line naming what changed (a checkpoint without
-    it: nothing to compare).
-    """
+    """A DataLoader over a :class:`FileBatchSampler` that knows how many batches it has handed out this epoch."""
 
     batch_sampler: FileBatchSampler
 
@@ -114,7 +84,7 @@ class ResumableDataLoader(DataLoader):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         seed, epoch, batches = self.batch_sampler.seed, int(state["epoch"]), int(state["batches"])
         self.batch_sampler.load_state_dict(state)
-        if self.batch_sampler.seed != seed:  # (a checkpoint of an earlier lwm: the data module's state restores it)
+        if self.batch_sampler.seed != seed:
             rank_zero_warn(f"data.seed={seed} differs from the checkpoint's sampler seed {self.batch_sampler.seed}: "
                            "the resumed run keeps drawing the checkpoint's batches (its seed)")
         if self.on_seed is not None:
@@ -132,8 +102,8 @@ class ResumableDataLoader(DataLoader):
 
 
 def stream_changes(saved: dict[str, Any] | None, current: dict[str, Any] | None) -> list[str]:
-    """What differs between a checkpoint's :meth:`LatentDataModule.stream` and this run's, each as a few words
-    (empty where either is unknown)."""
+    """What differs between a checkpoint's :meth:`LatentDataModule.stream` and this run's, each as a few words (empty
+    where either is unknown)."""
     if not saved or not current:
         return []
 
@@ -155,27 +125,7 @@ def stream_changes(saved: dict[str, Any] | None, current: dict[str, Any] | None)
 
 
 class LatentDataModule(L.LightningDataModule):
-    """Windows of ``window`` frames from the h5 files listed in ``manifest``.
-
-    Args:
-        manifest: path of the manifest JSON (`lwm data index DIR` writes one).
-        window: frames per training window T (at least 2; the model needs len(rollout_weights) + 1, 4 by default).
-        batch_size: windows per batch on each rank (the global batch is batch_size * world size).
-        val_batch_size: windows per validation batch on each rank (None: batch_size).
-        num_workers: DataLoader worker processes per rank (0: read in the main process).
-        val_size_percent: fraction of the validation windows used at each validation, 0 (none) to 1 (all).
-        seed: seed of the training sampler and of the validation subset. A run resumed from a checkpoint (and
-            ``validate``/``test``/``predict`` given one) keeps the checkpoint's, with a warning where it differs.
-        batches_per_epoch: override the epoch length in batches per rank (None: windows / global batch).
-        check_files: at setup, open every file of the manifest and check its dataset (under the manifest's ``key``)
-            and shape (headers only; the values too of a file changed since `lwm data index` checked them).
-        multiprocessing_context: worker start method ("fork", "spawn", "forkserver"; None: the platform's).
-        prefetch_factor: batches each worker prepares ahead (each batch of 32 x 16 frames of 16x64x64 is 64 MiB
-            of shared memory from float16 files, 128 MiB from float32, so workers x prefetch_factor x that per rank).
-        pin_memory: pin batches for faster host-to-GPU copies (on when training on a GPU).
-        float16_batches: windows of float16 files stay float16 to the device, which casts them to float32 (half
-            the worker-to-trainer traffic, exact); false: float32 from the workers.
-    """
+    """Windows of ``window`` frames from the h5 files listed in ``manifest``."""
 
     def __init__(
         self,
@@ -223,14 +173,13 @@ class LatentDataModule(L.LightningDataModule):
         self.train_set: H5WindowDataset | None = None
         self.val_set: H5WindowDataset | None = None
 
-    # ----------------------------------------------------------------------------------------------
     def load_manifest(self) -> Manifest:
-        """Read the manifest and (if ``check_files``) every file's header; raises :class:`DataError` naming
-        each bad file. Idempotent."""
+        """Read the manifest and (if ``check_files``) every file's header; raises :class:`DataError` naming each bad
+        file."""
         if self.manifest is None:
             manifest = Manifest.load(self.manifest_path)
             if self.check_files:
-                manifest.check_duplicates(files=True)  # links and hard links too (a stat per file: here only)
+                manifest.check_duplicates(files=True)  # links and hard links too
                 problems, changed, missing = [], [], 0
                 rank_zero = (self.trainer.global_rank if self.trainer is not None else rank_zero_only.rank) == 0
                 for e in checking(manifest.entries, f"checking {len(manifest.entries)} files", show=rank_zero):
@@ -267,8 +216,7 @@ class LatentDataModule(L.LightningDataModule):
         return self.manifest
 
     def codec(self):
-        """The pixel decoder of the validation files (their ``codec`` attribute, read from the first one), or
-        None: no codec, one lwm cannot run without weights (a VAE), or none known."""
+        """The pixel decoder of the validation files (their ``codec`` attribute, read from the first one), or None."""
         import h5py
 
 
@@ -293,7 +241,7 @@ class LatentDataModule(L.LightningDataModule):
         if stage in ("fit", "validate") and self.val_size_percent > 0:
             if self.val_set is None:
                 self.val_set = H5WindowDataset(manifest, "val", self.window, self.float16_batches)
-            self.val_windows()  # refuse now, before training, a split too small for the ranks (again once they are known)
+            self.val_windows()  # refuse now, before training, a split too small for the ranks
         if stage in ("test", "predict") and self.val_set is None:
             self.val_set = H5WindowDataset(manifest, "val", self.window, self.float16_batches)
 
@@ -328,10 +276,7 @@ class LatentDataModule(L.LightningDataModule):
                                    on_seed=self.keep_seed, **self._loader_kwargs())
 
     def stream(self) -> dict[str, Any]:
-        """What decides the training batches besides the seed and the global batch, for the loader's state: the
-        manifest's train entries (their files, frames and order: a digest, with their count and total frames to
-        name a change), ``window`` and ``batches_per_epoch``. The files by their paths below the folder they share,
-        so that the data moved with its manifest, or indexed into a manifest elsewhere, is the same stream."""
+        """What decides the training batches besides the seed and the global batch, for the loader's state."""
         manifest = self.load_manifest()
         entries = manifest.split("train")
         paths = [os.path.normpath(os.path.join(os.path.abspath(manifest.path.parent), e.path)) for e in entries]
@@ -343,7 +288,7 @@ class LatentDataModule(L.LightningDataModule):
 
     def state_dict(self) -> dict[str, Any]:
         """The seed of the training stream and validation subset, restored before any loader is made (the train
-        loader's own state comes later, after a sanity check's validation): every verb given a checkpoint."""
+        loader's own state comes later, after a sanity check's validation)."""
         return {"seed": self.seed}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -361,7 +306,7 @@ class LatentDataModule(L.LightningDataModule):
 
     def keep_seed(self, seed: int) -> None:
         """Take a checkpoint's seed (for the training stream, the validation subset and the code dictionaries'
-        windows), without a word: :meth:`load_state_dict` says where it differs, as the verb it serves."""
+        windows), without a word."""
         self.seed = seed
 
     def keep_checkpoint_seed(self, checkpoint: dict[str, Any]) -> None:
@@ -371,8 +316,8 @@ class LatentDataModule(L.LightningDataModule):
             self.keep_seed(int(seed))
 
     def fixed_windows(self, dataset: H5WindowDataset, limit: int | None = None) -> list[tuple[int, int]]:
-        """This rank's share (round-robin) of the first ``limit`` (None: all) non-overlapping windows of
-        ``dataset`` in a seeded order: the same windows every time."""
+        """This rank's share (round-robin) of the first ``limit`` (None: all) non-overlapping windows of ``dataset``
+        in a seeded order."""
         every = [(i, s) for i, f in enumerate(dataset.frames) for s in range(0, f - self.window + 1, self.window)]
         order = np.random.default_rng([self.seed, 1]).permutation(len(every))[:limit]
         rank, world_size = self._rank()
@@ -386,16 +331,14 @@ class LatentDataModule(L.LightningDataModule):
                           sampler=self.fixed_windows(self.train_set, max_windows), **self._loader_kwargs())
 
     def val_windows(self, fraction: float | None = None) -> list[tuple[int, int]]:
-        """This rank's validation windows ``(file_index, start)``: the first ``fraction`` (default
-        ``val_size_percent``) of all non-overlapping val windows in a seeded order, dealt round-robin to ranks."""
+        """This rank's validation windows ``(file_index, start)``."""
         fraction = self.val_size_percent if fraction is None else fraction
         if self.val_set is None or fraction == 0:
             return []
         return self.fixed_windows(self.val_set, self._val_window_count(fraction, self._rank()[1]))
 
     def _val_window_count(self, fraction: float, world_size: int) -> int:
-        """How many validation windows all ranks together use at ``fraction``: at least one per rank (Lightning
-        refuses a rank with an empty validation loader), so under DDP at least ``world_size``."""
+        """How many validation windows all ranks together use at ``fraction``."""
         total = sum(f // self.window for f in self.val_set.frames)  # non-overlapping windows
         if total < world_size:
             raise DataError(f"{self.manifest_path}: {total} validation windows of {self.window} frames for "
@@ -404,8 +347,7 @@ class LatentDataModule(L.LightningDataModule):
         return min(total, max(world_size, math.ceil(fraction * total)))
 
     def val_batches_per_rank(self, world_size: int, fraction: float | None = None) -> list[int]:
-        """Each rank's number of validation batches at ``fraction`` (default ``val_size_percent``): the windows
-        are dealt round-robin, so they differ by at most one between ranks."""
+        """Each rank's number of validation batches at ``fraction`` (default ``val_size_percent``)."""
         fraction = self.val_size_percent if fraction is None else fraction
         if self.val_set is None or fraction == 0:
             return [0] * world_size

@@ -1,10 +1,4 @@
-"""Reading and checking lwm's HDF5 latent files.
-
-A file holds ``latents [T, C, H, W]`` (float16/32/64, values in [-1, 1]); a file with a single 4-D dataset
-may name it otherwise. Optional: ``actions`` (integers ``[T]``, the ground-truth action after frame ``t``),
-an integer ``world_label`` attribute, a ``codec`` attribute (JSON: how to decode latents to pixels) and an
-``fps`` attribute (the frame rate videos of the file play at).
-"""
+"""Reading and checking lwm's HDF5 latent files."""
 
 from __future__ import annotations
 
@@ -19,7 +13,7 @@ from lwm.utils.errors import DataError, first_line
 LATENTS_KEY = "latents"
 ACTIONS_KEY = "actions"
 FLOAT_DTYPES = (np.float16, np.float32, np.float64)
-MODEL_MULTIPLE = 4  # lwm's model trains on latents of heights and widths multiples of this (its tokenizer: 4x down)
+MODEL_MULTIPLE = 4  # lwm's model trains on latents of heights and widths multiples of this
 
 
 class GeneratedFile(DataError):
@@ -38,7 +32,7 @@ class H5Info:
     width: int  # W
     has_actions: bool
     world_label: int | None
-    filtered_chunk_frames: int | None = None  # frames per chunk of a compressed (filtered) dataset, else None
+    filtered_chunk_frames: int | None = None  # frames per chunk of a compressed
 
 
 SLOW_CHUNK_FRAMES = 8  # a compressed dataset chunked over more frames decompresses that many per window read
@@ -51,7 +45,7 @@ def find_latents_key(f: h5py.File, path: str | Path) -> str:
     four_d = [name for name, obj in f.items() if isinstance(obj, h5py.Dataset) and obj.ndim == 4]
     if len(four_d) != 1:
         found = ", ".join(f"{n}{tuple(o.shape)}" for n, o in f.items() if isinstance(o, h5py.Dataset)) or "none"
-        nested: list[str] = []  # datasets inside groups: named, since a manifest's "key" can reach them
+        nested: list[str] = []  # datasets inside groups
         f.visititems(lambda name, obj: nested.append(f"{name}{tuple(obj.shape)}")
                      if isinstance(obj, h5py.Dataset) and "/" in name else None)
         inside = f"; inside groups: {', '.join(nested[:5])}, where lwm does not look" if nested else ""
@@ -71,10 +65,8 @@ def inspect_h5(
     key: str | None = None,
 ) -> H5Info:
     """Open ``path`` and check it: the latents (the dataset ``key``, e.g. a manifest's; None: found by
-    :func:`find_latents_key`) are 4-D float of the expected ``C, H, W`` (when given), none of them 0, finite
-    and within [-1 - tolerance, 1 + tolerance] (read in chunks); ``actions``, if present, are integers [T].
-    Raises :class:`DataError` with one line naming the file and the problem (:class:`GeneratedFile` for the
-    rollouts ``lwm generate`` writes)."""
+    :func:`find_latents_key`) are 4-D float of the expected ``C, H, W`` (when given), none of them 0, finite and
+    within [-1 - tolerance, 1 + tolerance] (read in chunks)."""
     path = Path(path)
     if path.is_dir():
         raise DataError(f"{path}: a folder, not an h5 file")
@@ -83,7 +75,7 @@ def inspect_h5(
     try:
         f = h5py.File(path, "r")
     except OSError as e:
-        video = path.suffix.lower() in VIDEO_FILES  # (lwm reads latents: a video goes through a codec first)
+        video = path.suffix.lower() in VIDEO_FILES
         hint = f"; a video: encode it first, lwm data encode {path} --out DIR" if video else ""
         raise DataError(f"{path}: cannot be opened as HDF5 ({first_line(e)}{hint})") from None
     with f:
@@ -111,7 +103,7 @@ def inspect_h5(
                             f"width must be >= 1)")
         if check_values:
             for start in range(0, T, chunk_frames):
-                try:  # in the file's own float type: a float64 value beyond float32's range is a value, not inf
+                try:  # in the file's own float type
                     block = np.asarray(ds[start : start + chunk_frames])
                 except OSError as e:  # truncated or corrupt chunk
                     raise DataError(f"{path}: dataset '{key}' unreadable at frames {start}.. ({first_line(e)})") from None
@@ -130,7 +122,7 @@ def inspect_h5(
         label = f.attrs.get("world_label")
         if label is not None:
             label = parse_world_label(label, path)
-        elif "world_label" in f:  # written as a dataset: it would be ignored without a word
+        elif "world_label" in f:  # written as a dataset
             raise DataError(f"{path}: 'world_label' is a dataset; lwm reads an integer attribute "
                             f"(h5py: f.attrs['world_label'] = k)")
         _check_codec(f.attrs.get("codec"), path, C, H, W)
@@ -153,15 +145,15 @@ def check_frames(block: np.ndarray, path: str | Path, key: str, start: int = 0, 
 
 
 def _check_codec(attr: object, path: Path, C: int, H: int, W: int) -> None:
-    """A ``codec`` attribute must parse, and the codecs lwm runs (the pixel codec, the diffusers VAEs) must fit
-    the latents' shape with every field they decode by (else the run would stop at its first validation video,
-    hours in, or decoding at a traceback)."""
+    """A ``codec`` attribute must parse, and the codecs lwm runs (the pixel codec, the diffusers VAEs) must fit the
+    latents' shape with every field they decode by (else the run would stop at its first validation video, hours
+    in, or decoding at a traceback)."""
     from lwm.data.codecs import codec_spec
     from lwm.data.vae import CLASSES, SPATIAL
 
     spec = codec_spec(attr, str(path))
     if spec is None or (spec["name"] != "pixel" and spec["name"] not in CLASSES):
-        return  # none, or one lwm does not run: shown as latent channels
+        return  # none, or one lwm does not run
     pixel = spec["name"] == "pixel"
     try:  # as the decoders read them
         size = int(spec.get("size", 128 if pixel else None))
@@ -198,7 +190,7 @@ def parse_world_label(value: object, path: str | Path) -> int:
 
 
 VIDEO_FILES = (".mp4", ".gif", ".mkv", ".avi", ".mov", ".webm", ".m4v")  # given where an h5 file belongs: said
-DEFAULT_FPS = 8.0  # for files that record no frame rate (synthetic worlds, Atari, older files)
+DEFAULT_FPS = 8.0  # for files that record no frame rate
 
 
 def parse_fps(value: object, path: str | Path) -> float:

@@ -1,15 +1,4 @@
-"""The manifest: a JSON list of checked h5 files (paths relative to the manifest), frame counts and split.
-
-    {"version": 1, "channels": 16, "height": 64, "width": 64,
-     "files": [{"path": "ep_0001.h5", "key": "latents", "frames": 240, "split": "train",
-                "bytes": 7864832, "mtime": 1795000000.25}, ...]}
-
-(``bytes`` and ``mtime``: the file's size and modification time when its values were checked; optional, so that a
-run can tell a file changed since.)
-
-:func:`index_directory` checks every file first (:func:`lwm.data.h5.inspect_h5`) and refuses to write a
-manifest while any file is bad, naming each one.
-"""
+"""The manifest: a JSON list of checked h5 files (paths relative to the manifest), frame counts and split."""
 
 from __future__ import annotations
 
@@ -52,13 +41,12 @@ class ManifestEntry:
     frames: int
     split: str
     key: str = "latents"
-    bytes: int | None = None  # the file's size when `lwm data index` checked its values (None: not recorded)
-    mtime: float | None = None  # its modification time then (seconds since the epoch)
+    bytes: int | None = None  # the file's size when `lwm data index` checked its values
+    mtime: float | None = None  # its modification time then
 
     def changed_since_checked(self, st: os.stat_result) -> bool:
-        """Whether the file (its ``stat``) differs in size or modification time from when it was indexed (a time
-        cut to the whole second, as a copy to a file system of coarser times keeps it, is the same); False where
-        nothing was recorded."""
+        """Whether the file (its ``stat``) differs in size or modification time from when it was indexed (a time cut
+        to the whole second, as a copy to a file system of coarser times keeps it, is the same)."""
         if self.bytes is None or self.mtime is None:
             return False
         if st.st_size != self.bytes:
@@ -69,7 +57,7 @@ class ManifestEntry:
 
 @dataclass
 class Manifest:
-    path: Path  # where the manifest lives; entry paths resolve against its folder
+    path: Path  # where the manifest lives
     channels: int
     height: int
     width: int
@@ -79,10 +67,10 @@ class Manifest:
         return [e for e in self.entries if e.split == name]
 
     def resolve(self, entry: ManifestEntry) -> Path:
-        """The entry's file: its path joined to the manifest's real folder (links resolved, as `lwm data index`
-        made the paths relative to it: a leading ".." means the real parent), normalised as written below it (a
-        linked file keeps its link's name, as the index found it; no system call per entry: 3.5x faster than
-        resolving each, measured over 200k entries)."""
+        """The entry's file: its path joined to the manifest's real folder (links resolved, as `lwm data index` made
+        the paths relative to it: a leading ".." means the real parent), normalised as written below it (a linked
+        file keeps its link's name, as the index found it; no system call per entry: 3.5x faster than resolving
+        each, measured over 200k entries)."""
         return Path(os.path.normpath(os.path.join(self._base, entry.path)))
 
     @cached_property
@@ -159,10 +147,7 @@ class Manifest:
         return manifest
 
     def check_duplicates(self, files: bool = False) -> None:
-        """Refuse two entries of one file, naming both: the same path, spelled alike or not (``./a.h5``, an
-        absolute path); with ``files`` (a stat and a path resolution per entry, where the files are opened anyway:
-        fit's setup check) also a link to it or a hard link (the same device and inode). Listed twice, a file is
-        drawn twice as often, and in both splits the run validates on what it trained on."""
+        """Refuse two entries of one file, naming both."""
         seen: dict[object, ManifestEntry] = {}
         for e in self.entries:
             spelled = os.path.normpath(os.path.join(os.path.abspath(self.path.parent), e.path))  # no file system
@@ -207,8 +192,7 @@ def _positive(path: Path, where: str, name: str, value: object) -> int:
 
 def existing_h5(out: Path, ours: set[str], then: str) -> list[str]:
     """The h5 files under ``out`` (paths relative to it, sorted), for a command that writes a data set there and
-    indexes the folder: any not among ``ours`` (the names it writes) would join the manifest, a
-    :class:`DataError` naming them (three, then a count), ``then`` ending the message."""
+    indexes the folder."""
     h5 = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.suffix in (".h5", ".hdf5") and p.is_file())
     others = [name for name in h5 if name not in ours]
     if others:
@@ -219,11 +203,8 @@ def existing_h5(out: Path, ours: set[str], then: str) -> list[str]:
 
 def find_h5_files(directory: Path) -> tuple[list[Path], list[str]]:
     """Every ``*.h5``/``*.hdf5`` file under ``directory`` (any case; linked folders followed), each physical file
-    once: a link (or hard link) to a file already found is left out with a note (listed twice, it could land in
-    both splits). Returns the files (as found: a linked file under its link's name) and the problems, one line
-    each: a link to an h5 file that is not there, a folder that cannot be read (part of the data would be left
-    out without a word). A link to anything else that is not there (a folder not mounted?) is a note."""
-    found: dict[object, Path] = {}  # resolved path, and (device, inode) -> the first path found
+    once."""
+    found: dict[object, Path] = {}  # resolved path, and
     visited: set[Path] = set()
     problems: list[str] = []
 
@@ -271,9 +252,7 @@ def _identity(path: Path) -> tuple[int, int] | None:
 def _previous_splits(path: Path, shape: tuple[int, int, int] | None) -> dict[object, str]:
     """``{relative path: split}`` of the manifest at ``path`` if there is one of the same frame shape, and the same
     by each listed file's identity (:func:`_identity`: earlier versions listed a linked file under its target's
-    path), read leniently: a file it lists twice (as earlier versions could, for a linked file) is ``val`` if
-    either entry is, so re-indexing never moves a validation file into training. Anything unreadable is said, and
-    ignored."""
+    path), read leniently."""
     if not path.is_file():
         return {}
     try:
@@ -297,16 +276,15 @@ def _checked_files(
     directory: Path, tolerance: float
 ) -> tuple[dict[Path, H5Info], dict[Path, os.stat_result], tuple[int, int, int]]:
     """Every h5 file under ``directory`` checked (`lwm generate`'s rollouts skipped, with a note) -> ``({file: its
-    info}, {file: its stat before the check}, the [C, H, W] they share)``; a :class:`DataError` naming every bad
-    file, and the files whose ``C, H, W`` differ from most files', one line each."""
+    info}, {file: its stat before the check}, the [C, H, W] they share)``."""
     files, problems = find_h5_files(directory)
-    unfound = len(problems)  # links to nothing, unreadable folders: counted among the files
+    unfound = len(problems)  # links to nothing, unreadable folders
     if not files and not problems:
         raise DataError(f"{directory}: no .h5/.hdf5 files found")
     infos, stats = {}, {}
     for p in checking(files, f"checking {len(files)} files"):
         try:
-            stats[p] = p.stat()  # before reading: a write during the check shows as a change later
+            stats[p] = p.stat()  # before reading
             infos[p] = inspect_h5(p, tolerance=tolerance)
         except GeneratedFile as e:  # `lwm generate`'s output, beside its video in the data folder
             print(f"note: {e}: skipped", file=sys.stderr)
@@ -330,9 +308,7 @@ def _checked_files(
 
 
 def _warn_slow_chunks(infos: dict[Path, H5Info]) -> None:
-    """One warning where compressed latents are chunked over many frames: every window read decompresses whole
-    chunks (h5py's automatic chunks for [2000, 16, 64, 64] span 250 frames: a 16-frame window read 600x slower
-    than from one-frame chunks, measured)."""
+    """One warning where compressed latents are chunked over many frames."""
     slow = [(p, i) for p, i in infos.items() if (i.filtered_chunk_frames or 0) > SLOW_CHUNK_FRAMES]
     if slow:
         p, info = slow[0]
@@ -354,9 +330,9 @@ def val_count(val_fraction: float, files: int) -> int:
 
 def _val_files(good: list[Path], relative: dict[Path, str], kept: dict[str, str], val_fraction: float,
                seed: int) -> set[Path]:
-    """The validation split: the files a manifest already there has in it (``kept``: relative path -> split), and
-    new files drawn by a seeded shuffle towards ``val_fraction`` of all (at least one of two or more files where
-    the fraction is positive; never every new file: kept val files with no train file left are every file, which
+    """The validation split: the files a manifest already there has in it (``kept``: relative path -> split), and new
+    files drawn by a seeded shuffle towards ``val_fraction`` of all (at least one of two or more files where the
+    fraction is positive; never every new file: kept val files with no train file left are every file, which
     :func:`index_directory` refuses)."""
     new = [p for p in good if relative[p] not in kept]
     n_val = val_count(val_fraction, len(good))
@@ -374,18 +350,7 @@ def index_directory(
     tolerance: float = 1e-3,
     resplit: bool = False,
 ) -> Manifest:
-    """Check every ``*.h5``/``*.hdf5`` under ``directory`` and write a manifest (default ``DIR/manifest.json``).
-
-    All files must share ``C, H, W`` (those of most files; the others are named). ``val_fraction`` of the files
-    (at least one when there are two or more files and the fraction is positive) go to the validation split,
-    chosen by a seeded shuffle. Indexing again where a manifest already is keeps every file it lists in its
-    split (a run continued on the new manifest never validates on files it trained on) and draws the new
-    files' splits towards ``val_fraction`` (``resplit``: draw every file's split again; kept splits that leave
-    every file in val, its train files gone, are refused). Latents whose height or
-    width is not a multiple of 4 are indexed with a warning: lwm's model cannot train on them; so are latents with
-    as many channels as rows and another number of columns (square frames stored channels-last look so). Raises
-    :class:`DataError` naming every bad file (one line each) and writes nothing in that case.
-    """
+    """Check every ``*.h5``/``*.hdf5`` under ``directory`` and write a manifest (default ``DIR/manifest.json``)."""
     directory = Path(directory)
     if not directory.is_dir():
         raise DataError(f"{directory}: not a directory")
@@ -398,7 +363,7 @@ def index_directory(
     out = Path(out) if out else directory / "manifest.json"
     if out.is_dir():
         raise DataError(f"--out {out}: a directory; give the manifest's file name (e.g. {out / 'manifest.json'})")
-    if out.exists():  # only a manifest (JSON) is ever overwritten, not an h5 file given by mistake
+    if out.exists():  # only a manifest
         with open(out, "rb") as f:
             head = f.read(1024).lstrip(b"\xef\xbb\xbf \t\r\n")
         if head and not head.startswith(b"{"):
@@ -433,7 +398,7 @@ def index_directory(
               f"{shape[0]} channels of {shape[1]}x{shape[2]}; if they are channels-last [T, H, W, C] ({shape[0]}x"
               f"{shape[1]} frames of {shape[2]} channels), transpose them to [T, C, H, W] first "
               f"(numpy: x.transpose(0, 3, 1, 2))", file=sys.stderr)
-    if not val:  # not an error: a folder may be indexed for training only
+    if not val:  # not an error
         if len(good) == 1:
             why = "a single file is never split"
         elif val_fraction == 0:

@@ -1,28 +1,4 @@
-"""A built-in synthetic world with known actions and known world factors: ``lwm data synth``.
-
-    lwm data synth --out DIR --episodes N [--frames T] [--seed S] [--val-fraction F] [--worlds K] [--overwrite]
-
-Each episode is a 128x128 RGB clip (encoded with :class:`~lwm.data.codecs.PixelCodec` to ``[T, 16, 64, 64]``;
-``size`` renders the same world at another resolution, every length scaled by ``size / 128``, e.g. 64x64 for
-``[T, 16, 32, 32]``):
-
-* the **agent**, a 24x24 pure-white square (no other pixel is pure white, so it can be found by its colour),
-  moved by the action after each frame: ``0 stay, 1 up, 2 down, 3 left, 4 right`` (``actions[t]`` moves the
-  agent from frame ``t`` to frame ``t + 1``). Actions come from a sticky random policy: repeat the previous
-  action with probability 0.7, else draw one of the five uniformly.
-* the **world** (``world_label`` 0..K-1, K = 4), fixed per episode: it sets the background and how actions
-  play out, i.e. the agent's speed (8 or 16 px per step) and the edges (walls that stop the agent, or wrapping
-  round to the other side). See :data:`WORLDS`. In a walled world the policy never pushes into a wall (a
-  blocked move is redrawn among the allowed ones), so every move action moves the agent by exactly its speed.
-* ``look_alike``: every world drawn on the first world's background, so that only the dynamics (speed, edges)
-  tell the worlds apart, and a frame never shows which world it is.
-* two **distractors** (``distractors``: 0 to 4), coloured discs that drift at a constant velocity and bounce off the edges, the same for
-  a given episode seed whatever the actions; the agent is drawn over them.
-
-Everything is a function of the episode seed: :func:`render_episode` draws the world (when not given), the
-start, the distractors and the policy's random numbers from one generator in a fixed order, so the same seed
-with another world gives the same start, distractors and (where no wall blocks) the same actions.
-"""
+"""A built-in synthetic world with known actions and known world factors: ``lwm data synth``."""
 
 from __future__ import annotations
 
@@ -40,7 +16,7 @@ from lwm.data.h5 import DataError
 from lwm.data.manifest import existing_h5, index_directory, Manifest
 from lwm.utils.args import ArgumentParser
 
-SIZE = 128  # frame height and width in pixels at the default size; lengths below are at this size
+SIZE = 128  # frame height and width in pixels at the default size
 AGENT = 24  # agent side in pixels
 AGENT_COLOUR = (255, 255, 255)  # unique in every frame
 ACTIONS = ("stay", "up", "down", "left", "right")
@@ -56,7 +32,7 @@ class World:
     name: str
     speed: int  # agent pixels per move (at SIZE)
     wrap: bool  # True: leaving one edge enters at the opposite one; False: walls (moves into them are never taken)
-    background: str  # "flat", "checker", "hstripes" or "vstripes" (32 px cells / 16 px stripes at SIZE)
+    background: str  # "flat", "checker", "hstripes" or "vstripes"
     colours: tuple[tuple[int, int, int], tuple[int, int, int]]  # the background's two colours
 
 
@@ -187,10 +163,7 @@ def draw(world: int, agent: np.ndarray, discs: np.ndarray, colours: np.ndarray, 
 
 def render_episode(seed: int, frames: int, world: int | None = None, worlds: int = K, size: int = SIZE,
                    distractors: int = DISTRACTORS, look_alike: bool = False) -> tuple[np.ndarray, np.ndarray, int]:
-    """``(frames uint8 [T, size, size, 3], actions int64 [T], world_label)`` of the episode with this seed.
-
-    ``actions[t]`` is the action after frame ``t`` (it moves the agent into frame ``t + 1``). ``world`` picks
-    the world (default: drawn from the seed among the first ``worlds``)."""
+    """``(frames uint8 [T, size, size, 3], actions int64 [T], world_label)`` of the episode with this seed."""
     world, agent, actions, discs, colours = simulate(seed, frames, world, worlds, size, distractors)
     return draw(world, agent, discs, colours, size, look_alike), actions, world
 
@@ -239,13 +212,7 @@ def make_dataset(
     remedy: str = "--overwrite replaces it, or synthesise into another folder",
 ) -> Path:
     """Write ``episodes`` files ``out_dir/ep_XXXX.h5`` (``latents`` float16 through the pixel codec, ``actions``
-    int64 ``[T]``, attributes ``world_label``, ``codec`` and ``synth``: the settings) and index them; returns
-    the manifest's path.
-
-    Episode ``i`` uses :func:`episode_seed` ``(seed, i)`` and world ``i % worlds`` (balanced). Refuses a folder
-    that already holds other h5 files (they would join the manifest), and episode files (or a manifest) made
-    with other settings, before writing anything, unless ``overwrite``; the same settings again rewrite the
-    same files. ``remedy``: what the refusal suggests."""
+    int64 ``[T]``, attributes ``world_label``, ``codec`` and ``synth``: the settings) and index them."""
     if episodes < 1:
         raise DataError(f"--episodes must be at least 1, got {episodes}")
     if frames < 2:
@@ -270,7 +237,7 @@ def make_dataset(
         for i in existing:
             made = _settings_of(out / f"ep_{i:04d}.h5")
             if made is None and _latent_shape(out / f"ep_{i:04d}.h5") == (frames, 16, size // 2, size // 2):
-                continue  # an earlier lwm's file of this shape (before settings were recorded): rewritten, as then
+                continue  # an earlier lwm's file of this shape
             if made != {**settings, "episode": i}:
                 was = ("no record of its settings" if made is None else
                        ", ".join(f"{k} {made.get(k)}" for k in settings if made.get(k) != settings[k]))

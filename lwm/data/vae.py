@@ -1,34 +1,4 @@
-"""Adapters for the diffusers 16-channel video VAEs: real video <-> lwm latents ``[t, 16, S/8, S/8]`` in [-1, 1].
-
-    lwm data encode VIDEO... --codec wan|cogvideox|hunyuan --vae PATH --out DIR [--size 512]
-    lwm data decode FILE.h5 --out VIDEO.mp4 --vae PATH
-
-``PATH`` is a local folder with the VAE's diffusers weights (``config.json`` + safetensors), or a pipeline
-folder with a ``vae/`` subfolder; nothing is ever downloaded (``local_files_only``). diffusers is an optional
-extra: ``pip install 'lwm[vae]'``.
-
-The transform, per VAE (each its own latent normalisation, as its diffusers pipeline applies it):
-
-* ``wan`` (``AutoencoderKLWan``): ``n = (z - latents_mean) / latents_std`` (per channel, from its config);
-* ``cogvideox`` (``AutoencoderKLCogVideoX``) and ``hunyuan`` (``AutoencoderKLHunyuanVideo``):
-  ``n = z * scaling_factor``;
-
-then ``y = clamp(n / SPREAD, -1, 1)`` with ``SPREAD = 4`` (a normalised latent is about unit-variance, so
-only values beyond 4 standard deviations are clipped; the encoder reports how many). Written to the h5
-``codec`` attribute as ``y = (z - shift) / scale`` with per-channel ``shift`` and ``scale``, which decoding
-inverts exactly: ``z = y * scale + shift``. ``z`` is the posterior mean (``latent_dist.mode()``): encoding is
-deterministic.
-
-Time: the three VAEs are causal with a temporal compression of 4. Latent ``0`` encodes video frame ``0``
-alone; latent ``k >= 1`` encodes frames ``4k-3 .. 4k``. A video of ``F`` frames gives ``1 + (F-1) // 4``
-latents (trailing frames that do not fill a group of 4 are dropped). Ground-truth actions are aligned with
-the latent transitions by taking the action after frame ``4k`` for transition ``k -> k+1`` (which brings in
-frames ``4k+1 .. 4k+4``): exact when each action is held for 4 frames starting at frame 0, as
-``lwm data atari`` does with a VAE codec. Space: 8x, so 512x512 video gives 64x64 latents.
-
-Cosmos (``AutoencoderKLCosmos``) is not adapted: its temporal compression is 8 and its latent statistics
-are per channel *and* per latent frame, which does not fit a per-channel transform.
-"""
+"""Adapters for the diffusers 16-channel video VAEs: real video <-> lwm latents ``[t, 16, S/8, S/8]`` in [-1, 1]."""
 
 from __future__ import annotations
 
@@ -104,9 +74,7 @@ def geometry(name: str, config) -> tuple[int, int, int]:
 
 def load_vae(name: str, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
              tiling: bool = False):
-    """The diffusers VAE ``name`` (``wan``, ``cogvideox``, ``hunyuan``) from the local folder ``path``, in eval mode;
-    ``tiling``: it decodes (and encodes) in overlapping spatial tiles, blended (diffusers' ``enable_tiling``): far
-    less memory at 512 px and up, with faint seams possible."""
+    """The diffusers VAE ``name`` (``wan``, ``cogvideox``, ``hunyuan``) from the local folder ``path``, in eval mode."""
     if name not in CLASSES:
         raise DataError(f"--codec {name}: unknown VAE (known: {', '.join(CLASSES)})")
     try:
@@ -132,7 +100,7 @@ def load_vae(name: str, path: str | Path, device: str | torch.device = "cpu", dt
     except (OSError, ValueError, RuntimeError) as e:
         raise DataError(f"--vae {path}: cannot load the {CLASSES[name]} ({str(e).splitlines()[0]})") from None
     missing = list(info.get("missing_keys") or []) + [k for k, *_ in info.get("mismatched_keys") or []]
-    if missing:  # diffusers would go on with those weights random (it only logs them)
+    if missing:  # diffusers would go on with those weights random
         raise DataError(f"--vae {path}: the {CLASSES[name]}'s weights lack {len(missing)} tensors (e.g. "
                         f"{missing[0]}): incomplete or of another model")
     spatial, temporal, patch = geometry(name, vae.config)
@@ -147,8 +115,8 @@ def load_vae(name: str, path: str | Path, device: str | torch.device = "cpu", dt
 
 @dataclass
 class VAECodec:
-    """RGB ``uint8 [F, S, S, 3]`` <-> latents ``float32 [1 + (F-1)//4, 16, S/8, S/8]`` in [-1, 1] through a
-    diffusers video VAE (``vae`` loaded by :func:`load_vae`)."""
+    """RGB ``uint8 [F, S, S, 3]`` <-> latents ``float32 [1 + (F-1)//4, 16, S/8, S/8]`` in [-1, 1] through a diffusers
+    video VAE (``vae`` loaded by :func:`load_vae`)."""
 
     name: str
     vae: torch.nn.Module
@@ -208,11 +176,7 @@ class VAECodec:
 
     @torch.no_grad()
     def decode(self, latents: np.ndarray, before: np.ndarray | None = None) -> np.ndarray:
-        """``[t, 16, S/8, S/8]`` in [-1, 1] -> ``uint8 [1 + 4 (t-1), S, S, 3]``: the latents as a clip's start.
-        ``before``: the file's latents before them, from its first (``[k, 16, S/8, S/8]``, ``k >= 1``): the VAE
-        decoders carry their history, so a window from the middle of a file then decodes to the frames a decode of
-        the whole file gives it, ``4 t`` of them (decoded alone its first latent is one frame, and the others lack
-        their past: tens of levels off, measured; a shorter history than the file's first latent is not enough)."""
+        """``[t, 16, S/8, S/8]`` in [-1, 1] -> ``uint8 [1 + 4 (t-1), S, S, 3]``: the latents as a clip's start."""
         if before is not None and len(before):
             whole = np.concatenate([np.asarray(before, dtype=np.float32), np.asarray(latents, dtype=np.float32)])
             return self.decode(whole)[video_frames(len(before)):]
@@ -225,10 +189,7 @@ class VAECodec:
         z = y.permute(1, 0, 2, 3) * scale + shift  # [C, t, h, w]
         t = z.shape[1]
         if self.name == "cogvideox" and t % 2 == 0:
-            # diffusers' CogVideoX decodes latents in pairs, an even count without the lone first latent (frame 0):
-            # 2 latents would give 8 frames, shifted in time. One more latent (the last again) makes the count odd;
-            # the decoder's convolutions are causal, so the real latents' frames come first (within a few levels:
-            # its norms span the frame batch) and the extra ones are dropped.
+            # diffusers' CogVideoX decodes latents in pairs, an even count without the lone first latent (frame 0).
             z = torch.cat([z, z[:, -1:]], dim=1)
         video = self.vae.decode(z[None].to(dtype)).sample[0].float()[:, : video_frames(t)]  # [3, F, S, S], ~[-1, 1]
         rgb = ((video.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
@@ -238,8 +199,7 @@ class VAECodec:
     def from_attr(cls, spec: dict, vae_path: str | Path, device: str | torch.device = "cpu",
                   dtype: torch.dtype = torch.float32, tiling: bool = False) -> VAECodec:
         """The codec a file's ``codec`` attribute describes, with the VAE weights from ``vae_path`` (``tiling``: see
-        :func:`load_vae`); decoding uses the file's recorded transform (not the loaded config's), so it inverts
-        exactly what was encoded."""
+        :func:`load_vae`)."""
         vae = load_vae(spec["name"], vae_path, device, dtype, tiling)
         shift, scale = normalisation(spec["name"], vae.config)  # other weights of the class (CogVideoX 2b vs 5b):
         recorded = [float(v) for v in (*spec["shift"], *spec["scale"])]  # another scale, a wrong video silently

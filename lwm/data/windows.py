@@ -1,13 +1,5 @@
 """Random T-frame windows from h5 files: a map-style dataset indexed by ``(file, start)`` and a batch
-sampler that draws each batch element from a different file.
-
-* Files open lazily, in the process that reads (each DataLoader worker opens its own handles; the parent
-  never opens a file), so fork and spawn workers both work.
-* A window is one slice read ``latents[start:start+T]``, never a frame-by-frame loop.
-* The sampler is deterministic per ``(seed, epoch, batch index)``: it can start mid-epoch in O(1), which is
-  what resuming needs. Every rank draws the same global batch (distinct files across all ranks) and takes its
-  own slice of it.
-"""
+sampler that draws each batch element from a different file."""
 
 from __future__ import annotations
 
@@ -27,9 +19,9 @@ from lwm.utils.errors import first_line
 from lwm.data.manifest import Manifest, ManifestEntry
 
 MISSING = -1  # value of `actions` / `world_label` in a batch when the file has none
-MAX_OPEN_FILES = 64  # h5 handles one process keeps open (least recently used closed first): file descriptors and
+MAX_OPEN_FILES = 64  # h5 handles one process keeps open
 # each handle's chunk cache stay bounded however many files the dataset has
-SHORT_NAMED = 10  # short files named in the warning; the rest are counted
+SHORT_NAMED = 10  # short files named in the warning
 
 
 class _Open(NamedTuple):
@@ -42,17 +34,8 @@ class _Open(NamedTuple):
 
 
 class H5WindowDataset(Dataset):
-    """``dataset[(file_index, start)] -> {"latents": [T, C, H, W], "actions": [T] int64,
-    "world_label": int64 scalar, "file_index": int64, "start": int64}``.
-
-    ``latents`` are float32, except from float16 files with ``float16`` (the default): those stay float16, half
-    the bytes through the loader and to the GPU, and no conversion on the loader's CPU; the LightningModule
-    casts them to float32 on the device (``WorldModelModule.on_after_batch_transfer``), exactly.
-
-    Files of the split shorter than ``window`` are left out with one warning naming them (the first
-    ``SHORT_NAMED``; the rest counted). Each process keeps at
-    most ``max_open`` files open (least recently used closed first).
-    """
+    """``dataset[(file_index, start)] -> {"latents": [T, C, H, W], "actions": [T] int64, "world_label": int64 scalar,
+    "file_index": int64, "start": int64}``."""
 
     def __init__(self, manifest: Manifest, split: str, window: int, float16: bool = True,
                  max_open: int = MAX_OPEN_FILES) -> None:
@@ -69,7 +52,7 @@ class H5WindowDataset(Dataset):
             longest = max(e.frames for e in entries)
             raise DataError(f"{manifest.path}: window {window} is longer than every '{split}' file (longest: {longest} frames)")
         short = [e for e in entries if e.frames < window]
-        if short:  # one warning for all, naming the first few: thousands of short clips would be thousands of lines
+        if short:  # one warning for all, naming the first few
             named = ", ".join(f"{manifest.resolve(e)} ({e.frames} frames)" for e in short[:SHORT_NAMED])
             more = f" and {len(short) - SHORT_NAMED} more" if len(short) > SHORT_NAMED else ""
             warnings.warn(f"{len(short)} '{split}' file(s) shorter than the window of {window} frames, left out: "
@@ -85,9 +68,9 @@ class H5WindowDataset(Dataset):
         return sum(f // self.window for f in self.frames)
 
     def _file(self, index: int) -> _Open:
-        """The open file ``index``: its handle, datasets and label, looked up once per opening (a dataset lookup
-        and the label's parse cost several times the slice read of a small window)."""
-        if self._pid != os.getpid():  # a new worker process (fork copies the parent's dict): own handles
+        """The open file ``index``: its handle, datasets and label, looked up once per opening (a dataset lookup and
+        the label's parse cost several times the slice read of a small window)."""
+        if self._pid != os.getpid():  # a new worker process
             self._handles, self._pid = OrderedDict(), os.getpid()
         opened = self._handles.get(index)
         if opened is not None:
@@ -155,15 +138,15 @@ class H5WindowDataset(Dataset):
             opened.file.close()
         self._handles = OrderedDict()
 
-    def __getstate__(self) -> dict:  # spawn workers receive a pickled copy: never ship open handles
+    def __getstate__(self) -> dict:  # spawn workers receive a pickled copy
         state = self.__dict__.copy()
         state["_handles"], state["_pid"] = OrderedDict(), None
         return state
 
 
 def collate_windows(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """``default_collate``, except that a batch mixing float16 and float32 windows (a split of both kinds of
-    files) is float32: stacking into the first window's dtype would round the float32 ones to float16."""
+    """``default_collate``, except that a batch mixing float16 and float32 windows (a split of both kinds of files)
+    is float32."""
     dtypes = {item["latents"].dtype for item in items}
     if len(dtypes) > 1:
         items = [{**item, "latents": item["latents"].float()} for item in items]
@@ -172,12 +155,12 @@ def collate_windows(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Ten
 
 def inclusion_probabilities(weights: np.ndarray, n: int) -> np.ndarray:
     """Inclusion probabilities ``pi`` of ``n`` distinct draws among ``len(weights)`` items, proportional to
-    ``weights`` where that stays <= 1, items that would exceed 1 fixed at 1 (included every time) and the
-    rest shared in proportion among the others; ``sum(pi) == n``. Needs ``0 < n <= len(weights)``."""
+    ``weights`` where that stays <= 1, items that would exceed 1 fixed at 1 (included every time) and the rest
+    shared in proportion among the others."""
     if not 0 < n <= len(weights):
         raise ValueError(f"n must lie in [1, {len(weights)}], got {n}")
     pi, fixed = np.zeros(len(weights)), np.zeros(len(weights), dtype=bool)
-    while True:  # at most len(weights) rounds: each fixes at least one more item
+    while True:  # at most len(weights) rounds
         free = ~fixed
         pi[free] = (n - fixed.sum()) * weights[free] / weights[free].sum()
         over = free & (pi >= 1.0)
@@ -188,9 +171,7 @@ def inclusion_probabilities(weights: np.ndarray, n: int) -> np.ndarray:
 
 
 def systematic_pps(pi: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """``round(sum(pi))`` distinct item indices, item ``i`` among them with probability ``pi[i]`` (each <= 1):
-    systematic sampling over a random order of the items (one uniform offset, points one apart over the
-    items' stacked probabilities), returned in that random order."""
+    """``round(sum(pi))`` distinct item indices, item ``i`` among them with probability ``pi[i]`` (each <= 1)."""
     order = rng.permutation(len(pi))
     edges = np.cumsum(pi[order])
     n = int(round(edges[-1]))
@@ -203,18 +184,7 @@ def systematic_pps(pi: np.ndarray, rng: np.random.Generator) -> np.ndarray:
 class FileBatchSampler(Sampler[list[tuple[int, int]]]):
     """Batches of ``(file_index, start)``: each element of the global batch (every rank's batch together) from a
     different file while there are enough files (else of each rank's batch, while there are enough for one), each
-    start uniform in the file; rank ``r`` takes its slice of the global batch. A file is in a batch with
-    probability proportional to its number of windows (so windows are drawn uniformly), except that no file can be
-    in a batch twice: a file whose share would exceed one place is in every batch, and the others share the
-    remaining places in proportion (``inclusion_probabilities``, drawn by ``systematic_pps``). With fewer files
-    than the batch, whole rounds of every file come first, dealt to the ranks by file (:func:`_deal`).
-
-    ``len(sampler)`` batches make an epoch on this rank: by default the split's non-overlapping windows
-    divided by the global batch (``batch_size * world_size``). Batch ``b`` of epoch ``e`` depends only on
-    ``(seed, e, b)`` and the rank. ``state_dict`` records the seed and epoch; to resume mid-epoch the caller sets
-    ``start_batch`` to the number of batches the trainer consumed (the sampler cannot count them itself:
-    DataLoader workers draw batches ahead of the training step).
-    """
+    start uniform in the file."""
 
     def __init__(
         self,
@@ -240,7 +210,7 @@ class FileBatchSampler(Sampler[list[tuple[int, int]]]):
         self._inclusion: dict[int, np.ndarray] = {}
         self.num_batches = batches_per_epoch or max(1, int(windows.sum()) // (batch_size * world_size))
         self.epoch = 0
-        self.start_batch = 0  # first batch of the next iteration (resume mid-epoch)
+        self.start_batch = 0  # first batch of the next iteration
 
     def __len__(self) -> int:
         return self.num_batches
@@ -251,11 +221,11 @@ class FileBatchSampler(Sampler[list[tuple[int, int]]]):
         n_files, total = len(self.frames), self.batch_size * self.world_size
         rounds, rest = divmod(total, n_files)
         picks = []
-        for _ in range(rounds):  # whole rounds (every file once) when files are fewer than the batch
+        for _ in range(rounds):  # whole rounds
             picks.extend(rng.permutation(n_files).tolist())
         if rest:
             picks.extend(systematic_pps(self.inclusion(rest), rng).tolist())
-        if rounds and self.world_size > 1:  # a file twice in the global batch: never twice in a rank's
+        if rounds and self.world_size > 1:  # a file twice in the global batch
             picks = _deal(picks, self.world_size, n_files, rng)
         starts = rng.integers(0, self.frames[picks] - self.window + 1)
         mine = slice(self.rank * self.batch_size, (self.rank + 1) * self.batch_size)
@@ -289,19 +259,15 @@ class FileBatchSampler(Sampler[list[tuple[int, int]]]):
 
 
 def _deal(picks: list[int], ranks: int, n_files: int, rng: np.random.Generator) -> list[int]:
-    """``picks`` (file indices) as ``ranks`` equal slices: grouped by file, the files in a random order, then dealt
-    to the ranks in turn, so that a file's copies go to different ranks (each slice holds a file at most
-    ceil(its copies / ranks) times: distinct files where no file is picked more than ``ranks`` times, as with at
-    least as many files as a rank's batch); each slice shuffled."""
+    """``picks`` (file indices) as ``ranks`` equal slices."""
     order = rng.permutation(n_files)  # each file's place in the grouping
     grouped = sorted(picks, key=lambda f: order[f])
     return [f for r in range(ranks) for f in rng.permutation(grouped[r::ranks]).tolist()]
 
 
 def nonfinite_windows(batch: dict[str, torch.Tensor], paths: list[str]) -> list[str]:
-    """The windows of a batch (of :class:`H5WindowDataset` samples) whose latents hold NaN or inf, as
-    ``"PATH (frames a..b)"``: files gone bad after ``lwm data index`` checked them. Syncs with the device: for
-    paths that read every batch anyway, or once a step has failed."""
+    """The windows of a batch (of :class:`H5WindowDataset` samples) whose latents hold NaN or inf, as ``"PATH (frames
+    a..b)"``."""
     x = batch["latents"]
     bad = nonfinite_mask(x).nonzero().flatten().tolist()
     return [window_name(paths, int(batch["file_index"][i]), int(batch["start"][i]), x.shape[1]) for i in bad]

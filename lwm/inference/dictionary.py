@@ -1,15 +1,4 @@
-"""Code dictionaries: which code tuples (one index per RVQ level) the trained encoders use, and how often.
-
-Generation samples actions (and worlds) from them: by frequency, or uniformly over the tuples in use. The
-file (``codes.pt``, beside the checkpoints) holds plain tensors only and loads with ``weights_only=True``::
-
-    {"Action_Encoder": {"tuples": [U, La] int64, "counts": [U] int64, "codebook_sizes": [La] int64},
-     "World_Encoder":  {...}, "windows": int, "global_step": int}
-
-``global_step`` is the step of the checkpoint whose encoders made it (``lwm generate`` warns when it uses the
-dictionary with a checkpoint of another step). Loading checks each dictionary's tensors (:func:`check_state`): an
-edited or torn file is refused by name, not when one of its bad tuples happens to be drawn.
-"""
+"""Code dictionaries: which code tuples (one index per RVQ level) the trained encoders use, and how often."""
 
 from __future__ import annotations
 
@@ -69,9 +58,7 @@ class CodeDictionary:
 
     def sample(self, shape: tuple[int, ...], by: str = "frequency", generator: torch.Generator | None = None) -> Tensor:
         """Tuples ``[*shape, L]`` drawn by frequency or uniformly over the used tuples, independently, in row-major
-        order: the first draws are the same whatever ``shape`` asks after them (a rollout of one is rollout 0 of
-        four). Inverse-CDF draws of one uniform each: ``torch.multinomial`` draws one sample by another method
-        than several."""
+        order."""
         if by not in SAMPLING:
             raise ValueError(f"sampling must be one of {SAMPLING}, got {by!r}")
         if self.tuples.shape[0] == 0:
@@ -101,9 +88,7 @@ def _integer(t: Tensor) -> bool:
 
 
 def check_state(state: dict[str, Tensor]) -> None:
-    """Refuse a dictionary's tensors that sampling or decoding would trip on: ``codebook_sizes [L]`` integers >= 1,
-    ``tuples [U, L]`` distinct integers with each level's codes in ``0..K_l-1``, ``counts [U]`` integers >= 1 (the
-    tuples used: uniform draws are over them). Raises a one-line ``ValueError``."""
+    """Refuse a dictionary's tensors that sampling or decoding would trip on."""
     if set(state) != STATE_KEYS:
         raise ValueError(f"expected the tensors {', '.join(sorted(STATE_KEYS))}, got {', '.join(map(str, state))}")
     if bad := [k for k in sorted(state) if not isinstance(state[k], Tensor)]:
@@ -119,7 +104,7 @@ def check_state(state: dict[str, Tensor]) -> None:
     if not _integer(counts) or counts.shape != (U,):
         raise ValueError(f"counts must be integers of shape [{U}] (one per tuple), got {counts.dtype} "
                          f"{list(counts.shape)}")
-    if U and int(counts.min()) < 1:  # a listed tuple was used: uniform draws are over the used tuples
+    if U and int(counts.min()) < 1:  # a listed tuple was used
         raise ValueError(f"counts must be >= 1 (each tuple was used), got {int(counts.min())}")
     if U and torch.unique(tuples, dim=0).shape[0] != U:
         raise ValueError(f"tuples must be distinct, got {U - torch.unique(tuples, dim=0).shape[0]} repeated")
@@ -134,7 +119,7 @@ def save_dictionaries(path: str | Path, dictionaries: dict[str, CodeDictionary],
                       global_step: int | None = None) -> Path:
     """Write ``codes.pt`` atomically; ``global_step``: the encoders' checkpoint step."""
 
-    check_output(path, "the code dictionary")  # a folder in the way: one line, not the rename's error on a temp name
+    check_output(path, "the code dictionary")  # a folder in the way
     meta = {"windows": windows, **({"global_step": int(global_step)} if global_step is not None else {})}
     return atomic_save({**{k: d.to_state() for k, d in dictionaries.items()}, **meta}, path)
 
@@ -144,9 +129,7 @@ META_KEYS = {"windows", "global_step"}
 
 
 def check_out(path: str | Path) -> Path:
-    """Refuse ``lwm codes --out`` before any encoding, with one line naming it: a ``.ckpt`` name, a folder, and an
-    existing file that is not a code dictionary (a checkpoint, a manifest, an h5 file: ``--out`` replaces only
-    its own kind of file)."""
+    """Refuse ``lwm codes --out`` before any encoding, with one line naming it."""
 
     path = Path(path)
     if path.suffix == ".ckpt":  # resuming (last.ckpt, hpc_ckpt_N.ckpt) and people take a .ckpt for a checkpoint
@@ -159,8 +142,8 @@ def check_out(path: str | Path) -> Path:
 
 
 def is_dictionary_file(path: str | Path) -> bool:
-    """Whether ``path`` holds what :func:`save_dictionaries` writes (loaded with ``weights_only=True``, memory-mapped:
-    a checkpoint given by mistake is not read into memory)."""
+    """Whether ``path`` holds what :func:`save_dictionaries` writes (loaded with ``weights_only=True``,
+    memory-mapped: a checkpoint given by mistake is not read into memory)."""
     try:
         raw = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception:  # JSON, h5, a torn file: not one of ours
@@ -173,8 +156,7 @@ def is_dictionary_file(path: str | Path) -> bool:
 
 
 def default_codes_path(ckpt_path: str | Path) -> Path:
-    """Where a checkpoint's code dictionaries go: ``codes.pt`` beside ``last.ckpt`` (the end of fit writes it),
-    ``NAME.codes.pt`` beside any other ``NAME.ckpt``, so one checkpoint's never replace another's."""
+    """Where a checkpoint's code dictionaries go."""
     ckpt_path = Path(ckpt_path)
     return ckpt_path.parent / ("codes.pt" if ckpt_path.name == "last.ckpt" else f"{ckpt_path.stem}.codes.pt")
 
@@ -207,7 +189,7 @@ def _load(path: str | Path) -> tuple[dict[str, CodeDictionary], dict]:
                             f"{', '.join(map(str, state))[:100]}, not {', '.join(sorted(STATE_KEYS))})")
         try:
             dictionaries[name] = CodeDictionary.from_state(state)
-        except ValueError as e:  # an edited or corrupted file: refused now, not when a bad tuple is drawn
+        except ValueError as e:  # an edited or corrupted file
             raise DataError(f"{path}: {name}: {e}") from None
     return dictionaries, {k: v for k, v in raw.items() if not isinstance(v, dict)}
 
@@ -216,10 +198,8 @@ def _load(path: str | Path) -> tuple[dict[str, CodeDictionary], dict]:
 def collect(model, loader, device: torch.device, max_windows: int | None = None,
             forward_context: Callable[[], ContextManager] = contextlib.nullcontext,
             ) -> tuple[dict[str, CodeDictionary], int]:
-    """Encode the windows of ``loader`` (batches with ``latents``) with ``model`` (a WorldModel, eval mode) and
-    count the action and world code tuples; at most ``max_windows`` windows. The encoders run in
-    ``forward_context()`` (a trainer's autocast), the loader outside it (CPU autocast refuses to stack float16
-    windows). Returns (dictionaries, windows)."""
+    """Encode the windows of ``loader`` (batches with ``latents``) with ``model`` (a WorldModel, eval mode) and count
+    the action and world code tuples."""
     quantizers = model.quantizers
     dictionaries = {name: CodeDictionary(q.codebook_sizes) for name, q in quantizers.items()}
     windows = 0

@@ -1,19 +1,4 @@
-"""``lwm generate``: play a trained world model forward from frames of an h5 file and write the video.
-
-    lwm generate --ckpt_path CKPT --data FILE.h5 [--start 0] [--context 1] [--steps 16] [--rollouts 4]
-                 [--actions dictionary|inferred|random] [--world inferred|dictionary] [--out VIDEO] [--overwrite]
-
-The rollout runs only the predictor (with the tokenizer and detokenizer), with its key/value cache; the
-encoders run once beforehand where codes are inferred. The world code is inferred from the ground-truth clip (or drawn from the code dictionary); the actions are drawn from the code
-dictionary (``codes.pt`` beside the checkpoint, written at the end of fit or by ``lwm codes``), inferred
-from the ground truth, drawn uniformly per level, or given as indices. Rollouts longer than the trained
-window slide it. Writes the video (the ground truth on top, as far as the file has it, blank after its last
-frame; then one row per rollout; decoded by the file's codec, else latent channels 0-2 as RGB) and
-``VIDEO.mp4.h5`` (the video's name + ``.h5``) with the latents. The default video,
-``RUN_DIR/generated/FILE_START_CONTEXT+STEPS_ACTIONS-WORLD_seedS_stepK.mp4`` (:func:`default_name`), names the
-frames, where the codes come from and the checkpoint's step; an existing video or latents file is refused before
-any work unless ``--overwrite``.
-"""
+"""``lwm generate``: play a trained world model forward from frames of an h5 file and write the video."""
 
 from __future__ import annotations
 
@@ -44,11 +29,9 @@ Codes = tuple[torch.Tensor, torch.Tensor]  # vectors [..., D] and their indices 
 
 
 def default_name(args: argparse.Namespace, step: int) -> str:
-    """The default video's name, ``FILE_START_CONTEXT+STEPS_ACTIONS-WORLD[_uniform][_codes-C][_windowW]_seedS_stepK.mp4``
-    (``K``: the checkpoint's global ``step``): runs of other lengths, of another checkpoint, that take their codes
-    from other sources (another ``--codes`` file ``C.pt``), draw them otherwise, or attend to another ``--window``
-    get other names. Given indices are ``given-`` and 6 hex digits of a hash of the codes played (the first
-    context + steps - 1 action tuples), so other indices are another name."""
+    """The default video's name,
+    ``FILE_START_CONTEXT+STEPS_ACTIONS-WORLD[_uniform][_codes-C][_windowW]_seedS_stepK.mp4`` (``K``: the
+    checkpoint's global ``step``)."""
     transitions = args.context + args.steps - 1
 
     def source(text: str | None, option: str, ndim: int, chosen: str) -> str:
@@ -70,14 +53,14 @@ def default_name(args: argparse.Namespace, step: int) -> str:
 
 def _parse_indices(text: str, option: str, ndim: int) -> np.ndarray:
     """JSON integers (a tuple for ``ndim`` 1, a list of tuples for ``ndim`` 2); floats, bools, strings and ragged
-    lists are refused in one line. Needs no model: ``parse`` checks it before any work."""
+    lists are refused in one line."""
     what = "a JSON list of integers, one per RVQ level" if ndim == 1 else "a JSON list of integer code tuples"
     try:
         parsed = json.loads(text)
         value = np.asarray(parsed)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"{option}: not {what} ({e})") from None
-    if value.dtype.kind not in "iu" or _has_bool(parsed):  # floats, strings, ragged lists; numpy reads true as 1
+    if value.dtype.kind not in "iu" or _has_bool(parsed):  # floats, strings, ragged lists
         raise ConfigError(f"{option}: not {what}: {text}")
     return value
 
@@ -125,7 +108,7 @@ def run(args: argparse.Namespace) -> Path:
     out, latents_path = _outputs(args, ckpt_path, step)
     drawn = (args.actions in ("dictionary", "random") and not args.action_indices,
              args.world == "dictionary" and not args.world_indices)
-    if args.rollouts > 1 and not any(drawn):  # the predictor is deterministic: the same inputs, the same frames
+    if args.rollouts > 1 and not any(drawn):  # the predictor is deterministic
         print(f"note: nothing is drawn (the actions and the world are inferred or given), so the {args.rollouts} "
               f"rollouts are the same; --rollouts 1 writes one", file=sys.stderr)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -134,7 +117,7 @@ def run(args: argparse.Namespace) -> Path:
     trained = trained_window(raw)  # frames per training window (None: unknown)
     _warn_world_phase(model, step)
     window = args.window if args.window is not None else (trained - 1 if trained else None)  # predictor inputs
-    transitions = args.context + args.steps - 1  # actions the rollout needs: the context's, then one per step
+    transitions = args.context + args.steps - 1  # actions the rollout needs
 
     # everything the checkpoint and the files can refuse, then the codec (a VAE: seconds and GPU memory to build)
     given_world, given_actions = _given_codes(args, model, transitions, device)
@@ -142,7 +125,7 @@ def run(args: argparse.Namespace) -> Path:
     clip, world_clip, codec, fps = _read_clips(args, model, trained, device)
     decoder = codec_from_attr(codec, str(args.data), args.vae, str(device), args.vae_tiling)  # before the work: a bad --vae fails now
     side = getattr(decoder, "size", None) if decoder is not None else PREVIEW_SCALE * model.config.height
-    if out.suffix == ".mp4" and side:  # the grid's height, before the work: H.264 takes at most 16384 pixels a side
+    if out.suffix == ".mp4" and side:  # the grid's height, before the work
         check_mp4_size((1 + args.rollouts) * (side + GRID_PAD) - GRID_PAD, side, out)
     before = _latents_before(args, decoder, device)
     _warn_positions(model, trained, transitions)
@@ -158,7 +141,7 @@ def run(args: argparse.Namespace) -> Path:
         context = clip[:, : args.context].expand(args.rollouts, -1, -1, -1, -1)
         generated = model.generate(context, actions, world, args.steps, t0=0, window=window)  # [R, steps, C, H, W]
     rollouts = torch.cat([context, generated], dim=1).cpu()  # [R, context + steps, C, H, W]
-    if args.fps is None and decoder is None:  # a latent preview: one frame per latent step, each step covers
+    if args.fps is None and decoder is None:  # a latent preview
         spec = codec_spec(codec, str(args.data)) or {}  # frames_per_latent video frames of the file's rate
         fps = fps / max(1, int(spec.get("frames_per_latent", 1)))
     played = {"action_indices": action_idx.cpu(), "world_indices": world_idx.cpu(), "window": window}
@@ -167,8 +150,8 @@ def run(args: argparse.Namespace) -> Path:
 
 
 def _latents_before(args: argparse.Namespace, decoder, device: torch.device) -> np.ndarray | None:
-    """The file's latents before ``--start`` where its codec is a video VAE (the decoders carry history: each row
-    is decoded after them, as a decode of the whole file would; ``VAECodec.decode``), else None."""
+    """The file's latents before ``--start`` where its codec is a video VAE (the decoders carry history: each row is
+    decoded after them, as a decode of the whole file would; ``VAECodec.decode``), else None."""
     if decoder is None or getattr(decoder, "frames_per_latent", 1) == 1 or args.start == 0:
         return None
     print(f"note: each of the {1 + args.rollouts} rows is decoded after the file's {args.start} latents before "
@@ -180,8 +163,7 @@ def _latents_before(args: argparse.Namespace, decoder, device: torch.device) -> 
 
 def _outputs(args: argparse.Namespace, ckpt_path: Path, step: int) -> tuple[Path, Path]:
     """The video (``--out``, else the default name in the run's ``generated/``) and its latents file, checked before
-    any work: a folder in the way, or an input under an output's name (``--data X.gif.h5 --out X.gif`` would write
-    the latents over the file they are read from), or an earlier run's files (unless ``--overwrite``)."""
+    any work."""
     out = Path(args.out) if args.out else _run_dir(ckpt_path) / "generated" / default_name(args, step)
     latents_path = out.with_suffix(out.suffix + ".h5")
     inputs = {"--data": args.data, "--ckpt_path": ckpt_path, **({"--codes": args.codes} if args.codes else {})}
@@ -198,7 +180,7 @@ def _outputs(args: argparse.Namespace, ckpt_path: Path, step: int) -> tuple[Path
 def _warn_positions(model, trained: int | None, transitions: int) -> None:
     """A warning where the rollout feeds temporal positions past those training saw (a random start up to
     ``max_time_offset``, then a window's predictor inputs)."""
-    last_position = transitions - 1  # the last frame fed to the predictor sits at temporal position T - 1 (t0 = 0)
+    last_position = transitions - 1  # the last frame fed to the predictor sits at temporal position T - 1
     offset = model.config.max_time_offset
     if trained and last_position > offset + trained - 2:
         print(f"warning: the rollout feeds temporal positions up to {last_position}; training saw up to "
@@ -214,7 +196,7 @@ def _run_dir(ckpt_path: Path) -> Path:
 
 def _warn_world_phase(model, step: int) -> None:
     """Under ``model.net.world_curriculum``, weights of global ``step`` that never trained with the world code (the
-    predictor got no world token, or the encoder's output unquantized): generation feeds them the code."""
+    predictor got no world token, or the encoder's output unquantized)."""
     phase = model.world_phase_of_weights(step)
     if phase != "quantized":
         curriculum = [int(n) for n in model.config.world_curriculum]
@@ -227,7 +209,7 @@ def _read_clips(args: argparse.Namespace, model, trained: int | None,
                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor, str | None, float]:
     """From ``--data``: the clip from ``--start`` (context, and the ground truth as far as the rollout and the file
     go) ``[1, t, C, H, W]``, the world encoder's clip (a training window's length where the file has it), the
-    file's ``codec`` attribute and frame rate. A request for frames the file lacks is one line."""
+    file's ``codec`` attribute and frame rate."""
     c = model.config
     info = inspect_h5(args.data, c.in_channels, c.height, c.width, check_values=False)  # the frames read: below
     need_gt = args.actions == "inferred" and not args.action_indices
@@ -276,7 +258,7 @@ def _given_codes(args: argparse.Namespace, model, transitions: int,
 
 def _dictionaries(args: argparse.Namespace, ckpt_path: Path, raw: dict, model) -> dict | None:
     """The code dictionaries, where ``--world`` or ``--actions`` draws from one (else None), checked against the
-    model; a dictionary made at another step than the checkpoint's is a warning."""
+    model."""
     needed = [name for name, used in (("Action_Encoder", args.actions == "dictionary" and not args.action_indices),
                                       ("World_Encoder", args.world == "dictionary" and not args.world_indices)) if used]
     if not needed:
@@ -296,8 +278,8 @@ def _dictionaries(args: argparse.Namespace, ckpt_path: Path, raw: dict, model) -
 
 def _world(args: argparse.Namespace, model, world_clip: torch.Tensor, trained: int | None,
            given: torch.Tensor | None, dictionaries: dict | None, draws: torch.Generator) -> Codes:
-    """The world of each rollout: its vector ``[R, Dh]`` and indices ``[R, Lh]``, given (``--world-indices``
-    ``[1, Lh]``), drawn from the dictionary, or inferred."""
+    """The world of each rollout: its vector ``[R, Dh]`` and indices ``[R, Lh]``, given (``--world-indices`` ``[1,
+    Lh]``), drawn from the dictionary, or inferred."""
     R, quantizer = args.rollouts, model.quantizers["World_Encoder"]
     if given is not None:
         idx = given.expand(R, -1)
@@ -318,8 +300,7 @@ def _actions(args: argparse.Namespace, model, clip: torch.Tensor, trained: int |
              random_draws: torch.Generator) -> Codes:
     """The actions of each rollout: vectors ``[R, transitions, Da]`` and indices ``[R, transitions, La]``, given
     (``--action-indices`` ``[transitions, La]``), inferred from the ground truth, or (``random``, ``dictionary``)
-    the context's own transitions inferred and one drawn per step. Each rollout's draws are the same whatever
-    ``--rollouts`` (rollout 0 of four is the rollout of one) and whatever the device (drawn on the CPU)."""
+    the context's own transitions inferred and one drawn per step."""
     R, quantizer, device = args.rollouts, model.quantizers["Action_Encoder"], clip.device
     if given is not None:
         idx = given[None].expand(R, -1, -1)
@@ -340,12 +321,7 @@ def _actions(args: argparse.Namespace, model, clip: torch.Tensor, trained: int |
 
 def _write(args: argparse.Namespace, out: Path, latents_path: Path, rollouts: torch.Tensor, clip: torch.Tensor,
            decoder, codec: str | None, fps: float, played: dict, before: np.ndarray | None = None) -> None:
-    """The latents (first, before any decoding: kept if the decoder or the video fails) and the video grid: the
-    ground truth on top, as far as the file has it (``clip``: the context, then up to ``--steps`` frames; blank
-    cells after its last frame), then the rollouts. The latents file holds the same ground truth, ``[frames the
-    file has, C, H, W]``, and the codes each rollout played (``played``: ``action_indices [R, transitions, La]``,
-    ``world_indices [R, Lh]``, what ``--action-indices`` / ``--world-indices`` take back) with the settings that
-    drew them."""
+    """The latents (first, before any decoding: kept if the decoder or the video fails) and the video grid."""
     R, T = rollouts.shape[:2]
     out.parent.mkdir(parents=True, exist_ok=True)
     with h5py.File(latents_path, "w") as f:
@@ -360,7 +336,7 @@ def _write(args: argparse.Namespace, out: Path, latents_path: Path, rollouts: to
             f.attrs["window"] = played["window"]
     if decoder is None:
         to_video = latent_preview
-    elif before is not None:  # a VAE file's window from its middle: decoded after the file's latents before it
+    elif before is not None:  # a VAE file's window from its middle
         to_video = lambda x: decoder.decode(x.float().numpy(), before)  # noqa: E731
     else:
         to_video = lambda x: decoder.decode(x.float().numpy())  # noqa: E731

@@ -1,9 +1,5 @@
 """What a trained world model learned, on held-out clips: prediction against copy-last-frame, action and world
-sensitivity with in-distribution controls, the world-code leak check, and the codes against the true labels.
-
-:func:`evaluate` takes a model and :class:`Clips` (windows of held-out files with their true actions and world
-labels) and returns plain numbers; ``benchmarks/learning.py`` and ``lwm demo`` print them.
-"""
+sensitivity with in-distribution controls, the world-code leak check, and the codes against the true labels."""
 
 from __future__ import annotations
 
@@ -22,8 +18,8 @@ from lwm.utils.metrics import code_ids, linear_probe_accuracy, nmi, probe_train_
 
 @dataclass
 class Clips:
-    """Held-out windows: ``latents [N, T, C, H, W]``, true ``actions [N, T]`` (after frame t; -1: none), ``worlds [N]``
-    (world labels, -1: none) and ``files [N]`` (which file each window comes from)."""
+    """Held-out windows: ``latents [N, T, C, H, W]``, true ``actions [N, T]`` (after frame t; -1: none), ``worlds
+    [N]`` (world labels, -1: none) and ``files [N]`` (which file each window comes from)."""
 
     latents: Tensor
     actions: Tensor
@@ -68,8 +64,7 @@ def probe_margin(chance: float, samples: int) -> float:
 
 
 def other_clip(clips: Clips, same_world: bool, generator: torch.Generator) -> Tensor:
-    """``[N]`` for each clip the index of another one: of another file (of the same world label where ``same_world``),
-    drawn at random; another window of the same file where no other file qualifies, the clip itself where none."""
+    """``[N]`` for each clip the index of another one."""
     n = len(clips)
     pick = torch.arange(n)
     order = torch.randperm(n, generator=generator)
@@ -95,18 +90,7 @@ def _rollout_mse(model, x: Tensor, actions: Tensor, world: Tensor, steps: int) -
 @torch.no_grad()
 def evaluate(model, clips: Clips, t: int = 4, dictionary: CodeDictionary | None = None, batch_size: int = 64,
              seed: int = 0, world_phase: str = "quantized", world_factors: dict[str, Tensor] | None = None) -> dict:
-    """Every number of the learning study for ``model`` (a ``WorldModel`` in eval mode) on ``clips``:
-
-    * ``psnr[k]`` / ``copy_psnr[k]``: PSNR (of the mean MSE) of frame ``k = 1..t`` generated from frame 0 with the
-      inferred codes, and of copying frame 0; per world label under ``per_world``;
-    * ``action_dpsnr``: the requirement's dPSNR at ``t`` (mean over clips of PSNR_seq - PSNR_control) against
-      ``random`` codes (uniform per level), ``dictionary`` draws (by frequency; the held-out codes' own counts
-      when no ``dictionary`` is given) and ``other_clip`` (the inferred actions of another file's clip);
-    * ``world_dpsnr``: against a ``random`` world code and ``same_world`` (the code inferred from another file of
-      the same world label: the leak check, 0 where the world code carries the world and not the clip);
-    * ``action`` / ``world``: NMI and a linear probe (accuracy, chance, 3 sd) against the true labels, code usage;
-      ``world_factors``: the same for other labels of the clips' worlds (e.g. a world's speed, ``{name: [N]}``).
-    """
+    """Every number of the learning study for ``model`` (a ``WorldModel`` in eval mode) on ``clips``:"""
     device = next(model.parameters()).device
     g = torch.Generator().manual_seed(seed)
     q_action, q_world = model.quantizers["Action_Encoder"], model.quantizers["World_Encoder"]

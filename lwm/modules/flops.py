@@ -1,21 +1,4 @@
-"""Honest FLOP counts of a training step: ``torch.utils.flop_counter.FlopCounterMode`` with three corrections.
-
-* **SDPA on the CPU** (``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward) has no formula
-  in PyTorch, so it counts as zero; here it gets the same formula as the GPU kernels.
-* **Masked attention** (``is_causal`` or a boolean ``attn_mask``) is counted by PyTorch as full attention.
-  Here every SDPA kernel (CPU flash, CUDA flash, memory-efficient, cuDNN) is counted for the query/key pairs
-  the mask allows: ``L (L + 1) / 2`` of ``L * S`` for causal, the mask's share of True entries otherwise.
-  These are the *useful* FLOPs (what MFU should count); ``dense`` keeps PyTorch's count of the full square.
-* **The attention backward** is counted by PyTorch as five matmuls: the four of the gradients (twice the
-  forward's two) and the scores ``q k^T`` recomputed, as flash attention does. The recomputation is hardware
-  work, not useful work (as activation checkpointing's is not): the useful count leaves it out, the dense
-  count keeps PyTorch's five.
-* **lwm's Triton temporal attention** (``torch.ops.lwm.temporal_attention`` and its backward) is unknown to
-  PyTorch (zero): it is counted as SDPA with the model's mask, so every kernel setting counts the same step.
-
-Every other op keeps PyTorch's formula (matmuls and convolutions; elementwise ops, norms and softmax count
-zero, as in PyTorch and in the usual MFU convention).
-"""
+"""Honest FLOP counts of a training step: ``torch.utils.flop_counter.FlopCounterMode`` with three corrections."""
 
 from __future__ import annotations
 
@@ -33,12 +16,12 @@ aten = torch.ops.aten
 
 
 def allowed_pairs(q_len: int, k_len: int, is_causal: bool, attn_mask: torch.Tensor | None) -> tuple[int, int]:
-    """``(allowed, of)``: the share of the ``q_len x k_len`` query/key pairs a mask allows, as integers (so
-    that a count is exact, and linear in the batch)."""
+    """``(allowed, of)``: the share of the ``q_len x k_len`` query/key pairs a mask allows, as integers (so that a
+    count is exact, and linear in the batch)."""
     if attn_mask is not None:
         allowed = attn_mask if attn_mask.dtype == torch.bool else torch.isfinite(attn_mask)  # additive: -inf
         return int(allowed.sum()), allowed.numel()
-    if is_causal:  # SDPA's causal mask is aligned top-left: query i sees keys 0..i
+    if is_causal:  # SDPA's causal mask is aligned top-left
         return sum(min(i + 1, k_len) for i in range(q_len)), q_len * k_len
     return 1, 1
 
@@ -60,13 +43,12 @@ def _forward(get: Callable[[tuple, dict], tuple], useful: bool):
         dense = sdpa_flop_count(q.shape, k.shape, v.shape)
         return _useful(dense, q.shape[-2], k.shape[-2], is_causal, mask) if useful else dense
 
-    count._get_raw = True  # FlopCounterMode passes tensors, not shapes: the mask's values are read
+    count._get_raw = True  # FlopCounterMode passes tensors, not shapes
     return count
 
 
 def backward_flops(grad_shape, q_shape, k_shape, v_shape, useful: bool) -> int:
-    """An attention backward's FLOPs over the full square: PyTorch's formula (five matmuls), or without its
-    recomputation of the scores ``q k^T`` (``useful``: the four matmuls of the gradients, twice the forward)."""
+    """An attention backward's FLOPs over the full square."""
     dense = sdpa_backward_flop_count(grad_shape, q_shape, k_shape, v_shape)
     if not useful:
         return dense
@@ -94,8 +76,7 @@ def _arg(args: tuple, kwargs: dict, index: int, name: str, default=None):
 
 
 def _triton_kernel(useful: bool, backward: bool):
-    """lwm's Triton temporal attention (``lwm.modules.triton_attention``), counted as SDPA with the model's mask:
-    forward ``(qkv [n, l, 3, h, e], past_k, past_v, mask, window)``, backward ``(grad, qkv, past_k, ...)``."""
+    """lwm's Triton temporal attention (``lwm.modules.triton_attention``), counted as SDPA with the model's mask."""
     def count(*args, out_val=None, **kwargs) -> int:
         grad, (qkv, past_k, _, mask, window) = (args[0], args[1:]) if backward else (None, args)
         n, lq, _, h, e = qkv.shape
@@ -112,8 +93,7 @@ def _triton_kernel(useful: bool, backward: bool):
 
 def attention_mapping(useful: bool = True) -> dict:
     """``custom_mapping`` for :class:`FlopCounterMode` covering every SDPA kernel, the CPU one included, and lwm's
-    Triton temporal attention: counted for the allowed query/key pairs only (``useful``) or for the full square
-    (PyTorch's convention)."""
+    Triton temporal attention."""
     def is_causal(index: int):
         return lambda a, kw: bool(_arg(a, kw, index, "is_causal", False))
 
@@ -150,8 +130,8 @@ def attention_mapping(useful: bool = True) -> dict:
 
 @dataclass
 class StepFlops:
-    """FLOPs of one counted region: ``useful`` (masked attention pairs left out) and ``dense`` (PyTorch's
-    convention, with the CPU attention kernel counted), in total and per module name prefix."""
+    """FLOPs of one counted region: ``useful`` (masked attention pairs left out) and ``dense`` (PyTorch's convention,
+    with the CPU attention kernel counted), in total and per module name prefix."""
 
     useful: int = 0
     dense: int = 0  # equals ``useful`` when not counted
@@ -167,8 +147,8 @@ def _eager():
 
 
 def count_flops(fn: Callable[[], object], dense: bool = True) -> StepFlops:
-    """Run ``fn`` (e.g. a forward and backward) under :class:`FlopCounterMode` counting useful attention FLOPs,
-    with the per-module breakdown; and, with ``dense``, once more counting attention as the full square."""
+    """Run ``fn`` (e.g. a forward and backward) under :class:`FlopCounterMode` counting useful attention FLOPs, with
+    the per-module breakdown."""
     with _eager(), FlopCounterMode(display=False, custom_mapping=attention_mapping(useful=True)) as useful:
         fn()
     total = int(useful.get_total_flops())

@@ -1,34 +1,4 @@
-"""Residual vector quantizer with EMA codebooks, written for lwm (the requirement asks us to own it).
-
-Per level ``l`` (codebook size ``K_l``), on the residual ``r_l`` left by the levels before it:
-
-* nearest code ``k = argmin_k ||r_l - e_k||^2``, quantized ``q_l = e_k``, next residual ``r_{l+1} = r_l - q_l``
-  (``q_l`` is a buffer, so residuals are formed from the *detached* code: every level's commitment loss
-  sends a gradient to the encoder);
-* output: the sum of the level codes with a straight-through gradient, ``z + sg[sum_l q_l - z]``;
-* commitment loss ``sum_l mean((r_l - sg[q_l])^2)``, the element mean (= the mean squared norm / ``dim``;
-  optimised, weighted outside: ``WorldModel.commitment_weights``);
-* codebook loss ``sum_l mean((sg[r_l] - e'_l)^2)``, with ``e'`` the codebook after this step's EMA update
-  (monitored, never optimised; it equals the commitment loss when nothing is updated, as in validation);
-* EMA update (the requirement's formulas), with ``n_k`` the number of vectors assigned to code ``k`` and
-  ``s_k`` their sum, both all-reduced over DDP ranks first::
-
-      N_k <- g N_k + (1 - g) n_k ;   M_k <- g M_k + (1 - g) s_k ;   e_k <- M_k / (N_k + eps)
-
-  with the decay ``g`` a linear function of the global step (:meth:`decay_at`). Accumulators start at
-  ``N = 1, M = e`` (from zero, an unused code would be ``0 / eps``). A code left unused for ``t`` updates is
-  scaled by ``g^t / (g^t + eps)``: it stays in place while ``g^t >> eps`` (at ``g = 0.99`` some 700 updates,
-  at ``0.9`` some 60; after 100 at 0.9 it is at 0.73 of its length) and then shrinks towards zero, which the
-  requirement's formula implies; dead-code revival replaces it first (``WorldModelConfig`` warns where
-  ``decay_start ** dead_code_steps < eps``, a code less than half its length before it counts as dead).
-
-Dead codes (not assigned for ``dead_code_steps`` consecutive updates) are replaced by :meth:`revive`
-with random distinct encoder outputs of that level from the last training batch, and their EMA state
-reset, so the next update keeps them. Codes are never initialised or revived as duplicates of each other.
-Under DDP the candidates are every rank's rows (as one GPU with the global batch would draw them), and rank 0's
-draws are broadcast: all ranks hold identical codebooks. Everything here runs in fp32 with autocast off, and the buffers stay fp32 when the
-module is cast (``.half()``, ``.bfloat16()``, DeepSpeed).
-"""
+"""Residual vector quantizer with EMA codebooks, written for lwm (the requirement asks us to own it)."""
 
 from __future__ import annotations
 
@@ -45,18 +15,14 @@ from torch import Tensor, nn
 class RVQOutput:
     quantized: Tensor  # [..., dim] sum of the level codes, straight-through to the input
     indices: Tensor  # [..., L] int64 code index per level
-    commit_loss: Tensor  # scalar, sum over levels of the element mean of (r_l - sg[q_l])^2 (differentiable)
-    codebook_loss: Tensor  # scalar, sum over levels of the element mean of (sg[r_l] - e'_l)^2 (detached, monitored)
-    level_commit_losses: Tensor  # [L] each level's commit loss (detached; commit_loss is their sum)
-    inputs: Tensor  # [..., dim] the encoder output before quantization (detached)
+    commit_loss: Tensor  # scalar, sum over levels of the element mean of
+    codebook_loss: Tensor  # scalar, sum over levels of the element mean of
+    level_commit_losses: Tensor  # [L] each level's commit loss
+    inputs: Tensor  # [..., dim] the encoder output before quantization
 
 
 class Codebook(nn.Module):
-    """One level: codes ``embed [K, dim]``, EMA accumulators and the per-code unused-step counter.
-
-    All float buffers are kept in fp32: a dtype cast of the module (``.half()``, DeepSpeed's bf16) only
-    moves them to the new device.
-    """
+    """One level: codes ``embed [K, dim]``, EMA accumulators and the per-code unused-step counter."""
 
     embed: Tensor
     ema_count: Tensor
@@ -94,9 +60,8 @@ class Codebook(nn.Module):
 
 def _distinct_rows(rows: Tensor, wanted: int, generator: torch.Generator | None = None,
                    exclude: Tensor | None = None) -> Tensor:
-    """Up to ``wanted`` random distinct finite rows of ``rows [M, dim]`` that are none of the ``exclude`` rows
-    (fewer when there are fewer): codes made from them are never duplicates, which ``argmin`` would split
-    unevenly (the first always wins) and the EMA would never separate. One host sync (``unique``)."""
+    """Up to ``wanted`` random distinct finite rows of ``rows [M, dim]`` that are none of the ``exclude`` rows (fewer
+    when there are fewer)."""
     rows = rows[torch.isfinite(rows).all(dim=-1)]
     if rows.shape[0] > 1:
         rows = torch.unique(rows, dim=0)
@@ -114,18 +79,7 @@ def _ddp_world() -> int:
 
 
 class ResidualVectorQuantizer(nn.Module):
-    """Residual VQ over the last axis of ``z [..., dim]`` with one EMA codebook per level.
-
-    Args:
-        dim: size of the vectors being quantized.
-        codebook_sizes: codes per level, e.g. (12, 64, 256) for actions, (12, 24, 48, 256, 256, 256) for worlds.
-        decay_start: EMA decay at step 0.
-        decay_end: EMA decay from ``decay_steps`` on (linear in between).
-        decay_steps: length of the linear decay schedule in global steps (0: ``decay_end`` from the start).
-        eps: the requirement's epsilon in ``e = M / (N + eps)``.
-        dead_code_steps: a code not assigned for this many consecutive updates counts as dead.
-        init_from_data: initialise each level from random encoder outputs of the first training batch.
-    """
+    """Residual VQ over the last axis of ``z [..., dim]`` with one EMA codebook per level."""
 
     def __init__(
         self,
@@ -179,14 +133,9 @@ class ResidualVectorQuantizer(nn.Module):
     def _sync(self) -> bool:
         return _ddp_world() > 1
 
-    # ----------------------------------------------------------------------------------------------
-    # Kept out of compiled graphs (two graph breaks per quantizer call, a few microseconds): the EMA update
-    # rewrites buffers in place, which a compiled backward that re-reads a saved buffer would trip over,
-    # and it may run a collective. The work here is tiny next to the transformers.
     @torch.compiler.disable
     def forward(self, z: Tensor, step: int | Tensor | None = None) -> RVQOutput:
-        """Quantize ``z [..., dim]``. The codebooks are EMA-updated when the module is in training mode and
-        a global ``step`` is given (the decay is a function of it); otherwise they are left untouched."""
+        """Quantize ``z [..., dim]``."""
         if z.shape[-1] != self.dim:
             raise ValueError(f"ResidualVectorQuantizer: expected last dim {self.dim}, got shape {tuple(z.shape)}")
         update = self.training and step is not None
@@ -207,8 +156,8 @@ class ResidualVectorQuantizer(nn.Module):
                 q_sum = q_sum + q
                 residual = residual - q
             if torch.is_grad_enabled() and flat.requires_grad:
-                quantized = flat + (q_sum - flat).detach()  # straight-through (its value q_sum up to rounding)
-            else:  # no gradient to pass: the code itself, bit for bit what decode_indices(indices) gives
+                quantized = flat + (q_sum - flat).detach()  # straight-through
+            else:  # no gradient to pass
                 quantized = q_sum
             if update:
                 self._ema_update(residuals, indices, step)
@@ -240,8 +189,8 @@ class ResidualVectorQuantizer(nn.Module):
         return sum(cb.embed[indices[..., level]] for level, cb in enumerate(self.levels))
 
     def _all_finite(self, flat: Tensor) -> bool:
-        """Whether ``flat`` is finite on every rank (under DDP an all-reduce: one rank's NaN batch must not
-        make the ranks disagree about initialising, which broadcasts)."""
+        """Whether ``flat`` is finite on every rank (under DDP an all-reduce: one rank's NaN batch must not make the
+        ranks disagree about initialising, which broadcasts)."""
         finite = torch.isfinite(flat).all().to(torch.int32)
         if self._sync():
             dist.all_reduce(finite, op=dist.ReduceOp.MIN)
@@ -261,12 +210,9 @@ class ResidualVectorQuantizer(nn.Module):
         dist2 = x.pow(2).sum(-1, keepdim=True) - 2.0 * x @ codes.t() + codes.pow(2).sum(-1)  # [M, K]
         return dist2.argmin(dim=-1)
 
-    # ----------------------------------------------------------------------------------------------
     @torch.no_grad()
     def _init_from(self, flat: Tensor) -> None:
-        """Data-dependent init: level ``l``'s codes are random distinct rows of the residuals at level ``l``.
-        A level with more codes than distinct rows (a world quantizer sees one vector per clip; a row picked as
-        a code leaves a zero residual) keeps its random init for the rest: unused, they are revived later."""
+        """Data-dependent init: level ``l``'s codes are random distinct rows of the residuals at level ``l``."""
         residual = self._every_rank_rows(flat)
         for cb in self.levels:
             rows = _distinct_rows(residual, cb.size)
@@ -284,8 +230,7 @@ class ResidualVectorQuantizer(nn.Module):
         decay = self.decay_at(step)
         stats = []
         for r, idx, cb in zip(residuals, indices, self.levels):
-            # n_k and s_k in one scatter: [1, r] rows added at their codes. (torch.bincount would read the
-            # indices' min and max on the host: two blocking syncs per level on CUDA.)
+            # n_k and s_k in one scatter: [1, r] rows added at their codes.
             ones_and_r = torch.cat([torch.ones_like(r[:, :1]), r], dim=1)  # [N, 1 + dim]
             stats.append(r.new_zeros(cb.size, 1 + r.shape[1]).index_add_(0, idx, ones_and_r))  # [K, 1 + dim]
         packed = torch.cat(stats)  # one all-reduce for every level
@@ -314,11 +259,8 @@ class ResidualVectorQuantizer(nn.Module):
 
     @torch.no_grad()
     def revive(self, generator: torch.Generator | None = None) -> list[int]:
-        """Replace dead codes by random distinct (finite) encoder outputs of their level from the last training
-        batch and reset their EMA state (call after the EMA update); with more dead codes than distinct rows,
-        as many as there are rows (the rest wait for the next call). Returns the number revived per level (a
-        few host syncs). ``generator`` draws the rows (None: the global RNG); under DDP rank 0's new codes are
-        broadcast so every rank keeps identical codebooks."""
+        """Replace dead codes by random distinct (finite) encoder outputs of their level from the last training batch
+        and reset their EMA state (call after the EMA update)."""
         if self._last_residuals is None:
             return [0] * self.num_levels
         dead = self.dead_codes()
@@ -332,15 +274,12 @@ class ResidualVectorQuantizer(nn.Module):
                 chosen[mask.nonzero().flatten()[: rows.shape[0]]] = True
                 cb.reset(chosen, rows)
             revived.append(int(rows.shape[0]))
-        if sum(counts) and self._sync():  # decided on the all-reduced counts: every rank takes part or none
+        if sum(counts) and self._sync():  # decided on the all-reduced counts
             self._broadcast_levels()
         return revived
 
     def _every_rank_rows(self, rows: Tensor) -> Tensor:
-        """``rows [M, dim]`` of every rank in rank order under DDP (this rank's alone otherwise): the candidates
-        of the data init and of revival, so that N GPUs draw codes from the global batch as one GPU would from
-        the same batch (rank 0 draws; :meth:`_broadcast_levels` hands its codes to the others). A collective:
-        every rank calls it, and the ranks' numbers of rows may differ."""
+        """``rows [M, dim]`` of every rank in rank order under DDP (this rank's alone otherwise)."""
         if not self._sync():
             return rows
         world = _ddp_world()

@@ -1,16 +1,5 @@
 """Building blocks shared by the three models: CNN tokenizer/detokenizer, sinusoidal positional
-embeddings and the spatio-temporal (ST) transformer block.
-
-Token layout. The tokenizer maps frames ``[B*T, C, H, W]`` to feature maps ``[B*T, D, H/4, W/4]`` (the
-requirement's merged batch-time layout). :func:`to_sequence` turns those maps into ``[B, T, N, D]``
-(``N = H/4 * W/4`` patches) once, given ``B``; every ST transformer works on that layout, so spatial
-attention runs over ``N`` within each frame and temporal attention over ``T`` within each patch.
-
-Temporal masks (``TemporalMask``), over frame indices of one patch:
-  * ``none``:           frame ``i`` attends to every frame.
-  * ``causal``:         frame ``i`` attends to ``0..i``        (the requirement's "diagonal = 1").
-  * ``shifted_causal``: frame ``i`` attends to ``0..i+1``      (the requirement's "diagonal = 2").
-"""
+embeddings and the spatio-temporal (ST) transformer block."""
 
 from __future__ import annotations
 
@@ -29,15 +18,8 @@ TemporalMask = Literal["none", "causal", "shifted_causal"]
 TEMPORAL_MASKS: tuple[str, ...] = ("none", "causal", "shifted_causal")
 
 
-# --------------------------------------------------------------------------------------------------
-# Positional embeddings
-# --------------------------------------------------------------------------------------------------
 def sinusoidal_embedding(positions: Tensor, dim: int, base: float = 10000.0) -> Tensor:
-    """Transformer sinusoidal embedding of (possibly fractional) positions: ``[...] -> [..., dim]``.
-
-    The first half of the channels holds ``sin(p * w_k)``, the second half ``cos(p * w_k)``, with
-    ``w_k = base^(-k / (dim/2))``.
-    """
+    """Transformer sinusoidal embedding of (possibly fractional) positions: ``[...] -> [..., dim]``."""
     if dim % 2:
         raise ValueError(f"sinusoidal_embedding: dim must be even, got {dim}")
     half = dim // 2
@@ -47,10 +29,7 @@ def sinusoidal_embedding(positions: Tensor, dim: int, base: float = 10000.0) -> 
 
 
 def spatial_pos_embedding(height: int, width: int, dim: int, device: torch.device | None = None) -> Tensor:
-    """2-D sinusoidal embedding of a ``height x width`` patch grid, row-major: ``[height*width, dim]``.
-
-    Half of the channels encode the row, the other half the column.
-    """
+    """2-D sinusoidal embedding of a ``height x width`` patch grid, row-major: ``[height*width, dim]``."""
     if dim % 4:
         raise ValueError(f"spatial_pos_embedding: dim must be divisible by 4, got {dim}")
     rows = torch.arange(height, device=device).repeat_interleave(width)  # [N]
@@ -59,11 +38,7 @@ def spatial_pos_embedding(height: int, width: int, dim: int, device: torch.devic
 
 
 def temporal_pos_embedding(length: int, dim: int, t0: int | Tensor = 0, device: torch.device | None = None) -> Tensor:
-    """1-D sinusoidal embedding of frames ``t0 .. t0+length-1``.
-
-    ``t0`` is an int (returns ``[length, dim]``) or a per-sample tensor ``[B]`` (returns ``[B, length, dim]``);
-    the requirement trains with a random start so the model generalises past its window.
-    """
+    """1-D sinusoidal embedding of frames ``t0 .. t0+length-1``."""
     steps = torch.arange(length, device=device)
     if isinstance(t0, Tensor):
         positions = t0.to(device=steps.device).reshape(-1, 1) + steps  # [B, length]
@@ -72,9 +47,6 @@ def temporal_pos_embedding(length: int, dim: int, t0: int | Tensor = 0, device: 
     return sinusoidal_embedding(positions, dim)
 
 
-# --------------------------------------------------------------------------------------------------
-# CNN tokenizer / detokenizer
-# --------------------------------------------------------------------------------------------------
 def _group_norm(channels: int) -> nn.GroupNorm:
     """GroupNorm with 32 groups, or the largest divisor of ``channels`` that divides 32 (any width works)."""
     groups = math.gcd(32, channels)
@@ -82,10 +54,7 @@ def _group_norm(channels: int) -> nn.GroupNorm:
 
 
 class Tokenizer(nn.Module):
-    """CNN tokenizer: frames ``[B*T, C, H, W] -> [B*T, D, H/4, W/4]`` (two stride-2 convolutions).
-
-    Shared by the three models (the WorldModel owns the single instance).
-    """
+    """CNN tokenizer: frames ``[B*T, C, H, W] -> [B*T, D, H/4, W/4]`` (two stride-2 convolutions)."""
 
     DOWNSAMPLE: ClassVar[int] = 4  # frames [H, W] -> token grid [H / 4, W / 4]
 
@@ -136,14 +105,10 @@ def to_maps(tokens: Tensor, height: int, width: int) -> Tensor:
     return rearrange(tokens, "b t (h w) d -> (b t) d h w", h=height, w=width)
 
 
-# --------------------------------------------------------------------------------------------------
-# Attention and the ST block
-# --------------------------------------------------------------------------------------------------
 def temporal_mask(
     kind: TemporalMask, length: int, device: torch.device | None = None, window: int | None = None
 ) -> Tensor | None:
-    """Boolean ``[length, length]`` mask, True where query ``i`` may attend key ``j``; None for ``none``.
-    ``window`` (causal only) keeps the last ``window`` frames: ``i - window < j <= i`` (sliding-window rollouts)."""
+    """Boolean ``[length, length]`` mask, True where query ``i`` may attend key ``j``; None for ``none``."""
     if kind == "none":
         return None
     ones = torch.ones(length, length, dtype=torch.bool, device=device)
@@ -161,8 +126,8 @@ KV = tuple[Tensor, Tensor]  # one attention's keys and values [n, heads, positio
 
 def _sdpa_mask(kind: TemporalMask, queries: int, keys: int, device: torch.device,
                window: int | None) -> tuple[Tensor | None, bool]:
-    """``(attn_mask, is_causal)`` for SDPA when the ``queries`` are the last of ``keys`` positions (the first
-    ``keys - queries`` come from a cache): a mask only where the kernel's own cases do not cover it."""
+    """``(attn_mask, is_causal)`` for SDPA when the ``queries`` are the last of ``keys`` positions (the first ``keys
+    - queries`` come from a cache)."""
     whole = window is None or window >= keys
     if kind == "none" or (kind == "causal" and queries == 1 and whole):
         return None, False  # every key allowed
@@ -176,14 +141,7 @@ ATTENTION_KERNELS: tuple[str, ...] = ("sdpa", "matmul", "triton")
 
 
 class Attention(nn.Module):
-    """Multi-head self-attention over the second-to-last axis of ``[batch, L, D]``.
-
-    ``kernel``: ``sdpa`` (``scaled_dot_product_attention``), ``matmul`` (``q k^T``, masked softmax, ``@ v`` as
-    plain batched matmuls, which ``torch.compile`` fuses around; for many short sequences, as in temporal
-    attention, SDPA's kernels are slow: see docs/performance.md) or ``triton`` (one Triton kernel
-    per direction for short sequences, :mod:`lwm.modules.triton_attention`; the matmul formulation where it
-    does not apply: no GPU, float64, tiles over ``triton_attention.MAX_TILE``). The same function every way.
-    """
+    """Multi-head self-attention over the second-to-last axis of ``[batch, L, D]``."""
 
     def __init__(self, d_model: int, n_heads: int, kernel: AttentionKernel = "sdpa") -> None:
         super().__init__()
@@ -200,11 +158,7 @@ class Attention(nn.Module):
         self, x: Tensor, mask: TemporalMask = "none", return_weights: bool = False, window: int | None = None,
         past: KV | None = None,
     ) -> tuple[Tensor, Tensor | None, KV]:
-        """``x [n, l, D]`` -> ``(out [n, l, D], weights [n, heads, l, p + l] or None, (keys, values))``.
-
-        ``past``: the keys and values of ``p`` earlier positions (``[n, heads, p, e]`` each); ``x`` holds the
-        ``l`` positions after them, and position ``p + i`` attends to the keys ``mask`` allows it among all
-        ``p + l``. The returned keys and values cover all ``p + l`` positions."""
+        """``x [n, l, D]`` -> ``(out [n, l, D], weights [n, heads, l, p + l] or None, (keys, values))``."""
         if window is not None and window < 1:
             raise ValueError(f"attention window must be >= 1 frame (None: all), got {window}")
         qkv = rearrange(self.qkv(x), "n l (three h e) -> n l three h e", three=3, h=self.n_heads)
@@ -221,7 +175,7 @@ class Attention(nn.Module):
             attn_mask, is_causal = _sdpa_mask(mask, queries, keys, x.device, window)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal)
             out = rearrange(out, "n h l e -> n l (h e)")
-        else:  # explicit softmax (the matmul kernel, and triton's fallback; also how weights are kept for diagnostics)
+        else:  # explicit softmax
             scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)  # [n, h, l, p + l]
             allowed = temporal_mask(mask, keys, x.device, window)
             if allowed is not None:
@@ -233,9 +187,7 @@ class Attention(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """One pre-norm ST block on ``[B, T, N, D]``: spatial attention within each frame, temporal attention
-    within each patch (masked by ``mask``, computed by ``temporal_attention``: :class:`Attention`'s kernels),
-    then an MLP; each sub-layer residual."""
+    """One pre-norm ST block on ``[B, T, N, D]``."""
 
     def __init__(self, d_model: int, n_heads: int, mask: TemporalMask = "none", mlp_ratio: float = 4.0,
                  temporal_attention: AttentionKernel = "sdpa") -> None:
@@ -255,10 +207,7 @@ class TransformerBlock(nn.Module):
         self, x: Tensor, return_attn: bool = False, window: int | None = None, past: KV | None = None
     ) -> tuple[Tensor, Tensor | None, KV]:
         """``x [B, t, N, D] -> ([B, t, N, D], temporal weights [B, heads, t, p + t] averaged over patches or None,
-        the temporal keys/values of all p + t positions)``. ``window`` (causal blocks): each frame attends to the
-        last ``window`` frames only. ``past`` (causal blocks): the temporal keys/values of ``p`` earlier frames,
-        which ``x`` follows; a frame's output depends on it and earlier frames only, so it equals the output the
-        whole sequence would give there."""
+        the temporal keys/values of all p + t positions)``."""
         if past is not None and self.mask != "causal":
             raise ValueError(f"cached earlier frames need a causal block, this one is {self.mask!r}")
         x = x + self.spatial_update(x)
@@ -276,8 +225,7 @@ class TransformerBlock(nn.Module):
     def temporal_update(
         self, x: Tensor, return_attn: bool = False, window: int | None = None, past: KV | None = None
     ) -> tuple[Tensor, Tensor | None, KV]:
-        """Attention over the frames of each patch, masked by ``self.mask``: (update, weights averaged over patches
-        ``[B, heads, t, p + t]`` or None, keys/values of all ``p + t`` frames)."""
+        """Attention over the frames of each patch, masked by ``self.mask``."""
         B = x.shape[0]
         update, weights, kv = self.temporal(rearrange(self.norm_temporal(x), "b t n d -> (b n) t d"), self.mask,
                                             return_attn, window, past)
@@ -299,7 +247,7 @@ class STTransformer(nn.Module):
             raise ValueError("STTransformer needs at least one block (depth >= 1)")
         self.blocks = nn.ModuleList(TransformerBlock(d_model, n_heads, m, mlp_ratio, temporal_attention) for m in masks)
         self.norm_out = nn.LayerNorm(d_model)
-        self.checkpointing = checkpointing  # recompute each block's activations in the backward (memory for time)
+        self.checkpointing = checkpointing  # recompute each block's activations in the backward
 
     @property
     def masks(self) -> list[str]:
@@ -309,8 +257,7 @@ class STTransformer(nn.Module):
         self, x: Tensor, return_attn: bool = False, window: int | None = None, past: list[KV] | None = None
     ) -> tuple[Tensor, list[Tensor], list[KV]]:
         """``x [B, t, N, D] -> ([B, t, N, D], per-block temporal weights [B, heads, t, p + t] if return_attn,
-        per-block temporal keys/values of all p + t frames)``; ``past`` (causal blocks): per-block keys/values of
-        ``p`` earlier frames, which ``x`` follows (see :meth:`TransformerBlock.forward`)."""
+        per-block temporal keys/values of all p + t frames)``."""
         weights, cache = [], []
         for i, block in enumerate(self.blocks):
             kv = None if past is None else past[i]
@@ -324,10 +271,9 @@ class STTransformer(nn.Module):
         return self.norm_out(x), weights, cache
 
     def step(self, x: Tensor, cache: list[KV] | None, window: int | None = None) -> tuple[Tensor, list[KV]]:
-        """One new frame ``x [B, 1, N, D]`` through every (causal) block with a per-block key/value cache
-        (None: the first frame), each block attending to its last ``window`` frames (None: all; stacked, an output
-        depends on up to ``depth * (window - 1) + 1`` frames). Returns ``([B, 1, N, D],
-        the updated cache)``: each frame costs one frame."""
+        """One new frame ``x [B, 1, N, D]`` through every (causal) block with a per-block key/value cache (None: the
+        first frame), each block attending to its last ``window`` frames (None: all; stacked, an output depends on
+        up to ``depth * (window - 1) + 1`` frames)."""
         if cache is not None and window is not None:  # keep the window - 1 frames before this one
             cache = None if window == 1 else [(k[:, :, 1 - window:], v[:, :, 1 - window:]) for k, v in cache]
         out, _, cache = self(x, past=cache)

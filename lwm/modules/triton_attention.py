@@ -1,26 +1,4 @@
-"""Temporal attention as one Triton kernel per direction (``temporal_attention: triton``).
-
-Temporal attention at the base size is many short sequences: ``B * N`` patches (8192 at batch 32) of ``T = 16``
-frames, 8 heads of 64. Each sequence's scores are a ``16 x 16`` tile, so the work is memory-bound: what counts is
-reading q, k, v once and writing the output once. SDPA's fused kernels are built for long sequences and reach a
-fraction of the memory bandwidth here (docs/performance.md); the plain matmul formulation moves its scores and
-probabilities through memory and transposes q, k, v out of the projection's layout first.
-
-Here one program handles one (sequence, head): it loads its whole ``[T, e]`` q, k and v straight from the qkv
-projection's output ``[n, T, 3, heads, e]`` (no transpose copies), keeps the ``T x T`` scores in registers,
-and writes the output as ``[n, T, heads, e]``, which the output projection reads as it is. The backward
-recomputes the probabilities the same way (nothing but the inputs is saved) and writes the gradient of q, k
-and v into one tensor in the projection's layout, so the projection's backward reads it without a copy.
-
-Keys from earlier positions (``past``: a rollout pass's cached prefix, or generation's cache) are read from
-their own tensors ``[n, heads, p, e]``; query ``i`` is position ``p + i``. Masks are the model's
-(:func:`lwm.modules.st_transformer.temporal_mask`): ``none``, ``causal`` (optionally a sliding ``window``) and
-``shifted_causal``.
-
-The kernels run on CUDA tensors; with ``TRITON_INTERPRET=1`` set before this module is imported, Triton's
-interpreter runs them on CPU tensors (how the tests check them against SDPA). :func:`supported` says when the
-kernel applies; elsewhere the model uses the matmul formulation, the same function.
-"""
+"""Temporal attention as one Triton kernel per direction (``temporal_attention: triton``)."""
 
 from __future__ import annotations
 
@@ -38,22 +16,18 @@ except ImportError:  # pragma: no cover - torch's CUDA wheels bring triton; CPU-
     triton = None
 
 MIN_BLOCK = 16  # tl.dot's smallest tile side
-# Every tile of a sequence lives in registers: the largest (keys x head size, padded to powers of two) that
-# compiles for sm_90 without spilling heavily or overflowing shared memory in the backward, by dtype size
-# (compiled offline with Triton 3.9's ptxas, benchmarks/triton_kernels.py: fp32 at 64 x 64 spills 7-10 KB a
-# thread, 16-bit at 128 x 64 spills too; everything admitted compiles without spilling, a test checks).
-MAX_TILE = {2: 4096, 4: 2048}  # element size (bytes) -> keys x head size: 64 x 64 in bf16, 32 x 64 in fp32
+# Every tile of a sequence lives in registers.
+MAX_TILE = {2: 4096, 4: 2048}  # element size
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SHIFTS = {"none": 0, "causal": 0, "shifted_causal": 1}  # mask -> the keys after its own a query may see
 
 
-# Triton decides when a kernel is defined (at this import) whether its interpreter runs it: the state then holds.
+# Triton decides when a kernel is defined (at this import) whether its interpreter runs it.
 INTERPRETED = triton is not None and os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def interpreting() -> bool:
-    """Triton's interpreter runs the kernels (``TRITON_INTERPRET=1`` when this module was imported): on CPU
-    tensors; otherwise they are compiled for CUDA tensors."""
+    """Triton's interpreter runs the kernels (``TRITON_INTERPRET=1`` when this module was imported)."""
     return INTERPRETED
 
 
@@ -76,8 +50,7 @@ def _block(n: int) -> int:
 
 
 def _precision(dtype: torch.dtype) -> str:
-    """tl.dot's input precision for fp32 inputs: TF32 only where PyTorch's matmuls may use it (the setting's new
-    API where torch has it: reading ``allow_tf32`` raises once a script has used the new one)."""
+    """tl.dot's input precision for fp32 inputs."""
     if dtype != torch.float32:
         return "tf32"  # ignored for 16-bit operands
     matmul = torch.backends.cuda.matmul
@@ -124,7 +97,7 @@ if triton is not None:
         q = tl.load(QKV + q_at, mask=in_q, other=0.0)
         k = tl.load(QKV + k_at, mask=new, other=0.0)
         v = tl.load(QKV + k_at + s_3, mask=new, other=0.0)
-        if HAS_PAST:  # the two masks never overlap: adding the zeros is exact
+        if HAS_PAST:  # the two masks never overlap
             k += tl.load(PK + past_at, mask=old, other=0.0)
             v += tl.load(PV + past_at, mask=old, other=0.0)
         return q, k, v
@@ -133,7 +106,7 @@ if triton is not None:
     def _attention_fwd(
         QKV, PK, PV, O,
         s_n, s_l, s_3, s_h, s_e,  # qkv [n, LQ, 3, H, E]
-        sp_n, sp_h, sp_p, sp_e,  # past keys and values [n, H, P, E] (the same strides)
+        sp_n, sp_h, sp_p, sp_e,  # past keys and values [n, H, P, E]
         so_n, so_l, so_h, so_e,  # out [n, LQ, H, E]
         H, LQ, P, E, scale,
         CAUSAL: tl.constexpr, SHIFT: tl.constexpr, WINDOW: tl.constexpr, HAS_PAST: tl.constexpr,
@@ -152,8 +125,8 @@ if triton is not None:
     @triton.jit
     def _attention_bwd(
         QKV, PK, PV, DO, DQKV, DPK, DPV,
-        s_n, s_l, s_3, s_h, s_e,  # qkv and its gradient [n, LQ, 3, H, E] (the same strides)
-        sp_n, sp_h, sp_p, sp_e,  # past keys/values and their gradients [n, H, P, E] (the same strides)
+        s_n, s_l, s_3, s_h, s_e,  # qkv and its gradient [n, LQ, 3, H, E]
+        sp_n, sp_h, sp_p, sp_e,  # past keys/values and their gradients [n, H, P, E]
         so_n, so_l, so_h, so_e,  # the output's gradient [n, LQ, H, E]
         H, LQ, P, E, scale,
         CAUSAL: tl.constexpr, SHIFT: tl.constexpr, WINDOW: tl.constexpr, HAS_PAST: tl.constexpr,
@@ -183,8 +156,7 @@ if triton is not None:
 
 def kernel_arguments(qkv: Tensor, past_k: Tensor | None, past_v: Tensor | None, mask: str, window: int,
                      tensors: tuple[Tensor, ...], out_strides: tuple[int, ...]) -> tuple[tuple, dict]:
-    """``(positional arguments, keyword arguments with the grid)`` of either kernel: ``tensors`` are the forward's
-    output, or the backward's output gradient and its three gradients; ``out_strides`` the first one's strides."""
+    """``(positional arguments, keyword arguments with the grid)`` of either kernel."""
     n, lq, _, h, e = qkv.shape
     p = 0 if past_k is None else past_k.shape[2]
     if past_k is not None and (past_k.stride() != past_v.stride() or past_k.shape != past_v.shape):
@@ -199,7 +171,7 @@ def kernel_arguments(qkv: Tensor, past_k: Tensor | None, past_v: Tensor | None, 
                 HAS_PAST=past_k is not None, BQ=_block(lq), BK=_block(p + lq), BE=_block(e),
                 PRECISION=_precision(qkv.dtype))
     meta["num_warps"] = 4 if meta["BK"] * meta["BE"] >= 2048 else 2
-    meta["enable_fp_fusion"] = True  # fused multiply-adds (Triton 3.9 warns when left to its default)
+    meta["enable_fp_fusion"] = True  # fused multiply-adds
     args = (qkv, *pasts, *tensors, *qkv.stride(), *past_strides, *out_strides, h, lq, p, e, 1.0 / math.sqrt(e))
     return args, {**meta, "grid": (n * h,)}
 
@@ -229,8 +201,7 @@ def _one_layout(past_k: Tensor | None, past_v: Tensor | None) -> tuple[Tensor | 
 @torch.library.custom_op("lwm::temporal_attention", mutates_args=())
 def temporal_attention(qkv: Tensor, past_k: Tensor | None, past_v: Tensor | None, mask: str, window: int) -> Tensor:
     """Attention over the ``LQ`` positions of ``qkv [n, LQ, 3, heads, e]`` (the projection's output) after ``p``
-    cached positions ``past_k``/``past_v [n, heads, p, e]`` (or None) -> ``[n, LQ, heads, e]``. Query ``i`` is
-    position ``p + i`` and attends to the keys ``mask`` allows (``window`` > 0: causal, the last ``window``)."""
+    cached positions ``past_k``/``past_v [n, heads, p, e]`` (or None) -> ``[n, LQ, heads, e]``."""
     n, lq, _, h, e = qkv.shape
     out = qkv.new_empty(n, lq, h, e)
     past_k, past_v = _one_layout(past_k, past_v)
@@ -247,8 +218,8 @@ def _(qkv: Tensor, past_k: Tensor | None, past_v: Tensor | None, mask: str, wind
 @torch.library.custom_op("lwm::temporal_attention_backward", mutates_args=())
 def temporal_attention_backward(grad: Tensor, qkv: Tensor, past_k: Tensor | None, past_v: Tensor | None, mask: str,
                                 window: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of :func:`temporal_attention` for ``grad [n, LQ, heads, e]``: ``(d qkv, d past_k, d past_v)``
-    (the last two empty without a past)."""
+    """Gradients of :func:`temporal_attention` for ``grad [n, LQ, heads, e]``: ``(d qkv, d past_k, d past_v)`` (the
+    last two empty without a past)."""
     # the kernel reads each input and writes its gradient with one set of strides: all contiguous (as the fake says)
     qkv = qkv.contiguous()
     dqkv = torch.empty_like(qkv)

@@ -1,13 +1,4 @@
-"""The keys of ``lwm play``: which action code tuple each key plays.
-
-* ``1``..``9``: the code dictionary's most frequent action tuples, in order;
-* arrows / WASD (where the data has true actions): the tuple that most often co-occurs with each true action in the
-  labeled files (``actions[t]``, the action after frame ``t``, beside the latent action ``a_t`` of transition
-  ``t -> t+1``, read as generation reads it: a training window at a time); the directions are the true actions'
-  names where the data says them (``lwm data synth``: 0 stay, 1 up, 2 down, 3 left, 4 right; ``lwm data atari``:
-  ALE's 2 UP, 5 DOWN, 4 LEFT, 3 RIGHT), else the first four action ids in order;
-* Space: no-op, the no-op's tuple where the data names one (stay, NOOP), else the most frequent tuple.
-"""
+"""The keys of ``lwm play``: which action code tuple each key plays."""
 
 from __future__ import annotations
 
@@ -20,7 +11,7 @@ import numpy as np
 import torch
 
 NUMBER_KEYS = 9  # keys 1..9
-MAX_LABELED_FILES = 128  # labeled files read for the true-action mapping (the first ones, in order)
+MAX_LABELED_FILES = 128  # labeled files read for the true-action mapping
 DIRECTIONS = {"up": ("ArrowUp", "w"), "down": ("ArrowDown", "s"), "left": ("ArrowLeft", "a"), "right": ("ArrowRight", "d")}
 NOOP_KEYS = (" ",)
 SYNTH_ACTIONS = {0: "stay", 1: "up", 2: "down", 3: "left", 4: "right"}  # lwm.data.synth's MOVES
@@ -89,7 +80,7 @@ def true_action_keys(counts: dict[int, Counter], names: dict[int, str]) -> tuple
     named = {names[a]: a for a in counts if a in names}
     if any(d in named for d in DIRECTIONS):
         directions = {d: named[d] for d in DIRECTIONS if d in named}
-    else:  # names unknown: the first four action ids, in order
+    else:  # names unknown
         directions = dict(zip(DIRECTIONS, sorted(counts)))
     arrows = [_binding(DIRECTIONS[d], a, counts[a], names) for d, a in directions.items()]
     noop = next((named[n] for n in NOOP_NAMES if n in named), None)

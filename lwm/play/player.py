@@ -29,9 +29,9 @@ from lwm.training.run_dir import checkpoint_file
 from lwm.utils.errors import ConfigError, DataError
 from lwm.utils.video import latent_preview, write_video
 
-VAE_HISTORY = 3  # latents a video VAE decodes before a new one on the page (its decoder carries history)
+VAE_HISTORY = 3  # latents a video VAE decodes before a new one on the page
 WORLD_CHOICES = 32  # the dictionary's most frequent world tuples offered on the page
-RECORDING_SIDE = 256  # recorded videos are enlarged (nearest) by a whole factor to at least this many pixels
+RECORDING_SIDE = 256  # recorded videos are enlarged
 WORLD_MODES = ("own", "dictionary", "clip")  # the start clip's own world, a dictionary tuple, another clip's
 
 
@@ -91,8 +91,8 @@ class Player:
         self.dictionaries = dictionaries
         self.files = files
         self.display = display
-        self.fps = fps  # the data's frame rate (recorded videos play at it)
-        self.hold_fps = hold_fps  # steps per second while a key is held (0: as fast as they come)
+        self.fps = fps  # the data's frame rate
+        self.hold_fps = hold_fps  # steps per second while a key is held
         self.device = device
         self.number_keys = number_keys(dictionaries["Action_Encoder"].tuples, dictionaries["Action_Encoder"].counts)
         self.arrow_keys: list[Binding] = []
@@ -120,7 +120,7 @@ class Player:
 
     def read(self, file: int, frame: int, frames: int = 1) -> Tensor:
         """Frames ``frame..frame+frames-1`` of file number ``file`` (as far as it has them), ``[t, C, H, W]`` on the
-        device; a file or frame out of range, or values not finite in [-1, 1], is a one-line error."""
+        device."""
 
         if not 0 <= file < len(self.files):
             raise ConfigError(f"file {file}: the page has files 0..{len(self.files) - 1}")
@@ -133,8 +133,7 @@ class Player:
         return torch.from_numpy(block).to(self.device)
 
     def infer_world(self, file: int, frame: int) -> Tensor:
-        """The world code tuple ``[Lh]`` of the clip from ``frame`` of file ``file``: a training window's frames (as
-        ``lwm generate --world inferred`` reads it), or what the file has from there."""
+        """The world code tuple ``[Lh]`` of the clip from ``frame`` of file ``file``."""
         clip = self.read(file, frame, self.trained or 1)
         with torch.no_grad():
             return self.model.encode_world(clip[None]).indices[0].cpu()
@@ -157,7 +156,7 @@ class Session:
     def __init__(self, player: Player, sid: str) -> None:
         self.player = player
         self.sid = sid
-        self.lock = threading.Lock()  # one request at a time (the page's, a recording's download)
+        self.lock = threading.Lock()  # one request at a time
         self.file, self.frame = 0, 0
         self.world_mode, self.world_source = "own", ""
         self.world_indices = torch.zeros(0, dtype=torch.long)
@@ -175,8 +174,7 @@ class Session:
 
     def set_world(self, mode: str, index: int = 0, file: int = 0, frame: int = 0) -> None:
         """The world code: the start clip's own (``own``), the dictionary's ``index``-th most frequent tuple
-        (``dictionary``), or inferred from ``frame`` of file ``file`` (``clip``); the rollout restarts from its start
-        frame (a rollout has one world)."""
+        (``dictionary``), or inferred from ``frame`` of file ``file`` (``clip``)."""
         if mode not in WORLD_MODES:
             raise ConfigError(f"world: mode must be one of {', '.join(WORLD_MODES)}, got {mode!r}")
         if mode == "dictionary":
@@ -260,16 +258,14 @@ class Session:
             return out.read_bytes()
 
 
-# --------------------------------------------------------------------------------------------------
 def load_player(ckpt_path: str, data: list[str], manifest: str | None, codes: str | None, vae: str | None,
                 vae_tiling: bool, hold_fps: float) -> Player:
-    """Everything ``lwm play`` needs, checked, each problem one line naming the file: the checkpoint, its code
-    dictionary, the data files (the model's latent shape), the codec."""
+    """Everything ``lwm play`` needs, checked, each problem one line naming the file."""
 
     path = checkpoint_file(ckpt_path)
     raw = read_checkpoint(path, what="lwm checkpoint")
     step = int(raw["global_step"])
-    codes_path, dictionaries = _dictionaries(path, codes, raw)  # before the weights: a missing one is said at once
+    codes_path, dictionaries = _dictionaries(path, codes, raw)  # before the weights
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     raw, module = load_checkpoint(path, map_location=device)
     model = module.model.eval()
@@ -286,8 +282,7 @@ def load_player(ckpt_path: str, data: list[str], manifest: str | None, codes: st
 
 
 def _dictionaries(ckpt_path: Path, codes: str | None, raw: dict) -> tuple[Path, dict]:
-    """The checkpoint's code dictionaries (``--codes``, else ``codes.pt`` or ``NAME.codes.pt`` beside it); a
-    checkpoint without one is one line saying how to make it."""
+    """The checkpoint's code dictionaries (``--codes``, else ``codes.pt`` or ``NAME.codes.pt`` beside it)."""
 
     path = Path(codes) if codes else default_codes_path(ckpt_path)
     if not codes and not path.is_file() and (ckpt_path.parent / "codes.pt").is_file():
@@ -328,7 +323,7 @@ def _warn_world_phase(model, step: int) -> None:
 
 def _data_files(model, data: list[str], manifest: str | None, raw: dict) -> list[DataFile]:
     """The files to start from: ``--data`` files, else the ``--manifest``'s, else the manifest the checkpoint trained
-    on; each of the model's latent shape ``[C, H, W]`` (another is one line naming the file)."""
+    on."""
 
     c = model.config
     shape = [c.in_channels, c.height, c.width]

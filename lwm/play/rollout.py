@@ -1,32 +1,24 @@
-"""One KV-cached rollout played a frame at a time, with undo: what ``lwm play`` steps on each key press.
-
-A :class:`Rollout` starts from one latent frame under one world code and takes one action code tuple per step
-through :meth:`WorldModel.step` (the predictor's key/value cache, sliding its window past the trained length as
-:meth:`WorldModel.generate` does): frame for frame the rollout ``generate`` plays with the same codes, bit for bit.
-Undo goes back to the cache kept after the frame before (the last :data:`RECENT` frames' caches are kept, and one
-every :data:`KEYFRAME_EVERY` frames; undo further back re-feeds the kept frames from the nearest one: the same
-numbers, as the predictor is deterministic).
-"""
+"""One KV-cached rollout played a frame at a time, with undo: what ``lwm play`` steps on each key press."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-RECENT = 64  # the last frames whose predictor cache is kept (undo within them costs nothing)
-KEYFRAME_EVERY = 64  # a cache kept for good every this many frames (an undo further back re-feeds from one)
+RECENT = 64  # the last frames whose predictor cache is kept
+KEYFRAME_EVERY = 64  # a cache kept for good every this many frames
 
 
 class Rollout:
-    """A rollout of ``model`` from ``start [C, H, W]`` (temporal position 0) under the world code of
-    ``world_indices [Lh]``, attending to the last ``window`` frames (None: all)."""
+    """A rollout of ``model`` from ``start [C, H, W]`` (temporal position 0) under the world code of ``world_indices
+    [Lh]``, attending to the last ``window`` frames (None: all)."""
 
     def __init__(self, model, start: Tensor, world_indices: Tensor, window: int | None) -> None:
         self.model = model
         self.window = window
         self.world_indices = world_indices.long()  # [Lh]
         self.world = model.quantizers["World_Encoder"].decode_indices(self.world_indices[None].to(start.device))  # [1, Dh]
-        self.frames: list[Tensor] = [start]  # [C, H, W] each: the start frame, then the generated ones
+        self.frames: list[Tensor] = [start]  # [C, H, W] each
         self.actions: list[Tensor] = []  # [La] each: the tuple played after frame i
         self._caches: dict[int, list | None] = {0: None}  # frames fed -> the predictor's cache after them
 

@@ -1,17 +1,4 @@
-"""``lwm play``: the learned world on a local web page, played with the keyboard.
-
-    lwm play --ckpt_path RUN_DIR|CKPT [--data FILE.h5 ... | --manifest M] [--codes FILE] [--vae PATH]
-             [--port 8000] [--host 127.0.0.1 [--allow-remote]] [--hold-fps 30]
-
-A Starlette app served by uvicorn: ``/`` is one static page (no build step), ``/ws`` a WebSocket per page (its
-:class:`~lwm.play.player.Session`), ``/record/SID.mp4|gif|json`` the session's video and the codes that
-``lwm generate --action-indices/--world-indices`` replays. The protocol (JSON text from the page, replies in
-order): ``{"op": "step", "action": [codes], "seq": n}``, ``undo``, ``reset``, ``{"op": "start", "file": i,
-"frame": n}``, ``{"op": "world", "mode": "own|dictionary|clip", "index": k, "file": i, "frame": n}``; each is
-answered by a ``state`` message (JSON) and the frame (binary: :data:`HEADER`, then RGBA bytes). Once no request
-came for :data:`PREVIEW_DELAY` seconds, the server sends the next frame under each number key (previews), one at a
-time, stopping at the next request.
-"""
+"""``lwm play``: the learned world on a local web page, played with the keyboard."""
 
 from __future__ import annotations
 
@@ -35,7 +22,7 @@ from lwm.utils.errors import ConfigError, LwmError
 STATIC = Path(__file__).with_name("static")
 HEADER = struct.Struct("<BBHHI")  # kind (0 frame, 1 preview), preview index, width, height, seq
 FRAME, PREVIEW = 0, 1
-PREVIEW_DELAY = 0.06  # seconds without a request before the previews are computed (none while a key is held)
+PREVIEW_DELAY = 0.06  # seconds without a request before the previews are computed
 OPS = ("step", "undo", "reset", "start", "world")
 
 
@@ -70,7 +57,6 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-# --------------------------------------------------------------------------------------------------
 def frame_message(pixels: np.ndarray, kind: int = FRAME, index: int = 0, seq: int = 0) -> bytes:
     """A frame for the page: :data:`HEADER`, then ``uint8 [S, S, 3]`` as RGBA bytes (what a canvas takes)."""
     H, W, _ = pixels.shape
@@ -209,19 +195,19 @@ async def _read(ws, inbox: asyncio.Queue, disconnect: type) -> None:
                 await inbox.put(message if isinstance(message, dict) else f"not a JSON object: {text[:80]}")
             except ValueError:
                 await inbox.put(f"not JSON: {text[:80]}")
-    except (disconnect, RuntimeError, KeyError):  # (a binary message from the page: KeyError 'text')
+    except (disconnect, RuntimeError, KeyError):
         await inbox.put(None)
 
 
 async def _previews(ws, session, inbox: asyncio.Queue) -> bool:
     """Send the number keys' previews one by one, stopping at the page's next request (a key press waits for one
-    preview at most): whether some are still due."""
+    preview at most)."""
     for key in range(len(session.player.number_keys)):
         if not inbox.empty():
             return True
         try:
             frame = await asyncio.to_thread(preview, session, key)
-        except Exception as e:  # (a decoder's failure, say): the page plays on without them
+        except Exception as e:
             traceback.print_exc()
             await ws.send_json({"type": "error", "message": f"previews: {type(e).__name__}: {e}"})
             return False
@@ -230,7 +216,7 @@ async def _previews(ws, session, inbox: asyncio.Queue) -> bool:
 
 
 async def _serve(ws, session, inbox: asyncio.Queue) -> None:
-    """Answer the page's requests in order; when idle, send the previews once. Returns when the page closes."""
+    """Answer the page's requests in order; when idle, send the previews once."""
     due = True  # previews not yet sent for this state
     while True:
         try:
@@ -247,7 +233,7 @@ async def _serve(ws, session, inbox: asyncio.Queue) -> None:
         except LwmError as e:  # a request the session refuses: said on the page
             await ws.send_json({"type": "error", "message": str(e), "seq": message.get("seq") if isinstance(message, dict) else None})
             continue
-        except Exception as e:  # a failure of ours: logged, said on the page, the server goes on
+        except Exception as e:  # a failure of ours
             traceback.print_exc()
             await ws.send_json({"type": "error", "message": f"internal error: {type(e).__name__}: {e}"})
             continue
@@ -256,7 +242,6 @@ async def _serve(ws, session, inbox: asyncio.Queue) -> None:
         due = True
 
 
-# --------------------------------------------------------------------------------------------------
 def serve(app, sock: socket.socket) -> None:
     """Run ``app`` on the listening ``sock`` until Ctrl-C."""
     import uvicorn

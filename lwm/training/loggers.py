@@ -3,13 +3,7 @@
 that is set; offline by default when no wandb login is configured; ``wandb sync RUN_DIR/wandb/offline-run-*``
 uploads it later). The ``wandb.*`` keys a config leaves unset keep wandb's environment variables' meaning. This
 is the only module that imports wandb; :func:`log_distribution` is how callbacks log a distribution (a wandb
-histogram, plus min/mean/max scalars that reach the CSV).
-
-Lightning's CSV writer, resumed into an existing ``metrics.csv``, forgets the columns already in the file and
-fails to rewrite the header when the first new row lacks one of them (a validation metric, say); this one
-reads the existing header first and appends. Rows logged after the last checkpoint of an interrupted run
-stay in the file, so a resumed run repeats a few steps: readers keep the last row per step.
-"""
+histogram, plus min/mean/max scalars that reach the CSV)."""
 
 from __future__ import annotations
 
@@ -40,7 +34,7 @@ class _AppendingWriter(ExperimentWriter):
     def __init__(self, log_dir: str) -> None:
         super().__init__(log_dir)
         name = Path(self.metrics_file_path).name
-        remove_stale_temp_files(log_dir, target=name.__eq__)  # of a header rewrite killed mid-way (the file is whole)
+        remove_stale_temp_files(log_dir, target=name.__eq__)  # of a header rewrite killed mid-way
         if os.path.isfile(self.metrics_file_path):
             with open(self.metrics_file_path, newline="") as f:
                 self.metrics_keys = next(csv.reader(f), [])
@@ -52,9 +46,7 @@ class _AppendingWriter(ExperimentWriter):
     @override
     def log_metrics(self, metrics_dict: dict[str, float], step: int | None = None) -> None:
         """One row per step: what Lightning logs in several calls at one step (the training scalars, the learning
-        rate, a validation) joins that step's row, which :meth:`save` holds back until a later step comes; the
-        earlier rows are written then (a logger that logs directly, the learning-rate monitor, is not followed by a
-        save: a kill before the next one would lose them too)."""
+        rate, a validation) joins that step's row, which :meth:`save` holds back until a later step comes."""
         pending = len(self.metrics)
         super().log_metrics(metrics_dict, step)
         if pending and self.metrics[-2].get("step") == self.metrics[-1]["step"]:
@@ -64,9 +56,7 @@ class _AppendingWriter(ExperimentWriter):
 
     @override
     def _rewrite_with_new_header(self, fieldnames: list[str]) -> None:
-        """A column appeared (the first validation, a resume of another version): the file streamed into a temp file
-        with the new header, then renamed over it (Lightning reads it all into memory and rewrites it in place,
-        where a kill mid-write loses the history)."""
+        """A column appeared (the first validation, a resume of another version)."""
         def rewrite(target) -> None:
             with open(self.metrics_file_path, newline="") as source:
                 writer = csv.DictWriter(target, fieldnames=fieldnames)
@@ -88,8 +78,8 @@ class _AppendingWriter(ExperimentWriter):
 
 
 class CSVLogger(_LightningCSVLogger):
-    """Lightning's CSVLogger, appending to ``save_dir/name/version/metrics.csv`` across resumes, one row per step
-    (a step repeated after a resume, from its last checkpoint, is a row again: readers keep the last)."""
+    """Lightning's CSVLogger, appending to ``save_dir/name/version/metrics.csv`` across resumes, one row per step (a
+    step repeated after a resume, from its last checkpoint, is a row again: readers keep the last)."""
 
     def __init__(self, save_dir: str, name: str = "", version: int | str | None = "", **kwargs) -> None:
         super().__init__(save_dir, name=name, version=version, **kwargs)
@@ -113,12 +103,12 @@ class CSVLogger(_LightningCSVLogger):
     @override
     @rank_zero_only
     def finalize(self, status: str) -> None:
-        self.flush()  # the held-back row of the last step too (an error's end as well)
+        self.flush()  # the held-back row of the last step too
 
 
 @dataclass(frozen=True)
 class WandbConfig:
-    """wandb settings (``wandb.*`` in configs). A key left unset keeps wandb's environment variable's meaning."""
+    """wandb settings (``wandb.*`` in configs)."""
 
     mode: Literal["online", "offline", "disabled"] | None = None
     """None: WANDB_MODE, else online when logged in, else offline"""
@@ -153,7 +143,7 @@ def wandb_installed() -> bool:
     return importlib.util.find_spec("wandb") is not None
 
 
-RUN_ID_FILE = "wandb/run_id"  # under RUN_DIR: the fit's wandb run id, for its resumes
+RUN_ID_FILE = "wandb/run_id"  # under RUN_DIR
 
 
 def wandb_run_id(root: str, resume: bool) -> str:
@@ -170,10 +160,7 @@ def wandb_run_id(root: str, resume: bool) -> str:
 
 class WandbLogger(_LightningWandbLogger):
     """Lightning's WandbLogger that records its run id in ``run_id_file`` when its run starts (rank 0), so that a
-    resumed fit continues the run; not before: a command refused before training leaves the record as it was.
-    ``wait_for_lock``: a fit's, whose run starts only once the fit holds its run folder's lock (the lock callback
-    clears it): Lightning asks for the experiment before the callbacks' setup, where the lock is taken, and a fit
-    refused there (the same job twice) started a wandb run and replaced the running fit's recorded id."""
+    resumed fit continues the run."""
 
     def __init__(self, *args, run_id_file: str | Path | None = None, wait_for_lock: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -189,11 +176,11 @@ class WandbLogger(_LightningWandbLogger):
             from lightning.fabric.loggers.logger import _DummyExperiment
 
             return _DummyExperiment()
-        if self._experiment is None and self.save_dir:  # wandb writes into save_dir/wandb; made now, not earlier
+        if self._experiment is None and self.save_dir:  # wandb writes into save_dir/wandb
             os.makedirs(self.save_dir, exist_ok=True)
         try:
             experiment = super().experiment
-        except Exception as e:  # wandb's UsageError ("No API key configured"): one line, not its traceback
+        except Exception as e:  # wandb's UsageError
             if type(e).__name__ != "UsageError":
                 raise
             raise ConfigError(f"wandb: {first_line(e)} (or set WANDB_API_KEY; --wandb.mode=offline logs without an "
@@ -205,11 +192,7 @@ class WandbLogger(_LightningWandbLogger):
 
 
 def make_loggers(root: str, wandb: WandbConfig = WandbConfig(), strict: bool = True, resume: bool | None = None) -> list:
-    """The run's loggers: our CSV logger in ``root`` and, unless disabled, a WandbLogger writing to ``root/wandb``.
-    Without wandb installed, the default mode leaves it out with a warning; an explicit ``online``/``offline`` is
-    a :class:`~lwm.errors.ConfigError` (``strict``; else the warning too: for verbs that read a fit's config).
-    ``resume``: a fit, resumed (True: it continues its wandb run, :func:`wandb_run_id`) or not (False: a new run
-    id, recorded for its resumes); None: not a fit (a new wandb run, not recorded)."""
+    """The run's loggers: our CSV logger in ``root`` and, unless disabled, a WandbLogger writing to ``root/wandb``."""
     loggers: list = [CSVLogger(save_dir=root)]
     mode = wandb_mode(wandb.mode)
     if mode not in WANDB_MODES:  # (from WANDB_MODE)
@@ -223,7 +206,7 @@ def make_loggers(root: str, wandb: WandbConfig = WandbConfig(), strict: bool = T
         mode = "disabled"
     if mode != "disabled":
         fit = resume is not None
-        loggers.append(WandbLogger(  # mode passed to wandb, not Lightning's offline (it sets WANDB_MODE for good)
+        loggers.append(WandbLogger(  # mode passed to wandb, not Lightning's offline
             save_dir=os.environ.get("WANDB_DIR") or root, project=wandb.project or os.environ.get("WANDB_PROJECT") or
             "lwm", entity=wandb.entity, mode=mode, name=wandb.name or os.environ.get("WANDB_NAME") or
             os.path.basename(os.path.abspath(root)),
@@ -236,9 +219,7 @@ def make_loggers(root: str, wandb: WandbConfig = WandbConfig(), strict: bool = T
 
 def run_log_dir(trainer: L.Trainer) -> Path:
     """Where this run's files go: the CSV logger's folder (RUN_DIR, or RUN_DIR/<verb> for validate, test and
-    predict); without one (``trainer.logger: false``, ``fast_dev_run``'s dummy), ``trainer.default_root_dir``, or
-    its ``<verb>`` folder for those verbs (never the fit's files). Not ``trainer.log_dir``, which broadcasts:
-    callers may run on rank 0 only."""
+    predict)."""
     logger = trainer.loggers[0] if trainer.loggers else None
     log_dir = getattr(logger, "log_dir", None)
     if log_dir:
@@ -252,9 +233,8 @@ def _step(pl_module: L.LightningModule) -> int:
 
 
 def log_distribution(pl_module: L.LightningModule, name: str, values: torch.Tensor) -> None:
-    """Log ``values`` as a distribution: ``name/min``, ``name/mean``, ``name/max`` scalars (every logger, so
-    the CSV has them) and a native histogram ``name`` on wandb, at the current global step. Syncs once (the
-    histogram needs the values on the host): call it at a logging interval or at the end of validation."""
+    """Log ``values`` as a distribution: ``name/min``, ``name/mean``, ``name/max`` scalars (every logger, so the CSV
+    has them) and a native histogram ``name`` on wandb, at the current global step."""
     v = values.detach().float().flatten()
     validating = pl_module.trainer.validating or pl_module.trainer.sanity_checking
     # this rank's values (callbacks gather what they need before calling): no reduction across ranks
@@ -276,17 +256,15 @@ def log_distribution(pl_module: L.LightningModule, name: str, values: torch.Tens
 
 
 def histogram_values(values: torch.Tensor):
-    """The finite ``values`` as a float64 numpy array for ``wandb.Histogram`` (None when none is finite): numpy
-    cannot cut the range of float32 values a few ulps apart into 64 bins in float32 (it raises), nor a range
-    with NaN or inf in it; in float64 it always can."""
+    """The finite ``values`` as a float64 numpy array for ``wandb.Histogram`` (None when none is finite)."""
     v = values.detach().flatten()
     v = v[torch.isfinite(v)]
     return v.cpu().double().numpy() if v.numel() else None
 
 
 def log_video(pl_module: L.LightningModule, name: str, path: str) -> None:
-    """Send an mp4/gif file to wandb as a video ``name`` at the current global step (rank 0; no other logger
-    takes videos: the file itself stays in the run directory)."""
+    """Send an mp4/gif file to wandb as a video ``name`` at the current global step (rank 0; no other logger takes
+    videos: the file itself stays in the run directory)."""
     if not pl_module.trainer.is_global_zero:
         return
     for logger in pl_module.loggers:

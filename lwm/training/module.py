@@ -1,25 +1,10 @@
 """The LightningModule: owns a :class:`~lwm.modules.world_model.WorldModel`, its optimisation and its logging.
 
-* Optimiser: AdamW (fused on CUDA, except under fp16), weight decay on matrices and conv kernels only; linear
-  warmup, then a cosine to ``lr * min_lr_ratio`` at ``trainer.max_steps``; clipping is the trainer's
-  ``gradient_clip_val``.
-* Randomness of a training step (the requirement's random temporal-PE start and token mask) comes from a
-  generator seeded by ``(seed, rank, global_step, batch_idx)``: a resumed run draws exactly what an
-  uninterrupted one would, with no RNG state to save.
-* A step whose gradient norm is not finite (a NaN/inf loss or gradient) skips the update (the quantizers skip
-  their EMA update on their own where their inputs are not finite; a step that turns non-finite after them, in
-  the predictor, keeps the EMA update its finite encoder outputs made) and is counted in
-  ``Train_Total/skipped_steps`` (on the row of the step it skipped); ``max_nonfinite`` such
-  steps in a row stop the run with :class:`~lwm.errors.NonFiniteLossError`, leaving the last checkpoint as
-  it was. With a fused AdamW (the default on CUDA) this costs no host sync: the optimizer gets the verdict
-  as a device tensor (``found_inf``, as ``GradScaler`` passes it) and skips the whole update on the device,
-  and the count of non-finite steps in a row is read on the host at the logging interval only. Otherwise
-  (a for-loop AdamW) the verdict is read every step and the gradients are dropped. Under fp16 (``16-mixed``;
-  AdamW is not fused there, so that the GradScaler unscales before clipping) the scaler skips overflowing
-  steps itself; they are counted, and count towards ``max_nonfinite`` only once the loss scale is below 1.
-* Logs: the model's ``(loss, logs)`` under ``Train_*/`` every step (with gradient accumulation, the mean over the
-  step's micro-batches, weighted by their windows) and ``Val_*/`` (``Test_*/``) as exact
-  means over the whole validation set across ranks (:class:`~lwm.utils.metrics.WeightedMean`, weighted by batch size).
+* ``training_step``: the model's ``(loss, logs)``, logged under ``Train_*/`` as means over the logging interval;
+  its random draws come from a generator seeded by ``(seed, rank, step, batch)``, so a resume draws the same.
+* A step with a non-finite gradient norm skips the update (on the device with a fused AdamW) and is counted in
+  ``Train_Total/skipped_steps``; ``max_nonfinite`` in a row stop the run (:mod:`lwm.training.nonfinite`).
+* Validation and test: ``Val_*/`` (``Test_*/``) as exact means over every rank's windows.
 """
 
 from __future__ import annotations
@@ -50,9 +35,8 @@ def _metric_name(key: str) -> str:
 
 
 def _use_this_runs_kernel(optimizer: torch.optim.Optimizer) -> None:
-    """A restored optimizer's param groups keep the old run's kernel choice (a CPU run resumed on a GPU, fp16
-    resumed as bf16): give them this run's (``fused``, ``foreach``, ``capturable``, as ``configure_optimizers``
-    chose), with the step counts where that kernel wants them (on the device for fused/capturable)."""
+    """A restored optimizer's param groups keep the old run's kernel choice (a CPU run resumed on a GPU, fp16 resumed
+    as bf16)."""
     defaults = getattr(optimizer, "defaults", {})
     for group in optimizer.param_groups:
         group.update({key: defaults[key] for key in ("fused", "foreach", "capturable") if key in defaults})
@@ -94,16 +78,15 @@ class WorldModelModule(L.LightningModule):
         self.optim = optim
         self.compile_model, self.max_nonfinite = compile, max_nonfinite
         self.val_metrics = nn.ModuleDict({_metric_name(k): WeightedMean() for k in self.model.log_keys})
-        self.skips = SkippedSteps()  # steps whose update was skipped (non-finite), over the run and in a row
+        self.skips = SkippedSteps()  # steps whose update was skipped
         self._compiled = False
         self._grad_norm: Tensor | None = None  # this step's gradient norm, for the non-finite check and clipping
         self._last_batch: dict[str, Tensor] | None = None  # this training step's, to name bad windows on a stop
-        self._interval: dict[str, tuple[Tensor, Tensor]] = {}  # since the last logged step: per value, its weighted
+        self._interval: dict[str, tuple[Tensor, Tensor]] = {}  # since the last logged step
         # sum and weight over the finite values (see _log_train)
         self._eval_windows: list[Tensor] = []  # per evaluated batch [B, 3]: non-finite?, file index, start
-        self._checkpoint_step: int | None = None  # the loaded checkpoint's global step (see weights_step)
+        self._checkpoint_step: int | None = None  # the loaded checkpoint's global step
 
-    # ----------------------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
         """Check that the data fits the model before any work starts."""
 
@@ -176,10 +159,7 @@ class WorldModelModule(L.LightningModule):
         self.skips.engine_start(deepspeed_skipped_steps(self._trainer))  # restored with a resumed engine
 
     def apply_optim_config(self) -> None:
-        """Make the optimiser follow ``model.optim`` after a resume: Lightning restores the checkpoint's param-group
-        settings (lr, weight decay, betas, eps) and the scheduler's ``base_lrs``, which would silently keep the old
-        run's values; the moments and step counts stay the checkpoint's. (The schedule's shape, warmup, minimum
-        and length, already follow the config: the scheduler's function is made by ``configure_optimizers``.)"""
+        """Make the optimiser follow ``model.optim`` after a resume."""
         o = self.optim
         for config in self.trainer.lr_scheduler_configs:
             scheduler = config.scheduler
@@ -208,13 +188,13 @@ class WorldModelModule(L.LightningModule):
         self.skips = SkippedSteps(total=int(checkpoint.get("lwm_skipped_steps", 0)),
                                   in_a_row=int(checkpoint.get("lwm_skipped_in_a_row", 0)),
                                   longest_unread=int(checkpoint.get("lwm_skipped_longest_unread", 0)))
-        keys = set(self.model.log_keys)  # (a resume with other rollout passes: the others' sums dropped)
+        keys = set(self.model.log_keys)
         self._interval = {k: (s, w) for k, (s, w) in checkpoint.get("lwm_train_interval", {}).items() if k in keys}
         self._checkpoint_step = int(checkpoint.get("global_step", 0))
 
     def _at_checkpoint_step(self) -> None:
-        """``lwm validate|test CKPT``: Lightning restores the weights, not the loops, so its loggers would write
-        the metrics at step 0; put them at the checkpoint's global step (what `lwm plot` reads)."""
+        """``lwm validate|test CKPT``: Lightning restores the weights, not the loops, so its loggers would write the
+        metrics at step 0."""
         step = self._checkpoint_step
         loop = getattr(self._trainer.fit_loop, "epoch_loop", None) if self._trainer is not None else None
         if step and loop is not None and hasattr(loop, "_batches_that_stepped") and not self.trainer.training \
@@ -223,8 +203,7 @@ class WorldModelModule(L.LightningModule):
 
     @property
     def weights_step(self) -> int:
-        """The global step of the weights in use, what files are named by (checkpoints, videos, codes): Lightning's
-        global step while fitting, the checkpoint's under ``lwm validate|test|predict`` (where Lightning's reads 0)."""
+        """The global step of the weights in use, what files are named by (checkpoints, videos, codes)."""
         if self._trainer is None or self.trainer.state.fn == "fit":
             return self.global_step
         step = self._checkpoint_step
@@ -233,15 +212,13 @@ class WorldModelModule(L.LightningModule):
     @property
     def weights_world_phase(self) -> str:
         """What the predictor gets for the world (``model.net.world_curriculum``) as the weights' last training step
-        had it: what evaluating and playing these weights feeds it."""
+        had it."""
         return self.model.world_phase_of_weights(self.weights_step)
 
     @property
     def logged_step(self) -> int:
         """The step Lightning's loggers write this moment's scalars at, for what callbacks send themselves (wandb
-        histograms, videos): while fitting ``_batches_that_stepped``, the optimizer steps done before this batch
-        (one below ``global_step`` from the end of a training batch and through the validation after it);
-        :attr:`weights_step` under ``lwm validate|test`` (which log at the checkpoint's step)."""
+        histograms, videos)."""
         if self._trainer is not None and self.trainer.state.fn == "fit":
             loop = getattr(self.trainer.fit_loop, "epoch_loop", None)
             return int(getattr(loop, "_batches_that_stepped", self.global_step))
@@ -254,17 +231,14 @@ class WorldModelModule(L.LightningModule):
     def on_test_start(self) -> None:
         self._at_checkpoint_step()
 
-    # ----------------------------------------------------------------------------------------------
     def step_generator(self, device: torch.device, batch_idx: int, stream: int = 0) -> torch.Generator:
-        """A generator for this training step's random draws, a pure function of (seed, rank, step, batch,
-        stream); ``stream`` separates independent uses (0: token mask and PE start, 1: dead-code revival)."""
-        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))  # set by seed_everything (the CLI's seed_everything: 0)
+        """A generator for this training step's random draws, a pure function of (seed, rank, step, batch, stream)."""
+        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))  # set by seed_everything
         return seeded_generator(device, seed, self.global_rank, self.global_step, batch_idx, stream)
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """Latents arrive as the files hold them (float16 stays float16 through the loader) and are cast here, on
-        the device, to the parameters' dtype: float32 (fp32 and the autocast precisions), or what a half-precision
-        plugin already cast them to (DeepSpeed's bf16, ``bf16-true``: the weights are bf16 there)."""
+        """Latents arrive as the files hold them (float16 stays float16 through the loader) and are cast here, on the
+        device, to the parameters' dtype."""
         dtype = self.model.param_dtype
         if isinstance(batch, dict) and "latents" in batch and batch["latents"].dtype != dtype:
             batch = {**batch, "latents": batch["latents"].to(dtype)}
@@ -280,11 +254,7 @@ class WorldModelModule(L.LightningModule):
         return {"loss": out.loss, **self._codes(out)}
 
     def _log_train(self, logs: dict[str, Tensor], windows: int) -> None:
-        """Log the ``Train_*`` values at the steps Lightning writes logs for (``trainer.log_every_n_steps``): each the
-        mean over the windows of every batch since the last such step (the whole logging interval, accumulation
-        windows included: no step's loss is dropped), under DDP also over the ranks. A value that is not finite (a
-        step the guard skips: counted in ``skipped_steps``, its NaN in ``grad_norm``) is left out of its mean; an
-        interval of none but NaN logs NaN. Device tensors only: no host sync."""
+        """Log the ``Train_*`` values at the steps Lightning writes logs for (``trainer.log_every_n_steps``)."""
         interval = self._interval
         for key, value in logs.items():
             value = value.detach().float()
@@ -303,11 +273,7 @@ class WorldModelModule(L.LightningModule):
                       batch_size=windows)
 
     def _over_ranks(self, logs: dict[str, Tensor]) -> dict[str, Tensor]:
-        """Under DDP, on a step whose logs Lightning writes: each value's mean over the ranks (every rank holds as
-        many windows), in one all-reduce of them stacked; else the values as they are (rank-local: the other steps'
-        values are dropped, and a collective every step would cost time). The step's own test, identical on every
-        rank: Lightning counts ``_batches_that_stepped`` up after it writes the logs (its ``should_update_logs``
-        adds ``trainer.should_stop``, which one rank may see before the others: a collective on it could hang)."""
+        """Under DDP, on a step whose logs Lightning writes."""
         trainer = self._trainer
         if trainer is None or trainer.world_size <= 1 or not logs or not trainer.log_every_n_steps:
             return logs
@@ -333,41 +299,35 @@ class WorldModelModule(L.LightningModule):
 
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
         super().optimizer_step(*args, **kwargs)
-        # DeepSpeed's engine has stepped (or skipped) by now: read before any callback's batch-end hook, so that a
-        # stop on too many skips in a row leaves the checkpoints as they were (none written at the failing step)
+        # DeepSpeed's engine has stepped (or skipped) by now.
         self._after_deepspeed_step()
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self._last_batch = None  # the non-finite check of this step is done: hold no batch through validation
-        if not accumulating(self.trainer):  # after this step's verdict: a skip shows on the row of the step it skipped
+        self._last_batch = None  # the non-finite check of this step is done
+        if not accumulating(self.trainer):  # after this step's verdict
             self.log("Train_Total/skipped_steps", self.skips.as_tensor(self.device))
-            if self.trainer.should_stop and self._interval:  # a stop decided in this batch's callbacks (a signal):
+            if self.trainer.should_stop and self._interval:  # a stop decided in this batch's callbacks
                 # Lightning writes this step's row all the same, with the interval's means, not the last row's
                 # (rank-local: a rank that saw the stop alone must not wait in a collective)
                 self._log_interval(batch["latents"].shape[0], over_ranks=False)
 
     def _after_deepspeed_step(self) -> None:
         """Under DeepSpeed (which keeps its own gradient buffers: ``on_before_optimizer_step`` sees none), after the
-        engine's step at the batch that ends a step: its gradient norm is logged, and the steps it skipped on an
-        overflow (a host integer of the engine's) count as ours: in ``skipped_steps`` and towards ``max_nonfinite``
-        in a row, except, as with fp16's GradScaler, an overflow while its dynamic loss scale is still >= 1 (its
-        routine way to find the scale)."""
+        engine's step at the batch that ends a step."""
         count = deepspeed_skipped_steps(self._trainer)
         if count is None or not self.skips.reading_engine or accumulating(self.trainer):
             return
         engine = self.trainer.strategy.deepspeed_engine
-        norm = engine.get_global_grad_norm()  # the engine's own (its clipping's); None where it computes none
+        norm = engine.get_global_grad_norm()  # the engine's own
         if norm is not None:
             self.log("Train_Total/grad_norm", norm)
         self._check_in_a_row(self.skips.engine_count(count, scaling_loss=deepspeed_scaling_loss(engine)))
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Skip the update when the gradient norm is not finite: on the device with a fused AdamW (no host
-        sync; the run-stopping count is read at the logging interval), else with one host sync per step. Under
-        DDP the gradients are already all-reduced, so every rank takes the same decision."""
+        """Skip the update when the gradient norm is not finite."""
         self._grad_norm = None
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if not grads:  # DeepSpeed keeps its own gradient buffers; nothing to check here
+        if not grads:  # DeepSpeed keeps its own gradient buffers
             return
         norm = torch.nn.utils.get_total_norm(grads)  # foreach kernels where the device has them
         self._grad_norm = norm  # clipping reuses it (configure_gradient_clipping)
@@ -378,8 +338,7 @@ class WorldModelModule(L.LightningModule):
             self._skip_on_host(optimizer, norm)
 
     def _skip_on_device(self, optimizer: torch.optim.Optimizer, norm: Tensor) -> None:
-        """A fused AdamW gets the verdict as a device tensor and skips the whole update itself: no host sync
-        (the count of skips in a row is read at the logging interval only: the longest run since the last read)."""
+        """A fused AdamW gets the verdict as a device tensor and skips the whole update itself."""
         nonfinite = ~torch.isfinite(norm)
         optimizer.found_inf = nonfinite.float()  # fused AdamW: no update at all (moments, step count) when 1
         optimizer.grad_scale = None
@@ -388,18 +347,16 @@ class WorldModelModule(L.LightningModule):
             self._check_in_a_row(self.skips.in_a_row_on_device(), when="read at the logging interval, at")
 
     def _skip_on_host(self, optimizer: torch.optim.Optimizer, norm: Tensor) -> None:
-        """The verdict read on the host (one sync): fp16's GradScaler skips the step itself; otherwise the
-        gradients are dropped, and AdamW leaves parameters without one as they were."""
+        """The verdict read on the host (one sync): fp16's GradScaler skips the step itself."""
         if bool(torch.isfinite(norm)):
             self.skips.finite()
             return
         scaler = self._scaler
         if scaler is not None:
-            # fp16: the GradScaler skips this step itself (its unscale_ saw the inf) and halves its scale. An
-            # overflow at a high scale is its routine; one at a scale below 1 is the loss or the data.
+            # fp16: the GradScaler skips this step itself (its unscale_ saw the inf) and halves its scale.
             self._check_in_a_row(self.skips.skipped(in_a_row=scaler.get_scale() < 1.0))
             return
-        for group in optimizer.param_groups:  # AdamW skips parameters without a gradient: no update at all
+        for group in optimizer.param_groups:  # AdamW skips parameters without a gradient
             for p in group["params"]:
                 p.grad = None
         self._check_in_a_row(self.skips.skipped())
@@ -407,8 +364,7 @@ class WorldModelModule(L.LightningModule):
     def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
                                     gradient_clip_algorithm: str | None = None) -> None:
         """Clip by norm with the norm ``on_before_optimizer_step`` just computed over the same gradients (Lightning
-        runs that hook right before this one), instead of computing it a second time; anything else (clipping by
-        value, DeepSpeed's own clipping) is Lightning's."""
+        runs that hook right before this one), instead of computing it a second time."""
         norm = getattr(self, "_grad_norm", None)
         if not gradient_clip_val or norm is None or (gradient_clip_algorithm or "norm") != "norm":
             self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
@@ -428,8 +384,7 @@ class WorldModelModule(L.LightningModule):
         return getattr(getattr(self._trainer, "datamodule", None), name, None) if self._trainer is not None else None
 
     def _bad_windows_said(self) -> str:
-        """The windows of the last training batch holding NaN/inf, named (a file gone bad after indexing), or "";
-        under DDP every rank's (a collective: every rank stops at the same step, their skip counts being equal)."""
+        """The windows of the last training batch holding NaN/inf, named (a file gone bad after indexing), or ""."""
         batch = self._last_batch
         dataset = self._dataset("train_set")
         bad = []
@@ -439,10 +394,9 @@ class WorldModelModule(L.LightningModule):
             bad = [name for names in every_rank(self.trainer, bad) for name in names]
         return f"The last batch has non-finite latents: {', '.join(bad[:5])}. " if bad else ""
 
-    # ----------------------------------------------------------------------------------------------
     def _evaluate(self, batch: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
         x = batch["latents"]
-        if "file_index" in batch:  # [B, 3]: non-finite?, file, start; read once, at the end (no sync per batch)
+        if "file_index" in batch:  # [B, 3]: non-finite?, file, start
             self._eval_windows.append(torch.stack([nonfinite_mask(x).long(), batch["file_index"], batch["start"]], 1))
         # eval mode: no token mask, no codebook update
         out = self.model.compute(x, step=None, t0=0, world_phase=self.weights_world_phase)
@@ -459,9 +413,8 @@ class WorldModelModule(L.LightningModule):
         return self._evaluate(batch, "Test")
 
     def _log_psnr(self, prefix: str) -> None:
-        """``{prefix}_Dynamics_Predictor/tf_psnr``: the teacher-forcing PSNR of the epoch's mean MSE (peak 1, as
-        the requirement defines PSNR), beside ``copy_last_psnr``; of the mean, because a single clip whose
-        frames never change has an infinite PSNR for copy-last-frame."""
+        """``{prefix}_Dynamics_Predictor/tf_psnr``: the teacher-forcing PSNR of the epoch's mean MSE (peak 1, as the
+        requirement defines PSNR), beside ``copy_last_psnr``."""
         metric = self.val_metrics[_metric_name("Dynamics_Predictor/tf_loss")]
         if metric.update_count:
             mse = metric.compute().float()
@@ -483,7 +436,7 @@ class WorldModelModule(L.LightningModule):
 
     def _warn_nonfinite_windows(self, prefix: str) -> None:
         """Name (warn) this rank's evaluated windows that hold NaN/inf, which make the epoch's metrics NaN: files
-        gone bad after `lwm data index` checked them. One host read per evaluation."""
+        gone bad after `lwm data index` checked them."""
         windows, self._eval_windows = self._eval_windows, []
         dataset = self._dataset("val_set")
         if not windows or getattr(dataset, "paths", None) is None:

@@ -1,14 +1,4 @@
-"""The count of optimizer steps skipped for a non-finite loss or gradient, and of those in a row (what stops a run).
-
-A step's verdict reaches :class:`SkippedSteps` in one of three ways (:class:`~lwm.module.WorldModelModule` picks):
-
-* on the host (:meth:`SkippedSteps.skipped`, :meth:`SkippedSteps.finite`): a for-loop AdamW, or fp16's GradScaler,
-  whose verdict is read every step;
-* on the device (:meth:`SkippedSteps.on_device`): a fused AdamW skips the update itself, so the counts stay device
-  tensors, read on the host only when asked (:meth:`SkippedSteps.in_a_row_on_device`, at the logging interval: the
-  longest run of skips since the last read, so that a run that ended between two reads still stops the training);
-* from a DeepSpeed engine (:meth:`SkippedSteps.engine_count`), which counts the steps it skipped itself.
-"""
+"""The count of optimizer steps skipped for a non-finite loss or gradient, and of those in a row (what stops a run)."""
 
 from __future__ import annotations
 
@@ -22,15 +12,15 @@ from lwm.utils.errors import ConfigError
 
 class SkippedSteps:
     """Steps skipped over the run (``total``) and the latest run of them in a row (``in_a_row``), both checkpointed
-    (:meth:`state`): a resumed run stops where the uninterrupted one would."""
+    (:meth:`state`)."""
 
     def __init__(self, total: int = 0, in_a_row: int = 0, longest_unread: int = 0) -> None:
         self._host_total = total
-        self.in_a_row = in_a_row  # host verdicts and engine counts; the device path keeps its own, starting here
+        self.in_a_row = in_a_row  # host verdicts and engine counts
         self._device_total: Tensor | None = None
         self._device_in_a_row: Tensor | None = None
         self._device_longest: Tensor | None = None  # the longest run in a row since the last host read
-        self._longest_unread = longest_unread  # a checkpoint's, not yet read: joins the next read
+        self._longest_unread = longest_unread  # a checkpoint's, not yet read
         self._engine_seen: int | None = None  # the DeepSpeed engine's count as last read
 
     @property
@@ -39,15 +29,15 @@ class SkippedSteps:
         return self._host_total + (int(self._device_total) if self._device_total is not None else 0)
 
     def state(self) -> dict[str, int]:
-        """What a checkpoint keeps: ``{"total", "in_a_row", "longest_unread"}`` (a host read of the device counts,
-        if any; the last: the device path's longest run since its last read, which a resumed run reads next)."""
+        """What a checkpoint keeps: ``{"total", "in_a_row", "longest_unread"}`` (a host read of the device counts, if
+        any; the last: the device path's longest run since its last read, which a resumed run reads next)."""
         in_a_row = int(self._device_in_a_row) if self._device_in_a_row is not None else self.in_a_row
         longest = int(self._device_longest) if self._device_longest is not None else 0
         return {"total": self.total, "in_a_row": in_a_row, "longest_unread": max(longest, self._longest_unread)}
 
     def as_tensor(self, device: torch.device) -> Tensor:
-        """``total`` as a device tensor for logging, made without a host-to-device copy (``torch.tensor`` of a
-        Python number, as ``self.log`` makes of one, would synchronise a CUDA stream every step)."""
+        """``total`` as a device tensor for logging, made without a host-to-device copy (``torch.tensor`` of a Python
+        number, as ``self.log`` makes of one, would synchronise a CUDA stream every step)."""
         if self._device_total is None:
             self._device_total = torch.zeros((), device=device)
         return self._device_total + self._host_total
@@ -59,7 +49,7 @@ class SkippedSteps:
 
     def skipped(self, count: int = 1, in_a_row: bool = True) -> int:
         """``count`` more skipped steps; ``in_a_row=False`` for an overflow that is a loss scaler's routine (counted,
-        neither towards the stop nor breaking the run of skips). Returns the skips in a row."""
+        neither towards the stop nor breaking the run of skips)."""
         self._host_total += count
         if in_a_row:
             self.in_a_row += 1
@@ -76,12 +66,11 @@ class SkippedSteps:
         self._device_longest = torch.maximum(longest, self._device_in_a_row)
 
     def in_a_row_on_device(self) -> int:
-        """The device path's longest run of skips in a row since the last call (a host read): a run that ended
-        between two reads counts as much as one still going."""
+        """The device path's longest run of skips in a row since the last call (a host read)."""
         longest, self._longest_unread = self._longest_unread, 0
         if self._device_longest is not None:
             longest = max(longest, int(self._device_longest))
-        self._device_longest = None  # the next read: the steps after this one (a run going on counts on in full)
+        self._device_longest = None  # the next read
         return longest
 
     # a DeepSpeed engine's count ------------------------------------------------------------------
@@ -95,7 +84,7 @@ class SkippedSteps:
 
     def engine_count(self, count: int, scaling_loss: bool) -> int:
         """The engine's count after a step: new skips are ours (``scaling_loss``: a dynamic loss scale still >= 1,
-        whose overflows are its routine, so they are counted but not towards the stop). Returns the skips in a row."""
+        whose overflows are its routine, so they are counted but not towards the stop)."""
         new = count - (self._engine_seen if self._engine_seen is not None else count)
         self._engine_seen = count
         if new <= 0:
@@ -112,8 +101,8 @@ def deepspeed_skipped_steps(trainer: Any) -> int | None:
 
 
 def deepspeed_scaling_loss(engine: Any) -> bool:
-    """Whether the engine's optimizer scales the loss dynamically (fp16) with a scale still >= 1: an overflow
-    then only lowers the scale. bf16 has no loss scale: each of its overflows is real."""
+    """Whether the engine's optimizer scales the loss dynamically (fp16) with a scale still >= 1: an overflow then
+    only lowers the scale."""
     optimizer = getattr(engine, "optimizer", None)
     config = getattr(optimizer, "loss_scale_config", optimizer)  # DeepSpeed >= 0.18 keeps them in a config
     dynamic, scale = getattr(config, "dynamic_loss_scale", False), getattr(config, "cur_scale", None)
@@ -121,9 +110,7 @@ def deepspeed_scaling_loss(engine: Any) -> bool:
 
 
 def check_deepspeed_skips_overflow(trainer: Any) -> None:
-    """Raise :class:`~lwm.errors.ConfigError` where a DeepSpeed engine in bf16 would apply a non-finite gradient:
-    its ZeRO optimizer skips such a step only with ``bf16.check_grad_overflow`` (off by default in DeepSpeed 0.19.2;
-    lwm's CLI turns it on, :func:`deepspeed_checks_overflow`), and lwm's guard counts the steps the engine skips."""
+    """Raise :class:`~lwm.errors.ConfigError` where a DeepSpeed engine in bf16 would apply a non-finite gradient."""
 
     engine = getattr(getattr(trainer, "strategy", None), "deepspeed_engine", None) if trainer is not None else None
     optimizer = getattr(engine, "optimizer", None)
@@ -133,9 +120,8 @@ def check_deepspeed_skips_overflow(trainer: Any) -> None:
 
 
 def deepspeed_checks_overflow(strategy: Any) -> None:
-    """Have a DeepSpeed strategy in bf16 skip steps whose gradient is not finite (``bf16.check_grad_overflow``, off by
-    default in DeepSpeed 0.19.2, on in later versions): Lightning writes ``bf16: {enabled: true}`` only where the
-    config has no ``bf16`` section, so one written here first is kept. A config's own setting stays."""
+    """Have a DeepSpeed strategy in bf16 skip steps whose gradient is not finite (``bf16.check_grad_overflow``, off
+    by default in DeepSpeed 0.19.2, on in later versions)."""
     precision = getattr(getattr(strategy, "precision_plugin", None), "precision", None)
     config = getattr(strategy, "config", None)
     if isinstance(config, dict) and precision in ("bf16-mixed", "bf16-true"):

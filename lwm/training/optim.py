@@ -52,9 +52,9 @@ class OptimConfig:
 
     def adamw(self, parameters: Iterable[nn.Parameter], **implementation: Any) -> torch.optim.AdamW:
         """AdamW over ``parameters`` in two groups: weight decay on matrices and conv kernels (``ndim >= 2``), none
-        on biases, norms and the mask token. ``implementation``: AdamW's ``fused``/``foreach``."""
+        on biases, norms and the mask token."""
         decay, no_decay = [], []
-        for p in parameters:  # a frozen parameter too (mask_prob 0): it gets no gradient, AdamW skips it,
+        for p in parameters:  # a frozen parameter too
             (decay if p.ndim >= 2 else no_decay).append(p)  # and the groups keep their sizes across versions
         return torch.optim.AdamW(
             [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],

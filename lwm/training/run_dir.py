@@ -1,10 +1,5 @@
 """The run directory: RUN_DIR (``trainer.default_root_dir``), its checkpoint folder, which checkpoint continues the
-run (``--ckpt_path last``, a SLURM requeue, ``lwm resume-info``), the refusals that protect a run, and its lock.
-
-The checkpoint that continues a run is the one at the highest global step, read from the files (never their times:
-DeepSpeed rewrites directories in place, shared filesystems skew clocks), among ``last.ckpt``, the step checkpoints
-written since it was last whole, and ``RUN_DIR/hpc_ckpt_N.ckpt``. docs/training.md, Resume, says why each is there.
-"""
+run (``--ckpt_path last``, a SLURM requeue, ``lwm resume-info``), the refusals that protect a run, and its lock."""
 
 from __future__ import annotations
 
@@ -56,17 +51,17 @@ def _number(path: Path) -> int:
 
 def latest_checkpoint(run_dir: Path, checkpoint_dir: Path) -> Path | None:
     """The checkpoint that continues the run: the highest step among ``last.ckpt``, the step checkpoints written
-    since it was last whole (all of them where it does not load) and the hpc ones; ties go to ``last.ckpt``."""
+    since it was last whole (all of them where it does not load) and the hpc ones."""
     hpc = sorted(run_dir.glob("hpc_ckpt_*.ckpt"), key=_number)
     last = checkpoint_dir / "last.ckpt"
     steps = sorted((p for p in checkpoint_dir.glob("*.ckpt") if p.name != last.name), key=_number, reverse=True)
     last_step = _step(last) if last.exists() else None
     since = _written(last) if last_step is not None or last.is_dir() else None  # a torn file was never whole
-    if since is not None:  # an older step file: of a branch abandoned for an earlier checkpoint
+    if since is not None:  # an older step file
         steps = [p for p in steps if (written := _written(p)) is not None and written >= since]
     candidates = [p for p in (last, *reversed(hpc), *steps) if p.exists()]
     steps = {p: s for p in candidates if (s := _step(p)) is not None}
-    if not steps:  # none readable: the first, for lwm fit to refuse loudly (never a silent fresh start)
+    if not steps:  # none readable
         return candidates[0] if candidates else None
     found = max(steps, key=lambda p: steps[p])
     if last.exists() and last_step is None:
@@ -87,8 +82,8 @@ def run_of(path: str | Path) -> Path | None:
 
 
 def checkpoint_file(path: str | Path, checkpoints: str | Path | None = None) -> Path:
-    """A ``--ckpt_path`` as the file to read: a run's folder or checkpoint folder (and ``last``, given the folder)
-    is its latest checkpoint; anything else as given."""
+    """A ``--ckpt_path`` as the file to read: a run's folder or checkpoint folder (and ``last``, given the folder) is
+    its latest checkpoint."""
     if str(path) == "last":
         if checkpoints is None:
             raise ConfigError("--ckpt_path last: this command has no run folder to look in; give the run's folder "
@@ -101,7 +96,7 @@ def checkpoint_file(path: str | Path, checkpoints: str | Path | None = None) -> 
         return path
     if (path / "checkpoints").is_dir():  # RUN_DIR
         run, folder = path, path / "checkpoints"
-    else:  # a checkpoint folder (the hpc ones are in its parent), or any folder of checkpoints
+    else:  # a checkpoint folder
         run, folder = (path.resolve().parent if path.resolve().name == "checkpoints" else path), path
     return latest_checkpoint(run, folder) or path
 
@@ -116,8 +111,7 @@ def check_deepspeed_checkpoint(path: Any, label: str) -> None:
 
 
 def read_checkpoint_arg(path: Any) -> bool:
-    """Read a ``--ckpt_path`` naming a local checkpoint file (refused in one line if missing, torn or foreign):
-    True; False, unread, for what Lightning resolves (``best``, ``hpc``, the registry), DeepSpeed's, remote paths."""
+    """Read a ``--ckpt_path`` naming a local checkpoint file (refused in one line if missing, torn or foreign)."""
     if path in ("best", "hpc", "registry") or str(path).startswith("registry:"):
         return False
     if is_deepspeed_checkpoint(path):
@@ -131,7 +125,7 @@ def read_checkpoint_arg(path: Any) -> bool:
 
 class RunDir:
     """One run's folder: its paths, the checkpoint ``last`` names, whether a fit resumes, the refusals that keep a
-    run whole, and the lock. Made from a parsed config (``trainer.default_root_dir``, ``checkpoint.dirpath``)."""
+    run whole, and the lock."""
 
     def __init__(self, root: str | Path, checkpoints: str | Path | None = None) -> None:
         self.root = str(root)
@@ -158,8 +152,8 @@ class RunDir:
         return self.last if ckpt_path == "last" else ckpt_path
 
     def resumes(self, ckpt_path: str | None) -> bool:
-        """Whether a fit continues the run: from ``ckpt_path`` where it exists, or, given none, from a requeue's
-        hpc checkpoint under SLURM (as Lightning does)."""
+        """Whether a fit continues the run: from ``ckpt_path`` where it exists, or, given none, from a requeue's hpc
+        checkpoint under SLURM (as Lightning does)."""
         hpc = bool(glob.glob(os.path.join(self.root, "hpc_ckpt_*.ckpt")))
         if ckpt_path == "hpc":
             return hpc
@@ -174,7 +168,7 @@ class RunDir:
 
     def check_fit(self, ckpt_path: str | None, save_last: Any) -> None:
         """Refuse a fit that would break the run: no ``last.ckpt`` of its own (``save_last`` not true), a checkpoint
-        folder that is a file, or a start over a run's checkpoints. ``last`` without a checkpoint starts a new run."""
+        folder that is a file, or a start over a run's checkpoints."""
         if save_last is not True:  # "link": stale after a stop on a signal or at the end
             raise ConfigError(f"checkpoint.save_last={save_last}: lwm needs true (last.ckpt written as a file of its "
                               f"own at a stop, a signal and the end of fit: what --ckpt_path last and the SLURM "
@@ -230,7 +224,7 @@ class RunDir:
 
 class RunLock:
     """One fit at a time per RUN_DIR: an exclusive ``flock`` on ``RUN_DIR/.lwm.lock`` naming its holder (host, pid,
-    SLURM job), held by global rank 0. None where the filesystem has no locks; a requeue of the holder's job goes on."""
+    SLURM job), held by global rank 0."""
 
     def __init__(self, run_dir: str) -> None:
         self.path = os.path.join(run_dir, ".lwm.lock")
@@ -253,7 +247,7 @@ class RunLock:
                 if len(holder) >= 2 else "another process"
             raise ConfigError(f"trainer.default_root_dir={run_dir}: another lwm fit is running in it ({who}; "
                               f"{self.path}); wait for it, or start this one in another folder") from None
-        except OSError:  # no locks on this filesystem (some network ones): none taken
+        except OSError:  # no locks on this filesystem
             self._file.close()
             self._file = None
             with contextlib.suppress(OSError):
@@ -277,7 +271,7 @@ class RunLock:
 
 class HoldRunLock(L.Callback):
     """Takes the :class:`RunLock` at a fit's setup, once the ranks can talk (rank 0 locks, every rank raises its
-    refusal); released at teardown and by the CLI after the fit."""
+    refusal)."""
 
     def __init__(self) -> None:
         self.lock: RunLock | None = None

@@ -7,12 +7,12 @@ import math
 
 from lwm.utils.errors import ConfigError
 
-MAX_FPS = 1000  # frames per second a video is written at, at most (PyAV's H.264 fails at some rates above 65536)
+MAX_FPS = 1000  # frames per second a video is written at, at most
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """``--help`` shows each option's default, except where its help says it already or there is none to show
-    (None, False: an unset option, a flag)."""
+    """``--help`` shows each option's default, except where its help says it already or there is none to show (None,
+    False: an unset option, a flag)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
@@ -24,8 +24,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse's parser whose refusals are one line, a :class:`ConfigError` (``error: lwm VERB: MESSAGE``, exit 2),
-    instead of the usage block and the message; ``--help`` prints the usage, each option with its default
-    (:class:`HelpFormatter`), as usual. Subparsers are of this class too."""
+    instead of the usage block and the message."""
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("formatter_class", HelpFormatter)

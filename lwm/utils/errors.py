@@ -8,19 +8,18 @@ class LwmError(ValueError):
 
 
 class DataError(LwmError):
-    """Bad input data. One line per problem, each naming the file (and the dataset or field)."""
+    """Bad input data."""
 
 
 class ConfigError(LwmError):
     """An invalid or inconsistent configuration; the message names the field (e.g. ``model.net.d_model``)."""
 
 
-LISTED_PROBLEMS = 20  # bad files named one line each in a refusal; the rest are counted
+LISTED_PROBLEMS = 20  # bad files named one line each in a refusal
 
 
 def refused(problems: list[str], total: int, where: str = "") -> "DataError":
-    """One :class:`DataError` for ``problems`` (one line each, naming its file) among ``total`` files: the first
-    :data:`LISTED_PROBLEMS` lines, then how many more (5000 missing files are not 5000 lines)."""
+    """One :class:`DataError` for ``problems`` (one line each, naming its file) among ``total`` files."""
     shown = problems[:LISTED_PROBLEMS]
     more = [f"... and {len(problems) - len(shown)} more"] if len(problems) > len(shown) else []
     return DataError(f"{len(problems)} of {total} files{where} refused:\n" + "\n".join(shown + more))
@@ -34,8 +33,7 @@ def first_line(e: BaseException) -> str:
 def torch_load_failure(e: BaseException, path: str | Path | None = None) -> str:
     """Why ``torch.load(weights_only=True)`` refused a file, in one line (``Type: reason``), without torch's advice
     to load it with ``weights_only=False`` (lwm never unpickles arbitrary objects: a file that needs that is not
-    one of ours) or its terminal escape codes. Given its ``path``, a zip archive cut short (a copy or write that
-    did not finish; torch's errors for it vary with where it was cut) is said so."""
+    one of ours) or its terminal escape codes."""
     if path is not None and _truncated_zip(path):
         return "truncated or corrupt: a zip archive, as torch.save writes, but not a complete one"
     text = str(e)
@@ -43,7 +41,7 @@ def torch_load_failure(e: BaseException, path: str | Path | None = None) -> str:
         lines = [line.strip() for line in text.split("WeightsUnpickler error:", 1)[1].splitlines() if line.strip()]
         reason = lines[0].split(". Please use", 1)[0] if lines else "unsupported content"
         return f"torch.load with weights_only=True: {reason[:200]}"
-    if text.startswith("Weights only load failed"):  # another torch's wording: no reason to quote, no advice
+    if text.startswith("Weights only load failed"):  # another torch's wording
         return "torch.load with weights_only=True refused it"
     if text.startswith("mmap can only be used with files saved with"):  # an h5 file, text: torch names its options
         return "not a torch.save file (or one in torch's old, non-zip format)"

@@ -35,15 +35,12 @@ def atomic_write(path: str | Path, write: Callable[[IO[Any]], object], mode: str
 
 # .NAME.tmp-HOST-PID (.NAME.tmp-PID: before hosts), NAME the target
 _TEMP = re.compile(r"^\.(?P<target>.+)\.tmp-(?:(?P<host>.+)-)?(?P<pid>\d+)$")
-STALE_AFTER_S = 3600.0  # another host's temp file: its writer is surely gone an hour after its last write
+STALE_AFTER_S = 3600.0  # another host's temp file
 
 
 def stale_temp_files(directory: str | Path, now: float | None = None,
                      target: Callable[[str], bool] | None = None) -> list[Path]:
-    """The temp files of :func:`atomic_write` in ``directory`` whose writers are gone: of this host (or of no
-    host named) when their process is not running; of another host (a job requeued onto another node) when not
-    written for :data:`STALE_AFTER_S` (its process cannot be asked). ``target``: only those whose target's name
-    it accepts (the file a temp file was to become)."""
+    """The temp files of :func:`atomic_write` in ``directory`` whose writers are gone."""
     now = time.time() if now is None else now
     stale = []
     for entry in os.scandir(directory):
@@ -95,8 +92,7 @@ def fsync_dir(directory: Path) -> None:
 
 
 def remove_stale_temp_files(directory: str | Path, target: Callable[[str], bool] | None = None) -> None:
-    """Remove :func:`stale_temp_files`, best effort: one that cannot be removed (another user's, in a shared
-    folder) is left, never failing the write that swept."""
+    """Remove :func:`stale_temp_files`, best effort."""
     for stale in stale_temp_files(directory, target=target):
         try:
             stale.unlink(missing_ok=True)

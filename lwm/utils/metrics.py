@@ -1,16 +1,5 @@
 """The requirement's monitoring metrics as standalone functions (no Lightning, no logging): each takes
-tensors and returns tensors on the same device, so callers decide when to sync.
-
-* :func:`attention_diagonality`: share of each query's attention on itself and the next frame.
-* :func:`codebook_usage`: fraction of each level's codes used by a batch of indices.
-* :func:`codebook_diversity`: min / max / mean pairwise MSE between the codes of a codebook.
-* :func:`psnr`, :func:`psnr_from_mse`, :func:`delta_psnr`: the requirement's ``10 log10(1 / MSE)`` on latents and its difference.
-* :func:`random_indices`, :func:`random_codes`, :func:`sensitivity`: the action and world sensitivities (dPSNR at
-  frame ``t``).
-* :func:`nmi`, :func:`linear_probe_accuracy`, :func:`code_ids`: codes against ground-truth labels.
-* :func:`copy_last_loss`: the copy-last-frame baseline, so a prediction loss means something.
-* :class:`WeightedMean`: the validation means over batches and ranks (NaN kept, no host sync).
-"""
+tensors and returns tensors on the same device, so callers decide when to sync."""
 
 from __future__ import annotations
 
@@ -24,13 +13,7 @@ from torchmetrics import Metric
 
 @torch.no_grad()
 def attention_diagonality(attn: Tensor) -> Tensor:
-    """``attn [B, heads, Q, T]`` (rows sum to 1; queries ``0..Q-1`` of ``T`` keys, ``Q <= T``) -> ``[B]``: per
-    sample, the attention mass on the main diagonal and the next one (query ``i`` on keys ``i`` and ``i + 1``),
-    averaged over queries and heads. 1.0 when every query looks only at itself and the next frame. The action
-    encoder's queries are ``0..T-2`` (``Q = T - 1``: the last frame gives no action). Uniform attention over the keys
-    a mask allows is far above ``1/T``: there, ``2 (H_T - 1) / (T - 1)`` under the shifted-causal mask (0.317 at
-    ``T = 16``, 0.491 at ``T = 8``; ``H`` the harmonic numbers) and ``H_{T-1} / (T - 1)`` under a causal one (0.221,
-    0.370), the level of an encoder that attends to nothing in particular."""
+    """``attn [B, heads, Q, T]`` (rows sum to 1; queries ``0..Q-1`` of ``T`` keys, ``Q <= T``) -> ``[B]``."""
     if attn.ndim != 4 or attn.shape[-2] > attn.shape[-1]:
         raise ValueError(f"attn: expected [B, heads, Q <= T, T], got {tuple(attn.shape)}")
     Q, T = attn.shape[-2:]
@@ -58,8 +41,7 @@ def codebook_usage(indices: Tensor, codebook_sizes: Sequence[int]) -> Tensor:
 
 @torch.no_grad()
 def codebook_diversity(codes: Tensor) -> Tensor:
-    """``codes [K, d]`` -> ``[3]``: (min, max, mean) MSE over the ``K (K - 1) / 2`` distinct pairs of codes.
-    A min of 0 means two identical codes. A codebook of one code has no pair: NaNs."""
+    """``codes [K, d]`` -> ``[3]``: (min, max, mean) MSE over the ``K (K - 1) / 2`` distinct pairs of codes."""
     if codes.ndim != 2:
         raise ValueError(f"codes: expected [K, d], got {tuple(codes.shape)}")
     K = codes.shape[0]
@@ -74,8 +56,8 @@ def codebook_diversity(codes: Tensor) -> Tensor:
 
 
 def psnr(target: Tensor, prediction: Tensor) -> Tensor:
-    """``[B, ...]`` -> ``[B]``: ``10 log10(1 / MSE)`` per sample, the MSE over all but the first dim (latents in
-    [-1, 1] are used as they are: a peak of 1, as the requirement defines it)."""
+    """``[B, ...]`` -> ``[B]``: ``10 log10(1 / MSE)`` per sample, the MSE over all but the first dim (latents in [-1,
+    1] are used as they are: a peak of 1, as the requirement defines it)."""
     return psnr_from_mse((prediction.float() - target.float()).pow(2).flatten(1).mean(dim=1))
 
 
@@ -109,22 +91,17 @@ def random_codes(quantizer, lead: Sequence[int], generator: torch.Generator | No
 @torch.no_grad()
 def sensitivity(model, x: Tensor, t: int = 4, generator: torch.Generator | None = None,
                 world_phase: str = "quantized") -> dict[str, Tensor]:
-    """Action and world sensitivity of a clip batch ``x [B, T > t, C, H, W]`` at frame ``t``: frames ``1..t``
-    generated from frame 0 with the inferred codes, and again with random actions (world inferred) and with
-    a random world (actions inferred). The world goes in as ``world_phase`` (``WorldModel.world_phase_at``: under
-    a ``world_curriculum``, what the predictor trains on; in the ``"off"`` phase it gets no world, a random one
-    neither, and the world's dPSNR is 0). Returns ``{"Action_Encoder": [3], "World_Encoder": [3]}``, each
-    (dPSNR, PSNR_seq, PSNR_rand) as :func:`delta_psnr`."""
+    """Action and world sensitivity of a clip batch ``x [B, T > t, C, H, W]`` at frame ``t``."""
     if x.shape[1] <= t:
         raise ValueError(f"sensitivity at t={t} needs clips of more than {t} frames, got T={x.shape[1]}")
     B = x.shape[0]
     actions, world = model.infer_codes(x, world_phase)  # [B, T-1, Da], [B, Dh]
-    actions = actions[:, :t]  # a_0..a_{t-1} (causal, one frame of lookahead: the same as from frames 0..t)
+    actions = actions[:, :t]  # a_0..a_{t-1}
     target = x[:, t]
     seq = model.generate(x[:, :1], actions, world, steps=t)[:, -1]  # the KV-cached rollout
     quantizers = model.quantizers
     rand_actions = random_codes(quantizers["Action_Encoder"], (B, t), generator).to(actions.dtype)
-    if world_phase == "off":  # the predictor gets no world: a random one is none too
+    if world_phase == "off":  # the predictor gets no world
         rand_world = torch.zeros_like(world)
     else:
         rand_world = random_codes(quantizers["World_Encoder"], (B,), generator).to(world.dtype)
@@ -136,9 +113,6 @@ def sensitivity(model, x: Tensor, t: int = 4, generator: torch.Generator | None 
     }
 
 
-# --------------------------------------------------------------------------------------------------
-# Ground-truth probes (when the data has true actions / world labels) and the copy-last baseline
-# --------------------------------------------------------------------------------------------------
 def code_ids(indices: Tensor, codebook_sizes: Sequence[int]) -> Tensor:
     """Code tuples ``[..., L]`` -> one integer id each ``[...]`` (mixed radix, level 0 most significant)."""
     ids = torch.zeros(indices.shape[:-1], dtype=torch.long, device=indices.device)
@@ -149,8 +123,7 @@ def code_ids(indices: Tensor, codebook_sizes: Sequence[int]) -> Tensor:
 
 @torch.no_grad()
 def nmi(predicted: Tensor, target: Tensor) -> Tensor:
-    """Normalised mutual information between two integer labelings ``[N]``: 1 for the same partition (up to
-    renaming), about 0 for independent ones (torchmetrics' arithmetic normalisation)."""
+    """Normalised mutual information between two integer labelings ``[N]``."""
     from torchmetrics.functional.clustering import normalized_mutual_info_score
 
     with warnings.catch_warnings():
@@ -161,10 +134,9 @@ def nmi(predicted: Tensor, target: Tensor) -> Tensor:
 def linear_probe_accuracy(
     features: Tensor, labels: Tensor, train_fraction: float = 0.5, steps: int = 300, seed: int = 0
 ) -> tuple[float, float]:
-    """Held-out accuracy of a linear classifier (multinomial logistic regression, full-batch Adam on
-    standardised features) trained on a seeded ``train_fraction`` of ``features [N, d]`` -> ``labels [N]``;
-    returns ``(accuracy, chance)`` where chance is the held-out rate of the training set's majority class."""
-    with torch.inference_mode(False):  # callers at validation run under inference mode: train outside it
+    """Held-out accuracy of a linear classifier (multinomial logistic regression, full-batch Adam on standardised
+    features) trained on a seeded ``train_fraction`` of ``features [N, d]`` -> ``labels [N]``."""
+    with torch.inference_mode(False):  # callers at validation run under inference mode
         return _linear_probe(features.detach().float().cpu().clone(), labels.detach().long().cpu().clone(),
                              train_fraction, steps, seed)
 
@@ -199,16 +171,14 @@ def _linear_probe(x: Tensor, y: Tensor, train_fraction: float, steps: int, seed:
 
 
 def copy_last_loss(x: Tensor) -> Tensor:
-    """The copy-last-frame baseline's one-step MSE on a clip batch ``x [B, T, ...]`` (predict frame ``i+1``
-    as frame ``i``), comparable with the teacher-forcing loss."""
+    """The copy-last-frame baseline's one-step MSE on a clip batch ``x [B, T, ...]`` (predict frame ``i+1`` as frame
+    ``i``), comparable with the teacher-forcing loss."""
     return (x[:, 1:].float() - x[:, :-1].float()).pow(2).mean()
 
 
 class WeightedMean(Metric):
     """The weighted mean of everything passed to ``update(value, weight=1)`` (each value a tensor or number, its
-    weight e.g. a batch size), summed over ranks at ``compute`` (torchmetrics' sync). Unlike torchmetrics'
-    ``MeanMetric`` it keeps NaN: a NaN value makes the mean NaN, where ``MeanMetric`` drops it (a mean over fewer
-    windows that looks finite) after a host sync to look for it in every update."""
+    weight e.g. a batch size), summed over ranks at ``compute`` (torchmetrics' sync)."""
 
     full_state_update = False
 

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-_CHOSEN: int | None = None  # lwm's choice in this process: later runs of it keep it (a fit, then its validation)
+_CHOSEN: int | None = None  # lwm's choice in this process
 
 
 def physical_cores() -> int | None:
@@ -30,7 +30,7 @@ def physical_cores() -> int | None:
 
 def idle_cpus(cpus: set[int], seconds: float = 0.25) -> float:
     """How many of ``cpus`` were idle over the next ``seconds`` (this process sleeps meanwhile: what others leave),
-    from ``/proc/stat``; steal time counts as busy (another VM on the core)."""
+    from ``/proc/stat``."""
     def times() -> dict[str, tuple[int, int]]:  # cpuN -> (idle + iowait, all) jiffies
         out = {}
         with open("/proc/stat") as f:
@@ -54,8 +54,7 @@ def threads_for(idle: float, cores: int) -> int:
 
 def set_cpu_threads(processes: int = 1) -> str:
     """Set torch's intra-op threads for a run on the CPU of ``processes`` on this machine (DDP ranks) and say how
-    many, and why, in a phrase: the user's choice where there is one, else the cores not in use shared among the
-    processes (once per process; Linux: elsewhere torch's own count)."""
+    many, and why, in a phrase."""
     global _CHOSEN
     n = torch.get_num_threads()
     if os.environ.get("OMP_NUM_THREADS"):

@@ -19,13 +19,11 @@ VIDEO_SUFFIXES = (".mp4", ".gif")
 
 
 def check_output(path: str | Path, what: str = "--out", inputs: Mapping[str, str | Path] | None = None) -> Path:
-    """Refuse an output file's ``path`` before any work, with one :class:`~lwm.errors.DataError` line naming it:
-    an existing folder or other non-file, a parent that is a file or not writable, or the same file as one of
-    ``inputs`` (``{option: path}``; writing it would destroy the input). ``what`` says which output it is."""
+    """Refuse an output file's ``path`` before any work, with one :class:`~lwm.errors.DataError` line naming it."""
     path = Path(path)
     if path.is_dir():
         raise DataError(f"{path}: is a folder, not a file to write ({what})")
-    if path.exists() and not path.is_file():  # a device or a pipe: an atomic rename would replace the node
+    if path.exists() and not path.is_file():  # a device or a pipe
         raise DataError(f"{path}: exists and is not a regular file ({what})")
     for option, source in (inputs or {}).items():
         if _same_file(path, Path(source)):
@@ -52,8 +50,7 @@ GRID_PAD = 4  # white pixels between a grid's rows
 
 
 def latent_preview(latents: Tensor, scale: int = PREVIEW_SCALE) -> np.ndarray:
-    """``[T, C, H, W]`` latents in [-1, 1] -> ``uint8 [T, H*scale, W*scale, 3]``: channels 0, 1, 2 as R, G, B
-    (a look at the latents, not the video they encode), enlarged by ``scale`` (nearest)."""
+    """``[T, C, H, W]`` latents in [-1, 1] -> ``uint8 [T, H*scale, W*scale, 3]``."""
     if latents.ndim != 4:
         raise ValueError(f"latents: expected [T, C, H, W], got {tuple(latents.shape)}")
     rgb = latents[:, :3].float()
@@ -64,13 +61,11 @@ def latent_preview(latents: Tensor, scale: int = PREVIEW_SCALE) -> np.ndarray:
     return rgb.permute(0, 2, 3, 1).contiguous().cpu().numpy()
 
 
-BLANK = 0  # the value of a grid cell with no frame (black): a row shorter than the video, after its last frame
+BLANK = 0  # the value of a grid cell with no frame
 
 
 def grid(rows: list[np.ndarray], pad: int = GRID_PAD) -> np.ndarray:
-    """Stack videos ``[T, H, W, 3]`` (the same ``H, W``) top to bottom with ``pad`` white pixels between rows. The
-    video is as long as the longest row; a shorter row (a ground truth the file has only part of) shows its
-    frames, then :data:`BLANK` cells."""
+    """Stack videos ``[T, H, W, 3]`` (the same ``H, W``) top to bottom with ``pad`` white pixels between rows."""
     _, H, W, _ = rows[0].shape
     T = max(row.shape[0] for row in rows)
     out = np.full((T, len(rows) * H + (len(rows) - 1) * pad, W, 3), 255, dtype=np.uint8)
@@ -93,15 +88,13 @@ def check_mp4_size(height: int, width: int, path: str | Path) -> None:
 
 
 def gif_delay_ms(fps: float) -> int:
-    """A GIF frame's delay: whole centiseconds (the format's unit: 8 fps plays at 8.33), at least 20 ms (browsers play
-    shorter delays, 10 ms included, at 100 ms: a 60 fps GIF would run 6x slow; GIFs top out at 50 fps)."""
+    """A GIF frame's delay: whole centiseconds (the format's unit: 8 fps plays at 8.33), at least 20 ms (browsers
+    play shorter delays, 10 ms included, at 100 ms: a 60 fps GIF would run 6x slow; GIFs top out at 50 fps)."""
     return max(20, round(100 / fps) * 10)
 
 
 def write_video(path: str | Path, frames: np.ndarray, fps: float = 8) -> Path:
-    """Write ``uint8 [T, H, W, 3]`` as ``.mp4`` (H.264, even sizes padded) or ``.gif``: encoded in memory, then
-    written to a temporary name and renamed, so a failure leaves the old file (if any), never a torn one. At most
-    :data:`~lwm.errors.MAX_FPS` (a file's recorded ``fps`` may be more: played at that)."""
+    """Write ``uint8 [T, H, W, 3]`` as ``.mp4`` (H.264, even sizes padded) or ``.gif``."""
     import imageio.v3 as iio
 
     fps = min(fps, MAX_FPS)
@@ -110,8 +103,8 @@ def write_video(path: str | Path, frames: np.ndarray, fps: float = 8) -> Path:
     if path.suffix not in VIDEO_SUFFIXES:
         raise ValueError(f"{path}: the video must end in one of {VIDEO_SUFFIXES}")
     check_output(path, "the video")
-    # imageio opening the file itself leaves an "Exception ignored" traceback when that fails (its plugin retries
-    # the write on garbage collection); encoding to bytes keeps the file out of its hands
+    # imageio opening the file itself leaves an "Exception ignored" traceback when that fails (its plugin retries the
+    # write on garbage collection).
     if path.suffix == ".mp4":
         T, H, W, _ = frames.shape
         check_mp4_size(H, W, path)

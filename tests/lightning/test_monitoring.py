@@ -150,7 +150,10 @@ def test_a_resumed_fit_continues_its_wandb_run(tmp_path):
 def test_which_fits_resume_a_run(tmp_path, monkeypatch):
     """What decides whether a fit continues its wandb run: a checkpoint that exists, or Lightning's SLURM
     requeue checkpoint where Lightning resumes from it (under SLURM, given no --ckpt_path)."""
-    from lwm.training.run_dir import fit_resumes
+    from lwm.training.run_dir import RunDir
+
+    def fit_resumes(ckpt_path, root):
+        return RunDir(root).resumes(ckpt_path)
 
     for var in ("SLURM_NTASKS", "SLURM_JOB_NAME"):
         monkeypatch.delenv(var, raising=False)
@@ -272,7 +275,7 @@ def test_tflops_per_s_leaves_the_validation_time_out(monkeypatch):
     """On a fake clock: 2 steps of 1 s each around a 10 s validation are 2 s of training."""
     from types import SimpleNamespace
 
-    from lwm.callbacks import flops as flops_module
+    from lwm.callbacks import flop_counter as flops_module
     from lwm.callbacks.flop_counter import FlopCounter
 
     clock = [0.0]

@@ -1,5 +1,7 @@
 from types import SimpleNamespace
 
+import pytest
+
 from lwm.callbacks.progress import StepProgressBar
 
 
