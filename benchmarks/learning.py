@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from lwm.study import load_clips
+from lwm.inference.study import load_clips
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "demo.yaml"
@@ -112,9 +112,9 @@ def fit(run_dir: Path, manifest: Path, steps: int, overrides: list[str], smoke: 
 
 
 def evaluate_run(run_dir: Path, test_manifest: Path, synthetic: bool) -> dict:
-    from lwm.checkpoint import load_checkpoint, trained_window
-    from lwm.codes import load_dictionaries
-    from lwm.study import evaluate
+    from lwm.training.checkpoint import load_checkpoint, trained_window
+    from lwm.inference.dictionary import load_dictionaries
+    from lwm.inference.study import evaluate
 
     raw, module = load_checkpoint(run_dir / "checkpoints" / "last.ckpt")
     model = module.model.eval()

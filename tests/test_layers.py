@@ -10,7 +10,7 @@ LWM = Path(__file__).resolve().parents[1] / "lwm"
 # bottom to top; a module may import its own layer's and the layers below
 LAYERS = ("utils", "modules", "data", "training", "inference", "callbacks", "play", "cli")
 SIDE_BY_SIDE = {frozenset(("callbacks", "play"))}  # neither imports the other
-OLD_PATHS = {"study", "codes", "module", "metrics", "checkpoint"}  # re-exports kept for scripts outside the package
+OLD_PATHS: set[str] = set()  # none: every module lives in its layer
 
 
 def _modules() -> dict[str, Path]:

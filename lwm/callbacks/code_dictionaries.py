@@ -1,5 +1,5 @@
 """Code dictionaries at the end of fit: the action and world code tuples the trained encoders use on the
-training data, with counts, saved as ``codes.pt`` beside the checkpoints (see :mod:`lwm.codes`)."""
+training data, with counts, saved as ``codes.pt`` beside the checkpoints (see :mod:`lwm.inference.dictionary`)."""
 
 from __future__ import annotations
 

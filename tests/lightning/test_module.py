@@ -505,9 +505,10 @@ def test_training_steps_draw_a_random_temporal_pe_start():
     starts, expected = [], []
     original = module.model.pos_embedding
 
-    def spy(T, t0):
-        starts.append(torch.as_tensor(t0).clone())
-        return original(T, t0)
+    def spy(T, t0, **kwargs):  # once per step for the predictor's tokens; the action encoder's call adds `spatial`
+        if not kwargs:
+            starts.append(torch.as_tensor(t0).clone())
+        return original(T, t0, **kwargs)
 
     class Expect(L.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
