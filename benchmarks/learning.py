@@ -56,7 +56,8 @@ DATASETS = {
 # without one of its changes (ablations), and the requirement's open questions.
 NET = "--model.net."
 REQUIREMENT = [f"{NET}residual=false", f"{NET}action_input=tokens", f"{NET}action_spatial_pe=true",
-               f"{NET}codebook_sizes_action=[4, 8]", f"{NET}codebook_sizes_world=[4, 8]", f"{NET}context_dropout=0"]
+               f"{NET}codebook_sizes_action=[4, 8]", f"{NET}codebook_sizes_world=[4, 8]", f"{NET}context_dropout=0",
+               f"{NET}world_frames=null"]
 ABLATIONS = {
     "no_residual": [f"{NET}residual=false"],
     "token_actions": [f"{NET}action_input=tokens"],
@@ -64,9 +65,10 @@ ABLATIONS = {
     "action_codes_4x8": [f"{NET}codebook_sizes_action=[4, 8]"],
     "world_codes_4x8": [f"{NET}codebook_sizes_world=[4, 8]"],
     "no_context_dropout": [f"{NET}context_dropout=0"],
+    "world_sees_clip": [f"{NET}world_frames=null"],
 }
 WORLD_QUESTIONS = {
-    "world_first_frame": [f"{NET}world_frames=1"],
+    "world_sees_clip": ABLATIONS["world_sees_clip"],
     "world_warmup": [f"{NET}world_curriculum=[500, 500]"],
     "world_codes_64": [f"{NET}codebook_sizes_world=[64]"],
 }
@@ -74,8 +76,8 @@ QUESTIONS = {**WORLD_QUESTIONS, "film_fusion": [f"{NET}fusion=film"]}
 # the action encoder with the frames before (its input as "transition"): not in any plan
 OTHERS = {"delta_actions": [f"{NET}action_input=delta"]}
 RECIPES = {"recipe": [], "requirement": REQUIREMENT, **ABLATIONS, **QUESTIONS, **OTHERS}
-PLANS = {"": ["recipe", "requirement"], "ablations": list(ABLATIONS), "questions": list(QUESTIONS),
-         "world": list(WORLD_QUESTIONS)}
+PLANS = {"": ["recipe", "requirement"], "ablations": list(ABLATIONS),
+         "questions": [q for q in QUESTIONS if q not in ABLATIONS], "world": list(WORLD_QUESTIONS)}
 
 
 def make_data(out: Path, name: str, maker: str, settings: dict, seed: int, games: tuple[str, ...]) -> Path:
