@@ -69,7 +69,7 @@ ABLATIONS = {
 }
 WORLD_QUESTIONS = {
     "world_sees_clip": ABLATIONS["world_sees_clip"],
-    "world_warmup": [f"{NET}world_curriculum=[500, 500]"],
+    "world_warmup": [f"{NET}world_curriculum=[200, 200]"],  # 200 steps without the world, 200 unquantized
     "world_codes_64": [f"{NET}codebook_sizes_world=[64]"],
 }
 QUESTIONS = {**WORLD_QUESTIONS, "film_fusion": [f"{NET}fusion=film"]}
