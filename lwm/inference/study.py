@@ -36,7 +36,6 @@ def load_clips(manifest_path: str | Path, split: str | None, window: int, per_fi
     import h5py
     import numpy as np
 
-
     manifest = Manifest.load(manifest_path)
     latents, actions, worlds, files = [], [], [], []
     for i, entry in enumerate(manifest.entries if split is None else manifest.split(split)):
@@ -143,12 +142,12 @@ def evaluate(model, clips: Clips, t: int = 4, dictionary: CodeDictionary | None 
         "psnr": psnr_from_mse(mse.mean(0)).tolist(), "copy_psnr": psnr_from_mse(copy.mean(0)).tolist(),
         "action_dpsnr": {k: float((seq - psnr_from_mse(controls[k])).mean())
                          for k in ("random", "dictionary", "other_clip")},
-        "world_dpsnr": {k: float((seq - psnr_from_mse(controls[k])).mean()) for k in ("random", "same_world")},
+        "world_dpsnr": {k: float((seq - psnr_from_mse(controls[c])).mean())
+                        for k, c in (("random", "world_random"), ("same_world", "same_world"))},
         "action_usage": _usage(action_idx, q_action.codebook_sizes),
         "world_usage": _usage(world_idx, q_world.codebook_sizes),
         "per_world": {},
     }
-    result["world_dpsnr"]["random"] = float((seq - psnr_from_mse(controls["world_random"])).mean())
     for label in clips.worlds.unique().tolist():
         m = clips.worlds == label
         result["per_world"][int(label)] = {
