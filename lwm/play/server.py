@@ -7,6 +7,7 @@ import errno
 import ipaddress
 import json
 import secrets
+import signal
 import socket
 import struct
 import sys
@@ -246,8 +247,15 @@ def serve(app, sock: socket.socket) -> None:
     """Run ``app`` on the listening ``sock`` until Ctrl-C."""
     import uvicorn
 
+    def interrupt(signum, frame):  # uvicorn re-raises the SIGINT it stopped on; asyncio's own handler may drop it
+        raise KeyboardInterrupt
+
     config = uvicorn.Config(app, log_level="warning", ws_max_size=1 << 20, lifespan="off")
-    uvicorn.Server(config).run(sockets=[sock])
+    previous = signal.signal(signal.SIGINT, interrupt)
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def url(sock: socket.socket) -> str:
