@@ -57,7 +57,7 @@ DATASETS = {
 NET = "--model.net."
 REQUIREMENT = [f"{NET}residual=false", f"{NET}action_input=tokens", f"{NET}action_spatial_pe=true",
                f"{NET}codebook_sizes_action=[4, 8]", f"{NET}codebook_sizes_world=[4, 8]", f"{NET}context_dropout=0",
-               f"{NET}world_frames=null"]
+               f"{NET}world_frames=null", f"{NET}world_curriculum=[0, 0]"]
 ABLATIONS = {
     "no_residual": [f"{NET}residual=false"],
     "token_actions": [f"{NET}action_input=tokens"],
@@ -66,10 +66,11 @@ ABLATIONS = {
     "world_codes_4x8": [f"{NET}codebook_sizes_world=[4, 8]"],
     "no_context_dropout": [f"{NET}context_dropout=0"],
     "world_sees_clip": [f"{NET}world_frames=null"],
+    "no_world_warmup": [f"{NET}world_curriculum=[0, 0]"],
 }
 WORLD_QUESTIONS = {
     "world_sees_clip": ABLATIONS["world_sees_clip"],
-    "world_warmup": [f"{NET}world_curriculum=[200, 200]"],  # 200 steps without the world, 200 unquantized
+    "no_world_warmup": ABLATIONS["no_world_warmup"],
     "world_codes_64": [f"{NET}codebook_sizes_world=[64]"],
 }
 QUESTIONS = {**WORLD_QUESTIONS, "film_fusion": [f"{NET}fusion=film"]}
@@ -232,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--study-steps", type=int, default=1000, help="training steps of the ablations and open questions, "
                    "each beside the recipe at as many steps (default 1000)")
     p.add_argument("--games", nargs="+", default=list(GAMES), help=f"Atari games (default {' '.join(GAMES)})")
+    p.add_argument("--no-fit", action="store_true", help="fit nothing: report the finished runs of the datasets")
     args = p.parse_args(argv)
     smoke = args.size == "smoke"
     headline = args.steps or (3 if smoke else 2500)
@@ -240,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict] = {}
     names: dict[str, dict[int, str]] = {}
     for dataset, (maker, train, test, plans) in datasets.items():
+        if args.no_fit and not (out / "data" / dataset / "manifest.json").is_file():
+            continue
         manifest = make_data(out / "data" / dataset, dataset, maker, train, 0, tuple(args.games))
         test_manifest = make_data(out / "data" / f"{dataset}_test", dataset, maker, test, 1, tuple(args.games))
         names[dataset] = dict(enumerate(args.games)) if maker == "atari" else {}
@@ -252,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
             if saved.is_file():
                 results[key] = json.loads(saved.read_text())
                 continue
+            if args.no_fit:
+                continue
             run_dir = out / "runs" / dataset / f"{recipe}__{steps}"
             print(f"fit {key}: {steps} steps ...", flush=True)
             seconds = fit(run_dir, manifest, steps, RECIPES[recipe], smoke)
@@ -260,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
             saved.parent.mkdir(parents=True, exist_ok=True)
             saved.write_text(json.dumps(r, indent=1))
             results[key] = json.loads(saved.read_text())  # as a later call reads it (world labels as strings)
+        if args.no_fit:  # and the dataset's other finished runs
+            for saved in sorted((out / "results").glob(f"{dataset}__*.json")):
+                results.setdefault("/".join(saved.stem.split("__")), json.loads(saved.read_text()))
     print("\nconfigs/demo.yaml with each recipe's overrides, held-out clips of T=8; PSNR on latents (dB)\n")
     print(HEADER)
     for key, r in results.items():
