@@ -6,9 +6,8 @@ import argparse
 
 from lwm.play.player import load_player
 from lwm.play.server import bind, build_app, check_host, serve, url
-from lwm.utils.args import ArgumentParser
+from lwm.utils.args import ArgumentParser, MAX_FPS
 from lwm.utils.errors import ConfigError
-from lwm.utils.args import MAX_FPS
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -45,7 +44,6 @@ def _need_extra() -> None:
 
 def main(argv: list[str]) -> int:
     """``lwm play``: checks, the port, the model, then the page until Ctrl-C."""
-
     args = parse(argv)
     _need_extra()
     check_host(args.host, args.allow_remote)
