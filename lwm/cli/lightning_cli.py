@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import difflib
+import functools
 import logging
 import os
 import re
@@ -43,9 +44,8 @@ def _parsing_settings() -> None:
     ``fit.*`` under ``lwm fit``)."""
     import jsonargparse
 
-    for setting in ("omegaconf_absolute_to_relative_paths", "docstring_parse_attribute_docstrings"):
-        with contextlib.suppress(TypeError):  # (an older jsonargparse: without it)
-            jsonargparse.set_parsing_settings(**{setting: True})
+    with contextlib.suppress(TypeError):  # (an older jsonargparse: without it)
+        jsonargparse.set_parsing_settings(omegaconf_absolute_to_relative_paths=True)
 
 
 _ABSOLUTE = re.compile(r"\$\{([A-Za-z_][\w.]*)\}")  # ${trainer.default_root_dir}, not ${..x} nor ${oc.env:X}
@@ -227,8 +227,8 @@ class LwmCLI(LightningCLI):
             if key in parser.groups:
                 parser.groups[key].title = title
         parser.set_defaults({"model_summary.max_depth": 2, "lr_monitor.logging_interval": "step"})
-        _help_from_comments(parser, {"model.net": WorldModelConfig})
         parser.add_class_arguments(WandbConfig, "wandb")
+        _field_help(parser, {"model.net": WorldModelConfig, "model.optim": OptimConfig, "wandb": WandbConfig})
         for key in _NOT_LIGHTNINGS_OPTIMIZER:  # in the config.yaml of runs before lwm left them out
             parser.add_argument(f"--{key}", type=Optional[Any], default=None, help=argparse.SUPPRESS)
         if self._verb_free:  # a fit's RUN_DIR/config.yaml records its ckpt_path
@@ -463,12 +463,20 @@ def field_comments(cls: type) -> dict[str, str]:
     return comments
 
 
-def _help_from_comments(parser: Any, sections: dict[str, type]) -> None:
-    """``--help`` text of each field of the dataclasses under ``sections`` from their comments (none where the source
-    is not installed)."""
+@functools.cache
+def field_help(cls: type) -> dict[str, str]:
+    """``{field: its help}`` of a dataclass from its source: its comment, else the docstring below it."""
+    import docstring_parser
+
+    docs = {p.arg_name: p.description for p in docstring_parser.parse_from_object(cls).params if p.description}
+    return docs | field_comments(cls)
+
+
+def _field_help(parser: Any, sections: dict[str, type]) -> None:
+    """``--help`` text of each field of the dataclasses under ``sections`` (none where the source is not installed).
+    jsonargparse's own attribute docstrings would parse the source of every Lightning class: seconds at each start."""
     try:
-        helps = {f"{prefix}.{name}": text for prefix, cls in sections.items()
-                 for name, text in field_comments(cls).items()}
+        helps = {f"{prefix}.{name}": text for prefix, cls in sections.items() for name, text in field_help(cls).items()}
     except (OSError, TypeError):  # inspect.getsource: no .py files
         return
     for action in parser._actions:
