@@ -1,7 +1,7 @@
 """Does it learn? Fit recipes on several datasets, then measure on held-out clips what the model learned.
 
     python benchmarks/learning.py [--out runs/learning] [--size full|smoke] [--datasets synth ...]
-                                  [--recipes recipe requirement ...] [--steps 2500] [--study-steps 1000]
+                                  [--recipes recipe requirement ...] [--steps 2500] [--study-steps 1000] [--seed 0]
 
 For each dataset (made here, every one at the demo's 32x32 pixels through the pixel codec: the synthetic world,
 with distractors, with look-alike worlds that only their dynamics tell apart, and Atari footage of four games) and
@@ -233,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--study-steps", type=int, default=1000, help="training steps of the ablations and open questions, "
                    "each beside the recipe at as many steps (default 1000)")
     p.add_argument("--games", nargs="+", default=list(GAMES), help=f"Atari games (default {' '.join(GAMES)})")
+    p.add_argument("--seed", type=int, default=0, help="the fits' seed_everything (default 0, the demo's); another "
+                   "labels its runs RECIPE+seedN: the spread between seeds")
     p.add_argument("--no-fit", action="store_true", help="fit nothing: report the finished runs of the datasets")
     args = p.parse_args(argv)
     smoke = args.size == "smoke"
@@ -251,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         studied = [r for plan in plans.split() for r in PLANS[plan]] if not args.recipes else []
         runs += [(r, args.study_steps) for r in (["recipe"] if studied else []) + studied]
         for recipe, steps in runs:
+            overrides = RECIPES[recipe] + ([f"--seed_everything={args.seed}"] if args.seed else [])
+            recipe += f"+seed{args.seed}" if args.seed else ""
             key = f"{dataset}/{recipe}/{steps}"
             saved = out / "results" / f"{dataset}__{recipe}__{steps}.json"
             if saved.is_file():
@@ -260,9 +264,9 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             run_dir = out / "runs" / dataset / f"{recipe}__{steps}"
             print(f"fit {key}: {steps} steps ...", flush=True)
-            seconds = fit(run_dir, manifest, steps, RECIPES[recipe], smoke)
+            seconds = fit(run_dir, manifest, steps, overrides, smoke)
             r = evaluate_run(run_dir, test_manifest, maker == "synth")
-            r.update(fit_seconds=seconds, steps=steps, overrides=RECIPES[recipe], date=str(date.today()))
+            r.update(fit_seconds=seconds, steps=steps, overrides=overrides, date=str(date.today()))
             saved.parent.mkdir(parents=True, exist_ok=True)
             saved.write_text(json.dumps(r, indent=1))
             results[key] = json.loads(saved.read_text())  # as a later call reads it (world labels as strings)
