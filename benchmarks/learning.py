@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
             error = 10 ** (-recipe["per_world"][str(label)]["psnr"][-1] / 10) if recipe else float("nan")
             print(f"| {game} | {effect:.2e} | {error:.2e} | {10 * math.log10(1 + effect / error):.2f} |")
     (out / "learning.json").write_text(json.dumps(results, indent=1))
-    figure(results, out / "learning.png")
+    figure({k: r for k, r in results.items() if k.endswith(f"/{headline}")}, out / "learning.png")
     print(f"\n{out / 'learning.json'}, {out / 'learning.png'}")
     return 0
 
