@@ -241,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     headline = args.steps or (3 if smoke else 2500)
     datasets = {k: v for k, v in DATASETS[args.size].items() if not args.datasets or k in args.datasets}
     out = Path(args.out)
+    if args.no_fit and not (out / "results").is_dir():
+        p.error(f"--no-fit: {out / 'results'} not found: no finished run under --out {out}")
     results: dict[str, dict] = {}
     names: dict[str, dict[int, str]] = {}
     for dataset, (maker, train, test, plans) in datasets.items():
@@ -290,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
             error = 10 ** (-recipe["per_world"][str(label)]["psnr"][-1] / 10) if recipe else float("nan")
             print(f"| {game} | {effect:.2e} | {error:.2e} | {10 * math.log10(1 + effect / error):.2f} |")
     (out / "learning.json").write_text(json.dumps(results, indent=1))
-    figure({k: r for k, r in results.items() if k.endswith(f"/{headline}")}, out / "learning.png")
+    if results:  # the headline runs, where there are some
+        figure({k: r for k, r in results.items() if k.endswith(f"/{headline}")} or results, out / "learning.png")
     print(f"\n{out / 'learning.json'}, {out / 'learning.png'}")
     return 0
 

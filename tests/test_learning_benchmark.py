@@ -1,6 +1,6 @@
 """benchmarks/learning.py at its smoke size: a real fit and the study of its checkpoint (no learning is asserted:
 a few steps learn nothing), the copy-last baseline it prints is that of the held-out clips, a second call refits
-nothing."""
+nothing, --no-fit reports the finished runs."""
 
 from __future__ import annotations
 
@@ -30,3 +30,10 @@ def test_learning_benchmark_at_the_smoke_size(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(learning, "fit", lambda *args: pytest.fail("refitted a finished run"))
     assert learning.main(argv) == 0
     assert json.loads((out / "learning.json").read_text())["synth/recipe/2"] == result
+
+    # --no-fit reports the finished runs; under a folder without any it names the folder
+    assert learning.main(["--size", "smoke", "--out", str(out), "--no-fit"]) == 0
+    assert json.loads((out / "learning.json").read_text())["synth/recipe/2"] == result
+    with pytest.raises(SystemExit) as stop:
+        learning.main(["--out", str(tmp_path / "none"), "--no-fit"])
+    assert stop.value.code == 2 and str(tmp_path / "none" / "results") in capsys.readouterr().err
