@@ -233,8 +233,6 @@ def _output_outlives_its_reader() -> Iterator[None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # OpenMP's threads sleep when they wait instead of spinning (read as torch loads: for the `lwm` command).
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     with _output_outlives_its_reader():
         return _main(argv)
 
