@@ -74,6 +74,7 @@ WORLD_QUESTIONS = {
     "world_codes_64": [f"{NET}codebook_sizes_world=[64]"],
     "world_codes_4": [f"{NET}codebook_sizes_world=[4]"],
     "world_sees_2_frames": [f"{NET}world_frames=2"],
+    "world_contrast": [f"{NET}world_contrast=0.1"],
 }
 QUESTIONS = {**WORLD_QUESTIONS, "film_fusion": [f"{NET}fusion=film"]}
 # the action encoder with the frames before (its input as "transition"): not in any plan

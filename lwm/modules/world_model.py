@@ -234,6 +234,10 @@ class WorldModelConfig:
     # The probability that a training step's predictor sees each frame alone, without the frames before it: the codes
     # must then carry the whole transition (a sticky policy's history otherwise tells much of the next action).
     context_dropout: float = 0.0
+    # Not the requirement's (0: off): the weight of a contrastive loss (InfoNCE, against the batch's other clips) that
+    # makes the world vectors of a clip's first and last frames agree: the code must carry what stays the same along
+    # a clip, the world, even where the predictor reads the world from the frames. It trains the world encoder alone.
+    world_contrast: float = 0.0
 
     # The fields that decide the parameters' and buffers' shapes (a checkpoint loads only where they agree).
     SHAPE_FIELDS: ClassVar[tuple[str, ...]] = (
@@ -290,7 +294,7 @@ def _config_problems(c: WorldModelConfig) -> list[str]:
         elif c.d_model >= 1 and int(c.d_model * c.mlp_ratio) < 1:  # (the MLP's hidden width)
             problems.append(f"mlp_ratio must give an MLP hidden width int(d_model * mlp_ratio) >= 1, got "
                             f"{c.mlp_ratio} (width {int(c.d_model * c.mlp_ratio)} at d_model {c.d_model})")
-    for name in ("beta_action", "beta_world"):
+    for name in ("beta_action", "beta_world", "world_contrast"):
         if name not in nonfinite and not getattr(c, name) >= 0:
             problems.append(f"{name} must be >= 0, got {getattr(c, name)}")
     if "context_dropout" not in nonfinite and not 0.0 <= c.context_dropout <= 1.0:
@@ -712,11 +716,27 @@ class WorldModel(nn.Module):
         # the commitment losses train their encoder and, through it, the shared tokenizer (docs/model.md,
         # Model conventions)
         loss = prediction_loss + weight_action * actions.commit_loss + weight_world * world.commit_loss
+        contrast = []
+        if self.config.world_contrast > 0:
+            contrast = [self.world_contrast_loss(z_masked.detach())]
+            loss = loss + self.config.world_contrast * contrast[0]
 
         values = [loss, prediction_loss, *pass_losses, actions.commit_loss, actions.codebook_loss, world.commit_loss,
-                  world.codebook_loss]  # in the order of log_keys
+                  world.codebook_loss, *contrast]  # in the order of log_keys
         logs = {key: value.detach() for key, value in zip(self.log_keys, values, strict=True)}
         return WorldModelOutput(loss, logs, actions, world, predictions, mask)
+
+    def world_contrast_loss(self, tokens: Tensor, temperature: float = 0.1) -> Tensor:
+        """InfoNCE of the world vectors of each clip's first and last ``k`` frames (``tokens [B, T, N, D]``; ``k``:
+        the world encoder's frames, at most half the clip): each first-frames vector must pick its own clip's
+        last-frames vector among the batch's, by cosine similarity / ``temperature``; both directions averaged."""
+        B, T = tokens.shape[:2]
+        k = min(self.config.world_frames or T, T // 2)
+        first = nn.functional.normalize(self.world_encoder.embed(tokens[:, :k]), dim=-1)  # [B, Dh]
+        last = nn.functional.normalize(self.world_encoder.embed(tokens[:, T - k :]), dim=-1)
+        logits = first @ last.T / temperature  # [B, B]: clip i's first frames against clip j's last
+        labels = torch.arange(B, device=tokens.device)
+        return (nn.functional.cross_entropy(logits, labels) + nn.functional.cross_entropy(logits.T, labels)) / 2
 
     def _rollout_passes(
         self, x: Tensor, z_raw: Tensor, z_masked: Tensor, mask: Tensor | None, pe: Tensor, actions: Tensor,
@@ -790,6 +810,7 @@ class WorldModel(nn.Module):
             "Total/loss", "Dynamics_Predictor/prediction_loss", "Dynamics_Predictor/tf_loss", *rollouts,
             "Action_Encoder/commit_loss", "Action_Encoder/codebook_loss",
             "World_Encoder/commit_loss", "World_Encoder/codebook_loss",
+            *(["World_Encoder/contrast_loss"] if self.config.world_contrast > 0 else []),
         ]
 
     @property
