@@ -702,7 +702,8 @@ class WorldModel(nn.Module):
         pe = self.pos_embedding(T, t0)  # [(B,) T, N, D]
         actions = self.action_encoder(self.action_tokens(x, t0, z_raw), step)  # unmasked: [B, T-1, Da]
         mask = self.sample_token_mask(B, T, x.device, generator)  # [B, T, N] or None
-        z_masked = self.apply_token_mask(z_raw, mask) + pe
+        unplaced = self.apply_token_mask(z_raw, mask)  # [B, T, N, D], before the PE
+        z_masked = unplaced + pe
         world = self.world_encoder(z_masked[:, : self.config.world_frames], step)  # [B, Dh]
         world_in = self.world_input(world, world_phase)  # [B, Dh]: the code, unless a warm-up phase
 
@@ -718,7 +719,7 @@ class WorldModel(nn.Module):
         loss = prediction_loss + weight_action * actions.commit_loss + weight_world * world.commit_loss
         contrast = []
         if self.config.world_contrast > 0:
-            contrast = [self.world_contrast_loss(z_masked.detach())]
+            contrast = [self.world_contrast_loss(unplaced.detach())]
             loss = loss + self.config.world_contrast * contrast[0]
 
         values = [loss, prediction_loss, *pass_losses, actions.commit_loss, actions.codebook_loss, world.commit_loss,
@@ -727,13 +728,16 @@ class WorldModel(nn.Module):
         return WorldModelOutput(loss, logs, actions, world, predictions, mask)
 
     def world_contrast_loss(self, tokens: Tensor, temperature: float = 0.1) -> Tensor:
-        """InfoNCE of the world vectors of each clip's first and last ``k`` frames (``tokens [B, T, N, D]``; ``k``:
-        the world encoder's frames, at most half the clip): each first-frames vector must pick its own clip's
-        last-frames vector among the batch's, by cosine similarity / ``temperature``; both directions averaged."""
+        """InfoNCE of the world vectors of each clip's first and last ``k`` frames (``tokens [B, T, N, D]`` without
+        the PE; ``k``: the world encoder's frames, at most half the clip): each first-frames vector must pick its own
+        clip's last-frames vector among the batch's, by cosine similarity / ``temperature``; both directions
+        averaged. Both views sit at temporal positions 0..k-1 in every clip: a clip's own PE offset would tell it
+        apart from the others without its world."""
         B, T = tokens.shape[:2]
         k = min(self.config.world_frames or T, T // 2)
-        first = nn.functional.normalize(self.world_encoder.embed(tokens[:, :k]), dim=-1)  # [B, Dh]
-        last = nn.functional.normalize(self.world_encoder.embed(tokens[:, T - k :]), dim=-1)
+        pe = self.pos_embedding(k, 0)  # [k, N, D]
+        first = nn.functional.normalize(self.world_encoder.embed(tokens[:, :k] + pe), dim=-1)  # [B, Dh]
+        last = nn.functional.normalize(self.world_encoder.embed(tokens[:, T - k :] + pe), dim=-1)
         logits = first @ last.T / temperature  # [B, B]: clip i's first frames against clip j's last
         labels = torch.arange(B, device=tokens.device)
         return (nn.functional.cross_entropy(logits, labels) + nn.functional.cross_entropy(logits.T, labels)) / 2

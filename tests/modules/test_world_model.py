@@ -381,6 +381,7 @@ def test_bad_inputs_name_the_argument():
         (dict(temporal_attention="flash"), "temporal_attention"),
         (dict(world_curriculum=(-1, 0)), "world_curriculum"),
         (dict(world_curriculum=(5,)), "world_curriculum"),
+        (dict(world_contrast=-0.1), "world_contrast"),
     ],
 )
 def test_bad_config_names_the_field(overrides, field):
@@ -699,3 +700,25 @@ def test_context_dropout_makes_each_prediction_depend_on_its_own_frame_alone():
     model.eval()  # evaluation: every frame before
     assert _changed(model.compute(x2, step=None, t0=0).predictions[0], model.compute(x, step=None, t0=0).predictions[0]
                     ).tolist() == [False, False, True, True, True]
+
+
+def test_world_contrast_of_identical_clips_is_log_batch_size():
+    # every clip the same: each clip's first-frames vector is as similar to every clip's last-frames vector as to its own
+    model = tiny_model(world_contrast=0.1, world_frames=1).eval()
+    tokens = model.tokenize(clip(B=1, T=6)).expand(5, -1, -1, -1)
+    assert torch.allclose(model.world_contrast_loss(tokens), torch.tensor(math.log(5)), atol=1e-5)
+
+
+def test_world_contrast_trains_the_world_encoder_alone_and_is_logged():
+    def run(weight):  # (the model made right before its step: the quantizers' first call draws from the global RNG)
+        model = tiny_model(world_contrast=weight, world_frames=1)
+        out = model.compute(clip(B=4, T=6), step=0, t0=0, generator=torch.Generator().manual_seed(0))
+        out.loss.backward()
+        return model, out
+
+    (with_contrast, out), (without, _) = run(0.5), run(0.0)
+    assert out.logs["World_Encoder/contrast_loss"] > 0
+    assert list(out.logs) == with_contrast.log_keys
+    changed = {name for (name, p), q in zip(with_contrast.named_parameters(), without.parameters())
+               if p.grad is not None and not torch.equal(p.grad, q.grad)}
+    assert changed and all(name.startswith("world_encoder.") for name in changed)
