@@ -226,6 +226,8 @@ class _Commented:
     # the depth, said above it
     # over two lines
     depth: int = 2
+    # the scale, on the line right after depth's
+    scale: float = 1.0
 
     bare: int = 0
     # a comment after the last field, of nothing
@@ -234,7 +236,8 @@ class _Commented:
 def test_field_comments_are_the_end_of_line_or_the_lines_above():
     from lwm.cli.lightning_cli import field_comments
 
-    assert field_comments(_Commented) == {"width": "the width", "depth": "the depth, said above it over two lines"}
+    assert field_comments(_Commented) == {"width": "the width", "depth": "the depth, said above it over two lines",
+                                          "scale": "the scale, on the line right after depth's"}
 
 
 def test_fit_help_describes_the_model_and_optimiser_fields_and_titles_the_sections(capsys):
