@@ -457,10 +457,8 @@ def field_comments(cls: type) -> dict[str, str]:
             field_of_line[token.start[0]] = token.string
             if above:
                 comments[token.string] = " ".join(above)
-                above = []
-        if token.type in (tokenize.NEWLINE, tokenize.NL) and token.start[0] not in field_of_line and \
-                not token.line.strip().startswith("#"):
-            above = []  # a blank or code line ends the comment block above
+        if token.type in (tokenize.NEWLINE, tokenize.NL) and not token.line.strip().startswith("#"):
+            above = []  # a blank, code or field line ends the comment block above
     return comments
 
 
