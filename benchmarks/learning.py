@@ -78,7 +78,7 @@ WORLD_QUESTIONS = {
 }
 QUESTIONS = {**WORLD_QUESTIONS, "film_fusion": [f"{NET}fusion=film"]}
 # the action encoder with the frames before (its input as "transition"): not in any plan
-OTHERS = {"delta_actions": [f"{NET}action_input=delta"]}
+OTHERS = {"delta_actions": [f"{NET}action_input=delta"], "action_shift": [f"{NET}action_shift=3"]}
 RECIPES = {"recipe": [], "requirement": REQUIREMENT, **ABLATIONS, **QUESTIONS, **OTHERS}
 PLANS = {"": ["recipe", "requirement"], "ablations": list(ABLATIONS),
          "questions": [q for q in QUESTIONS if q not in ABLATIONS], "world": list(WORLD_QUESTIONS)}

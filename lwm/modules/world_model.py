@@ -227,6 +227,11 @@ class WorldModelConfig:
     # ("transition": an action code that cannot say "as before").
     action_input: str = "tokens"
     action_spatial_pe: bool = True  # the action encoder's tokens get the spatial PE (without: its code cannot say where)
+    # Not the requirement's (0: off): in training the action encoder reads each clip rolled by a random spatial shift
+    # of 0..action_shift latent cells per axis. A code that named where in its token a change falls (the strided
+    # tokenizer tells the phase) would then mislead the predictor, which sees the clip unshifted: the code must say
+    # how things move.
+    action_shift: int = 0
     # The frames the world encoder reads: the first world_frames of a clip (None: all of them, the requirement's). A
     # world code that sees the frames it helps predict can carry them rather than the world.
     world_frames: int | None = None
@@ -277,6 +282,8 @@ def _config_problems(c: WorldModelConfig) -> list[str]:
                         f"downsamples by {down}), got {c.height}x{c.width}")
     if c.d_model < 4 or c.d_model % 4 or c.n_heads < 1 or c.d_model % c.n_heads:
         problems.append(f"d_model must be divisible by 4 and by n_heads ({c.n_heads}), got {c.d_model}")
+    if c.action_shift < 0:
+        problems.append(f"action_shift must be >= 0, got {c.action_shift}")
     for name in ("in_channels", "depth_action", "depth_world", "depth_dynamics", "d_code_action", "d_code_world",
                  "ema_decay_steps", "dead_code_steps"):
         lowest = 0 if name == "ema_decay_steps" else 1
@@ -510,6 +517,17 @@ class WorldModel(nn.Module):
         """The requirement's random temporal-PE start, one per sample: ``[B]`` ints in [0, max_time_offset]."""
         return torch.randint(0, self.config.max_time_offset + 1, (batch,), device=device, generator=generator)
 
+    @staticmethod
+    def random_roll(x: Tensor, most: int, generator: torch.Generator | None = None) -> Tensor:
+        """Each clip of ``x [B, T, C, H, W]`` rolled (wrapping) by its own random shift of 0..``most`` cells along H
+        and along W, the same for all its frames."""
+        B, _, _, H, W = x.shape
+        shifts = torch.randint(0, most + 1, (2, B, 1), device=x.device, generator=generator)
+        rows = (torch.arange(H, device=x.device) - shifts[0]) % H  # [B, H]: row h of the output is row rows[b, h]
+        cols = (torch.arange(W, device=x.device) - shifts[1]) % W
+        x = x.gather(3, rows[:, None, None, :, None].expand_as(x))
+        return x.gather(4, cols[:, None, None, None, :].expand_as(x))
+
     def sample_token_mask(self, B: int, T: int, device: torch.device, generator: torch.Generator | None = None) -> Tensor | None:
         """Bernoulli(mask_prob) token mask ``[B, T, N]`` in training, None otherwise."""
         if not self.training or self.config.mask_prob == 0.0:
@@ -700,7 +718,11 @@ class WorldModel(nn.Module):
 
         z_raw = self.tokenize(x)  # [B, T, N, D], the only tokenizer pass over the ground truth
         pe = self.pos_embedding(T, t0)  # [(B,) T, N, D]
-        actions = self.action_encoder(self.action_tokens(x, t0, z_raw), step)  # unmasked: [B, T-1, Da]
+        if self.training and self.config.action_shift > 0:
+            action_tokens = self.action_tokens(self.random_roll(x, self.config.action_shift, generator), t0)
+        else:
+            action_tokens = self.action_tokens(x, t0, z_raw)
+        actions = self.action_encoder(action_tokens, step)  # unmasked: [B, T-1, Da]
         mask = self.sample_token_mask(B, T, x.device, generator)  # [B, T, N] or None
         unplaced = self.apply_token_mask(z_raw, mask)  # [B, T, N, D], before the PE
         z_masked = unplaced + pe
