@@ -66,6 +66,17 @@ def browser(playwright, tmp: Path, executable: str):
         str(tmp / "profile"), executable_path=executable, headless=True, args=CHROMIUM_FLAGS, accept_downloads=True)
 
 
+def wait_on(page, condition: str, lines: list[str]) -> None:
+    """``page.wait_for_function(condition)``; on a timeout, what the page and the server said."""
+    from playwright.sync_api import TimeoutError
+
+    try:
+        page.wait_for_function(condition)
+    except TimeoutError:
+        said = page.evaluate("[document.getElementById('message').textContent, JSON.stringify(lwm.state), lwm.stats.frames]")
+        raise AssertionError(f"{condition}: not within 30 s; page message, state, frames: {said}; server: {lines}") from None
+
+
 def wait_for(condition, seconds: float = 20.0) -> None:
     deadline = time.monotonic() + seconds
     while not condition():
@@ -86,9 +97,10 @@ def test_the_page_plays_records_and_frees_a_closed_tab(tmp_path):
     app = build_app(player, log=lines.append)
     with Server(app) as server, sync_playwright() as p:
         context = browser(p, tmp_path, executable)
-        page = context.new_page()
+        page = context.pages[0]  # the context's own tab: the only one, so the key presses go to it
+        page.on("pageerror", lambda error: lines.append(f"page error: {error}"))
         page.goto(server.url)
-        page.wait_for_function("window.lwm.stats.frames >= 1")
+        wait_on(page, "window.lwm.stats.frames >= 1", lines)
         sid = page.evaluate("lwm.hello.sid")
         session = app.state.sessions[sid]
         start = page.evaluate(CANVAS)
@@ -96,7 +108,7 @@ def test_the_page_plays_records_and_frees_a_closed_tab(tmp_path):
         assert "true action 1 (up) -> code" in page.inner_text("#truekeys")
 
         page.keyboard.press("1")
-        page.wait_for_function("lwm.stats.frames >= 2 && lwm.state.step === 1")
+        wait_on(page, "lwm.stats.frames >= 2 && lwm.state.step === 1", lines)
         assert page.inner_text("#counter") == "step 1"
         shown = np.array(page.evaluate(CANVAS), dtype=np.uint8).reshape(32, 32, 4)
         assert shown.tolist() != start
@@ -104,15 +116,15 @@ def test_the_page_plays_records_and_frees_a_closed_tab(tmp_path):
         assert session.rollout.actions[0].tolist() == list(player.number_keys[0].action)
 
         page.keyboard.down("ArrowUp")  # held: one step after another
-        page.wait_for_function("lwm.state.step >= 8")
+        wait_on(page, "lwm.state.step >= 8", lines)
         page.keyboard.up("ArrowUp")
         time.sleep(0.3)
         steps = page.evaluate("lwm.state.step")
         assert page.evaluate("lwm.state.step") == steps == session.rollout.steps  # released: no more steps
         assert [a.tolist() for a in session.rollout.actions[1:]] == [list(player.arrow_keys[0].action)] * (steps - 1)
         page.keyboard.press("Backspace")
-        page.wait_for_function(f"lwm.state.step === {steps - 1}")
-        page.wait_for_function("lwm.stats.latencies.length >= 3")
+        wait_on(page, f"lwm.state.step === {steps - 1}", lines)
+        wait_on(page, "lwm.stats.latencies.length >= 3", lines)
         assert all(0 < ms < 5000 for ms in page.evaluate("lwm.stats.latencies"))
 
         with page.expect_download() as download:
@@ -127,7 +139,7 @@ def test_the_page_plays_records_and_frees_a_closed_tab(tmp_path):
         page.screenshot(path=str(tmp_path / "page.png"))
 
         page.keyboard.down("2")  # the tab closes mid-rollout: the server frees the session and goes on
-        page.wait_for_function(f"lwm.state.step > {steps + 1}")
+        wait_on(page, f"lwm.state.step > {steps + 1}", lines)
         page.close()
         wait_for(lambda: not app.state.sessions)
         assert any(line.startswith(f"session {sid}: the page") and "freed (0 open)" in line for line in lines)
