@@ -382,6 +382,7 @@ def test_bad_inputs_name_the_argument():
         (dict(world_curriculum=(-1, 0)), "world_curriculum"),
         (dict(world_curriculum=(5,)), "world_curriculum"),
         (dict(world_contrast=-0.1), "world_contrast"),
+        (dict(action_shift=-1), "action_shift"),
     ],
 )
 def test_bad_config_names_the_field(overrides, field):
@@ -722,3 +723,25 @@ def test_world_contrast_trains_the_world_encoder_alone_and_is_logged():
     changed = {name for (name, p), q in zip(with_contrast.named_parameters(), without.parameters())
                if p.grad is not None and not torch.equal(p.grad, q.grad)}
     assert changed and all(name.startswith("world_encoder.") for name in changed)
+
+
+def test_random_roll_rolls_each_clip_by_its_own_shift():
+    x = clip(B=3, T=2)
+    rolled = WorldModel.random_roll(x, 3, torch.Generator().manual_seed(0))
+    shifts = torch.randint(0, 4, (2, 3, 1), generator=torch.Generator().manual_seed(0))
+    for b in range(3):
+        assert torch.equal(rolled[b], x[b].roll((int(shifts[0, b]), int(shifts[1, b])), dims=(-2, -1)))
+
+
+@pytest.mark.parametrize("action_input", ["tokens", "transition"])
+@torch.no_grad()
+def test_action_shift_rolls_what_the_action_encoder_reads_in_training_only(action_input):
+    model = tiny_model(action_input=action_input, action_shift=3, mask_prob=0.0)
+    x = clip(B=4, T=5)
+    codes = model.compute(x, step=None, t0=0, generator=torch.Generator().manual_seed(5)).actions.inputs
+    rolled = WorldModel.random_roll(x, 3, torch.Generator().manual_seed(5))  # the first draw of the step
+    assert not torch.equal(rolled, x)
+    torch.testing.assert_close(codes, model.action_encoder(model.action_tokens(rolled, 0)).inputs, rtol=0, atol=1e-6)
+    model.eval()
+    torch.testing.assert_close(model.compute(x, step=None, t0=0).actions.inputs, model.encode_actions(x).inputs,
+                               rtol=0, atol=1e-6)
