@@ -84,6 +84,14 @@ PLANS = {"": ["recipe", "requirement"], "ablations": list(ABLATIONS),
          "questions": [q for q in QUESTIONS if q not in ABLATIONS], "world": list(WORLD_QUESTIONS)}
 
 
+def recipe_name(name: str) -> str:
+    """A recipe of :data:`RECIPES`, or several joined by "+"."""
+    unknown = [part for part in name.split("+") if part not in RECIPES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"{unknown[0]}: not a recipe ({', '.join(RECIPES)})")
+    return name
+
+
 def make_data(out: Path, name: str, maker: str, settings: dict, seed: int, games: tuple[str, ...]) -> Path:
     """The dataset's manifest (made once; a second call finds it)."""
     manifest = out / "manifest.json"
@@ -229,8 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="runs/learning", help="data, runs and results (default runs/learning)")
     p.add_argument("--size", choices=sorted(DATASETS), default="full", help="full (by hand) or smoke (CI)")
     p.add_argument("--datasets", nargs="+", help="default: every one of the size")
-    p.add_argument("--recipes", nargs="+", choices=sorted(RECIPES), metavar="RECIPE",
-                   help="default: recipe and requirement everywhere, ablations and open questions where planned")
+    p.add_argument("--recipes", nargs="+", type=recipe_name, metavar="RECIPE",
+                   help="default: recipe and requirement everywhere, ablations and open questions where planned; "
+                   "A+B: both's overrides")
     p.add_argument("--steps", type=int, help="training steps of the recipe and the requirement's setting (default: "
                    "2500 full, the demo's; 3 smoke)")
     p.add_argument("--study-steps", type=int, default=1000, help="training steps of the ablations and open questions, "
@@ -258,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         studied = [r for plan in plans.split() for r in PLANS[plan]] if not args.recipes else []
         runs += [(r, args.study_steps) for r in (["recipe"] if studied else []) + studied]
         for recipe, steps in runs:
-            overrides = RECIPES[recipe] + ([f"--seed_everything={args.seed}"] if args.seed else [])
+            overrides = [o for part in recipe.split("+") for o in RECIPES[part]] + ([f"--seed_everything={args.seed}"] if args.seed else [])
             recipe += f"+seed{args.seed}" if args.seed else ""
             key = f"{dataset}/{recipe}/{steps}"
             saved = out / "results" / f"{dataset}__{recipe}__{steps}.json"
