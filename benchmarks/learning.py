@@ -57,11 +57,12 @@ DATASETS = {
 NET = "--model.net."
 REQUIREMENT = [f"{NET}residual=false", f"{NET}action_input=tokens", f"{NET}action_spatial_pe=true",
                f"{NET}codebook_sizes_action=[4, 8]", f"{NET}codebook_sizes_world=[4, 8]", f"{NET}context_dropout=0",
-               f"{NET}world_frames=null", f"{NET}world_curriculum=[0, 0]"]
+               f"{NET}world_frames=null", f"{NET}world_curriculum=[0, 0]", f"{NET}action_shift=0"]
 ABLATIONS = {
     "no_residual": [f"{NET}residual=false"],
     "token_actions": [f"{NET}action_input=tokens"],
     "action_spatial_pe": [f"{NET}action_spatial_pe=true"],
+    "no_action_shift": [f"{NET}action_shift=0"],
     "action_codes_4x8": [f"{NET}codebook_sizes_action=[4, 8]"],
     "world_codes_4x8": [f"{NET}codebook_sizes_world=[4, 8]"],
     "no_context_dropout": [f"{NET}context_dropout=0"],
@@ -78,7 +79,7 @@ WORLD_QUESTIONS = {
 }
 QUESTIONS = {**WORLD_QUESTIONS, "film_fusion": [f"{NET}fusion=film"]}
 # the action encoder with the frames before (its input as "transition"): not in any plan
-OTHERS = {"delta_actions": [f"{NET}action_input=delta"], "action_shift": [f"{NET}action_shift=3"]}
+OTHERS = {"delta_actions": [f"{NET}action_input=delta"]}
 RECIPES = {"recipe": [], "requirement": REQUIREMENT, **ABLATIONS, **QUESTIONS, **OTHERS}
 PLANS = {"": ["recipe", "requirement"], "ablations": list(ABLATIONS),
          "questions": [q for q in QUESTIONS if q not in ABLATIONS], "world": list(WORLD_QUESTIONS)}
