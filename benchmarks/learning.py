@@ -268,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
         studied = [r for plan in plans.split() for r in PLANS[plan]] if not args.recipes else []
         runs += [(r, args.study_steps) for r in (["recipe"] if studied else []) + studied]
         for recipe, steps in runs:
-            overrides = [o for part in recipe.split("+") for o in RECIPES[part]] + ([f"--seed_everything={args.seed}"] if args.seed else [])
+            overrides = [o for part in recipe.split("+") for o in RECIPES[part]]
+            overrides += [f"--seed_everything={args.seed}"] if args.seed else []
             recipe += f"+seed{args.seed}" if args.seed else ""
             key = f"{dataset}/{recipe}/{steps}"
             saved = out / "results" / f"{dataset}__{recipe}__{steps}.json"

@@ -73,8 +73,10 @@ def wait_on(page, condition: str, lines: list[str]) -> None:
     try:
         page.wait_for_function(condition)
     except TimeoutError:
-        said = page.evaluate("[document.getElementById('message').textContent, JSON.stringify(lwm.state), lwm.stats.frames]")
-        raise AssertionError(f"{condition}: not within 30 s; page message, state, frames: {said}; server: {lines}") from None
+        said = page.evaluate("[document.getElementById('message').textContent, JSON.stringify(lwm.state), "
+                             "lwm.stats.frames]")
+        raise AssertionError(f"{condition}: not within 30 s; page message, state, frames: {said}; server: "
+                             f"{lines}") from None
 
 
 def wait_for(condition, seconds: float = 20.0) -> None:
