@@ -716,7 +716,7 @@ class WorldModel(nn.Module):
         if t0 is None:
             t0 = self.sample_time_offset(B, x.device, generator) if self.training else 0
 
-        z_raw = self.tokenize(x)  # [B, T, N, D], the only tokenizer pass over the ground truth
+        z_raw = self.tokenize(x)  # [B, T, N, D], the one tokenizer pass over the ground truth as it is
         pe = self.pos_embedding(T, t0)  # [(B,) T, N, D]
         if self.training and self.config.action_shift > 0:
             action_tokens = self.action_tokens(self.random_roll(x, self.config.action_shift, generator), t0)
