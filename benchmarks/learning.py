@@ -57,7 +57,8 @@ DATASETS = {
 NET = "--model.net."
 REQUIREMENT = [f"{NET}residual=false", f"{NET}action_input=tokens", f"{NET}action_spatial_pe=true",
                f"{NET}codebook_sizes_action=[4, 8]", f"{NET}codebook_sizes_world=[4, 8]", f"{NET}context_dropout=0",
-               f"{NET}world_frames=null", f"{NET}world_curriculum=[0, 0]", f"{NET}action_shift=0"]
+               f"{NET}world_frames=null", f"{NET}world_curriculum=[0, 0]", f"{NET}action_shift=0",
+               f"{NET}world_contrast=0"]
 ABLATIONS = {
     "no_residual": [f"{NET}residual=false"],
     "token_actions": [f"{NET}action_input=tokens"],
@@ -68,6 +69,7 @@ ABLATIONS = {
     "no_context_dropout": [f"{NET}context_dropout=0"],
     "world_sees_clip": [f"{NET}world_frames=null"],
     "no_world_warmup": [f"{NET}world_curriculum=[0, 0]"],
+    "no_world_contrast": [f"{NET}world_contrast=0"],
 }
 WORLD_QUESTIONS = {
     "world_sees_clip": ABLATIONS["world_sees_clip"],
@@ -75,7 +77,7 @@ WORLD_QUESTIONS = {
     "world_codes_64": [f"{NET}codebook_sizes_world=[64]"],
     "world_codes_4": [f"{NET}codebook_sizes_world=[4]"],
     "world_sees_2_frames": [f"{NET}world_frames=2"],
-    "world_contrast": [f"{NET}world_contrast=0.1"],
+    "no_world_contrast": ABLATIONS["no_world_contrast"],
 }
 QUESTIONS = {**WORLD_QUESTIONS, "film_fusion": [f"{NET}fusion=film"]}
 # the action encoder with the frames before (its input as "transition"): not in any plan

@@ -104,8 +104,12 @@ def test_report_arithmetic_and_verdicts():
     text = console.export_text()
     assert "yes  beats copy-last-frame: MSE 0.0100 < 0.0500" in text
     assert "yes  latent actions carry information" in text  # 0.30 > 0.20 + 0.04
-    report(console, {**metrics, "Val_Action_Encoder/probe_accuracy": 0.23}, times={})
-    assert "not yet  latent actions carry information" in console.export_text()  # 0.23 < 0.24
+    assert "yes  the world codes carry information" in text  # 0.9 > 0.25 + 0.13
+    report(console, {**metrics, "Val_Action_Encoder/probe_accuracy": 0.23, "Val_World_Encoder/probe_accuracy": 0.37},
+           times={})
+    text = console.export_text()
+    assert "not yet  latent actions carry information" in text  # 0.23 < 0.24
+    assert "not yet  the world codes carry information" in text  # 0.37 < 0.38
 
 
 def test_report_of_the_held_out_study():

@@ -169,11 +169,12 @@ def report(console: Console, m: dict[str, float], times: dict[str, float], study
             continue
         table.add_row(f"linear probe: latent {what[:-1]} code -> true {what[:-1]} (held out)", f"{acc:.3f}", f"{chance:.3f}")
         table.add_row(f"NMI(latent {what[:-1]} codes, true {what})", f"{m[f'Val_{name}/nmi']:.3f}", "0")
-        if name == "Action_Encoder":
-            samples = int(m[f"Val_{name}/probe_samples"])
-            margin = probe_margin(chance, samples)
-            verdicts.append(("latent actions carry information about the true actions", acc > chance + margin,
-                             f"probe {acc:.3f} vs chance {chance:.3f} + 3 sd {margin:.3f} ({samples} held-out transitions)"))
+        samples = int(m[f"Val_{name}/probe_samples"])
+        margin = probe_margin(chance, samples)
+        claim, held_out = {"Action_Encoder": ("latent actions carry information about the true actions", "transitions"),
+                           "World_Encoder": ("the world codes carry information about the true worlds", "clips")}[name]
+        verdicts.append((claim, acc > chance + margin,
+                         f"probe {acc:.3f} vs chance {chance:.3f} + 3 sd {margin:.3f} ({samples} held-out {held_out})"))
     if study is not None:
         a, w = study["action_dpsnr"], study["world_dpsnr"]
         table.add_row("frame 1 / frame 4 from frame 0: PSNR, dB", f"{study['psnr'][0]:.2f} / {study['psnr'][-1]:.2f}",
