@@ -60,8 +60,9 @@ def presses(page, n: int) -> list[float]:
 def hold(page, key: str, seconds: float, hold_fps: float) -> tuple[float, list[float]]:
     """Hold ``key`` for ``seconds`` at ``hold_fps`` (0: unpaced): (frames shown per second, the model's ms per step)."""
     page.evaluate(f"lwm.hello.hold_fps = {hold_fps}")
+    before = page.evaluate("lwm.stats.shown.length")
     page.keyboard.down(key)
-    page.wait_for_function("lwm.state && lwm.stats.shown.length > 0")
+    page.wait_for_function(f"lwm.stats.shown.length > {before + 1}")  # past the key's repeat delay: held
     start = page.evaluate("performance.now()")
     model_ms = []
     deadline = time.monotonic() + seconds

@@ -109,9 +109,12 @@ def test_the_page_plays_records_and_frees_a_closed_tab(tmp_path):
         assert page.inner_text("#keys").count("%") == len(player.number_keys)
         assert "true action 1 (up) -> code" in page.inner_text("#truekeys")
 
-        page.keyboard.press("1")
+        page.keyboard.down("1")  # a tap of 50 ms is one step (unpaced, a held key would step every few ms)
+        time.sleep(0.05)
+        page.keyboard.up("1")
         wait_on(page, "lwm.stats.frames >= 2 && lwm.state.step === 1", lines)
-        assert page.inner_text("#counter") == "step 1"
+        time.sleep(0.3)  # past the repeat delay
+        assert page.evaluate("lwm.state.step") == 1 and page.inner_text("#counter") == "step 1"
         shown = np.array(page.evaluate(CANVAS), dtype=np.uint8).reshape(32, 32, 4)
         assert shown.tolist() != start
         assert np.array_equal(shown[..., :3], session.pixels())  # the server's frame, pixel for pixel

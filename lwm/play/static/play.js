@@ -1,9 +1,9 @@
 // lwm play: the page. One WebSocket; each request is answered by a state (JSON) and a frame (binary: a header
-// <BBHHI kind, index, width, height, seq> then RGBA bytes). While an action key is held, the next step is sent
-// once the last frame is on screen, at most hold_fps times a second.
+// <BBHHI kind, index, width, height, seq> then RGBA bytes). While an action key is held (past REPEAT_DELAY: a tap
+// is one step), the next step is sent once the last frame is on screen, at most hold_fps times a second.
 "use strict";
 
-const HEADER = 10, FRAME = 0, PREVIEW = 1;
+const HEADER = 10, FRAME = 0, PREVIEW = 1, REPEAT_DELAY = 250;  // ms, as a keyboard's own repeat delay
 const $ = (id) => document.getElementById(id);
 const lwm = window.lwm = {hello: null, state: null, stats: {latencies: [], shown: [], frames: 0}};
 const ws = new WebSocket(`ws://${location.host}/ws`);
@@ -37,7 +37,7 @@ document.addEventListener("keydown", (event) => {
   if (binding) {
     event.preventDefault();
     if (event.repeat) return;  // held: the page paces the steps itself
-    held = {key, binding};
+    held = {key, binding, since: performance.now()};
     request({op: "step", action: binding.action}, event.timeStamp);
     highlight(binding, true);
   } else if (key === "Backspace" || key === "z") {
@@ -59,8 +59,10 @@ function pump() {
   if (inflight) return;
   if (queued) { const q = queued; queued = null; request(q.message, q.pressedAt); return; }
   if (!held) return;
-  const fps = lwm.hello.hold_fps, wait = fps > 0 ? lastSend + 1000 / fps - performance.now() : 0;
-  const go = () => { if (held && !inflight) request({op: "step", action: held.binding.action}); };
+  const fps = lwm.hello.hold_fps, now = performance.now();
+  const wait = Math.max(fps > 0 ? lastSend + 1000 / fps - now : 0, held.since + REPEAT_DELAY - now);
+  const key = held;  // the same press when the wait ends, not a later one
+  const go = () => { if (held === key && !inflight) request({op: "step", action: key.binding.action}); };
   wait > 1 ? setTimeout(go, wait) : go();
 }
 
