@@ -128,6 +128,35 @@ def test_nmi_identical_renamed_and_independent_labels():
     assert nmi(torch.randint(0, 4, (5000,), generator=g), torch.randint(0, 4, (5000,), generator=g)).item() < 0.01
 
 
+def test_nmi_chance_is_the_finite_sample_bias_of_independent_labels():
+    import math
+
+    from lwm.utils.metrics import nmi, nmi_chance
+
+    g = torch.Generator().manual_seed(0)
+    codes, labels = torch.randint(0, 8, (448,), generator=g), torch.randint(0, 18, (448,), generator=g)
+    mean, margin = nmi_chance(codes, labels)
+    # Miller-Madow: independent labelings show (K-1)(L-1)/2N nats of mutual information; NMI divides by the mean entropy
+    bias = 7 * 17 / (2 * 448) / ((math.log(8) + math.log(18)) / 2)
+    assert mean == pytest.approx(bias, abs=0.015) and margin > 0
+    assert nmi(codes, labels).item() < mean + margin
+    mean, margin = nmi_chance(labels, labels)  # codes that are the labels: 18 codes, so more bias
+    assert mean == pytest.approx(17 * 17 / (2 * 448) / math.log(18), abs=0.03) and nmi(labels, labels) > mean + margin
+
+
+def test_nmi_chance_within_groups_keeps_what_the_groups_tell():
+    from lwm.utils.metrics import nmi, nmi_chance
+
+    g = torch.Generator().manual_seed(0)
+    games = torch.randint(0, 3, (600,), generator=g)
+    actions = 2 * games + torch.randint(0, 2, (600,), generator=g)  # each game its own two actions
+    codes = games  # codes that name the game and nothing of the actions within it
+    observed = nmi(codes, actions).item()
+    assert observed > 0.5 and nmi_chance(codes, actions)[0] < 0.05
+    mean, margin = nmi_chance(codes, actions, games)  # a shuffle within each game leaves that information
+    assert mean == pytest.approx(observed) and margin == pytest.approx(0.0, abs=1e-6)
+
+
 def test_linear_probe_separable_and_random_features():
     from lwm.utils.metrics import linear_probe_accuracy, probe_train_size
 

@@ -50,6 +50,24 @@ def test_codes_that_are_the_true_actions_give_nmi_1(monkeypatch):
     assert result["action_usage"] == {"levels": [5], "sizes": [5], "tuples": 5}
 
 
+def test_codes_that_name_each_worlds_actions_their_own_way_give_nmi_1_per_world(monkeypatch):
+    model, clips = _model(), _clips(n=90, files=30)
+    quantizer = model.quantizers["Action_Encoder"]
+
+    def oracle(x):  # world w's action a gets code (a + w) % 5: one meaning per world, another across them
+        rows = (clips.latents[:, None] == x[None]).flatten(2).all(-1).float().argmax(0)
+        indices = ((clips.actions[rows, :-1] + clips.worlds[rows, None]) % 5)[..., None]
+        return RVQOutput(quantizer.decode_indices(indices), indices, torch.tensor(0.0), torch.tensor(0.0),
+                         torch.zeros(1), quantizer.decode_indices(indices))
+
+    monkeypatch.setattr(model, "encode_actions", oracle)
+    result = evaluate(model, clips, t=4, batch_size=16)
+    assert result["action"]["nmi"] < 0.5
+    for world in range(3):
+        assert result["per_world"][world]["action"]["nmi"] == pytest.approx(1.0)
+        assert result["per_world"][world]["action"]["probe"] == 1.0
+
+
 def test_a_model_that_ignores_its_actions_and_world_is_insensitive_to_them():
     model = _model()
     for layer in (model.dynamics.action_proj, model.dynamics.world_proj):

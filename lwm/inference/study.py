@@ -13,7 +13,8 @@ from torch import Tensor
 from lwm.data.h5 import find_latents_key, parse_world_label
 from lwm.data.manifest import Manifest
 from lwm.inference.dictionary import CodeDictionary
-from lwm.utils.metrics import code_ids, linear_probe_accuracy, nmi, probe_train_size, psnr_from_mse, random_codes
+from lwm.utils.metrics import (code_ids, linear_probe_accuracy, nmi, nmi_chance, probe_train_size, psnr_from_mse,
+                               random_codes)
 
 
 @dataclass
@@ -148,6 +149,7 @@ def evaluate(model, clips: Clips, t: int = 4, dictionary: CodeDictionary | None 
         "world_usage": _usage(world_idx, q_world.codebook_sizes),
         "per_world": {},
     }
+    true_actions = clips.actions[:, : T - 1]
     for label in clips.worlds.unique().tolist():
         m = clips.worlds == label
         result["per_world"][int(label)] = {
@@ -156,9 +158,11 @@ def evaluate(model, clips: Clips, t: int = 4, dictionary: CodeDictionary | None 
             "action_dpsnr_dictionary": float((seq[m] - psnr_from_mse(controls["dictionary"][m])).mean()),
             "action_dpsnr_other_clip": float((seq[m] - psnr_from_mse(controls["other_clip"][m])).mean()),
             "world_gap_same_world": float((seq[m] - psnr_from_mse(controls["same_world"][m])).mean()),
+            "action": _against_labels(action_idx[m], true_actions[m], q_action),  # games name their actions apart
         }
-    true_actions = clips.actions[:, : T - 1]
-    result["action"] = _against_labels(action_idx, true_actions, q_action)
+    # the actions' chance level keeps what the world alone tells of them (each game has its own action set)
+    result["action"] = _against_labels(action_idx, true_actions, q_action,
+                                       groups=clips.worlds[:, None].expand_as(true_actions))
     result["world"] = _against_labels(world_idx, clips.worlds, q_world)
     result["world_factors"] = {name: _against_labels(world_idx, labels, q_world)
                                for name, labels in (world_factors or {}).items()}
@@ -172,15 +176,19 @@ def _usage(indices: Tensor, sizes) -> dict:
             "tuples": int(torch.unique(flat, dim=0).shape[0])}
 
 
-def _against_labels(indices: Tensor, labels: Tensor, quantizer) -> dict | None:
-    """NMI of the code tuples with the labels, and a held-out linear probe from the code vectors (chance, 3 sd)."""
+def _against_labels(indices: Tensor, labels: Tensor, quantizer, groups: Tensor | None = None) -> dict | None:
+    """NMI of the code tuples with the labels and a held-out linear probe from the code vectors, each with its
+    chance level and 3 sd (NMI's: the labels shuffled within ``groups``, where given)."""
     keep = labels >= 0
     if keep.sum() < 4:
         return None
     codes, y = indices[keep], labels[keep]
+    groups = None if groups is None else groups[keep]
     features = quantizer.decode_indices(codes.to(quantizer.codebook(0).device)).cpu()
     accuracy, chance = linear_probe_accuracy(features, y)
     held_out = len(y) - probe_train_size(len(y))
-    return {"nmi": float(nmi(code_ids(codes, quantizer.codebook_sizes), y)), "probe": accuracy, "chance": chance,
-            "margin": probe_margin(chance, held_out), "samples": int(len(y))}
+    ids = code_ids(codes, quantizer.codebook_sizes)
+    nmi_mean, nmi_margin = nmi_chance(ids, y, groups)
+    return {"nmi": float(nmi(ids, y)), "nmi_chance": nmi_mean, "nmi_margin": nmi_margin, "probe": accuracy,
+            "chance": chance, "margin": probe_margin(chance, held_out), "samples": int(len(y))}
 

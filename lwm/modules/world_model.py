@@ -243,6 +243,10 @@ class WorldModelConfig:
     # makes the world vectors of a clip's first and last frames agree: the code must carry what stays the same along
     # a clip, the world, even where the predictor reads the world from the frames. It trains the world encoder alone.
     world_contrast: float = 0.0
+    # Not the requirement's (0: off): in training each predicted latent value's squared error is weighted by 1 +
+    # change_weight * (its change from the frame before)^2 / (the batch's mean squared change), the loss normalised by
+    # the weights' sum: where a few values move (a ball, a paddle), the loss is about them, not the still background.
+    change_weight: float = 0.0
 
     # The fields that decide the parameters' and buffers' shapes (a checkpoint loads only where they agree).
     SHAPE_FIELDS: ClassVar[tuple[str, ...]] = (
@@ -301,7 +305,7 @@ def _config_problems(c: WorldModelConfig) -> list[str]:
         elif c.d_model >= 1 and int(c.d_model * c.mlp_ratio) < 1:  # (the MLP's hidden width)
             problems.append(f"mlp_ratio must give an MLP hidden width int(d_model * mlp_ratio) >= 1, got "
                             f"{c.mlp_ratio} (width {int(c.d_model * c.mlp_ratio)} at d_model {c.d_model})")
-    for name in ("beta_action", "beta_world", "world_contrast"):
+    for name in ("beta_action", "beta_world", "world_contrast", "change_weight"):
         if name not in nonfinite and not getattr(c, name) >= 0:
             problems.append(f"{name} must be >= 0, got {getattr(c, name)}")
     if "context_dropout" not in nonfinite and not 0.0 <= c.context_dropout <= 1.0:
@@ -778,6 +782,7 @@ class WorldModel(nn.Module):
         computes positions k..T-2 only, after pass k-1's keys/values of positions 0..k-1. ``reuse_prefix=False``
         recomputes every position. ``window``: the frames each position's predictor attends to (None: all before it)."""
         target = x[:, 1:]  # frames 1..T-1
+        weight = self.change_weights(x) if self.training and self.config.change_weight > 0 else None
         predictions: list[Tensor] = []
         pass_losses: list[Tensor] = []
         past = None
@@ -793,10 +798,17 @@ class WorldModel(nn.Module):
             if first:  # positions 0..first-1: pass k-1's (the same, by the proof)
                 pred = torch.cat([predictions[-1][:, :first], pred], dim=1)
             predictions.append(pred)
-            pass_losses.append((pred[:, k:].float() - target[:, k:].float()).pow(2).mean())  # positions k..T-2
+            error = (pred[:, k:].float() - target[:, k:].float()).pow(2)  # positions k..T-2
+            pass_losses.append(error.mean() if weight is None else (error * weight[:, k:]).sum() / weight[:, k:].sum())
             if reuse_prefix and k + 1 < passes:
                 past = _kv_prefix(cache, k + 1)
         return predictions, pass_losses
+
+    def change_weights(self, x: Tensor) -> Tensor:
+        """The prediction loss's weights of frames 1..T-1 of ``x [B, T, C, H, W]`` (``change_weight``): ``[B, T-1, C,
+        H, W]``, 1 where nothing changes."""
+        change = (x[:, 1:] - x[:, :-1]).float().pow(2)
+        return 1 + self.config.change_weight * change / change.mean().clamp_min(1e-12)
 
     def _rollout_inputs(self, x: Tensor, previous: Tensor, first: int, z_raw: Tensor, mask: Tensor | None,
                         pe: Tensor) -> tuple[Tensor, Tensor]:

@@ -131,6 +131,26 @@ def nmi(predicted: Tensor, target: Tensor) -> Tensor:
         return normalized_mutual_info_score(predicted.long().cpu(), target.long().cpu())
 
 
+@torch.no_grad()
+def nmi_chance(predicted: Tensor, target: Tensor, groups: Tensor | None = None, permutations: int = 20,
+               seed: int = 0) -> tuple[float, float]:
+    """NMI of ``predicted [N]`` with ``target [N]`` shuffled (within each of ``groups [N]``, where given): mean and
+    three standard deviations over ``permutations``. Finite samples make NMI positive without any information (with
+    many codes and labels and few samples, well above 0); shuffling within groups keeps what the groups alone tell
+    (games with action sets of their own: codes that name the game share information with the actions)."""
+    g = torch.Generator().manual_seed(seed)
+    groups = torch.zeros_like(target) if groups is None else groups
+    members = [(groups == k).nonzero()[:, 0] for k in groups.unique()]
+    values = []
+    for _ in range(permutations):
+        shuffled = target.clone()
+        for m in members:
+            shuffled[m] = target[m[torch.randperm(len(m), generator=g)]]
+        values.append(nmi(predicted, shuffled))
+    values = torch.stack(values)
+    return float(values.mean()), float(3 * values.std())
+
+
 def linear_probe_accuracy(
     features: Tensor, labels: Tensor, train_fraction: float = 0.5, steps: int = 300, seed: int = 0
 ) -> tuple[float, float]:

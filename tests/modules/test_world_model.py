@@ -382,6 +382,7 @@ def test_bad_inputs_name_the_argument():
         (dict(world_curriculum=(-1, 0)), "world_curriculum"),
         (dict(world_curriculum=(5,)), "world_curriculum"),
         (dict(world_contrast=-0.1), "world_contrast"),
+        (dict(change_weight=-1.0), "change_weight"),
         (dict(action_shift=-1), "action_shift"),
     ],
 )
@@ -723,6 +724,37 @@ def test_world_contrast_trains_the_world_encoder_alone_and_is_logged():
     changed = {name for (name, p), q in zip(with_contrast.named_parameters(), without.parameters())
                if p.grad is not None and not torch.equal(p.grad, q.grad)}
     assert changed and all(name.startswith("world_encoder.") for name in changed)
+
+
+def test_change_weights_weigh_a_value_by_its_change_against_the_mean_change():
+    model = tiny_model(change_weight=2.0)
+    x = torch.zeros(2, 3, 4, 8, 8)
+    x[1, 2, 0, 3, 5] = 0.5  # the one change: frame 1 -> 2 of clip 1
+    weight = model.change_weights(x)
+    expected = torch.ones(2, 2, 4, 8, 8)
+    expected[1, 1, 0, 3, 5] = 1 + 2.0 * expected.numel()  # its squared change is numel times the mean
+    assert torch.allclose(weight, expected)
+
+
+def test_change_weight_weighs_the_training_loss_only():
+    x = clip(B=3, T=5)
+    still = x[:, :1].expand_as(x).contiguous()
+
+    def run(weight, clip, train=True):
+        model = tiny_model(change_weight=weight, mask_prob=0.0).train(train)
+        return model, model.compute(clip, step=0 if train else None, t0=0, generator=torch.Generator().manual_seed(0))
+
+    # nothing changes: every weight is 1, the plain MSE
+    assert torch.equal(run(4.0, still)[1].loss, run(0.0, still)[1].loss)
+    model, out = run(4.0, x)
+    error = (out.predictions[0] - x[:, 1:]).pow(2)
+    weight = model.change_weights(x)
+    tf_loss = out.logs["Dynamics_Predictor/tf_loss"]
+    assert torch.allclose(tf_loss, (error * weight).sum() / weight.sum())
+    assert not torch.allclose(tf_loss, error.mean())
+    _, evaluated = run(4.0, x, train=False)  # validation reads the plain MSE
+    assert torch.allclose(evaluated.logs["Dynamics_Predictor/tf_loss"],
+                          (evaluated.predictions[0] - x[:, 1:]).pow(2).mean())
 
 
 def test_random_roll_rolls_each_clip_by_its_own_shift():
