@@ -82,7 +82,8 @@ WORLD_QUESTIONS = {
 QUESTIONS = {**WORLD_QUESTIONS, "film_fusion": [f"{NET}fusion=film"]}
 # not in any plan: the action encoder with the frames before (its input as "transition"); the loss weighted to where
 # the frames change
-OTHERS = {"delta_actions": [f"{NET}action_input=delta"], "change_weight_10": [f"{NET}change_weight=10"]}
+OTHERS = {"delta_actions": [f"{NET}action_input=delta"],
+          **{f"change_weight_{w}": [f"{NET}change_weight={w}"] for w in (1, 10)}}
 RECIPES = {"recipe": [], "requirement": REQUIREMENT, **ABLATIONS, **QUESTIONS, **OTHERS}
 PLANS = {"": ["recipe", "requirement"], "ablations": list(ABLATIONS),
          "questions": [q for q in QUESTIONS if q not in ABLATIONS], "world": list(WORLD_QUESTIONS)}
