@@ -158,7 +158,7 @@ def evaluate(model, clips: Clips, t: int = 4, dictionary: CodeDictionary | None 
             "action_dpsnr_dictionary": float((seq[m] - psnr_from_mse(controls["dictionary"][m])).mean()),
             "action_dpsnr_other_clip": float((seq[m] - psnr_from_mse(controls["other_clip"][m])).mean()),
             "world_gap_same_world": float((seq[m] - psnr_from_mse(controls["same_world"][m])).mean()),
-            "action": _against_labels(action_idx[m], true_actions[m], q_action),  # games name their actions apart
+            "action": _against_labels(action_idx[m], true_actions[m], q_action),  # games have actions of their own
         }
     # the actions' chance level keeps what the world alone tells of them (each game has its own action set)
     result["action"] = _against_labels(action_idx, true_actions, q_action,
