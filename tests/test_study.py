@@ -33,17 +33,22 @@ def test_other_clip_is_another_file_and_the_same_world_when_asked():
     assert (clips.files[same] != clips.files).all() and (clips.worlds[same] == clips.worlds).all()
 
 
-def test_codes_that_are_the_true_actions_give_nmi_1(monkeypatch):
-    model, clips = _model(), _clips(n=60, files=30)
+def _oracle(model, clips, codes):
+    """An ``encode_actions`` whose code of each transition is ``codes(actions [B, T], worlds [B])`` of its clip."""
     quantizer = model.quantizers["Action_Encoder"]
 
-    def oracle(x):  # the action code of each transition is its true action
+    def encode(x):
         rows = (clips.latents[:, None] == x[None]).flatten(2).all(-1).float().argmax(0)  # [B]: x's clips
-        indices = clips.actions[rows, :-1, None]  # [B, T-1, 1]
+        indices = codes(clips.actions[rows], clips.worlds[rows])[:, :-1, None]  # [B, T-1, 1]
         return RVQOutput(quantizer.decode_indices(indices), indices, torch.tensor(0.0), torch.tensor(0.0),
                          torch.zeros(1), quantizer.decode_indices(indices))
 
-    monkeypatch.setattr(model, "encode_actions", oracle)
+    return encode
+
+
+def test_codes_that_are_the_true_actions_give_nmi_1(monkeypatch):
+    model, clips = _model(), _clips(n=60, files=30)
+    monkeypatch.setattr(model, "encode_actions", _oracle(model, clips, lambda actions, worlds: actions))
     result = evaluate(model, clips, t=4, batch_size=16)
     assert result["action"]["nmi"] == pytest.approx(1.0)
     assert result["action"]["probe"] == 1.0
@@ -52,15 +57,9 @@ def test_codes_that_are_the_true_actions_give_nmi_1(monkeypatch):
 
 def test_codes_that_name_each_worlds_actions_their_own_way_give_nmi_1_per_world(monkeypatch):
     model, clips = _model(), _clips(n=90, files=30)
-    quantizer = model.quantizers["Action_Encoder"]
-
-    def oracle(x):  # world w's action a gets code (a + w) % 5: one meaning per world, another across them
-        rows = (clips.latents[:, None] == x[None]).flatten(2).all(-1).float().argmax(0)
-        indices = ((clips.actions[rows, :-1] + clips.worlds[rows, None]) % 5)[..., None]
-        return RVQOutput(quantizer.decode_indices(indices), indices, torch.tensor(0.0), torch.tensor(0.0),
-                         torch.zeros(1), quantizer.decode_indices(indices))
-
-    monkeypatch.setattr(model, "encode_actions", oracle)
+    # world w's action a gets code (a + w) % 5: one meaning per world, another across them
+    own_way = lambda actions, worlds: (actions + worlds[:, None]) % 5
+    monkeypatch.setattr(model, "encode_actions", _oracle(model, clips, own_way))
     result = evaluate(model, clips, t=4, batch_size=16)
     assert result["action"]["nmi"] < 0.5
     for world in range(3):
