@@ -80,8 +80,8 @@ class ActionEncoder(nn.Module):
     ) -> None:
         super().__init__()
         # The shift is applied once: stacking shifted masks would let output i see frame i + depth. Without
-        # ``lookahead`` every block is causal (input i already holds frame i+1: the "delta" action input).
-        # ``per_transition``: each input frame is read alone (it holds the whole transition), no history.
+        # ``lookahead`` every block is causal. ``per_transition``: each input frame is read alone (it holds the whole
+        # transition: the frame beside its change to the next), no history.
         masks = ["shifted_causal" if lookahead else "causal"] + ["causal"] * (depth - 1)
         self.per_transition = per_transition
         self.transformer = STTransformer(d_model, n_heads, masks, mlp_ratio, **(st or {}))
@@ -138,13 +138,10 @@ class DynamicsPredictor(nn.Module):
     output, as in every residual VQ)."""
 
     def __init__(self, d_model: int, n_heads: int, depth: int, d_action: int, d_world: int, mlp_ratio: float = 4.0,
-                 st: dict | None = None, fusion: str = "add") -> None:
+                 st: dict | None = None) -> None:
         super().__init__()
         self.action_proj = nn.Linear(d_action, d_model)  # W_a^z
         self.world_proj = nn.Linear(d_world, d_model)  # W_h^z
-        if fusion == "film":  # and a per-channel scale of the tokens from each code (zero at init: additive)
-            self.action_scale, self.world_scale = nn.Linear(d_action, d_model), nn.Linear(d_world, d_model)
-        self.fusion = fusion
         self.transformer = STTransformer(d_model, n_heads, ["causal"] * depth, mlp_ratio, **(st or {}))
 
     def condition(self, actions: Tensor, world: Tensor) -> Tensor:
@@ -154,16 +151,6 @@ class DynamicsPredictor(nn.Module):
         world = to_weight_dtype(world, self.world_proj.weight.dtype)
         return self.action_proj(actions)[:, :, None] + self.world_proj(world)[:, None, None]
 
-    def fuse(self, tokens: Tensor, actions: Tensor, world: Tensor) -> Tensor:
-        """The predictor's input: ``tokens [B, t, N, D]`` with the codes of ``actions [B, t, Da]`` and ``world [B, Dh]``
-        added (the requirement's), or with ``fusion="film"`` also scaling them, ``tokens * (1 + s) + condition``."""
-        fused = tokens + self.condition(actions, world)
-        if self.fusion == "film":
-            actions = to_weight_dtype(actions, self.action_scale.weight.dtype)
-            world = to_weight_dtype(world, self.world_scale.weight.dtype)
-            fused = fused + tokens * (self.action_scale(actions)[:, :, None] + self.world_scale(world)[:, None, None])
-        return fused
-
     def forward(
         self, tokens: Tensor, actions: Tensor, world: Tensor, window: int | None = None, past: list[KV] | None = None
     ) -> tuple[Tensor, list[KV]]:
@@ -172,7 +159,7 @@ class DynamicsPredictor(nn.Module):
         last ``window`` frames only (per block: stacked, an output depends on up to ``depth * (window - 1) + 1``
         frames, as in any sliding-window attention). ``past``: per-block keys/values of ``p`` earlier frames that ``tokens`` follow
         (output ``i`` then predicts frame ``p + i + 1``)."""
-        out, _, cache = self.transformer(self.fuse(tokens, actions, world), window=window, past=past)
+        out, _, cache = self.transformer(tokens + self.condition(actions, world), window=window, past=past)
         return out, cache
 
     def step(
@@ -180,10 +167,10 @@ class DynamicsPredictor(nn.Module):
     ) -> tuple[Tensor, list[KV]]:
         """One new frame: ``token [B, 1, N, D]``, ``action [B, 1, Da]`` -> (its output ``[B, 1, N, D]``, the
         updated key/value cache); equal to the last output of :meth:`forward` on the whole sequence."""
-        return self.transformer.step(self.fuse(token, action, world), cache, window)
+        return self.transformer.step(token + self.condition(action, world), cache, window)
 
 
-ACTION_INPUTS = ("tokens", "frames", "delta", "transition")
+ACTION_INPUTS = ("tokens", "transition")
 
 
 @dataclass(frozen=True)
@@ -221,10 +208,9 @@ class WorldModelConfig:
     # Not the requirement's (off by default): the predictor outputs the change from the frame it was fed, so an
     # untrained model copies the last frame (its detokenizer's last layer starts at zero).
     residual: bool = False
-    # What the action encoder reads: "tokens" (the shared tokenizer's, the requirement's), or a tokenizer of its own
-    # on the "frames", or on each frame beside its change to the next ("delta"; Genie's latent action model reads
-    # pixels, not the dynamics' tokens), or that for each transition alone, without the frames before
-    # ("transition": an action code that cannot say "as before").
+    # What the action encoder reads: "tokens" (the shared tokenizer's, the requirement's), or "transition": a
+    # tokenizer of its own on each frame beside its change to the next, each transition alone (Genie's latent action
+    # model reads pixels, not the dynamics' tokens; without the frames before, its code cannot say "as before").
     action_input: str = "tokens"
     action_spatial_pe: bool = True  # the action encoder's tokens get the spatial PE (without: its code cannot say where)
     # Not the requirement's (0: off): in training the action encoder reads each clip rolled by a random spatial shift
@@ -235,7 +221,6 @@ class WorldModelConfig:
     # The frames the world encoder reads: the first world_frames of a clip (None: all of them, the requirement's). A
     # world code that sees the frames it helps predict can carry them rather than the world.
     world_frames: int | None = None
-    fusion: str = "add"  # how the codes enter the predictor: "add" (the requirement's) or "film" (added and scaling)
     # The probability that a training step's predictor sees each frame alone, without the frames before it: the codes
     # must then carry the whole transition (a sticky policy's history otherwise tells much of the next action).
     context_dropout: float = 0.0
@@ -243,16 +228,17 @@ class WorldModelConfig:
     # makes the world vectors of a clip's first and last frames agree: the code must carry what stays the same along
     # a clip, the world, even where the predictor reads the world from the frames. It trains the world encoder alone.
     world_contrast: float = 0.0
-    # Not the requirement's (0: off): in training each predicted latent value's squared error is weighted by 1 +
-    # change_weight * (its change from the frame before)^2 / (the batch's mean squared change), the loss normalised by
-    # the weights' sum: where a few values move (a ball, a paddle), the loss is about them, not the still background.
-    change_weight: float = 0.0
+    # Not the requirement's (0: off): the number of true action classes a linear head reads from each action code,
+    # trained by cross-entropy on the transitions whose label the batch keeps (data.label_fraction):
+    # a few labels tell the action code what to name (LAOM's semi-supervision). Unlabelled transitions (-1) add nothing.
+    action_labels: int = 0
+    label_weight: float = 0.1  # the head's cross-entropy weight in the loss
 
     # The fields that decide the parameters' and buffers' shapes (a checkpoint loads only where they agree).
     SHAPE_FIELDS: ClassVar[tuple[str, ...]] = (
         "in_channels", "height", "width", "d_model", "n_heads", "depth_action", "depth_world", "depth_dynamics",
         "mlp_ratio", "tokenizer_hidden", "d_code_action", "d_code_world", "codebook_sizes_action",
-        "codebook_sizes_world")
+        "codebook_sizes_world", "action_labels")
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -305,7 +291,9 @@ def _config_problems(c: WorldModelConfig) -> list[str]:
         elif c.d_model >= 1 and int(c.d_model * c.mlp_ratio) < 1:  # (the MLP's hidden width)
             problems.append(f"mlp_ratio must give an MLP hidden width int(d_model * mlp_ratio) >= 1, got "
                             f"{c.mlp_ratio} (width {int(c.d_model * c.mlp_ratio)} at d_model {c.d_model})")
-    for name in ("beta_action", "beta_world", "world_contrast", "change_weight"):
+    if c.action_labels < 0:
+        problems.append(f"action_labels must be >= 0 (0: no label head), got {c.action_labels}")
+    for name in ("beta_action", "beta_world", "world_contrast", "label_weight"):
         if name not in nonfinite and not getattr(c, name) >= 0:
             problems.append(f"{name} must be >= 0, got {getattr(c, name)}")
     if "context_dropout" not in nonfinite and not 0.0 <= c.context_dropout <= 1.0:
@@ -327,8 +315,6 @@ def _config_problems(c: WorldModelConfig) -> list[str]:
                         f"{tuple(c.world_curriculum)}")
     if c.world_frames is not None and c.world_frames < 1:
         problems.append(f"world_frames must be >= 1 (or null: every frame), got {c.world_frames}")
-    if c.fusion not in ("add", "film"):
-        problems.append(f"fusion must be add or film, got {c.fusion!r}")
     if c.action_input not in ACTION_INPUTS:
         problems.append(f"action_input must be one of {ACTION_INPUTS}, got {c.action_input!r}")
     if c.temporal_attention not in ATTENTION_KERNELS:
@@ -396,17 +382,16 @@ class WorldModel(nn.Module):
 
         self.tokenizer = Tokenizer(c.in_channels, c.d_model, c.tokenizer_hidden)
         if c.action_input != "tokens":  # the action encoder's own tokenizer
-            channels = c.in_channels if c.action_input == "frames" else 2 * c.in_channels
-            self.action_tokenizer = Tokenizer(channels, c.d_model, c.tokenizer_hidden)
+            self.action_tokenizer = Tokenizer(2 * c.in_channels, c.d_model, c.tokenizer_hidden)
         self.detokenizer = Detokenizer(c.in_channels, c.d_model, c.tokenizer_hidden)
         self.action_encoder = ActionEncoder(c.d_model, c.n_heads, c.depth_action, c.d_code_action,
                                             c.codebook_sizes_action, c.mlp_ratio, st,
-                                            lookahead=c.action_input in ("tokens", "frames"),
+                                            lookahead=c.action_input == "tokens",
                                             per_transition=c.action_input == "transition", **rvq)
         self.world_encoder = WorldEncoder(c.d_model, c.n_heads, c.depth_world, c.d_code_world,
                                           c.codebook_sizes_world, c.mlp_ratio, st, **rvq)
         self.dynamics = DynamicsPredictor(c.d_model, c.n_heads, c.depth_dynamics, c.d_code_action, c.d_code_world,
-                                          c.mlp_ratio, st, c.fusion)
+                                          c.mlp_ratio, st)
         # Never used when mask_prob is 0: frozen then, so that DDP (find_unused_parameters=False) finds no
         # parameter without a gradient.
         self.mask_token = nn.Parameter(torch.randn(c.d_model) * 0.02, requires_grad=c.mask_prob > 0)
@@ -419,13 +404,12 @@ class WorldModel(nn.Module):
         for layer in (self.action_encoder.to_code, self.world_encoder.to_code, self.dynamics.action_proj,
                       self.dynamics.world_proj):
             nn.init.normal_(layer.weight, std=layer.in_features**-0.5)
-        if c.fusion == "film":
-            for layer in (self.dynamics.action_scale, self.dynamics.world_scale):
-                nn.init.zeros_(layer.weight)
         if c.residual:
             last = self.detokenizer.net[-1]
             nn.init.zeros_(last.weight)
             nn.init.zeros_(last.bias)
+        if c.action_labels:  # made last: the other weights are those of the same model without it
+            self.label_head = nn.Linear(c.d_code_action, c.action_labels)
         if c.temporal_attention == "triton" and triton_attention.triton is None:
             warnings.warn("temporal_attention=triton: the triton package is not installed, so temporal attention runs "
                           "as plain matmuls (the same function, slower)", stacklevel=2)
@@ -499,8 +483,8 @@ class WorldModel(nn.Module):
         if c.action_input == "tokens":
             tokens = self.tokenize(x) if z is None else z
         else:
-            if c.action_input in ("delta", "transition"):  # frame t beside its change to frame t+1 (0 after the last)
-                x = torch.cat([x, torch.cat([x[:, 1:] - x[:, :-1], torch.zeros_like(x[:, :1])], dim=1)], dim=2)
+            # frame t beside its change to frame t+1 (0 after the last)
+            x = torch.cat([x, torch.cat([x[:, 1:] - x[:, :-1], torch.zeros_like(x[:, :1])], dim=1)], dim=2)
             B = x.shape[0]
             tokens = to_sequence(self.action_tokenizer(to_weight_dtype(x.flatten(0, 1), self.param_dtype)), B)
         return tokens + self.pos_embedding(x.shape[1], t0, spatial=c.action_spatial_pe)
@@ -704,6 +688,7 @@ class WorldModel(nn.Module):
     def compute(
         self, x: Tensor, step: int | Tensor | None, t0: int | Tensor | None = None,
         generator: torch.Generator | None = None, reuse_prefix: bool = True, world_phase: str = "quantized",
+        labels: Tensor | None = None,
     ) -> WorldModelOutput:
         """Everything ``forward`` computes, with the codes and per-pass predictions kept for callbacks.
 
@@ -713,7 +698,8 @@ class WorldModel(nn.Module):
         ``reuse_prefix=False`` recomputes the positions of each rollout pass that equal the previous pass's
         (the same loss and gradients, more compute: the reference the tests compare against). ``world_phase``:
         what the predictor gets for the world (:meth:`world_phase_at`; the encoder, its quantizer and commitment loss
-        run in every phase, so the codebook follows the encoder before the predictor ever sees a code).
+        run in every phase, so the codebook follows the encoder before the predictor ever sees a code). ``labels``:
+        the true actions ``[B, T]`` (-1: unknown) the label head (``action_labels``) learns from.
         """
         self.check_frames(x, min_frames=self.min_frames)
         B, T = x.shape[:2]
@@ -748,10 +734,26 @@ class WorldModel(nn.Module):
             contrast = [self.world_contrast_loss(unplaced.detach())]
             loss = loss + self.config.world_contrast * contrast[0]
 
+        supervised = []
+        if self.config.action_labels:
+            supervised = self.label_loss(actions.quantized, labels, B, T)
+            loss = loss + self.config.label_weight * supervised[0]
+
         values = [loss, prediction_loss, *pass_losses, actions.commit_loss, actions.codebook_loss, world.commit_loss,
-                  world.codebook_loss, *contrast]  # in the order of log_keys
+                  world.codebook_loss, *contrast, *supervised]  # in the order of log_keys
         logs = {key: value.detach() for key, value in zip(self.log_keys, values, strict=True)}
         return WorldModelOutput(loss, logs, actions, world, predictions, mask)
+
+    def label_loss(self, vectors: Tensor, labels: Tensor | None, B: int, T: int) -> list[Tensor]:
+        """The label head's cross-entropy and accuracy over the labelled transitions (``labels [B, T]``, -1: none;
+        ``a_i`` is the action after frame ``i``) from the action codes ``[B, T-1, Da]`` (straight-through to the encoder:
+        the codes themselves are to name the actions); 0 where none is labelled."""
+        y = torch.full((B, T - 1), -1, device=vectors.device) if labels is None else labels[:, : T - 1]
+        logits = self.label_head(vectors.float())  # [B, T-1, K]
+        known = (y >= 0).sum()
+        ce = nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-1, reduction="sum")
+        correct = ((logits.argmax(-1) == y) & (y >= 0)).sum()
+        return [ce / known.clamp_min(1), correct / known.clamp_min(1)]
 
     def world_contrast_loss(self, tokens: Tensor, temperature: float = 0.1) -> Tensor:
         """InfoNCE of the world vectors of each clip's first and last ``k`` frames (``tokens [B, T, N, D]`` without
@@ -782,7 +784,6 @@ class WorldModel(nn.Module):
         computes positions k..T-2 only, after pass k-1's keys/values of positions 0..k-1. ``reuse_prefix=False``
         recomputes every position. ``window``: the frames each position's predictor attends to (None: all before it)."""
         target = x[:, 1:]  # frames 1..T-1
-        weight = self.change_weights(x) if self.training and self.config.change_weight > 0 else None
         predictions: list[Tensor] = []
         pass_losses: list[Tensor] = []
         past = None
@@ -799,16 +800,10 @@ class WorldModel(nn.Module):
                 pred = torch.cat([predictions[-1][:, :first], pred], dim=1)
             predictions.append(pred)
             error = (pred[:, k:].float() - target[:, k:].float()).pow(2)  # positions k..T-2
-            pass_losses.append(error.mean() if weight is None else (error * weight[:, k:]).sum() / weight[:, k:].sum())
+            pass_losses.append(error.mean())
             if reuse_prefix and k + 1 < passes:
                 past = _kv_prefix(cache, k + 1)
         return predictions, pass_losses
-
-    def change_weights(self, x: Tensor) -> Tensor:
-        """The prediction loss's weights of frames 1..T-1 of ``x [B, T, C, H, W]`` (``change_weight``): ``[B, T-1, C,
-        H, W]``, 1 where nothing changes."""
-        change = (x[:, 1:] - x[:, :-1]).float().pow(2)
-        return 1 + self.config.change_weight * change / change.mean().clamp_min(1e-12)
 
     def _rollout_inputs(self, x: Tensor, previous: Tensor, first: int, z_raw: Tensor, mask: Tensor | None,
                         pe: Tensor) -> tuple[Tensor, Tensor]:
@@ -849,6 +844,7 @@ class WorldModel(nn.Module):
             "Action_Encoder/commit_loss", "Action_Encoder/codebook_loss",
             "World_Encoder/commit_loss", "World_Encoder/codebook_loss",
             *(["World_Encoder/contrast_loss"] if self.config.world_contrast > 0 else []),
+            *(["Action_Encoder/label_loss", "Action_Encoder/label_accuracy"] if self.config.action_labels else []),
         ]
 
     @property

@@ -104,13 +104,11 @@ def _changed(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-@pytest.mark.parametrize(("residual", "fusion"), [(False, "add"), (True, "add"), (False, "film")])
-def test_predictor_output_i_ignores_frames_and_actions_after_i(residual, fusion):
-    model = tiny_model(residual=residual, fusion=fusion).eval().double()
-    # (layers that start at zero: given weights, so that the prediction depends on what they read)
-    zero_at_init = ["detokenizer.net.6"] * residual + ["dynamics.action_scale", "dynamics.world_scale"] * (fusion == "film")
-    for layer in zero_at_init:
-        torch.nn.init.normal_(model.get_submodule(layer).weight, std=0.1)
+@pytest.mark.parametrize("residual", [False, True])
+def test_predictor_output_i_ignores_frames_and_actions_after_i(residual):
+    model = tiny_model(residual=residual).eval().double()
+    if residual:  # its last layer starts at zero: given weights, so that the prediction depends on what it reads
+        torch.nn.init.normal_(model.get_submodule("detokenizer.net.6").weight, std=0.1)
     T = 6
     x = clip(T=T).double()
     a = torch.randn(2, T, 8, dtype=torch.float64)
@@ -126,7 +124,7 @@ def test_predictor_output_i_ignores_frames_and_actions_after_i(residual, fusion)
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("action_input", ["tokens", "frames", "delta", "transition"])
+@pytest.mark.parametrize("action_input", ["tokens", "transition"])
 def test_action_i_depends_on_frames_up_to_i_plus_1_only(action_input):
     model = tiny_model(action_input=action_input).eval().double()
     T = 7
@@ -382,7 +380,6 @@ def test_bad_inputs_name_the_argument():
         (dict(world_curriculum=(-1, 0)), "world_curriculum"),
         (dict(world_curriculum=(5,)), "world_curriculum"),
         (dict(world_contrast=-0.1), "world_contrast"),
-        (dict(change_weight=-1.0), "change_weight"),
         (dict(action_shift=-1), "action_shift"),
     ],
 )
@@ -661,9 +658,8 @@ def test_an_untrained_residual_model_copies_the_last_frame():
     assert torch.equal(model.generate(x[:, :1], a, h, steps=4), x[:, :1].expand(-1, 4, -1, -1, -1))
 
 
-@pytest.mark.parametrize("action_input", ["frames", "delta", "transition"])
-def test_an_action_tokenizer_of_its_own_feeds_only_the_action_encoder(action_input):
-    model = tiny_model(action_input=action_input)
+def test_an_action_tokenizer_of_its_own_feeds_only_the_action_encoder():
+    model = tiny_model(action_input="transition")
     x = clip(T=6)
     shared = model.tokenize(x)
     own = model.action_tokens(x)
@@ -726,37 +722,6 @@ def test_world_contrast_trains_the_world_encoder_alone_and_is_logged():
     assert changed and all(name.startswith("world_encoder.") for name in changed)
 
 
-def test_change_weights_weigh_a_value_by_its_change_against_the_mean_change():
-    model = tiny_model(change_weight=2.0)
-    x = torch.zeros(2, 3, 4, 8, 8)
-    x[1, 2, 0, 3, 5] = 0.5  # the one change: frame 1 -> 2 of clip 1
-    weight = model.change_weights(x)
-    expected = torch.ones(2, 2, 4, 8, 8)
-    expected[1, 1, 0, 3, 5] = 1 + 2.0 * expected.numel()  # its squared change is numel times the mean
-    assert torch.allclose(weight, expected)
-
-
-def test_change_weight_weighs_the_training_loss_only():
-    x = clip(B=3, T=5)
-    still = x[:, :1].expand_as(x).contiguous()
-
-    def run(weight, clip, train=True):
-        model = tiny_model(change_weight=weight, mask_prob=0.0).train(train)
-        return model, model.compute(clip, step=0 if train else None, t0=0, generator=torch.Generator().manual_seed(0))
-
-    # nothing changes: every weight is 1, the plain MSE
-    assert torch.equal(run(4.0, still)[1].loss, run(0.0, still)[1].loss)
-    model, out = run(4.0, x)
-    error = (out.predictions[0] - x[:, 1:]).pow(2)
-    weight = model.change_weights(x)
-    tf_loss = out.logs["Dynamics_Predictor/tf_loss"]
-    assert torch.allclose(tf_loss, (error * weight).sum() / weight.sum())
-    assert not torch.allclose(tf_loss, error.mean())
-    _, evaluated = run(4.0, x, train=False)  # validation reads the plain MSE
-    assert torch.allclose(evaluated.logs["Dynamics_Predictor/tf_loss"],
-                          (evaluated.predictions[0] - x[:, 1:]).pow(2).mean())
-
-
 def test_random_roll_rolls_each_clip_by_its_own_shift():
     x = clip(B=3, T=2)
     rolled = WorldModel.random_roll(x, 3, torch.Generator().manual_seed(0))
@@ -777,3 +742,22 @@ def test_action_shift_rolls_what_the_action_encoder_reads_in_training_only(actio
     model.eval()
     torch.testing.assert_close(model.compute(x, step=None, t0=0).actions.inputs, model.encode_actions(x).inputs,
                                rtol=0, atol=1e-6)
+
+
+def test_the_label_head_learns_from_the_labelled_transitions_only():
+    x = clip(B=2, T=5)
+    labels = torch.tensor([[0, 1, -1, 2, 3], [-1, -1, -1, -1, -1]])  # a_i is the action after frame i; the last unused
+    model = tiny_model(action_labels=3, label_weight=0.5, mask_prob=0.0).train()
+    out = model.compute(x, step=0, t0=0, generator=torch.Generator().manual_seed(0), labels=labels)
+    logits = model.label_head(out.actions.quantized.float())
+    expected = torch.nn.functional.cross_entropy(logits[0, [0, 1, 3]], torch.tensor([0, 1, 2]))
+    assert torch.allclose(out.logs["Action_Encoder/label_loss"], expected)
+    accuracy = (logits[0, [0, 1, 3]].argmax(-1) == torch.tensor([0, 1, 2])).float().mean()
+    assert torch.allclose(out.logs["Action_Encoder/label_accuracy"], accuracy)
+    # no label in the batch: the head adds nothing
+    none = tiny_model(action_labels=3, label_weight=0.5, mask_prob=0.0).train().compute(
+        x, step=0, t0=0, generator=torch.Generator().manual_seed(0), labels=torch.full((2, 5), -1))
+    assert torch.equal(none.logs["Action_Encoder/label_loss"], torch.tensor(0.0))
+    assert torch.allclose(out.loss, none.loss + 0.5 * expected)
+    plain = tiny_model(mask_prob=0.0).train().compute(x, step=0, t0=0, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(none.logs["Dynamics_Predictor/prediction_loss"], plain.logs["Dynamics_Predictor/prediction_loss"])
