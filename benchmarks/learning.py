@@ -28,15 +28,17 @@ from pathlib import Path
 
 import torch
 
-from lwm.inference.study import load_clips
+from lwm.inference.study import LABELLED, load_clips
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "demo.yaml"
+FOOTAGE = ROOT / "configs" / "footage.yaml"  # Atari at 64x64 pixels: [16, 32, 32] latents
 SIZE = 32  # pixels: [16, 16, 16] latents, the demo's
 GAMES = ("pong", "breakout", "freeway", "boxing")
 
 SYNTH = dict(frames=16, distractors=0, look_alike=False)
-# name -> (maker, train settings, held-out settings, recipes) per size
+ATARI64 = dict(frames=256, size=64, config=FOOTAGE)
+# name -> (maker, train settings, held-out settings, recipes) per size; settings' size: pixels, config: the recipe
 DATASETS = {
     "full": {
         "synth": ("synth", dict(SYNTH, episodes=1024), dict(SYNTH, episodes=256), "ablations questions"),
@@ -45,10 +47,12 @@ DATASETS = {
         "synth_look_alike": ("synth", dict(SYNTH, episodes=1024, look_alike=True),
                              dict(SYNTH, episodes=256, look_alike=True), "world"),
         "atari": ("atari", dict(episodes=24, frames=256), dict(episodes=4, frames=256), "ablations"),
+        "atari64": ("atari", dict(ATARI64, episodes=24), dict(ATARI64, episodes=4), "footage"),
     },
     "smoke": {
         "synth": ("synth", dict(SYNTH, episodes=16), dict(SYNTH, episodes=8), ""),
         "atari": ("atari", dict(episodes=2, frames=32), dict(episodes=1, frames=32), ""),
+        "atari64": ("atari", dict(ATARI64, episodes=2, frames=32), dict(ATARI64, episodes=1, frames=32), ""),
     },
 }
 
@@ -79,13 +83,12 @@ WORLD_QUESTIONS = {
     "world_sees_2_frames": [f"{NET}world_frames=2"],
     "no_world_contrast": ABLATIONS["no_world_contrast"],
 }
-QUESTIONS = {**WORLD_QUESTIONS, "film_fusion": [f"{NET}fusion=film"]}
-# not in any plan: the action encoder with the frames before (its input as "transition"); the loss weighted to where
-# the frames change
-OTHERS = {"delta_actions": [f"{NET}action_input=delta"],
-          **{f"change_weight_{w}": [f"{NET}change_weight={w}"] for w in (1, 10)}}
-RECIPES = {"recipe": [], "requirement": REQUIREMENT, **ABLATIONS, **QUESTIONS, **OTHERS}
+QUESTIONS = dict(WORLD_QUESTIONS)
+# real footage: a fraction of the transitions labelled (the label head, LAOM's 2.5%; ALE has 18 actions)
+FOOTAGE_RECIPES = {"labels": [f"{NET}action_labels=18", "--data.label_fraction=0.025"]}
+RECIPES = {"recipe": [], "requirement": REQUIREMENT, **ABLATIONS, **QUESTIONS, **FOOTAGE_RECIPES}
 PLANS = {"": ["recipe", "requirement"], "ablations": list(ABLATIONS),
+         "footage": ["no_context_dropout", *FOOTAGE_RECIPES],
          "questions": [q for q in QUESTIONS if q not in ABLATIONS], "world": list(WORLD_QUESTIONS)}
 
 
@@ -105,18 +108,18 @@ def make_data(out: Path, name: str, maker: str, settings: dict, seed: int, games
     if maker == "synth":
         from lwm.data.synth import make_dataset
 
-        return make_dataset(out, settings["episodes"], settings["frames"], seed, size=SIZE,
+        return make_dataset(out, settings["episodes"], settings["frames"], seed, size=settings.get("size", SIZE),
                             distractors=settings["distractors"], look_alike=settings["look_alike"])
     from lwm.data.atari import make_dataset
     from lwm.data.codecs import PixelCodec
 
-    return make_dataset(out, list(games), settings["episodes"], settings["frames"], seed, codec=PixelCodec(size=SIZE),
-                        log=lambda line: None)
+    return make_dataset(out, list(games), settings["episodes"], settings["frames"], seed,
+                        codec=PixelCodec(size=settings.get("size", SIZE)), log=lambda line: None)
 
 
-def fit(run_dir: Path, manifest: Path, steps: int, overrides: list[str], smoke: bool) -> float:
-    """``lwm fit`` of the demo config with ``overrides`` for ``steps`` steps into ``run_dir``; its wall time."""
-    args = [sys.executable, "-m", "lwm", "fit", "--config", str(CONFIG), f"--data.manifest={manifest}",
+def fit(run_dir: Path, manifest: Path, steps: int, overrides: list[str], smoke: bool, config: Path = CONFIG) -> float:
+    """``lwm fit`` of ``config`` with ``overrides`` for ``steps`` steps into ``run_dir``; its wall time."""
+    args = [sys.executable, "-m", "lwm", "fit", "--config", str(config), f"--data.manifest={manifest}",
             f"--trainer.default_root_dir={run_dir}", f"--trainer.max_steps={steps}",
             "--trainer.enable_progress_bar=false", *overrides]
     if smoke:
@@ -130,10 +133,12 @@ def fit(run_dir: Path, manifest: Path, steps: int, overrides: list[str], smoke: 
     return time.perf_counter() - start
 
 
-def evaluate_run(run_dir: Path, test_manifest: Path, synthetic: bool) -> dict:
+def evaluate_run(run_dir: Path, test_manifest: Path, synthetic: bool, manifest: Path | None = None) -> dict:
+    """The study of the run's last checkpoint on the held-out clips; with the training ``manifest`` (footage) also the
+    label efficiency of its action codes, the mapping fitted on its clips."""
     from lwm.training.checkpoint import load_checkpoint, trained_window
     from lwm.inference.dictionary import load_dictionaries
-    from lwm.inference.study import evaluate
+    from lwm.inference.study import evaluate, label_efficiency
 
     raw, module = load_checkpoint(run_dir / "checkpoints" / "last.ckpt")
     model = module.model.eval()
@@ -146,10 +151,15 @@ def evaluate_run(run_dir: Path, test_manifest: Path, synthetic: bool) -> dict:
 
         factors = {name: torch.tensor([getattr(WORLDS[w], name) for w in clips.worlds.tolist()]).long()
                    for name in ("speed", "wrap")}
-    return evaluate(model, clips, t=4, dictionary=dictionary, world_phase=phase, world_factors=factors)
+    result = evaluate(model, clips, t=4, dictionary=dictionary, world_phase=phase, world_factors=factors)
+    if manifest is not None:
+        labelled = load_clips(manifest, None, trained_window(raw), per_file=8)
+        for world, by_size in label_efficiency(model, labelled, clips).items():
+            result["per_world"][world]["labelled"] = by_size
+    return result
 
 
-def action_effect(game: str, states: int = 38, t: int = 4, seed: int = 1) -> float:
+def action_effect(game: str, size: int = SIZE, states: int = 38, t: int = 4, seed: int = 1) -> float:
     """How much the actions change frame ``t`` of a game at the benchmark's size: from ``states`` states along a
     sticky-random play, the mean latent MSE between two futures played ``t`` steps with independent uniform actions
     (the emulator is deterministic, so the actions alone make them differ). A model's error at frame ``t`` (MSE e)
@@ -159,7 +169,7 @@ def action_effect(game: str, states: int = 38, t: int = 4, seed: int = 1) -> flo
     from lwm.data.atari import _ale, stretch
     from lwm.data.codecs import PixelCodec
 
-    ale_py, codec = _ale(), PixelCodec(size=SIZE)
+    ale_py, codec = _ale(), PixelCodec(size=size)
     ale = ale_py.ALEInterface()
     ale.setLoggerMode(ale_py.LoggerMode.Error)
     ale.setInt("random_seed", seed)
@@ -183,7 +193,7 @@ def action_effect(game: str, states: int = 38, t: int = 4, seed: int = 1) -> flo
                     ale.act(action)
             futures.append(ale.getScreenRGB())
         ale.restoreState(state)
-        latents = codec.encode(stretch(np.stack(futures), SIZE))
+        latents = codec.encode(stretch(np.stack(futures), size))
         effects.append(float(((latents[0] - latents[1]) ** 2).mean()))
     return float(np.mean(effects))
 
@@ -291,8 +301,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             run_dir = out / "runs" / dataset / f"{recipe}__{steps}"
             print(f"fit {key}: {steps} steps ...", flush=True)
-            seconds = fit(run_dir, manifest, steps, overrides, smoke)
-            r = evaluate_run(run_dir, test_manifest, maker == "synth")
+            seconds = fit(run_dir, manifest, steps, overrides, smoke, train.get("config", CONFIG))
+            r = evaluate_run(run_dir, test_manifest, maker == "synth", manifest if "config" in train else None)
             r.update(fit_seconds=seconds, steps=steps, overrides=overrides, date=str(date.today()))
             saved.parent.mkdir(parents=True, exist_ok=True)
             saved.write_text(json.dumps(r, indent=1))
@@ -309,12 +319,24 @@ def main(argv: list[str] | None = None) -> int:
           "other clip | world gap same-world | action NMI | action probe |\n|" + "---|" * 11)
     for key, r in results.items():
         print("\n".join(per_world_rows(key, r, names[key.split("/")[0]])))
-    if any(maker == "atari" for maker, *_ in datasets.values()) and not smoke:
-        print("\n| game | action effect on frame 4 (MSE) | recipe's MSE at frame 4 | bound on action dPSNR (dB) |\n"
-              "|---|---|---|---|")
-        recipe = results.get(f"atari/recipe/{headline}")
+    labelled = [(key, r) for key, r in results.items() if any("labelled" in v for v in r["per_world"].values())]
+    if labelled:
+        print("\n| data | recipe | steps | game | " + " | ".join(f"accuracy from {n} labels" for n in LABELLED)
+              + " |\n|" + "---|" * (4 + len(LABELLED)))
+        for key, r in labelled:
+            for k, v in sorted(r["per_world"].items(), key=lambda kv: int(kv[0])):
+                cells = [v.get("labelled", {}).get(str(n)) for n in LABELLED]
+                print(f"| {' | '.join(key.split('/'))} | {names[key.split('/')[0]].get(int(k), k)} | " + " | ".join(
+                    against(c, "accuracy", "chance", "margin") for c in cells) + " |")
+    for dataset, (maker, train, *_) in datasets.items():
+        if maker != "atari" or smoke:
+            continue
+        size = train.get("size", SIZE)
+        print(f"\n{dataset} ({size}x{size} pixels)\n| game | action effect on frame 4 (MSE) | recipe's MSE at frame 4 "
+              "| bound on action dPSNR (dB) |\n|---|---|---|---|")
+        recipe = results.get(f"{dataset}/recipe/{headline}")
         for label, game in enumerate(args.games):
-            effect = action_effect(game)
+            effect = action_effect(game, size)
             error = 10 ** (-recipe["per_world"][str(label)]["psnr"][-1] / 10) if recipe else float("nan")
             print(f"| {game} | {effect:.2e} | {error:.2e} | {10 * math.log10(1 + effect / error):.2f} |")
     (out / "learning.json").write_text(json.dumps(results, indent=1))

@@ -37,3 +37,23 @@ def test_learning_benchmark_at_the_smoke_size(tmp_path, capsys, monkeypatch):
     with pytest.raises(SystemExit) as stop:
         learning.main(["--out", str(tmp_path / "none"), "--no-fit"])
     assert stop.value.code == 2 and str(tmp_path / "none" / "results") in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_footage_rows_at_the_smoke_size(tmp_path, capsys):
+    """Atari at 64x64 through configs/footage.yaml with the label head: the model the config asks for, and the
+    label-efficiency table of its action codes per game."""
+    import benchmarks.learning as learning
+
+    out = tmp_path / "learning"
+    argv = ["--size", "smoke", "--out", str(out), "--datasets", "atari64", "--recipes", "labels", "--steps", "2",
+            "--games", "pong", "boxing"]
+    assert learning.main(argv) == 0
+    printed = capsys.readouterr().out
+    result = json.loads((out / "learning.json").read_text())["atari64/labels/2"]
+    hparams = (out / "runs" / "atari64" / "labels__2" / "hparams.yaml").read_text()
+    assert "height: 32" in hparams and "action_labels: 18" in hparams
+    for world, game in enumerate(("pong", "boxing")):
+        fitted = result["per_world"][str(world)]["labelled"]["50"]
+        assert 0 <= fitted["chance"] <= 1 and 0 <= fitted["accuracy"] <= 1
+        assert f"| atari64 | labels | 2 | {game} | {fitted['accuracy']:.2f} ({fitted['chance']:.2f}+" in printed

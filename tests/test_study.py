@@ -93,3 +93,14 @@ def test_identical_clips_of_one_world_give_no_world_gap_and_copy_last_is_exact()
 def test_clips_too_short_for_t_are_refused():
     with pytest.raises(ValueError, match="t=4"):
         evaluate(_model(), _clips(T=4), t=4)
+
+
+def test_the_code_to_action_mapping_takes_each_codes_most_frequent_action():
+    from lwm.inference.study import code_to_action_accuracy
+
+    train_ids = torch.tensor([0, 0, 0, 1, 1, 2])
+    train_y = torch.tensor([3, 3, 1, 2, 2, 3])  # code 0 -> 3, 1 -> 2, 2 -> 3; the most frequent action: 3
+    test_ids = torch.tensor([0, 1, 2, 5, 1])  # code 5 unseen: the most frequent action
+    test_y = torch.tensor([3, 2, 0, 3, 1])
+    accuracy, chance = code_to_action_accuracy(train_ids, train_y, test_ids, test_y)
+    assert accuracy == pytest.approx(3 / 5) and chance == pytest.approx(2 / 5)

@@ -142,6 +142,7 @@ class LatentDataModule(L.LightningDataModule):
         prefetch_factor: int = 2,
         pin_memory: bool = True,
         float16_batches: bool = True,
+        label_fraction: float = 1.0,
     ) -> None:
         super().__init__()
         if window < 2:
@@ -152,6 +153,8 @@ class LatentDataModule(L.LightningDataModule):
             raise DataError(f"data.val_size_percent must lie in [0, 1], got {val_size_percent}")
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:  # numpy's generators take none below 0
             raise DataError(f"data.seed must be an integer >= 0, got {seed!r}")
+        if not 0.0 <= label_fraction <= 1.0:
+            raise DataError(f"data.label_fraction must lie in [0, 1], got {label_fraction}")
         if num_workers < 0 or prefetch_factor < 1:
             raise DataError(f"data.num_workers must be >= 0 and data.prefetch_factor >= 1, got {num_workers}, {prefetch_factor}")
         if batches_per_epoch is not None and batches_per_epoch < 1:
@@ -169,6 +172,7 @@ class LatentDataModule(L.LightningDataModule):
         self.batches_per_epoch, self.check_files = batches_per_epoch, check_files
         self.multiprocessing_context, self.pin_memory = multiprocessing_context, pin_memory
         self.prefetch_factor, self.float16_batches = prefetch_factor, float16_batches
+        self.label_fraction = label_fraction
         self.manifest: Manifest | None = None
         self.train_set: H5WindowDataset | None = None
         self.val_set: H5WindowDataset | None = None
@@ -237,7 +241,8 @@ class LatentDataModule(L.LightningDataModule):
     def setup(self, stage: str) -> None:
         manifest = self.load_manifest()
         if stage == "fit" and self.train_set is None:
-            self.train_set = H5WindowDataset(manifest, "train", self.window, self.float16_batches)
+            self.train_set = H5WindowDataset(manifest, "train", self.window, self.float16_batches,
+                                             label_fraction=self.label_fraction)
         if stage in ("fit", "validate") and self.val_size_percent > 0:
             if self.val_set is None:
                 self.val_set = H5WindowDataset(manifest, "val", self.window, self.float16_batches)

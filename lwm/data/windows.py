@@ -19,17 +19,21 @@ from lwm.utils.errors import first_line
 from lwm.data.manifest import Manifest, ManifestEntry
 
 MISSING = -1  # value of `actions` / `world_label` in a batch when the file has none
-MAX_OPEN_FILES = 64  # h5 handles one process keeps open
-# each handle's chunk cache stay bounded however many files the dataset has
+MAX_OPEN_FILES = 128  # h5 handles one process keeps open (each holds HDF5's caches: about 0.6 MB)
+# A file of at most LOAD_WINDOWS windows is read whole at its first window and kept in memory (at most LOADED_BYTES per
+# process): many short clips (one h5 each) then cost one open each, not one per window.
+LOAD_WINDOWS = 16
+LOADED_BYTES = 256 * 2**20
+LABEL_DRAW = 0x1abe1  # the seed of the fixed draw of which actions stay labelled (label_fraction)
 SHORT_NAMED = 10  # short files named in the warning
 
 
 class _Open(NamedTuple):
     """A file a process holds open, with what each window reads of it."""
 
-    file: h5py.File
-    latents: h5py.Dataset
-    actions: h5py.Dataset | None
+    file: h5py.File | None  # None: read whole into memory
+    latents: h5py.Dataset | np.ndarray
+    actions: h5py.Dataset | np.ndarray | None
     label: int  # world_label, or MISSING
 
 
@@ -38,7 +42,7 @@ class H5WindowDataset(Dataset):
     "file_index": int64, "start": int64}``."""
 
     def __init__(self, manifest: Manifest, split: str, window: int, float16: bool = True,
-                 max_open: int = MAX_OPEN_FILES) -> None:
+                 max_open: int = MAX_OPEN_FILES, label_fraction: float = 1.0, loaded_bytes: int | None = None) -> None:
         if window < 1:
             raise DataError(f"window must be >= 1, got {window}")
         entries = manifest.split(split)
@@ -60,7 +64,10 @@ class H5WindowDataset(Dataset):
         self.paths = [str(manifest.resolve(e)) for e in self.entries]
         self.frames = [e.frames for e in self.entries]
         self.max_open = max(1, max_open)
+        self.label_fraction = label_fraction
+        self.loaded_bytes = LOADED_BYTES if loaded_bytes is None else loaded_bytes
         self._handles: OrderedDict[int, _Open] = OrderedDict()
+        self._loaded: OrderedDict[int, _Open] = OrderedDict()  # files read whole (LOAD_WINDOWS)
         self._pid: int | None = None
 
     def __len__(self) -> int:
@@ -69,13 +76,14 @@ class H5WindowDataset(Dataset):
 
     def _file(self, index: int) -> _Open:
         """The open file ``index``: its handle, datasets and label, looked up once per opening (a dataset lookup and
-        the label's parse cost several times the slice read of a small window)."""
+        the label's parse cost several times the slice read of a small window); a short file read whole."""
         if self._pid != os.getpid():  # a new worker process
-            self._handles, self._pid = OrderedDict(), os.getpid()
-        opened = self._handles.get(index)
-        if opened is not None:
-            self._handles.move_to_end(index)
-            return opened
+            self._handles, self._loaded, self._pid = OrderedDict(), OrderedDict(), os.getpid()
+        for cache in (self._loaded, self._handles):
+            opened = cache.get(index)
+            if opened is not None:
+                cache.move_to_end(index)
+                return opened
         while len(self._handles) >= self.max_open:
             self._handles.popitem(last=False)[1].file.close()
         path, key = self.paths[index], self.entries[index].key
@@ -94,6 +102,18 @@ class H5WindowDataset(Dataset):
         except DataError:
             f.close()
             raise
+        if self.frames[index] <= LOAD_WINDOWS * self.window and self.loaded_bytes > 0:
+            try:
+                whole = _Open(None, opened.latents[:], None if opened.actions is None else opened.actions[:],
+                              opened.label)
+            except OSError:  # damaged somewhere: read window by window, which names the frames
+                whole = None
+            if whole is not None:
+                f.close()
+                self._loaded[index] = whole
+                while sum(o.latents.nbytes for o in self._loaded.values()) > self.loaded_bytes and len(self._loaded) > 1:
+                    self._loaded.popitem(last=False)
+                return whole
         self._handles[index] = opened
         return opened
 
@@ -109,8 +129,9 @@ class H5WindowDataset(Dataset):
         try:
             ds = opened.latents
             keep = self.float16 and ds.dtype == np.float16
-            latents = torch.from_numpy(np.asarray(ds[start:stop], dtype=np.float16 if keep else np.float32))
-            actions = None if opened.actions is None else np.asarray(opened.actions[start:stop], dtype=np.int64)
+            # (np.array copies: a window of a file read whole is not a view of it)
+            latents = torch.from_numpy(np.array(ds[start:stop], dtype=np.float16 if keep else np.float32))
+            actions = None if opened.actions is None else np.array(opened.actions[start:stop], dtype=np.int64)
         except (OSError, KeyError) as e:  # changed or damaged since `lwm data index` checked it
             raise DataError(f"{self.paths[index]}: '{key}' unreadable at frames {start}..{stop - 1} "
                             f"({first_line(e)}); run `lwm data index` on the folder again") from None
@@ -123,6 +144,8 @@ class H5WindowDataset(Dataset):
                             f"folder again")
         if actions is not None:
             actions = torch.from_numpy(actions)
+            if self.label_fraction < 1.0:
+                actions = torch.where(self.labelled(index)[start:stop], actions, MISSING)
         else:
             actions = torch.full((self.window,), MISSING, dtype=torch.int64)
         return {
@@ -133,14 +156,20 @@ class H5WindowDataset(Dataset):
             "start": torch.tensor(start),
         }
 
+    def labelled(self, index: int) -> torch.Tensor:
+        """``[frames]`` bool: which actions of file ``index`` a batch keeps under ``label_fraction``, the same in every
+        epoch, process and run (a fixed draw per file)."""
+        draw = np.random.default_rng([LABEL_DRAW, index]).random(self.frames[index])
+        return torch.from_numpy(draw < self.label_fraction)
+
     def close(self) -> None:
         for opened in self._handles.values():
             opened.file.close()
-        self._handles = OrderedDict()
+        self._handles, self._loaded = OrderedDict(), OrderedDict()
 
     def __getstate__(self) -> dict:  # spawn workers receive a pickled copy
         state = self.__dict__.copy()
-        state["_handles"], state["_pid"] = OrderedDict(), None
+        state["_handles"], state["_loaded"], state["_pid"] = OrderedDict(), OrderedDict(), None
         return state
 
 

@@ -169,6 +169,49 @@ def evaluate(model, clips: Clips, t: int = 4, dictionary: CodeDictionary | None 
     return result
 
 
+LABELLED = (50, 200, 1000)  # labelled transitions per game for the code -> action mapping
+
+
+def code_to_action_accuracy(train_ids: Tensor, train_y: Tensor, test_ids: Tensor, test_y: Tensor) -> tuple[float, float]:
+    """Held-out accuracy of the mapping each code -> its most frequent true action on the labelled ``train_*`` (a code
+    not among them: their most frequent action), and the chance level: that most frequent action everywhere."""
+    majority = int(train_y.mode().values)
+    mapping = {int(c): int(train_y[train_ids == c].mode().values) for c in train_ids.unique()}
+    predicted = torch.tensor([mapping.get(int(c), majority) for c in test_ids])
+    return float((predicted == test_y).float().mean()), float((test_y == majority).float().mean())
+
+
+@torch.no_grad()
+def label_efficiency(model, labelled: Clips, clips: Clips, sizes: tuple[int, ...] = LABELLED, seed: int = 0,
+                     batch_size: int = 64) -> dict[int, dict[int, dict]]:
+    """Per world (game) and number of labelled transitions ``n``: the code -> action mapping fitted on ``n``
+    transitions of ``labelled`` (drawn at random), its accuracy on every transition of ``clips`` against chance."""
+    def codes(c: Clips) -> Tensor:  # [N, T-1] code ids
+        device = next(model.parameters()).device
+        q = model.quantizers["Action_Encoder"]
+        idx = torch.cat([model.encode_actions(c.latents[s : s + batch_size].to(device)).indices.cpu()
+                         for s in range(0, len(c), batch_size)])
+        return code_ids(idx, q.codebook_sizes)
+
+    g = torch.Generator().manual_seed(seed)
+    train_ids, test_ids = codes(labelled), codes(clips)
+    T = clips.latents.shape[1]
+    out: dict[int, dict[int, dict]] = {}
+    for world in clips.worlds.unique().tolist():
+        tr_ids, tr_y = train_ids[labelled.worlds == world].flatten(), labelled.actions[labelled.worlds == world, : T - 1].flatten()
+        te_ids, te_y = test_ids[clips.worlds == world].flatten(), clips.actions[clips.worlds == world, : T - 1].flatten()
+        keep, held = tr_y >= 0, te_y >= 0
+        tr_ids, tr_y, te_ids, te_y = tr_ids[keep], tr_y[keep], te_ids[held], te_y[held]
+        out[int(world)] = {}
+        for n in sizes:
+            if len(tr_y) < n or not len(te_y):
+                continue
+            pick = torch.randperm(len(tr_y), generator=g)[:n]
+            accuracy, chance = code_to_action_accuracy(tr_ids[pick], tr_y[pick], te_ids, te_y)
+            out[int(world)][n] = {"accuracy": accuracy, "chance": chance, "margin": probe_margin(chance, len(te_y))}
+    return out
+
+
 def _usage(indices: Tensor, sizes) -> dict:
     """Codes used per level (of each level's size) and distinct tuples used, on the clips."""
     flat = indices.reshape(-1, len(sizes))

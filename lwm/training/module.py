@@ -249,7 +249,7 @@ class WorldModelModule(L.LightningModule):
         x = batch["latents"]  # [B, T, C, H, W]
         self._last_batch = batch  # a reference, to name bad windows if the run stops on non-finite steps
         out = self.model.compute(x, self.global_step, generator=self.step_generator(x.device, batch_idx),
-                                 world_phase=self.model.world_phase_at(self.global_step))
+                                 world_phase=self.model.world_phase_at(self.global_step), labels=batch.get("actions"))
         self._log_train(out.logs, x.shape[0])
         return {"loss": out.loss, **self._codes(out)}
 
@@ -399,7 +399,7 @@ class WorldModelModule(L.LightningModule):
         if "file_index" in batch:  # [B, 3]: non-finite?, file, start
             self._eval_windows.append(torch.stack([nonfinite_mask(x).long(), batch["file_index"], batch["start"]], 1))
         # eval mode: no token mask, no codebook update
-        out = self.model.compute(x, step=None, t0=0, world_phase=self.weights_world_phase)
+        out = self.model.compute(x, step=None, t0=0, world_phase=self.weights_world_phase, labels=batch.get("actions"))
         for key, value in out.logs.items():
             metric = self.val_metrics[_metric_name(key)]
             metric.update(value, weight=x.shape[0])

@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader
 
 from lwm.data.h5 import DataError
 from lwm.data.manifest import Manifest, ManifestEntry, index_directory
+from lwm.data import windows
 from lwm.data.windows import MISSING, FileBatchSampler, H5WindowDataset, collate_windows, inclusion_probabilities, systematic_pps
 from tests.data.conftest import action_pattern, pattern, write_h5
 
@@ -234,6 +235,7 @@ class CountingFile(h5py.File):
 
 @pytest.fixture
 def count_opens(monkeypatch):
+    monkeypatch.setattr(windows, "LOADED_BYTES", 0)  # short files keep handles too
     CountingFile.calls = 0
     monkeypatch.setattr(h5py, "File", CountingFile)
     return CountingFile
@@ -255,13 +257,14 @@ def test_construction_opens_nothing(manifest, count_opens):
     ds.close()
 
 
-def test_new_process_gets_new_handles(dataset, count_opens):
+def test_new_process_gets_new_handles(count_opens, dataset):
     """A forked worker inherits the parent's dict: it must not reuse those handles."""
+    before = count_opens.calls
     dataset[(0, 0)]
     inherited = dataset._handles[0]
     dataset._pid = -1  # as seen from a child process
     item = dataset[(0, 4)]
-    assert dataset._handles[0] is not inherited and count_opens.calls == 2
+    assert dataset._handles[0] is not inherited and count_opens.calls - before == 2
     assert int(item["start"]) == 4
     inherited.file.close()
     dataset.close()
@@ -391,7 +394,7 @@ def test_few_files_whole_rounds(frames, batch_size):
 def test_open_files_are_closed_least_recently_used_first(tmp_path):
     for i in range(3):
         write_h5(tmp_path / f"f{i}.h5", 8)
-    ds = H5WindowDataset(index_directory(tmp_path, val_fraction=0.0), "train", 4, max_open=2)
+    ds = H5WindowDataset(index_directory(tmp_path, val_fraction=0.0), "train", 4, max_open=2, loaded_bytes=0)
     for i in (0, 1, 0, 2):
         ds[(i, 0)]
     assert list(ds._handles) == [0, 2]  # 1 was the least recently used
@@ -603,3 +606,34 @@ def test_a_file_rewritten_shorter_after_setup_is_a_data_error_naming_it(tmp_path
                                         r"was indexed\)"):
         ds[(0, 8)]
     assert ds[(0, 6)]["latents"].shape[0] == WINDOW  # a window the shorter file still holds is read as before
+
+
+def test_label_fraction_keeps_a_fixed_share_of_the_actions(manifest, window_files):
+    _, spec = window_files
+    with pytest.warns(UserWarning):
+        kept = H5WindowDataset(manifest, "train", WINDOW, label_fraction=0.25)
+    index = 2  # c.h5: actions, 100 frames
+    every = np.concatenate([kept[(index, s)]["actions"].numpy() for s in range(0, 100 - WINDOW + 1, WINDOW)])
+    truth = action_pattern(100)[: len(every)]
+    labelled = every != MISSING
+    np.testing.assert_array_equal(every[labelled], truth[labelled])  # what is kept is the true action
+    assert 0.1 < labelled.mean() < 0.4
+    # the same frames in another window, dataset and process: a fixed draw
+    with pytest.warns(UserWarning):
+        again = H5WindowDataset(manifest, "train", WINDOW, label_fraction=0.25)
+    np.testing.assert_array_equal(again[(index, 1)]["actions"].numpy(), every[1 : 1 + WINDOW])
+
+
+def test_a_short_file_is_read_whole_once_and_a_long_one_keeps_a_handle(tmp_path, count_opens, monkeypatch):
+    monkeypatch.setattr(windows, "LOADED_BYTES", 2**20)
+    write_h5(tmp_path / "a_short.h5", windows.LOAD_WINDOWS * WINDOW, actions=True)
+    write_h5(tmp_path / "b_long.h5", windows.LOAD_WINDOWS * WINDOW + 1, actions=True)
+    m = index_directory(tmp_path, val_fraction=0.0)
+    ds, by_window = H5WindowDataset(m, "train", WINDOW), H5WindowDataset(m, "train", WINDOW, loaded_bytes=0)
+    before = count_opens.calls
+    for start in (0, 5, windows.LOAD_WINDOWS * WINDOW - WINDOW, 3):
+        for name in ("latents", "actions"):
+            assert torch.equal(ds[(0, start)][name], by_window[(0, start)][name])
+    ds[(1, 0)], ds[(1, 7)]
+    assert list(ds._loaded) == [0] and ds._loaded[0].file is None and list(ds._handles) == [1]
+    assert count_opens.calls - before == 2 + 1  # ds: one open per file; by_window: its one handle
