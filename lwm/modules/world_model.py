@@ -240,6 +240,18 @@ class WorldModelConfig:
         "mlp_ratio", "tokenizer_hidden", "d_code_action", "d_code_world", "codebook_sizes_action",
         "codebook_sizes_world", "action_labels")
 
+    # Fields of earlier versions, deleted with the setting they had by default: a checkpoint that holds them loads
+    # where it kept that setting.
+    RETIRED: ClassVar[dict[str, object]] = {"fusion": "add", "change_weight": 0.0}
+
+    @classmethod
+    def from_dict(cls, fields: dict) -> "WorldModelConfig":
+        """A checkpoint's ``net`` hyperparameters as a config (its retired fields at their defaults dropped)."""
+        changed = [f"{k}={v!r}" for k, v in fields.items() if k in cls.RETIRED and v != cls.RETIRED[k]]
+        if changed:
+            raise ConfigError(f"model.net: {', '.join(changed)} is no longer an option of this lwm version")
+        return cls(**{k: v for k, v in fields.items() if k not in cls.RETIRED})
+
     @property
     def grid(self) -> tuple[int, int]:
         """The token grid ``(Hp, Wp)``: the CNN tokenizer downsamples by ``Tokenizer.DOWNSAMPLE`` (4)."""

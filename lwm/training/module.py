@@ -67,7 +67,7 @@ class WorldModelModule(L.LightningModule):
         max_nonfinite: int = 5,
     ) -> None:
         super().__init__()
-        net = WorldModelConfig(**net) if isinstance(net, dict) else net  # dicts: from a checkpoint's hparams
+        net = WorldModelConfig.from_dict(net) if isinstance(net, dict) else net  # dicts: from a checkpoint's hparams
         optim = OptimConfig(**optim) if isinstance(optim, dict) else optim
         if max_nonfinite < 1:
             raise ConfigError(f"model.max_nonfinite must be >= 1, got {max_nonfinite}")

@@ -761,3 +761,10 @@ def test_the_label_head_learns_from_the_labelled_transitions_only():
     assert torch.allclose(out.loss, none.loss + 0.5 * expected)
     plain = tiny_model(mask_prob=0.0).train().compute(x, step=0, t0=0, generator=torch.Generator().manual_seed(0))
     assert torch.equal(none.logs["Dynamics_Predictor/prediction_loss"], plain.logs["Dynamics_Predictor/prediction_loss"])
+
+
+def test_a_checkpoints_retired_fields_load_at_their_defaults_only():
+    fields = {**TINY, "fusion": "add", "change_weight": 0.0}
+    assert WorldModelConfig.from_dict(fields) == WorldModelConfig(**TINY)
+    with pytest.raises(ConfigError, match="^model\\.net: fusion='film'"):
+        WorldModelConfig.from_dict({**fields, "fusion": "film"})
