@@ -216,7 +216,7 @@ class TransformerBlock(nn.Module):
         x = x + self.mlp_update(x)
         return x, weights, kv
 
-    # The three residual branches, each ``[B, t, N, D] -> [B, t, N, D]`` (also timed one by one in ``lwm bench``).
+    # The three residual branches, each ``[B, t, N, D] -> [B, t, N, D]``.
     def spatial_update(self, x: Tensor) -> Tensor:
         """Attention over the ``N`` patches of each frame."""
         s, _, _ = self.spatial(rearrange(self.norm_spatial(x), "b t n d -> (b t) n d"))

@@ -1,0 +1,197 @@
+"""WorldModelConfig: every hyperparameter of the world model, the requirement's as defaults, and its checks."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import ClassVar
+
+from lwm.modules.rvq import RVQ_EPS
+from lwm.modules.st_transformer import ATTENTION_KERNELS, Tokenizer
+from lwm.utils.errors import ConfigError
+
+
+ACTION_INPUTS = ("tokens", "transition")
+
+
+@dataclass(frozen=True)
+class WorldModelConfig:
+    """Every hyperparameter of :class:`WorldModel`; the defaults are the requirement's."""
+
+    in_channels: int = 16  # latent channels C
+    height: int = 64  # latent height H (divisible by 4: the tokenizer downsamples by 4)
+    width: int = 64  # latent width W (divisible by 4)
+    d_model: int = 512  # token width D (divisible by 4 and by n_heads)
+    n_heads: int = 8  # attention heads in every ST transformer
+    depth_action: int = 3  # ST blocks of the action encoder
+    depth_world: int = 3  # ST blocks of the world encoder
+    depth_dynamics: int = 3  # ST blocks of the dynamics predictor
+    mlp_ratio: float = 4.0  # MLP hidden width / D
+    tokenizer_hidden: int | None = None  # channels inside the CNN tokenizer/detokenizer (None: max(D/2, 16))
+    d_code_action: int = 32  # action code width Da
+    d_code_world: int = 64  # world code width Dh
+    codebook_sizes_action: tuple[int, ...] = (12, 64, 256)  # codes per RVQ level, action quantizer
+    codebook_sizes_world: tuple[int, ...] = (12, 24, 48, 256, 256, 256)  # codes per RVQ level, world quantizer
+    beta_action: float = 0.25  # beta_a of the requirement's summed loss (per-element weight: see commitment_weights)
+    beta_world: float = 0.25  # beta_h of the requirement's summed loss (per-element weight: see commitment_weights)
+    mask_prob: float = 0.1  # Bernoulli token-mask probability (world encoder + predictor inputs, training only)
+    rollout_weights: tuple[float, ...] = (1.0, 0.8, 0.5)  # loss weights of (TF, rollout 1, rollout 2, ...)
+    max_time_offset: int = 256  # training draws the temporal-PE start uniformly from [0, max_time_offset]
+    ema_decay_start: float = 0.9  # EMA decay of both quantizers at step 0
+    ema_decay_end: float = 0.99  # EMA decay from ema_decay_steps on (linear in between)
+    ema_decay_steps: int = 5000  # length of the EMA decay schedule, in global steps
+    dead_code_steps: int = 100  # a code unused for this many updates is dead (replaced by ``revive``)
+    activation_checkpointing: bool = False  # recompute every ST block's activations in the backward: less memory
+    temporal_attention: str = "sdpa"  # temporal attention kernel: sdpa | matmul | triton (the same function; speed differs)
+    # Optional world-token warm-up (not the requirement's, off by default): the predictor first trains this many
+    # steps without the world token, then this many with the world encoder's output unquantized, then with the code.
+    world_curriculum: tuple[int, int] = (0, 0)
+    # Not the requirement's (off by default): the predictor outputs the change from the frame it was fed, so an
+    # untrained model copies the last frame (its detokenizer's last layer starts at zero).
+    residual: bool = False
+    # What the action encoder reads: "tokens" (the shared tokenizer's, the requirement's), or "transition": a
+    # tokenizer of its own on each frame beside its change to the next, each transition alone (Genie's latent action
+    # model reads pixels, not the dynamics' tokens; without the frames before, its code cannot say "as before").
+    action_input: str = "tokens"
+    action_spatial_pe: bool = True  # the action encoder's tokens get the spatial PE (without: its code cannot say where)
+    # Not the requirement's (0: off): in training the action encoder reads each clip rolled by a random spatial shift
+    # of 0..action_shift latent cells per axis. A code that named where in its token a change falls (the strided
+    # tokenizer tells the phase) would then mislead the predictor, which sees the clip unshifted: the code must say
+    # how things move.
+    action_shift: int = 0
+    # The frames the world encoder reads: the first world_frames of a clip (None: all of them, the requirement's). A
+    # world code that sees the frames it helps predict can carry them rather than the world.
+    world_frames: int | None = None
+    # The probability that a training step's predictor sees each frame alone, without the frames before it: the codes
+    # must then carry the whole transition (a sticky policy's history otherwise tells much of the next action).
+    context_dropout: float = 0.0
+    # Not the requirement's (0: off): the weight of a contrastive loss (InfoNCE, against the batch's other clips) that
+    # makes the world vectors of a clip's first and last frames agree: the code must carry what stays the same along
+    # a clip, the world, even where the predictor reads the world from the frames. It trains the world encoder alone.
+    world_contrast: float = 0.0
+    # Not the requirement's (0: off): the number of true action classes a linear head reads from each action code,
+    # trained by cross-entropy on the transitions whose label the batch keeps (data.label_fraction):
+    # a few labels tell the action code what to name (LAOM's semi-supervision). Unlabelled transitions (-1) add nothing.
+    action_labels: int = 0
+    label_weight: float = 0.1  # the head's cross-entropy weight in the loss
+
+    # The fields that decide the parameters' and buffers' shapes (a checkpoint loads only where they agree).
+    SHAPE_FIELDS: ClassVar[tuple[str, ...]] = (
+        "in_channels", "height", "width", "d_model", "n_heads", "depth_action", "depth_world", "depth_dynamics",
+        "mlp_ratio", "tokenizer_hidden", "d_code_action", "d_code_world", "codebook_sizes_action",
+        "codebook_sizes_world", "action_labels")
+
+    # Fields of earlier versions, deleted with the setting they had by default: a checkpoint that holds them loads
+    # where it kept that setting.
+    RETIRED: ClassVar[dict[str, object]] = {"fusion": "add", "change_weight": 0.0}
+
+    @classmethod
+    def from_dict(cls, fields: dict) -> "WorldModelConfig":
+        """A checkpoint's ``net`` hyperparameters as a config (its retired fields at their defaults dropped)."""
+        changed = [f"{k}={v!r}" for k, v in fields.items() if k in cls.RETIRED and v != cls.RETIRED[k]]
+        if changed:
+            raise ConfigError(f"model.net: {', '.join(changed)} is no longer an option of this lwm version")
+        return cls(**{k: v for k, v in fields.items() if k not in cls.RETIRED})
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        """The token grid ``(Hp, Wp)``: the CNN tokenizer downsamples by ``Tokenizer.DOWNSAMPLE`` (4)."""
+        return self.height // Tokenizer.DOWNSAMPLE, self.width // Tokenizer.DOWNSAMPLE
+
+    @property
+    def min_frames(self) -> int:
+        """The shortest training clip: every rollout pass needs one position left to score."""
+        return len(self.rollout_weights) + 1
+
+    def __post_init__(self) -> None:
+        """Refuse an invalid configuration, one line per problem naming the field (``model.net.X``)."""
+        problems = _config_problems(self)
+        if problems:
+            raise ConfigError("\n".join(f"model.net.{p}" for p in problems))
+        _warn_if_unused_codes_shrink(self)
+
+
+def _config_problems(c: WorldModelConfig) -> list[str]:
+    """Every problem of a configuration, one line each naming its field (without the ``model.net.`` prefix)."""
+    nonfinite = [name for name in c.__dataclass_fields__ if _nonfinite(getattr(c, name))]
+    problems = []
+    for name in nonfinite:  # (the range checks below skip these)
+        value = getattr(c, name)
+        what = "finite numbers" if isinstance(value, (tuple, list)) else "a finite number"
+        problems.append(f"{name} must be {what}, got {_as_tuples(value)}")
+    down = Tokenizer.DOWNSAMPLE
+    if c.height % down or c.width % down or min(c.height, c.width) < down:
+        problems.append(f"height and model.net.width must be positive multiples of {down} (the tokenizer "
+                        f"downsamples by {down}), got {c.height}x{c.width}")
+    if c.d_model < 4 or c.d_model % 4 or c.n_heads < 1 or c.d_model % c.n_heads:
+        problems.append(f"d_model must be divisible by 4 and by n_heads ({c.n_heads}), got {c.d_model}")
+    if c.action_shift < 0:
+        problems.append(f"action_shift must be >= 0, got {c.action_shift}")
+    for name in ("in_channels", "depth_action", "depth_world", "depth_dynamics", "d_code_action", "d_code_world",
+                 "ema_decay_steps", "dead_code_steps"):
+        lowest = 0 if name == "ema_decay_steps" else 1
+        if getattr(c, name) < lowest:
+            problems.append(f"{name} must be >= {lowest}, got {getattr(c, name)}")
+    for name in ("codebook_sizes_action", "codebook_sizes_world"):
+        sizes = tuple(getattr(c, name))
+        if not sizes or any(int(k) < 1 for k in sizes):
+            problems.append(f"{name} needs at least one level and at least one code per level, got {sizes}")
+    if c.tokenizer_hidden is not None and c.tokenizer_hidden < 1:
+        problems.append(f"tokenizer_hidden must be >= 1 (or null: max(d_model/2, 16)), got {c.tokenizer_hidden}")
+    if "mlp_ratio" not in nonfinite:
+        if not c.mlp_ratio > 0:
+            problems.append(f"mlp_ratio must be > 0, got {c.mlp_ratio}")
+        elif c.d_model >= 1 and int(c.d_model * c.mlp_ratio) < 1:  # (the MLP's hidden width)
+            problems.append(f"mlp_ratio must give an MLP hidden width int(d_model * mlp_ratio) >= 1, got "
+                            f"{c.mlp_ratio} (width {int(c.d_model * c.mlp_ratio)} at d_model {c.d_model})")
+    if c.action_labels < 0:
+        problems.append(f"action_labels must be >= 0 (0: no label head), got {c.action_labels}")
+    for name in ("beta_action", "beta_world", "world_contrast", "label_weight"):
+        if name not in nonfinite and not getattr(c, name) >= 0:
+            problems.append(f"{name} must be >= 0, got {getattr(c, name)}")
+    if "context_dropout" not in nonfinite and not 0.0 <= c.context_dropout <= 1.0:
+        problems.append(f"context_dropout must lie in [0, 1], got {c.context_dropout}")
+    if "mask_prob" not in nonfinite and not 0.0 <= c.mask_prob < 1.0:
+        problems.append(f"mask_prob must lie in [0, 1), got {c.mask_prob}")
+    if not c.rollout_weights:
+        problems.append("rollout_weights needs at least the teacher-forcing weight")
+    elif "rollout_weights" not in nonfinite and (not all(w >= 0 for w in c.rollout_weights)
+                                                 or not any(w > 0 for w in c.rollout_weights)):
+        problems.append(f"rollout_weights must be >= 0, not all 0, got {_as_tuples(c.rollout_weights)}")
+    if c.max_time_offset < 0:
+        problems.append(f"max_time_offset must be >= 0, got {c.max_time_offset}")
+    for name in ("ema_decay_start", "ema_decay_end"):
+        if name not in nonfinite and not 0.0 <= getattr(c, name) < 1.0:
+            problems.append(f"{name} must lie in [0, 1), got {getattr(c, name)}")
+    if len(c.world_curriculum) != 2 or any(int(n) < 0 for n in c.world_curriculum):
+        problems.append(f"world_curriculum must be two step counts >= 0 (without, then unquantized), got "
+                        f"{tuple(c.world_curriculum)}")
+    if c.world_frames is not None and c.world_frames < 1:
+        problems.append(f"world_frames must be >= 1 (or null: every frame), got {c.world_frames}")
+    if c.action_input not in ACTION_INPUTS:
+        problems.append(f"action_input must be one of {ACTION_INPUTS}, got {c.action_input!r}")
+    if c.temporal_attention not in ATTENTION_KERNELS:
+        problems.append(f"temporal_attention must be one of {ATTENTION_KERNELS}, got {c.temporal_attention!r}")
+    return problems
+
+
+def _warn_if_unused_codes_shrink(c: WorldModelConfig) -> None:
+    """Warn where a code unused for ``dead_code_steps`` updates shrinks towards zero before it counts as dead."""
+    decay = min(c.ema_decay_start, c.ema_decay_end) if c.ema_decay_steps else c.ema_decay_end
+    if decay ** c.dead_code_steps < RVQ_EPS:  # see lwm/modules/rvq.py: unused codes shrink by g^t/(g^t+eps)
+        warnings.warn(f"model.net.dead_code_steps={c.dead_code_steps} at an EMA decay of {decay}: a code "
+                      f"unused that long shrinks below half its length (decay^steps < eps = {RVQ_EPS}) before it "
+                      f"counts as dead and is revived; unused codes drift to zero. Fewer dead_code_steps or a "
+                      f"higher ema_decay_start avoid it", stacklevel=4)  # the caller of WorldModelConfig(...)
+
+
+def _nonfinite(value: object) -> bool:
+    """Whether a float field (or a tuple field's float) is inf or nan."""
+    values = value if isinstance(value, (tuple, list)) else (value,)
+    return any(isinstance(v, float) and not math.isfinite(v) for v in values)
+
+
+def _as_tuples(value: object) -> object:
+    """A tuple field as a tuple (configs give lists), for messages."""
+    return tuple(value) if isinstance(value, list) else value
