@@ -6,19 +6,19 @@
 #   benchmarks/gpu.sh OUT_DIR [--budget SECONDS] STAGE...|all
 #
 #   stages, in the order `all` runs them (the most wanted first): check bench loader attention generate deepspeed
-#   kernels bench_kernels breakdown maxbatch generate_triton maxbatch_ckpt
+#   kernels bench_kernels profile maxbatch generate_triton maxbatch_ckpt
 #
 # A lease here is 15 minutes of device time, the machine's start included, and a call returns at most 8 files. So:
 # --budget is the seconds this run may take (give the call's timeout_s about 30 more): a stage starts only if the
 # time left is at least its estimate (MIN below, a guess until a GPU session measures it), every command in it stops
-# at the budget or at the stage's cap (CAP), and the stages go on after a failing or stopped command (lwm bench
-# writes its JSON after each variant, so a stopped stage keeps what it measured). `all` leaves out the stages an
-# earlier call on the same machine finished (their logs stay), so calls of `all` one after another, on a machine
-# still warm, go on where the last one stopped; a stage named on its own always runs. Scratch data, runs, logs and
-# JSON stay under /tmp (LWM_GPU_SCRATCH), never in OUT_DIR, which gets two files after every stage: summary.txt
-# (each stage's status and seconds, or why it was skipped, call after call; printed last) and gpu_results.tar.gz
-# (every log and JSON so far). Results go into docs/performance.md and docs/generation.md by hand, with the
-# device's name and the date (both printed by every tool).
+# at the budget or at the stage's cap (CAP), and the stages go on after a failing or stopped command
+# (benchmarks/train_step.py writes its JSON after each row, so a stopped stage keeps what it measured). `all`
+# leaves out the stages an earlier call on the same machine finished (their logs stay), so calls of `all` one after
+# another, on a machine still warm, go on where the last one stopped; a stage named on its own always runs. Scratch
+# data, runs, logs and JSON stay under /tmp (LWM_GPU_SCRATCH), never in OUT_DIR, which gets two files after every
+# stage: summary.txt (each stage's status and seconds, or why it was skipped, call after call; printed last) and
+# gpu_results.tar.gz (every log and JSON so far). Results go into docs/performance.md and docs/generation.md by
+# hand, with the device's name and the date (both printed by every tool).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: benchmarks/gpu.sh OUT_DIR [--budget SECONDS] STAGE...|all}
@@ -42,10 +42,10 @@ RESERVE=15  # seconds kept at the end of a budget for packing the results
 # the CPU and the H100 runs of 2026-11-22 (a base step: 314 ms compiled, 460 eager; compiling at base: minutes),
 # not yet measured on this machine.
 declare -A MIN=([check]=5 [bench]=240 [loader]=45 [attention]=60 [generate]=60 [deepspeed]=150 [kernels]=60
-                [bench_kernels]=240 [breakdown]=180 [maxbatch]=240 [generate_triton]=60 [maxbatch_ckpt]=240)
-declare -A CAP=([check]=60 [bench]=270 [loader]=120 [attention]=150 [generate]=150 [deepspeed]=240 [kernels]=180
+                [bench_kernels]=240 [profile]=180 [maxbatch]=240 [generate_triton]=60 [maxbatch_ckpt]=240)
+declare -A CAP=([check]=60 [bench]=420 [loader]=120 [attention]=150 [generate]=150 [deepspeed]=240 [kernels]=180
                 [generate_triton]=150)  # the others: no cap but the budget
-ALL=(check bench loader attention generate deepspeed kernels bench_kernels breakdown maxbatch generate_triton
+ALL=(check bench loader attention generate deepspeed kernels bench_kernels profile maxbatch generate_triton
      maxbatch_ckpt)
 
 peak() {  # Lightning knows the H100's bf16 dense peak, not the H200's (the same 989 TFLOP/s)
@@ -92,7 +92,7 @@ stage_attention() {  # temporal attention formulations side by side, % of the co
     run $PY benchmarks/temporal_attention.py --backward
     run $PY benchmarks/temporal_attention.py
 }
-stage_loader() {  # windows/s the loader delivers; the step consumes the bench's steps/s x batch 32 (bench.json)
+stage_loader() {  # windows/s the loader delivers; the step consumes train_step's steps/s x batch 32 (bench.json)
     local need=""
     if [ -f "$RESULTS/bench.json" ]; then  # (a JSON cut short, or no variant measured yet: 100)
         need=$($PY -c "import json; r = json.load(open('$RESULTS/bench.json'))
@@ -120,28 +120,31 @@ stage_deepspeed() {  # ZeRO stage 2 on one GPU: 20 steps with a checkpoint at 10
     run ls -R "$root/checkpoints"
     run cp "$root/metrics.csv" "$RESULTS/deepspeed_metrics.csv"
 }
-# lwm bench writes its JSON after each variant (and each max-batch trial): a stage stopped at its time keeps what
-# it measured. Each compiled variant compiles anew (minutes at base; inductor's on-disk cache helps the later ones).
-stage_bench() {  # the base training step: eager reference, compiled fast path, the real Lightning step
-    run $LWM bench --config $BASE --steps 10 --warmup 3 --no-breakdown $(peak) --json "$RESULTS/bench.json"
+# benchmarks/train_step.py writes its JSON after each row: a stage stopped at its time keeps what it measured. Each
+# compiled row compiles anew (minutes at base; inductor's on-disk cache helps the later ones); dynamo's graph breaks
+# and recompiles go to the log (TORCH_LOGS).
+STEP=benchmarks/train_step.py
+stage_bench() {  # the base step: raw (compiled), raw eager, the same step in lwm fit on synthetic data, the loader
+    local -x TORCH_LOGS=graph_breaks,recompiles
+    run $PY $STEP --config $BASE --steps 10 --warmup 3 $(peak) --json "$RESULTS/bench.json"
 }
-stage_bench_kernels() {  # the fast path with each temporal-attention kernel, side by side
-    run $LWM bench --config $BASE --steps 10 --warmup 3 --kernels matmul triton --no-reference --no-lightning \
-        --no-breakdown $(peak) --json "$RESULTS/bench_kernels.json"
+stage_bench_kernels() {  # the raw step with each temporal-attention kernel, side by side
+    local -x TORCH_LOGS=graph_breaks,recompiles
+    run $PY $STEP --config $BASE --steps 10 --warmup 3 --kernels matmul triton --raw-only $(peak) \
+        --json "$RESULTS/bench_kernels.json"
 }
 stage_kernels() {  # the Triton kernels compiled on the GPU: against SDPA (bf16 too), and their resources
     # without the project's addopts (--strict-markers would refuse the timeout marker where pytest-timeout is missing)
     run $PY -m pytest -q -p no:cacheprovider -o addopts=-ra tests/modules/test_triton_attention.py
     run $PY benchmarks/triton_kernels.py
 }
-stage_breakdown() {  # each part alone, and what each rollout pass adds (eager), beside the compiled fast path
-    run $LWM bench --config $BASE --steps 10 --warmup 3 --no-reference --no-lightning $(peak) \
-        --json "$RESULTS/breakdown.json"
+stage_profile() {  # torch.profiler's operator table of the compiled raw step, and its host syncs
+    run $PY $STEP --config $BASE --steps 5 --warmup 3 --raw-only --profile $(peak) --json "$RESULTS/profile.json"
 }
 # The largest batch on an 80 GB card, to 8 samples: PyTorch sees 79.2 GiB on an H100 80GB, less its CUDA context.
 maxbatch() {
-    run $LWM bench --config $BASE --max-batch --memory-gib 78.5 --batch-step 8 --no-reference --no-breakdown \
-        --no-lightning --steps 3 --warmup 2 "$@" $(peak) --json "$RESULTS/maxbatch${1:+_checkpointing}.json"
+    run $PY $STEP --config $BASE --max-batch --memory-gib 78.5 --batch-step 8 --raw-only --steps 3 --warmup 2 "$@" \
+        $(peak) --json "$RESULTS/maxbatch${1:+_checkpointing}.json"
 }
 stage_maxbatch() { maxbatch; }
 stage_maxbatch_ckpt() { maxbatch --model.net.activation_checkpointing=true; }

@@ -139,7 +139,7 @@ def unpacked(out: Path, tmp_path: Path) -> Path:
     return where
 
 
-STAGES = ("check", "bench", "loader", "attention", "generate", "deepspeed", "kernels", "bench_kernels", "breakdown",
+STAGES = ("check", "bench", "loader", "attention", "generate", "deepspeed", "kernels", "bench_kernels", "profile",
           "maxbatch", "generate_triton", "maxbatch_ckpt")  # `all`, the most wanted first
 
 
@@ -176,9 +176,9 @@ def test_gpu_recipe_parses_and_all_runs_every_stage_in_its_order():
 @pytest.mark.slow
 def test_gpu_recipe_runs_the_documented_commands(tmp_path):
     """Every stage with a stand-in python that records its arguments and environment: the commands
-    docs/performance.md describes (bench, the loader, both attention directions, generation with sdpa and triton, a
-    DeepSpeed fit resumed from last, the compiled kernels, bench with every kernel, the breakdown, max batch on an
-    80 GB card with and without checkpointing); the logs and JSON packed into one archive, scratch data outside
+    docs/performance.md describes (the training step, the loader, both attention directions, generation with sdpa
+    and triton, a DeepSpeed fit resumed from last, the compiled kernels, the step with every kernel, its profile, max
+    batch on an 80 GB card with and without checkpointing); the logs and JSON packed into one archive, scratch data outside
     OUT_DIR; a second call of `all` leaves out what the first finished, a stage named on its own runs again."""
     fake, record = fake_python(tmp_path)
     out, scratch = tmp_path / "out", tmp_path / "scratch"
@@ -193,7 +193,7 @@ def test_gpu_recipe_runs_the_documented_commands(tmp_path):
     joined = "\n".join(calls)
     # the carried wheels first, into a folder on the path of every later command
     assert calls[0].startswith("TRITON_INTERPRET=0 -m pip install -q --no-index --no-deps") and str(wheels) in calls[0]
-    for expected in ("-m lwm.cli bench --config configs/base.yaml --steps 10 --warmup 3 --no-breakdown --json",
+    for expected in ("benchmarks/train_step.py --config configs/base.yaml --steps 10 --warmup 3 --json",
                      "benchmarks/data_loader.py --need 100 --workers 1 2 4",
                      "benchmarks/temporal_attention.py --backward",
                      "--precision bf16 --temporal-attention sdpa", "--precision bf16 --temporal-attention triton",
@@ -201,10 +201,10 @@ def test_gpu_recipe_runs_the_documented_commands(tmp_path):
                      "--trainer.max_steps 30 --ckpt_path last",
                      "-m pytest -q -p no:cacheprovider -o addopts=-ra tests/modules/test_triton_attention.py",
                      "benchmarks/triton_kernels.py",
-                     "--kernels matmul triton --no-reference --no-lightning --no-breakdown",
-                     "-m lwm.cli bench --config configs/base.yaml --steps 10 --warmup 3 --no-reference --no-lightning",
-                     "--max-batch --memory-gib 78.5 --batch-step 8 --no-reference --no-breakdown --no-lightning "
-                     "--steps 3 --warmup 2 --model.net.activation_checkpointing=true"):
+                     "--kernels matmul triton --raw-only",
+                     "benchmarks/train_step.py --config configs/base.yaml --steps 5 --warmup 3 --raw-only --profile",
+                     "--max-batch --memory-gib 78.5 --batch-step 8 --raw-only --steps 3 --warmup 2 "
+                     "--model.net.activation_checkpointing=true"):
         assert expected in joined, expected
     assert str(out) not in joined  # scratch data, runs and JSON never in OUT_DIR (a call returns 8 files)
     results = unpacked(out, tmp_path)

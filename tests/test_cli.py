@@ -100,24 +100,6 @@ def test_error_lines_take_the_last_raise_of_a_chained_worker_traceback():
     assert error_lines(e) == ["outer", "second line"]
 
 
-def test_did_you_mean_only_for_a_near_key():
-    from lwm.cli.lightning_cli import parse_error_line
-
-    keys = ["--model.net.d_model", "--trainer.max_steps", "--data.window"]
-    assert "did you mean --model.net.d_model?" in parse_error_line("unrecognized arguments: ...", keys, ["--model.net.dmodel=3"])
-    assert "did you mean" not in parse_error_line("unrecognized arguments: ...", keys, ["--trainer.zz=3"])
-    # a key without its section, or in the wrong one: the one option of that name (a fuzzy match took --model)
-    keys += ["--model", "--model.optim.lr", "--revival.every_n_steps", "--slurm_requeue.every_n_steps"]
-    assert "did you mean --trainer.max_steps?" in parse_error_line("unrecognized arguments: ...", keys, ["--max_steps=3"])
-    assert "did you mean --model.optim.lr?" in parse_error_line("unrecognized arguments: ...", keys, ["--model.lr=3"])
-    assert "did you mean --revival.every_n_steps?" in parse_error_line(
-        "unrecognized arguments: ...", keys, ["--revival.every_n_step=3"])  # (two of that name elsewhere: the fuzzy match)
-    # the one key of that section whose name has all the given words, where the fuzzy match took another
-    keys += ["--checkpoint.every_n_epochs", "--checkpoint.every_n_train_steps"]
-    assert "did you mean --checkpoint.every_n_train_steps?" in parse_error_line(
-        "unrecognized arguments: ...", keys, ["--checkpoint.every_n_steps=3"])
-
-
 @pytest.mark.slow
 def test_a_missing_required_key_is_named_as_its_option(capsys):
     from lwm.cli.main import main
@@ -145,7 +127,6 @@ def test_an_os_error_not_about_a_path_keeps_its_traceback(monkeypatch):
     ["bogus-verb"],
     ["overfit", "--steps", "0"],
     ["plot"],
-    ["bench", "--steps", "x"],
     ["demo", "--steps", "x"],
     ["data", "decode", "f.h5", "--out", "x.gif", "--fps", "0"],
     ["data", "decode", "f.h5", "--out", "x.gif", "--fps", "2000"],  # (PyAV fails at some rates above 65536)
@@ -177,7 +158,7 @@ def test_python_dash_m_lwm_is_the_lwm_command():
 
 
 def test_help_shows_each_default_once(capsys):
-    for argv in (["data", "index", "--help"], ["generate", "--help"], ["bench", "--help"], ["codes", "--help"]):
+    for argv in (["data", "index", "--help"], ["generate", "--help"], ["codes", "--help"]):
         with pytest.raises(SystemExit):
             main(argv)
         text = " ".join(capsys.readouterr().out.split())  # (argparse wraps the lines)

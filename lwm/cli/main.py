@@ -108,7 +108,6 @@ _OWN_PARSERS = {
     "plot": ("lwm.cli.plot", "PNG figures of a run from RUN_DIR/metrics.csv"),
     "demo": ("lwm.cli.demo", "the main job on a CPU: synthetic world, fit, validate, videos, report"),
     "resume-info": ("lwm.cli.resume_info", "RUN_DIR and the checkpoint that continues it (for the SLURM scripts)"),
-    "bench": ("lwm.cli.bench", "time a config's training step beside an eager fp32 reference; FLOPs, MFU, breakdown"),
     "data synth": ("lwm.data.synth", "make the built-in synthetic world"),
     "data atari": ("lwm.data.atari", "record Atari games (ale-py) with true actions, game id as world label"),
 }

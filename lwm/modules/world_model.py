@@ -139,7 +139,7 @@ class WorldModel(nn.Module):
 
     @contextmanager
     def counting_form(self) -> Iterator[None]:
-        """The model in the form whose FLOP count is the step's useful work (``lwm bench``, the ``flops``
+        """The model in the form whose FLOP count is the step's useful work (``benchmarks/train_step.py``, the ``flops``
         callback), inside the block: no activation checkpointing (its recomputed forward is not useful work) and
         attention by SDPA (counted for the pairs the mask allows; the matmul kernel's count includes the pairs the
         mask drops). The same function either way."""
