@@ -9,10 +9,14 @@ TORCH_INDEX ?=
 
 .PHONY: venv browser demo test test-fast clean
 
+# the package for `make demo`; its test extras (the VAE, Atari and play paths, pytest) for `make test`
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.dev: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
@@ -28,11 +32,11 @@ browser:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium \
 	  >/dev/null; } || echo "make: chromium not installed (needs root and apt-get): lwm play's browser tests are skipped"
 
-test: venv browser
+test: $(VENV)/.dev browser
 	$(PY) -m pytest -n 2 -q tests
 
 # the unit tier, for the edit-test loop: the tests not marked slow (under 3 minutes on 2 cores)
-test-fast: venv
+test-fast: $(VENV)/.dev
 	$(PY) -m pytest -n 2 -q -m unit tests
 
 clean:
