@@ -30,7 +30,7 @@ class AttentionDiagonality(L.Callback):
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        step = trainer.fit_loop.epoch_loop._batches_that_stepped
+        step = trainer.global_step
         if not logs_at_this_step(trainer) or step == self._train_step_done:  # (accumulation: the window's first batch)
             return
         self._train_step_done = step

@@ -60,7 +60,7 @@ class FlopCounter(L.Callback):
                 loss.backward()
             pl_module.zero_grad(set_to_none=True)
 
-        with model.counting_form():  # (as lwm bench counts it)
+        with model.counting_form():  # (as benchmarks/train_step.py counts it)
             flops = count_flops(step, dense=False).useful * x.shape[0]
         return int(flops if backward else 3 * flops)
 

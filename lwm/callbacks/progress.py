@@ -54,7 +54,7 @@ class StepProgressBar(RichProgressBar):
     """``Epoch 3 · step 1200/100000`` instead of Lightning's ``Epoch 3/-2`` when only ``max_steps`` is set, and one
     validation task at a time (Lightning's bar keeps each finished validation's hidden task: over days of
     training, thousands, each one more to render at every refresh), and an epoch resumed mid-way counted to its
-    end (its total set at its first batch, through Lightning's private ``_initialize_train_progress_bar_id``)."""
+    end (its total set at its first batch)."""
 
     def __init__(self, refresh_rate: int = 1, leave: bool = False,
                  theme: RichProgressBarTheme = RichProgressBarTheme(), console_kwargs: dict[str, Any] | None = None,
@@ -71,14 +71,15 @@ class StepProgressBar(RichProgressBar):
         self._start: tuple[float, int] | None = None
         self._last_text = 0.0
         self._epoch_sized: int | None = None  # the epoch whose bar total was set at its first batch in this process
+        self._epoch_total: int | float | None = None  # that total, set on the bar at the batch's end
 
     def _plain(self) -> bool:
         """Whether this rank's progress goes, as plain lines, to output that is not a terminal."""
-        return bool(self.text_every_s) and self.is_enabled and self._console is not None \
-            and not self._console.is_terminal
+        return bool(self.text_every_s) and self.is_enabled and self.progress is not None \
+            and not self.progress.console.is_terminal
 
     def _say(self, line: str) -> None:
-        self._console.print(line, markup=False, highlight=False, soft_wrap=True)
+        self.progress.console.print(line, markup=False, highlight=False, soft_wrap=True)
 
     def progress_line(self, trainer: L.Trainer, now: float) -> str:
         """``step 1200/100000 · epoch 3 · 2.14 steps/s · Train_Total/loss 0.0123 · 0:09:20 elapsed, 12:48:00 to go``
@@ -112,13 +113,8 @@ class StepProgressBar(RichProgressBar):
         if self._start is None:
             self._start = (time.monotonic(), trainer.global_step)
             self._last_text = self._start[0]
-        if self.progress is not None and self.train_progress_bar_id is None and not self.is_disabled:
-            self._initialize_train_progress_bar_id()  # an epoch resumed mid-way
-        if self._epoch_sized != trainer.current_epoch and self.progress is not None \
-                and self.train_progress_bar_id is not None:
-            self._epoch_sized = trainer.current_epoch
-            self.progress.update(self.train_progress_bar_id, total=self.epoch_batches(trainer, batch_idx),
-                                 completed=batch_idx)
+        if self._epoch_sized != trainer.current_epoch:  # its first batch here: as far as max_steps lets it run
+            self._epoch_sized, self._epoch_total = trainer.current_epoch, self.epoch_batches(trainer, batch_idx)
 
     @override
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -128,10 +124,9 @@ class StepProgressBar(RichProgressBar):
             if losses:
                 self._say(f"validation at step {trainer.global_step}: {losses}")
 
-    @override
-    def _get_train_description(self, current_epoch: int) -> str:
-        trainer = self.trainer
-        text = f"Epoch {current_epoch}"
+    def train_description(self, trainer: L.Trainer) -> str:
+        """``Epoch 3 · step 1200/100000`` (Lightning's ``Epoch 3/-2`` where only ``max_steps`` is set)."""
+        text = f"Epoch {trainer.current_epoch}"
         if trainer.max_epochs is not None and trainer.max_epochs > 0:
             text += f"/{trainer.max_epochs - 1}"
         if trainer.max_steps is not None and trainer.max_steps > 0:
@@ -140,13 +135,21 @@ class StepProgressBar(RichProgressBar):
             text = f"{text:{len(self.validation_description)}}"
         return text
 
+    def _describe(self, trainer: L.Trainer, **fields: Any) -> None:
+        if self.progress is not None and self.train_progress_bar_id is not None:
+            self.progress.update(self.train_progress_bar_id, description=self.train_description(trainer), **fields)
+
+    @override
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_epoch_start(trainer, pl_module)
+        self._describe(trainer)
+
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        if self.progress is not None and self.train_progress_bar_id is not None:
-            description = self._get_train_description(trainer.current_epoch)
-            self.progress.update(self.train_progress_bar_id, description=description)
+        self._describe(trainer, **({"total": self._epoch_total} if self._epoch_total is not None else {}))
+        self._epoch_total = None
         now = time.monotonic()
         if self._plain() and now - self._last_text >= self.text_every_s:
             self._last_text = now

@@ -5,18 +5,20 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 from lightning.fabric.plugins.environments import SLURMEnvironment
-from lightning.pytorch.utilities.exceptions import _TunerExitException
+from lightning.pytorch.utilities.exceptions import _TunerExitException  # private: no public clean end of a fit
 from typing_extensions import override
 
-from lwm.training.trainer_state import every_rank
+from lwm.training.trainer_state import accumulating, every_rank
 from lwm.training.checkpoint import ModelCheckpoint
 from lwm.utils.errors import ConfigError
 
@@ -86,7 +88,9 @@ class SlurmRequeue(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if threading.current_thread() is not threading.main_thread():  # (signal handlers live there)
             return
-        env = trainer._accelerator_connector.cluster_environment
+        env = getattr(trainer.strategy, "cluster_environment", None)  # (one device: none; Lightning detects SLURM's
+        if env is None and SLURMEnvironment.detect():  # with its defaults, auto-requeue on SIGUSR1)
+            env = SLURMEnvironment()
         self._slurm = isinstance(env, SLURMEnvironment) and env.auto_requeue
         self._rank_zero = trainer.is_global_zero
         # Lightning restores every handler at teardown.
@@ -120,7 +124,7 @@ class SlurmRequeue(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if not self._active:
             return
-        if trainer.fit_loop._should_accumulate():  # not inside an accumulation window
+        if accumulating(trainer):  # not inside an accumulation window
             return
         if trainer.world_size > 1 and trainer.global_step % self.every_n_steps:  # ranks agree every n steps
             return
@@ -145,8 +149,7 @@ class SlurmRequeue(L.Callback):
         """A signal during a fit's validation (which can outlast SLURM's grace time on a large split)."""
         if not self._active or trainer.sanity_checking or trainer.state.fn != "fit":
             return
-        fit_loop = getattr(trainer, "fit_loop", None)
-        if fit_loop is not None and fit_loop._should_accumulate():  # a validation inside an accumulation window
+        if accumulating(trainer):  # a validation inside an accumulation window
             return
         if trainer.world_size > 1 and (batch_idx % self.every_n_steps or batch_idx >= (self._val_batches or 0)):
             return
@@ -166,7 +169,7 @@ class SlurmRequeue(L.Callback):
         self._requested = self._requeue = False
         self.preempted = True
         if self._slurm:
-            path = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
+            path = _next_hpc_path(trainer.default_root_dir)
             trainer.save_checkpoint(path)
             if trainer.is_global_zero:
                 _remove_older_hpc_checkpoints(path)
@@ -224,20 +227,28 @@ def interrupted_by(trainer: Any) -> int | None:
     return next((c.interrupted for c in getattr(trainer, "callbacks", []) if getattr(c, "interrupted", None)), None)
 
 
+def _hpc_number(path: Path) -> int | None:
+    match = re.fullmatch(r"hpc_ckpt_(\d+)\.ckpt", path.name)
+    return int(match[1]) if match else None
+
+
+def _next_hpc_path(root: str) -> str:
+    """``root/hpc_ckpt_N.ckpt`` one above the highest N there (Lightning's name, which its SLURM restart takes)."""
+    numbers = [n for p in Path(root).glob("hpc_ckpt_*.ckpt") if (n := _hpc_number(p)) is not None]
+    return os.path.join(root, f"hpc_ckpt_{max(numbers, default=0) + 1}.ckpt")
+
+
 def _remove_older_hpc_checkpoints(path: str) -> None:
     """The hpc checkpoints before ``path`` (``hpc_ckpt_N.ckpt``, one per preemption: Lightning keeps them all and
     resumes from the highest N), now that it is written."""
-    import re
     import shutil
-    from pathlib import Path
 
     new = Path(path)
-    number = re.fullmatch(r"hpc_ckpt_(\d+)\.ckpt", new.name)
+    number = _hpc_number(new)
     if number is None or not new.exists():
         return
     for old in new.parent.glob("hpc_ckpt_*.ckpt"):
-        match = re.fullmatch(r"hpc_ckpt_(\d+)\.ckpt", old.name)
-        if match is None or int(match[1]) >= int(number[1]):
+        if (n := _hpc_number(old)) is None or n >= number:
             continue
         if old.is_dir():  # DeepSpeed's: a folder
             shutil.rmtree(old, ignore_errors=True)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import difflib
 import functools
 import logging
 import os
@@ -25,7 +24,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lwm.callbacks import DEFAULTS, ModelSummary, Sensitivity, StepProgressBar
+from lwm.callbacks import DEFAULTS, Sensitivity
 from lwm.data.datamodule import LatentDataModule
 from lwm.modules.world_model import WorldModelConfig
 from lwm.training.checkpoint import (AtomicCheckpointIO, ModelCheckpoint, is_deepspeed_checkpoint,
@@ -34,7 +33,7 @@ from lwm.training.loggers import make_loggers, run_log_dir, WandbConfig
 from lwm.training.module import WorldModelModule
 from lwm.training.nonfinite import deepspeed_checks_overflow
 from lwm.training.optim import OptimConfig
-from lwm.training.run_dir import HoldRunLock, RunDir, check_deepspeed_checkpoint, run_of
+from lwm.training.run_dir import EVAL_VERBS, HoldRunLock, RunDir, check_deepspeed_checkpoint, run_of
 from lwm.utils.errors import ConfigError
 from lwm.utils.threads import set_cpu_threads
 
@@ -150,61 +149,61 @@ class _SaveRunConfig(SaveConfigCallback):
         super().setup(trainer, pl_module, stage)
 
 
+class _Parsed(Exception):
+    """Ends a parse-only :class:`LwmCLI` once its config is read (LightningCLI instantiates all in ``__init__``)."""
+
+
 class LwmCLI(LightningCLI):
     """LightningCLI for :class:`WorldModelModule` + :class:`LatentDataModule` with lwm's run layout."""
 
     def __init__(self, args: list[str] | None = None, run: bool = True, **kwargs: Any) -> None:
+        from omegaconf.errors import OmegaConfBaseException
+
         _quiet_lightning()
         if not run and any(str(a).split("=")[0] == "--ckpt_path" for a in (args or [])):
             raise ConfigError("--ckpt_path: this command does not take one (lwm fit --ckpt_path resumes a run)")
         _parsing_settings()
         args = negative_values_joined(relative_interpolations(args)) if args is not None else None
-        self._verb_free = not run  # our verbs (codes, overfit, bench, demo) parse a fit's options without a verb
+        self._verb_free = not run  # our verbs (codes, overfit, demo) and benchmarks read a fit's options without a verb
         self._run_dirs: dict[tuple[str, str], RunDir] = {}
-        super().__init__(
-            WorldModelModule,
-            LatentDataModule,
-            seed_everything_default=0,
-            # A parse error raises (parse_arguments makes it one line) instead of printing ~145 lines of usage.
-            parser_kwargs={"parser_mode": "omegaconf+", "exit_on_error": False, "allow_abbrev": False},
-            save_config_callback=_SaveRunConfig,
-            save_config_kwargs={"overwrite": True},  # a resumed run rewrites RUN_DIR/config.yaml
-            auto_configure_optimizers=False,  # the module's AdamW and schedule
-            # the data module shards by rank itself; 4 validations per epoch (the requirement's), config or not
-            trainer_defaults={"use_distributed_sampler": False, "val_check_interval": 0.25},
-            args=args,
-            run=run,
-            **kwargs,
-        )
+        try:
+            super().__init__(
+                WorldModelModule,
+                LatentDataModule,
+                seed_everything_default=0,
+                # a parse error raises (one error line below) instead of printing ~145 lines of usage
+                parser_kwargs={"parser_mode": "omegaconf+", "exit_on_error": False, "allow_abbrev": False},
+                save_config_callback=_SaveRunConfig,
+                save_config_kwargs={"overwrite": True},  # a resumed run rewrites RUN_DIR/config.yaml
+                auto_configure_optimizers=False,  # the module's AdamW and schedule
+                # the data module shards by rank itself; 4 validations per epoch (the requirement's), config or not
+                trainer_defaults={"use_distributed_sampler": False, "val_check_interval": 0.25},
+                args=args,
+                run=run,
+                **kwargs,
+            )
+        except (argparse.ArgumentError, OmegaConfBaseException) as e:  # jsonargparse's (omegaconf's) own message
+            raise ConfigError(" ".join(str(e).split())) from None
+
+    @staticmethod
+    def _section(config: Any) -> Any:
+        """The verb's part of a config (all of it without a verb)."""
+        return config.get(str(config.get("subcommand")), config)
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
-        from omegaconf.errors import OmegaConfBaseException
-
         given = [str(a) for a in args or []]
-        options = _option_names(parser)
-        _check_config_files(given, options)
+        _check_sections(given)
         _check_override_order(given)
-        try:
-            super().parse_arguments(parser, args)
-            config = self.config.get(self.config.get("subcommand") or "", self.config)
-            for key in _NOT_LIGHTNINGS_OPTIMIZER:
-                if config.get(key) is not None:
-                    raise ConfigError(f"{key}: lwm trains with its own AdamW and schedule, set under model.optim.* "
-                                      f"(Lightning's --optimizer and --lr_scheduler are not used)")
-        except OmegaConfBaseException as e:  # an interpolation of a key that is not there, say
-            key = re.sub(r"^(fit|validate|test|predict)\.", "", str(getattr(e, "full_key", "") or ""))
-            message = (str(e).strip().splitlines() or [type(e).__name__])[0]  # omegaconf's first line
-            raise ConfigError(f"{key}: {message}" if key else message) from None
-        except argparse.ArgumentError as e:  # jsonargparse's own message, on one line
-            line = parse_error_line(str(e), options, given)
-            broken = next((f for f in config_files(given) if not isinstance(_read_yaml_or_none(f), dict)), None)
-            raise ConfigError(f"--config {broken}: {line}" if broken else line) from None
-
-    def _set_seed(self) -> None:
-        seed = self._get(self.config, "seed_everything")
+        super().parse_arguments(parser, args)
+        config = self._section(self.config)
+        for key in _NOT_LIGHTNINGS_OPTIMIZER:
+            if config.get(key) is not None:
+                raise ConfigError(f"{key}: lwm trains with its own AdamW and schedule, set under model.optim.* "
+                                  f"(Lightning's --optimizer and --lr_scheduler are not used)")
+        seed = config.get("seed_everything")
         if isinstance(seed, int) and not isinstance(seed, bool) and not 0 <= seed < 2**32:  # numpy's bounds
             raise ConfigError(f"seed_everything must lie in [0, {2**32 - 1}] (or true: a random seed), got {seed}")
-        super()._set_seed()
+        self._check_ckpt_path()
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
@@ -218,9 +217,10 @@ class LwmCLI(LightningCLI):
             "checkpoint.auto_insert_metric_name": False,
             "checkpoint.enable_version_counter": False,  # one run per RUN_DIR
         })
-        # Always-on callbacks, each configurable under its key (e.g. --revival.every_n_steps 10).
+        # Always-on callbacks, each configurable under its key (e.g. --revival.every_n_steps 10); instantiate_trainer
+        # adds them (the progress bar and the summary where the trainer's switches leave them on).
         for key, (callback, title) in DEFAULTS.items():
-            parser.add_lightning_class_args(callback, key)
+            parser.add_class_arguments(callback, key, fail_untyped=False, sub_configs=True)
             parser.groups[key].title = f"{title} (``{key}.*``)"
         parser.groups["checkpoint"].title = "checkpoints (``checkpoint.*``; Lightning's ModelCheckpoint)"
         for key, title in (("model", "the training module (``model.*``)"), ("data", "the data (``data.*``)")):
@@ -247,9 +247,9 @@ class LwmCLI(LightningCLI):
         path = self.run_dir(config).resolve(config.get("ckpt_path"))
         return path if path and os.path.isfile(path) else None
 
-    def _parse_ckpt_path(self) -> None:
+    def _check_ckpt_path(self) -> None:
         """Check ``--ckpt_path`` and resolve ``last`` to the run's latest whole checkpoint (Lightning's ``last`` is
-        ``last.ckpt``, whether cut short or behind a newer one)."""
+        ``last.ckpt``, whether cut short or behind a newer one), before Lightning reads the hyperparameters of it."""
         sub = self.config.get("subcommand")
         if sub is None:
             return
@@ -259,19 +259,18 @@ class LwmCLI(LightningCLI):
             run.check_fit(config.get("ckpt_path"), config.get("checkpoint.save_last"))
             if config.get("ckpt_path") is None and run.resumes(None):  # a SLURM restart: the latest, hpc or not
                 config.ckpt_path = "last"
-            if config.get("ckpt_path") == "last" and os.path.exists(run.last):
-                config.ckpt_path = run.last
-                if is_deepspeed_checkpoint(run.last):
-                    check_deepspeed_checkpoint(run.last, "--ckpt_path last:")
-            return
-        run.check_eval(sub, config.get("ckpt_path"))
+        else:
+            run.check_eval(sub, config.get("ckpt_path"))
         if config.get("ckpt_path") == "last" and os.path.exists(run.last):
             config.ckpt_path = run.last
-        try:
-            super()._parse_ckpt_path()
-        except argparse.ArgumentError as e:
-            raise ConfigError(f"{self.config[sub].get('ckpt_path')}: its hyperparameters do not fit this lwm "
-                              f"({parse_error_line(str(e), [])})") from None
+            if sub == "fit" and is_deepspeed_checkpoint(run.last):
+                check_deepspeed_checkpoint(run.last, "--ckpt_path last:")
+        if sub == "fit":  # a fit resumes with the config's settings: hidden from Lightning, which would parse the
+            self._resume_from, config.ckpt_path = config.get("ckpt_path"), None  # checkpoint's hyperparameters over it
+
+    def before_instantiate_classes(self) -> None:
+        if getattr(self, "_resume_from", None) is not None:
+            self.config.fit.ckpt_path = self._resume_from
 
     def _check_checkpoint_fits(self) -> None:
         """A checkpoint of another model shape is one line naming the fields, not a state-dict traceback."""
@@ -351,23 +350,39 @@ class LwmCLI(LightningCLI):
                 f"epoch ({dm.manifest_path}); use a fraction of the epoch (0.25), or count steps across "
                 f"epochs with trainer.check_val_every_n_epoch=null")
 
-    before_validate = before_test = before_predict = _check_data
+    def _before(self) -> None:
+        """Before a verb runs: the CPU threads line, its checks, and for validate/test/predict a warning where the
+        checkpoint is another run's."""
+        from lightning.pytorch.accelerators import CPUAccelerator
 
-    def before_fit(self) -> None:
-        if self.trainer.max_steps == 0:
-            raise ConfigError("trainer.max_steps=0: a fit of no step (a number of steps, or -1: no limit)")
-        self.run_dir(self.config[self.subcommand]).sweep_temp_files()
+        if isinstance(self.trainer.accelerator, CPUAccelerator):
+            rank_zero_info(f"CPU threads: {set_cpu_threads(self.trainer.num_devices)}")
+        if self.subcommand in EVAL_VERBS and self.trainer.is_global_zero:
+            self._warn_other_run(self.subcommand)
+        if self.subcommand == "fit":
+            if self.trainer.max_steps == 0:
+                raise ConfigError("trainer.max_steps=0: a fit of no step (a number of steps, or -1: no limit)")
+            self.run_dir(self.config["fit"]).sweep_temp_files()
         self._check_data()
 
+    before_fit = before_validate = before_test = before_predict = _before
+
+    def _after(self) -> None:
+        if not self.trainer.fast_dev_run and self.trainer.is_global_zero:  # (a trial writes no files)
+            rank_zero_info(f"lwm {self.subcommand}: its files are in {run_log_dir(self.trainer)}")  # not RUN_DIR itself
+
+    after_validate = after_test = after_predict = _after
+
     def instantiate_trainer(self, **kwargs: Any):
-        """Lightning's Trainer with lwm's run layout."""
-        trainer_config = self._get(self.config_init, "trainer", default={})
+        """Lightning's Trainer with lwm's run layout and always-on callbacks."""
+        section = self._section(self.config_init)
+        trainer_config = section.get("trainer") or {}
         if trainer_config.get("enable_checkpointing") is False:
             raise ConfigError("trainer.enable_checkpointing=false: lwm always checkpoints (last.ckpt is what "
                               "--ckpt_path last, a signal and a SLURM requeue resume from); "
                               "checkpoint.every_n_train_steps sets how often")
         run_dir = trainer_config.get("default_root_dir") or "."
-        checkpoint = self._get(self.config_init, "checkpoint", default=None)
+        checkpoint = section.get("checkpoint")
         if isinstance(checkpoint, ModelCheckpoint) and checkpoint.dirpath is None:  # RUN_DIR/checkpoints for
             checkpoint.dirpath = os.path.realpath(os.path.join(run_dir, "checkpoints"))  # every verb (ckpt_path last)
         if trainer_config.get("logger") in (None, True):
@@ -375,6 +390,12 @@ class LwmCLI(LightningCLI):
         plugins = _with_atomic_checkpoints(trainer_config)
         if plugins is not None:
             kwargs.setdefault("plugins", plugins)
+        off = {"progress_bar": trainer_config.get("enable_progress_bar") is False,  # the trainer's switches
+               "model_summary": trainer_config.get("enable_model_summary") is False}
+        given = trainer_config.get("callbacks") or []
+        kwargs["callbacks"] = [*(given if isinstance(given, list) else [given]),
+                               *(section[key] for key in DEFAULTS if not off.get(key)),
+                               *([HoldRunLock()] if self.subcommand == "fit" else [])]
         trainer = super().instantiate_trainer(**kwargs)
         deepspeed_checks_overflow(trainer.strategy)  # bf16: a NaN/inf gradient skips the step (DeepSpeed 0.19.2: not)
         if isinstance(trainer.strategy, DeepSpeedStrategy):
@@ -384,30 +405,11 @@ class LwmCLI(LightningCLI):
     def _default_loggers(self, run_dir: str) -> list:
         """The CSV logger and wandb (:func:`make_loggers`) in RUN_DIR, or ``RUN_DIR/<verb>`` for
         validate/test/predict (never into the fit's metrics.csv or config.yaml)."""
-        evaluating = self.subcommand in ("validate", "test", "predict")
-        log_dir = os.path.join(run_dir, self.subcommand) if evaluating else run_dir
+        log_dir = os.path.join(run_dir, self.subcommand) if self.subcommand in EVAL_VERBS else run_dir
         resume = self.run_dir(self.config["fit"]).resumes(self.config["fit"].get("ckpt_path")) \
             if self.subcommand == "fit" else None
-        wandb = self._get(self.config_init, "wandb")
-        return make_loggers(str(log_dir), wandb, strict=not self._verb_free, resume=resume)
-
-    def _run_subcommand(self, subcommand: str) -> None:
-        from lightning.pytorch.accelerators import CPUAccelerator
-
-        if isinstance(self.trainer.accelerator, CPUAccelerator):
-
-            rank_zero_info(f"CPU threads: {set_cpu_threads(self.trainer.num_devices)}")
-        if subcommand in ("validate", "test", "predict") and self.trainer.is_global_zero:
-            self._warn_other_run(subcommand)
-        try:
-            super()._run_subcommand(subcommand)
-        finally:
-            for callback in self.trainer.callbacks:  # (teardown is not reached from every failure)
-                if isinstance(callback, HoldRunLock):
-                    callback.release()
-        evaluated = subcommand in ("validate", "test", "predict") and not self.trainer.fast_dev_run  # (a trial: none)
-        if evaluated and self.trainer.is_global_zero:
-            rank_zero_info(f"lwm {subcommand}: its files are in {run_log_dir(self.trainer)}")  # not RUN_DIR itself
+        return make_loggers(str(log_dir), self._section(self.config_init).get("wandb"), strict=not self._verb_free,
+                            resume=resume)
 
     def _warn_other_run(self, subcommand: str) -> None:
         """Warn (one line) where ``--ckpt_path`` is another run's checkpoint (``RUN/checkpoints/X.ckpt``, RUN holding
@@ -422,16 +424,6 @@ class LwmCLI(LightningCLI):
             warnings.warn(f"--ckpt_path {path} is the run {run}'s, but this {subcommand} writes its files under "
                           f"trainer.default_root_dir {root / subcommand} (--trainer.default_root_dir={run} puts them "
                           f"beside its checkpoints)", stacklevel=2)
-
-    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list) -> Any:
-        # The rich progress bar and summary are on by default; the trainer's switches turn them off.
-        if config.get("enable_progress_bar") is False:
-            callbacks = [c for c in callbacks if not isinstance(c, StepProgressBar)]
-        if config.get("enable_model_summary") is False:
-            callbacks = [c for c in callbacks if not isinstance(c, ModelSummary)]
-        if self.subcommand == "fit":
-            callbacks = [*callbacks, HoldRunLock()]
-        return super()._instantiate_trainer(config, callbacks)
 
 
 def field_comments(cls: type) -> dict[str, str]:
@@ -488,16 +480,6 @@ def _as_lists(value: Any) -> Any:
     return [_as_lists(v) for v in value] if isinstance(value, (list, tuple)) else value
 
 
-def _option_names(parser: Any) -> list[str]:
-    """Every ``--key`` the LightningCLI parser (and its verbs' parsers) accepts."""
-    names: list[str] = []
-    for action in parser._actions:
-        names += [o for o in action.option_strings if o.startswith("--")]
-        for sub in (getattr(action, "choices", None) or {}).values() if isinstance(action, argparse._SubParsersAction) else ():
-            names += _option_names(sub)
-    return names
-
-
 def _with_atomic_checkpoints(trainer_config: dict) -> list | None:
     """The trainer's plugins plus :class:`AtomicCheckpointIO` (writes to a temp file, then renamed), or None where it
     does not apply."""
@@ -516,13 +498,6 @@ def config_files(args: list[str]) -> list[str]:
             for i, a in enumerate(map(str, args)) if a in ("-c", "--config") or a.startswith("--config=")]
 
 
-def _read_yaml_or_none(path: str) -> Any:
-    try:
-        return _read_yaml(path)
-    except Exception:
-        return None
-
-
 def _read_yaml(path: str) -> Any:
     import yaml
 
@@ -530,91 +505,42 @@ def _read_yaml(path: str) -> Any:
         return yaml.safe_load(f)
 
 
+_UNSET = object()
+
+
+def _value(path: str, key: str) -> Any:
+    """The dotted ``key``'s value in the YAML file ``path`` (``_UNSET`` where unset or unreadable: jsonargparse names
+    a broken file)."""
+    try:
+        node = _read_yaml(path)
+    except Exception:
+        return _UNSET
+    for part in key.split("."):
+        node = node.get(part, _UNSET) if isinstance(node, dict) else _UNSET
+    return node
+
+
 def _config_file_with(args: list[str], key: str) -> str | None:
-    """The last ``--config`` file among ``args`` that sets the dotted ``key`` (``model.net.d_modle``) to anything."""
-    found = None
+    """The last ``--config`` file among ``args`` that sets the dotted ``key`` to anything."""
+    return next((path for path in reversed(config_files(args)) if _value(path, key) is not _UNSET), None)
+
+
+_SECTIONS = ("trainer", "model", "model.net", "model.optim", "data", "checkpoint", "wandb", *DEFAULTS)
+
+
+def _check_sections(args: list[str]) -> None:
+    """An empty or single-value section of a ``--config`` file (its keys all commented out, say) is one line naming
+    it (jsonargparse fails on it with a traceback, or drops it)."""
     for path in config_files(args):
-        try:
-            node: Any = _read_yaml(path)
-        except Exception:  # (a broken file is named by _broken_config_file)
-            continue
-        *parents, last = key.split(".")
-        for part in parents:
-            node = node.get(part) if isinstance(node, dict) else None
-        if isinstance(node, dict) and last in node:
-            found = path
-    return found
+        for name in _SECTIONS:
+            value = _value(path, name)
+            if value is not _UNSET and not isinstance(value, dict):
+                raise ConfigError(f"--config {path}: {name} is {'empty' if value is None else repr(value)}, not a "
+                                  f"section of keys (give it keys, or leave it out)")
 
 
 # Lightning's optimizer arguments (LightningCLI(auto_configure_optimizers=False)): refused unless null
 _NOT_LIGHTNINGS_OPTIMIZER = ("optimizer", "lr_scheduler")
-
-
-_RECURSE = {"model.net", "model.optim"}  # below the top level, only lwm's own sections
-
-
-def _check_config_files(args: list[str], options: list[str]) -> None:
-    """Our own reading of the ``--config`` files, before jsonargparse's (whose errors name no file)."""
-    known = {o[2:] for o in options if o.startswith("--")}
-    sections = {o.rsplit(".", 1)[0] for o in known if "." in o}
-    sections |= {s.split(".")[0] for s in sections}
-    for path in config_files(args):
-        if not os.path.isfile(path):
-            raise ConfigError(f"--config {path}: file not found")
-        try:
-            node = _read_yaml(path)
-        except Exception:
-            continue
-        stack = [("", node)] if isinstance(node, dict) else []
-        while stack:
-            prefix, mapping = stack.pop()
-            for key, value in mapping.items():
-                name = f"{prefix}{key}"
-                if name in known and not (name in _RECURSE or "." not in name and name in sections):
-                    continue
-                if name not in sections:
-                    hint = _nearest(f"--{name}", options)
-                    raise ConfigError(f"--config {path}: unknown key {name}" + (
-                        f" (did you mean {hint[2:]}?)" if hint else ""))
-                if not isinstance(value, dict):
-                    if "." in name and name not in _RECURSE:
-                        continue
-                    raise ConfigError(f"--config {path}: {name} is {'empty' if value is None else repr(value)}, not "
-                                      f"a section of keys (give it keys, or leave it out)")
-                stack.append((f"{name}.", value))
-
-
-def _nearest(key: str, options: list[str]) -> str | None:
-    """The known option a mistyped ``--key`` most likely meant."""
-    last = key.rsplit(".", 1)[-1].lstrip("-")
-    same = {o for o in options if o.rsplit(".", 1)[-1] == last}
-    same = {o for o in same if o.split(".")[0] == key.split(".")[0]} or same
-    if len(same) == 1:
-        return next(iter(same))
-    words = set(last.split("_"))
-    wider = {o for o in options if "." in key and o.rsplit(".", 1)[0] == key.rsplit(".", 1)[0]
-             and words <= set(o.rsplit(".", 1)[-1].split("_"))}
-    if len(wider) == 1:
-        return next(iter(wider))
-    close = difflib.get_close_matches(key, set(options), n=1, cutoff=0.75)
-    return close[0] if close else None
-
-
-def _known(key: str, options: list[str]) -> bool:
-    """Whether ``--key`` is an option, or a key under one that takes a class or a list (``--trainer.callbacks.x``)."""
-    parts = key.split(".")
-    prefixes = (".".join(parts[:i]) for i in range(1, len(parts)))
-    return key in options or any(p in options and not any(o.startswith(f"{p}.") and o != f"{p}.help" for o in options)
-                                 for p in prefixes)
-
-
-def parse_error_line(message: str, options: list[str], args: list[str] | None = None) -> str:
-    """jsonargparse's error on one line, with the nearest option of each unknown ``--key`` among ``args``."""
-    line = " ".join(message.split())
-    unknown = [key for key in (str(a).split("=", 1)[0] for a in args or []) if key.startswith("--")
-               and key not in ("--config", "-c") and not _known(key, options)]
-    hints = [hint for key in unknown if (hint := _nearest(key, options))]
-    return f"{line} (did you mean {', '.join(hints)}?)" if hints else line
 
 
 def _check_override_order(args: list[str]) -> None:
@@ -638,16 +564,14 @@ def read_config(args: list[str]) -> dict[str, Any]:
             super().add_arguments_to_parser(parser)
             parser.set_defaults({"data.manifest": ""})
 
-        def _parse_ckpt_path(self) -> None:
-            pass
+        def parse_arguments(self, parser, args) -> None:
+            super().parse_arguments(parser, args)
+            raise _Parsed(self.config)
 
-        def _set_seed(self) -> None:
-            pass
-
-        def instantiate_classes(self) -> None:
-            pass
-
-    config = ParseOnly(args=args, run=False).config.clone().as_dict()  # (jsonargparse 5 drops namespace_to_dict)
+    try:
+        ParseOnly(args=args, run=False)
+    except _Parsed as parsed:
+        config = parsed.args[0].clone().as_dict()  # (jsonargparse 5 drops namespace_to_dict)
     model = config.get("model") or {}
     WorldModelConfig(**(model.get("net") or {}))  # their checks
     OptimConfig(**(model.get("optim") or {}))

@@ -6,9 +6,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
 import lightning as L
-from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
+import torch
+from fsspec.utils import get_protocol
 from lightning.pytorch.callbacks import ModelCheckpoint as _LightningModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -16,6 +16,7 @@ from typing_extensions import override
 
 from lwm.training.loggers import CSVLogger
 from lwm.training.module import WorldModelModule
+from lwm.training.trainer_state import accumulating, validation_follows
 from lwm.utils.errors import DataError, first_line, LwmError, torch_load_failure
 from lwm.utils.files import atomic_write, fsync_dir, fsync_file, remove_stale_temp_files
 
@@ -172,7 +173,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any | None = None) -> None:
-        if not _is_local_file_protocol(path):
+        if get_protocol(str(path)) != "file":
             return super().save_checkpoint(checkpoint, path, storage_options)
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -188,139 +189,128 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 class ModelCheckpoint(_LightningModelCheckpoint):
-    """Lightning's ModelCheckpoint with the module docstring's changes."""
+    """Lightning's ModelCheckpoint whose step checkpoints (``every_n_train_steps``) lwm writes at the end of their
+    batch, or, where a validation follows that batch (or ``monitor`` is a metric not logged yet), at the end of that
+    validation: a kill during it resumes from the checkpoint before and redoes the steps and the validation. A stop
+    (``max_steps``, a signal) writes the step's file if one is due, and ``last.ckpt``; so does the end of fit. The
+    state key leaves the intervals out: a resume with another interval keeps ranking the run's step files."""
+
+    def __init__(self, *args: Any, every_n_train_steps: int | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, every_n_train_steps=every_n_train_steps, **kwargs)
+        self.every_n_train_steps = every_n_train_steps or 0  # 0: Lightning's epoch or time triggers
+        self.saved_step = 0  # the global step written last (as Lightning: none at step 0)
+        self.waiting = False  # a due step checkpoint waits for the end of a validation
+        self._after_validation = False  # the save under way is at a validation's end
 
     @property
     @override
     def state_key(self) -> str:
-        """This callback's state's key in a checkpoint."""
-        return self._generate_state_key(monitor=self.monitor, mode=self.mode, dirpath=self.dirpath,
-                                        filename=self.filename)
-
-    @property
-    @override
-    def _legacy_state_key(self) -> str:  # type: ignore[override]
-        """Where Lightning also looks for the state: its own key, as checkpoints of earlier lwm versions hold it."""
-        return super().state_key
-
-    _at_validation_end = False  # this save is the one at a validation's end, after a batch that stepped
-    _resumed_at_validation_end = False  # the checkpoint this fit resumed from was such a save
+        """This callback's state's key in a checkpoint (Lightning's form)."""
+        keys = {"monitor": self.monitor, "mode": self.mode, "dirpath": self.dirpath, "filename": self.filename}
+        return f"{type(self).__qualname__}{keys!r}"
 
     @override
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "at_validation_end": self._at_validation_end}
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        states = checkpoint.get("callbacks") or {}
+        if self.state_key not in states and super().state_key in states:  # an earlier lwm's: under Lightning's key
+            states[self.state_key] = states[super().state_key]
+        if (states.get(self.state_key) or {}).get("at_validation_end"):  # an earlier lwm's save at a validation's end
+            _as_saved_at_the_batch_end(checkpoint)
 
     @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
-        self._resumed_at_validation_end = bool(state_dict.get("at_validation_end", False))
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        if self._after_validation:
+            _as_saved_at_the_batch_end(checkpoint)
+
+    def _metrics(self, trainer: L.Trainer) -> dict[str, Any]:
+        """What the file name and ``monitor`` read: the logged metrics, the epoch and the global step."""
+        return {**trainer.callback_metrics, "epoch": torch.tensor(trainer.current_epoch),
+                "step": torch.tensor(trainer.global_step)}
+
+    def _due(self, trainer: L.Trainer) -> bool:
+        """A step checkpoint not written yet falls due at this training batch (one that stepped)."""
+        step = trainer.global_step
+        return (bool(self.every_n_train_steps) and step % self.every_n_train_steps == 0 and step != self.saved_step
+                and not accumulating(trainer))
+
+    def save_step(self, trainer: L.Trainer) -> None:
+        """This step's checkpoint (kept while among the ``save_top_k`` best by ``monitor``), then ``last.ckpt``."""
+        metrics = self._metrics(trainer)
+        self._save_topk_checkpoint(trainer, metrics)  # Lightning's ranking, naming and removals: no public way in
+        self.save_last_now(trainer, metrics)
+
+    def save_last_now(self, trainer: L.Trainer, metrics: dict[str, Any] | None = None) -> None:
+        """``last.ckpt`` of this moment."""
+        if self.save_last:
+            self.last_model_path = self.format_checkpoint_name(metrics or self._metrics(trainer),
+                                                               self.CHECKPOINT_NAME_LAST)  # (part of the state)
+            trainer.save_checkpoint(self.last_model_path, self.save_weights_only)
+        self.saved_step = trainer.global_step
+
+    def save_stop_now(self, trainer: L.Trainer) -> None:
+        """The run stops at this training batch (``max_steps``, a preemption): its step checkpoint if one is due and
+        ranked by the step (or nothing), then ``last.ckpt``."""
+        if trainer.fast_dev_run:
+            return
+        if self._due(trainer) and self.monitor in (None, "step"):
+            self.save_step(trainer)
+        else:
+            self.save_last_now(trainer)
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
-        if self._resumed_at_validation_end:
-            self._resumed_at_validation_end = False
-            _count_the_validated_batch(trainer)
-
-    def _step_due(self, trainer: L.Trainer) -> bool:
-        """A step checkpoint is due at this training batch (``every_n_train_steps``)."""
-        return self._every_n_train_steps >= 1 and trainer.global_step % self._every_n_train_steps == 0
-
-    def save_last_now(self, trainer: L.Trainer) -> None:
-        """Write ``last.ckpt`` now (from a training-batch hook: the state a step checkpoint would hold)."""
-        if self.save_last and not trainer.fast_dev_run:
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
-
-    def save_stop_now(self, trainer: L.Trainer) -> None:
-        """The run stops at this training batch (``max_steps``, a preemption): write its step checkpoint if one is
-        due, then ``last.ckpt``."""
-        step = trainer.global_step
-        if trainer.fast_dev_run:
-            return
-        if self._step_due(trainer) and self.monitor in (None, "step") and self._last_global_step_saved != step:
-            self._save_topk_checkpoint(trainer, self._monitor_candidates(trainer))
-            self._defer_save_until_validation = False
-        self.save_last_now(trainer)
-
-    def _waits_for_validation(self, trainer: L.Trainer) -> bool:
-        """This batch's step checkpoint is due and waits for the validation right after it."""
-        return (self._step_due(trainer) and self._train_time_interval is None
-                and getattr(trainer, "_val_check_time_interval", None) is None
-                and not 0 < trainer.max_steps <= trainer.global_step
-                and not self._should_skip_saving_checkpoint(trainer)
-                and trainer.lightning_module.automatic_optimization
-                and _validation_follows(trainer))
+        self.saved_step = trainer.global_step  # (a resume's: its checkpoint is written)
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any, **kwargs: Any) -> None:
-        if self._waits_for_validation(trainer):
-            self._defer_save_until_validation = True
-        else:
-            super().on_train_batch_end(trainer, pl_module, *args, **kwargs)
-        step = trainer.global_step
-        if self._defer_save_until_validation and self._last_global_step_saved != step and self._step_due(trainer):
-            # Lightning deferred this step's checkpoint (an epoch's last batch) to the validation it assumes follows
-            # (its metrics fresh; a kill during it then redoes the steps and the validation).
-            candidates = self._monitor_candidates(trainer)
-            if self.monitor in candidates and not _validation_follows(trainer):
-                self._save_topk_checkpoint(trainer, candidates)
-                self._save_last_checkpoint(trainer, candidates)
-                self._defer_save_until_validation = False
-        if 0 < trainer.max_steps <= trainer.global_step and self._last_global_step_saved != trainer.global_step:
-            self.save_stop_now(trainer)  # the run stops here
+        if not self.every_n_train_steps:
+            return super().on_train_batch_end(trainer, pl_module, *args, **kwargs)
+        if trainer.fast_dev_run:
+            return
+        stops = 0 < trainer.max_steps <= trainer.global_step
+        if self._due(trainer):
+            unranked = self.monitor is not None and self.monitor not in self._metrics(trainer)
+            if unranked or (validation_follows(trainer) and not (stops and self.monitor in (None, "step"))):
+                self.waiting = True
+            else:
+                self.save_step(trainer)
+        if stops and self.saved_step != trainer.global_step:
+            self.save_stop_now(trainer)
 
     @override
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if (self._defer_save_until_validation and trainer.state.fn == "fit" and not trainer.sanity_checking
-                and not trainer.fast_dev_run):
-            # a step checkpoint deferred to this validation (by _waits_for_validation, or by Lightning: an epoch's last
-            # batch, a validation metric not logged yet).
-            final = self._last_global_step_saved == trainer.global_step
-            stepped = not trainer.fit_loop.epoch_loop._should_accumulate()  # (else no training row at this step)
-            for logger in trainer.loggers if stepped else ():  # the step's row (training scalars and this
-                if isinstance(logger, CSVLogger):
-                    logger.flush()  # a resume starts after
-            candidates = self._monitor_candidates(trainer)
-            self._at_validation_end = stepped
-            try:
-                self._save_topk_checkpoint(trainer, candidates)
-                if not final:
-                    self._save_last_checkpoint(trainer, candidates)
-            finally:
-                self._at_validation_end = False
-            self._defer_save_until_validation = False
+        if not self.every_n_train_steps:
+            return super().on_validation_end(trainer, pl_module)
+        if not self.waiting or trainer.state.fn != "fit" or trainer.sanity_checking or trainer.fast_dev_run:
             return
-        super().on_validation_end(trainer, pl_module)
+        self.waiting = False
+        if not accumulating(trainer):  # the step's row (training scalars and this validation's) before the
+            for logger in trainer.loggers:  # checkpoint a resume starts after (a batch that did not step: no row yet)
+                if isinstance(logger, CSVLogger):
+                    logger.flush()
+        self._after_validation = True
+        try:
+            if self.saved_step == trainer.global_step:  # last.ckpt written at this step's stop
+                self._save_topk_checkpoint(trainer, self._metrics(trainer))  # (private, as in save_step)
+            else:
+                self.save_step(trainer)
+        finally:
+            self._after_validation = False
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.save_last and self._last_global_step_saved != trainer.global_step and not trainer.sanity_checking:
+        if not self.every_n_train_steps:
+            return super().on_train_end(trainer, pl_module)
+        if self.save_last and self.saved_step != trainer.global_step and not trainer.sanity_checking \
+                and not trainer.fast_dev_run:
             self.save_last_now(trainer)
-        else:
-            super().on_train_end(trainer, pl_module)
 
 
-def _count_the_validated_batch(trainer: L.Trainer) -> None:
-    """A checkpoint written at a validation's end holds the fit loop before it counted that batch's logged step
-    (Lightning counts it after the validation)."""
-    loop = trainer.fit_loop.epoch_loop
-    try:
-        due = loop.restarting and loop._should_check_val_fx(trainer.fit_loop._data_fetcher)
-    except (AttributeError, TypeError):  # Lightning's private API moved: its own count
-        return
-    if not due:
-        loop._batches_that_stepped += 1
-
-
-def _validation_follows(trainer: L.Trainer) -> bool:
-    """Whether the fit loop validates after the current training batch (Lightning's own decision, asked early; where
-    its private API has moved, ``True``: Lightning's assumption)."""
-    if getattr(trainer, "_val_check_time_interval", None) is not None:
-        return True
-    loop = trainer.fit_loop.epoch_loop
-    try:
-        follows = loop._should_check_val_fx(trainer.fit_loop._data_fetcher) and not loop._skip_next_val
-    except (AttributeError, TypeError):
-        return True
-    batches = trainer.num_val_batches
-    return bool(follows and trainer.enable_validation and sum(batches if isinstance(batches, list) else [batches]))
+def _as_saved_at_the_batch_end(checkpoint: dict[str, Any]) -> None:
+    """A checkpoint written at the end of a validation, its fit loop as at the end of the training batch before: a
+    resume skips the validation done and counts that batch's logged step whatever its own validation schedule
+    (Lightning, resuming from a validation's end, counts it only where that schedule validates there again)."""
+    progress = (checkpoint.get("loops") or {}).get("fit_loop", {}).get("epoch_loop.batch_progress")
+    for counts in (progress["total"], progress["current"]) if progress else ():
+        counts["completed"] -= 1

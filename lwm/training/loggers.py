@@ -22,7 +22,7 @@ import torch
 from lightning.pytorch.loggers import CSVLogger as _LightningCSVLogger
 from lightning.pytorch.loggers import WandbLogger as _LightningWandbLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
-from lightning.pytorch.loggers.logger import rank_zero_experiment
+from lightning.pytorch.loggers.logger import DummyExperiment, rank_zero_experiment
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
@@ -40,7 +40,7 @@ class _AppendingWriter(ExperimentWriter):
                 self.metrics_keys = next(csv.reader(f), [])
 
     @override
-    def _check_log_dir_exists(self) -> None:  # appending to an existing run is what we want
+    def _check_log_dir_exists(self) -> None:  # private: Lightning's removes metrics.csv, no public switch
         pass
 
     @override
@@ -55,7 +55,7 @@ class _AppendingWriter(ExperimentWriter):
             self.save()
 
     @override
-    def _rewrite_with_new_header(self, fieldnames: list[str]) -> None:
+    def _rewrite_with_new_header(self, fieldnames: list[str]) -> None:  # private: atomic, no public hook
         """A column appeared (the first validation, a resume of another version)."""
         def rewrite(target) -> None:
             with open(self.metrics_file_path, newline="") as source:
@@ -88,8 +88,8 @@ class CSVLogger(_LightningCSVLogger):
     @override
     @rank_zero_experiment
     def experiment(self) -> _AppendingWriter:
-        if self._experiment is None:
-            self._fs.makedirs(self.root_dir, exist_ok=True)
+        if self._experiment is None:  # private: whether it started, without starting it
+            os.makedirs(self.root_dir, exist_ok=True)
             self._experiment = _AppendingWriter(log_dir=self.log_dir)
         return self._experiment
 
@@ -166,16 +166,15 @@ class WandbLogger(_LightningWandbLogger):
         super().__init__(*args, **kwargs)
         self._run_id_file = Path(run_id_file) if run_id_file is not None else None
         self.wait_for_lock = wait_for_lock
-        if self._wandb_init.get("anonymous") is None:  # Lightning passes None, which wandb warns has no effect
+        self.next_row: dict = {}  # histograms and videos, for the row of the scalars Lightning logs next
+        if self._wandb_init.get("anonymous") is None:  # private: Lightning passes None, which wandb warns about
             self._wandb_init.pop("anonymous", None)
 
     @property
     @override
     def experiment(self):
         if self._experiment is None and self.wait_for_lock:  # (Lightning's early ask: started after the lock)
-            from lightning.fabric.loggers.logger import _DummyExperiment
-
-            return _DummyExperiment()
+            return DummyExperiment()
         if self._experiment is None and self.save_dir:  # wandb writes into save_dir/wandb
             os.makedirs(self.save_dir, exist_ok=True)
         try:
@@ -189,6 +188,12 @@ class WandbLogger(_LightningWandbLogger):
             path, self._run_id_file = self._run_id_file, None
             atomic_write(path, lambda f: f.write(f"{experiment.id}\n"), mode="w")
         return experiment
+
+    @override
+    @rank_zero_only
+    def log_metrics(self, metrics: dict, step: int | None = None) -> None:
+        extras, self.next_row = self.next_row, {}
+        super().log_metrics({**metrics, **extras}, step)
 
 
 def make_loggers(root: str, wandb: WandbConfig = WandbConfig(), strict: bool = True, resume: bool | None = None) -> list:
@@ -228,8 +233,13 @@ def run_log_dir(trainer: L.Trainer) -> Path:
     return Path(trainer.default_root_dir) / ("" if verb == "fit" else verb)
 
 
-def _step(pl_module: L.LightningModule) -> int:
-    return int(getattr(pl_module, "logged_step", pl_module.global_step))
+def _to_wandb(pl_module: L.LightningModule, data: dict) -> None:
+    """``data`` (histograms, videos) into the wandb row of the scalars Lightning logs next, at their step (rank 0)."""
+    for logger in pl_module.loggers:
+        if isinstance(logger, WandbLogger):
+            logger.next_row.update(data)
+        elif type(logger).__name__ == "WandbLogger":  # Lightning's own: commit=False joins the next row
+            logger.experiment.log(data, commit=False)
 
 
 def log_distribution(pl_module: L.LightningModule, name: str, values: torch.Tensor) -> None:
@@ -242,17 +252,11 @@ def log_distribution(pl_module: L.LightningModule, name: str, values: torch.Tens
                        on_step=not validating, on_epoch=validating, rank_zero_only=True)
     if pl_module.trainer.sanity_checking or not pl_module.trainer.is_global_zero:
         return
-    for logger in pl_module.loggers:
-        if type(logger).__name__ == "WandbLogger":
-            import wandb
+    histogram = histogram_values(v)
+    if histogram is not None and any(type(logger).__name__ == "WandbLogger" for logger in pl_module.loggers):
+        import wandb
 
-            histogram = histogram_values(v)
-            if histogram is None:
-                continue
-            # commit=False: into the history row of the scalars Lightning logs right after, at the same step (one
-            # row per logged step, not one more per histogram)
-            logger.experiment.log({name: wandb.Histogram(histogram), "trainer/global_step": _step(pl_module)},
-                                  commit=False)
+        _to_wandb(pl_module, {name: wandb.Histogram(histogram)})  # one row per logged step, not one per histogram
 
 
 def histogram_values(values: torch.Tensor):
@@ -265,11 +269,7 @@ def histogram_values(values: torch.Tensor):
 def log_video(pl_module: L.LightningModule, name: str, path: str) -> None:
     """Send an mp4/gif file to wandb as a video ``name`` at the current global step (rank 0; no other logger takes
     videos: the file itself stays in the run directory)."""
-    if not pl_module.trainer.is_global_zero:
-        return
-    for logger in pl_module.loggers:
-        if type(logger).__name__ == "WandbLogger":
-            import wandb
+    if pl_module.trainer.is_global_zero and any(type(logger).__name__ == "WandbLogger" for logger in pl_module.loggers):
+        import wandb
 
-            logger.experiment.log({name: wandb.Video(path), "trainer/global_step": _step(pl_module)},  # the file's fps
-                                  commit=False)  # into the row of the validation's scalars, logged right after
+        _to_wandb(pl_module, {name: wandb.Video(path)})  # at the file's fps, with the validation's scalars

@@ -90,9 +90,10 @@ class WorldModelModule(L.LightningModule):
     def setup(self, stage: str) -> None:
         """Check that the data fits the model before any work starts."""
 
-        if self._trainer is not None:
-            self.check_trainer(self.trainer)
-        dm = self.trainer.datamodule if self._trainer is not None else None
+        trainer = self.attached_trainer
+        if trainer is not None:
+            self.check_trainer(trainer)
+        dm = trainer.datamodule if trainer is not None else None
         if isinstance(dm, LatentDataModule):
             self.check_data(dm.frame_shape, dm.window, str(dm.manifest_path))
 
@@ -155,8 +156,8 @@ class WorldModelModule(L.LightningModule):
 
     def on_train_start(self) -> None:
         self.apply_optim_config()
-        check_deepspeed_skips_overflow(self._trainer)
-        self.skips.engine_start(deepspeed_skipped_steps(self._trainer))  # restored with a resumed engine
+        check_deepspeed_skips_overflow(self.trainer)
+        self.skips.engine_start(deepspeed_skipped_steps(self.trainer))  # restored with a resumed engine
 
     def apply_optim_config(self) -> None:
         """Make the optimiser follow ``model.optim`` after a resume."""
@@ -192,19 +193,25 @@ class WorldModelModule(L.LightningModule):
         self._interval = {k: (s, w) for k, (s, w) in checkpoint.get("lwm_train_interval", {}).items() if k in keys}
         self._checkpoint_step = int(checkpoint.get("global_step", 0))
 
-    def _at_checkpoint_step(self) -> None:
+    @property
+    def attached_trainer(self) -> L.Trainer | None:
+        """The trainer, or None where the module is not attached to one."""
+        try:
+            return self.trainer
+        except RuntimeError:
+            return None
+
+    def _log_checkpoint_step(self) -> None:
         """``lwm validate|test CKPT``: Lightning restores the weights, not the loops, so its loggers would write the
-        metrics at step 0."""
+        metrics at step 0; a logged ``step`` is the step they write at."""
         step = self._checkpoint_step
-        loop = getattr(self._trainer.fit_loop, "epoch_loop", None) if self._trainer is not None else None
-        if step and loop is not None and hasattr(loop, "_batches_that_stepped") and not self.trainer.training \
-                and self.global_step == 0:  # not after a fit in the same process
-            loop._batches_that_stepped = step
+        if step and self.global_step == 0:  # not after a fit in the same process
+            self.log("step", float(step), sync_dist=True)  # (the same on every rank)
 
     @property
     def weights_step(self) -> int:
         """The global step of the weights in use, what files are named by (checkpoints, videos, codes)."""
-        if self._trainer is None or self.trainer.state.fn == "fit":
+        if self.attached_trainer is None or self.trainer.state.fn == "fit":
             return self.global_step
         step = self._checkpoint_step
         return step if step and self.global_step == 0 else self.global_step
@@ -214,22 +221,6 @@ class WorldModelModule(L.LightningModule):
         """What the predictor gets for the world (``model.net.world_curriculum``) as the weights' last training step
         had it."""
         return self.model.world_phase_of_weights(self.weights_step)
-
-    @property
-    def logged_step(self) -> int:
-        """The step Lightning's loggers write this moment's scalars at, for what callbacks send themselves (wandb
-        histograms, videos)."""
-        if self._trainer is not None and self.trainer.state.fn == "fit":
-            loop = getattr(self.trainer.fit_loop, "epoch_loop", None)
-            return int(getattr(loop, "_batches_that_stepped", self.global_step))
-        return self.weights_step
-
-    def on_validation_start(self) -> None:
-        if self.trainer.state.fn == "validate":
-            self._at_checkpoint_step()
-
-    def on_test_start(self) -> None:
-        self._at_checkpoint_step()
 
     def step_generator(self, device: torch.device, batch_idx: int, stream: int = 0) -> torch.Generator:
         """A generator for this training step's random draws, a pure function of (seed, rank, step, batch, stream)."""
@@ -274,7 +265,7 @@ class WorldModelModule(L.LightningModule):
 
     def _over_ranks(self, logs: dict[str, Tensor]) -> dict[str, Tensor]:
         """Under DDP, on a step whose logs Lightning writes."""
-        trainer = self._trainer
+        trainer = self.attached_trainer
         if trainer is None or trainer.world_size <= 1 or not logs or not trainer.log_every_n_steps:
             return logs
         if not logs_at_this_step(trainer):
@@ -290,7 +281,7 @@ class WorldModelModule(L.LightningModule):
     @property
     def _scaler(self) -> Any:
         """The precision plugin's GradScaler (fp16), or None."""
-        return getattr(getattr(self._trainer, "precision_plugin", None), "scaler", None)
+        return getattr(getattr(self.attached_trainer, "precision_plugin", None), "scaler", None)
 
     def _sync_free(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether the optimizer can skip a step on the device: a fused AdamW, and no GradScaler of its own."""
@@ -314,7 +305,7 @@ class WorldModelModule(L.LightningModule):
     def _after_deepspeed_step(self) -> None:
         """Under DeepSpeed (which keeps its own gradient buffers: ``on_before_optimizer_step`` sees none), after the
         engine's step at the batch that ends a step."""
-        count = deepspeed_skipped_steps(self._trainer)
+        count = deepspeed_skipped_steps(self.trainer)
         if count is None or not self.skips.reading_engine or accumulating(self.trainer):
             return
         engine = self.trainer.strategy.deepspeed_engine
@@ -381,7 +372,7 @@ class WorldModelModule(L.LightningModule):
 
     def _dataset(self, name: str) -> Any:
         """The trainer's data module's ``train_set`` or ``val_set`` (None without one: another data source)."""
-        return getattr(getattr(self._trainer, "datamodule", None), name, None) if self._trainer is not None else None
+        return getattr(getattr(self.attached_trainer, "datamodule", None), name, None)
 
     def _bad_windows_said(self) -> str:
         """The windows of the last training batch holding NaN/inf, named (a file gone bad after indexing), or ""."""
@@ -390,7 +381,7 @@ class WorldModelModule(L.LightningModule):
         bad = []
         if batch is not None and "file_index" in batch and getattr(dataset, "paths", None) is not None:
             bad = nonfinite_windows(batch, dataset.paths)
-        if self._trainer is not None and self.trainer.world_size > 1:
+        if self.attached_trainer is not None and self.trainer.world_size > 1:
             bad = [name for names in every_rank(self.trainer, bad) for name in names]
         return f"The last batch has non-finite latents: {', '.join(bad[:5])}. " if bad else ""
 
@@ -429,10 +420,13 @@ class WorldModelModule(L.LightningModule):
     def on_validation_epoch_end(self) -> None:
         self._log_psnr("Val")
         self._warn_nonfinite_windows("Val")
+        if self.trainer.state.fn == "validate":
+            self._log_checkpoint_step()
 
     def on_test_epoch_end(self) -> None:
         self._log_psnr("Test")
         self._warn_nonfinite_windows("Test")
+        self._log_checkpoint_step()
 
     def _warn_nonfinite_windows(self, prefix: str) -> None:
         """Name (warn) this rank's evaluated windows that hold NaN/inf, which make the epoch's metrics NaN: files

@@ -15,8 +15,8 @@ from typing import Any
 
 import lightning as L
 import torch
+from fsspec.utils import get_protocol
 from lightning.fabric.plugins.environments import SLURMEnvironment
-from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
@@ -117,7 +117,7 @@ def read_checkpoint_arg(path: Any) -> bool:
     if is_deepspeed_checkpoint(path):
         check_deepspeed_checkpoint(path, "--ckpt_path")
         return False
-    if not _is_local_file_protocol(str(path)):
+    if get_protocol(str(path)) != "file":
         return False
     read_checkpoint(path, "--ckpt_path")
     return True
@@ -297,6 +297,10 @@ class HoldRunLock(L.Callback):
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self.release()
+
+    @override
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self.release()  # (Lightning's teardown hooks do not run after a failure)
 
     def release(self) -> None:
         if self.lock is not None:

@@ -1,4 +1,4 @@
-"""When the periodic callbacks act."""
+"""When the periodic callbacks act, read from the trainer's public counters."""
 
 from __future__ import annotations
 
@@ -7,30 +7,54 @@ import torch.distributed as dist
 from typing import Any
 
 
+def accumulating(trainer: L.Trainer) -> bool:
+    """Whether the current (or latest) training batch is inside a gradient-accumulation window: the optimizer does
+    not step after it (Lightning's rule). Asked during a training batch or the validation after it."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    if progress.current.ready % trainer.accumulate_grad_batches == 0:
+        return False
+    final = progress.current.ready == trainer.num_training_batches or progress.is_last_batch
+    return not final or trainer.strategy.handles_gradient_accumulation  # (Lightning steps on an epoch's last batch)
+
+
+def step_of_batch(trainer: L.Trainer) -> int:
+    """The optimizer step the current training batch belongs to, counted from 1 (the global step once it is taken):
+    from ``on_train_batch_start`` to ``on_train_batch_end``, whether its optimizer step came yet or not."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress.current
+    stepped = progress.processed == progress.ready and not accumulating(trainer)
+    return trainer.global_step + 1 - stepped
+
+
 def is_logging_step(trainer: L.Trainer) -> bool:
-    """Whether Lightning writes this training step's logs (values logged on other steps are dropped), as seen from
-    ``on_train_batch_end``."""
+    """Whether Lightning writes the logs of this training batch's step (values logged at other steps are dropped),
+    asked from ``on_before_optimizer_step`` or ``on_train_batch_end``."""
     if accumulating(trainer):
         return False
-    connector = getattr(trainer, "_logger_connector", None)
-    if connector is not None and hasattr(connector, "should_update_logs"):
-        return bool(connector.should_update_logs)
-    return trainer.global_step % max(1, trainer.log_every_n_steps) == 0
+    return trainer.should_stop or step_of_batch(trainer) % max(1, trainer.log_every_n_steps) == 0
 
 
 def logs_at_this_step(trainer: L.Trainer) -> bool:
     """Whether Lightning writes the logs of the optimizer step this training batch belongs to, at the logging
-    interval, asked from ``training_step`` or ``on_train_batch_start`` (Lightning counts ``_batches_that_stepped``
-    up after it writes them)."""
+    interval (any batch of its accumulation window)."""
     every = trainer.log_every_n_steps
-    return bool(every) and (trainer.fit_loop.epoch_loop._batches_that_stepped + 1) % every == 0
+    return bool(every) and step_of_batch(trainer) % every == 0
 
 
-def accumulating(trainer: L.Trainer) -> bool:
-    """Whether this training batch, seen from ``on_train_batch_end``, is inside a gradient-accumulation window (the
-    optimizer has not stepped after it)."""
-    fit_loop = getattr(trainer, "fit_loop", None)
-    return fit_loop is not None and trainer.training and fit_loop._should_accumulate()
+def validation_follows(trainer: L.Trainer) -> bool:
+    """Whether the fit loop validates after the current training batch, asked from ``on_train_batch_end``
+    (Lightning's rule; a timed validation may fall due at any batch: true)."""
+    batches = trainer.num_val_batches
+    if not (trainer.enable_validation and sum(batches if isinstance(batches, list) else [batches])):
+        return False  # (none yet: a first validation whose data Lightning has not loaded)
+    every = trainer.check_val_every_n_epoch
+    if every is not None and (trainer.current_epoch + 1) % every:
+        return False
+    if trainer.should_stop or trainer.val_check_batch is None:  # a stop validates first; None: timed validation
+        return True
+    loop = trainer.fit_loop.epoch_loop
+    if trainer.val_check_batch == float("inf"):
+        return loop.batch_progress.is_last_batch
+    return (1 + (loop.total_batch_idx if every is None else loop.batch_idx)) % trainer.val_check_batch == 0
 
 
 def every_rank(trainer: L.Trainer, obj: Any) -> list[Any]:

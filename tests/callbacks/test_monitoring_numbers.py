@@ -16,6 +16,7 @@ from lwm.training.optim import OptimConfig
 from lwm.training.module import WorldModelModule
 from lwm.utils.seeds import seeded_generator
 from tests.callbacks.test_callbacks import _feed, _probe_windows, _validate
+from tests.lightning.helpers import accumulation_counters
 from tests.lightning.test_module import NET, _batches
 
 
@@ -117,8 +118,7 @@ def test_training_attention_diagonality_is_over_every_ranks_clips(monkeypatch):
     monkeypatch.setattr(attention, "every_rank", lambda trainer, obj: [obj, other])
     sent = {}
     monkeypatch.setattr(attention, "log_distribution", lambda pl_module, name, values: sent.update({name: values}))
-    trainer = SimpleNamespace(world_size=2, log_every_n_steps=2,
-                              fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(_batches_that_stepped=1)),
+    trainer = SimpleNamespace(world_size=2, log_every_n_steps=2, global_step=1, **accumulation_counters(ended=False),
                               precision_plugin=SimpleNamespace(forward_context=contextlib.nullcontext))
     AttentionDiagonality().on_train_batch_start(trainer, module, {"latents": x}, 1)
     with torch.no_grad():

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import h5py
 import lightning as L
-from lightning.pytorch.loggers.logger import Logger
 import numpy as np
 import torch
 
 from lwm.cli.main import main
+from lwm.training.loggers import WandbLogger as LwmWandbLogger
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny.yaml"
@@ -125,25 +125,29 @@ class DumpQuantizers(L.Callback):
         self._dump(trainer, pl_module)
 
 
-class WandbLogger(Logger):
-    """A stand-in for Lightning's WandbLogger (lwm.training.loggers finds it by class name): ``experiment.log`` appends
-    what it is given to ``self.sent`` (and whether it committed a history row to ``self.commits``)."""
-
-    name, version = "fake", "0"
+class WandbLogger(LwmWandbLogger):
+    """lwm's WandbLogger on a stand-in wandb run: each committed history row is appended to ``self.sent`` (what
+    ``log(..., commit=False)`` gave joins the next one, as in wandb), whether each call committed to
+    ``self.commits``."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__(mode="disabled")
         self.sent: list[dict] = []
         self.commits: list[bool] = []
+        row: dict = {}
 
         def log(data: dict, commit: bool | None = None) -> None:
-            self.sent.append(data)
+            row.update(data)
             self.commits.append(commit is not False)
+            if commit is not False:
+                self.sent.append(dict(row))
+                row.clear()
 
-        self.experiment = type("Run", (), {"log": staticmethod(log)})()
+        self.run = type("Run", (), {"log": staticmethod(log), "config": {}})()
 
-    def log_metrics(self, metrics, step=None) -> None:
-        pass
+    @property
+    def experiment(self):
+        return self.run
 
     def log_hyperparams(self, params, *args, **kwargs) -> None:
         pass
@@ -215,3 +219,28 @@ class MarkStep(L.Callback):
             import time
 
             time.sleep(self.seconds)
+
+
+class _Window:
+    """A fit loop's batch counters: its latest batch opens a gradient-accumulation window of 2 where ``inside()``,
+    else closes one; ``ended``: as seen from ``on_train_batch_end`` (else from ``on_train_batch_start``)."""
+
+    is_last_batch = False
+
+    def __init__(self, inside, ended: bool) -> None:
+        self.inside, self.ended = inside, ended
+
+    @property
+    def current(self):
+        from types import SimpleNamespace
+
+        ready = 1 if self.inside() else 2
+        return SimpleNamespace(ready=ready, processed=ready if self.ended else ready - 1)
+
+
+def accumulation_counters(inside=lambda: False, ended: bool = True) -> dict:
+    """The public trainer fields ``lwm.training.trainer_state`` reads, for a stand-in trainer."""
+    from types import SimpleNamespace
+
+    return {"fit_loop": SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=_Window(inside, ended))),
+            "accumulate_grad_batches": 2, "num_training_batches": 10}

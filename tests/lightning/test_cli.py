@@ -184,7 +184,7 @@ def test_a_checkpoint_with_unknown_hyperparameters_is_one_error_line(trained, tm
     torch.save(ckpt, tmp_path / "odd.ckpt")
     assert main(tiny_args(manifest, tmp_path / "v", f"--ckpt_path={tmp_path / 'odd.ckpt'}", verb="validate")) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "odd.ckpt: its hyperparameters do not fit this lwm" in errors[0], errors
+    assert len(errors) == 1 and "model.bogus" in errors[0], errors  # jsonargparse's line, naming the field
 
 
 @pytest.mark.slow
@@ -337,13 +337,13 @@ def test_an_interrupted_overfit_does_not_advise_a_resume_it_refuses(tmp_path, ca
         (["--model.net.rollout_weights=[0, 0]"], "rollout_weights must be >= 0, not all 0"),
         (["--model.net.beta_action=-1"], "beta_action must be >= 0, got -1.0"),
         (["--trainer.gradient_clip_val=-1"], "trainer.gradient_clip_val must be >= 0 (0 or null: no clipping), got -1"),
-        # Parse errors: one line, not jsonargparse's ~145 lines of usage; a typo gets the nearest key.
-        (["--model.net.dmodel=32"], "unrecognized arguments: --model.net.dmodel=32 (did you mean --model.net.d_model?)"),
+        # Parse errors: jsonargparse's own line, not its ~145 lines of usage, naming the key or the file.
+        (["--model.net.dmodel=32"], "unrecognized arguments: --model.net.dmodel=32"),
         # a prefix of a key is a typo too, not that key (argparse's abbreviations: --trainer.max_step 8 trained 8 steps)
-        (["--trainer.max_step=8"], "unrecognized arguments: --trainer.max_step=8 (did you mean --trainer.max_steps?)"),
+        (["--trainer.max_step=8"], "unrecognized arguments: --trainer.max_step=8"),
         (["--trainer.max_steps=ten"], "trainer.max_steps … ten"),  # jsonargparse's line: the key and the value
-        (["--config=configs/missing.yaml"], "error: --config configs/missing.yaml: file not found"),
-        (["--config=TYPO"], "error: --config TYPO: unknown key model.net.d_modle (did you mean model.net.d_model?)"),
+        (["--config=configs/missing.yaml"], "configs/missing.yaml"),
+        (["--config=TYPO"], "model.net.d_modle"),
         (["--trainer.val_check_interval=50"], "trainer.val_check_interval=50 is more than the 2 training batches"),
         (["--trainer.limit_val_batches=0.01"], "trainer.limit_val_batches=0.01 leaves the run no batch: 0.01 x its 1 "
                                                "batch of data.val_batch_size=3"),

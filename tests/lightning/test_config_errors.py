@@ -40,7 +40,8 @@ def manifest(tmp_path_factory):
         # a link to the last step file: stale after a stop on a signal and at the end of fit
         (["--checkpoint.save_last=link"], "checkpoint.save_last=link: lwm needs true"),
         (["--checkpoint.save_last=false"], "checkpoint.save_last=False: lwm needs true"),
-        (["--checkpoint.dirpath=${trainer.nothere}/c"], "checkpoint.dirpath: … trainer.nothere"),  # a traceback
+        (["--checkpoint.dirpath=${trainer.nothere}/c"], "Interpolation key '..trainer.nothere' not found … "
+                                                        "full_key: fit.checkpoint.dirpath"),  # a traceback
         # jsonargparse's own message, on one line: the key, the choices and the value given
         (["--wandb.mode=onlin"], "Parser key \"wandb.mode\": … 'offline' … onlin"),
         (["--trainer.precision=7"], "Parser key \"trainer.precision\": … 'bf16-mixed' … 7"),

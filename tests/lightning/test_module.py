@@ -20,7 +20,7 @@ from lwm.utils.errors import ConfigError, NonFiniteLossError
 from lwm.training.optim import OptimConfig
 from lwm.training.module import WorldModelModule
 from lwm.modules.world_model import WorldModelConfig
-from tests.lightning.helpers import C, H, W, make_dataset, run
+from tests.lightning.helpers import accumulation_counters, C, H, W, make_dataset, run
 
 NET = WorldModelConfig(in_channels=C, height=H, width=W, d_model=32, n_heads=2, depth_action=1, depth_world=1,
                        depth_dynamics=1, d_code_action=8, d_code_world=8, codebook_sizes_action=(4, 8),
@@ -586,7 +586,7 @@ def test_deepspeed_skips_count_as_skipped_steps_and_stop_the_run_in_a_row():
     within = [False]  # inside an accumulation window?
     module._trainer = SimpleNamespace(strategy=SimpleNamespace(deepspeed_engine=engine), training=True, global_step=9,
                                       world_size=1,
-                                      fit_loop=SimpleNamespace(_should_accumulate=lambda: within[0]))
+                                      **accumulation_counters(lambda: within[0]))
     logged = {}
     module.log = lambda key, value, **kwargs: logged.update({key: value})  # (a stand-in trainer: no logger connector)
     module.skips.engine_start(4)  # what on_train_start reads from the engine
@@ -616,7 +616,7 @@ def test_deepspeed_fp16_overflows_count_towards_the_stop_only_below_a_loss_scale
                              get_global_grad_norm=lambda: None)
     module._trainer = SimpleNamespace(strategy=SimpleNamespace(deepspeed_engine=engine), training=True, global_step=3,
                                       world_size=1,
-                                      fit_loop=SimpleNamespace(_should_accumulate=lambda: False))
+                                      **accumulation_counters())
     module.log = lambda *args, **kwargs: None  # (this stand-in trainer has no logger connector)
     module.skips.engine_start(0)
     for i in range(4):  # the scale halving down from 2^16: skipped, counted, never a stop

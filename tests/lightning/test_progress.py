@@ -6,9 +6,8 @@ from lwm.callbacks.progress import StepProgressBar
 
 
 def _description(max_epochs, max_steps, global_step=7):
-    bar = StepProgressBar()
-    bar._trainer = SimpleNamespace(max_epochs=max_epochs, max_steps=max_steps, global_step=global_step)
-    return bar._get_train_description(3)
+    trainer = SimpleNamespace(max_epochs=max_epochs, max_steps=max_steps, global_step=global_step, current_epoch=3)
+    return StepProgressBar().train_description(trainer)
 
 
 def test_step_based_runs_show_the_step_not_a_negative_epoch_count():

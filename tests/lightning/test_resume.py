@@ -148,9 +148,11 @@ def test_timed_validation_keeps_lightnings_deferral():
     own clock): the checkpoint waits for it, as in Lightning."""
     from types import SimpleNamespace
 
-    from lwm.training.checkpoint import _validation_follows
+    from lwm.training.trainer_state import validation_follows
 
-    assert _validation_follows(SimpleNamespace(_val_check_time_interval=6.0))
+    timed = SimpleNamespace(enable_validation=True, num_val_batches=[2], check_val_every_n_epoch=None,
+                            current_epoch=0, should_stop=False, val_check_batch=None)  # Lightning's: None when timed
+    assert validation_follows(timed)
 
 
 @pytest.mark.slow
