@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from pathlib import Path
 from types import SimpleNamespace
 
 import h5py
@@ -28,10 +27,6 @@ def test_counts_of_hand_made_codes():
     other.update(torch.tensor([[1, 0], [2, 2]]))
     d.merge(other)
     assert d.tuples.tolist() == [[0, 1], [1, 0], [2, 2], [2, 3]] and d.counts.tolist() == [3, 2, 1, 2]
-    with pytest.raises(ValueError, match="expected 2 levels"):
-        d.update(torch.zeros(4, 3, dtype=torch.long))
-    with pytest.raises(ValueError, match="codebook sizes differ"):
-        d.merge(CodeDictionary((3, 5)))
 
 
 def test_sampling_by_frequency_and_uniformly():
@@ -43,10 +38,6 @@ def test_sampling_by_frequency_and_uniformly():
     assert (freq[:, 0] == 0).float().mean().item() == pytest.approx(0.9, abs=0.02)
     uni = d.sample((20, 200), "uniform", g)
     assert uni.shape == (20, 200, 2) and (uni[..., 0] == 0).float().mean().item() == pytest.approx(0.5, abs=0.03)
-    with pytest.raises(ValueError, match="sampling must be one of"):
-        d.sample((1,), "mode")
-    with pytest.raises(ValueError, match="empty"):
-        CodeDictionary((2,)).sample((1,))
 
 
 @pytest.mark.parametrize("by", ["frequency", "uniform"])
@@ -202,7 +193,7 @@ def test_codes_out_that_is_not_a_code_dictionary_is_refused_before_any_work(trai
         "folder": f"{out}: is a folder, not a file to write (--out)",
         "checkpoint": f"--out {out}: a .ckpt name is a checkpoint's; name the code dictionary e.g. codes.pt",
         "ckpt name": f"--out {out}: a .ckpt name is a checkpoint's; name the code dictionary e.g. codes.pt",
-        "file parent": f"{out}: cannot be created, {manifest} is not a folder (--out)",
+        "file parent": f"{out}: cannot be created, not a folder: {manifest} (--out)",
     }.get(target, f"--out {out}: exists and is not a code dictionary, refusing to replace it (remove it or choose "
                   f"another --out)")
     before = {p: p.read_bytes() for p in (ckpt, copy, manifest, tmp / "data/ep00.h5")}
@@ -237,50 +228,6 @@ def test_is_dictionary_file_tells_a_dictionary_from_other_files(tmp_path):
     torch.save({"Action_Encoder": {"tuples": torch.zeros(1)}, "windows": 1}, tmp_path / "partial.pt")
     (tmp_path / "m.json").write_text('{"files": []}')
     assert not any(is_dictionary_file(tmp_path / n) for n in ("ckpt.pt", "partial.pt", "m.json", "missing.pt"))
-
-
-def _edited(tmp_path, edit) -> Path:
-    """A good dictionary file, loaded, its Action_Encoder state edited by ``edit``, saved again."""
-    d = CodeDictionary((4, 8))
-    d.update(torch.tensor([[0, 1], [3, 7], [2, 2], [0, 1]]))  # tuples (0,1) x2, (2,2), (3,7)
-    raw = torch.load(save_dictionaries(tmp_path / "good.pt", {"Action_Encoder": d}, windows=2), weights_only=True)
-    edit(raw["Action_Encoder"])
-    torch.save(raw, tmp_path / "edited.pt")
-    return tmp_path / "edited.pt"
-
-
-def _set(key, value):
-    return lambda state: state.__setitem__(key, value(state[key]))
-
-
-def _poke(key, where, value):
-    return lambda state: state[key].__setitem__(where, value)
-
-
-@pytest.mark.parametrize(("edit", "message"), [
-    (_poke("tuples", (0, 1), 8), "tuple 0 [0, 8] has code 8 at level 1, which takes codes 0..7"),
-    (_poke("tuples", (2, 0), -1), "tuple 2 [-1, 7] has code -1 at level 0, which takes codes 0..3"),
-    (_set("tuples", lambda t: t[:, :1]), "tuples must be integers of shape [U, 2] (one code per RVQ level), got "
-                                         "torch.int64 [3, 1]"),
-    (_set("tuples", lambda t: t.float()), "tuples must be integers of shape [U, 2] (one code per RVQ level), got "
-                                          "torch.float32 [3, 2]"),
-    (_poke("counts", 1, -3), "counts must be >= 1 (each tuple was used), got -3"),
-    (_poke("counts", 1, 0), "counts must be >= 1 (each tuple was used), got 0"),  # never drawn by frequency, but
-    (_set("tuples", lambda t: t[[0, 0, 1]]), "tuples must be distinct, got 1 repeated"),  # uniformly: not "used"
-    (_set("counts", lambda c: c[:-1]), "counts must be integers of shape [3] (one per tuple), got torch.int64 [2]"),
-    (_set("counts", lambda c: torch.tensor([2.0, float("nan"), 1.0])),
-     "counts must be integers of shape [3] (one per tuple), got torch.float32 [3]"),
-    (_set("codebook_sizes", lambda k: torch.tensor([4, 0])), "codebook_sizes must be integers >= 1, one per RVQ "
-                                                             "level, got [4, 0]"),
-])
-def test_an_edited_dictionary_is_refused_on_load_naming_the_file_and_the_entry(tmp_path, edit, message):
-    """Out-of-range codes failed only when drawn, a wrong width or negative counts with a traceback, counts
-    shorter than the tuples left the last tuples silently never drawn."""
-    path = _edited(tmp_path, edit)
-    with pytest.raises(DataError) as e:
-        load_dictionaries(path)
-    assert str(e.value) == f"{path}: Action_Encoder: {message}"
-    assert load_dictionaries(tmp_path / "good.pt")["Action_Encoder"].counts.tolist() == [2, 1, 1]  # the unedited
 
 
 def test_a_file_torch_will_not_load_with_weights_only_is_refused_without_torchs_advice(tmp_path):

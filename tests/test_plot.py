@@ -111,35 +111,42 @@ def test_a_run_with_only_losses_writes_only_the_loss_figure(tmp_path):
     assert set(skipped) == set(FIGURES) - {"losses.png"}
 
 
-def test_a_missing_metrics_file_or_run_dir_is_a_data_error_naming_it(tmp_path):
-    with pytest.raises(DataError, match="metrics.csv") as error:
+def test_a_missing_metrics_file_or_run_dir_is_an_os_error_naming_it(tmp_path, capsys):
+    from lwm.cli.main import main as lwm
+
+    with pytest.raises(FileNotFoundError) as error:
         plot_run(tmp_path)
-    assert str(tmp_path / "metrics.csv") in str(error.value) and "\n" not in str(error.value)
-    with pytest.raises(DataError, match="nowhere"):
-        main([str(tmp_path / "nowhere")])
-    with pytest.raises(DataError, match="missing.csv"):
-        read_metrics(tmp_path / "missing.csv")
+    assert error.value.filename == str(tmp_path / "metrics.csv")
+    assert lwm(["plot", str(tmp_path / "nowhere")]) == 2  # the lwm command: one line naming the file
+    assert capsys.readouterr().err.splitlines() == [f"error: {tmp_path / 'nowhere' / 'metrics.csv'}: No such file or "
+                                                    f"directory"]
 
 
-def test_an_out_that_is_a_file_is_refused_by_name_before_reading(tmp_path):
-    (tmp_path / "notes.txt").write_text("mine")  # no metrics.csv either: the --out error comes first
-    with pytest.raises(DataError, match=r"--out .*notes.txt: a file") as error:
-        main([str(tmp_path), "--out", str(tmp_path / "notes.txt")])
-    assert "\n" not in str(error.value) and (tmp_path / "notes.txt").read_text() == "mine"
+def test_a_metrics_file_itself_and_an_out_that_is_a_file(tmp_path):
+    run_dir = write_run(tmp_path / "run", ["Train_Total/loss", "Val_Total/loss"])
+    assert [p.name for p in plot_run(run_dir / "metrics.csv")[0]] == ["losses.png"]  # its folder's figures/
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError) as error:
+        main([str(run_dir), "--out", str(tmp_path / "notes.txt")])
+    assert error.value.filename == str(tmp_path / "notes.txt") and (tmp_path / "notes.txt").read_text() == "mine"
 
 
 @pytest.mark.parametrize(("content", "message"), [
-    (b"", "empty (the run has logged nothing yet)"),
-    (b"step,epoch\n", "no logged values"),
+    (b"", "no 'step' column"),
+    (b"loss\n1.0\n", "no 'step' column"),
+    (b"step,epoch\n", {}),  # nothing logged yet: every figure skipped, saying why
+    (b"step,Train_Total/loss\n0,\xff\xfe\n1,2.0\n", {"Train_Total/loss": [(1, 2.0)]}),  # an undecodable cell: none
     (b"\xef\xbb\xbfstep,Train_Total/loss\n0,1.5\n", None),  # a byte-order mark: read as any other
     (b"step,Train_Total/loss\n0,1.5,9,9\n1,1.0\n", None),  # a row longer than its header: the extra cells dropped
-    (b"step,Train_Total/loss\n0,\xff\xfe\n", "not a readable CSV"),
 ])
 def test_odd_metrics_files_are_read_or_refused_in_one_line(tmp_path, content, message):
     path = tmp_path / "metrics.csv"
     path.write_bytes(content)
     if message is None:
         assert read_metrics(path)["Train_Total/loss"][0] == (0, 1.5)
+        return
+    if isinstance(message, dict):
+        assert read_metrics(path) == message
         return
     with pytest.raises(DataError) as error:
         read_metrics(path)

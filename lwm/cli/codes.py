@@ -10,7 +10,7 @@ from lwm.cli.lightning_cli import config_files, LwmCLI
 from lwm.inference.dictionary import check_out, collect, default_codes_path, save_dictionaries
 from lwm.training.checkpoint import load_checkpoint, warn_window_mismatch
 from lwm.training.run_dir import checkpoint_file, run_of
-from lwm.utils.args import ArgumentParser
+from lwm.utils.args import ArgumentParser, positive_int
 from lwm.utils.errors import ConfigError
 from lwm.utils.video import check_output
 
@@ -25,12 +25,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--ckpt_path", required=True, help="the checkpoint whose encoders to use: a file, a run's "
                                                            "folder or `last` (the run's latest checkpoint: last.ckpt, "
                                                            "or a newer step or hpc one)")
-    parser.add_argument("--max-windows", type=int, default=None, help="encode at most this many windows (default: all)")
+    parser.add_argument("--max-windows", type=positive_int, help="encode at most this many windows (default: all)")
     parser.add_argument("--out", help="output file (default: codes.pt beside last.ckpt, NAME.codes.pt beside "
                                       "another NAME.ckpt)")
     args, rest = parser.parse_known_args(argv)
-    if args.max_windows is not None and args.max_windows < 1:
-        raise ConfigError(f"--max-windows must be >= 1 (or left out: all), got {args.max_windows}")
     has_config = bool(config_files(rest))  # (--config F, --config=F, -c F)
     if args.ckpt_path == "last" and not has_config:
         raise ConfigError("--ckpt_path last: which run's? Give --config CFG (its trainer.default_root_dir), or the "

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
+from lwm.inference.dictionary import SAMPLING
 from lwm.inference.generation import ACTIONS, WORLDS, _parse_indices, run
-from lwm.utils.args import ArgumentParser, frame_rate
-from lwm.utils.video import VIDEO_SUFFIXES
+from lwm.utils.args import ArgumentParser, bounded, frame_rate, positive_int
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -16,11 +15,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
                                                              "checkpoint: last.ckpt, or a newer step or hpc one)")
     p.add_argument("--data", required=True, help="h5 file to take the context (and ground truth) from")
     p.add_argument("--start", type=int, default=0, help="first context frame")
-    p.add_argument("--context", type=int, default=1, help="ground-truth frames given to the model")
-    p.add_argument("--steps", type=int, default=16, help="frames to generate")
-    p.add_argument("--rollouts", type=int, default=4, help="rollouts, generated together as one batch")
+    p.add_argument("--context", type=positive_int, default=1, help="ground-truth frames given to the model")
+    p.add_argument("--steps", type=positive_int, default=16, help="frames to generate")
+    p.add_argument("--rollouts", type=positive_int, default=4, help="rollouts, generated together as one batch")
     p.add_argument("--actions", choices=ACTIONS, default="dictionary", help="where the actions come from")
-    p.add_argument("--sampling", choices=("frequency", "uniform"), default="frequency",
+    p.add_argument("--sampling", choices=SAMPLING, default="frequency",
                    help="drawing from the dictionary: by frequency, or uniformly over the tuples in use")
     p.add_argument("--action-indices", help="JSON list of action code tuples, one per transition (overrides --actions)")
     p.add_argument("--world", choices=WORLDS, default="inferred",
@@ -28,8 +27,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
                         "from --start, whatever --steps; the context's, where longer)")
     p.add_argument("--world-indices", help="JSON world code tuple (overrides --world)")
     p.add_argument("--codes", help="code dictionary (default: codes.pt beside the checkpoint)")
-    p.add_argument("--window", type=int, help="frames the predictor attends to (default: its training window)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--window", type=positive_int, help="frames the predictor attends to (default: its training "
+                                                        "window)")
+    p.add_argument("--seed", type=bounded(int, 0, 2**63 - 1), default=0)  # (the draws' generators take these)
     p.add_argument("--fps", type=frame_rate, help="frame rate (default: --data's fps, which `lwm data encode` "
                    "records, else 8)")
     p.add_argument("--vae", help="the VAE's local diffusers weights, to decode files encoded with a VAE")
@@ -41,15 +41,6 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing video and its latents (VIDEO.mp4.h5); without it they are refused")
     args = p.parse_args(argv)
-    for name in ("context", "steps", "rollouts"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if not 0 <= args.seed < 2**63:  # (the draws' generators take non-negative seeds)
-        p.error(f"--seed must be >= 0, got {args.seed}")
-    if args.window is not None and args.window < 1:
-        p.error(f"--window must be >= 1, got {args.window}")
-    if args.out and Path(args.out).suffix not in VIDEO_SUFFIXES:
-        p.error(f"--out {args.out}: the video must be one of {', '.join(VIDEO_SUFFIXES)}")
     for option, text, ndim in (("--action-indices", args.action_indices, 2),
                                ("--world-indices", args.world_indices, 1)):
         if text:

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lwm.callbacks.slurm import interrupted_by, SlurmRequeue
 from lwm.cli.lightning_cli import LwmCLI
-from lwm.utils.args import ArgumentParser
+from lwm.utils.args import ArgumentParser, positive_int
 from lwm.utils.errors import ConfigError
 
 TF_KEY = "Train_Dynamics_Predictor/tf_loss"
@@ -63,13 +63,12 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         prog="lwm overfit", description=__doc__.split("\n\n")[0],
         epilog="Every other argument is a `lwm fit` option: --config FILE and dotted overrides such as --data.manifest M.",
     )
-    parser.add_argument("--steps", type=int, default=1000, help="optimizer steps on the one datapoint (default 1000)")
+    parser.add_argument("--steps", type=positive_int, default=1000, help="optimizer steps on the one datapoint "
+                                                                         "(default 1000)")
     parser.add_argument("--file", type=int, default=0, help="index of the file among the manifest's train files that hold a whole "
                                                            "data.window (in manifest order; shorter ones are left out)")
     parser.add_argument("--start", type=int, default=0, help="first frame of the window")
     args, rest = parser.parse_known_args(argv)
-    if args.steps < 1:
-        parser.error(f"--steps must be >= 1, got {args.steps}")
     for key, instead in OWN_KEYS.items():  # given on the command line, and silently overridden
         if any(a.split("=")[0] == key for a in rest):
             warnings.warn(f"{key}: lwm overfit sets it itself (every step logged, one window, a batch of one, no "

@@ -6,33 +6,28 @@ import argparse
 
 from lwm.play.player import load_player
 from lwm.play.server import bind, build_app, check_host, serve, url
-from lwm.utils.args import ArgumentParser, MAX_FPS
+from lwm.utils.args import ArgumentParser, bounded, MAX_FPS
 from lwm.utils.errors import ConfigError
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
     p = ArgumentParser(prog="lwm play", description=__doc__.split("\n\n")[0])
     p.add_argument("--ckpt_path", required=True, help="a checkpoint of `lwm fit`, or a run's folder (its latest)")
-    p.add_argument("--data", action="append", default=[], help="an h5 file to start from (repeat for more; default: "
-                   "the --manifest's files, else the manifest the checkpoint trained on)")
-    p.add_argument("--manifest", help="a manifest whose files the page starts from")
+    files = p.add_mutually_exclusive_group()
+    files.add_argument("--data", action="append", default=[], help="an h5 file to start from (repeat for more; "
+                       "default: the --manifest's files, else the manifest the checkpoint trained on)")
+    files.add_argument("--manifest", help="a manifest whose files the page starts from")
     p.add_argument("--codes", help="code dictionary (default: codes.pt beside the checkpoint)")
     p.add_argument("--vae", help="the VAE's local diffusers weights, to decode files encoded with a VAE")
     p.add_argument("--vae-tiling", action="store_true", help="the VAE decodes in overlapping spatial tiles")
     p.add_argument("--host", default="127.0.0.1", help="address to serve on (loopback only, unless --allow-remote)")
     p.add_argument("--allow-remote", action="store_true",
                    help="serve on a --host other machines can reach (anyone there can play the checkpoint)")
-    p.add_argument("--port", type=int, default=8000, help="port (0: any free one)")
-    p.add_argument("--hold-fps", type=float, default=30.0,
+    p.add_argument("--port", type=bounded(int, 0, 65535), default=8000, help="port (0: any free one)")
+    p.add_argument("--hold-fps", type=bounded(float, 0, MAX_FPS), default=30.0,
                    help="frames per second while a key is held (0: as fast as the model makes them)")
-    args = p.parse_args(argv)
-    if args.data and args.manifest:
-        p.error("--data and --manifest: give one of them")
-    if not 0 <= args.port <= 65535:
-        p.error(f"--port must be in 0..65535, got {args.port}")
-    if not 0 <= args.hold_fps <= MAX_FPS:  # (NaN fails too)
-        p.error(f"--hold-fps must be in 0..{MAX_FPS} (0: as fast as the model makes them), got {args.hold_fps}")
-    return args
+    return p.parse_args(argv)
+
 
 def _need_extra() -> None:
     """One line where the ``play`` extra is not installed."""

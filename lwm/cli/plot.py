@@ -20,51 +20,31 @@ if TYPE_CHECKING:
 Series = list[tuple[int, float]]
 Metrics = dict[str, Series]
 
-_NOT_METRICS = ("step", "epoch")
 _MARKER_MAX_POINTS = 60  # series this short
 
 
 def read_metrics(path: str | Path) -> Metrics:
-    """``{column: [(step, value), ...]}`` of a Lightning ``metrics.csv``, each series sorted by step."""
+    """``{column: [(step, value), ...]}`` of a Lightning ``metrics.csv``, each series sorted by step (a missing
+    file: the OSError naming it)."""
     path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{path}: no such file (a training run writes RUN_DIR/metrics.csv)")
     values: dict[str, dict[int, float]] = {}
-    try:
-        with open(path, newline="", encoding="utf-8-sig") as f:
-            reader = csv.DictReader(f)
-            if reader.fieldnames is None:
-                raise DataError(f"{path}: empty (the run has logged nothing yet)")
-            if "step" not in reader.fieldnames:
-                raise DataError(f"{path}: no 'step' column (not a Lightning metrics.csv?)")
-            for row in reader:
-                step = _parse(row.get("step"))
-                if step is None:
-                    continue
-                for column, cell in row.items():
-                    if column is None or column in _NOT_METRICS:  # None: a row longer than the header
-                        continue
-                    value = _parse(cell)
-                    if value is not None:
-                        values.setdefault(column, {})[int(step)] = value
-    except (UnicodeDecodeError, csv.Error) as e:
-        raise DataError(f"{path}: not a readable CSV ({e})") from None
-    if not values:
-        raise DataError(f"{path}: no logged values (the run has logged nothing yet)")
+    with open(path, newline="", encoding="utf-8-sig", errors="replace") as f:  # (an undecodable cell: no value)
+        reader = csv.DictReader(f)
+        if "step" not in (reader.fieldnames or ()):
+            raise DataError(f"{path}: no 'step' column (empty, or not a Lightning metrics.csv)")
+        for row in reader:
+            step, _ = _parse(row.pop("step")), row.pop("epoch", None)
+            for column, cell in row.items() if step is not None else ():
+                if (value := _parse(cell)) is not None:  # (a row longer than the header: its extra cells, a list)
+                    values.setdefault(column, {})[int(step)] = value
     return {column: sorted(by_step.items()) for column, by_step in values.items()}
 
 
-def _parse(cell: str | None) -> float | None:
-    if cell is None or cell.strip() == "":
-        return None
+def _parse(cell: object) -> float | None:
     try:
         return float(cell)
-    except ValueError:
+    except (TypeError, ValueError):  # empty, text, missing
         return None
-
-
-class _Skip(Exception):
-    """The figure cannot be drawn; the message says why."""
 
 
 LOSS_PANELS: tuple[tuple[str, str], ...] = (
@@ -89,10 +69,10 @@ LOSS_BASELINES: dict[str, tuple[str, str]] = {
 }
 
 
-def losses_figure(metrics: Metrics) -> Figure:
+def losses_figure(metrics: Metrics) -> Figure | str:
     panels = [(title, key) for title, key in LOSS_PANELS if f"Train_{key}" in metrics or f"Val_{key}" in metrics]
     if not panels:
-        raise _Skip("no Train_*/Val_* loss columns")
+        return "no Train_*/Val_* loss columns"
     fig, axes = _grid(len(panels), ncols=3)
     for ax, (title, key) in zip(axes, panels):
         _plot(ax, metrics.get(f"Train_{key}"), label="train")
@@ -106,15 +86,15 @@ def losses_figure(metrics: Metrics) -> Figure:
     return fig
 
 
-def val_loss_vs_tflops_figure(metrics: Metrics) -> Figure:
+def val_loss_vs_tflops_figure(metrics: Metrics) -> Figure | str:
     tflops = metrics.get("Val_Total/tflops")
     if not tflops:
-        raise _Skip("no Val_Total/tflops column (no validation during a fit, or a run from before TFLOPs logging)")
+        return "no Val_Total/tflops column (no validation during the fit, or a run that logged no TFLOPs)"
     wanted = (("val total", "Val_Total/loss"), ("val teacher-forced", "Val_Dynamics_Predictor/tf_loss"))
     lines = [(label, _against(tflops, metrics.get(key))) for label, key in wanted]
     lines = [(label, points) for label, points in lines if points]
     if not lines:
-        raise _Skip("no Val_Total/loss or Val_Dynamics_Predictor/tf_loss with a positive Val_Total/tflops at its step")
+        return "no Val_Total/loss or Val_Dynamics_Predictor/tf_loss with a positive Val_Total/tflops at its step"
     fig, (ax,) = _grid(1, ncols=1)
     for label, points in lines:
         ax.plot(*zip(*points), label=label, marker="o" if len(points) <= _MARKER_MAX_POINTS else None, markersize=3)
@@ -124,11 +104,11 @@ def val_loss_vs_tflops_figure(metrics: Metrics) -> Figure:
     return fig
 
 
-def sensitivity_figure(metrics: Metrics) -> Figure:
+def sensitivity_figure(metrics: Metrics) -> Figure | str:
     dpsnr = {q: metrics.get(f"Val_{q}/dPSNR") for q in QUANTIZERS}
     psnr = {(q, kind): metrics.get(f"Val_{q}/PSNR_{kind}") for q in QUANTIZERS for kind in ("seq", "rand")}
     if not any(dpsnr.values()) and not any(psnr.values()):
-        raise _Skip("no Val_*_Encoder/dPSNR or PSNR_seq/PSNR_rand columns")
+        return "no Val_*_Encoder/dPSNR or PSNR_seq/PSNR_rand columns"
     fig, (left, *right) = _grid(1 + len(QUANTIZERS), ncols=3)
     for color, q, ax in zip(("C0", "C1"), QUANTIZERS, right):
         name = _quantizer_name(q)
@@ -142,7 +122,7 @@ def sensitivity_figure(metrics: Metrics) -> Figure:
     return fig
 
 
-def codebook_usage_figure(metrics: Metrics) -> Figure:
+def codebook_usage_figure(metrics: Metrics) -> Figure | str:
     found: dict[str, dict[tuple[str, int], Series]] = {}
     for column, series in metrics.items():
         match = _USAGE.match(column)
@@ -150,7 +130,7 @@ def codebook_usage_figure(metrics: Metrics) -> Figure:
             split, quantizer, level = match.group(1), match.group(2), int(match.group(3))
             found.setdefault(quantizer, {})[split, level] = series
     if not found:
-        raise _Skip("no {Train,Val}_*/codebook_usage_level_<l> columns")
+        return "no {Train,Val}_*/codebook_usage_level_<l> columns"
     quantizers = sorted(found, key=lambda q: (QUANTIZERS.index(q) if q in QUANTIZERS else len(QUANTIZERS), q))
     fig, axes = _grid(len(quantizers), ncols=2)
     for ax, quantizer in zip(axes, quantizers):
@@ -163,14 +143,14 @@ def codebook_usage_figure(metrics: Metrics) -> Figure:
     return fig
 
 
-def attention_diagonality_figure(metrics: Metrics) -> Figure:
+def attention_diagonality_figure(metrics: Metrics) -> Figure | str:
     found: dict[str, list[int]] = {}
     for column, series in metrics.items():
         match = _DIAGONALITY.match(column)
         if match and series:
             found.setdefault(match.group(1), []).append(int(match.group(2)))
     if not found:
-        raise _Skip("no *_Encoder/attention_diagonality_block_<k>/mean columns")
+        return "no *_Encoder/attention_diagonality_block_<k>/mean columns"
     prefixes = sorted(found)
     fig, axes = _grid(len(prefixes), ncols=2)
     for ax, prefix in zip(axes, prefixes):
@@ -183,7 +163,7 @@ def attention_diagonality_figure(metrics: Metrics) -> Figure:
     return fig
 
 
-FIGURES: dict[str, Callable[[Metrics], Figure]] = {
+FIGURES: dict[str, Callable[[Metrics], Figure | str]] = {  # a figure, or why it cannot be drawn
     "losses.png": losses_figure,
     "val_loss_vs_tflops.png": val_loss_vs_tflops_figure,
     "sensitivity.png": sensitivity_figure,
@@ -256,23 +236,17 @@ def _quantizer_name(quantizer: str) -> str:
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> tuple[list[Path], dict[str, str]]:
-    """Write the figures of ``run_dir`` into ``out`` (default ``run_dir/figures``)."""
-    run_dir = Path(run_dir)
-    if run_dir.is_file():
-        raise DataError(f"{run_dir}: a file; lwm plot takes the run's folder ({run_dir.parent})")
-    if not run_dir.is_dir():
-        raise DataError(f"{run_dir}: no such run directory")
-    out = Path(out) if out is not None else run_dir / "figures"
-    if out.exists() and not out.is_dir():
-        raise DataError(f"--out {out}: a file; lwm plot writes its PNGs into a folder")
-    metrics = read_metrics(run_dir / "metrics.csv")
+    """Write the figures of ``run_dir`` (or of its ``metrics.csv``, given itself) into ``out`` (default
+    ``RUN_DIR/figures``): ``(the PNGs written, {figure: why it was skipped})``."""
+    csv_path = Path(run_dir) if Path(run_dir).is_file() else Path(run_dir) / "metrics.csv"
+    out = Path(out) if out is not None else csv_path.parent / "figures"  # (a file there: mkdir's OSError names it)
+    metrics = read_metrics(csv_path)
     written: list[Path] = []
     skipped: dict[str, str] = {}
     for name, builder in FIGURES.items():
-        try:
-            fig = builder(metrics)
-        except _Skip as why:
-            skipped[name] = str(why)
+        fig = builder(metrics)
+        if isinstance(fig, str):
+            skipped[name] = fig
             continue
         out.mkdir(parents=True, exist_ok=True)
         fig.savefig(out / name, dpi=110)
@@ -282,7 +256,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> tuple[list[P
 
 def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(prog="lwm plot", description="Plot a run's RUN_DIR/metrics.csv as PNG figures.")
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (trainer.default_root_dir)")
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (trainer.default_root_dir), or its "
+                                                           "metrics.csv")
     parser.add_argument("--out", metavar="DIR", help="where to write the PNGs (default: RUN_DIR/figures)")
     return parser
 

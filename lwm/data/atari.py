@@ -9,10 +9,10 @@ import h5py
 import numpy as np
 
 from lwm.data.codecs import PixelCodec
-from lwm.data.convert import frames_note, make_codec, write_latents
+from lwm.data.convert import CODECS, frames_note, make_codec, write_latents
 from lwm.data.manifest import existing_h5, index_directory
-from lwm.utils.args import ArgumentParser
-from lwm.utils.errors import DataError
+from lwm.utils.args import ArgumentParser, bounded, fraction, non_negative_int, positive_int
+from lwm.utils.errors import DataError, refuse_first
 
 SCREEN = (210, 160)
 ALE_FPS = 60  # the emulator's frames per second
@@ -37,15 +37,12 @@ def record(game: str, seed: int, frames: int, frame_skip: int = 4, sticky: float
     """Play ``game`` from a reset: ``(frames uint8 [F, 210, 160, 3], actions int64 [F])`` with ``F <= frames``
     (shorter at game over)."""
     ale_py = _ale()
-    rom = ale_py.roms.get_rom_path(game) if game in ale_py.roms.get_all_rom_ids() else None
-    if rom is None:
-        raise DataError(f"--games {game}: no such ALE game (see `python -c 'import ale_py; print(ale_py.roms.get_all_rom_ids())'`)")
     ale = ale_py.ALEInterface()
     ale.setLoggerMode(ale_py.LoggerMode.Error)
     ale.setInt("random_seed", int(seed % 2**31))
     ale.setFloat("repeat_action_probability", 0.0)  # the stickiness is ours, so the recorded action is the true one
     ale.setInt("frame_skip", 1)
-    ale.loadROM(rom)
+    ale.loadROM(ale_py.roms.get_rom_path(game))  # a game of games(), as check_arguments made sure
     legal = list(ale.getMinimalActionSet())
     rng = np.random.default_rng(seed)
     video = np.empty((frames, *SCREEN, 3), dtype=np.uint8)
@@ -70,23 +67,15 @@ def stretch(video: np.ndarray, size: int) -> np.ndarray:
     return np.stack([np.asarray(Image.fromarray(f).resize((size, size), Image.BILINEAR)) for f in video])
 
 
-def check_arguments(out_dir: str | Path, game_list: list[str], episodes: int, frames: int, frame_skip: int,
-                    sticky: float, val_fraction: float, overwrite: bool = False) -> None:
-    """Refuse bad arguments in one line, before anything is recorded or loaded."""
-    if not game_list:
-        raise DataError("--games: name at least one game")
-    if episodes < 1 or frames < 2 or frame_skip < 1 or not 0.0 <= sticky <= 1.0:
-        raise DataError(f"need --episodes >= 1, --frames >= 2, --frame-skip >= 1 and --sticky in [0, 1], got "
-                        f"{episodes}, {frames}, {frame_skip}, {sticky}")
-    if not 0.0 <= val_fraction < 1.0:  # before any episode is recorded
-        raise DataError(f"--val-fraction must lie in [0, 1), got {val_fraction}")
+def check_arguments(out_dir: str | Path, game_list: list[str], episodes: int, overwrite: bool = False) -> None:
+    """Refuse the games and the folder in one line, before anything is recorded or loaded (the numbers: argparse)."""
     repeated = sorted({g for g in game_list if game_list.count(g) > 1})
-    if repeated:
-        raise DataError(f"--games: {', '.join(repeated)} named twice (each game is one world label)")
     known = set(games())
     unknown = [g for g in game_list if g not in known]
-    if unknown:
-        raise DataError(f"--games: unknown game(s) {', '.join(unknown)} (ale-py knows {len(known)}, e.g. pong, breakout)")
+    refuse_first(
+        (f"--games: {', '.join(repeated)} named twice (each game is one world label)", bool(repeated)),
+        (f"--games: unknown game(s) {', '.join(unknown)} (ale-py knows {len(known)}, e.g. pong, breakout)",
+         bool(unknown)), error=DataError)
 
     out = Path(out_dir)
     if not out.is_dir():
@@ -107,7 +96,7 @@ def make_dataset(out_dir: str | Path, game_list: list[str], episodes: int = 8, f
                  overwrite: bool = False) -> Path:
     """Record ``episodes`` per game into ``out_dir/<game>_NNN.h5`` and index them; returns the manifest path."""
 
-    check_arguments(out_dir, game_list, episodes, frames, frame_skip, sticky, val_fraction, overwrite)
+    check_arguments(out_dir, game_list, episodes, overwrite)
     codec = codec or PixelCodec()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -131,14 +120,17 @@ def main(argv: list[str]) -> int:
     parser = ArgumentParser(prog="lwm data atari", description=__doc__.splitlines()[0])
     parser.add_argument("--games", nargs="+", required=True, help="ALE game ids, e.g. pong breakout (world_label = position)")
     parser.add_argument("--out", required=True, help="output folder (h5 files and manifest.json)")
-    parser.add_argument("--episodes", type=int, default=8, help="episodes per game (default 8)")
-    parser.add_argument("--frames", type=int, default=256, help="frames per episode at most (default 256)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the episodes and the train/val split (default 0)")
-    parser.add_argument("--frame-skip", type=int, default=4, help="emulator frames per recorded frame (default 4)")
-    parser.add_argument("--sticky", type=float, default=0.75, help="probability of repeating the previous action")
-    parser.add_argument("--val-fraction", type=float, default=0.125, help="fraction of files in the val split "
+    parser.add_argument("--episodes", type=positive_int, default=8, help="episodes per game (default 8)")
+    parser.add_argument("--frames", type=bounded(int, 2), default=256, help="frames per episode at most (default 256)")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the episodes and the train/val "
+                                                                          "split (default 0)")
+    parser.add_argument("--frame-skip", type=positive_int, default=4, help="emulator frames per recorded frame "
+                                                                           "(default 4)")
+    parser.add_argument("--sticky", type=bounded(float, 0, 1), default=0.75,
+                        help="probability of repeating the previous action")
+    parser.add_argument("--val-fraction", type=fraction, default=0.125, help="fraction of files in the val split "
                         "(default 0.125)")
-    parser.add_argument("--codec", default="pixel", help="pixel (default, 128x128) or wan|cogvideox|hunyuan (needs --vae)")
+    parser.add_argument("--codec", default="pixel", choices=CODECS, help="pixel (128x128) or a VAE (needs --vae)")
     parser.add_argument("--vae", help="local folder with the VAE's diffusers weights")
     parser.add_argument("--size", type=int, help="frame size (default: 128 pixel, 512 VAEs)")
     parser.add_argument("--device", default="cpu", help="where a VAE runs")
@@ -146,9 +138,7 @@ def main(argv: list[str]) -> int:
                         "names in --out (default: refused)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    games()  # a clear error before anything else when ale-py is missing
-    check_arguments(args.out, args.games, args.episodes, args.frames, args.frame_skip, args.sticky,
-                    args.val_fraction, args.overwrite)  # before a VAE is loaded
+    check_arguments(args.out, args.games, args.episodes, args.overwrite)  # before a VAE is loaded
     codec = make_codec(args.codec, args.vae, args.size, args.device)
     path = make_dataset(args.out, args.games, args.episodes, args.frames, args.seed, args.frame_skip, args.sticky,
                         codec, args.val_fraction, overwrite=args.overwrite)

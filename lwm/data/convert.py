@@ -16,22 +16,20 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from lwm.data.codecs import codec_from_attr, missing_codec, PixelCodec
 from lwm.data.h5 import DataError, file_fps, inspect_h5, MODEL_MULTIPLE
 from lwm.data.vae import latent_frames, SPATIAL, TEMPORAL, VAECodec, video_frames
-from lwm.utils.errors import first_line
+from lwm.utils.errors import first_line, refuse_first
 from lwm.utils.files import remove_stale_temp_files, temp_path
 from lwm.utils.video import check_output, VIDEO_SUFFIXES, write_video
 
 CODECS = ("pixel", "wan", "cogvideox", "hunyuan")
 
 
-def check_size(codec: str, size: int | None) -> None:
-    """Refuse a ``--size`` that gives latents the model cannot train on (height and width positive multiples of
-    :data:`MODEL_MULTIPLE`)."""
-    if size is None or codec not in CODECS:
-        return
+def size_problem(codec: str, size: int | None) -> str | None:
+    """Why a ``--size`` gives latents the model cannot train on (height and width positive multiples of
+    :data:`MODEL_MULTIPLE`), else None."""
     cell = 2 if codec == "pixel" else SPATIAL  # pixels per latent cell
     step = cell * MODEL_MULTIPLE
-    if size > 0 and size % step == 0:
-        return
+    if size is None or codec not in CODECS or (size > 0 and size % step == 0):
+        return None
     below = size // step * step
     nearest = f"{below} or {below + step}" if below > 0 else f"{step}"
     if size > 0 and size % cell == 0:
@@ -40,7 +38,7 @@ def check_size(codec: str, size: int | None) -> None:
     else:
         why = (f"the {codec} codec needs a positive multiple of {step} ({cell}x{cell} pixels per latent, and the "
                f"model needs latents in multiples of {MODEL_MULTIPLE}: the tokenizer downsamples by {MODEL_MULTIPLE})")
-    raise DataError(f"--size {size}: {why}: use --size {nearest}")
+    return f"--size {size}: {why}: use --size {nearest}"
 
 
 def square_resize(frames: np.ndarray, size: int) -> np.ndarray:
@@ -70,9 +68,6 @@ def iter_video(path: str | Path, stride: int = 1) -> Iterator[np.ndarray]:
     """The frames of a video file one at a time, ``uint8 [H, W, 3]`` (every ``stride``-th)."""
     import imageio.v3 as iio
 
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{path}: video not found")
     frames = iio.imiter(path)
     index = 0
     while True:
@@ -84,21 +79,12 @@ def iter_video(path: str | Path, stride: int = 1) -> Iterator[np.ndarray]:
             raise DataError(f"{path}: cannot be read as a video at frame {index} ({first_line(e)})") from None
         if frame.ndim == 2:  # grayscale (a GIF or PNG of one channel): the same value in R, G and B
             frame = np.repeat(frame[..., None], 3, axis=-1)
-        if frame.ndim != 3 or frame.shape[-1] not in (3, 4):
-            raise DataError(f"{path}: expected colour frames [H, W, 3], got {frame.shape} at frame {index}")
-        if index % stride == 0:
-            yield _eight_bit(frame[..., :3], path, index)  # RGBA: the colour, the alpha dropped (not composited)
+        if frame.ndim != 3 or frame.shape[-1] not in (3, 4) or frame.dtype not in (np.uint8, np.uint16):
+            raise DataError(f"{path}: frame {index} is {frame.dtype} {frame.shape}; lwm reads 8- and 16-bit colour "
+                            f"frames [H, W, 3]")
+        if index % stride == 0:  # RGBA: the colour, the alpha dropped (not composited); 16-bit: the high byte
+            yield frame[..., :3] if frame.dtype == np.uint8 else (frame[..., :3] >> 8).astype(np.uint8)
         index += 1
-
-
-def _eight_bit(frame: np.ndarray, path: str | Path, index: int) -> np.ndarray:
-    """A frame's colour as ``uint8``: 16-bit frames (PNG, TIFF) by their high byte (a cast would wrap them modulo
-    256)."""
-    if frame.dtype == np.uint8:
-        return frame
-    if frame.dtype == np.uint16:
-        return (frame >> 8).astype(np.uint8)
-    raise DataError(f"{path}: frames of {frame.dtype} values at frame {index}; lwm reads 8- and 16-bit colour")
 
 
 def source_fps(path: str | Path) -> float | None:
@@ -115,28 +101,19 @@ def source_fps(path: str | Path) -> float | None:
     return float(fps) if fps and np.isfinite(fps) and fps > 0 else None
 
 
-def read_video(path: str | Path, stride: int = 1) -> np.ndarray:
-    """All frames of a video file as ``uint8 [T, H, W, 3]`` (every ``stride``-th)."""
-    frames = list(iter_video(path, stride))
-    if not frames:
-        raise DataError(f"{path}: the video has no frames")
-    return np.stack(frames)
-
-
 def make_codec(codec: str = "pixel", vae: str | Path | None = None, size: int | None = None,
                device: str = "cpu", dtype: torch.dtype = torch.float32, tiling: bool = False):
     """The codec ``--codec`` names: the built-in pixel codec, or a diffusers VAE loaded from ``vae`` (``tiling``: it
     encodes in overlapping spatial tiles, see :func:`lwm.data.vae.load_vae`)."""
-    if codec not in CODECS:
-        raise DataError(f"--codec {codec}: unknown (known: {', '.join(CODECS)})")
-    check_size(codec, size)  # before a VAE (or diffusers) is loaded
+    refuse_first(  # before a VAE (or diffusers) is loaded
+        (f"--codec {codec}: unknown (known: {', '.join(CODECS)})", codec not in CODECS),
+        (size_problem(codec, size), size_problem(codec, size) is not None),
+        (f"--vae {vae}: the pixel codec has no weights (--vae is for --codec {', '.join(CODECS[1:])})",
+         codec == "pixel" and vae is not None),
+        (f"--codec {codec} needs --vae PATH, a local folder with the VAE's diffusers weights",
+         codec != "pixel" and vae is None), error=DataError)  # (the pixel codec would ignore a wrong --vae)
     if codec == "pixel":
-        if vae is not None:  # (ignored, a wrong path went unnoticed)
-            raise DataError(f"--vae {vae}: the pixel codec has no weights (--vae is for --codec {', '.join(CODECS[1:])})")
         return PixelCodec(size=size or 128)
-    if vae is None:
-        raise DataError(f"--codec {codec} needs --vae PATH, a local folder with the VAE's diffusers weights")
-
     return VAECodec.load(codec, vae, size or 512, device, dtype, tiling)
 
 
@@ -171,8 +148,6 @@ def write_latents(target: Path, codec, frames: np.ndarray, actions: np.ndarray |
                                           chunks=(1, *latents.shape[1:]))
                 ds[n : n + len(latents)] = latents.astype(np.float16)
                 n, clipped = n + len(latents), clipped + count
-            if ds is None:
-                raise DataError(f"{target}: no frames to encode")
             if actions is not None:
                 f.create_dataset("actions", data=np.asarray(actions)[:: codec.frames_per_latent][:n].astype(np.int64))
             if world_label is not None:
@@ -180,10 +155,9 @@ def write_latents(target: Path, codec, frames: np.ndarray, actions: np.ndarray |
             f.attrs["codec"] = codec.attr
             for key, value in (attrs or {}).items():
                 f.attrs[key] = value
-    except BaseException:
+        tmp.replace(target)
+    finally:
         tmp.unlink(missing_ok=True)
-        raise
-    tmp.replace(target)
     return clipped
 
 
@@ -191,8 +165,7 @@ SOURCE_ATTR = "source_video"  # the file name of the video an encoded h5 file ho
 
 
 def source_video(path: Path) -> str | None:
-    """The video an h5 file was encoded from (its :data:`SOURCE_ATTR`; None: unreadable, or written before lwm
-    recorded it)."""
+    """The video an h5 file was encoded from (its :data:`SOURCE_ATTR`; None: unreadable, or none recorded)."""
     try:
         with h5py.File(path, "r") as f:
             value = f.attrs.get(SOURCE_ATTR)
@@ -217,20 +190,16 @@ def encode_videos(videos: list[str], out: str | Path, codec: str = "pixel", stri
                   dtype: torch.dtype = torch.float32, segment: int | None = None, log=print,
                   tiling: bool = False, overwrite: bool = False) -> list[Path]:
     """Encode each video to ``out/<name>.h5``, or with ``segment`` to ``out/<name>_0000.h5``, ..."""
-    check_size(codec, size)
-    for video in videos:  # fail on a missing video before loading a VAE
-        if not Path(video).is_file():
-            raise DataError(f"{video}: video not found")
-    stems: dict[str, str] = {}
-    for video in videos:  # out/<name>.h5
-        other = stems.get(Path(video).stem)
-        if other is None:
-            stems[Path(video).stem] = video
-            continue
-        if os.path.samefile(other, video):
-            raise DataError(f"{video}: given twice" + (f" (as {other} too)" if other != video else ""))
-        raise DataError(f"{video}: same name as {other}, both would be written to {Path(out) / Path(video).stem}.h5 "
-                        f"(encode them into different --out folders)")
+    seen: dict[str, str] = {}
+    for video in videos:  # each there (before a VAE loads) and to out/<name>.h5 of its own
+        other = seen.get(Path(video).stem)
+        if not Path(video).is_file() or other is not None:
+            raise DataError(f"{video}: video not found" if not Path(video).is_file() else
+                            f"{video}: given twice" + (f" (as {other} too)" if other != video else "")
+                            if os.path.samefile(other, video) else
+                            f"{video}: same name as {other}, both would be written to {Path(out) / Path(video).stem}"
+                            f".h5 (encode them into different --out folders)")
+        seen[Path(video).stem] = video
     earlier = {video: earlier_outputs(Path(out), video, segment is not None) for video in videos}
     if not overwrite:
         for video, paths in earlier.items():
@@ -238,12 +207,10 @@ def encode_videos(videos: list[str], out: str | Path, codec: str = "pixel", stri
                 more = f" and {len(paths) - 1} more of that name" if len(paths) > 1 else ""
                 raise DataError(f"{paths[0]}{more}: already there, where {Path(video).name} would be encoded "
                                 f"(--overwrite replaces them, or encode into another --out)")
-    vae_codec = codec in CODECS[1:]
-    if segment is not None and (segment < 1 or (vae_codec and ((segment - 1) % TEMPORAL or segment == 1))):
-        raise DataError(f"--segment {segment}: " + ("must be >= 1" if segment < 1 else
-                        f"a VAE codec encodes 1 + {TEMPORAL}k frames, k >= 1 (the rest of each file would be "
-                        f"dropped; one frame is one latent, no transition); "
-                        f"e.g. --segment {1 + TEMPORAL * max(1, (segment - 1) // TEMPORAL)}"))
+    if segment is not None and codec in CODECS[1:] and ((segment - 1) % TEMPORAL or segment == 1):
+        raise DataError(f"--segment {segment}: a VAE codec encodes 1 + {TEMPORAL}k frames, k >= 1 (the rest of each "
+                        f"file would be dropped; one frame is one latent, no transition); "
+                        f"e.g. --segment {1 + TEMPORAL * max(1, (segment - 1) // TEMPORAL)}")
     c = make_codec(codec, vae, size, device, dtype, tiling)
     out = Path(out)
     made = not out.exists()
@@ -253,12 +220,11 @@ def encode_videos(videos: list[str], out: str | Path, codec: str = "pixel", stri
     staged: list[tuple[Path, Path, str]] = []  # this video's
 
     def write(target: Path, frames: list[np.ndarray], video: str, fps: float | None, source: tuple[int, int]) -> None:
-        if target in written or target in [t for _, t, _ in staged]:  # a segment name another video's file took
-            raise DataError(f"{video}: would overwrite {target}, written from another video (rename one)")
-        other = source_video(target) if target.is_file() and target not in earlier[video] else None
-        if other is not None and other != Path(video).name:  # a file of another video under this name: kept
-            raise DataError(f"{video}: would overwrite {target}, encoded from {other} (rename one, or encode into "
-                            f"another --out)")
+        taken = target in written or target in [t for _, t, _ in staged]  # by another video's segment, this run
+        other = source_video(target) if not taken and target.is_file() and target not in earlier[video] else None
+        if taken or other not in (None, Path(video).name):  # a file of another video under this name: kept
+            raise DataError(f"{video}: would overwrite {target}, encoded from {other or 'another video'} (rename one, "
+                            f"or encode into another --out)")
         attrs = {SOURCE_ATTR: Path(video).name, **({"fps": fps / stride} if fps else {})}
         tmp = temp_path(target)
         staged.append((tmp, target, ""))
@@ -293,17 +259,16 @@ def encode_videos(videos: list[str], out: str | Path, codec: str = "pixel", stri
         for video in videos:
             try:
                 encode(video, progress)
-            except BaseException:  # its files written so far, to temporary names
+                for tmp, target, line in staged:  # the whole video encoded: its files moved in
+                    tmp.replace(target)
+                    written.append(target)
+                    log(line)
+            finally:  # a failure's files so far, under temporary names, removed
                 for tmp, _, _ in staged:
                     tmp.unlink(missing_ok=True)
+                staged.clear()
                 if made and not any(out.iterdir()):
                     out.rmdir()
-                raise
-            for tmp, target, line in staged:  # the whole video encoded: its files moved in
-                tmp.replace(target)
-                written.append(target)
-                log(line)
-            staged.clear()
             for stale in earlier[video]:  # old segments would be indexed beside the new ones
                 if stale not in written:
                     stale.unlink(missing_ok=True)
@@ -325,12 +290,7 @@ def decode_file(path: str | Path, out: str | Path, fps: float | None = None, vae
                 tiling: bool = False, device: str = "cpu", overwrite: bool = False) -> Path:
     """Decode an h5 file through the codec its ``codec`` attribute names and write the video, at ``fps`` (None: the
     file's ``fps`` attribute, else 8)."""
-
-    if Path(out).suffix not in VIDEO_SUFFIXES:  # before any decoding
-        raise DataError(f"{out}: the video must end in one of {', '.join(VIDEO_SUFFIXES)}")
-    check_output(out, "--out", {"file": path})
-    if Path(out).exists() and not overwrite:
-        raise DataError(f"{out}: already there (--overwrite replaces it)")
+    check_output(out, "--out", {"file": path}, VIDEO_SUFFIXES, overwrite)  # before any decoding
     info = inspect_h5(path)
     with h5py.File(path, "r") as f:
         attr = f.attrs.get("codec")

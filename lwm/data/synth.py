@@ -15,6 +15,7 @@ from lwm.data.convert import write_latents
 from lwm.data.h5 import DataError
 from lwm.data.manifest import existing_h5, index_directory, Manifest
 from lwm.utils.args import ArgumentParser
+from lwm.utils.errors import refuse_first
 
 SIZE = 128  # frame height and width in pixels at the default size
 AGENT = 24  # agent side in pixels
@@ -48,11 +49,6 @@ K = len(WORLDS)
 def scaled(length: int, size: int) -> int:
     """A length given at :data:`SIZE` in a world rendered at ``size`` (at least 1 pixel)."""
     return max(1, length * size // SIZE)
-
-
-def check_size(size: int) -> None:
-    if size < 16 or size % 16:
-        raise DataError(f"--size must be a positive multiple of 16 (every length scales by size/{SIZE}), got {size}")
 
 
 @lru_cache(maxsize=None)
@@ -94,19 +90,11 @@ def episode_seed(seed: int, index: int) -> int:
 
 def simulate(seed: int, frames: int, world: int | None = None, worlds: int = K, size: int = SIZE,
              distractors: int = DISTRACTORS):
-    """The episode's state: ``(world, agent [T, 2], actions [T], discs [D, T, 2], colours [D])``."""
-    if frames < 1:
-        raise DataError(f"frames must be at least 1, got {frames}")
-    if not 1 <= worlds <= K:
-        raise DataError(f"worlds must lie in 1..{K}, got {worlds}")
-    if not 0 <= distractors <= len(DISTRACTOR_COLOURS):
-        raise DataError(f"distractors must lie in 0..{len(DISTRACTOR_COLOURS)}, got {distractors}")
-    check_size(size)
+    """The episode's state: ``(world, agent [T, 2], actions [T], discs [D, T, 2], colours [D])`` (``frames`` >= 1,
+    ``size`` a multiple of 16, as :func:`make_dataset` checks)."""
     rng = np.random.default_rng(seed)
     drawn = int(rng.integers(worlds))  # always drawn, so the streams below do not depend on ``world``
     world = drawn if world is None else int(world)
-    if not 0 <= world < K:
-        raise DataError(f"world must lie in 0..{K - 1}, got {world}")
     w = WORLDS[world]
     agent_side, radius, grid = scaled(AGENT, size), scaled(DISTRACTOR_RADIUS, size), scaled(8, size)
     start = rng.integers(0, (size - agent_side) // grid + 1, size=2) * grid  # on the grid of both speeds
@@ -168,41 +156,22 @@ def render_episode(seed: int, frames: int, world: int | None = None, worlds: int
     return draw(world, agent, discs, colours, size, look_alike), actions, world
 
 
-def agent_position(frame: np.ndarray) -> tuple[int, int]:
-    """The agent's top-left corner ``(y, x)`` in a rendered frame, found by its colour (cyclically, so an agent
-    wrapped across an edge is measured where it starts)."""
-    mask = (frame == np.array(AGENT_COLOUR, np.uint8)).all(axis=-1)
-    pos = []
-    for present in (mask.any(axis=1), mask.any(axis=0)):
-        starts = np.flatnonzero(present & ~np.roll(present, 1))
-        if len(starts) != 1:
-            raise ValueError(f"no single agent in the frame ({len(starts)} runs of agent pixels)")
-        pos.append(int(starts[0]))
-    return pos[0], pos[1]
-
-
 SETTINGS_ATTR = "synth"  # JSON of the settings an episode file was made with
 
 
-def _settings_of(path: Path) -> dict | None:
-    """The settings an existing episode file was made with (its ``synth`` attribute), None where it has none."""
+def _made_with(path: Path) -> tuple[dict | None, tuple[int, ...] | None]:
+    """The settings an existing episode file was made with (its ``synth`` attribute) and its latents' shape, each
+    None where it has none."""
     import h5py
 
+    settings = shape = None
     try:
         with h5py.File(path, "r") as f:
-            return json.loads(f.attrs[SETTINGS_ATTR]) if SETTINGS_ATTR in f.attrs else None
-    except (OSError, ValueError, TypeError):
-        return None
-
-
-def _latent_shape(path: Path) -> tuple[int, ...] | None:
-    import h5py
-
-    try:
-        with h5py.File(path, "r") as f:
-            return tuple(f["latents"].shape)
+            shape = tuple(f["latents"].shape)
+            settings = json.loads(f.attrs[SETTINGS_ATTR])
     except (OSError, KeyError, ValueError, TypeError):
-        return None
+        pass
+    return settings, shape
 
 
 def make_dataset(
@@ -213,19 +182,16 @@ def make_dataset(
 ) -> Path:
     """Write ``episodes`` files ``out_dir/ep_XXXX.h5`` (``latents`` float16 through the pixel codec, ``actions``
     int64 ``[T]``, attributes ``world_label``, ``codec`` and ``synth``: the settings) and index them."""
-    if episodes < 1:
-        raise DataError(f"--episodes must be at least 1, got {episodes}")
-    if frames < 2:
-        raise DataError(f"--frames must be at least 2, got {frames}")
-    if not 1 <= worlds <= K:
-        raise DataError(f"--worlds must lie in 1..{K}, got {worlds}")
-    if not 0.0 <= val_fraction < 1.0:  # index_directory's rule, checked before rendering anything
-        raise DataError(f"--val-fraction must lie in [0, 1), got {val_fraction}")
-    if not 0 <= distractors <= len(DISTRACTOR_COLOURS):  # simulate's rule, checked before the folder is made
-        raise DataError(f"--distractors must lie in 0..{len(DISTRACTOR_COLOURS)}, got {distractors}")
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:  # numpy's seeds are >= 0
-        raise DataError(f"--seed must be an integer >= 0, got {seed!r}")
-    check_size(size)
+    refuse_first(  # before the folder is made or anything rendered
+        (f"--episodes must be at least 1, got {episodes}", episodes < 1),
+        (f"--frames must be at least 2, got {frames}", frames < 2),
+        (f"--worlds must lie in 1..{K}, got {worlds}", not 1 <= worlds <= K),
+        (f"--val-fraction must lie in [0, 1), got {val_fraction}", not 0.0 <= val_fraction < 1.0),  # the index's
+        (f"--distractors must lie in 0..{len(DISTRACTOR_COLOURS)}, got {distractors}",
+         not 0 <= distractors <= len(DISTRACTOR_COLOURS)),
+        (f"--seed must be an integer >= 0, got {seed!r}", isinstance(seed, bool) or seed < 0),  # as numpy's seeds
+        (f"--size must be a positive multiple of 16 (every length scales by size/{SIZE}), got {size}",
+         size < 16 or size % 16), error=DataError)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -235,9 +201,9 @@ def make_dataset(
     existing = [i for i in range(episodes) if (out / f"ep_{i:04d}.h5").exists()]
     if not overwrite:  # never replace the files of another data set without being asked
         for i in existing:
-            made = _settings_of(out / f"ep_{i:04d}.h5")
-            if made is None and _latent_shape(out / f"ep_{i:04d}.h5") == (frames, 16, size // 2, size // 2):
-                continue  # an earlier lwm's file of this shape
+            made, shape = _made_with(out / f"ep_{i:04d}.h5")
+            if made is None and shape == (frames, 16, size // 2, size // 2):
+                continue  # no record of its settings, but this data set's shape: taken as this data set's
             if made != {**settings, "episode": i}:
                 was = ("no record of its settings" if made is None else
                        ", ".join(f"{k} {made.get(k)}" for k in settings if made.get(k) != settings[k]))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import math
+import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass, field
@@ -13,10 +15,10 @@ from torch import Tensor
 
 from lwm.data.windows import nonfinite_windows
 from lwm.training.checkpoint import atomic_save
-from lwm.utils.errors import ConfigError, DataError, torch_load_failure
+from lwm.utils.errors import DataError, torch_load_failure
 from lwm.utils.video import check_output
 
-SAMPLING = ("frequency", "uniform")
+SAMPLING = ("frequency", "uniform")  # how CodeDictionary.sample draws
 
 
 @dataclass
@@ -39,36 +41,24 @@ class CodeDictionary:
 
     def update(self, indices: Tensor) -> None:
         """Count the tuples of ``indices [..., L]`` (on any device; kept on the CPU)."""
-        L = len(self.codebook_sizes)
-        if indices.shape[-1] != L:
-            raise ValueError(f"indices: expected {L} levels in the last dim, got {tuple(indices.shape)}")
-        flat = torch.cat([self.tuples, indices.reshape(-1, L).long().cpu()])
-        weights = torch.cat([self.counts, torch.ones(flat.shape[0] - self.tuples.shape[0], dtype=torch.long)])
-        self.tuples, inverse = torch.unique(flat, dim=0, return_inverse=True)
-        self.counts = torch.zeros(self.tuples.shape[0], dtype=torch.long).index_add_(0, inverse, weights)
+        self._add(indices.reshape(-1, len(self.codebook_sizes)).long().cpu(), None)
 
     def merge(self, other: CodeDictionary) -> None:
-        """Add another dictionary's counts (e.g. another rank's)."""
-        if tuple(other.codebook_sizes) != tuple(self.codebook_sizes):
-            raise ValueError(f"codebook sizes differ: {self.codebook_sizes} vs {other.codebook_sizes}")
-        flat = torch.cat([self.tuples, other.tuples])
-        weights = torch.cat([self.counts, other.counts])
-        self.tuples, inverse = torch.unique(flat, dim=0, return_inverse=True)
-        self.counts = torch.zeros(self.tuples.shape[0], dtype=torch.long).index_add_(0, inverse, weights)
+        """Add another dictionary's counts (e.g. another rank's, of the same quantizer)."""
+        self._add(other.tuples, other.counts)
+
+    def _add(self, tuples: Tensor, counts: Tensor | None) -> None:
+        counts = torch.ones(tuples.shape[0], dtype=torch.long) if counts is None else counts
+        self.tuples, inverse = torch.unique(torch.cat([self.tuples, tuples]), dim=0, return_inverse=True)
+        self.counts = torch.zeros(self.tuples.shape[0], dtype=torch.long).index_add_(
+            0, inverse, torch.cat([self.counts, counts]))
 
     def sample(self, shape: tuple[int, ...], by: str = "frequency", generator: torch.Generator | None = None) -> Tensor:
-        """Tuples ``[*shape, L]`` drawn by frequency or uniformly over the used tuples, independently, in row-major
-        order."""
-        if by not in SAMPLING:
-            raise ValueError(f"sampling must be one of {SAMPLING}, got {by!r}")
-        if self.tuples.shape[0] == 0:
-            raise ValueError("the code dictionary is empty: nothing to sample")
+        """Tuples ``[*shape, L]`` drawn by ``frequency`` or ``uniform``-ly over the used tuples (at least one),
+        independently, in row-major order."""
         weights = self.counts.double() if by == "frequency" else torch.ones(self.tuples.shape[0], dtype=torch.double)
-        n = 1
-        for s in shape:
-            n *= s
         cdf = weights.cumsum(0)
-        u = torch.rand(n, dtype=torch.double, generator=generator) * cdf[-1]
+        u = torch.rand(math.prod(shape), dtype=torch.double, generator=generator) * cdf[-1]
         picks = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.numel() - 1)
         return self.tuples[picks].reshape(*shape, len(self.codebook_sizes))
 
@@ -78,66 +68,30 @@ class CodeDictionary:
 
     @classmethod
     def from_state(cls, state: dict[str, Tensor]) -> CodeDictionary:
-        """The dictionary of :meth:`to_state`'s tensors, checked: a ``ValueError`` says what is wrong in one line."""
-        check_state(state)
+        """The dictionary of :meth:`to_state`'s tensors."""
         return cls(tuple(int(k) for k in state["codebook_sizes"]), state["tuples"].long(), state["counts"].long())
-
-
-def _integer(t: Tensor) -> bool:
-    return not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
-
-
-def check_state(state: dict[str, Tensor]) -> None:
-    """Refuse a dictionary's tensors that sampling or decoding would trip on."""
-    if set(state) != STATE_KEYS:
-        raise ValueError(f"expected the tensors {', '.join(sorted(STATE_KEYS))}, got {', '.join(map(str, state))}")
-    if bad := [k for k in sorted(state) if not isinstance(state[k], Tensor)]:
-        raise ValueError(f"{', '.join(bad)}: not a tensor")
-    sizes, tuples, counts = state["codebook_sizes"], state["tuples"], state["counts"]
-    if not _integer(sizes) or sizes.ndim != 1 or sizes.numel() == 0 or int(sizes.min()) < 1:
-        raise ValueError(f"codebook_sizes must be integers >= 1, one per RVQ level, got {sizes.tolist()}")
-    L = sizes.numel()
-    if not _integer(tuples) or tuples.ndim != 2 or tuples.shape[1] != L:
-        raise ValueError(f"tuples must be integers of shape [U, {L}] (one code per RVQ level), got {tuples.dtype} "
-                         f"{list(tuples.shape)}")
-    U = tuples.shape[0]
-    if not _integer(counts) or counts.shape != (U,):
-        raise ValueError(f"counts must be integers of shape [{U}] (one per tuple), got {counts.dtype} "
-                         f"{list(counts.shape)}")
-    if U and int(counts.min()) < 1:  # a listed tuple was used
-        raise ValueError(f"counts must be >= 1 (each tuple was used), got {int(counts.min())}")
-    if U and torch.unique(tuples, dim=0).shape[0] != U:
-        raise ValueError(f"tuples must be distinct, got {U - torch.unique(tuples, dim=0).shape[0]} repeated")
-    for level, k in enumerate(sizes.tolist()):
-        if (bad := ((tuples[:, level] < 0) | (tuples[:, level] >= k)).nonzero()).numel():
-            i = int(bad[0])
-            raise ValueError(f"tuple {i} {tuples[i].tolist()} has code {int(tuples[i, level])} at level {level}, "
-                             f"which takes codes 0..{k - 1}")
-
-
-def save_dictionaries(path: str | Path, dictionaries: dict[str, CodeDictionary], windows: int,
-                      global_step: int | None = None) -> Path:
-    """Write ``codes.pt`` atomically; ``global_step``: the encoders' checkpoint step."""
-
-    check_output(path, "the code dictionary")  # a folder in the way
-    meta = {"windows": windows, **({"global_step": int(global_step)} if global_step is not None else {})}
-    return atomic_save({**{k: d.to_state() for k, d in dictionaries.items()}, **meta}, path)
 
 
 STATE_KEYS = {"tuples", "counts", "codebook_sizes"}  # a dictionary's entry in the file
 META_KEYS = {"windows", "global_step"}
 
 
-def check_out(path: str | Path) -> Path:
-    """Refuse ``lwm codes --out`` before any encoding, with one line naming it."""
+def save_dictionaries(path: str | Path, dictionaries: dict[str, CodeDictionary], windows: int,
+                      global_step: int | None = None) -> Path:
+    """Write ``codes.pt`` atomically; ``global_step``: the encoders' checkpoint step."""
+    check_output(path, "the code dictionary")  # a folder in the way
+    meta = {"windows": windows, **({"global_step": int(global_step)} if global_step is not None else {})}
+    return atomic_save({**{k: d.to_state() for k, d in dictionaries.items()}, **meta}, path)
 
-    path = Path(path)
-    if path.suffix == ".ckpt":  # resuming (last.ckpt, hpc_ckpt_N.ckpt) and people take a .ckpt for a checkpoint
-        raise ConfigError(f"--out {path}: a .ckpt name is a checkpoint's; name the code dictionary e.g. codes.pt")
-    check_output(path, "--out")
-    if path.exists() and not is_dictionary_file(path):
-        raise DataError(f"--out {path}: exists and is not a code dictionary, refusing to replace it (remove it or "
-                        f"choose another --out)")
+
+def check_out(path: str | Path) -> Path:
+    """Refuse ``lwm codes --out`` before any encoding, with one line naming it: a checkpoint's name (resuming picks
+    up last.ckpt, hpc_ckpt_N.ckpt), or a file there that is not a code dictionary."""
+    path = check_output(path, "--out")
+    if path.suffix == ".ckpt" or (path.exists() and not is_dictionary_file(path)):
+        raise DataError(f"--out {path}: " + ("a .ckpt name is a checkpoint's; name the code dictionary e.g. codes.pt"
+                                             if path.suffix == ".ckpt" else "exists and is not a code dictionary, "
+                                             "refusing to replace it (remove it or choose another --out)"))
     return path
 
 
@@ -170,28 +124,45 @@ def dictionaries_step(path: str | Path) -> int | None:
     return _load(path)[1].get("global_step")
 
 
-def _load(path: str | Path) -> tuple[dict[str, CodeDictionary], dict]:
+def dictionaries_for(ckpt_path: Path, codes: str | None, global_step: int | None, model,
+                     names: tuple[str, ...] = ("Action_Encoder", "World_Encoder")) -> dict[str, CodeDictionary]:
+    """The code dictionaries ``names`` for the checkpoint ``ckpt_path`` of ``model``: ``codes``, else its own beside
+    it (else the end of fit's ``codes.pt``); refused unless each is there, non-empty and of the model's codebook
+    sizes; a warning where they were made at another step."""
+    path = Path(codes) if codes else default_codes_path(ckpt_path)
+    if not codes and not path.is_file() and (ckpt_path.parent / "codes.pt").is_file():
+        path = ckpt_path.parent / "codes.pt"  # the end of fit's (its step is checked below)
+    dictionaries, meta = _load(path, ckpt_path)
+    for name in names:
+        d, sizes = dictionaries.get(name), list(model.quantizers[name].codebook_sizes)
+        if d is None or d.total == 0 or list(d.codebook_sizes) != sizes:
+            got = (f"no {name} dictionary" if d is None else f"the {name} dictionary is empty" if d.total == 0 else
+                   f"{name} codebook sizes {list(d.codebook_sizes)}, but the checkpoint's are {sizes}")
+            raise DataError(f"{path}: {got} (`lwm codes --ckpt_path {ckpt_path}` makes the checkpoint's)")
+    if meta.get("global_step") not in (None, global_step):
+        print(f"warning: {path} was made by the encoders of step {meta['global_step']}, the checkpoint is at step "
+              f"{global_step}: its codes may not be the ones this model uses (`lwm codes --ckpt_path {ckpt_path}` "
+              f"makes its own)", file=sys.stderr)
+    return dictionaries
+
+
+def _load(path: str | Path, ckpt_path: Path | None = None) -> tuple[dict[str, CodeDictionary], dict]:
+    """``({name: dictionary}, {meta key: value})`` of a file :func:`save_dictionaries` wrote."""
     path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{path}: code dictionary not found (`lwm codes --config CFG --ckpt_path CKPT` writes one)")
     try:
         raw = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # a torn or foreign file
-        raise DataError(f"{path}: not a code dictionary of `lwm codes` ({torch_load_failure(e, path)})") from None
-    if not isinstance(raw, dict):
-        raise DataError(f"{path}: not a code dictionary of `lwm codes` (a {type(raw).__name__})")
-    dictionaries = {}
-    for name, state in raw.items():
-        if not isinstance(state, dict):
-            continue
-        if set(state) != STATE_KEYS:  # a checkpoint's state_dict, say
-            raise DataError(f"{path}: not a code dictionary of `lwm codes` ({name} holds "
-                            f"{', '.join(map(str, state))[:100]}, not {', '.join(sorted(STATE_KEYS))})")
-        try:
-            dictionaries[name] = CodeDictionary.from_state(state)
-        except ValueError as e:  # an edited or corrupted file
-            raise DataError(f"{path}: {name}: {e}") from None
-    return dictionaries, {k: v for k, v in raw.items() if not isinstance(v, dict)}
+    except Exception as e:  # missing, torn, foreign
+        raise DataError(f"{path}: code dictionary not found (`lwm codes --ckpt_path {ckpt_path or 'CKPT'}` writes "
+                        f"one; --codes FILE gives another)" if not path.is_file() else
+                        f"{path}: not a code dictionary of `lwm codes` ({torch_load_failure(e, path)})") from None
+    states = {name: state for name, state in raw.items() if isinstance(state, dict)} if isinstance(raw, dict) else {}
+    foreign = [f"{name} holds {', '.join(map(str, state))[:100]}" for name, state in states.items()
+               if set(state) != STATE_KEYS] if isinstance(raw, dict) else [f"a {type(raw).__name__}"]
+    if foreign:  # a checkpoint's state_dict, say
+        raise DataError(f"{path}: not a code dictionary of `lwm codes` ({foreign[0]}, not "
+                        f"{', '.join(sorted(STATE_KEYS))})")
+    return ({name: CodeDictionary.from_state(state) for name, state in states.items()},
+            {k: v for k, v in raw.items() if k not in states})
 
 
 @torch.no_grad()

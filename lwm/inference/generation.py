@@ -14,13 +14,14 @@ import torch
 
 from lwm.data.codecs import codec_from_attr, codec_spec, missing_codec
 from lwm.data.h5 import check_frames, DataError, file_fps, inspect_h5
-from lwm.inference.dictionary import default_codes_path, dictionaries_step, load_dictionaries
+from lwm.inference.dictionary import dictionaries_for
 from lwm.training.checkpoint import load_checkpoint, read_checkpoint, trained_window
 from lwm.training.run_dir import checkpoint_file
 from lwm.utils.errors import ConfigError
 from lwm.utils.metrics import random_indices
 from lwm.utils.seeds import seeded_generator
-from lwm.utils.video import check_mp4_size, check_output, grid, GRID_PAD, latent_preview, PREVIEW_SCALE, write_video
+from lwm.utils.video import (check_mp4_size, check_output, grid, GRID_PAD, latent_preview, PREVIEW_SCALE,
+                             VIDEO_SUFFIXES, write_video)
 
 ACTIONS = ("dictionary", "inferred", "random")
 WORLDS = ("inferred", "dictionary")
@@ -57,46 +58,27 @@ def _parse_indices(text: str, option: str, ndim: int) -> np.ndarray:
     what = "a JSON list of integers, one per RVQ level" if ndim == 1 else "a JSON list of integer code tuples"
     try:
         parsed = json.loads(text)
-        value = np.asarray(parsed)
-    except (ValueError, TypeError) as e:
-        raise ConfigError(f"{option}: not {what} ({e})") from None
-    if value.dtype.kind not in "iu" or _has_bool(parsed):  # floats, strings, ragged lists
-        raise ConfigError(f"{option}: not {what}: {text}")
+        value, why = np.asarray(parsed), ""
+    except (ValueError, TypeError) as e:  # not JSON, ragged lists
+        value, why = None, f" ({e})"
+    if value is None or value.dtype.kind not in "iu" or _has_bool(parsed):  # floats, strings, bools
+        raise ConfigError(f"{option}: not {what}: {text[:80]}{why}")
     return value
 
 
-def _indices(text: str, option: str, levels: int, ndim: int) -> torch.Tensor:
-    """JSON code indices: one tuple of ``levels`` integers (``ndim`` 1) or a list of them (``ndim`` 2)."""
+def _indices(text: str, option: str, sizes: tuple[int, ...], ndim: int) -> torch.Tensor:
+    """JSON code indices of a quantizer of codebook ``sizes``: one tuple, a code per level (``ndim`` 1), or a list of
+    them (``ndim`` 2)."""
     value = _parse_indices(text, option, ndim)
-    if value.ndim != ndim or value.shape[-1] != levels:
-        expected = f"[{levels}]" if ndim == 1 else f"[transitions, {levels}]"
-        raise ConfigError(f"{option}: expected shape {expected} ({levels} RVQ levels), got {list(value.shape)}")
+    if value.ndim != ndim or value.shape[-1] != len(sizes) or (value < 0).any() or (value >= np.array(sizes)).any():
+        expected = f"[{len(sizes)}]" if ndim == 1 else f"[transitions, {len(sizes)}]"
+        raise ConfigError(f"{option}: expected shape {expected} of codes 0..k-1 of each level's codebook size k "
+                          f"({list(sizes)}), got {text[:80]}")
     return torch.from_numpy(value.astype(np.int64))
 
 
 def _has_bool(value) -> bool:
     return isinstance(value, bool) or (isinstance(value, list) and any(_has_bool(v) for v in value))
-
-
-def _check_dictionaries(dictionaries: dict, path: Path, model, names: list[str]) -> None:
-    """Refuse a code dictionary of another model (other codebook sizes) or an empty one, naming the file."""
-    for name in names:
-        quantizer = model.quantizers[name]
-        d = dictionaries.get(name)
-        if d is None:
-            raise ConfigError(f"{path}: no {name} dictionary")
-        if tuple(d.codebook_sizes) != tuple(quantizer.codebook_sizes):
-            raise ConfigError(f"{path}: {name} codebook sizes {list(d.codebook_sizes)}, but the checkpoint's are "
-                              f"{list(quantizer.codebook_sizes)} (a dictionary of another model? `lwm codes` makes one)")
-        if d.total == 0:
-            raise ConfigError(f"{path}: the {name} dictionary is empty")
-
-
-def _decode(quantizer, indices: torch.Tensor, option: str) -> torch.Tensor:
-    try:
-        return quantizer.decode_indices(indices)
-    except ValueError as e:
-        raise ConfigError(f"{option}: {e}") from None
 
 
 def run(args: argparse.Namespace) -> Path:
@@ -115,7 +97,7 @@ def run(args: argparse.Namespace) -> Path:
     raw, module = load_checkpoint(ckpt_path, map_location=device)
     model = module.model.eval()
     trained = trained_window(raw)  # frames per training window (None: unknown)
-    _warn_world_phase(model, step)
+    warn_world_phase(model, step)
     window = args.window if args.window is not None else (trained - 1 if trained else None)  # predictor inputs
     transitions = args.context + args.steps - 1  # actions the rollout needs
 
@@ -167,7 +149,7 @@ def _outputs(args: argparse.Namespace, ckpt_path: Path, step: int) -> tuple[Path
     out = Path(args.out) if args.out else _run_dir(ckpt_path) / "generated" / default_name(args, step)
     latents_path = out.with_suffix(out.suffix + ".h5")
     inputs = {"--data": args.data, "--ckpt_path": ckpt_path, **({"--codes": args.codes} if args.codes else {})}
-    check_output(out, "--out", inputs)
+    check_output(out, "--out", inputs, VIDEO_SUFFIXES)
     check_output(latents_path, f"the latents of --out {out}", inputs)
     earlier = [path for path in (out, latents_path) if path.exists()]
     if earlier and not args.overwrite:
@@ -194,14 +176,14 @@ def _run_dir(ckpt_path: Path) -> Path:
     return ckpt_path.parent.parent if ckpt_path.parent.name == "checkpoints" else ckpt_path.parent
 
 
-def _warn_world_phase(model, step: int) -> None:
+def warn_world_phase(model, step: int, verb: str = "generation") -> None:
     """Under ``model.net.world_curriculum``, weights of global ``step`` that never trained with the world code (the
     predictor got no world token, or the encoder's output unquantized)."""
     phase = model.world_phase_of_weights(step)
     if phase != "quantized":
         curriculum = [int(n) for n in model.config.world_curriculum]
         print(f"warning: the checkpoint (step {step}) is in the {phase!r} phase of model.net.world_curriculum "
-              f"{curriculum}: its predictor has not yet trained with the world code, which generation "
+              f"{curriculum}: its predictor has not yet trained with the world code, which {verb} "
               f"feeds it (training does from step {model.quantized_world_from} on)", file=sys.stderr)
 
 
@@ -232,18 +214,16 @@ def _read_clips(args: argparse.Namespace, model, trained: int | None,
     return clip, world_clip, codec, fps
 
 
-@torch.no_grad()
 def _given_codes(args: argparse.Namespace, model, transitions: int,
                  device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The indices of ``--world-indices`` ``[1, Lh]`` and of the first ``transitions`` of ``--action-indices``
     ``[transitions, La]`` (None where not given), checked against the checkpoint's codebooks."""
     world = actions = None
     if args.world_indices:
-        idx = _indices(args.world_indices, "--world-indices", len(model.config.codebook_sizes_world), ndim=1)
-        world = idx.to(device)[None]
-        _decode(model.quantizers["World_Encoder"], world, "--world-indices")
+        world = _indices(args.world_indices, "--world-indices", model.quantizers["World_Encoder"].codebook_sizes,
+                         1).to(device)[None]
     if args.action_indices:
-        idx = _indices(args.action_indices, "--action-indices", len(model.config.codebook_sizes_action), ndim=2)
+        idx = _indices(args.action_indices, "--action-indices", model.quantizers["Action_Encoder"].codebook_sizes, 2)
         if idx.shape[0] < transitions:
             raise ConfigError(f"--action-indices: {transitions} transitions needed ({_count(args.context, 'frame')} of context, "
                               f"{args.steps} steps), got {idx.shape[0]}")
@@ -252,7 +232,6 @@ def _given_codes(args: argparse.Namespace, model, transitions: int,
                   f"{transitions} ({_count(args.context, 'frame')} of context, {args.steps} steps); --steps "
                   f"{idx.shape[0] - args.context + 1} plays them all", file=sys.stderr)
         actions = idx[:transitions].to(device)
-        _decode(model.quantizers["Action_Encoder"], actions, "--action-indices")
     return world, actions
 
 
@@ -261,19 +240,7 @@ def _dictionaries(args: argparse.Namespace, ckpt_path: Path, raw: dict, model) -
     model."""
     needed = [name for name, used in (("Action_Encoder", args.actions == "dictionary" and not args.action_indices),
                                       ("World_Encoder", args.world == "dictionary" and not args.world_indices)) if used]
-    if not needed:
-        return None
-    codes_path = Path(args.codes) if args.codes else default_codes_path(ckpt_path)
-    if not args.codes and not codes_path.is_file() and (ckpt_path.parent / "codes.pt").is_file():
-        codes_path = ckpt_path.parent / "codes.pt"  # the end of fit's (its step is checked below)
-    dictionaries = load_dictionaries(codes_path)
-    _check_dictionaries(dictionaries, codes_path, model, needed)
-    made_at = dictionaries_step(codes_path)
-    if made_at is not None and made_at != raw.get("global_step"):
-        print(f"warning: {codes_path} was made by the encoders of step {made_at}, the checkpoint is at step "
-              f"{raw.get('global_step')}: its codes may not be the ones this model uses (`lwm codes --config "
-              f"RUN_DIR/config.yaml --ckpt_path {ckpt_path}` makes its own)", file=sys.stderr)
-    return dictionaries
+    return dictionaries_for(ckpt_path, args.codes, raw.get("global_step"), model, tuple(needed)) if needed else None
 
 
 def _world(args: argparse.Namespace, model, world_clip: torch.Tensor, trained: int | None,

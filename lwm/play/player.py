@@ -19,9 +19,10 @@ import torch
 from torch import Tensor
 
 from lwm.data.codecs import codec_from_attr, missing_codec
-from lwm.data.h5 import check_frames, file_fps, GeneratedFile, inspect_h5
+from lwm.data.h5 import check_frames, file_fps, inspect_h5
 from lwm.data.manifest import Manifest
-from lwm.inference.dictionary import default_codes_path, dictionaries_step, load_dictionaries
+from lwm.inference.dictionary import dictionaries_for
+from lwm.inference.generation import warn_world_phase
 from lwm.play.controls import action_names, Binding, cooccurrence, most_frequent_noop, number_keys, true_action_keys
 from lwm.play.rollout import Rollout
 from lwm.training.checkpoint import load_checkpoint, read_checkpoint, trained_window
@@ -122,11 +123,11 @@ class Player:
         """Frames ``frame..frame+frames-1`` of file number ``file`` (as far as it has them), ``[t, C, H, W]`` on the
         device."""
 
-        if not 0 <= file < len(self.files):
-            raise ConfigError(f"file {file}: the page has files 0..{len(self.files) - 1}")
+        if not (0 <= file < len(self.files) and 0 <= frame < self.files[file].frames):
+            has = f"; {self.files[file].path} frames 0..{self.files[file].frames - 1}" if 0 <= file < len(self.files) \
+                else ""
+            raise ConfigError(f"file {file} frame {frame}: the page has files 0..{len(self.files) - 1}{has}")
         f = self.files[file]
-        if not 0 <= frame < f.frames:
-            raise ConfigError(f"{f.path}: frame {frame}: the file has frames 0..{f.frames - 1}")
         with h5py.File(f.path, "r") as h5:
             block = np.asarray(h5[f.key][frame : frame + frames], dtype=np.float32)
         check_frames(block, f.path, f.key, frame)
@@ -175,12 +176,11 @@ class Session:
     def set_world(self, mode: str, index: int = 0, file: int = 0, frame: int = 0) -> None:
         """The world code: the start clip's own (``own``), the dictionary's ``index``-th most frequent tuple
         (``dictionary``), or inferred from ``frame`` of file ``file`` (``clip``)."""
-        if mode not in WORLD_MODES:
-            raise ConfigError(f"world: mode must be one of {', '.join(WORLD_MODES)}, got {mode!r}")
+        choices = self.player.world_choices()
+        if mode not in WORLD_MODES or (mode == "dictionary" and not 0 <= index < len(choices)):
+            raise ConfigError(f"world: mode {mode!r}, index {index}: the page offers the modes "
+                              f"{', '.join(WORLD_MODES)}, and dictionary tuples 0..{len(choices) - 1}")
         if mode == "dictionary":
-            choices = self.player.world_choices()
-            if not 0 <= index < len(choices):
-                raise ConfigError(f"world: dictionary tuple {index}: the page offers 0..{len(choices) - 1}")
             self.world_indices = torch.tensor(choices[index]["indices"])
             self.world_source = f"dictionary tuple {tuple(choices[index]['indices'])} ({choices[index]['share']:.0%})"
         elif mode == "clip":
@@ -194,14 +194,12 @@ class Session:
         return self.player.files[self.file].path
 
     def step(self, action: list[int]) -> Tensor:
-        """Play ``action`` (one code per level): the next frame ``[C, H, W]``; codes out of range are one line."""
-        La = len(self.player.model.config.codebook_sizes_action)
-        if len(action) != La or not all(isinstance(c, int) and not isinstance(c, bool) for c in action):
-            raise ConfigError(f"action: expected {La} integer codes (one per RVQ level), got {action!r}")
-        try:
-            return self.rollout.step(torch.tensor(action))
-        except ValueError as e:  # decode_indices: a code out of its level's range
-            raise ConfigError(f"action {action}: {e}") from None
+        """Play ``action`` (one code per level): the next frame ``[C, H, W]``; anything else is one line."""
+        try:  # decode_indices checks the levels, the type and the range
+            self.player.model.quantizers["Action_Encoder"].decode_indices(torch.tensor(action)[None])
+        except (TypeError, ValueError, RuntimeError) as e:  # (torch.tensor of text, None: TypeError, RuntimeError)
+            raise ConfigError(f"action {action!r}: {e}") from None
+        return self.rollout.step(torch.tensor(action))
 
     def undo(self) -> bool:
         return self.rollout.undo()
@@ -261,16 +259,13 @@ class Session:
 def load_player(ckpt_path: str, data: list[str], manifest: str | None, codes: str | None, vae: str | None,
                 vae_tiling: bool, hold_fps: float) -> Player:
     """Everything ``lwm play`` needs, checked, each problem one line naming the file."""
-
     path = checkpoint_file(ckpt_path)
-    raw = read_checkpoint(path, what="lwm checkpoint")
-    step = int(raw["global_step"])
-    codes_path, dictionaries = _dictionaries(path, codes, raw)  # before the weights
+    step = int(read_checkpoint(path, what="lwm checkpoint")["global_step"])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     raw, module = load_checkpoint(path, map_location=device)
     model = module.model.eval()
-    _check_dictionaries(dictionaries, codes_path, model)
-    _warn_world_phase(model, step)
+    dictionaries = dictionaries_for(path, codes, raw.get("global_step"), model)  # the keys play its action tuples
+    warn_world_phase(model, step, "play")
     files = _data_files(model, data, manifest, raw)
     with h5py.File(files[0].path, "r") as f:
         attr, fps = f.attrs.get("codec"), file_fps(f)
@@ -281,63 +276,15 @@ def load_player(ckpt_path: str, data: list[str], manifest: str | None, codes: st
     return player
 
 
-def _dictionaries(ckpt_path: Path, codes: str | None, raw: dict) -> tuple[Path, dict]:
-    """The checkpoint's code dictionaries (``--codes``, else ``codes.pt`` or ``NAME.codes.pt`` beside it)."""
-
-    path = Path(codes) if codes else default_codes_path(ckpt_path)
-    if not codes and not path.is_file() and (ckpt_path.parent / "codes.pt").is_file():
-        path = ckpt_path.parent / "codes.pt"  # the end of fit's (its step is checked below)
-    if not path.is_file():
-        raise DataError(f"{path}: no code dictionary for {ckpt_path} (the keys play its action tuples): "
-                        f"`lwm codes --ckpt_path {ckpt_path}` writes it (or --codes FILE)")
-    dictionaries = load_dictionaries(path)
-    made_at = dictionaries_step(path)
-    if made_at is not None and made_at != raw.get("global_step"):
-        print(f"warning: {path} was made by the encoders of step {made_at}, the checkpoint is at step "
-              f"{raw.get('global_step')}: its codes may not be the ones this model uses (`lwm codes --ckpt_path "
-              f"{ckpt_path}` makes its own)", file=sys.stderr)
-    for name in ("Action_Encoder", "World_Encoder"):
-        if name not in dictionaries:
-            raise DataError(f"{path}: no {name} dictionary")
-        if dictionaries[name].total == 0:
-            raise DataError(f"{path}: the {name} dictionary is empty")
-    return path, dictionaries
-
-
-def _check_dictionaries(dictionaries: dict, path: Path, model) -> None:
-    """Refuse a dictionary of another model (other codebook sizes), naming the file."""
-    for name, quantizer in model.quantizers.items():
-        if tuple(dictionaries[name].codebook_sizes) != tuple(quantizer.codebook_sizes):
-            raise DataError(f"{path}: {name} codebook sizes {list(dictionaries[name].codebook_sizes)}, "
-                            f"but the checkpoint's are {list(quantizer.codebook_sizes)} (a dictionary of another "
-                            f"model? `lwm codes` makes one)")
-
-
-def _warn_world_phase(model, step: int) -> None:
-    """A warning where the weights never trained with the world code (as ``lwm generate`` warns)."""
-    phase = model.world_phase_of_weights(step)
-    if phase != "quantized":
-        print(f"warning: the checkpoint (step {step}) is in the {phase!r} phase of model.net.world_curriculum: its "
-              f"predictor has not yet trained with the world code, which play feeds it", file=sys.stderr)
-
-
 def _data_files(model, data: list[str], manifest: str | None, raw: dict) -> list[DataFile]:
     """The files to start from: ``--data`` files, else the ``--manifest``'s, else the manifest the checkpoint trained
     on."""
 
     c = model.config
     shape = [c.in_channels, c.height, c.width]
-    if data:
-        files = []
-        for path in data:
-            try:
-                info = inspect_h5(path, *shape, check_values=False)
-            except GeneratedFile:
-                raise
-            except DataError as e:
-                raise DataError(f"{e} (the checkpoint's model takes latents {shape})") from None
-            files.append(DataFile(Path(path), info.key, info.frames))
-        return files
+    if data:  # (their values are checked as they are read)
+        infos = [inspect_h5(p, *shape, check_values=False) for p in data]
+        return [DataFile(Path(p), info.key, info.frames) for p, info in zip(data, infos)]
     if manifest is None:
         trained_on = (raw.get("datamodule_hyper_parameters") or {}).get("manifest")
         if not trained_on or not Path(trained_on).is_file():
@@ -350,6 +297,4 @@ def _data_files(model, data: list[str], manifest: str | None, raw: dict) -> list
     if [m.channels, m.height, m.width] != shape:
         raise DataError(f"{manifest}: latents [{m.channels}, {m.height}, {m.width}], but the checkpoint's model takes "
                         f"{shape}")
-    if not m.entries:
-        raise DataError(f"{manifest}: lists no files")
     return [DataFile(m.resolve(e), e.key, e.frames) for e in m.entries]

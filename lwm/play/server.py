@@ -31,12 +31,12 @@ def check_host(host: str, allow_remote: bool) -> None:
     """Refuse an address other machines can reach unless ``allow_remote``."""
     try:
         addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+        remote, why = sorted(a for a in addresses if not ipaddress.ip_address(a.split("%")[0]).is_loopback), ""
     except socket.gaierror as e:
-        raise ConfigError(f"--host {host}: not an address of this machine ({e.strerror})") from None
-    remote = sorted(a for a in addresses if not ipaddress.ip_address(a.split("%")[0]).is_loopback)
-    if remote and not allow_remote:
-        raise ConfigError(f"--host {host}: {remote[0]} is not a loopback address; anyone who reaches it could play "
-                          f"the checkpoint (--allow-remote to serve it anyway)")
+        remote, why = [], f"not an address of this machine ({e.strerror})"
+    if why or (remote and not allow_remote):
+        raise ConfigError(f"--host {host}: {why or f'{remote[0]} is not a loopback address'}" + (
+            "" if why else "; anyone who reaches it could play the checkpoint (--allow-remote to serve it anyway)"))
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -50,10 +50,9 @@ def bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        if e.errno == errno.EADDRINUSE:
-            raise ConfigError(f"--port {port}: already in use on {host} (another lwm play?); --port N for another, "
-                              f"--port 0 for any free one") from None
-        raise ConfigError(f"--host {host} --port {port}: cannot listen there ({e.strerror})") from None
+        raise ConfigError(f"--port {port}: already in use on {host} (another lwm play?); --port N for another, --port 0 "
+                          f"for any free one" if e.errno == errno.EADDRINUSE else
+                          f"--host {host} --port {port}: cannot listen there ({e.strerror})") from None
     sock.listen(64)
     return sock
 
@@ -227,12 +226,13 @@ async def _serve(ws, session, inbox: asyncio.Queue) -> None:
             continue
         if message is None:
             return
+        if isinstance(message, str):  # not a JSON object
+            await ws.send_json({"type": "error", "message": message, "seq": None})
+            continue
         try:
-            if isinstance(message, str):
-                raise ConfigError(message)
             state, frame = await asyncio.to_thread(handle, session, message)
         except LwmError as e:  # a request the session refuses: said on the page
-            await ws.send_json({"type": "error", "message": str(e), "seq": message.get("seq") if isinstance(message, dict) else None})
+            await ws.send_json({"type": "error", "message": str(e), "seq": message.get("seq")})
             continue
         except Exception as e:  # a failure of ours
             traceback.print_exc()

