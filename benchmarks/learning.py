@@ -85,10 +85,11 @@ WORLD_QUESTIONS = {
 }
 QUESTIONS = dict(WORLD_QUESTIONS)
 # real footage: a fraction of the transitions labelled (the label head, LAOM's 2.5%; ALE has 18 actions)
-FOOTAGE_RECIPES = {"labels": [f"{NET}action_labels=18", "--data.label_fraction=0.025"]}
+FOOTAGE_RECIPES = {"labels": [f"{NET}action_labels=18", "--data.label_fraction=0.025"],
+                   "label_weight_1": [f"{NET}label_weight=1"]}
 RECIPES = {"recipe": [], "requirement": REQUIREMENT, **ABLATIONS, **QUESTIONS, **FOOTAGE_RECIPES}
 PLANS = {"": ["recipe", "requirement"], "ablations": list(ABLATIONS),
-         "footage": ["no_context_dropout", *FOOTAGE_RECIPES],
+         "footage": ["no_context_dropout", "labels", "labels+label_weight_1"],
          "questions": [q for q in QUESTIONS if q not in ABLATIONS], "world": list(WORLD_QUESTIONS)}
 
 
