@@ -68,13 +68,14 @@ def test_the_logged_flops_count_the_sdpa_form_whatever_the_kernel():
 def _interval(monkeypatch, world_size=1, validations=(10.0,)):
     from lwm.callbacks import flop_counter as flops_module
     from lwm.callbacks.flop_counter import FlopCounter
+    from tests.lightning.helpers import accumulation_counters
 
     clock = [0.0]
     monkeypatch.setattr(flops_module.time, "perf_counter", lambda: clock[0])
     logged = []
     module = SimpleNamespace(log_dict=lambda logs, **kwargs: logged.append(dict(logs)), device=torch.device("cpu"))
     trainer = SimpleNamespace(global_step=0, log_every_n_steps=2, world_size=world_size, training=True,
-                              precision="bf16-mixed")
+                              precision="bf16-mixed", should_stop=False, **accumulation_counters())
     counter = FlopCounter(peak_tflops=1.0)
     counter.flops_per_step = int(3e12)
     counter.on_train_batch_end(trainer, module, None, None, 0)

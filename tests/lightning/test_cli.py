@@ -453,9 +453,7 @@ def test_plot_writes_the_figures_of_a_run(trained, capsys):
     assert {"losses.png", "val_loss_vs_tflops.png", "sensitivity.png", "codebook_usage.png",
             "attention_diagonality.png"} <= figures
     assert main(["plot", str(root / "nope")]) == 2
-    assert "no such run directory" in capsys.readouterr().err
-    assert main(["plot", str(root / "metrics.csv")]) == 2
-    assert f"metrics.csv: a file; lwm plot takes the run's folder ({root})" in capsys.readouterr().err
+    assert str(root / "nope") in capsys.readouterr().err  # the path named
 
 
 @pytest.mark.slow
