@@ -53,8 +53,6 @@ class ResumableDataLoader(DataLoader):
     def __init__(self, *args: Any, stream: dict[str, Any] | None = None,
                  on_seed: Callable[[int], None] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if not isinstance(self.batch_sampler, FileBatchSampler):
-            raise TypeError("ResumableDataLoader needs a FileBatchSampler as batch_sampler")
         self.stream, self.on_seed = stream, on_seed
         self._consumed = 0
         self._resume: tuple[int, int] | None = None  # (epoch, batch) to start the next iteration at

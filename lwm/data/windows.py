@@ -43,8 +43,6 @@ class H5WindowDataset(Dataset):
 
     def __init__(self, manifest: Manifest, split: str, window: int, float16: bool = True,
                  max_open: int = MAX_OPEN_FILES, label_fraction: float = 1.0, loaded_bytes: int | None = None) -> None:
-        if window < 1:
-            raise DataError(f"window must be >= 1, got {window}")
         entries = manifest.split(split)
         if not entries:
             hint = (" (index more files, or with a larger --val-fraction; or train without validation: "
@@ -119,10 +117,6 @@ class H5WindowDataset(Dataset):
 
     def __getitem__(self, item: tuple[int, int]) -> dict[str, torch.Tensor]:
         index, start = item
-        if not 0 <= index < len(self.entries):
-            raise IndexError(f"file index {index} out of range for {len(self.entries)} files")
-        if not 0 <= start <= self.frames[index] - self.window:
-            raise IndexError(f"{self.paths[index]}: window start {start} out of range for {self.frames[index]} frames")
         opened = self._file(index)
         stop = start + self.window
         key = self.entries[index].key
@@ -186,8 +180,6 @@ def inclusion_probabilities(weights: np.ndarray, n: int) -> np.ndarray:
     """Inclusion probabilities ``pi`` of ``n`` distinct draws among ``len(weights)`` items, proportional to
     ``weights`` where that stays <= 1, items that would exceed 1 fixed at 1 (included every time) and the rest
     shared in proportion among the others."""
-    if not 0 < n <= len(weights):
-        raise ValueError(f"n must lie in [1, {len(weights)}], got {n}")
     pi, fixed = np.zeros(len(weights)), np.zeros(len(weights), dtype=bool)
     while True:  # at most len(weights) rounds
         free = ~fixed
@@ -225,13 +217,7 @@ class FileBatchSampler(Sampler[list[tuple[int, int]]]):
         world_size: int = 1,
         batches_per_epoch: int | None = None,
     ) -> None:
-        if batch_size < 1:
-            raise DataError(f"batch_size must be >= 1, got {batch_size}")
-        if not 0 <= rank < world_size:
-            raise DataError(f"rank must lie in [0, world_size={world_size}), got {rank}")
         self.frames = np.asarray(frames, dtype=np.int64)
-        if (self.frames < window).any():
-            raise DataError("FileBatchSampler: every file must hold at least one window")
         self.window, self.batch_size = window, batch_size
         self.seed, self.rank, self.world_size = seed, rank, world_size
         windows = self.frames // window

@@ -20,8 +20,6 @@ TEMPORAL_MASKS: tuple[str, ...] = ("none", "causal", "shifted_causal")
 
 def sinusoidal_embedding(positions: Tensor, dim: int, base: float = 10000.0) -> Tensor:
     """Transformer sinusoidal embedding of (possibly fractional) positions: ``[...] -> [..., dim]``."""
-    if dim % 2:
-        raise ValueError(f"sinusoidal_embedding: dim must be even, got {dim}")
     half = dim // 2
     freqs = torch.exp(-math.log(base) * torch.arange(half, device=positions.device, dtype=torch.float32) / half)
     angles = positions.to(torch.float32)[..., None] * freqs  # [..., half]
@@ -30,8 +28,6 @@ def sinusoidal_embedding(positions: Tensor, dim: int, base: float = 10000.0) -> 
 
 def spatial_pos_embedding(height: int, width: int, dim: int, device: torch.device | None = None) -> Tensor:
     """2-D sinusoidal embedding of a ``height x width`` patch grid, row-major: ``[height*width, dim]``."""
-    if dim % 4:
-        raise ValueError(f"spatial_pos_embedding: dim must be divisible by 4, got {dim}")
     rows = torch.arange(height, device=device).repeat_interleave(width)  # [N]
     cols = torch.arange(width, device=device).repeat(height)  # [N]
     return torch.cat([sinusoidal_embedding(rows, dim // 2), sinusoidal_embedding(cols, dim // 2)], dim=-1)
@@ -145,10 +141,6 @@ class Attention(nn.Module):
 
     def __init__(self, d_model: int, n_heads: int, kernel: AttentionKernel = "sdpa") -> None:
         super().__init__()
-        if d_model % n_heads:
-            raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
-        if kernel not in ATTENTION_KERNELS:
-            raise ValueError(f"attention kernel must be one of {ATTENTION_KERNELS}, got {kernel!r}")
         self.n_heads = n_heads
         self.kernel: AttentionKernel = kernel
         self.qkv = nn.Linear(d_model, 3 * d_model)
@@ -159,8 +151,6 @@ class Attention(nn.Module):
         past: KV | None = None,
     ) -> tuple[Tensor, Tensor | None, KV]:
         """``x [n, l, D]`` -> ``(out [n, l, D], weights [n, heads, l, p + l] or None, (keys, values))``."""
-        if window is not None and window < 1:
-            raise ValueError(f"attention window must be >= 1 frame (None: all), got {window}")
         qkv = rearrange(self.qkv(x), "n l (three h e) -> n l three h e", three=3, h=self.n_heads)
         q, k, v = rearrange(qkv, "n l three h e -> three n h l e")  # views
         if past is not None:
@@ -192,8 +182,6 @@ class TransformerBlock(nn.Module):
     def __init__(self, d_model: int, n_heads: int, mask: TemporalMask = "none", mlp_ratio: float = 4.0,
                  temporal_attention: AttentionKernel = "sdpa") -> None:
         super().__init__()
-        if mask not in TEMPORAL_MASKS:
-            raise ValueError(f"temporal mask must be one of {TEMPORAL_MASKS}, got {mask!r}")
         self.mask: TemporalMask = mask
         self.norm_spatial = nn.LayerNorm(d_model)
         self.spatial = Attention(d_model, n_heads)
@@ -243,8 +231,6 @@ class STTransformer(nn.Module):
     def __init__(self, d_model: int, n_heads: int, masks: list[TemporalMask], mlp_ratio: float = 4.0,
                  checkpointing: bool = False, temporal_attention: AttentionKernel = "sdpa") -> None:
         super().__init__()
-        if not masks:
-            raise ValueError("STTransformer needs at least one block (depth >= 1)")
         self.blocks = nn.ModuleList(TransformerBlock(d_model, n_heads, m, mlp_ratio, temporal_attention) for m in masks)
         self.norm_out = nn.LayerNorm(d_model)
         self.checkpointing = checkpointing  # recompute each block's activations in the backward

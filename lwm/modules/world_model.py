@@ -78,9 +78,6 @@ class WorldModel(nn.Module):
     """
 
     def __init__(self, config: WorldModelConfig | None = None, **overrides) -> None:
-        unknown = set(overrides) - set(WorldModelConfig.__dataclass_fields__)
-        if unknown:
-            raise TypeError(f"WorldModel: unknown argument(s) {sorted(unknown)}")
         c = replace(config or WorldModelConfig(), **overrides)
         super().__init__()
         self.config = c  # every hyperparameter is read from here

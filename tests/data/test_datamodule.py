@@ -15,7 +15,7 @@ import pytest
 import torch
 from lightning.fabric.utilities.data import _set_sampler_epoch
 
-from lwm.data.datamodule import LatentDataModule, ResumableDataLoader
+from lwm.data.datamodule import LatentDataModule
 from lwm.data.h5 import DataError
 from lwm.data.manifest import index_directory
 from tests.data.conftest import write_h5
@@ -189,13 +189,6 @@ def test_window_longer_than_every_file_and_empty_split(manifest, tmp_path):
     with pytest.raises(DataError, match="the 'val' split is empty"):
         _dm(only_train).setup("fit")
     _dm(only_train, val_size_percent=0.0).setup("fit")  # no validation wanted: fine
-
-
-def test_loader_needs_a_file_batch_sampler(manifest):
-    dm = _dm(manifest)
-    dm.setup("fit")
-    with pytest.raises(TypeError, match="FileBatchSampler"):
-        ResumableDataLoader(dm.train_set, batch_size=2)
 
 
 def test_fewer_validation_windows_than_ranks_is_refused_at_setup(manifest):

@@ -128,18 +128,6 @@ def test_other_key_and_float16(tmp_path):
     np.testing.assert_array_equal(item["latents"].numpy(), data[7:12].astype(np.float32))
 
 
-@pytest.mark.parametrize("start", [-1, 37, 40, 1000])
-def test_start_out_of_range(dataset, start):
-    with pytest.raises(IndexError, match="a.h5"):
-        dataset[(0, start)]
-
-
-@pytest.mark.parametrize("index", [-1, 3, 99])
-def test_file_index_out_of_range(dataset, index):
-    with pytest.raises(IndexError, match="file index"):
-        dataset[(index, 0)]
-
-
 def test_val_split_used(window_files):
     d, spec = window_files
     m = index_directory(d, val_fraction=0.5, seed=0)
@@ -166,11 +154,6 @@ def test_empty_split(manifest):
                                         r"or train without validation: data\.val_size_percent=0\)$") as exc:
         H5WindowDataset(manifest, "val", WINDOW)
     assert str(manifest.path) in str(exc.value)
-
-
-def test_bad_window(manifest):
-    with pytest.raises(DataError, match="window"):
-        H5WindowDataset(manifest, "train", 0)
 
 
 def test_file_damaged_after_indexing_names_the_file(tmp_path):
@@ -352,8 +335,6 @@ def test_ranks_take_slices_of_one_global_batch_of_distinct_files():
         assert len({f for p in parts for f, _ in p}) == 16, index
     single = FileBatchSampler(frames, WINDOW, batch_size=16, seed=3, batches_per_epoch=50)
     assert [x for s in ranks for x in s.batch(0, 7)] == single.batch(0, 7)  # the slices of the one global batch
-    with pytest.raises(DataError, match="rank"):
-        FileBatchSampler(frames, WINDOW, batch_size=4, rank=4, world_size=4)
 
 
 @pytest.mark.parametrize("files, batch_size, world_size", [(4, 3, 2), (4, 3, 3), (5, 4, 3), (6, 6, 2), (3, 1, 4)])
@@ -531,8 +512,6 @@ def test_inclusion_probabilities_known_answers(weights, n, expected):
     pi = inclusion_probabilities(w / w.sum(), n)
     np.testing.assert_allclose(pi, expected, rtol=1e-12)
     assert math.isclose(pi.sum(), n)
-    with pytest.raises(ValueError):
-        inclusion_probabilities(w / w.sum(), len(weights) + 1)
 
 
 def test_systematic_pps_draws_distinct_items_with_their_probabilities():
@@ -544,13 +523,6 @@ def test_systematic_pps_draws_distinct_items_with_their_probabilities():
         assert len(picks) == 4 and len(set(picks.tolist())) == 4
         counts[picks] += 1
     np.testing.assert_allclose(counts / 5000, pi, atol=0.025)
-
-
-def test_sampler_refuses_short_files_and_bad_batch():
-    with pytest.raises(DataError):
-        FileBatchSampler([10, 3], WINDOW, batch_size=2)
-    with pytest.raises(DataError):
-        FileBatchSampler([10, 30], WINDOW, batch_size=0)
 
 
 class _Items(torch.utils.data.Dataset):
