@@ -66,6 +66,7 @@ class H5WindowDataset(Dataset):
         self.loaded_bytes = LOADED_BYTES if loaded_bytes is None else loaded_bytes
         self._handles: OrderedDict[int, _Open] = OrderedDict()
         self._loaded: OrderedDict[int, _Open] = OrderedDict()  # files read whole (LOAD_WINDOWS)
+        self._labelled: dict[int, torch.Tensor] = {}  # per file: which actions label_fraction keeps
         self._pid: int | None = None
 
     def __len__(self) -> int:
@@ -153,8 +154,10 @@ class H5WindowDataset(Dataset):
     def labelled(self, index: int) -> torch.Tensor:
         """``[frames]`` bool: which actions of file ``index`` a batch keeps under ``label_fraction``, the same in every
         epoch, process and run (a fixed draw per file)."""
-        draw = np.random.default_rng([LABEL_DRAW, index]).random(self.frames[index])
-        return torch.from_numpy(draw < self.label_fraction)
+        if index not in self._labelled:  # drawn once per file, not per window
+            draw = np.random.default_rng([LABEL_DRAW, index]).random(self.frames[index])
+            self._labelled[index] = torch.from_numpy(draw < self.label_fraction)
+        return self._labelled[index]
 
     def close(self) -> None:
         for opened in self._handles.values():
