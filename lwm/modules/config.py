@@ -70,9 +70,9 @@ class WorldModelConfig:
     # makes the world vectors of a clip's first and last frames agree: the code must carry what stays the same along
     # a clip, the world, even where the predictor reads the world from the frames. It trains the world encoder alone.
     world_contrast: float = 0.0
-    # Not the requirement's (0: off): the number of true action classes a linear head reads from each action code,
-    # trained by cross-entropy on the transitions whose label the batch keeps (data.label_fraction):
-    # a few labels tell the action code what to name (LAOM's semi-supervision). Unlabelled transitions (-1) add nothing.
+    # Not the requirement's (0: off): the number of true action classes a linear head reads from each action vector
+    # (before quantization), trained by cross-entropy on the transitions whose label the batch keeps
+    # (data.label_fraction): a few labels tell the action code what to name (LAOM's semi-supervision).
     action_labels: int = 0
     label_weight: float = 0.1  # the head's cross-entropy weight in the loss
 

@@ -367,13 +367,18 @@ class WorldModel(nn.Module):
         return self.world_phase_at(max(global_step - 1, 0))
 
     @staticmethod
+    def unquantized(codes: RVQOutput) -> Tensor:
+        """The encoder's vector ``z_e`` before quantization, its gradient reaching the encoder as the code's does."""
+        return codes.quantized - (codes.quantized - codes.inputs).detach()
+
+    @staticmethod
     def world_input(world: RVQOutput, phase: str) -> Tensor:
         """The world vector the predictor gets in a :meth:`world_phase_at`: the code (straight-through to the encoder),
         the encoder's output (the same gradient path, the code's value taken out), or zeros."""
         if phase == "quantized":
             return world.quantized
-        if phase == "unquantized":  # value z_e, gradient as through the straight-through code
-            return world.quantized - (world.quantized - world.inputs).detach()
+        if phase == "unquantized":
+            return WorldModel.unquantized(world)
         if phase == "off":
             return torch.zeros_like(world.quantized)
         raise ValueError(f"world phase must be off, unquantized or quantized, got {phase!r}")
@@ -442,7 +447,7 @@ class WorldModel(nn.Module):
 
         supervised = []
         if self.config.action_labels:
-            supervised = self.label_loss(actions.quantized, labels, B, T)
+            supervised = self.label_loss(self.unquantized(actions), labels, B, T)
             loss = loss + self.config.label_weight * supervised[0]
 
         values = [loss, prediction_loss, *pass_losses, actions.commit_loss, actions.codebook_loss, world.commit_loss,
@@ -452,8 +457,8 @@ class WorldModel(nn.Module):
 
     def label_loss(self, vectors: Tensor, labels: Tensor | None, B: int, T: int) -> list[Tensor]:
         """The label head's cross-entropy and accuracy over the labelled transitions (``labels [B, T]``, -1: none;
-        ``a_i`` is the action after frame ``i``) from the action codes ``[B, T-1, Da]`` (straight-through to the encoder:
-        the codes themselves are to name the actions); 0 where none is labelled."""
+        ``a_i`` is the action after frame ``i``) from the action encoder's vectors before quantization ``[B, T-1, Da]``
+        (LAOM's: the head on the 8 code values moved nothing); 0 where none is labelled."""
         y = torch.full((B, T - 1), -1, device=vectors.device) if labels is None else labels[:, : T - 1]
         logits = self.label_head(vectors.float())  # [B, T-1, K]
         known = (y >= 0).sum()

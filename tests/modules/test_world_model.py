@@ -749,7 +749,7 @@ def test_the_label_head_learns_from_the_labelled_transitions_only():
     labels = torch.tensor([[0, 1, -1, 2, 3], [-1, -1, -1, -1, -1]])  # a_i is the action after frame i; the last unused
     model = tiny_model(action_labels=3, label_weight=0.5, mask_prob=0.0).train()
     out = model.compute(x, step=0, t0=0, generator=torch.Generator().manual_seed(0), labels=labels)
-    logits = model.label_head(out.actions.quantized.float())
+    logits = model.label_head(out.actions.inputs.float())  # the vectors before quantization
     expected = torch.nn.functional.cross_entropy(logits[0, [0, 1, 3]], torch.tensor([0, 1, 2]))
     assert torch.allclose(out.logs["Action_Encoder/label_loss"], expected)
     accuracy = (logits[0, [0, 1, 3]].argmax(-1) == torch.tensor([0, 1, 2])).float().mean()
@@ -761,6 +761,14 @@ def test_the_label_head_learns_from_the_labelled_transitions_only():
     assert torch.allclose(out.loss, none.loss + 0.5 * expected)
     plain = tiny_model(mask_prob=0.0).train().compute(x, step=0, t0=0, generator=torch.Generator().manual_seed(0))
     assert torch.equal(none.logs["Dynamics_Predictor/prediction_loss"], plain.logs["Dynamics_Predictor/prediction_loss"])
+    # the head's gradient reaches the action encoder as if it read the encoder's output itself
+    head = model.label_loss(model.unquantized(out.actions), labels, 2, 5)[0]
+    direct = torch.nn.functional.cross_entropy(
+        model.label_head(model.action_encoder.embed(model.action_tokens(x, 0)))[0, [0, 1, 3]], torch.tensor([0, 1, 2]))
+    weight = model.action_encoder.to_code.weight
+    (through,), (alone,) = torch.autograd.grad(head, weight), torch.autograd.grad(direct, weight)
+    assert alone.abs().sum() > 0
+    torch.testing.assert_close(through, alone)
 
 
 def test_a_checkpoints_retired_fields_load_at_their_defaults_only():
