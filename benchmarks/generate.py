@@ -1,7 +1,7 @@
 """Generation speed: frames per second of WorldModel.generate, cached vs uncached, by batch and rollout length.
 
     python benchmarks/generate.py [--size tiny|base] [--batch 1 32] [--frames 16 64 256] [--window 15]
-                                  [--precision fp32|bf16] [--temporal-attention sdpa|matmul|triton]
+                                  [--precision fp32|bf16] [--temporal-attention sdpa|matmul]
 
 One context frame, random actions and world code; rollouts longer than ``--window`` slide it (the base
 predictor is trained on 15-frame inputs). Prints a markdown table; the cached/uncached ratio is the result.

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Every GPU measurement docs/performance.md reports, from the repository root, with lwm from the source tree and
-# the image's torch, lightning and triton; what the image lacks (omegaconf, jsonargparse, deepspeed, PyAV) is
+# the image's torch and lightning; what the image lacks (omegaconf, jsonargparse, deepspeed, PyAV) is
 # installed from .whl/ when there (benchmarks/gpu_wheels.sh makes it):
 #
 #   benchmarks/gpu.sh OUT_DIR [--budget SECONDS] STAGE...|all
 #
 #   stages, in the order `all` runs them (the most wanted first): check bench loader attention generate deepspeed
-#   kernels bench_kernels profile maxbatch generate_triton maxbatch_ckpt
+#   bench_kernels profile maxbatch maxbatch_ckpt
 #
 # A lease here is 15 minutes of device time, the machine's start included, and a call returns at most 8 files. So:
 # --budget is the seconds this run may take (give the call's timeout_s about 30 more): a stage starts only if the
@@ -29,7 +29,7 @@ if [ "${1:-}" = "--budget" ]; then
     [[ "$BUDGET" =~ ^[0-9]+$ ]] || { echo "--budget must be a whole number of seconds, got $BUDGET" >&2; exit 2; }
     shift 2
 fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TRITON_INTERPRET=0
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-$(command -v python || command -v python3)}
 WHEELS=${WHEELS:-.whl}
 SCRATCH=${LWM_GPU_SCRATCH:-/tmp/lwm_gpu_scratch}
@@ -41,12 +41,11 @@ RESERVE=15  # seconds kept at the end of a budget for packing the results
 # Seconds a stage needs to give a result (it is skipped with less left) and the most it may take: estimates from
 # the CPU and the H100 runs of 2026-11-22 (a base step: 314 ms compiled, 460 eager; compiling at base: minutes),
 # not yet measured on this machine.
-declare -A MIN=([check]=5 [bench]=240 [loader]=45 [attention]=60 [generate]=60 [deepspeed]=150 [kernels]=60
-                [bench_kernels]=240 [profile]=180 [maxbatch]=240 [generate_triton]=60 [maxbatch_ckpt]=240)
-declare -A CAP=([check]=60 [bench]=420 [loader]=120 [attention]=150 [generate]=150 [deepspeed]=240 [kernels]=180
-                [generate_triton]=150)  # the others: no cap but the budget
-ALL=(check bench loader attention generate deepspeed kernels bench_kernels profile maxbatch generate_triton
-     maxbatch_ckpt)
+declare -A MIN=([check]=5 [bench]=240 [loader]=45 [attention]=60 [generate]=60 [deepspeed]=150
+                [bench_kernels]=240 [profile]=180 [maxbatch]=240 [maxbatch_ckpt]=240)
+declare -A CAP=([check]=60 [bench]=420 [loader]=120 [attention]=150 [generate]=150
+                [deepspeed]=240)  # the others: no cap but the budget
+ALL=(check bench loader attention generate deepspeed bench_kernels profile maxbatch maxbatch_ckpt)
 
 peak() {  # Lightning knows the H100's bf16 dense peak, not the H200's (the same 989 TFLOP/s)
     nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep H200 >/dev/null && echo "--peak-tflops 989"
@@ -84,7 +83,7 @@ run() {  # run CMD..., its output appended to the stage's log, its time and stat
 stage_check() {
     run nvidia-smi
     run $PY -c "import torch, lightning; print(torch.__version__, lightning.__version__, torch.cuda.get_device_name())"
-    for m in einops omegaconf jsonargparse rich h5py torchmetrics triton deepspeed av pytest; do
+    for m in einops omegaconf jsonargparse rich h5py torchmetrics deepspeed av; do
         run $PY -c "import $m; print('$m', getattr($m, '__version__', ''))"
     done
 }
@@ -104,10 +103,6 @@ print(round(max(v['steps_per_s'] for v in r['variants']) * r['batch'], 1))" 2>/d
 stage_generate() {
     run $PY benchmarks/generate.py --size base --batch 1 32 --frames 16 64 256 --precision bf16 \
         --temporal-attention sdpa
-}
-stage_generate_triton() {
-    run $PY benchmarks/generate.py --size base --batch 1 32 --frames 16 64 256 --precision bf16 \
-        --temporal-attention triton
 }
 stage_deepspeed() {  # ZeRO stage 2 on one GPU: 20 steps with a checkpoint at 10, then resumed from last to 30
     local data="$SCRATCH/synth" root="$SCRATCH/deepspeed_run"
@@ -130,13 +125,8 @@ stage_bench() {  # the base step: raw (compiled), raw eager, the same step in lw
 }
 stage_bench_kernels() {  # the raw step with each temporal-attention kernel, side by side
     local -x TORCH_LOGS=graph_breaks,recompiles
-    run $PY $STEP --config $BASE --steps 10 --warmup 3 --kernels matmul triton --raw-only $(peak) \
+    run $PY $STEP --config $BASE --steps 10 --warmup 3 --kernels matmul --raw-only $(peak) \
         --json "$RESULTS/bench_kernels.json"
-}
-stage_kernels() {  # the Triton kernels compiled on the GPU: against SDPA (bf16 too), and their resources
-    # without the project's addopts (--strict-markers would refuse the timeout marker where pytest-timeout is missing)
-    run $PY -m pytest -q -p no:cacheprovider -o addopts=-ra tests/modules/test_triton_attention.py
-    run $PY benchmarks/triton_kernels.py
 }
 stage_profile() {  # torch.profiler's operator table of the compiled raw step, and its host syncs
     run $PY $STEP --config $BASE --steps 5 --warmup 3 --raw-only --profile $(peak) --json "$RESULTS/profile.json"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Wheels of what lwm needs and this project's GPU image lacks (it has torch, lightning, triton, einops, h5py, rich,
+# Wheels of what lwm needs and this project's GPU image lacks (it has torch, lightning, einops, h5py, rich,
 # torchmetrics, matplotlib, imageio; not omegaconf, jsonargparse, deepspeed, PyAV), for its Python 3.12, into
 # .whl/ (about 40 MB), at the versions `make` installs here. benchmarks/gpu.sh installs every wheel in .whl/ (into
 # a folder ahead of the image's site-packages on PYTHONPATH, so a newer typing-extensions here wins):
@@ -11,11 +11,10 @@ cd "$(dirname "$0")/.."
 PIP=(${PYTHON:-.venv/bin/python} -m pip)
 version() { "${PIP[@]}" show "$1" 2>/dev/null | sed -n 's/^Version: //p'; }
 # jsonargparse and its config parsing; omegaconf; PyAV; DeepSpeed's imports (msgpack, psutil; py-cpuinfo and
-# ninja on first use), pydantic with what it needs (typing-extensions >= 4.16, newer than the image's); pytest for
-# gpu.sh's kernels stage (its packaging and pygments come with the image's lightning and rich).
+# ninja on first use), pydantic with what it needs (typing-extensions >= 4.16, newer than the image's).
 pins=()
 for name in omegaconf jsonargparse docstring-parser typeshed-client hjson pydantic pydantic-core annotated-types \
-            typing-inspection typing-extensions av msgpack psutil py-cpuinfo ninja pytest pluggy iniconfig; do
+            typing-inspection typing-extensions av msgpack psutil py-cpuinfo ninja; do
     v=$(version "$name")
     pins+=("$name${v:+==$v}")
 done

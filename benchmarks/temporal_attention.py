@@ -10,8 +10,6 @@ backward (``--backward``), also the output and its gradient read and dq, dk, dv 
 bandwidth is a large ``dst.copy_(src)`` (2 x its size moved). Also timed: the shapes of a rollout pass that
 reuses ``--cached`` positions (queries after cached keys: SDPA with a bool mask, as the model does now, and
 with ``causal_lower_right``, which lets the fused kernels take the offset causal mask without a mask tensor).
-On a GPU also lwm's Triton kernel (``temporal_attention: triton``), which reads q, k, v from the projection's
-output layout ``[n, t, 3, h, e]`` as the model hands it over (the others get contiguous ``[n, h, t, e]``).
 The last column checks every formulation against fp32 SDPA.
 """
 
@@ -23,7 +21,6 @@ import time
 import torch
 import torch.nn.functional as F
 
-from lwm.modules import triton_attention
 from lwm.modules.st_transformer import temporal_mask
 
 
@@ -87,12 +84,6 @@ def main() -> None:
         "matmul+softmax (eager)": (lambda: manual(q, k, v), q),
         "matmul+softmax (compiled)": (lambda: compiled_manual(q, k, v), q),
     }
-    fused = triton_attention.supported(q, t, e)
-    if fused:  # lwm's kernel reads the projection's layout [n, t, 3, h, e] (the same q, k, v) and writes [n, t, h, e]
-        qkv = torch.stack([q, k, v], dim=1).permute(0, 3, 1, 2, 4).detach().contiguous().requires_grad_(grad)
-        leaves.append(qkv)
-        variants["triton kernel (lwm, qkv layout)"] = (
-            lambda: triton_attention.temporal_attention(qkv, None, None, "causal", 0).transpose(1, 2), q)
     c = args.cached
     if 0 < c < t:  # a rollout pass: t - c new queries after c cached keys
         from torch.nn.attention.bias import causal_lower_right
@@ -107,12 +98,6 @@ def main() -> None:
         pass_bias = bias[c:]
         variants[f"pass: matmul+softmax (compiled) ({t - c} q, {c} cached)"] = (
             lambda: compiled_manual(qp, k, v, pass_bias), qp)
-        if fused:
-            qkv_pass = qkv.detach()[:, c:].contiguous().requires_grad_(grad)
-            past = [x.detach()[:, :, :c].contiguous().requires_grad_(grad) for x in (k, v)]
-            leaves += [qkv_pass, *past]
-            variants[f"pass: triton kernel (lwm) ({t - c} q, {c} cached)"] = (
-                lambda: triton_attention.temporal_attention(qkv_pass, *past, "causal", 0).transpose(1, 2), qp)
 
     douts: dict[tuple, torch.Tensor] = {}  # the output gradient, made once per variant (in its warm-up calls)
 
@@ -121,7 +106,7 @@ def main() -> None:
         if grad:
             for leaf in leaves:  # written, not added to the last repetition's (which would read and write them again)
                 leaf.grad = None
-            key = (out.shape, out.stride())  # the layout each variant's output has (the Triton kernel's: transposed)
+            key = (out.shape, out.stride())
             if key not in douts:
                 douts[key] = torch.ones_like(out)  # (ones_like keeps the layout)
             out.backward(douts[key])

@@ -1,7 +1,7 @@
 """Time a config's training step side by side: the raw model step, the same step in `lwm fit`, the data loader.
 
     python benchmarks/train_step.py [--config configs/demo.yaml] [--manifest M] [--steps 20] [--warmup 5]
-        [--kernels matmul triton] [--profile] [--raw-only] [--max-batch [--memory-gib G] [--batch-step S]]
+        [--kernels matmul] [--profile] [--raw-only] [--max-batch [--memory-gib G] [--batch-step S]]
         [--peak-tflops P] [--json OUT.json] [--section.key=value ...]
 
 Rows (each the mean over --steps timed steps after --warmup untimed ones; CUDA events on a GPU, no sync between):

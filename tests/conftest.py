@@ -1,13 +1,8 @@
 """Suite-wide settings: one intra-op thread per test process (pytest runs 2 workers on 2 cores; more threads
-only oversubscribe the machine and make tiny CPU steps several times slower); Triton's interpreter on, so
-that the Triton temporal-attention kernels run on CPU tensors (it must be set before they are defined)."""
+only oversubscribe the machine and make tiny CPU steps several times slower)."""
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -31,17 +31,12 @@ def test_temporal_attention_benchmark_counts_bytes_and_flops(monkeypatch, capsys
         assert float(rows[0][2]) == pytest.approx(factor * q_bytes, abs=0.5)
         assert rows[0][4] == "-"  # no specified bandwidth for a CPU
         assert float(rows[0][5]) == pytest.approx(4 * n * h * t * t * e * flop_factor / 1e3, abs=0.05)
-        # lwm's Triton kernel (its interpreter here): the same bytes and FLOPs, and the same attention
-        fused = [line.split(" | ") for line in lines if line.startswith("triton kernel")]
-        assert len(fused) == ta.triton_attention.interpreting()
-        for row in fused:
-            assert row[2] == rows[0][2] and row[5] == rows[0][5] and float(row[6]) < 1e-5
     # a rollout pass after 2 cached positions: every formulation's answer is the fp32 SDPA's on those queries
     monkeypatch.setattr(sys, "argv", ["ta", "--batch", "2", "--patches", "4", "--frames", "8", "--dim", "16",
                                       "--heads", "2", "--cached", "2"])
     ta.main()
     passes = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("pass:")]
-    assert len(passes) == 3 + ta.triton_attention.interpreting()
+    assert len(passes) == 3
     assert all(float(row[6]) < 1e-5 for row in passes)
     # with a specified bandwidth: the GB/s as its share (here 1000x the bytes moved per ns / 1e6 GB/s)
     monkeypatch.setattr(sys, "argv", ["ta", "--batch", "2", "--patches", "4", "--frames", "8", "--dim", "16",
@@ -78,9 +73,9 @@ def test_generate_benchmark_frames_per_second_and_ratio(monkeypatch, capsys):
     gen.main()
     assert "| 2 | 8 | 16.0 | 4.0 | 4.00x |" in capsys.readouterr().out
     assert kernels == [{"sdpa"}, {"sdpa"}]
-    monkeypatch.setattr(sys, "argv", ["gen", "--batch", "2", "--frames", "8", "--temporal-attention", "triton"])
+    monkeypatch.setattr(sys, "argv", ["gen", "--batch", "2", "--frames", "8", "--temporal-attention", "matmul"])
     gen.main()
-    assert "temporal attention triton" in capsys.readouterr().out and kernels[2:] == [{"triton"}, {"triton"}]
+    assert "temporal attention matmul" in capsys.readouterr().out and kernels[2:] == [{"matmul"}, {"matmul"}]
 
 
 @pytest.mark.slow
@@ -116,11 +111,11 @@ GPU_SH = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.sh"
 
 
 def fake_python(tmp_path: Path, script: str = "") -> tuple[Path, Path]:
-    """A stand-in python for benchmarks/gpu.sh that records each call's arguments (and TRITON_INTERPRET), runs
-    ``script`` (sh), and exits 0; -> (its path, the record)."""
+    """A stand-in python for benchmarks/gpu.sh that records each call's arguments, runs ``script`` (sh), and exits
+    0; -> (its path, the record)."""
     record = tmp_path / "calls.txt"
     fake = tmp_path / "python"
-    fake.write_text(f'#!/bin/sh\necho "TRITON_INTERPRET=$TRITON_INTERPRET $*" >> {record}\n'
+    fake.write_text(f'#!/bin/sh\necho "$*" >> {record}\n'
                     f'[ "$*" = "-m pip --version" ] && [ -n "$NO_PIP" ] && exit 1\n{script}\nexit 0\n')
     fake.chmod(0o755)
     return fake, record
@@ -139,8 +134,8 @@ def unpacked(out: Path, tmp_path: Path) -> Path:
     return where
 
 
-STAGES = ("check", "bench", "loader", "attention", "generate", "deepspeed", "kernels", "bench_kernels", "profile",
-          "maxbatch", "generate_triton", "maxbatch_ckpt")  # `all`, the most wanted first
+STAGES = ("check", "bench", "loader", "attention", "generate", "deepspeed", "bench_kernels", "profile", "maxbatch",
+          "maxbatch_ckpt")  # `all`, the most wanted first
 
 
 def gpu_recipe(out: Path, *args: str, env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -176,9 +171,8 @@ def test_gpu_recipe_parses_and_all_runs_every_stage_in_its_order():
 @pytest.mark.slow
 def test_gpu_recipe_runs_the_documented_commands(tmp_path):
     """Every stage with a stand-in python that records its arguments and environment: the commands
-    docs/performance.md describes (the training step, the loader, both attention directions, generation with sdpa
-    and triton, a DeepSpeed fit resumed from last, the compiled kernels, the step with every kernel, its profile, max
-    batch on an 80 GB card with and without checkpointing); the logs and JSON packed into one archive, scratch data outside
+    docs/performance.md describes (the training step, the loader, both attention directions, generation, a DeepSpeed
+    fit resumed from last, the step with every kernel, its profile, max batch on an 80 GB card with and without checkpointing); the logs and JSON packed into one archive, scratch data outside
     OUT_DIR; a second call of `all` leaves out what the first finished, a stage named on its own runs again."""
     fake, record = fake_python(tmp_path)
     out, scratch = tmp_path / "out", tmp_path / "scratch"
@@ -189,19 +183,16 @@ def test_gpu_recipe_runs_the_documented_commands(tmp_path):
     run = gpu_recipe(out, "all", env=env)
     assert run.returncode == 0, run.stderr
     calls = [c for c in record.read_text().splitlines() if not c.endswith("-m pip --version")]
-    assert all(c.startswith("TRITON_INTERPRET=0 ") for c in calls)  # compiled kernels, never the interpreter
     joined = "\n".join(calls)
     # the carried wheels first, into a folder on the path of every later command
-    assert calls[0].startswith("TRITON_INTERPRET=0 -m pip install -q --no-index --no-deps") and str(wheels) in calls[0]
+    assert calls[0].startswith("-m pip install -q --no-index --no-deps") and str(wheels) in calls[0]
     for expected in ("benchmarks/train_step.py --config configs/base.yaml --steps 10 --warmup 3 --json",
                      "benchmarks/data_loader.py --need 100 --workers 1 2 4",
                      "benchmarks/temporal_attention.py --backward",
-                     "--precision bf16 --temporal-attention sdpa", "--precision bf16 --temporal-attention triton",
+                     "--precision bf16 --temporal-attention sdpa",
                      f"-m lwm.cli data synth --out {scratch}/synth", "-m lwm.cli fit --config configs/deepspeed.yaml",
                      "--trainer.max_steps 30 --ckpt_path last",
-                     "-m pytest -q -p no:cacheprovider -o addopts=-ra tests/modules/test_triton_attention.py",
-                     "benchmarks/triton_kernels.py",
-                     "--kernels matmul triton --raw-only",
+                     "--kernels matmul --raw-only",
                      "benchmarks/train_step.py --config configs/base.yaml --steps 5 --warmup 3 --raw-only --profile",
                      "--max-batch --memory-gib 78.5 --batch-step 8 --raw-only --steps 3 --warmup 2 "
                      "--model.net.activation_checkpointing=true"):
@@ -226,7 +217,7 @@ def test_gpu_recipe_runs_the_documented_commands(tmp_path):
     run = gpu_recipe(tmp_path / "out2", "check", env={**env, "NO_PIP": "1"})
     assert run.returncode == 0, run.stderr
     calls = record.read_text().splitlines()
-    assert calls[1] == f"TRITON_INTERPRET=0 -m zipfile -e {wheels}/omegaconf-2.4.0-py3-none-any.whl /tmp/lwm_site"
+    assert calls[1] == f"-m zipfile -e {wheels}/omegaconf-2.4.0-py3-none-any.whl /tmp/lwm_site"
 
 
 @pytest.mark.slow

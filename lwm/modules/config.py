@@ -43,7 +43,7 @@ class WorldModelConfig:
     ema_decay_steps: int = 5000  # length of the EMA decay schedule, in global steps
     dead_code_steps: int = 100  # a code unused for this many updates is dead (replaced by ``revive``)
     activation_checkpointing: bool = False  # recompute every ST block's activations in the backward: less memory
-    temporal_attention: str = "sdpa"  # temporal attention kernel: sdpa | matmul | triton (the same function; speed differs)
+    temporal_attention: str = "sdpa"  # temporal attention kernel: sdpa | matmul (the same function; speed differs)
     # Optional world-token warm-up (not the requirement's, off by default): the predictor first trains this many
     # steps without the world token, then this many with the world encoder's output unquantized, then with the code.
     world_curriculum: tuple[int, int] = (0, 0)
@@ -92,7 +92,10 @@ class WorldModelConfig:
         changed = [f"{k}={v!r}" for k, v in fields.items() if k in cls.RETIRED and v != cls.RETIRED[k]]
         if changed:
             raise ConfigError(f"model.net: {', '.join(changed)} is no longer an option of this lwm version")
-        return cls(**{k: v for k, v in fields.items() if k not in cls.RETIRED})
+        fields = {k: v for k, v in fields.items() if k not in cls.RETIRED}
+        if fields.get("temporal_attention") == "triton":  # a retired kernel: the same function as sdpa
+            fields["temporal_attention"] = "sdpa"
+        return cls(**fields)
 
     @property
     def grid(self) -> tuple[int, int]:

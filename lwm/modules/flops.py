@@ -9,8 +9,6 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-from lwm.modules import triton_attention  # noqa: F401  (registers torch.ops.lwm.temporal_attention)
-from lwm.modules.st_transformer import temporal_mask
 
 aten = torch.ops.aten
 
@@ -75,25 +73,8 @@ def _arg(args: tuple, kwargs: dict, index: int, name: str, default=None):
     return args[index] if len(args) > index else default
 
 
-def _triton_kernel(useful: bool, backward: bool):
-    """lwm's Triton temporal attention (``lwm.modules.triton_attention``), counted as SDPA with the model's mask."""
-    def count(*args, out_val=None, **kwargs) -> int:
-        grad, (qkv, past_k, _, mask, window) = (args[0], args[1:]) if backward else (None, args)
-        n, lq, _, h, e = qkv.shape
-        lk = lq + (0 if past_k is None else past_k.shape[2])
-        q_shape, k_shape = (n, h, lq, e), (n, h, lk, e)
-        full = (backward_flops(q_shape, q_shape, k_shape, k_shape, useful) if backward
-                else sdpa_flop_count(q_shape, k_shape, k_shape))
-        allowed = temporal_mask(mask, lk, window=window or None)
-        return _useful(full, lq, lk, False, None if allowed is None else allowed[lk - lq:]) if useful else full
-
-    count._get_raw = True
-    return count
-
-
 def attention_mapping(useful: bool = True) -> dict:
-    """``custom_mapping`` for :class:`FlopCounterMode` covering every SDPA kernel, the CPU one included, and lwm's
-    Triton temporal attention."""
+    """``custom_mapping`` for :class:`FlopCounterMode` covering every SDPA kernel, the CPU one included."""
     def is_causal(index: int):
         return lambda a, kw: bool(_arg(a, kw, index, "is_causal", False))
 
@@ -119,8 +100,7 @@ def attention_mapping(useful: bool = True) -> dict:
     if hasattr(aten, "_scaled_dot_product_cudnn_attention_backward"):
         # (grad_out, q, k, v, out, logsumexp, philox_seed, philox_offset, attn_bias, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, ...)
         backward[aten._scaled_dot_product_cudnn_attention_backward] = (is_causal(14), lambda a, kw: _arg(a, kw, 8, "attn_bias"))
-    mapping = {torch.ops.lwm.temporal_attention: _triton_kernel(useful, backward=False),
-               torch.ops.lwm.temporal_attention_backward: _triton_kernel(useful, backward=True)}
+    mapping = {}
     for op, (causal, mask) in forward.items():
         mapping[op] = _forward(lambda a, kw, c=causal, m=mask: (a[0], a[1], a[2], c(a, kw), m(a, kw)), useful)
     for op, (causal, mask) in backward.items():

@@ -12,8 +12,6 @@ from einops import rearrange
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from lwm.modules import triton_attention
-
 TemporalMask = Literal["none", "causal", "shifted_causal"]
 TEMPORAL_MASKS: tuple[str, ...] = ("none", "causal", "shifted_causal")
 
@@ -132,8 +130,8 @@ def _sdpa_mask(kind: TemporalMask, queries: int, keys: int, device: torch.device
     return temporal_mask(kind, keys, device, window)[keys - queries:], False
 
 
-AttentionKernel = Literal["sdpa", "matmul", "triton"]
-ATTENTION_KERNELS: tuple[str, ...] = ("sdpa", "matmul", "triton")
+AttentionKernel = Literal["sdpa", "matmul"]
+ATTENTION_KERNELS: tuple[str, ...] = ("sdpa", "matmul")
 
 
 class Attention(nn.Module):
@@ -157,11 +155,7 @@ class Attention(nn.Module):
             k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
         queries, keys = q.shape[2], k.shape[2]
         weights = None
-        if self.kernel == "triton" and not return_weights and triton_attention.supported(qkv, keys, q.shape[-1]):
-            # reads q, k, v in the projection's layout and writes [n, l, h, e]: no transposes either way
-            out = triton_attention.temporal_attention(qkv, *(past or (None, None)), mask, window or 0)
-            out = rearrange(out, "n l h e -> n l (h e)")
-        elif self.kernel == "sdpa" and not return_weights:
+        if self.kernel == "sdpa" and not return_weights:
             attn_mask, is_causal = _sdpa_mask(mask, queries, keys, x.device, window)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal)
             out = rearrange(out, "n h l e -> n l (h e)")

@@ -17,7 +17,6 @@ Conventions (see DESIGN.md, "Points the requirement leaves open"):
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -26,7 +25,6 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from lwm.modules import triton_attention
 from lwm.modules.config import WorldModelConfig
 from lwm.modules.encoders import ActionEncoder, DynamicsPredictor, WorldEncoder, to_weight_dtype
 from lwm.modules.rvq import ResidualVectorQuantizer, RVQOutput
@@ -116,9 +114,6 @@ class WorldModel(nn.Module):
             nn.init.zeros_(last.bias)
         if c.action_labels:  # made last: the other weights are those of the same model without it
             self.label_head = nn.Linear(c.d_code_action, c.action_labels)
-        if c.temporal_attention == "triton" and triton_attention.triton is None:
-            warnings.warn("temporal_attention=triton: the triton package is not installed, so temporal attention runs "
-                          "as plain matmuls (the same function, slower)", stacklevel=2)
 
     @contextmanager
     def checkpointing(self, on: bool) -> Iterator[None]:

@@ -5,10 +5,7 @@ import copy
 import pytest
 import torch
 
-from lwm.modules import triton_attention
 from lwm.modules.rvq import ResidualVectorQuantizer
-
-TRITON = pytest.mark.skipif(not triton_attention.interpreting(), reason="needs triton with TRITON_INTERPRET=1")
 
 
 def _steps(q: ResidualVectorQuantizer, lin: torch.nn.Linear, fn, data):
@@ -46,16 +43,14 @@ def test_inductor_compiled_step_equals_eager_with_ema_updates():
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kernel", ["sdpa", pytest.param("triton", marks=TRITON)])
-def test_compile_parts_keeps_state_dict_keys_and_the_loss(kernel):
-    """Compiled (through AOTAutograd: for the Triton kernel, its fake implementation and autograd formula) equals
-    eager, without ``_orig_mod.`` keys."""
+def test_compile_parts_keeps_state_dict_keys_and_the_loss():
+    """Compiled (through AOTAutograd) equals eager, without ``_orig_mod.`` keys."""
     from lwm.modules.world_model import WorldModel
 
     torch.manual_seed(0)
     eager = WorldModel(in_channels=2, height=8, width=8, d_model=16, n_heads=2, depth_action=1, depth_world=1,
                        depth_dynamics=1, d_code_action=4, d_code_world=4, codebook_sizes_action=(3,),
-                       codebook_sizes_world=(3,), mask_prob=0.0, temporal_attention=kernel)
+                       codebook_sizes_world=(3,), mask_prob=0.0)
     compiled = copy.deepcopy(eager)
     compiled.compile_parts(backend="aot_eager")  # traces forward and backward through AOTAutograd
     assert list(compiled.state_dict()) == list(eager.state_dict())  # no `_orig_mod.` keys
@@ -72,9 +67,8 @@ def test_compile_parts_keeps_state_dict_keys_and_the_loss(kernel):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("checkpointing", "kernel"), [(False, "sdpa"), (True, "sdpa"),
-                                                     pytest.param(False, "triton", marks=TRITON)])
-def test_compiled_parts_have_no_graph_breaks_in_the_training_step(checkpointing, kernel):
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_compiled_parts_have_no_graph_breaks_in_the_training_step(checkpointing):
     """Dynamo traces every compiled part, with the exact arguments the training step gives it (every rollout pass
     of the predictor, with and without activation checkpointing), as one graph."""
     from lwm.modules.world_model import WorldModel
@@ -83,7 +77,7 @@ def test_compiled_parts_have_no_graph_breaks_in_the_training_step(checkpointing,
     model = WorldModel(in_channels=2, height=8, width=8, d_model=16, n_heads=2, depth_action=2, depth_world=1,
                        depth_dynamics=2, d_code_action=4, d_code_world=4, codebook_sizes_action=(3,),
                        codebook_sizes_world=(3,), rollout_weights=(1.0, 0.8, 0.5),
-                       activation_checkpointing=checkpointing, temporal_attention=kernel).train()
+                       activation_checkpointing=checkpointing).train()
     calls = []
     hooks = [part.register_forward_pre_hook(lambda m, args, kwargs, name=name: calls.append((name, m, args, kwargs)),
                                             with_kwargs=True) for name, part in model.compiled_parts.items()]
