@@ -1,19 +1,5 @@
-"""The requirement's world model: action encoder, world encoder, dynamics predictor, and the WorldModel
-that owns the shared tokenizer/detokenizer, computes the training loss and plays the model forward.
-
-Conventions (see DESIGN.md, "Points the requirement leaves open"):
-
-* ``a_i`` summarises the transition ``i -> i+1`` (``i = 0..T-2``). The action encoder's first block uses
-  the ``shifted_causal`` mask and the others ``causal``, so ``a_i`` depends on frames ``0..i+1`` and no
-  later, whatever the depth.
-* ``a_i`` is added to the predictor's input token at position ``i``, whose output predicts frame ``i+1``;
-  the predictor is causal, so its output ``i`` depends on frames and actions ``0..i`` only.
-* The world code ``h`` pools a bidirectional transformer over space and time: it sees every frame.
-* Rollout: pass 1 is teacher forcing; pass ``k+1`` feeds ``[x_0, pred_k(1..T-2)]`` with the same
-  actions, world code and token mask, and its loss skips the first ``k`` positions (which equal pass
-  ``k``'s, the requirement's proof). Those positions are not recomputed: pass ``k+1`` runs the predictor
-  on the later positions only, attending to pass ``k``'s temporal keys/values of the first ``k``.
-"""
+"""The world model: the shared tokenizer/detokenizer, the three parts, the training loss and generation
+(conventions: docs/model.md)."""
 
 from __future__ import annotations
 
@@ -31,7 +17,6 @@ from lwm.modules.rvq import ResidualVectorQuantizer, RVQOutput
 from lwm.modules.st_transformer import (
     KV,
     Attention,
-    AttentionKernel,
     Detokenizer,
     Tokenizer,
     spatial_pos_embedding,
@@ -51,11 +36,6 @@ class WorldModelOutput:
     token_mask: Tensor | None  # [B, T, N] True where a token was replaced by the mask token (None: no masking)
 
 
-def _kv_prefix(cache: list[KV], length: int) -> list[KV]:
-    """Each block's temporal keys/values of the first ``length`` positions, copied (not views of the rest)."""
-    return [(keys[:, :, :length].clone(), values[:, :, :length].clone()) for keys, values in cache]
-
-
 @contextmanager
 def _setting(objects: Sequence[object], name: str, value: object) -> Iterator[None]:
     """Each of ``objects``' attribute ``name`` set to ``value`` inside the block, as it was after it."""
@@ -68,22 +48,19 @@ def _setting(objects: Sequence[object], name: str, value: object) -> Iterator[No
         for o, was in zip(objects, saved):
             setattr(o, name, was)
 
-class WorldModel(nn.Module):
-    """Latent world model on Video-VAE latents ``x [B, T, C, H, W]`` in [-1, 1].
 
-    ``WorldModel(config)`` or ``WorldModel(**fields)`` or both (keywords override the config's fields); the
-    fields and their meaning are :class:`WorldModelConfig`'s.
-    """
+class WorldModel(nn.Module):
+    """Latent world model on Video-VAE latents ``x [B, T, C, H, W]`` in [-1, 1]: ``WorldModel(config)``,
+    ``WorldModel(**fields)`` or both (keywords override the config's :class:`WorldModelConfig` fields)."""
 
     def __init__(self, config: WorldModelConfig | None = None, **overrides) -> None:
         c = replace(config or WorldModelConfig(), **overrides)
         super().__init__()
-        self.config = c  # every hyperparameter is read from here
+        self.config = c
         self.grid = c.grid  # the token grid (Hp, Wp)
         rvq = dict(decay_start=c.ema_decay_start, decay_end=c.ema_decay_end, decay_steps=c.ema_decay_steps,
                    dead_code_steps=c.dead_code_steps)
         st = dict(checkpointing=c.activation_checkpointing, temporal_attention=c.temporal_attention)
-
         self.tokenizer = Tokenizer(c.in_channels, c.d_model, c.tokenizer_hidden)
         if c.action_input != "tokens":  # the action encoder's own tokenizer
             self.action_tokenizer = Tokenizer(2 * c.in_channels, c.d_model, c.tokenizer_hidden)
@@ -96,46 +73,34 @@ class WorldModel(nn.Module):
                                           c.codebook_sizes_world, c.mlp_ratio, st, **rvq)
         self.dynamics = DynamicsPredictor(c.d_model, c.n_heads, c.depth_dynamics, c.d_code_action, c.d_code_world,
                                           c.mlp_ratio, st)
-        # Never used when mask_prob is 0: frozen then, so that DDP (find_unused_parameters=False) finds no
-        # parameter without a gradient.
+        # frozen when unused (mask_prob 0): DDP without find_unused_parameters wants a gradient for every parameter
         self.mask_token = nn.Parameter(torch.randn(c.d_model) * 0.02, requires_grad=c.mask_prob > 0)
         self.register_buffer("spatial_pe", spatial_pos_embedding(*self.grid, c.d_model), persistent=False)  # [N, D]
         self.apply(self._init_weights)
-        # The projections into and out of the small code spaces keep unit scale (std 1/sqrt(fan_in)) rather than
-        # the 0.02 of the rest: with 0.02 the codes' effect on the predictor's tokens (W_a a + W_h h) starts well
-        # below the tokens (30-70x at configs/tiny.yaml, 4x at the defaults), and on the synthetic world the
-        # world code learned far slower.
+        # The projections into and out of the small code spaces keep unit scale: at 0.02 the codes' effect on the
+        # predictor's tokens starts far below the tokens, and the world code learned far slower.
         for layer in (self.action_encoder.to_code, self.world_encoder.to_code, self.dynamics.action_proj,
                       self.dynamics.world_proj):
             nn.init.normal_(layer.weight, std=layer.in_features**-0.5)
         if c.residual:
-            last = self.detokenizer.net[-1]
-            nn.init.zeros_(last.weight)
-            nn.init.zeros_(last.bias)
+            nn.init.zeros_(self.detokenizer.net[-1].weight)
+            nn.init.zeros_(self.detokenizer.net[-1].bias)
         if c.action_labels:  # made last: the other weights are those of the same model without it
             self.label_head = nn.Linear(c.d_code_action, c.action_labels)
 
     @contextmanager
     def checkpointing(self, on: bool) -> Iterator[None]:
-        """Activation checkpointing of every ST transformer set to ``on`` inside the block (e.g. off while
-        counting FLOPs: the recomputed forward is not useful work), as configured after it."""
+        """Activation checkpointing of every ST transformer set to ``on`` inside the block."""
         transformers = (self.action_encoder.transformer, self.world_encoder.transformer, self.dynamics.transformer)
         with _setting(transformers, "checkpointing", on):
             yield
 
     @contextmanager
-    def attention_kernel(self, kernel: AttentionKernel) -> Iterator[None]:
-        """Every attention's kernel set to ``kernel`` inside the block, as configured after it."""
-        with _setting([m for m in self.modules() if isinstance(m, Attention)], "kernel", kernel):
-            yield
-
-    @contextmanager
     def counting_form(self) -> Iterator[None]:
-        """The model in the form whose FLOP count is the step's useful work (``benchmarks/train_step.py``, the ``flops``
-        callback), inside the block: no activation checkpointing (its recomputed forward is not useful work) and
-        attention by SDPA (counted for the pairs the mask allows; the matmul kernel's count includes the pairs the
-        mask drops). The same function either way."""
-        with self.checkpointing(False), self.attention_kernel("sdpa"):
+        """The same function in the form whose FLOP count is the step's useful work: no activation checkpointing
+        (its recomputed forward is not useful) and SDPA attention (counted for the pairs the mask allows)."""
+        with self.checkpointing(False), _setting([m for m in self.modules() if isinstance(m, Attention)], "kernel",
+                                                 "sdpa"):
             yield
 
     @staticmethod
@@ -147,13 +112,11 @@ class WorldModel(nn.Module):
 
     @property
     def min_frames(self) -> int:
-        """The shortest clip ``forward`` accepts: every rollout pass needs one position left to score."""
         return self.config.min_frames
 
     @property
     def param_dtype(self) -> torch.dtype:
-        """The transformers' weight dtype: float32, or bf16/fp16 where a precision plugin cast the weights
-        (DeepSpeed's bf16, ``bf16-true``); the quantizers' codebooks stay float32 either way."""
+        """The transformers' weight dtype (bf16/fp16 where a precision plugin cast them; codebooks stay fp32)."""
         return self.mask_token.dtype
 
     # ----------------------------------------------------------------------------------------------
@@ -166,50 +129,44 @@ class WorldModel(nn.Module):
         if x.shape[1] < min_frames:
             raise ValueError(f"{name}: needs at least {min_frames} frames, got T={x.shape[1]}")
 
-    def tokenize(self, x: Tensor) -> Tensor:
-        """Frames ``[B, T, C, H, W]`` -> tokens ``[B, T, N, D]`` (no positional embedding). Frames are cast to
-        half-precision weights (DeepSpeed's bf16, ``bf16-true``)."""
-        B = x.shape[0]
-        return to_sequence(self.tokenizer(to_weight_dtype(x.flatten(0, 1), self.param_dtype)), B)
+    def tokenize(self, x: Tensor, tokenizer: nn.Module | None = None) -> Tensor:
+        """Frames ``[B, T, C, H, W]`` -> tokens ``[B, T, N, D]`` (no PE), cast to half-precision weights."""
+        tokenizer = self.tokenizer if tokenizer is None else tokenizer
+        return to_sequence(tokenizer(to_weight_dtype(x.flatten(0, 1), self.param_dtype)), x.shape[0])
 
     def detokenize(self, tokens: Tensor) -> Tensor:
         """Tokens ``[B, T, N, D]`` -> frames ``[B, T, C, H, W]``."""
-        B = tokens.shape[0]
-        return self.detokenizer(to_maps(tokens, *self.grid)).unflatten(0, (B, -1))
+        return self.detokenizer(to_maps(tokens, *self.grid)).unflatten(0, (tokens.shape[0], -1))
 
     def action_tokens(self, x: Tensor, t0: int | Tensor = 0, z: Tensor | None = None) -> Tensor:
-        """What the action encoder reads of frames ``x [B, T, C, H, W]``: ``[B, T, N, D]`` with the PE of frames
-        ``t0..``; ``z``: the shared tokenizer's tokens of ``x`` where already computed (``action_input`` "tokens")."""
+        """What the action encoder reads of frames ``x``: ``[B, T, N, D]`` with the PE of frames ``t0..``; ``z``: the
+        shared tokenizer's tokens of ``x`` where already computed."""
         c = self.config
         if c.action_input == "tokens":
             tokens = self.tokenize(x) if z is None else z
-        else:
-            # frame t beside its change to frame t+1 (0 after the last)
+        else:  # frame t beside its change to frame t+1 (0 after the last)
             x = torch.cat([x, torch.cat([x[:, 1:] - x[:, :-1], torch.zeros_like(x[:, :1])], dim=1)], dim=2)
-            B = x.shape[0]
-            tokens = to_sequence(self.action_tokenizer(to_weight_dtype(x.flatten(0, 1), self.param_dtype)), B)
+            tokens = self.tokenize(x, self.action_tokenizer)
         return tokens + self.pos_embedding(x.shape[1], t0, spatial=c.action_spatial_pe)
 
     def next_frames(self, out: Tensor, fed: Tensor) -> Tensor:
-        """The predictor's output tokens ``[B, t, N, D]`` at frames ``fed [B, t, C, H, W]`` -> the predicted next frames
-        ``[B, t, C, H, W]``: the detokenized output, added to ``fed`` when the model is ``residual``."""
+        """The predictor's output tokens at frames ``fed [B, t, C, H, W]`` -> the predicted next frames."""
         pred = self.detokenize(out)
         return fed + pred if self.config.residual else pred
 
     def pos_embedding(self, length: int, t0: int | Tensor = 0, spatial: bool = True) -> Tensor:
-        """Spatial + temporal PE for frames ``t0..t0+length-1``: ``[length, N, D]`` or ``[B, length, N, D]``
-        (without ``spatial``: the temporal PE alone, ``[(B,) length, 1, D]``)."""
+        """Spatial + temporal PE of frames ``t0..t0+length-1``: ``[(B,) length, N, D]`` (the temporal alone without
+        ``spatial``: ``[(B,) length, 1, D]``)."""
         temporal = temporal_pos_embedding(length, self.config.d_model, t0, self.spatial_pe.device)[..., :, None, :]
         return (temporal + self.spatial_pe if spatial else temporal).to(self.param_dtype)
 
     def sample_time_offset(self, batch: int, device: torch.device, generator: torch.Generator | None = None) -> Tensor:
-        """The requirement's random temporal-PE start, one per sample: ``[B]`` ints in [0, max_time_offset]."""
+        """The random temporal-PE start of each sample: ``[B]`` ints in [0, max_time_offset]."""
         return torch.randint(0, self.config.max_time_offset + 1, (batch,), device=device, generator=generator)
 
     @staticmethod
     def random_roll(x: Tensor, most: int, generator: torch.Generator | None = None) -> Tensor:
-        """Each clip of ``x [B, T, C, H, W]`` rolled (wrapping) by its own random shift of 0..``most`` cells along H
-        and along W, the same for all its frames."""
+        """Each clip of ``x [B, T, C, H, W]`` rolled (wrapping) by its own random 0..``most`` cells along H and W."""
         B, _, _, H, W = x.shape
         shifts = torch.randint(0, most + 1, (2, B, 1), device=x.device, generator=generator)
         rows = (torch.arange(H, device=x.device) - shifts[0]) % H  # [B, H]: row h of the output is row rows[b, h]
@@ -217,32 +174,18 @@ class WorldModel(nn.Module):
         x = x.gather(3, rows[:, None, None, :, None].expand_as(x))
         return x.gather(4, cols[:, None, None, None, :].expand_as(x))
 
-    def sample_token_mask(self, B: int, T: int, device: torch.device, generator: torch.Generator | None = None) -> Tensor | None:
-        """Bernoulli(mask_prob) token mask ``[B, T, N]`` in training, None otherwise."""
-        if not self.training or self.config.mask_prob == 0.0:
-            return None
-        N = self.grid[0] * self.grid[1]
-        return torch.rand(B, T, N, device=device, generator=generator) < self.config.mask_prob
-
     def apply_token_mask(self, tokens: Tensor, mask: Tensor | None) -> Tensor:
-        if mask is None:
-            return tokens
-        return torch.where(mask[..., None], self.mask_token.to(tokens.dtype), tokens)
+        return tokens if mask is None else torch.where(mask[..., None], self.mask_token.to(tokens.dtype), tokens)
 
     # ----------------------------------------------------------------------------------------------
     # Public API
     # ----------------------------------------------------------------------------------------------
-    # Frames through the action encoder at once when a long clip is read window by window (each window re-reads its
-    # frames): bounds the activations of a 256-step rollout's actions, with batches large enough to keep a GPU busy.
-    ACTION_CHUNK_FRAMES: ClassVar[int] = 512
+    ACTION_CHUNK_FRAMES: ClassVar[int] = 512  # frames per action-encoder call when reading a clip window by window
 
     def encode_actions(self, x: Tensor, t0: int = 0, window: int | None = None) -> RVQOutput:
         """Latent actions of a clip ``[B, T, C, H, W]``: quantized ``[B, T-1, Da]``, indices ``[B, T-1, La]``.
-
-        ``window``: the most frames the action encoder sees at once (its training window; None: the whole clip).
-        A longer clip is read as generation plays it: ``a_i`` from frames ``max(0, i+2-window)..i+1`` at their own
-        temporal positions ``t0 + frame``. The first window gives ``a_0..a_{window-2}`` (exactly what the whole
-        clip gives: the encoder is causal with one frame of lookahead), each later window its last action."""
+        ``window`` (None: the whole clip): a longer clip is read as generation plays it, ``a_i`` from frames
+        ``max(0, i+2-window)..i+1`` at their own temporal positions."""
         self.check_frames(x, min_frames=2)
         B, T = x.shape[:2]
         if window is None or T <= window:
@@ -258,7 +201,7 @@ class WorldModel(nn.Module):
             offsets = torch.arange(chunk[0], chunk[-1] + 1, device=x.device).repeat(B) + t0  # [B*n], sample-major
             last = self.action_encoder.embed(self.action_tokens(clips, offsets))[:, -1]
             z.append(last.reshape(B, len(chunk), -1))
-        return self.action_encoder.rvq(torch.cat(z, dim=1))  # [B, T-1, Da]: eval, no step: no codebook update
+        return self.action_encoder.rvq(torch.cat(z, dim=1))  # no step: no codebook update
 
     def encode_world(self, x: Tensor, t0: int | Tensor = 0) -> RVQOutput:
         """World hypothesis of a clip: quantized ``[B, Dh]``, indices ``[B, Lh]``."""
@@ -272,8 +215,8 @@ class WorldModel(nn.Module):
         return self.action_encoder.attention(self.action_tokens(x, t0))
 
     def predict(self, context: Tensor, actions: Tensor, world: Tensor, t0: int | Tensor = 0) -> Tensor:
-        """One-step predictions ``[B, t, C, H, W]``: output ``i`` predicts frame ``i+1`` from
-        ``context[:, :i+1]``, ``actions[:, :i+1]`` (``[B, t, Da]``) and ``world`` (``[B, Dh]``)."""
+        """One-step predictions ``[B, t, C, H, W]``: output ``i`` predicts frame ``i+1`` from ``context[:, :i+1]``,
+        ``actions[:, :i+1]`` (``[B, t, Da]``) and ``world`` (``[B, Dh]``)."""
         self.check_frames(context, "context")
         B, t = context.shape[:2]
         self.check_codes(actions, world, B, t, f"t={t}")
@@ -282,9 +225,7 @@ class WorldModel(nn.Module):
 
     def check_codes(self, actions: Tensor, world: Tensor, B: int, transitions: int, what: str,
                     at_least: bool = False) -> None:
-        """Raise ``ValueError`` unless ``actions`` is ``[B, transitions (or more, at_least), Da]`` and ``world``
-        ``[B, Dh]`` (a ``[Dh]`` world would broadcast into extra frames rather than fail). ``what``: the length the
-        message asks for."""
+        """``actions [B, transitions (or more: at_least), Da]`` and ``world [B, Dh]`` (a ``[Dh]`` would broadcast)."""
         c = self.config
         T = actions.shape[1] if actions.ndim == 3 else -1
         if (actions.ndim != 3 or actions.shape[0] != B or actions.shape[2] != c.d_code_action
@@ -298,18 +239,10 @@ class WorldModel(nn.Module):
         self, context: Tensor, actions: Tensor, world: Tensor, steps: int, t0: int = 0,
         window: int | None = None, use_cache: bool = True,
     ) -> Tensor:
-        """Play the world forward: the ``steps`` frames after ``context [B, c, C, H, W]`` -> ``[B, steps, C, H, W]``.
-
-        Frame ``j`` is predicted from the frames before it (the context, then the model's own predictions,
-        re-tokenized as in the rollout training), actions ``a_0..a_{j-1}`` (``actions [B, >= c + steps - 1, Da]``,
-        ``a_i`` for the transition ``i -> i + 1``) and the world code ``world [B, Dh]``; frame ``i`` sits at
-        temporal position ``t0 + i``. Each frame attends to the last ``window`` frames in every block (None: all of them):
-        rollouts longer than the trained window slide it and keep counting positions. As in any sliding-window
-        cache, a frame's keys in deeper blocks were computed over its own window, so what reaches a new frame
-        spans up to ``depth * (window - 1) + 1`` frames. With ``use_cache`` the
-        predictor keeps its temporal keys/values, so each frame costs one frame of compute; without, every
-        frame recomputes the whole (windowed) context: the same numbers, the reference.
-        """
+        """The ``steps`` frames after ``context [B, c, C, H, W]`` -> ``[B, steps, C, H, W]``, each predicted from the
+        frames before it (its own predictions re-tokenized), ``actions [B, >= c + steps - 1, Da]`` and ``world``;
+        frame ``i`` at temporal position ``t0 + i``. ``window``: the frames each block attends to (None: all);
+        ``use_cache=False`` recomputes the whole context each frame (the same numbers, the reference)."""
         self.check_frames(context, "context")
         B, c = context.shape[:2]
         if steps < 1:
@@ -324,7 +257,7 @@ class WorldModel(nn.Module):
             if use_cache:
                 nxt, cache = self.step(frames[i], actions[:, i], world, cache, t0 + i, window)
             else:
-                tokens = self.tokenize(torch.stack(frames[: i + 1], dim=1)) + self.pos_embedding(i + 1, t0)  # all again
+                tokens = self.tokenize(torch.stack(frames[: i + 1], dim=1)) + self.pos_embedding(i + 1, t0)
                 out = self.dynamics(tokens, actions[:, : i + 1], world, window)[0][:, -1:]
                 nxt = self.next_frames(out, frames[i][:, None])[:, 0]
             if i >= c - 1:
@@ -335,30 +268,26 @@ class WorldModel(nn.Module):
     def step(
         self, frame: Tensor, action: Tensor, world: Tensor, cache: list[KV] | None, t: int, window: int | None = None,
     ) -> tuple[Tensor, list[KV]]:
-        """One frame of a KV-cached rollout: ``frame [B, C, H, W]`` at temporal position ``t``, the action ``[B, Da]``
-        taken after it and ``world [B, Dh]`` -> (the next frame ``[B, C, H, W]``, the updated cache). A rollout starts
-        with ``cache=None`` at its first frame; :meth:`generate` is this in a loop."""
+        """One frame of a KV-cached rollout (``cache=None`` at the first): ``frame [B, C, H, W]`` at position ``t``,
+        the action ``[B, Da]`` after it, ``world [B, Dh]`` -> (the next frame, the updated cache)."""
         token = self.tokenize(frame[:, None]) + self.pos_embedding(1, t)  # [B, 1, N, D]
         out, cache = self.dynamics.step(token, action[:, None], world, cache, window)
         return self.next_frames(out, frame[:, None])[:, 0], cache
 
     def world_phase_at(self, step: int | None) -> str:
-        """What the predictor gets for the world at global ``step`` under ``world_curriculum`` (a pure function of
-        the step): ``"off"`` (nothing: the world token is left out), ``"unquantized"`` (the world encoder's output
-        itself), ``"quantized"`` (its code, the requirement's; always for ``step=None``)."""
-        off = int(self.config.world_curriculum[0])
+        """What the predictor gets for the world at global ``step`` under ``world_curriculum``: ``"off"``,
+        ``"unquantized"`` (the encoder's output) or ``"quantized"`` (the code; always for ``step=None``)."""
         if step is None or step >= self.quantized_world_from:
             return "quantized"
-        return "off" if step < off else "unquantized"
+        return "off" if step < int(self.config.world_curriculum[0]) else "unquantized"
 
     @property
     def quantized_world_from(self) -> int:
-        """The first global step at which the predictor trains with the world code (``world_curriculum``'s sum)."""
+        """The first global step at which the predictor trains with the world code."""
         return sum(int(n) for n in self.config.world_curriculum)
 
     def world_phase_of_weights(self, global_step: int) -> str:
-        """The :meth:`world_phase_at` the weights of ``global_step`` (a checkpoint's: optimizer steps done) last
-        trained in: what evaluating or playing them feeds the predictor."""
+        """The :meth:`world_phase_at` the weights of ``global_step`` (optimizer steps done) last trained in."""
         return self.world_phase_at(max(global_step - 1, 0))
 
     @staticmethod
@@ -368,8 +297,7 @@ class WorldModel(nn.Module):
 
     @staticmethod
     def world_input(world: RVQOutput, phase: str) -> Tensor:
-        """The world vector the predictor gets in a :meth:`world_phase_at`: the code (straight-through to the encoder),
-        the encoder's output (the same gradient path, the code's value taken out), or zeros."""
+        """The world vector the predictor gets in a :meth:`world_phase_at` phase."""
         if phase == "quantized":
             return world.quantized
         if phase == "unquantized":
@@ -380,14 +308,11 @@ class WorldModel(nn.Module):
 
     @torch.no_grad()
     def infer_codes(self, clip: Tensor, world_phase: str = "quantized") -> tuple[Tensor, Tensor]:
-        """What a clip ``[B, T, C, H, W]`` gives the predictor to play it: its action codes ``[B, T-1, Da]`` and its
-        world vector ``[B, Dh]`` as the :meth:`world_phase_at` ``world_phase`` feeds it (the code: ``"quantized"``)."""
+        """What a clip gives the predictor to play it: action codes ``[B, T-1, Da]`` and world vector ``[B, Dh]``."""
         return self.encode_actions(clip).quantized, self.world_input(self.encode_world(clip), world_phase)
 
     def forward(self, x: Tensor, step: int | Tensor, t0: int | Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
-        """Training/validation loss of a batch ``x [B, T, C, H, W]`` at global ``step`` -> ``(loss, logs)``: the
-        loss and logs of :meth:`compute` at its defaults (the predictor gets the world code; the training step
-        calls :meth:`compute` itself, for the codes and predictions the callbacks read)."""
+        """``(loss, logs)`` of :meth:`compute` at its defaults."""
         out = self.compute(x, step, t0)
         return out.loss, out.logs
 
@@ -396,64 +321,53 @@ class WorldModel(nn.Module):
         generator: torch.Generator | None = None, reuse_prefix: bool = True, world_phase: str = "quantized",
         labels: Tensor | None = None,
     ) -> WorldModelOutput:
-        """Everything ``forward`` computes, with the codes and per-pass predictions kept for callbacks.
-
-        In training mode (and with a ``step``) the quantizers' EMA codebooks are updated, tokens are masked
-        and ``t0=None`` draws a random temporal-PE start per sample; in eval mode ``t0=None`` means 0.
-        ``generator`` (on ``x``'s device) draws the token mask and the PE start; None: the global RNG.
-        ``reuse_prefix=False`` recomputes the positions of each rollout pass that equal the previous pass's
-        (the same loss and gradients, more compute: the reference the tests compare against). ``world_phase``:
-        what the predictor gets for the world (:meth:`world_phase_at`; the encoder, its quantizer and commitment loss
-        run in every phase, so the codebook follows the encoder before the predictor ever sees a code). ``labels``:
-        the true actions ``[B, T]`` (-1: unknown) the label head (``action_labels``) learns from.
-        """
+        """The loss of a batch ``x [B, T, C, H, W]``, with the codes and per-pass predictions. Training (with a
+        ``step``) updates the EMA codebooks; training masks tokens, and ``t0=None`` draws each sample's PE start (eval:
+        0). ``generator`` draws the random choices; ``reuse_prefix=False`` recomputes what each rollout pass shares
+        with the one before (the reference); ``labels [B, T]`` (-1: unknown) train the label head."""
         self.check_frames(x, min_frames=self.min_frames)
+        c = self.config
         B, T = x.shape[:2]
         if t0 is None:
             t0 = self.sample_time_offset(B, x.device, generator) if self.training else 0
-
-        z_raw = self.tokenize(x)  # [B, T, N, D], the one tokenizer pass over the ground truth as it is
+        z_raw = self.tokenize(x)  # [B, T, N, D]
         pe = self.pos_embedding(T, t0)  # [(B,) T, N, D]
-        if self.training and self.config.action_shift > 0:
-            action_tokens = self.action_tokens(self.random_roll(x, self.config.action_shift, generator), t0)
+        if self.training and c.action_shift > 0:
+            action_tokens = self.action_tokens(self.random_roll(x, c.action_shift, generator), t0)
         else:
             action_tokens = self.action_tokens(x, t0, z_raw)
         actions = self.action_encoder(action_tokens, step)  # unmasked: [B, T-1, Da]
-        mask = self.sample_token_mask(B, T, x.device, generator)  # [B, T, N] or None
+        mask = None
+        if self.training and c.mask_prob != 0.0:
+            mask = torch.rand(B, T, self.grid[0] * self.grid[1], device=x.device, generator=generator) < c.mask_prob
         unplaced = self.apply_token_mask(z_raw, mask)  # [B, T, N, D], before the PE
         z_masked = unplaced + pe
-        world = self.world_encoder(z_masked[:, : self.config.world_frames], step)  # [B, Dh]
-        world_in = self.world_input(world, world_phase)  # [B, Dh]: the code, unless a warm-up phase
+        world = self.world_encoder(z_masked[:, : c.world_frames], step)  # [B, Dh]
+        world_in = self.world_input(world, world_phase)
 
-        dropout = self.config.context_dropout
-        alone = self.training and dropout > 0 and bool(
-            torch.rand((), device=x.device, generator=generator) < dropout)
+        alone = self.training and c.context_dropout > 0 and bool(
+            torch.rand((), device=x.device, generator=generator) < c.context_dropout)
         predictions, pass_losses = self._rollout_passes(x, z_raw, z_masked, mask, pe, actions.quantized, world_in,
                                                         reuse_prefix, window=1 if alone else None)
-        prediction_loss = sum(w * l for w, l in zip(self.config.rollout_weights, pass_losses))
+        prediction_loss = sum(w * l for w, l in zip(c.rollout_weights, pass_losses))
         weight_action, weight_world = self.commitment_weights(T)
-        # the commitment losses train their encoder and, through it, the shared tokenizer (docs/model.md,
-        # Model conventions)
         loss = prediction_loss + weight_action * actions.commit_loss + weight_world * world.commit_loss
         contrast = []
-        if self.config.world_contrast > 0:
+        if c.world_contrast > 0:
             contrast = [self.world_contrast_loss(unplaced.detach())]
-            loss = loss + self.config.world_contrast * contrast[0]
-
+            loss = loss + c.world_contrast * contrast[0]
         supervised = []
-        if self.config.action_labels:
+        if c.action_labels:
             supervised = self.label_loss(self.unquantized(actions), labels, B, T)
-            loss = loss + self.config.label_weight * supervised[0]
-
+            loss = loss + c.label_weight * supervised[0]
         values = [loss, prediction_loss, *pass_losses, actions.commit_loss, actions.codebook_loss, world.commit_loss,
                   world.codebook_loss, *contrast, *supervised]  # in the order of log_keys
         logs = {key: value.detach() for key, value in zip(self.log_keys, values, strict=True)}
         return WorldModelOutput(loss, logs, actions, world, predictions, mask)
 
     def label_loss(self, vectors: Tensor, labels: Tensor | None, B: int, T: int) -> list[Tensor]:
-        """The label head's cross-entropy and accuracy over the labelled transitions (``labels [B, T]``, -1: none;
-        ``a_i`` is the action after frame ``i``) from the action encoder's vectors before quantization ``[B, T-1, Da]``
-        (LAOM's: the head on the 8 code values moved nothing); 0 where none is labelled."""
+        """The label head's cross-entropy and accuracy on the action vectors before quantization ``[B, T-1, Da]``
+        over the labelled transitions (``labels [B, T]``, -1: none); 0 where none is labelled."""
         y = torch.full((B, T - 1), -1, device=vectors.device) if labels is None else labels[:, : T - 1]
         logits = self.label_head(vectors.float())  # [B, T-1, K]
         known = (y >= 0).sum()
@@ -462,11 +376,8 @@ class WorldModel(nn.Module):
         return [ce / known.clamp_min(1), correct / known.clamp_min(1)]
 
     def world_contrast_loss(self, tokens: Tensor, temperature: float = 0.1) -> Tensor:
-        """InfoNCE of the world vectors of each clip's first and last ``k`` frames (``tokens [B, T, N, D]`` without
-        the PE; ``k``: the world encoder's frames, at most half the clip): each first-frames vector must pick its own
-        clip's last-frames vector among the batch's, by cosine similarity / ``temperature``; both directions
-        averaged. Both views sit at temporal positions 0..k-1 in every clip: a clip's own PE offset would tell it
-        apart from the others without its world."""
+        """InfoNCE between the world vectors of each clip's first and last ``k`` frames (``tokens [B, T, N, D]``
+        without PE), both at positions 0..k-1 so that no clip's PE offset tells it apart; both directions averaged."""
         B, T = tokens.shape[:2]
         k = min(self.config.world_frames or T, T // 2)
         pe = self.pos_embedding(k, 0)  # [k, N, D]
@@ -480,15 +391,9 @@ class WorldModel(nn.Module):
         self, x: Tensor, z_raw: Tensor, z_masked: Tensor, mask: Tensor | None, pe: Tensor, actions: Tensor,
         world: Tensor, reuse_prefix: bool, window: int | None = None,
     ) -> tuple[list[Tensor], list[Tensor]]:
-        """The teacher-forcing pass and the rollout passes of :meth:`compute` -> per pass its predictions
-        ``[B, T-1, C, H, W]`` of frames 1..T-1 and its loss (the MSE over the positions it scores).
-
-        Position p (0..T-2) of every pass predicts frame p+1. Pass 0 (teacher forcing) feeds frames 0..T-2
-        (``z_masked``: tokens masked, PE added); pass k >= 1 feeds frame 0 at position 0 and pass k-1's prediction of
-        frame p at position p >= 1, and scores positions k..T-2. By the requirement's proof its first k positions get
-        the same inputs as pass k-1's, so (causal predictor) the same outputs and temporal keys/values: pass k
-        computes positions k..T-2 only, after pass k-1's keys/values of positions 0..k-1. ``reuse_prefix=False``
-        recomputes every position. ``window``: the frames each position's predictor attends to (None: all before it)."""
+        """Each pass's predictions ``[B, T-1, C, H, W]`` of frames 1..T-1 and its MSE. Pass k >= 1 feeds frame 0, then
+        pass k-1's predictions, and scores positions k..; its first k positions equal pass k-1's, so (with
+        ``reuse_prefix``) it computes the later ones only, after pass k-1's keys/values there."""
         target = x[:, 1:]  # frames 1..T-1
         predictions: list[Tensor] = []
         pass_losses: list[Tensor] = []
@@ -501,22 +406,19 @@ class WorldModel(nn.Module):
             else:
                 inputs, fed = self._rollout_inputs(x, predictions[-1], first, z_raw, mask, pe)
             out, cache = self.dynamics(inputs, actions[:, first:], world, window=window, past=past)
-            pred = self.next_frames(out, fed)  # [B, T-1-first, C, H, W]: predictions of frames first+1..T-1
-            if first:  # positions 0..first-1: pass k-1's (the same, by the proof)
+            pred = self.next_frames(out, fed)  # predictions of frames first+1..T-1
+            if first:
                 pred = torch.cat([predictions[-1][:, :first], pred], dim=1)
             predictions.append(pred)
-            error = (pred[:, k:].float() - target[:, k:].float()).pow(2)  # positions k..T-2
-            pass_losses.append(error.mean())
-            if reuse_prefix and k + 1 < passes:
-                past = _kv_prefix(cache, k + 1)
+            pass_losses.append((pred[:, k:].float() - target[:, k:].float()).pow(2).mean())  # positions k..T-2
+            if reuse_prefix and k + 1 < passes:  # the first k + 1 positions' keys/values, copied
+                past = [(keys[:, :, : k + 1].clone(), values[:, :, : k + 1].clone()) for keys, values in cache]
         return predictions, pass_losses
 
     def _rollout_inputs(self, x: Tensor, previous: Tensor, first: int, z_raw: Tensor, mask: Tensor | None,
                         pe: Tensor) -> tuple[Tensor, Tensor]:
-        """A rollout pass's inputs at positions ``first..T-2``: the tokens ``[B, T-1-first, N, D]`` and the frames they
-        are made of ``[B, T-1-first, C, H, W]``: frame 0 of ``x`` at position 0 (where ``first`` is 0), then
-        ``previous`` (the pass before's predictions ``[B, T-1, C, H, W]`` of frames 1..T-1), the frame predicted for
-        position p fed at position p; re-tokenized, masked as teacher forcing, PE added."""
+        """A rollout pass's tokens at positions ``first..T-2`` and the frames they are made of: frame 0 at position 0,
+        then ``previous`` (the pass before's predictions), re-tokenized, masked as teacher forcing, PE added."""
         positions = previous.shape[1]  # T-1
         frames = previous[:, max(first - 1, 0) : positions - 1]  # predictions of frames max(first, 1)..T-2
         tokens = self.tokenize(frames)
@@ -527,16 +429,8 @@ class WorldModel(nn.Module):
         return tokens + pe[..., first:positions, :, :], frames
 
     def commitment_weights(self, T: int) -> tuple[float, float]:
-        """The weights of the two commitment losses next to the per-element prediction MSE, for clips of ``T``.
-
-        The requirement's loss is a sum: ``sum_t ||tau_hat_{t+1} - tau_{t+1}||^2 + beta_a sum_i ||z_i - sg[e_i]||^2
-        + beta_h ||z_h - sg[e_h]||^2``, each squared norm over a whole frame (``C*H*W`` values), an action vector
-        (``Da``) or the world vector (``Dh``). Divided by the ``(T-1)*C*H*W`` predicted values, so that the
-        prediction terms read as per-element MSEs, it weighs the per-element commitment MSEs by
-        ``beta_a * Da / (C*H*W)`` (one action per predicted frame) and ``beta_h * Dh / ((T-1)*C*H*W)`` (one
-        world vector per clip). A per-element commitment weighted by ``beta`` itself would be ``C*H*W / Da``
-        times (2048x at the defaults) stronger than the requirement's; on the synthetic world it pinned every
-        action vector to one code and the actions were never learned."""
+        """The commitment losses' weights next to the per-element prediction MSE: the requirement's summed loss divided
+        by the ``(T-1)*C*H*W`` predicted values (docs/model.md, Loss balance)."""
         c = self.config
         elements = c.in_channels * c.height * c.width
         return c.beta_action * c.d_code_action / elements, c.beta_world * c.d_code_world / (max(T - 1, 1) * elements)
@@ -555,9 +449,8 @@ class WorldModel(nn.Module):
 
     @property
     def compiled_parts(self) -> dict[str, nn.Module]:
-        """What :meth:`compile_parts` compiles: every module of the step but the quantizers, which stay eager
-        (their EMA update writes buffers, reads the step count and under DDP runs a collective): the step's
-        only graph breaks are the two quantizer calls."""
+        """Every module of the step but the quantizers, which stay eager (their EMA update writes buffers and under
+        DDP runs a collective): the step's only graph breaks."""
         parts = {"tokenizer": self.tokenizer, "detokenizer": self.detokenizer,
                  "action transformer": self.action_encoder.transformer,
                  "world transformer": self.world_encoder.transformer, "dynamics": self.dynamics}
@@ -570,8 +463,7 @@ class WorldModel(nn.Module):
         for part in self.compiled_parts.values():
             part.compile(**kwargs)
 
-    # ----------------------------------------------------------------------------------------------
     @property
     def quantizers(self) -> dict[str, ResidualVectorQuantizer]:
-        """The two quantizers by namespace (for dead-code revival and codebook metrics)."""
+        """The two quantizers by namespace."""
         return {"Action_Encoder": self.action_encoder.rvq, "World_Encoder": self.world_encoder.rvq}
