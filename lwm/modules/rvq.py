@@ -15,8 +15,8 @@ from torch import Tensor, nn
 class RVQOutput:
     quantized: Tensor  # [..., dim] sum of the level codes, straight-through to the input
     indices: Tensor  # [..., L] int64 code index per level
-    commit_loss: Tensor  # scalar, sum over levels of the element mean of
-    codebook_loss: Tensor  # scalar, sum over levels of the element mean of
+    commit_loss: Tensor  # scalar: the levels' sum of the mean squared residual-to-code distance (to the encoder)
+    codebook_loss: Tensor  # scalar: the same, detached (monitored; the EMA moves the codes)
     level_commit_losses: Tensor  # [L] each level's commit loss
     inputs: Tensor  # [..., dim] the encoder output before quantization
 
@@ -78,6 +78,10 @@ def _ddp_world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def _sync() -> bool:
+    return _ddp_world() > 1
+
+
 class ResidualVectorQuantizer(nn.Module):
     """Residual VQ over the last axis of ``z [..., dim]`` with one EMA codebook per level."""
 
@@ -92,22 +96,11 @@ class ResidualVectorQuantizer(nn.Module):
         dead_code_steps: int = 100,
         init_from_data: bool = True,
     ) -> None:
-        super().__init__()
-        codebook_sizes = tuple(int(k) for k in codebook_sizes)
-        if not codebook_sizes:
-            raise ValueError("codebook_sizes: needs at least one level, got an empty tuple")
-        if any(k < 1 for k in codebook_sizes):
-            raise ValueError(f"codebook_sizes: every level needs at least one code, got {codebook_sizes}")
-        if not (0.0 <= decay_start < 1.0 and 0.0 <= decay_end < 1.0):
-            raise ValueError(f"decay_start/decay_end must lie in [0, 1), got {decay_start}, {decay_end}")
-        if decay_steps < 0 or dead_code_steps < 1 or eps <= 0:
-            raise ValueError("decay_steps must be >= 0, dead_code_steps >= 1 and eps > 0")
-        self.dim = dim
-        self.codebook_sizes = codebook_sizes
+        super().__init__()  # (WorldModelConfig checks the sizes and decays)
+        self.dim, self.codebook_sizes, self.eps = dim, tuple(int(k) for k in codebook_sizes), eps
         self.decay_start, self.decay_end, self.decay_steps = decay_start, decay_end, decay_steps
-        self.eps = eps
         self.dead_code_steps = dead_code_steps
-        self.levels = nn.ModuleList(Codebook(k, dim) for k in codebook_sizes)
+        self.levels = nn.ModuleList(Codebook(k, dim) for k in self.codebook_sizes)
         self.register_buffer("initialized", torch.tensor(not init_from_data))
         self._init_known = False  # host-side cache of `initialized`: no device sync per step once True
         self._last_residuals: list[Tensor] | None = None  # per level, from the last EMA update (for revive)
@@ -130,14 +123,9 @@ class ResidualVectorQuantizer(nn.Module):
             frac = min(max(step / self.decay_steps, 0.0), 1.0)
         return self.decay_start + (self.decay_end - self.decay_start) * frac
 
-    def _sync(self) -> bool:
-        return _ddp_world() > 1
-
     @torch.compiler.disable
     def forward(self, z: Tensor, step: int | Tensor | None = None) -> RVQOutput:
-        """Quantize ``z [..., dim]``."""
-        if z.shape[-1] != self.dim:
-            raise ValueError(f"ResidualVectorQuantizer: expected last dim {self.dim}, got shape {tuple(z.shape)}")
+        """Quantize ``z [..., dim]``; in training with a ``step``, update the EMA codebooks."""
         update = self.training and step is not None
         lead = z.shape[:-1]
         with torch.autocast(device_type=z.device.type, enabled=False):
@@ -162,18 +150,12 @@ class ResidualVectorQuantizer(nn.Module):
             if update:
                 self._ema_update(residuals, indices, step)
             with torch.no_grad():
-                level_codebook = torch.stack(
-                    [F.mse_loss(r, cb.embed[i]) for r, cb, i in zip(residuals, self.levels, indices)]
-                )
+                level_codebook = torch.stack([F.mse_loss(r, cb.embed[i])
+                                              for r, cb, i in zip(residuals, self.levels, indices)])
             level_commit = torch.stack(commits)
-        return RVQOutput(
-            quantized=quantized.reshape(*lead, self.dim).to(z.dtype),
-            indices=torch.stack(indices, dim=-1).reshape(*lead, self.num_levels),
-            commit_loss=level_commit.sum(),
-            codebook_loss=level_codebook.sum(),
-            level_commit_losses=level_commit.detach(),
-            inputs=z.detach(),
-        )
+        return RVQOutput(quantized.reshape(*lead, self.dim).to(z.dtype),
+                         torch.stack(indices, dim=-1).reshape(*lead, self.num_levels), level_commit.sum(),
+                         level_codebook.sum(), level_commit.detach(), z.detach())
 
     @torch.no_grad()
     def decode_indices(self, indices: Tensor) -> Tensor:
@@ -189,10 +171,9 @@ class ResidualVectorQuantizer(nn.Module):
         return sum(cb.embed[indices[..., level]] for level, cb in enumerate(self.levels))
 
     def _all_finite(self, flat: Tensor) -> bool:
-        """Whether ``flat`` is finite on every rank (under DDP an all-reduce: one rank's NaN batch must not make the
-        ranks disagree about initialising, which broadcasts)."""
+        """Whether ``flat`` is finite on every rank (so that the ranks agree about initialising, which broadcasts)."""
         finite = torch.isfinite(flat).all().to(torch.int32)
-        if self._sync():
+        if _sync():
             dist.all_reduce(finite, op=dist.ReduceOp.MIN)
         return bool(finite)
 
@@ -222,7 +203,7 @@ class ResidualVectorQuantizer(nn.Module):
             residual = residual - cb.embed[self._nearest(residual, cb.embed)]
         self.initialized.fill_(True)
         self._init_known = True  # no host read of the flag on the next step
-        if self._sync():
+        if _sync():
             self._broadcast_levels()
 
     @torch.no_grad()
@@ -230,17 +211,14 @@ class ResidualVectorQuantizer(nn.Module):
         decay = self.decay_at(step)
         stats = []
         for r, idx, cb in zip(residuals, indices, self.levels):
-            # n_k and s_k in one scatter: [1, r] rows added at their codes.
             ones_and_r = torch.cat([torch.ones_like(r[:, :1]), r], dim=1)  # [N, 1 + dim]
             stats.append(r.new_zeros(cb.size, 1 + r.shape[1]).index_add_(0, idx, ones_and_r))  # [K, 1 + dim]
         packed = torch.cat(stats)  # one all-reduce for every level
-        if self._sync():
+        if _sync():
             dist.all_reduce(packed)
-        # A batch with a non-finite encoder output (a bf16 overflow, a bad input) leaves the codebooks as they
-        # were, decided on the device (no host sync) and identically on every rank (after the all-reduce).
+        # a non-finite batch leaves the codebooks as they were: decided on the device, the same on every rank
         finite = torch.isfinite(packed).all()
         packed = torch.nan_to_num(packed, nan=0.0, posinf=0.0, neginf=0.0)
-        # (a Python decay stays a scalar argument: torch.as_tensor(decay, device=cuda) would be a blocking copy)
         decay = torch.where(finite, decay, 1.0).to(torch.float32)
         offset = 0
         for cb in self.levels:
@@ -259,12 +237,11 @@ class ResidualVectorQuantizer(nn.Module):
 
     @torch.no_grad()
     def revive(self, generator: torch.Generator | None = None) -> list[int]:
-        """Replace dead codes by random distinct (finite) encoder outputs of their level from the last training batch
-        and reset their EMA state (call after the EMA update)."""
+        """Replace dead codes by random distinct finite residuals of their level from the last training batch, with
+        fresh EMA state (after the EMA update) -> how many per level."""
         if self._last_residuals is None:
             return [0] * self.num_levels
         dead = self.dead_codes()
-        # identical on every rank: the counts behind it were all-reduced
         counts = [int(n) for n in torch.stack([d.sum() for d in dead]).tolist()]
         revived = []
         for cb, mask, n, r in zip(self.levels, dead, counts, self._last_residuals):
@@ -274,13 +251,13 @@ class ResidualVectorQuantizer(nn.Module):
                 chosen[mask.nonzero().flatten()[: rows.shape[0]]] = True
                 cb.reset(chosen, rows)
             revived.append(int(rows.shape[0]))
-        if sum(counts) and self._sync():  # decided on the all-reduced counts
+        if sum(counts) and _sync():  # decided on the all-reduced counts
             self._broadcast_levels()
         return revived
 
     def _every_rank_rows(self, rows: Tensor) -> Tensor:
         """``rows [M, dim]`` of every rank in rank order under DDP (this rank's alone otherwise)."""
-        if not self._sync():
+        if not _sync():
             return rows
         world = _ddp_world()
         count = torch.tensor([rows.shape[0]], device=rows.device)

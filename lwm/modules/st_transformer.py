@@ -1,5 +1,5 @@
-"""Building blocks shared by the three models: CNN tokenizer/detokenizer, sinusoidal positional
-embeddings and the spatio-temporal (ST) transformer block."""
+"""Building blocks of the three parts: CNN tokenizer/detokenizer, sinusoidal PEs and the spatio-temporal (ST)
+transformer."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 TemporalMask = Literal["none", "causal", "shifted_causal"]
-TEMPORAL_MASKS: tuple[str, ...] = ("none", "causal", "shifted_causal")
 
 
 def sinusoidal_embedding(positions: Tensor, dim: int, base: float = 10000.0) -> Tensor:
@@ -41,32 +40,25 @@ def temporal_pos_embedding(length: int, dim: int, t0: int | Tensor = 0, device: 
     return sinusoidal_embedding(positions, dim)
 
 
-def _group_norm(channels: int) -> nn.GroupNorm:
-    """GroupNorm with 32 groups, or the largest divisor of ``channels`` that divides 32 (any width works)."""
-    groups = math.gcd(32, channels)
-    return nn.GroupNorm(groups, channels)
+def _cnn(conv: type[nn.Module], c_in: int, hidden: int, c_out: int) -> nn.Sequential:
+    """Three convolutions, the outer two by ``conv`` with stride 2; GroupNorm (32 groups or the largest divisor of
+    ``hidden`` that divides 32) and SiLU between."""
+    norm = lambda: nn.GroupNorm(math.gcd(32, hidden), hidden)  # noqa: E731
+    return nn.Sequential(conv(c_in, hidden, 4, 2, 1), norm(), nn.SiLU(), nn.Conv2d(hidden, hidden, 3, padding=1),
+                         norm(), nn.SiLU(), conv(hidden, c_out, 4, 2, 1))
 
 
 class Tokenizer(nn.Module):
-    """CNN tokenizer: frames ``[B*T, C, H, W] -> [B*T, D, H/4, W/4]`` (two stride-2 convolutions)."""
+    """CNN tokenizer: frames ``[B*T, C, H, W] -> [B*T, D, H/4, W/4]``."""
 
-    DOWNSAMPLE: ClassVar[int] = 4  # frames [H, W] -> token grid [H / 4, W / 4]
+    DOWNSAMPLE: ClassVar[int] = 4
 
     def __init__(self, in_channels: int = 16, d_model: int = 512, hidden: int | None = None) -> None:
         super().__init__()
-        hidden = hidden or max(d_model // 2, 16)
-        self.net = nn.Sequential(
-            nn.Conv2d(in_channels, hidden, kernel_size=4, stride=2, padding=1),  # H/2
-            _group_norm(hidden),
-            nn.SiLU(),
-            nn.Conv2d(hidden, hidden, kernel_size=3, padding=1),
-            _group_norm(hidden),
-            nn.SiLU(),
-            nn.Conv2d(hidden, d_model, kernel_size=4, stride=2, padding=1),  # H/4
-        )
+        self.net = _cnn(nn.Conv2d, in_channels, hidden or max(d_model // 2, 16), d_model)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.net(x)  # [B*T, D, H/4, W/4]
+        return self.net(x)
 
 
 class Detokenizer(nn.Module):
@@ -74,19 +66,10 @@ class Detokenizer(nn.Module):
 
     def __init__(self, out_channels: int = 16, d_model: int = 512, hidden: int | None = None) -> None:
         super().__init__()
-        hidden = hidden or max(d_model // 2, 16)
-        self.net = nn.Sequential(
-            nn.ConvTranspose2d(d_model, hidden, kernel_size=4, stride=2, padding=1),  # H/2
-            _group_norm(hidden),
-            nn.SiLU(),
-            nn.Conv2d(hidden, hidden, kernel_size=3, padding=1),
-            _group_norm(hidden),
-            nn.SiLU(),
-            nn.ConvTranspose2d(hidden, out_channels, kernel_size=4, stride=2, padding=1),  # H
-        )
+        self.net = _cnn(nn.ConvTranspose2d, d_model, hidden or max(d_model // 2, 16), out_channels)
 
     def forward(self, z: Tensor) -> Tensor:
-        return self.net(z)  # [B*T, C, H, W]
+        return self.net(z)
 
 
 def to_sequence(maps: Tensor, batch: int) -> Tensor:
@@ -106,13 +89,10 @@ def temporal_mask(
     if kind == "none":
         return None
     ones = torch.ones(length, length, dtype=torch.bool, device=device)
-    if kind == "causal":
-        if window is not None:
-            return torch.tril(ones) & torch.triu(ones, diagonal=1 - window)
-        return torch.tril(ones)  # j <= i
     if kind == "shifted_causal":
         return torch.tril(ones, diagonal=1)  # j <= i + 1
-    raise ValueError(f"temporal mask must be one of {TEMPORAL_MASKS}, got {kind!r}")
+    causal = torch.tril(ones)  # j <= i
+    return causal if window is None else causal & torch.triu(ones, diagonal=1 - window)
 
 
 KV = tuple[Tensor, Tensor]  # one attention's keys and values [n, heads, positions, e]
@@ -149,8 +129,7 @@ class Attention(nn.Module):
         past: KV | None = None,
     ) -> tuple[Tensor, Tensor | None, KV]:
         """``x [n, l, D]`` -> ``(out [n, l, D], weights [n, heads, l, p + l] or None, (keys, values))``."""
-        qkv = rearrange(self.qkv(x), "n l (three h e) -> n l three h e", three=3, h=self.n_heads)
-        q, k, v = rearrange(qkv, "n l three h e -> three n h l e")  # views
+        q, k, v = rearrange(self.qkv(x), "n l (three h e) -> three n h l e", three=3, h=self.n_heads)  # views
         if past is not None:
             k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
         queries, keys = q.shape[2], k.shape[2]
@@ -189,34 +168,20 @@ class TransformerBlock(nn.Module):
         self, x: Tensor, return_attn: bool = False, window: int | None = None, past: KV | None = None
     ) -> tuple[Tensor, Tensor | None, KV]:
         """``x [B, t, N, D] -> ([B, t, N, D], temporal weights [B, heads, t, p + t] averaged over patches or None,
-        the temporal keys/values of all p + t positions)``."""
-        if past is not None and self.mask != "causal":
-            raise ValueError(f"cached earlier frames need a causal block, this one is {self.mask!r}")
-        x = x + self.spatial_update(x)
-        update, weights, kv = self.temporal_update(x, return_attn, window, past)
-        x = x + update
-        x = x + self.mlp_update(x)
-        return x, weights, kv
-
-    # The three residual branches, each ``[B, t, N, D] -> [B, t, N, D]``.
-    def spatial_update(self, x: Tensor) -> Tensor:
-        """Attention over the ``N`` patches of each frame."""
-        s, _, _ = self.spatial(rearrange(self.norm_spatial(x), "b t n d -> (b t) n d"))
-        return rearrange(s, "(b t) n d -> b t n d", b=x.shape[0])
-
-    def temporal_update(
-        self, x: Tensor, return_attn: bool = False, window: int | None = None, past: KV | None = None
-    ) -> tuple[Tensor, Tensor | None, KV]:
-        """Attention over the frames of each patch, masked by ``self.mask``."""
+        the temporal keys/values of all p + t positions)``; ``past``: a causal block's cached p earlier frames."""
         B = x.shape[0]
+        x = x + self.spatial_update(x)
         update, weights, kv = self.temporal(rearrange(self.norm_temporal(x), "b t n d -> (b n) t d"), self.mask,
                                             return_attn, window, past)
         if weights is not None:
-            weights = rearrange(weights, "(b n) h i j -> b n h i j", b=B).mean(dim=1)  # [B, heads, t, p + t]
-        return rearrange(update, "(b n) t d -> b t n d", b=B), weights, kv
+            weights = rearrange(weights, "(b n) h i j -> b n h i j", b=B).mean(dim=1)
+        x = x + rearrange(update, "(b n) t d -> b t n d", b=B)
+        return x + self.mlp(self.norm_mlp(x)), weights, kv
 
-    def mlp_update(self, x: Tensor) -> Tensor:
-        return self.mlp(self.norm_mlp(x))
+    def spatial_update(self, x: Tensor) -> Tensor:
+        """The spatial branch: attention over the ``N`` patches of each frame."""
+        s, _, _ = self.spatial(rearrange(self.norm_spatial(x), "b t n d -> (b t) n d"))
+        return rearrange(s, "(b t) n d -> b t n d", b=x.shape[0])
 
 
 class STTransformer(nn.Module):
@@ -228,10 +193,6 @@ class STTransformer(nn.Module):
         self.blocks = nn.ModuleList(TransformerBlock(d_model, n_heads, m, mlp_ratio, temporal_attention) for m in masks)
         self.norm_out = nn.LayerNorm(d_model)
         self.checkpointing = checkpointing  # recompute each block's activations in the backward
-
-    @property
-    def masks(self) -> list[str]:
-        return [b.mask for b in self.blocks]
 
     def forward(
         self, x: Tensor, return_attn: bool = False, window: int | None = None, past: list[KV] | None = None
@@ -251,9 +212,8 @@ class STTransformer(nn.Module):
         return self.norm_out(x), weights, cache
 
     def step(self, x: Tensor, cache: list[KV] | None, window: int | None = None) -> tuple[Tensor, list[KV]]:
-        """One new frame ``x [B, 1, N, D]`` through every (causal) block with a per-block key/value cache (None: the
-        first frame), each block attending to its last ``window`` frames (None: all; stacked, an output depends on
-        up to ``depth * (window - 1) + 1`` frames)."""
+        """One new frame ``x [B, 1, N, D]`` through every (causal) block with its key/value cache (None: the first
+        frame), each block attending to its last ``window`` frames (None: all)."""
         if cache is not None and window is not None:  # keep the window - 1 frames before this one
             cache = None if window == 1 else [(k[:, :, 1 - window:], v[:, :, 1 - window:]) for k, v in cache]
         out, _, cache = self(x, past=cache)
