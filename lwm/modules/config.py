@@ -44,46 +44,35 @@ class WorldModelConfig:
     dead_code_steps: int = 100  # a code unused for this many updates is dead (replaced by ``revive``)
     activation_checkpointing: bool = False  # recompute every ST block's activations in the backward: less memory
     temporal_attention: str = "sdpa"  # temporal attention kernel: sdpa | matmul (the same function; speed differs)
-    # Optional world-token warm-up (not the requirement's, off by default): the predictor first trains this many
-    # steps without the world token, then this many with the world encoder's output unquantized, then with the code.
+    # Optional world-token warm-up (off by default): steps without the world token, then unquantized, then the code
     world_curriculum: tuple[int, int] = (0, 0)
-    # Not the requirement's (off by default): the predictor outputs the change from the frame it was fed, so an
-    # untrained model copies the last frame (its detokenizer's last layer starts at zero).
+    # the predictor outputs the change from the frame it was fed (an untrained model copies the last frame)
     residual: bool = False
-    # What the action encoder reads: "tokens" (the shared tokenizer's, the requirement's), or "transition": a
-    # tokenizer of its own on each frame beside its change to the next, each transition alone (Genie's latent action
-    # model reads pixels, not the dynamics' tokens; without the frames before, its code cannot say "as before").
+    # what the action encoder reads: "tokens" (the shared tokenizer's) or "transition" (its own tokenizer on each
+    # frame beside its change to the next, each transition alone: its code cannot say "as before")
     action_input: str = "tokens"
     action_spatial_pe: bool = True  # the action encoder's tokens get the spatial PE (without: its code cannot say where)
-    # Not the requirement's (0: off): in training the action encoder reads each clip rolled by a random spatial shift
-    # of 0..action_shift latent cells per axis. A code that named where in its token a change falls (the strided
-    # tokenizer tells the phase) would then mislead the predictor, which sees the clip unshifted: the code must say
-    # how things move.
+    # training rolls the action encoder's clips by a random 0..action_shift latent cells per axis (the predictor's
+    # are not): its code must say how things move, not where in a token
     action_shift: int = 0
-    # The frames the world encoder reads: the first world_frames of a clip (None: all of them, the requirement's). A
-    # world code that sees the frames it helps predict can carry them rather than the world.
+    # the world encoder reads a clip's first world_frames (None: all): else its code can carry the frames it predicts
     world_frames: int | None = None
-    # The probability that a training step's predictor sees each frame alone, without the frames before it: the codes
-    # must then carry the whole transition (a sticky policy's history otherwise tells much of the next action).
+    # the probability that a training step's predictor sees each frame alone: the codes must carry the transition
     context_dropout: float = 0.0
-    # Not the requirement's (0: off): the weight of a contrastive loss (InfoNCE, against the batch's other clips) that
-    # makes the world vectors of a clip's first and last frames agree: the code must carry what stays the same along
-    # a clip, the world, even where the predictor reads the world from the frames. It trains the world encoder alone.
+    # weight of an InfoNCE loss making the world vectors of a clip's first and last frames agree (0: off)
     world_contrast: float = 0.0
-    # Not the requirement's (0: off): the number of true action classes a linear head reads from each action vector
-    # (before quantization), trained by cross-entropy on the transitions whose label the batch keeps
-    # (data.label_fraction): a few labels tell the action code what to name (LAOM's semi-supervision).
+    # true action classes a linear head reads from each action vector before quantization, trained on the labelled
+    # transitions (data.label_fraction; LAOM's semi-supervision; 0: off)
     action_labels: int = 0
     label_weight: float = 0.1  # the head's cross-entropy weight in the loss
 
-    # The fields that decide the parameters' and buffers' shapes (a checkpoint loads only where they agree).
+    # the fields that decide the parameters' and buffers' shapes
     SHAPE_FIELDS: ClassVar[tuple[str, ...]] = (
         "in_channels", "height", "width", "d_model", "n_heads", "depth_action", "depth_world", "depth_dynamics",
         "mlp_ratio", "tokenizer_hidden", "d_code_action", "d_code_world", "codebook_sizes_action",
         "codebook_sizes_world", "action_labels")
 
-    # Fields of earlier versions, deleted with the setting they had by default: a checkpoint that holds them loads
-    # where it kept that setting.
+    # deleted fields and their default: a checkpoint that holds them loads where it kept that default
     RETIRED: ClassVar[dict[str, object]] = {"fusion": "add", "change_weight": 0.0}
 
     @classmethod

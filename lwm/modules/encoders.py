@@ -13,22 +13,20 @@ from lwm.modules.st_transformer import KV, STTransformer
 
 
 def to_weight_dtype(x: Tensor, dtype: torch.dtype) -> Tensor:
-    """``x`` in the weights' ``dtype`` where that is not fp32 (bf16 weights under DeepSpeed take no fp32 input;
-    float64 in tests); unchanged next to fp32 weights, where autocast (bf16-mixed) casts what it needs itself."""
+    """``x`` in the weights' ``dtype`` where that is not fp32 (next to fp32 weights autocast casts what it needs)."""
     return x if dtype == torch.float32 or x.dtype == dtype else x.to(dtype)
 
 
 def code_projection(layer: nn.Linear, h: Tensor) -> Tensor:
-    """``layer(h)`` in fp32 under any autocast or weight dtype: the encoder vector the fp32 quantizer reads (its
-    EMA sums and commitment loss), not a bf16 rounding of it. ``h`` is the pooled ``[..., D]``, so it is cheap."""
+    """``layer(h)`` in fp32 under any autocast or weight dtype: the fp32 quantizer reads it, not a bf16 rounding."""
     with torch.autocast(device_type=h.device.type, enabled=False):
         bias = None if layer.bias is None else layer.bias.float()
         return nn.functional.linear(h.float(), layer.weight.float(), bias)
 
 
 class ActionEncoder(nn.Module):
-    """ST transformer with exactly one frame of lookahead, spatial mean-pool, RVQ: tokens -> ``[B, T-1, Da]``.
-    ``st``: :class:`STTransformer` options (``checkpointing``, ``temporal_attention``); ``rvq``: the quantizer's."""
+    """ST transformer with one frame of lookahead (or, ``per_transition``, each frame alone), spatial mean-pool, RVQ:
+    tokens -> ``[B, T-1, Da]``. ``st``: :class:`STTransformer` options; ``rvq_kwargs``: the quantizer's."""
 
     def __init__(
         self, d_model: int, n_heads: int, depth: int, d_code: int, codebook_sizes: Sequence[int],
@@ -36,9 +34,7 @@ class ActionEncoder(nn.Module):
         **rvq_kwargs,
     ) -> None:
         super().__init__()
-        # The shift is applied once: stacking shifted masks would let output i see frame i + depth. Without
-        # ``lookahead`` every block is causal. ``per_transition``: each input frame is read alone (it holds the whole
-        # transition: the frame beside its change to the next), no history.
+        # the shift once: stacked shifted masks would let output i see frame i + depth
         masks = ["shifted_causal" if lookahead else "causal"] + ["causal"] * (depth - 1)
         self.per_transition = per_transition
         self.transformer = STTransformer(d_model, n_heads, masks, mlp_ratio, **(st or {}))
@@ -54,8 +50,8 @@ class ActionEncoder(nn.Module):
         return code_projection(self.to_code, h[:, :-1].mean(dim=2, dtype=torch.float32))  # [B, T-1, Da]
 
     def attention(self, tokens: Tensor) -> list[Tensor]:
-        """Per-block temporal attention weights ``[B, heads, T, T]``, averaged over patches (diagnostics; reading
-        each transition alone, every frame attends to itself only)."""
+        """Per-block temporal attention weights ``[B, heads, T, T]``, averaged over patches (per transition: the
+        identity)."""
         if self.per_transition:
             B, T = tokens.shape[:2]
             eye = torch.eye(T, device=tokens.device).expand(B, self.transformer.blocks[0].temporal.n_heads, T, T)
@@ -88,11 +84,8 @@ class WorldEncoder(nn.Module):
 
 
 class DynamicsPredictor(nn.Module):
-    """Causal ST transformer on state tokens plus ``W_a a + W_h h`` broadcast over patches.
-
-    ``a`` and ``h`` are the quantizers' outputs, the *sum* of the level codes (``[.., Da]``, ``[.., Dh]``), where the
-    requirement writes the levels concatenated (``n_code * d_code``); DESIGN.md decides the sum (the RVQ's
-    output, as in every residual VQ)."""
+    """Causal ST transformer on state tokens plus ``W_a a + W_h h`` broadcast over patches (``a``, ``h``: the
+    quantizers' outputs, the sum of the level codes)."""
 
     def __init__(self, d_model: int, n_heads: int, depth: int, d_action: int, d_world: int, mlp_ratio: float = 4.0,
                  st: dict | None = None) -> None:
@@ -102,8 +95,7 @@ class DynamicsPredictor(nn.Module):
         self.transformer = STTransformer(d_model, n_heads, ["causal"] * depth, mlp_ratio, **(st or {}))
 
     def condition(self, actions: Tensor, world: Tensor) -> Tensor:
-        """``W_a a + W_h h`` for ``actions [B, t, Da]``, ``world [B, Dh]``: ``[B, t, 1, D]`` (broadcast over patches).
-        The codes (fp32 codebook entries) are cast to half-precision weights (DeepSpeed's bf16)."""
+        """``W_a a + W_h h`` for ``actions [B, t, Da]``, ``world [B, Dh]``: ``[B, t, 1, D]``."""
         actions = to_weight_dtype(actions, self.action_proj.weight.dtype)
         world = to_weight_dtype(world, self.world_proj.weight.dtype)
         return self.action_proj(actions)[:, :, None] + self.world_proj(world)[:, None, None]
@@ -112,16 +104,13 @@ class DynamicsPredictor(nn.Module):
         self, tokens: Tensor, actions: Tensor, world: Tensor, window: int | None = None, past: list[KV] | None = None
     ) -> tuple[Tensor, list[KV]]:
         """``tokens [B, t, N, D]``, ``actions [B, t, Da]``, ``world [B, Dh]`` -> (``[B, t, N, D]``, per-block
-        temporal keys/values); output ``i`` is the prediction of frame ``i + 1``. ``window``: each block attends to the
-        last ``window`` frames only (per block: stacked, an output depends on up to ``depth * (window - 1) + 1``
-        frames, as in any sliding-window attention). ``past``: per-block keys/values of ``p`` earlier frames that ``tokens`` follow
-        (output ``i`` then predicts frame ``p + i + 1``)."""
+        temporal keys/values); output ``i`` predicts frame ``p + i + 1`` after the ``p`` frames of ``past``.
+        ``window``: each block attends to the last ``window`` frames only."""
         out, _, cache = self.transformer(tokens + self.condition(actions, world), window=window, past=past)
         return out, cache
 
     def step(
         self, token: Tensor, action: Tensor, world: Tensor, cache: list[KV] | None, window: int | None = None
     ) -> tuple[Tensor, list[KV]]:
-        """One new frame: ``token [B, 1, N, D]``, ``action [B, 1, Da]`` -> (its output ``[B, 1, N, D]``, the
-        updated key/value cache); equal to the last output of :meth:`forward` on the whole sequence."""
+        """One new frame: ``token [B, 1, N, D]``, ``action [B, 1, Da]`` -> (its output, the updated cache)."""
         return self.transformer.step(token + self.condition(action, world), cache, window)

@@ -1,8 +1,10 @@
-"""Honest FLOP counts of a training step: ``torch.utils.flop_counter.FlopCounterMode`` with three corrections."""
+"""FLOP counts of a training step: ``FlopCounterMode`` with the CPU attention kernel counted and, for the useful
+count, the pairs a mask drops and the backward's recomputed scores left out."""
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -30,40 +32,21 @@ def allowed_fraction(q_len: int, k_len: int, is_causal: bool, attn_mask: torch.T
     return allowed / of
 
 
-def _useful(dense: int, q_len: int, k_len: int, is_causal: bool, attn_mask: torch.Tensor | None) -> int:
-    allowed, of = allowed_pairs(q_len, k_len, is_causal, attn_mask)
-    return dense * allowed // of
-
-
-def _forward(get: Callable[[tuple, dict], tuple], useful: bool):
+def _counter(causal: Callable, mask: Callable, useful: bool, backward: bool):
+    """A FlopCounterMode formula of one SDPA op; ``causal``, ``mask``: its is_causal and mask from (args, kwargs)."""
     def count(*args, out_val=None, **kwargs) -> int:
-        q, k, v, is_causal, mask = get(args, kwargs)
-        dense = sdpa_flop_count(q.shape, k.shape, v.shape)
-        return _useful(dense, q.shape[-2], k.shape[-2], is_causal, mask) if useful else dense
+        q, k, v = args[1:4] if backward else args[:3]
+        if backward:
+            flops = sdpa_backward_flop_count(args[0].shape, q.shape, k.shape, v.shape)
+            flops -= 2 * math.prod(q.shape) * k.shape[-2] if useful else 0  # the recomputed scores q k^T
+        else:
+            flops = sdpa_flop_count(q.shape, k.shape, v.shape)
+        if not useful:
+            return flops
+        allowed, of = allowed_pairs(q.shape[-2], k.shape[-2], causal(args, kwargs), mask(args, kwargs))
+        return flops * allowed // of
 
     count._get_raw = True  # FlopCounterMode passes tensors, not shapes
-    return count
-
-
-def backward_flops(grad_shape, q_shape, k_shape, v_shape, useful: bool) -> int:
-    """An attention backward's FLOPs over the full square."""
-    dense = sdpa_backward_flop_count(grad_shape, q_shape, k_shape, v_shape)
-    if not useful:
-        return dense
-    *batch, q_len, e = q_shape
-    recompute = 2 * q_len * k_shape[-2] * e
-    for n in batch:
-        recompute *= n
-    return dense - recompute
-
-
-def _backward(get: Callable[[tuple, dict], tuple], useful: bool):
-    def count(*args, out_val=None, **kwargs) -> int:
-        grad, q, k, v, is_causal, mask = get(args, kwargs)
-        full = backward_flops(grad.shape, q.shape, k.shape, v.shape, useful)
-        return _useful(full, q.shape[-2], k.shape[-2], is_causal, mask) if useful else full
-
-    count._get_raw = True
     return count
 
 
@@ -100,12 +83,8 @@ def attention_mapping(useful: bool = True) -> dict:
     if hasattr(aten, "_scaled_dot_product_cudnn_attention_backward"):
         # (grad_out, q, k, v, out, logsumexp, philox_seed, philox_offset, attn_bias, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, ...)
         backward[aten._scaled_dot_product_cudnn_attention_backward] = (is_causal(14), lambda a, kw: _arg(a, kw, 8, "attn_bias"))
-    mapping = {}
-    for op, (causal, mask) in forward.items():
-        mapping[op] = _forward(lambda a, kw, c=causal, m=mask: (a[0], a[1], a[2], c(a, kw), m(a, kw)), useful)
-    for op, (causal, mask) in backward.items():
-        mapping[op] = _backward(lambda a, kw, c=causal, m=mask: (a[0], a[1], a[2], a[3], c(a, kw), m(a, kw)), useful)
-    return mapping
+    return {op: _counter(causal, mask, useful, ops is backward)
+            for ops in (forward, backward) for op, (causal, mask) in ops.items()}
 
 
 @dataclass
