@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import h5py
 import numpy as np
 
 from lwm.data.codecs import PixelCodec
@@ -76,15 +75,10 @@ def check_arguments(out_dir: str | Path, game_list: list[str], episodes: int, ov
         (f"--games: {', '.join(repeated)} named twice (each game is one world label)", bool(repeated)),
         (f"--games: unknown game(s) {', '.join(unknown)} (ale-py knows {len(known)}, e.g. pong, breakout)",
          bool(unknown)), error=DataError)
-
-    out = Path(out_dir)
-    if not out.is_dir():
-        return
-    h5 = existing_h5(out, {_name(game, i) for game in game_list for i in range(episodes)},
-                     ", which would join the manifest; record into another --out")
-    if not overwrite and (h5 or (out / "manifest.json").exists()):
-        raise DataError(f"{out / (h5[0] if h5 else 'manifest.json')}: exists (--overwrite replaces it, or record "
-                        f"into another --out)")
+    if Path(out_dir).is_dir():
+        existing_h5(Path(out_dir), {_name(game, i) for game in game_list for i in range(episodes)},
+                    ", which would join the manifest; record into another --out",
+                    None if overwrite else "--overwrite replaces it, or record into another --out")
 
 
 def _name(game: str, episode: int) -> str:
@@ -95,7 +89,6 @@ def make_dataset(out_dir: str | Path, game_list: list[str], episodes: int = 8, f
                  frame_skip: int = 4, sticky: float = 0.75, codec=None, val_fraction: float = 0.125, log=print,
                  overwrite: bool = False) -> Path:
     """Record ``episodes`` per game into ``out_dir/<game>_NNN.h5`` and index them; returns the manifest path."""
-
     check_arguments(out_dir, game_list, episodes, overwrite)
     codec = codec or PixelCodec()
     out = Path(out_dir)
@@ -105,10 +98,8 @@ def make_dataset(out_dir: str | Path, game_list: list[str], episodes: int = 8, f
             ep_seed = int(np.random.SeedSequence([seed, label, i]).generate_state(1)[0])
             video, actions = record(game, ep_seed, frames, frame_skip, sticky, hold=codec.frames_per_latent)
             target = out / _name(game, i)
-            clipped = write_latents(target, codec, stretch(video, codec.size), actions, world_label=label,
-                                    attrs={"game": game, "fps": ALE_FPS / frame_skip})
-            with h5py.File(target, "r") as f:
-                shape = list(f["latents"].shape)
+            clipped, shape = write_latents(target, codec, stretch(video, codec.size), actions, world_label=label,
+                                           attrs={"game": game, "fps": ALE_FPS / frame_skip})
             note = f", {clipped} values clipped to [-1, 1] ({clipped / np.prod(shape):.2%})" if clipped else ""
             log(f"wrote {target} ({frames_note(codec, len(video))}, latents {shape}{note})")
     return index_directory(out, val_fraction=val_fraction, seed=seed).path
@@ -116,7 +107,6 @@ def make_dataset(out_dir: str | Path, game_list: list[str], episodes: int = 8, f
 
 def main(argv: list[str]) -> int:
     """``lwm data atari --games G... --out DIR ...``."""
-
     parser = ArgumentParser(prog="lwm data atari", description=__doc__.splitlines()[0])
     parser.add_argument("--games", nargs="+", required=True, help="ALE game ids, e.g. pong breakout (world_label = position)")
     parser.add_argument("--out", required=True, help="output folder (h5 files and manifest.json)")

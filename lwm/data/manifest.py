@@ -153,13 +153,16 @@ def _check_fields(path: Path, raw: dict, names: tuple[str, ...], where: str | No
             raise DataError(f"{path}: manifest field missing or malformed ({where}'{name}' must be {rule}, got {got})")
 
 
-def existing_h5(out: Path, ours: set[str], then: str) -> list[str]:
-    """The h5 files under ``out`` (relative paths, sorted), refused where any is not one of ``ours``."""
+def existing_h5(out: Path, ours: set[str], then: str, remedy: str | None = None) -> list[str]:
+    """The h5 files under ``out`` (relative paths, sorted), refused where any is not one of ``ours``, and with a
+    ``remedy`` (no overwrite) where any is there at all, or a manifest."""
     h5 = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.suffix in (".h5", ".hdf5") and p.is_file())
     others = [name for name in h5 if name not in ours]
-    if others:
+    taken = h5 + ["manifest.json"] * (out / "manifest.json").exists() if remedy else []
+    if others or taken:
         shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
-        raise DataError(f"{out}: already holds other h5 files ({shown}){then}")
+        raise DataError(f"{out}: already holds other h5 files ({shown}){then}" if others else
+                        f"{out / taken[0]}: exists ({remedy})")
     return h5
 
 

@@ -174,12 +174,10 @@ def _made_with(path: Path) -> tuple[dict | None, tuple[int, ...] | None]:
     return settings, shape
 
 
-def make_dataset(
-    out_dir: str | Path, episodes: int = 64, frames: int = 32, seed: int = 0, val_fraction: float = 0.125,
-    worlds: int = K, size: int = SIZE, distractors: int = DISTRACTORS, overwrite: bool = False,
-    look_alike: bool = False,
-    remedy: str = "--overwrite replaces it, or synthesise into another folder",
-) -> Path:
+def make_dataset(out_dir: str | Path, episodes: int = 64, frames: int = 32, seed: int = 0, val_fraction: float = 0.125,
+                 worlds: int = K, size: int = SIZE, distractors: int = DISTRACTORS, overwrite: bool = False,
+                 look_alike: bool = False,
+                 remedy: str = "--overwrite replaces it, or synthesise into another folder") -> Path:
     """Write ``episodes`` files ``out_dir/ep_XXXX.h5`` (``latents`` float16 through the pixel codec, ``actions``
     int64 ``[T]``, attributes ``world_label``, ``codec`` and ``synth``: the settings) and index them."""
     refuse_first(  # before the folder is made or anything rendered
@@ -194,38 +192,36 @@ def make_dataset(
          size < 16 or size % 16), error=DataError)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-
-    existing_h5(out, {f"ep_{i:04d}.h5" for i in range(episodes)}, "; synthesise into an empty folder")
+    names = [f"ep_{i:04d}.h5" for i in range(episodes)]
+    existing_h5(out, set(names), "; synthesise into an empty folder")
     settings = {"seed": seed, "frames": frames, "size": size, "worlds": worlds, "distractors": distractors,
                 **({"look_alike": True} if look_alike else {})}
-    existing = [i for i in range(episodes) if (out / f"ep_{i:04d}.h5").exists()]
-    if not overwrite:  # never replace the files of another data set without being asked
-        for i in existing:
-            made, shape = _made_with(out / f"ep_{i:04d}.h5")
-            if made is None and shape == (frames, 16, size // 2, size // 2):
-                continue  # no record of its settings, but this data set's shape: taken as this data set's
-            if made != {**settings, "episode": i}:
-                was = ("no record of its settings" if made is None else
-                       ", ".join(f"{k} {made.get(k)}" for k in settings if made.get(k) != settings[k]))
-                now = ", ".join(f"{k} {v}" for k, v in settings.items() if made is None or made.get(k) != v)
-                raise DataError(f"{out / f'ep_{i:04d}.h5'}: exists, made with {was} (this run: {now}); {remedy}")
-        if not existing and (out / "manifest.json").exists():
-            raise DataError(f"{out / 'manifest.json'}: exists; {remedy}")
+    # never replace the files of another data set without being asked (one of this shape without a record of its
+    # settings is taken as this data set's)
+    existing = [] if overwrite else [i for i in range(episodes) if (out / names[i]).exists()]
+    clashes = [] if overwrite or existing or not (out / "manifest.json").exists() else [(out / "manifest.json", "")]
+    for i in existing:
+        made, shape = _made_with(out / names[i])
+        if made != {**settings, "episode": i} and not (made is None and shape == (frames, 16, size // 2, size // 2)):
+            was = ("no record of its settings" if made is None else
+                   ", ".join(f"{k} {made.get(k)}" for k in settings if made.get(k) != settings[k]))
+            now = ", ".join(f"{k} {v}" for k, v in settings.items() if made is None or made.get(k) != v)
+            clashes.append((out / names[i], f", made with {was} (this run: {now})"))
+    if clashes:
+        raise DataError(f"{clashes[0][0]}: exists{clashes[0][1]}; {remedy}")
 
     codec = PixelCodec(size=size)
     for i in range(episodes):
         video, actions, label = render_episode(episode_seed(seed, i), frames, i % worlds, size=size,
                                                distractors=distractors, look_alike=look_alike)
-        write_latents(out / f"ep_{i:04d}.h5", codec, video, actions, world_label=label,
+        write_latents(out / names[i], codec, video, actions, world_label=label,
                       attrs={SETTINGS_ATTR: json.dumps({**settings, "episode": i})})
-
     return index_directory(out, val_fraction=val_fraction, seed=seed).path
 
 
 def main(argv: list[str]) -> int:
     """``lwm data synth --out DIR --episodes N [--frames T] [--seed S] [--val-fraction F] [--worlds K] [--size S]
     [--distractors D] [--overwrite]``."""
-
     parser = ArgumentParser(
         prog="lwm data synth",
         description="Write a synthetic data set with known actions and worlds (an agent square moved by 5 actions "

@@ -143,7 +143,7 @@ def test_validation_batches_hold_the_windows_data(manifest):
     [({"window": 1}, "data.window"), ({"batch_size": 0}, "data.batch_size"),
      ({"val_size_percent": 1.5}, "data.val_size_percent"), ({"num_workers": -1}, "data.num_workers"),
      ({"batches_per_epoch": 0}, "data.batches_per_epoch"), ({"val_batch_size": 0}, "data.val_batch_size"),
-     ({"prefetch_factor": 0}, "data.prefetch_factor"), ({"multiprocessing_context": "nope"}, "data.multiprocessing_context")],
+     ({"prefetch_factor": 0}, "data.prefetch_factor")],
 )
 def test_bad_settings_name_the_field(manifest, kw, field):
     with pytest.raises(DataError, match=field.replace(".", r"\.")):
