@@ -35,7 +35,7 @@ def record(game: str, seed: int, frames: int, frame_skip: int = 4, sticky: float
            hold: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """Play ``game`` from a reset: ``(frames uint8 [F, 210, 160, 3], actions int64 [F])`` with ``F <= frames``
     (shorter at game over)."""
-    ale_py = _ale()
+    ale_py, rng = _ale(), np.random.default_rng(seed)
     ale = ale_py.ALEInterface()
     ale.setLoggerMode(ale_py.LoggerMode.Error)
     ale.setInt("random_seed", int(seed % 2**31))
@@ -43,9 +43,7 @@ def record(game: str, seed: int, frames: int, frame_skip: int = 4, sticky: float
     ale.setInt("frame_skip", 1)
     ale.loadROM(ale_py.roms.get_rom_path(game))  # a game of games(), as check_arguments made sure
     legal = list(ale.getMinimalActionSet())
-    rng = np.random.default_rng(seed)
-    video = np.empty((frames, *SCREEN, 3), dtype=np.uint8)
-    actions = np.empty(frames, dtype=np.int64)
+    video, actions = np.empty((frames, *SCREEN, 3), dtype=np.uint8), np.empty(frames, dtype=np.int64)
     choice = int(rng.integers(len(legal)))
     for t in range(frames):
         video[t] = ale.getScreenRGB()
@@ -108,24 +106,21 @@ def make_dataset(out_dir: str | Path, game_list: list[str], episodes: int = 8, f
 def main(argv: list[str]) -> int:
     """``lwm data atari --games G... --out DIR ...``."""
     parser = ArgumentParser(prog="lwm data atari", description=__doc__.splitlines()[0])
-    parser.add_argument("--games", nargs="+", required=True, help="ALE game ids, e.g. pong breakout (world_label = position)")
-    parser.add_argument("--out", required=True, help="output folder (h5 files and manifest.json)")
-    parser.add_argument("--episodes", type=positive_int, default=8, help="episodes per game (default 8)")
-    parser.add_argument("--frames", type=bounded(int, 2), default=256, help="frames per episode at most (default 256)")
-    parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the episodes and the train/val "
-                                                                          "split (default 0)")
-    parser.add_argument("--frame-skip", type=positive_int, default=4, help="emulator frames per recorded frame "
-                                                                           "(default 4)")
-    parser.add_argument("--sticky", type=bounded(float, 0, 1), default=0.75,
-                        help="probability of repeating the previous action")
-    parser.add_argument("--val-fraction", type=fraction, default=0.125, help="fraction of files in the val split "
-                        "(default 0.125)")
-    parser.add_argument("--codec", default="pixel", choices=CODECS, help="pixel (128x128) or a VAE (needs --vae)")
-    parser.add_argument("--vae", help="local folder with the VAE's diffusers weights")
-    parser.add_argument("--size", type=int, help="frame size (default: 128 pixel, 512 VAEs)")
-    parser.add_argument("--device", default="cpu", help="where a VAE runs")
-    parser.add_argument("--overwrite", action="store_true", help="replace an earlier recording's files of these "
-                        "names in --out (default: refused)")
+    add = parser.add_argument
+    add("--games", nargs="+", required=True, help="ALE game ids, e.g. pong breakout (world_label = position)")
+    add("--out", required=True, help="output folder (h5 files and manifest.json)")
+    add("--episodes", type=positive_int, default=8, help="episodes per game (default 8)")
+    add("--frames", type=bounded(int, 2), default=256, help="frames per episode at most (default 256)")
+    add("--seed", type=non_negative_int, default=0, help="seed of the episodes and the train/val split (default 0)")
+    add("--frame-skip", type=positive_int, default=4, help="emulator frames per recorded frame (default 4)")
+    add("--sticky", type=bounded(float, 0, 1), default=0.75, help="probability of repeating the previous action")
+    add("--val-fraction", type=fraction, default=0.125, help="fraction of files in the val split (default 0.125)")
+    add("--codec", default="pixel", choices=CODECS, help="pixel (128x128) or a VAE (needs --vae)")
+    add("--vae", help="local folder with the VAE's diffusers weights")
+    add("--size", type=int, help="frame size (default: 128 pixel, 512 VAEs)")
+    add("--device", default="cpu", help="where a VAE runs")
+    add("--overwrite", action="store_true", help="replace an earlier recording's files of these names in --out "
+        "(default: refused)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     check_arguments(args.out, args.games, args.episodes, args.overwrite)  # before a VAE is loaded

@@ -199,13 +199,12 @@ def encode_videos(videos: list[str], out: str | Path, codec: str = "pixel", stri
         if taken or other not in (None, Path(video).name):  # a file of another video under this name: kept
             raise DataError(f"{video}: would overwrite {target}, encoded from {other or 'another video'} (rename one, "
                             f"or encode into another --out)")
-        tmp = temp_path(target)
-        staged.append((tmp, target, ""))
+        tmp = temp_path(target)  # (write_latents leaves nothing there where it fails)
         clipped, shape = write_latents(tmp, c, np.stack(frames),
                                        attrs={SOURCE_ATTR: Path(video).name, **({"fps": fps / stride} if fps else {})})
         note = f", {clipped} values clipped to [-1, 1]" if clipped else ""
-        staged[-1] = (tmp, target, f"wrote {target} ({frames_note(c, len(frames))}, latents {shape}{note}"
-                                   f"{framing(source, c.size)})")
+        staged.append((tmp, target, f"wrote {target} ({frames_note(c, len(frames))}, latents {shape}{note}"
+                                    f"{framing(source, c.size)})"))
 
     columns = (TextColumn("{task.description}"), SpinnerColumn(), TextColumn("{task.completed} frames read"),
                TimeElapsedColumn())

@@ -139,13 +139,8 @@ class LatentDataModule(L.LightningDataModule):
             raise DataError(f"data.batches_per_epoch must be >= 1 (or null: the windows / the global batch), got "
                             f"{batches_per_epoch}")
         self.save_hyperparameters()
-        self.manifest_path = Path(manifest)
-        self.window, self.batch_size, self.val_batch_size = window, batch_size, val_batch_size or batch_size
-        self.num_workers, self.val_size_percent, self.seed = num_workers, val_size_percent, seed
-        self.batches_per_epoch, self.check_files = batches_per_epoch, check_files
-        self.multiprocessing_context, self.pin_memory = multiprocessing_context, pin_memory
-        self.prefetch_factor, self.float16_batches = prefetch_factor, float16_batches
-        self.label_fraction = label_fraction
+        vars(self).update(self.hparams)  # every setting as an attribute (self.window, ...)
+        self.manifest_path, self.val_batch_size = Path(manifest), val_batch_size or batch_size
         self.manifest: Manifest | None = None
         self.train_set: H5WindowDataset | None = None
         self.val_set: H5WindowDataset | None = None
@@ -159,10 +154,6 @@ class LatentDataModule(L.LightningDataModule):
         entries, shape = manifest.entries, (manifest.channels, manifest.height, manifest.width)
         if self.check_files:
             manifest.check_duplicates(files=True)  # links and hard links too
-            if len(entries) > 1 and not any(manifest.resolve(e).exists() for e in entries):
-                raise DataError(f"{manifest.path}: none of its {len(entries)} files exists (the first: "
-                                f"{manifest.resolve(entries[0])}; paths are relative to the manifest's folder): was "
-                                f"it moved without its data, or is the data's filesystem not mounted?")
             problems, changed = [], []
             rank_zero = (self.trainer.global_rank if self.trainer is not None else rank_zero_only.rank) == 0
             for e in checking(entries, f"checking {len(entries)} files", show=rank_zero):
@@ -294,13 +285,14 @@ class LatentDataModule(L.LightningDataModule):
 
     def val_windows(self, fraction: float | None = None) -> list[tuple[int, int]]:
         """This rank's validation windows ``(file_index, start)``."""
+        count = self._val_window_count(fraction, self._rank()[1])
+        return self.fixed_windows(self.val_set, count) if count else []
+
+    def _val_window_count(self, fraction: float | None, world_size: int) -> int:
+        """How many validation windows all ranks together use at ``fraction`` (default ``val_size_percent``)."""
         fraction = self.val_size_percent if fraction is None else fraction
         if self.val_set is None or fraction == 0:
-            return []
-        return self.fixed_windows(self.val_set, self._val_window_count(fraction, self._rank()[1]))
-
-    def _val_window_count(self, fraction: float, world_size: int) -> int:
-        """How many validation windows all ranks together use at ``fraction``."""
+            return 0
         total = len(self.val_set)  # non-overlapping windows
         if total < world_size:
             raise DataError(f"{self.manifest_path}: {total} validation windows of {self.window} frames for "
@@ -310,9 +302,6 @@ class LatentDataModule(L.LightningDataModule):
 
     def val_batches_per_rank(self, world_size: int, fraction: float | None = None) -> list[int]:
         """Each rank's number of validation batches at ``fraction`` (default ``val_size_percent``)."""
-        fraction = self.val_size_percent if fraction is None else fraction
-        if self.val_set is None or fraction == 0:
-            return [0] * world_size
         count = self._val_window_count(fraction, world_size)
         return [math.ceil(len(range(rank, count, world_size)) / self.val_batch_size) for rank in range(world_size)]
 

@@ -87,8 +87,8 @@ class H5WindowDataset(Dataset):
                 whole = opened._replace(file=None, latents=opened.latents[:],
                                         actions=None if opened.actions is None else opened.actions[:])
             except OSError:  # damaged somewhere: read window by window, which names the frames
-                whole = None
-            if whole is not None:
+                pass
+            else:
                 f.close()
                 self._loaded[index] = whole
                 while sum(o.latents.nbytes for o in self._loaded.values()) > self.loaded_bytes and len(self._loaded) > 1:

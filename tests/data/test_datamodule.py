@@ -479,18 +479,6 @@ def test_the_manifests_key_is_checked_at_setup(manifest, key, message):
     assert message in str(exc.value)
 
 
-def test_a_manifest_without_any_of_its_files_is_one_line(manifest, tmp_path):
-    """A manifest moved without its data (or a data mount missing on a node): one line saying so, not one per file."""
-    moved = tmp_path / "elsewhere" / "manifest.json"
-    moved.parent.mkdir()
-    moved.write_bytes(manifest.read_bytes())
-    with pytest.raises(DataError) as exc:
-        _dm(moved).setup("fit")
-    lines = str(exc.value).splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"{moved}: none of its 8 files exists")
-    assert "moved without its data" in lines[0]
-
-
 @pytest.mark.parametrize("seed", [-1, True, 1.5])
 def test_a_bad_seed_is_refused_naming_the_field(manifest, seed):
     with pytest.raises(DataError, match=rf"data\.seed must be an integer >= 0, got {seed!r}"):
