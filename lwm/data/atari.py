@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from lwm.data.codecs import PixelCodec
-from lwm.data.convert import CODECS, frames_note, make_codec, write_latents
+from lwm.data.convert import CODECS, frames_note, make_codec, stretch, write_latents  # (stretch: nothing cropped)
 from lwm.data.manifest import existing_h5, index_directory
 from lwm.utils.args import ArgumentParser, bounded, fraction, non_negative_int, positive_int
 from lwm.utils.errors import DataError, refuse_first
@@ -55,13 +55,6 @@ def record(game: str, seed: int, frames: int, frame_skip: int = 4, sticky: float
         if ale.game_over():
             return video[: t + 1], actions[: t + 1]
     return video, actions
-
-
-def stretch(video: np.ndarray, size: int) -> np.ndarray:
-    """``uint8 [F, H, W, 3]`` -> ``[F, size, size, 3]`` (bilinear, aspect not kept: nothing is cropped)."""
-    from PIL import Image
-
-    return np.stack([np.asarray(Image.fromarray(f).resize((size, size), Image.BILINEAR)) for f in video])
 
 
 def check_arguments(out_dir: str | Path, game_list: list[str], episodes: int, overwrite: bool = False) -> None:

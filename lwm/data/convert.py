@@ -40,17 +40,20 @@ def size_problem(codec: str, size: int | None) -> str | None:
     return f"--size {size}: {why}: use --size {f'{below} or {below + step}' if below > 0 else step}"
 
 
-def square_resize(frames: np.ndarray, size: int) -> np.ndarray:
-    """``uint8 [T, H, W, 3]`` -> ``[T, size, size, 3]``: centre crop to a square, then a bilinear resize."""
+def stretch(frames: np.ndarray, size: int) -> np.ndarray:
+    """``uint8 [T, H, W, 3]`` -> ``[T, size, size, 3]``, each frame resized bilinearly (aspect not kept)."""
     from PIL import Image
 
+    return np.stack([np.asarray(Image.fromarray(f).resize((size, size), Image.BILINEAR)) for f in frames])
+
+
+def square_resize(frames: np.ndarray, size: int) -> np.ndarray:
+    """``uint8 [T, H, W, 3]`` -> ``[T, size, size, 3]``: centre crop to a square, then :func:`stretch`."""
     T, H, W, _ = frames.shape
     side = min(H, W)
     top, left = (H - side) // 2, (W - side) // 2
     crop = frames[:, top : top + side, left : left + side]
-    if side == size:
-        return np.ascontiguousarray(crop)
-    return np.stack([np.asarray(Image.fromarray(f).resize((size, size), Image.BILINEAR)) for f in crop])
+    return np.ascontiguousarray(crop) if side == size else stretch(crop, size)
 
 
 def framing(source: tuple[int, int], size: int) -> str:

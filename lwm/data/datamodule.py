@@ -74,9 +74,8 @@ class ResumableDataLoader(DataLoader):
         return self.batch_sampler.batch_size * self.batch_sampler.world_size
 
     def state_dict(self) -> dict[str, Any]:
-        state = {"epoch": self.batch_sampler.epoch, "batches": self._consumed, **self.batch_sampler.state_dict(),
-                 "global_batch": self.global_batch}
-        return state if self.stream is None else {**state, "stream": dict(self.stream)}
+        return {"epoch": self.batch_sampler.epoch, "batches": self._consumed, **self.batch_sampler.state_dict(),
+                "global_batch": self.global_batch, **({} if self.stream is None else {"stream": dict(self.stream)})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         seed, epoch, batches = self.batch_sampler.seed, int(state["epoch"]), int(state["batches"])
@@ -99,8 +98,7 @@ class ResumableDataLoader(DataLoader):
 
 
 def stream_changes(saved: dict[str, Any] | None, current: dict[str, Any] | None) -> list[str]:
-    """What differs between a checkpoint's :meth:`LatentDataModule.stream` and this run's, each as a few words (empty
-    where either is unknown)."""
+    """What differs between a checkpoint's :meth:`LatentDataModule.stream` and this run's, a few words each."""
     if not saved or not current:
         return []
     changed = [f"data.{k} {json.dumps(saved[k])} -> {json.dumps(current.get(k))}"
@@ -146,8 +144,8 @@ class LatentDataModule(L.LightningDataModule):
         self.val_set: H5WindowDataset | None = None
 
     def load_manifest(self) -> Manifest:
-        """Read the manifest and (if ``check_files``) every file's header, and the values of those changed since
-        `lwm data index` checked them; one :class:`DataError` names every bad file."""
+        """The manifest, and (``check_files``) every file's header checked, the values of those changed since `lwm
+        data index`; one :class:`DataError` names every bad file."""
         if self.manifest is not None:
             return self.manifest
         manifest = Manifest.load(self.manifest_path)
@@ -210,12 +208,11 @@ class LatentDataModule(L.LightningDataModule):
         return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
 
     def _loader_kwargs(self) -> dict[str, Any]:
-        workers = self.num_workers > 0
         on_gpu = self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
+        workers = dict(persistent_workers=True, multiprocessing_context=self.multiprocessing_context,
+                       prefetch_factor=self.prefetch_factor, worker_init_fn=ignore_requeue_signal)
         return dict(collate_fn=collate_windows, num_workers=self.num_workers, pin_memory=self.pin_memory and on_gpu,
-                    persistent_workers=workers, multiprocessing_context=self.multiprocessing_context if workers else None,
-                    prefetch_factor=self.prefetch_factor if workers else None,
-                    worker_init_fn=ignore_requeue_signal if workers else None)
+                    **(workers if self.num_workers > 0 else {}))
 
     def train_sampler(self, rank: int, world_size: int) -> FileBatchSampler:
         """Rank ``rank``'s batch sampler of the training windows (``len``: the batches of an epoch)."""
@@ -240,8 +237,7 @@ class LatentDataModule(L.LightningDataModule):
                 "batches_per_epoch": self.batches_per_epoch}
 
     def state_dict(self) -> dict[str, Any]:
-        """The seed of the training stream and validation subset, restored before any loader is made (the train
-        loader's own state comes later, after a sanity check's validation)."""
+        """The seed of the training stream and validation subset, restored before any loader is made."""
         return {"seed": self.seed}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -258,8 +254,7 @@ class LatentDataModule(L.LightningDataModule):
         self.keep_seed(saved)
 
     def keep_seed(self, seed: int) -> None:
-        """Take a checkpoint's seed (of the training stream, the validation subset and the code dictionaries'
-        windows), without a word."""
+        """Take a checkpoint's seed (training stream, validation subset, code dictionaries' windows), silently."""
         self.seed = seed
 
     def keep_checkpoint_seed(self, checkpoint: dict[str, Any]) -> None:
@@ -269,8 +264,7 @@ class LatentDataModule(L.LightningDataModule):
             self.keep_seed(int(seed))
 
     def fixed_windows(self, dataset: H5WindowDataset, limit: int | None = None) -> list[tuple[int, int]]:
-        """This rank's share (round-robin) of the first ``limit`` (None: all) non-overlapping windows of ``dataset``
-        in a seeded order."""
+        """This rank's share (round-robin) of the first ``limit`` non-overlapping windows of ``dataset``, seeded."""
         every = [(i, s) for i, f in enumerate(dataset.frames) for s in range(0, f - self.window + 1, self.window)]
         order = np.random.default_rng([self.seed, 1]).permutation(len(every))[:limit]
         rank, world_size = self._rank()

@@ -55,8 +55,8 @@ def find_latents_key(f: h5py.File, path: str | Path, key: str | None = None) -> 
 def inspect_h5(path: str | Path, channels: int | None = None, height: int | None = None, width: int | None = None,
                tolerance: float = 1e-3, check_values: bool = True, chunk_frames: int = 64,
                key: str | None = None) -> H5Info:
-    """Check the file ``path``: its latents (dataset ``key``, else found by :func:`find_latents_key`) are 4-D float of
-    the given ``C, H, W``, none of them 0, finite and within [-1 - tolerance, 1 + tolerance] (read in chunks)."""
+    """Check the file ``path``: its latents are 4-D float of the given ``C, H, W``, none 0, and (``check_values``)
+    finite within [-1 - tolerance, 1 + tolerance]; its actions and attributes well formed."""
     path = Path(path)
     try:
         f = h5py.File(path, "r")
@@ -105,8 +105,7 @@ def inspect_h5(path: str | Path, channels: int | None = None, height: int | None
 
 
 def check_frames(block: np.ndarray, path: str | Path, key: str, start: int = 0, tolerance: float = 1e-3) -> None:
-    """Raise :class:`DataError` naming the file unless the frames ``block`` (frame ``start`` on of dataset ``key``)
-    are finite and within [-1 - tolerance, 1 + tolerance]."""
+    """Refuse frames ``block`` (from frame ``start`` of ``key``) unless finite within [-1 - tolerance, 1 + tolerance]."""
     finite = np.isfinite(block)
     lo, hi = float(block.min()), float(block.max())  # (NaN where any is)
     if not finite.all() or lo < -1 - tolerance or hi > 1 + tolerance:

@@ -11,7 +11,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import TypeVar
 
 import numpy as np
 from rich.console import Console
@@ -22,13 +21,12 @@ from lwm.utils.errors import refuse_first, refused
 from lwm.data.h5 import (LATENTS_KEY, MODEL_MULTIPLE, SLOW_CHUNK_FRAMES, DataError, GeneratedFile, H5Info,
                          inspect_h5)
 
-T = TypeVar("T")
 SPLITS = ("train", "val")
 MANIFEST_VERSION = 1
 PROGRESS_MIN_FILES = 100  # show a progress bar when checking at least this many files
 
 
-def checking(items: Sequence[T], description: str, show: bool = True) -> Iterable[T]:
+def checking(items: Sequence, description: str, show: bool = True) -> Iterable:
     """``items``, with a progress bar on stderr when there are many (file checks take minutes on big sets)."""
     if not show or len(items) < PROGRESS_MIN_FILES:
         return items
@@ -65,8 +63,7 @@ class Manifest:
         return [e for e in self.entries if e.split == name]
 
     def resolve(self, entry: ManifestEntry) -> Path:
-        """The entry's file: its path joined to the manifest's real folder, normalised as written (a linked file keeps
-        its link's name; no system call per entry)."""
+        """The entry's file under the manifest's real folder, as written (a link keeps its name; no system call)."""
         return Path(os.path.normpath(os.path.join(self._base, entry.path)))
 
     @cached_property
@@ -143,8 +140,7 @@ _FIELDS = {  # a manifest's field: its test, and what it must be
 
 
 def _check_fields(path: Path, raw: dict, names: tuple[str, ...], where: str | None = None) -> None:
-    """Refuse the first of the fields ``names`` of ``raw`` (a file entry, unless ``where`` says) that is missing or
-    malformed."""
+    """Refuse the first field of ``names`` missing or malformed in ``raw`` (a file entry unless ``where`` says)."""
     for name in names:
         ok, rule = _FIELDS[name]
         if not ok(raw.get(name)):
@@ -167,8 +163,7 @@ def existing_h5(out: Path, ours: set[str], then: str, remedy: str | None = None)
 
 
 def find_h5_files(directory: Path) -> tuple[list[Path], list[str]]:
-    """Every ``*.h5``/``*.hdf5`` file under ``directory`` (any case; linked folders followed), each physical file
-    once, and the problems found (links to nothing, unreadable folders)."""
+    """Every ``*.h5``/``*.hdf5`` under ``directory`` (any case; linked folders followed) once, and the problems."""
     found: dict[tuple[int, int], Path] = {}  # (device, inode) -> the first path found
     visited: set[Path] = set()
     problems: list[str] = []
@@ -208,8 +203,7 @@ def _identity(path: Path) -> tuple[int, int] | None:
 
 
 def _previous_splits(path: Path, shape: tuple[int, int, int]) -> dict[object, str]:
-    """``{relative path: split}`` of the manifest at ``path`` if there is one of frames ``shape``, and the same by
-    each listed file's :func:`_identity` (a val listing wins), read leniently."""
+    """``{relative path or file identity: split}`` of a manifest at ``path`` of frames ``shape`` (val wins)."""
     if not path.is_file():
         return {}
     try:
@@ -269,8 +263,7 @@ def _checked_files(directory: Path, tolerance: float) -> tuple[dict[Path, H5Info
 
 
 def val_count(val_fraction: float, files: int) -> int:
-    """The val files ``val_fraction`` of ``files`` asks for: at least one of two or more where it is positive, never
-    every file."""
+    """The val files ``val_fraction`` of ``files`` asks for: one at least of two or more, never every file."""
     n_val = int(round(val_fraction * files))
     if val_fraction > 0 and files >= 2:
         n_val = max(n_val, 1)

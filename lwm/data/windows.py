@@ -114,18 +114,14 @@ class H5WindowDataset(Dataset):
             raise DataError(f"{path}: '{short[0][0]}' has {start + short[0][1]} frames, the manifest says "
                             f"{self.frames[index]} (changed since it was indexed); run `lwm data index` on the folder "
                             f"again")
-        if actions is None:
-            actions = torch.full((self.window,), MISSING, dtype=torch.int64)
-        elif self.label_fraction < 1.0:
-            actions = torch.where(self.labelled(index)[start:stop], torch.from_numpy(actions), MISSING)
-        else:
-            actions = torch.from_numpy(actions)
+        actions = torch.full((self.window,), MISSING) if actions is None else torch.from_numpy(actions)
+        if opened.actions is not None and self.label_fraction < 1.0:
+            actions = torch.where(self.labelled(index)[start:stop], actions, MISSING)
         return {"latents": latents, "actions": actions, "world_label": torch.tensor(opened.label),
                 "file_index": torch.tensor(index), "start": torch.tensor(start)}
 
     def labelled(self, index: int) -> torch.Tensor:
-        """``[frames]`` bool: which actions of file ``index`` a batch keeps under ``label_fraction``: a fixed draw per
-        file, the same in every epoch, process and run."""
+        """``[frames]`` bool: the actions of file ``index`` kept under ``label_fraction`` (the same in every run)."""
         if index not in self._labelled:
             draw = np.random.default_rng([LABEL_DRAW, index]).random(self.frames[index])
             self._labelled[index] = torch.from_numpy(draw < self.label_fraction)
@@ -240,8 +236,7 @@ def _deal(picks: list[int], ranks: int, n_files: int, rng: np.random.Generator) 
 
 
 def nonfinite_windows(batch: dict[str, torch.Tensor], paths: list[str]) -> list[str]:
-    """The windows of a batch (of :class:`H5WindowDataset` samples) whose latents hold NaN or inf, as ``"PATH (frames
-    a..b)"``."""
+    """The windows of a batch whose latents hold NaN or inf, as ``"PATH (frames a..b)"``."""
     x = batch["latents"]
     bad = nonfinite_mask(x).nonzero().flatten().tolist()
     return [window_name(paths, int(batch["file_index"][i]), int(batch["start"][i]), x.shape[1]) for i in bad]
