@@ -26,8 +26,7 @@ SOURCE_ATTR = "source_video"  # the file name of the video an encoded h5 file ho
 
 
 def size_problem(codec: str, size: int | None) -> str | None:
-    """Why a ``--size`` gives latents the model cannot train on (height and width positive multiples of
-    :data:`MODEL_MULTIPLE`), else None."""
+    """Why a ``--size`` gives latents the model cannot train on (sides not multiples of 4), else None."""
     cell = 2 if codec == "pixel" else SPATIAL  # pixels per latent cell
     step = cell * MODEL_MULTIPLE
     if size is None or codec not in CODECS or (size > 0 and size % step == 0):
@@ -84,8 +83,7 @@ def iter_video(path: str | Path, stride: int = 1) -> Iterator[np.ndarray]:
 
 
 def source_fps(path: str | Path) -> float | None:
-    """The frame rate a video's container declares (None where it declares none, and for GIFs, whose per-frame delays
-    PyAV reports as a rate of 100)."""
+    """The frame rate a video's container declares (None: none, or a GIF, whose delays PyAV reports as 100 fps)."""
     import imageio.v3 as iio
 
     if Path(path).suffix.lower() == ".gif":
@@ -114,10 +112,9 @@ def make_codec(codec: str = "pixel", vae: str | Path | None = None, size: int | 
 
 def write_latents(target: Path, codec, frames: np.ndarray, actions: np.ndarray | None = None,
                   world_label: int | None = None, attrs: dict | None = None) -> tuple[int, list[int]]:
-    """Encode ``uint8 [F, S, S, 3]`` frames into the h5 file ``target`` (``latents`` float16, ``codec`` attribute;
-    optional per-frame ``actions``, subsampled to latent steps, ``world_label`` and other ``attrs``) -> ``(values
-    clipped to [-1, 1], the latents' shape)``. A frame-by-frame codec encodes :data:`ENCODE_CHUNK` frames at a time,
-    a temporal one (a causal video VAE) the clip as a whole."""
+    """Encode ``uint8 [F, S, S, 3]`` frames into the h5 file ``target`` (``latents`` float16, ``codec``; ``actions``
+    subsampled to latent steps) -> ``(values clipped to [-1, 1], the latents' shape)``: a frame-by-frame codec
+    :data:`ENCODE_CHUNK` frames at a time, a causal video VAE the clip whole."""
     tmp, step = temp_path(target), ENCODE_CHUNK if codec.frames_per_latent == 1 else max(1, len(frames))
     clipped, n, ds = 0, 0, None
     try:
@@ -244,8 +241,7 @@ def encode_videos(videos: list[str], out: str | Path, codec: str = "pixel", stri
 
 
 def frames_note(codec, frames: int) -> str:
-    """``"N frames"`` encoded, for a log line; through a VAE also the latent frames and the trailing frames that fill
-    no group of :data:`TEMPORAL` (dropped)."""
+    """``"N frames"`` encoded, for a log line (through a VAE: the latent frames, and the trailing frames dropped)."""
     what = f"{frames} frames"
     if codec.frames_per_latent > 1:
         latents, dropped = latent_frames(frames), frames - video_frames(latent_frames(frames))
@@ -256,8 +252,8 @@ def frames_note(codec, frames: int) -> str:
 
 def decode_file(path: str | Path, out: str | Path, fps: float | None = None, vae: str | Path | None = None,
                 tiling: bool = False, device: str = "cpu", overwrite: bool = False) -> Path:
-    """Decode an h5 file through the codec its ``codec`` attribute names and write the video, at ``fps`` (None: the
-    file's ``fps`` attribute, else 8)."""
+    """Decode an h5 file through the codec its ``codec`` attribute names and write the video at ``fps`` (None: the
+    file's)."""
     check_output(out, "--out", {"file": path}, VIDEO_SUFFIXES, overwrite)  # before any decoding
     info = inspect_h5(path)
     with h5py.File(path, "r") as f:
