@@ -5,11 +5,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import h5py
 import numpy as np
 
 from lwm.data.codecs import PixelCodec
-from lwm.data.convert import CODECS, frames_note, make_codec, write_latents
+from lwm.data.convert import CODECS, frames_note, make_codec, stretch, write_latents  # (stretch: nothing cropped)
 from lwm.data.manifest import existing_h5, index_directory
 from lwm.utils.args import ArgumentParser, bounded, fraction, non_negative_int, positive_int
 from lwm.utils.errors import DataError, refuse_first
@@ -36,7 +35,7 @@ def record(game: str, seed: int, frames: int, frame_skip: int = 4, sticky: float
            hold: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """Play ``game`` from a reset: ``(frames uint8 [F, 210, 160, 3], actions int64 [F])`` with ``F <= frames``
     (shorter at game over)."""
-    ale_py = _ale()
+    ale_py, rng = _ale(), np.random.default_rng(seed)
     ale = ale_py.ALEInterface()
     ale.setLoggerMode(ale_py.LoggerMode.Error)
     ale.setInt("random_seed", int(seed % 2**31))
@@ -44,9 +43,7 @@ def record(game: str, seed: int, frames: int, frame_skip: int = 4, sticky: float
     ale.setInt("frame_skip", 1)
     ale.loadROM(ale_py.roms.get_rom_path(game))  # a game of games(), as check_arguments made sure
     legal = list(ale.getMinimalActionSet())
-    rng = np.random.default_rng(seed)
-    video = np.empty((frames, *SCREEN, 3), dtype=np.uint8)
-    actions = np.empty(frames, dtype=np.int64)
+    video, actions = np.empty((frames, *SCREEN, 3), dtype=np.uint8), np.empty(frames, dtype=np.int64)
     choice = int(rng.integers(len(legal)))
     for t in range(frames):
         video[t] = ale.getScreenRGB()
@@ -60,13 +57,6 @@ def record(game: str, seed: int, frames: int, frame_skip: int = 4, sticky: float
     return video, actions
 
 
-def stretch(video: np.ndarray, size: int) -> np.ndarray:
-    """``uint8 [F, H, W, 3]`` -> ``[F, size, size, 3]`` (bilinear, aspect not kept: nothing is cropped)."""
-    from PIL import Image
-
-    return np.stack([np.asarray(Image.fromarray(f).resize((size, size), Image.BILINEAR)) for f in video])
-
-
 def check_arguments(out_dir: str | Path, game_list: list[str], episodes: int, overwrite: bool = False) -> None:
     """Refuse the games and the folder in one line, before anything is recorded or loaded (the numbers: argparse)."""
     repeated = sorted({g for g in game_list if game_list.count(g) > 1})
@@ -76,15 +66,10 @@ def check_arguments(out_dir: str | Path, game_list: list[str], episodes: int, ov
         (f"--games: {', '.join(repeated)} named twice (each game is one world label)", bool(repeated)),
         (f"--games: unknown game(s) {', '.join(unknown)} (ale-py knows {len(known)}, e.g. pong, breakout)",
          bool(unknown)), error=DataError)
-
-    out = Path(out_dir)
-    if not out.is_dir():
-        return
-    h5 = existing_h5(out, {_name(game, i) for game in game_list for i in range(episodes)},
-                     ", which would join the manifest; record into another --out")
-    if not overwrite and (h5 or (out / "manifest.json").exists()):
-        raise DataError(f"{out / (h5[0] if h5 else 'manifest.json')}: exists (--overwrite replaces it, or record "
-                        f"into another --out)")
+    if Path(out_dir).is_dir():
+        existing_h5(Path(out_dir), {_name(game, i) for game in game_list for i in range(episodes)},
+                    ", which would join the manifest; record into another --out",
+                    None if overwrite else "--overwrite replaces it, or record into another --out")
 
 
 def _name(game: str, episode: int) -> str:
@@ -95,7 +80,6 @@ def make_dataset(out_dir: str | Path, game_list: list[str], episodes: int = 8, f
                  frame_skip: int = 4, sticky: float = 0.75, codec=None, val_fraction: float = 0.125, log=print,
                  overwrite: bool = False) -> Path:
     """Record ``episodes`` per game into ``out_dir/<game>_NNN.h5`` and index them; returns the manifest path."""
-
     check_arguments(out_dir, game_list, episodes, overwrite)
     codec = codec or PixelCodec()
     out = Path(out_dir)
@@ -105,10 +89,8 @@ def make_dataset(out_dir: str | Path, game_list: list[str], episodes: int = 8, f
             ep_seed = int(np.random.SeedSequence([seed, label, i]).generate_state(1)[0])
             video, actions = record(game, ep_seed, frames, frame_skip, sticky, hold=codec.frames_per_latent)
             target = out / _name(game, i)
-            clipped = write_latents(target, codec, stretch(video, codec.size), actions, world_label=label,
-                                    attrs={"game": game, "fps": ALE_FPS / frame_skip})
-            with h5py.File(target, "r") as f:
-                shape = list(f["latents"].shape)
+            clipped, shape = write_latents(target, codec, stretch(video, codec.size), actions, world_label=label,
+                                           attrs={"game": game, "fps": ALE_FPS / frame_skip})
             note = f", {clipped} values clipped to [-1, 1] ({clipped / np.prod(shape):.2%})" if clipped else ""
             log(f"wrote {target} ({frames_note(codec, len(video))}, latents {shape}{note})")
     return index_directory(out, val_fraction=val_fraction, seed=seed).path
@@ -116,26 +98,22 @@ def make_dataset(out_dir: str | Path, game_list: list[str], episodes: int = 8, f
 
 def main(argv: list[str]) -> int:
     """``lwm data atari --games G... --out DIR ...``."""
-
     parser = ArgumentParser(prog="lwm data atari", description=__doc__.splitlines()[0])
-    parser.add_argument("--games", nargs="+", required=True, help="ALE game ids, e.g. pong breakout (world_label = position)")
-    parser.add_argument("--out", required=True, help="output folder (h5 files and manifest.json)")
-    parser.add_argument("--episodes", type=positive_int, default=8, help="episodes per game (default 8)")
-    parser.add_argument("--frames", type=bounded(int, 2), default=256, help="frames per episode at most (default 256)")
-    parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the episodes and the train/val "
-                                                                          "split (default 0)")
-    parser.add_argument("--frame-skip", type=positive_int, default=4, help="emulator frames per recorded frame "
-                                                                           "(default 4)")
-    parser.add_argument("--sticky", type=bounded(float, 0, 1), default=0.75,
-                        help="probability of repeating the previous action")
-    parser.add_argument("--val-fraction", type=fraction, default=0.125, help="fraction of files in the val split "
-                        "(default 0.125)")
-    parser.add_argument("--codec", default="pixel", choices=CODECS, help="pixel (128x128) or a VAE (needs --vae)")
-    parser.add_argument("--vae", help="local folder with the VAE's diffusers weights")
-    parser.add_argument("--size", type=int, help="frame size (default: 128 pixel, 512 VAEs)")
-    parser.add_argument("--device", default="cpu", help="where a VAE runs")
-    parser.add_argument("--overwrite", action="store_true", help="replace an earlier recording's files of these "
-                        "names in --out (default: refused)")
+    add = parser.add_argument
+    add("--games", nargs="+", required=True, help="ALE game ids, e.g. pong breakout (world_label = position)")
+    add("--out", required=True, help="output folder (h5 files and manifest.json)")
+    add("--episodes", type=positive_int, default=8, help="episodes per game (default 8)")
+    add("--frames", type=bounded(int, 2), default=256, help="frames per episode at most (default 256)")
+    add("--seed", type=non_negative_int, default=0, help="seed of the episodes and the train/val split (default 0)")
+    add("--frame-skip", type=positive_int, default=4, help="emulator frames per recorded frame (default 4)")
+    add("--sticky", type=bounded(float, 0, 1), default=0.75, help="probability of repeating the previous action")
+    add("--val-fraction", type=fraction, default=0.125, help="fraction of files in the val split (default 0.125)")
+    add("--codec", default="pixel", choices=CODECS, help="pixel (128x128) or a VAE (needs --vae)")
+    add("--vae", help="local folder with the VAE's diffusers weights")
+    add("--size", type=int, help="frame size (default: 128 pixel, 512 VAEs)")
+    add("--device", default="cpu", help="where a VAE runs")
+    add("--overwrite", action="store_true", help="replace an earlier recording's files of these names in --out "
+        "(default: refused)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     check_arguments(args.out, args.games, args.episodes, args.overwrite)  # before a VAE is loaded

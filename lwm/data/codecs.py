@@ -58,22 +58,17 @@ def codec_spec(attr: object, path: str = "") -> dict | None:
 
 
 def codec_from_attr(attr: object, path: str = "", vae: str | None = None, device: str = "cpu", tiling: bool = False):
-    """The codec a file's ``codec`` attribute names, or None when there is none, when it is unknown, or when it is a
-    diffusers VAE (:mod:`lwm.data.vae`) and no ``vae`` weights folder is given (``tiling``: the VAE decodes in
-    tiles, :func:`lwm.data.vae.load_vae`)."""
+    """The codec a file's ``codec`` attribute names; None where there is none, it is unknown, or it is a VAE
+    (:mod:`lwm.data.vae`) and no ``vae`` weights folder is given."""
     from lwm.data.vae import CLASSES, VAECodec
 
     spec = codec_spec(attr, path)
     if vae is not None and (spec is None or spec["name"] not in CLASSES):
         raise DataError(f"--vae {vae}: {path} is not encoded with a VAE ({missing_codec(attr, path)}): leave --vae "
                         f"out")
-    if spec is None:
-        return None
-    if spec["name"] == "pixel":
+    if spec is not None and spec["name"] == "pixel":
         return PixelCodec(size=int(spec.get("size", 128)))
-    if spec["name"] in CLASSES and vae is not None:
-        return VAECodec.from_attr(spec, vae, device, tiling=tiling)
-    return None
+    return VAECodec.from_attr(spec, vae, device, tiling=tiling) if vae is not None else None
 
 
 def missing_codec(attr: object, path: str = "") -> str:

@@ -21,37 +21,38 @@ from lwm.utils.files import remove_stale_temp_files, temp_path
 from lwm.utils.video import check_output, VIDEO_SUFFIXES, write_video
 
 CODECS = ("pixel", "wan", "cogvideox", "hunyuan")
+ENCODE_CHUNK = 256  # frames a frame-by-frame codec encodes at a time
+SOURCE_ATTR = "source_video"  # the file name of the video an encoded h5 file holds
 
 
 def size_problem(codec: str, size: int | None) -> str | None:
-    """Why a ``--size`` gives latents the model cannot train on (height and width positive multiples of
-    :data:`MODEL_MULTIPLE`), else None."""
+    """Why a ``--size`` gives latents the model cannot train on (sides not multiples of 4), else None."""
     cell = 2 if codec == "pixel" else SPATIAL  # pixels per latent cell
     step = cell * MODEL_MULTIPLE
     if size is None or codec not in CODECS or (size > 0 and size % step == 0):
         return None
     below = size // step * step
-    nearest = f"{below} or {below + step}" if below > 0 else f"{step}"
-    if size > 0 and size % cell == 0:
-        why = (f"the {codec} codec makes {size // cell}x{size // cell} latents, and the model needs latents in "
-               f"multiples of {MODEL_MULTIPLE} (the tokenizer downsamples by {MODEL_MULTIPLE})")
-    else:
-        why = (f"the {codec} codec needs a positive multiple of {step} ({cell}x{cell} pixels per latent, and the "
-               f"model needs latents in multiples of {MODEL_MULTIPLE}: the tokenizer downsamples by {MODEL_MULTIPLE})")
-    return f"--size {size}: {why}: use --size {nearest}"
+    why = (f"the {codec} codec makes {size // cell}x{size // cell} latents, and the model needs latents in multiples "
+           f"of {MODEL_MULTIPLE} (the tokenizer downsamples by {MODEL_MULTIPLE})" if size > 0 and size % cell == 0 else
+           f"the {codec} codec needs a positive multiple of {step} ({cell}x{cell} pixels per latent, and the model "
+           f"needs latents in multiples of {MODEL_MULTIPLE}: the tokenizer downsamples by {MODEL_MULTIPLE})")
+    return f"--size {size}: {why}: use --size {f'{below} or {below + step}' if below > 0 else step}"
+
+
+def stretch(frames: np.ndarray, size: int) -> np.ndarray:
+    """``uint8 [T, H, W, 3]`` -> ``[T, size, size, 3]``, each frame resized bilinearly (aspect not kept)."""
+    from PIL import Image
+
+    return np.stack([np.asarray(Image.fromarray(f).resize((size, size), Image.BILINEAR)) for f in frames])
 
 
 def square_resize(frames: np.ndarray, size: int) -> np.ndarray:
-    """``uint8 [T, H, W, 3]`` -> ``[T, size, size, 3]``: centre crop to a square, then a bilinear resize."""
-    from PIL import Image
-
+    """``uint8 [T, H, W, 3]`` -> ``[T, size, size, 3]``: centre crop to a square, then :func:`stretch`."""
     T, H, W, _ = frames.shape
     side = min(H, W)
     top, left = (H - side) // 2, (W - side) // 2
     crop = frames[:, top : top + side, left : left + side]
-    if side == size:
-        return np.ascontiguousarray(crop)
-    return np.stack([np.asarray(Image.fromarray(f).resize((size, size), Image.BILINEAR)) for f in crop])
+    return np.ascontiguousarray(crop) if side == size else stretch(crop, size)
 
 
 def framing(source: tuple[int, int], size: int) -> str:
@@ -65,31 +66,24 @@ def framing(source: tuple[int, int], size: int) -> str:
 
 
 def iter_video(path: str | Path, stride: int = 1) -> Iterator[np.ndarray]:
-    """The frames of a video file one at a time, ``uint8 [H, W, 3]`` (every ``stride``-th)."""
+    """Every ``stride``-th frame of a video file, ``uint8 [H, W, 3]`` (grey as grey RGB, RGBA's colour without the
+    alpha, 16-bit's high byte)."""
     import imageio.v3 as iio
 
-    frames = iio.imiter(path)
-    index = 0
-    while True:
-        try:
-            frame = next(frames)
-        except StopIteration:
-            return
-        except Exception as e:  # imageio/PyAV raise many kinds
-            raise DataError(f"{path}: cannot be read as a video at frame {index} ({first_line(e)})") from None
-        if frame.ndim == 2:  # grayscale (a GIF or PNG of one channel): the same value in R, G and B
-            frame = np.repeat(frame[..., None], 3, axis=-1)
-        if frame.ndim != 3 or frame.shape[-1] not in (3, 4) or frame.dtype not in (np.uint8, np.uint16):
-            raise DataError(f"{path}: frame {index} is {frame.dtype} {frame.shape}; lwm reads 8- and 16-bit colour "
-                            f"frames [H, W, 3]")
-        if index % stride == 0:  # RGBA: the colour, the alpha dropped (not composited); 16-bit: the high byte
-            yield frame[..., :3] if frame.dtype == np.uint8 else (frame[..., :3] >> 8).astype(np.uint8)
-        index += 1
+    index = -1
+    try:
+        for index, frame in enumerate(iio.imiter(path)):
+            if index % stride == 0:
+                frame = np.repeat(frame[..., None], 3, axis=-1) if frame.ndim == 2 else frame[..., :3]
+                yield frame if frame.dtype == np.uint8 else (frame >> 8).astype(np.uint8)
+    except Exception as e:  # imageio/PyAV raise many kinds
+        raise DataError(f"{path}: cannot be read as a video at frame {index + 1} ({first_line(e)})") from None
+    if index < 0:
+        raise DataError(f"{path}: the video has no frames")
 
 
 def source_fps(path: str | Path) -> float | None:
-    """The frame rate a video's container declares (None where it declares none; and for GIFs, whose per-frame delays
-    PyAV reports as a rate of 100)."""
+    """The frame rate a video's container declares (None: none, or a GIF, whose delays PyAV reports as 100 fps)."""
     import imageio.v3 as iio
 
     if Path(path).suffix.lower() == ".gif":
@@ -103,45 +97,31 @@ def source_fps(path: str | Path) -> float | None:
 
 def make_codec(codec: str = "pixel", vae: str | Path | None = None, size: int | None = None,
                device: str = "cpu", dtype: torch.dtype = torch.float32, tiling: bool = False):
-    """The codec ``--codec`` names: the built-in pixel codec, or a diffusers VAE loaded from ``vae`` (``tiling``: it
-    encodes in overlapping spatial tiles, see :func:`lwm.data.vae.load_vae`)."""
+    """The codec ``--codec`` names: the built-in pixel codec, or a diffusers VAE loaded from ``vae``."""
     refuse_first(  # before a VAE (or diffusers) is loaded
         (f"--codec {codec}: unknown (known: {', '.join(CODECS)})", codec not in CODECS),
         (size_problem(codec, size), size_problem(codec, size) is not None),
         (f"--vae {vae}: the pixel codec has no weights (--vae is for --codec {', '.join(CODECS[1:])})",
          codec == "pixel" and vae is not None),
         (f"--codec {codec} needs --vae PATH, a local folder with the VAE's diffusers weights",
-         codec != "pixel" and vae is None), error=DataError)  # (the pixel codec would ignore a wrong --vae)
+         codec != "pixel" and vae is None), error=DataError)
     if codec == "pixel":
         return PixelCodec(size=size or 128)
     return VAECodec.load(codec, vae, size or 512, device, dtype, tiling)
 
 
-ENCODE_CHUNK = 256  # frames a frame-by-frame codec
-
-
-def _encoded(codec, frames: np.ndarray) -> Iterator[tuple[np.ndarray, int]]:
-    """``(latents, clipped)`` of ``frames``: chunk by chunk for a frame-by-frame codec, in one call for a temporal
-    one (a causal video VAE encodes the clip as a whole)."""
-    step = ENCODE_CHUNK if codec.frames_per_latent == 1 else max(1, len(frames))
-    for i in range(0, len(frames), step):
-        chunk = frames[i : i + step]
-        if hasattr(codec, "encode_counting"):
-            yield codec.encode_counting(chunk)
-        else:
-            yield codec.encode(chunk), 0
-
-
 def write_latents(target: Path, codec, frames: np.ndarray, actions: np.ndarray | None = None,
-                  world_label: int | None = None, attrs: dict | None = None) -> int:
-    """Encode ``uint8 [F, S, S, 3]`` frames into the h5 file ``target`` (``latents`` float16, ``codec`` attribute;
-    optional per-frame ``actions``, subsampled to latent steps, ``world_label`` and other ``attrs``)."""
-    tmp = temp_path(target)
-    clipped, n = 0, 0
+                  world_label: int | None = None, attrs: dict | None = None) -> tuple[int, list[int]]:
+    """Encode ``uint8 [F, S, S, 3]`` frames into the h5 file ``target`` (``latents`` float16, ``codec``; ``actions``
+    subsampled to latent steps) -> ``(values clipped to [-1, 1], the latents' shape)``: a frame-by-frame codec
+    :data:`ENCODE_CHUNK` frames at a time, a causal video VAE the clip whole."""
+    tmp, step = temp_path(target), ENCODE_CHUNK if codec.frames_per_latent == 1 else max(1, len(frames))
+    clipped, n, ds = 0, 0, None
     try:
         with h5py.File(tmp, "w") as f:
-            ds = None
-            for latents, count in _encoded(codec, frames):
+            for i in range(0, len(frames), step):
+                latents, count = (codec.encode_counting(frames[i : i + step]) if hasattr(codec, "encode_counting")
+                                  else (codec.encode(frames[i : i + step]), 0))
                 if ds is None:
                     total = len(frames) if codec.frames_per_latent == 1 else len(latents)
                     ds = f.create_dataset("latents", shape=(total, *latents.shape[1:]), dtype=np.float16,
@@ -152,16 +132,12 @@ def write_latents(target: Path, codec, frames: np.ndarray, actions: np.ndarray |
                 f.create_dataset("actions", data=np.asarray(actions)[:: codec.frames_per_latent][:n].astype(np.int64))
             if world_label is not None:
                 f.attrs["world_label"] = np.int64(world_label)
-            f.attrs["codec"] = codec.attr
-            for key, value in (attrs or {}).items():
-                f.attrs[key] = value
+            f.attrs.update({"codec": codec.attr, **(attrs or {})})
+            shape = list(ds.shape)
         tmp.replace(target)
     finally:
         tmp.unlink(missing_ok=True)
-    return clipped
-
-
-SOURCE_ATTR = "source_video"  # the file name of the video an encoded h5 file holds
+    return clipped, shape
 
 
 def source_video(path: Path) -> str | None:
@@ -189,35 +165,33 @@ def encode_videos(videos: list[str], out: str | Path, codec: str = "pixel", stri
                   vae: str | Path | None = None, size: int | None = None, device: str = "cpu",
                   dtype: torch.dtype = torch.float32, segment: int | None = None, log=print,
                   tiling: bool = False, overwrite: bool = False) -> list[Path]:
-    """Encode each video to ``out/<name>.h5``, or with ``segment`` to ``out/<name>_0000.h5``, ..."""
+    """Encode each video to ``out/<name>.h5``, or with ``segment`` to ``out/<name>_0000.h5``, ...; a video's files
+    replace its earlier ones once it is encoded whole."""
+    out = Path(out)
     seen: dict[str, str] = {}
-    for video in videos:  # each there (before a VAE loads) and to out/<name>.h5 of its own
-        other = seen.get(Path(video).stem)
-        if not Path(video).is_file() or other is not None:
-            raise DataError(f"{video}: video not found" if not Path(video).is_file() else
-                            f"{video}: given twice" + (f" (as {other} too)" if other != video else "")
-                            if os.path.samefile(other, video) else
-                            f"{video}: same name as {other}, both would be written to {Path(out) / Path(video).stem}"
-                            f".h5 (encode them into different --out folders)")
-        seen[Path(video).stem] = video
-    earlier = {video: earlier_outputs(Path(out), video, segment is not None) for video in videos}
-    if not overwrite:
-        for video, paths in earlier.items():
-            if paths:
-                more = f" and {len(paths) - 1} more of that name" if len(paths) > 1 else ""
-                raise DataError(f"{paths[0]}{more}: already there, where {Path(video).name} would be encoded "
-                                f"(--overwrite replaces them, or encode into another --out)")
+    earlier: dict[str, list[Path]] = {}
+    for video in videos:  # each there and to out/<name>.h5 of its own, before a VAE loads
+        other, paths = seen.get(Path(video).stem), earlier_outputs(out, video, segment is not None)
+        if not Path(video).is_file() or other is not None or (paths and not overwrite):
+            more = f" and {len(paths) - 1} more of that name" if len(paths) > 1 else ""
+            raise DataError(
+                f"{video}: video not found" if not Path(video).is_file() else
+                (f"{video}: given twice" + (f" (as {other} too)" if other != video else "")
+                 if os.path.samefile(other, video) else f"{video}: same name as {other}, both would be written to "
+                 f"{out / Path(video).stem}.h5 (encode them into different --out folders)") if other is not None else
+                f"{paths[0]}{more}: already there, where {Path(video).name} would be encoded (--overwrite replaces "
+                f"them, or encode into another --out)")
+        seen[Path(video).stem], earlier[video] = video, paths
     if segment is not None and codec in CODECS[1:] and ((segment - 1) % TEMPORAL or segment == 1):
         raise DataError(f"--segment {segment}: a VAE codec encodes 1 + {TEMPORAL}k frames, k >= 1 (the rest of each "
                         f"file would be dropped; one frame is one latent, no transition); "
                         f"e.g. --segment {1 + TEMPORAL * max(1, (segment - 1) // TEMPORAL)}")
     c = make_codec(codec, vae, size, device, dtype, tiling)
-    out = Path(out)
     made = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     remove_stale_temp_files(out)  # of encodes killed mid-way
     written: list[Path] = []
-    staged: list[tuple[Path, Path, str]] = []  # this video's
+    staged: list[tuple[Path, Path, str]] = []  # this video's (temporary file, target, log line)
 
     def write(target: Path, frames: list[np.ndarray], video: str, fps: float | None, source: tuple[int, int]) -> None:
         taken = target in written or target in [t for _, t, _ in staged]  # by another video's segment, this run
@@ -225,40 +199,31 @@ def encode_videos(videos: list[str], out: str | Path, codec: str = "pixel", stri
         if taken or other not in (None, Path(video).name):  # a file of another video under this name: kept
             raise DataError(f"{video}: would overwrite {target}, encoded from {other or 'another video'} (rename one, "
                             f"or encode into another --out)")
-        attrs = {SOURCE_ATTR: Path(video).name, **({"fps": fps / stride} if fps else {})}
-        tmp = temp_path(target)
-        staged.append((tmp, target, ""))
-        clipped = write_latents(tmp, c, np.stack(frames), attrs=attrs)
-        with h5py.File(tmp, "r") as f:
-            shape = list(f["latents"].shape)
+        tmp = temp_path(target)  # (write_latents leaves nothing there where it fails)
+        clipped, shape = write_latents(tmp, c, np.stack(frames),
+                                       attrs={SOURCE_ATTR: Path(video).name, **({"fps": fps / stride} if fps else {})})
         note = f", {clipped} values clipped to [-1, 1]" if clipped else ""
-        staged[-1] = (tmp, target, f"wrote {target} ({frames_note(c, len(frames))}, latents {shape}{note}"
-                                   f"{framing(source, c.size)})")
-
-    def encode(video: str, progress: Progress) -> None:
-        stem, frames, part, fps = Path(video).stem, [], 0, source_fps(video)
-        source = (0, 0)
-        task = progress.add_task(f"encoding {Path(video).name}", total=None)
-        for frame in iter_video(video, stride):
-            frames.append(square_resize(frame[None], c.size)[0])
-            source = frame.shape[:2]
-            progress.advance(task)
-            if segment is not None and len(frames) == segment:
-                write(out / f"{stem}_{part:04d}.h5", frames, video, fps, source)
-                frames, part = [], part + 1
-        if frames:
-            write(out / (f"{stem}_{part:04d}.h5" if segment is not None else f"{stem}.h5"), frames, video, fps,
-                  source)
-        elif part == 0:
-            raise DataError(f"{video}: the video has no frames")
-        progress.remove_task(task)
+        staged.append((tmp, target, f"wrote {target} ({frames_note(c, len(frames))}, latents {shape}{note}"
+                                    f"{framing(source, c.size)})"))
 
     columns = (TextColumn("{task.description}"), SpinnerColumn(), TextColumn("{task.completed} frames read"),
                TimeElapsedColumn())
     with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
         for video in videos:
+            stem, frames, part, fps, source = Path(video).stem, [], 0, source_fps(video), (0, 0)
+            task = progress.add_task(f"encoding {Path(video).name}", total=None)
             try:
-                encode(video, progress)
+                for frame in iter_video(video, stride):
+                    frames.append(square_resize(frame[None], c.size)[0])
+                    source = frame.shape[:2]
+                    progress.advance(task)
+                    if segment is not None and len(frames) == segment:
+                        write(out / f"{stem}_{part:04d}.h5", frames, video, fps, source)
+                        frames, part = [], part + 1
+                if frames:
+                    write(out / (f"{stem}_{part:04d}.h5" if segment is not None else f"{stem}.h5"), frames, video,
+                          fps, source)
+                progress.remove_task(task)
                 for tmp, target, line in staged:  # the whole video encoded: its files moved in
                     tmp.replace(target)
                     written.append(target)
@@ -276,8 +241,7 @@ def encode_videos(videos: list[str], out: str | Path, codec: str = "pixel", stri
 
 
 def frames_note(codec, frames: int) -> str:
-    """``"N frames"`` encoded, for a log line; through a VAE also the latent frames and the trailing frames that fill
-    no group of :data:`TEMPORAL` (dropped)."""
+    """``"N frames"`` encoded, for a log line (through a VAE: the latent frames, and the trailing frames dropped)."""
     what = f"{frames} frames"
     if codec.frames_per_latent > 1:
         latents, dropped = latent_frames(frames), frames - video_frames(latent_frames(frames))
@@ -288,8 +252,8 @@ def frames_note(codec, frames: int) -> str:
 
 def decode_file(path: str | Path, out: str | Path, fps: float | None = None, vae: str | Path | None = None,
                 tiling: bool = False, device: str = "cpu", overwrite: bool = False) -> Path:
-    """Decode an h5 file through the codec its ``codec`` attribute names and write the video, at ``fps`` (None: the
-    file's ``fps`` attribute, else 8)."""
+    """Decode an h5 file through the codec its ``codec`` attribute names and write the video at ``fps`` (None: the
+    file's)."""
     check_output(out, "--out", {"file": path}, VIDEO_SUFFIXES, overwrite)  # before any decoding
     info = inspect_h5(path)
     with h5py.File(path, "r") as f:
@@ -300,4 +264,3 @@ def decode_file(path: str | Path, out: str | Path, fps: float | None = None, vae
     if codec is None:
         raise DataError(f"{path}: cannot decode to pixels: {missing_codec(attr, str(path))}")
     return write_video(out, codec.decode(latents), fps)
-

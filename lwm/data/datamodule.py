@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import h5py
 import lightning as L
 import numpy as np
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
@@ -27,8 +28,8 @@ from lwm.utils.errors import refused
 
 
 def ignore_requeue_signal(worker_id: int) -> None:
-    """In a DataLoader worker: leave SLURM's signals (sent to every process of the job step) and Ctrl-C to the main
-    process, which saves at the next batch end (:class:`~lwm.callbacks.SlurmRequeue`)."""
+    """In a DataLoader worker: leave SLURM's signals and Ctrl-C to the main process, which saves at the next batch
+    end (:class:`~lwm.callbacks.SlurmRequeue`); a SIGTERM ends the worker only from its parent."""
     if hasattr(signal, "SIGUSR1"):
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -73,11 +74,8 @@ class ResumableDataLoader(DataLoader):
         return self.batch_sampler.batch_size * self.batch_sampler.world_size
 
     def state_dict(self) -> dict[str, Any]:
-        state = {"epoch": self.batch_sampler.epoch, "batches": self._consumed, **self.batch_sampler.state_dict(),
-                 "global_batch": self.global_batch}
-        if self.stream is not None:
-            state["stream"] = dict(self.stream)
-        return state
+        return {"epoch": self.batch_sampler.epoch, "batches": self._consumed, **self.batch_sampler.state_dict(),
+                "global_batch": self.global_batch, **({} if self.stream is None else {"stream": dict(self.stream)})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         seed, epoch, batches = self.batch_sampler.seed, int(state["epoch"]), int(state["batches"])
@@ -100,24 +98,15 @@ class ResumableDataLoader(DataLoader):
 
 
 def stream_changes(saved: dict[str, Any] | None, current: dict[str, Any] | None) -> list[str]:
-    """What differs between a checkpoint's :meth:`LatentDataModule.stream` and this run's, each as a few words (empty
-    where either is unknown)."""
+    """What differs between a checkpoint's :meth:`LatentDataModule.stream` and this run's, a few words each."""
     if not saved or not current:
         return []
-
-    def setting(value: Any) -> str:
-        return "null" if value is None else str(value)
-
-    changed = []
-    for key in ("window", "batches_per_epoch"):
-        if key in saved and saved[key] != current.get(key):
-            changed.append(f"data.{key} {setting(saved[key])} -> {setting(current.get(key))}")
+    changed = [f"data.{k} {json.dumps(saved[k])} -> {json.dumps(current.get(k))}"
+               for k in ("window", "batches_per_epoch") if k in saved and saved[k] != current.get(k)]
     if "train_digest" in saved and saved["train_digest"] != current.get("train_digest"):
-        files = (int(saved["train_files"]), current["train_files"])
-        frames = (int(saved["train_frames"]), current["train_frames"])
-        what = (f"{files[0]} files -> {files[1]} files" if files[0] != files[1] else
-                f"{frames[0]} frames -> {frames[1]} frames in {files[1]} files" if frames[0] != frames[1] else
-                "other files or frame counts")
+        (f0, f1), (n0, n1) = ((int(saved[k]), current[k]) for k in ("train_files", "train_frames"))
+        what = (f"{f0} files -> {f1} files" if f0 != f1 else f"{n0} frames -> {n1} frames in {f1} files" if n0 != n1
+                else "other files or frame counts")
         changed.append(f"the train split changed since the checkpoint ({what})")
     return changed
 
@@ -125,23 +114,11 @@ def stream_changes(saved: dict[str, Any] | None, current: dict[str, Any] | None)
 class LatentDataModule(L.LightningDataModule):
     """Windows of ``window`` frames from the h5 files listed in ``manifest``."""
 
-    def __init__(
-        self,
-        manifest: str,
-        window: int = 16,
-        batch_size: int = 32,
-        val_batch_size: int | None = None,
-        num_workers: int = 4,
-        val_size_percent: float = 1.0,
-        seed: int = 0,
-        batches_per_epoch: int | None = None,
-        check_files: bool = True,
-        multiprocessing_context: str | None = None,
-        prefetch_factor: int = 2,
-        pin_memory: bool = True,
-        float16_batches: bool = True,
-        label_fraction: float = 1.0,
-    ) -> None:
+    def __init__(self, manifest: str, window: int = 16, batch_size: int = 32, val_batch_size: int | None = None,
+                 num_workers: int = 4, val_size_percent: float = 1.0, seed: int = 0,
+                 batches_per_epoch: int | None = None, check_files: bool = True,
+                 multiprocessing_context: str | None = None, prefetch_factor: int = 2, pin_memory: bool = True,
+                 float16_batches: bool = True, label_fraction: float = 1.0) -> None:
         super().__init__()
         if window < 2:
             raise DataError(f"data.window must be >= 2 (a transition; the model needs more), got {window}")
@@ -153,75 +130,54 @@ class LatentDataModule(L.LightningDataModule):
             raise DataError(f"data.seed must be an integer >= 0, got {seed!r}")
         if not 0.0 <= label_fraction <= 1.0:
             raise DataError(f"data.label_fraction must lie in [0, 1], got {label_fraction}")
-        if num_workers < 0 or prefetch_factor < 1:
-            raise DataError(f"data.num_workers must be >= 0 and data.prefetch_factor >= 1, got {num_workers}, {prefetch_factor}")
+        if num_workers < 0 or prefetch_factor < 1:  # (torch takes a prefetch_factor of 0, then loads nothing)
+            raise DataError(f"data.num_workers must be >= 0 and data.prefetch_factor >= 1, got {num_workers}, "
+                            f"{prefetch_factor}")
         if batches_per_epoch is not None and batches_per_epoch < 1:
             raise DataError(f"data.batches_per_epoch must be >= 1 (or null: the windows / the global batch), got "
                             f"{batches_per_epoch}")
-        methods = multiprocessing.get_all_start_methods()
-        if multiprocessing_context is not None and multiprocessing_context not in methods:
-            raise DataError(f"data.multiprocessing_context must be one of {', '.join(methods)} (or null: the "
-                            f"platform's), got {multiprocessing_context!r}")
         self.save_hyperparameters()
-        self.manifest_path = Path(manifest)
-        self.window, self.batch_size = window, batch_size
-        self.val_batch_size = val_batch_size or batch_size
-        self.num_workers, self.val_size_percent, self.seed = num_workers, val_size_percent, seed
-        self.batches_per_epoch, self.check_files = batches_per_epoch, check_files
-        self.multiprocessing_context, self.pin_memory = multiprocessing_context, pin_memory
-        self.prefetch_factor, self.float16_batches = prefetch_factor, float16_batches
-        self.label_fraction = label_fraction
+        vars(self).update(self.hparams)  # every setting as an attribute (self.window, ...)
+        self.manifest_path, self.val_batch_size = Path(manifest), val_batch_size or batch_size
         self.manifest: Manifest | None = None
         self.train_set: H5WindowDataset | None = None
         self.val_set: H5WindowDataset | None = None
 
     def load_manifest(self) -> Manifest:
-        """Read the manifest and (if ``check_files``) every file's header; raises :class:`DataError` naming each bad
-        file."""
-        if self.manifest is None:
-            manifest = Manifest.load(self.manifest_path)
-            if self.check_files:
-                manifest.check_duplicates(files=True)  # links and hard links too
-                problems, changed, missing = [], [], 0
-                rank_zero = (self.trainer.global_rank if self.trainer is not None else rank_zero_only.rank) == 0
-                for e in checking(manifest.entries, f"checking {len(manifest.entries)} files", show=rank_zero):
-                    path = manifest.resolve(e)
-                    if not path.exists():
-                        missing += 1
-                    try:
-                        info = inspect_h5(path, manifest.channels, manifest.height, manifest.width, check_values=False,
-                                          key=e.key)
-                    except DataError as err:
-                        problems.append(str(err))
-                        continue
-                    if info.frames < e.frames:
-                        problems.append(f"{path}: {info.frames} frames, the manifest says {e.frames} (truncated?)")
-                    elif e.changed_since_checked(path.stat()):  # its values (NaN/inf, range) checked again
-                        changed.append(path)
-                        try:
-                            inspect_h5(path, manifest.channels, manifest.height, manifest.width, key=e.key)
-                        except DataError as err:
-                            problems.append(f"{err} (changed since `lwm data index` checked it)")
-                if missing == len(manifest.entries) > 1:  # a manifest moved without its data, a mount not there
-                    raise DataError(f"{manifest.path}: none of its {missing} files exists (the first: "
-                                    f"{manifest.resolve(manifest.entries[0])}; paths are relative to the manifest's "
-                                    f"folder): was it moved without its data, or is the data's filesystem not mounted?")
-                if problems:
-                    raise refused(problems, len(manifest.entries), f" in {manifest.path}")
-                if changed:  # the others' values were checked by `lwm data index`: headers only here
-                    rank_zero_warn(f"{len(changed)} of {len(manifest.entries)} files in {manifest.path} changed since "
-                                   f"`lwm data index` checked their values (size or modification time; first: "
-                                   f"{changed[0]}): their values were checked again, at every start until `lwm data "
-                                   f"index` on their folder records them (a copy that did not keep modification times "
-                                   f"shows as changed)")
-            self.manifest = manifest
-        return self.manifest
+        """The manifest, and (``check_files``) every file's header checked, the values of those changed since `lwm
+        data index`; one :class:`DataError` names every bad file."""
+        if self.manifest is not None:
+            return self.manifest
+        manifest = Manifest.load(self.manifest_path)
+        entries, shape = manifest.entries, (manifest.channels, manifest.height, manifest.width)
+        if self.check_files:
+            manifest.check_duplicates(files=True)  # links and hard links too
+            problems, changed = [], []
+            rank_zero = (self.trainer.global_rank if self.trainer is not None else rank_zero_only.rank) == 0
+            for e in checking(entries, f"checking {len(entries)} files", show=rank_zero):
+                path = manifest.resolve(e)
+                values = path.is_file() and e.changed_since_checked(path.stat())  # checked again
+                try:
+                    info = inspect_h5(path, *shape, check_values=values, key=e.key)
+                except DataError as err:
+                    problems.append(f"{err} (changed since `lwm data index` checked it)" if values else str(err))
+                    continue
+                if info.frames < e.frames:
+                    problems.append(f"{path}: {info.frames} frames, the manifest says {e.frames} (truncated?)")
+                elif values:
+                    changed.append(path)
+            if problems:
+                raise refused(problems, len(entries), f" in {manifest.path}")
+            if changed:  # the others' values were checked by `lwm data index`: headers only here
+                rank_zero_warn(f"{len(changed)} of {len(entries)} files in {manifest.path} changed since `lwm data "
+                               f"index` checked their values (size or modification time; first: {changed[0]}): their "
+                               f"values were checked again, at every start until `lwm data index` on their folder "
+                               f"records them (a copy that did not keep modification times shows as changed)")
+        self.manifest = manifest
+        return manifest
 
     def codec(self):
         """The pixel decoder of the validation files (their ``codec`` attribute, read from the first one), or None."""
-        import h5py
-
-
         manifest = self.load_manifest()
         entries = manifest.split("val") or manifest.entries
         if not entries:
@@ -241,30 +197,22 @@ class LatentDataModule(L.LightningDataModule):
         if stage == "fit" and self.train_set is None:
             self.train_set = H5WindowDataset(manifest, "train", self.window, self.float16_batches,
                                              label_fraction=self.label_fraction)
-        if stage in ("fit", "validate") and self.val_size_percent > 0:
-            if self.val_set is None:
-                self.val_set = H5WindowDataset(manifest, "val", self.window, self.float16_batches)
-            self.val_windows()  # refuse now, before training, a split too small for the ranks
-        if stage in ("test", "predict") and self.val_set is None:
+        validating = stage in ("fit", "validate") and self.val_size_percent > 0
+        if (validating or stage in ("test", "predict")) and self.val_set is None:
             self.val_set = H5WindowDataset(manifest, "val", self.window, self.float16_batches)
+        if validating:
+            self.val_windows()  # refuse now, before training, a split too small for the ranks
 
     def _rank(self) -> tuple[int, int]:
         trainer = self.trainer
         return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
 
     def _loader_kwargs(self) -> dict[str, Any]:
-        workers = self.num_workers
-        trainer = self.trainer
-        on_gpu = trainer is not None and trainer.strategy.root_device.type == "cuda"
-        return dict(
-            collate_fn=collate_windows,
-            num_workers=workers,
-            pin_memory=self.pin_memory and on_gpu,
-            persistent_workers=workers > 0,
-            multiprocessing_context=self.multiprocessing_context if workers > 0 else None,
-            prefetch_factor=self.prefetch_factor if workers > 0 else None,
-            worker_init_fn=ignore_requeue_signal if workers > 0 else None,
-        )
+        on_gpu = self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
+        workers = dict(persistent_workers=True, multiprocessing_context=self.multiprocessing_context,
+                       prefetch_factor=self.prefetch_factor, worker_init_fn=ignore_requeue_signal)
+        return dict(collate_fn=collate_windows, num_workers=self.num_workers, pin_memory=self.pin_memory and on_gpu,
+                    **(workers if self.num_workers > 0 else {}))
 
     def train_sampler(self, rank: int, world_size: int) -> FileBatchSampler:
         """Rank ``rank``'s batch sampler of the training windows (``len``: the batches of an epoch)."""
@@ -274,9 +222,8 @@ class LatentDataModule(L.LightningDataModule):
                                 world_size=world_size, batches_per_epoch=self.batches_per_epoch)
 
     def train_dataloader(self) -> ResumableDataLoader:
-        sampler = self.train_sampler(*self._rank())
-        return ResumableDataLoader(self.train_set, batch_sampler=sampler, stream=self.stream(),
-                                   on_seed=self.keep_seed, **self._loader_kwargs())
+        return ResumableDataLoader(self.train_set, batch_sampler=self.train_sampler(*self._rank()),
+                                   stream=self.stream(), on_seed=self.keep_seed, **self._loader_kwargs())
 
     def stream(self) -> dict[str, Any]:
         """What decides the training batches besides the seed and the global batch, for the loader's state."""
@@ -290,8 +237,7 @@ class LatentDataModule(L.LightningDataModule):
                 "batches_per_epoch": self.batches_per_epoch}
 
     def state_dict(self) -> dict[str, Any]:
-        """The seed of the training stream and validation subset, restored before any loader is made (the train
-        loader's own state comes later, after a sanity check's validation)."""
+        """The seed of the training stream and validation subset, restored before any loader is made."""
         return {"seed": self.seed}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -308,8 +254,7 @@ class LatentDataModule(L.LightningDataModule):
         self.keep_seed(saved)
 
     def keep_seed(self, seed: int) -> None:
-        """Take a checkpoint's seed (for the training stream, the validation subset and the code dictionaries'
-        windows), without a word."""
+        """Take a checkpoint's seed (training stream, validation subset, code dictionaries' windows), silently."""
         self.seed = seed
 
     def keep_checkpoint_seed(self, checkpoint: dict[str, Any]) -> None:
@@ -319,8 +264,7 @@ class LatentDataModule(L.LightningDataModule):
             self.keep_seed(int(seed))
 
     def fixed_windows(self, dataset: H5WindowDataset, limit: int | None = None) -> list[tuple[int, int]]:
-        """This rank's share (round-robin) of the first ``limit`` (None: all) non-overlapping windows of ``dataset``
-        in a seeded order."""
+        """This rank's share (round-robin) of the first ``limit`` non-overlapping windows of ``dataset``, seeded."""
         every = [(i, s) for i, f in enumerate(dataset.frames) for s in range(0, f - self.window + 1, self.window)]
         order = np.random.default_rng([self.seed, 1]).permutation(len(every))[:limit]
         rank, world_size = self._rank()
@@ -335,14 +279,15 @@ class LatentDataModule(L.LightningDataModule):
 
     def val_windows(self, fraction: float | None = None) -> list[tuple[int, int]]:
         """This rank's validation windows ``(file_index, start)``."""
+        count = self._val_window_count(fraction, self._rank()[1])
+        return self.fixed_windows(self.val_set, count) if count else []
+
+    def _val_window_count(self, fraction: float | None, world_size: int) -> int:
+        """How many validation windows all ranks together use at ``fraction`` (default ``val_size_percent``)."""
         fraction = self.val_size_percent if fraction is None else fraction
         if self.val_set is None or fraction == 0:
-            return []
-        return self.fixed_windows(self.val_set, self._val_window_count(fraction, self._rank()[1]))
-
-    def _val_window_count(self, fraction: float, world_size: int) -> int:
-        """How many validation windows all ranks together use at ``fraction``."""
-        total = sum(f // self.window for f in self.val_set.frames)  # non-overlapping windows
+            return 0
+        total = len(self.val_set)  # non-overlapping windows
         if total < world_size:
             raise DataError(f"{self.manifest_path}: {total} validation windows of {self.window} frames for "
                             f"{world_size} ranks; every rank needs one (more val files, a shorter data.window, "
@@ -351,9 +296,6 @@ class LatentDataModule(L.LightningDataModule):
 
     def val_batches_per_rank(self, world_size: int, fraction: float | None = None) -> list[int]:
         """Each rank's number of validation batches at ``fraction`` (default ``val_size_percent``)."""
-        fraction = self.val_size_percent if fraction is None else fraction
-        if self.val_set is None or fraction == 0:
-            return [0] * world_size
         count = self._val_window_count(fraction, world_size)
         return [math.ceil(len(range(rank, count, world_size)) / self.val_batch_size) for rank in range(world_size)]
 
@@ -370,9 +312,7 @@ class LatentDataModule(L.LightningDataModule):
             self.setup("test")
         return self._fixed_loader(self.val_windows(1.0))
 
-    def predict_dataloader(self) -> DataLoader:
-        """Every validation window, for ``lwm predict`` (the codes of each window)."""
-        return self.test_dataloader()
+    predict_dataloader = test_dataloader  # every validation window, for ``lwm predict``
 
     def _fixed_loader(self, windows: list[tuple[int, int]]) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.val_batch_size, sampler=windows, **self._loader_kwargs())

@@ -14,13 +14,14 @@ LATENTS_KEY = "latents"
 ACTIONS_KEY = "actions"
 FLOAT_DTYPES = (np.float16, np.float32, np.float64)
 MODEL_MULTIPLE = 4  # lwm's model trains on latents of heights and widths multiples of this
+SLOW_CHUNK_FRAMES = 8  # a compressed dataset chunked over more frames decompresses that many per window read
+GENERATED_ATTRS = ("source", "start", "context")  # what `lwm generate` records in its latents file
+VIDEO_FILES = (".mp4", ".gif", ".mkv", ".avi", ".mov", ".webm", ".m4v")  # given where an h5 file belongs: said
+DEFAULT_FPS = 8.0  # for files that record no frame rate
 
 
 class GeneratedFile(DataError):
     """The file is the rollout latents ``lwm generate`` writes beside its video (``VIDEO.mp4.h5``), not a clip."""
-
-
-GENERATED_ATTRS = ("source", "start", "context")  # what `lwm generate` records in its latents file
 
 
 @dataclass(frozen=True)
@@ -32,52 +33,38 @@ class H5Info:
     width: int  # W
     has_actions: bool
     world_label: int | None
-    filtered_chunk_frames: int | None = None  # frames per chunk of a compressed
-
-
-SLOW_CHUNK_FRAMES = 8  # a compressed dataset chunked over more frames decompresses that many per window read
+    filtered_chunk_frames: int | None = None  # frames per chunk of a compressed dataset
 
 
 def find_latents_key(f: h5py.File, path: str | Path, key: str | None = None) -> str:
     """``key`` (a manifest's) if given, else ``latents`` if present, else the file's only 4-D dataset."""
-    given = key is not None
-    if not given:
-        four_d = [name for name, obj in f.items() if isinstance(obj, h5py.Dataset) and obj.ndim == 4]
-        key = four_d[0] if len(four_d) == 1 and not isinstance(f.get(LATENTS_KEY), h5py.Dataset) else LATENTS_KEY
-    if isinstance(f.get(key), h5py.Dataset):
-        return key
-    datasets = ", ".join(f"{n}{tuple(o.shape)}" for n, o in f.items() if isinstance(o, h5py.Dataset)) or "none"
+    datasets = {n: o for n, o in f.items() if isinstance(o, h5py.Dataset)}
+    four_d = [n for n, o in datasets.items() if o.ndim == 4]
+    name = key if key is not None else four_d[0] if len(four_d) == 1 and LATENTS_KEY not in datasets else LATENTS_KEY
+    if isinstance(f.get(name), h5py.Dataset):
+        return name
     nested: list[str] = []  # datasets inside groups
-    f.visititems(lambda name, obj: nested.append(f"{name}{tuple(obj.shape)}")
-                 if isinstance(obj, h5py.Dataset) and "/" in name else None)
+    f.visititems(lambda n, o: nested.append(f"{n}{o.shape}") if isinstance(o, h5py.Dataset) and "/" in n else None)
+    what = (f"no '{LATENTS_KEY}' dataset and not exactly one 4-D dataset (" if key is None else
+            f"no dataset '{key}' (the key the manifest names; ")
     inside = f"; inside groups: {', '.join(nested[:5])}, where lwm does not look" if nested else ""
-    what = f"no dataset '{key}' (the key the manifest names; " if given else \
-        f"no '{LATENTS_KEY}' dataset and not exactly one 4-D dataset ("
-    raise DataError(f"{path}: {what}datasets: {datasets}{inside})")
+    raise DataError(f"{path}: {what}datasets: {', '.join(f'{n}{o.shape}' for n, o in datasets.items()) or 'none'}"
+                    f"{inside})")
 
 
-def inspect_h5(
-    path: str | Path,
-    channels: int | None = None,
-    height: int | None = None,
-    width: int | None = None,
-    tolerance: float = 1e-3,
-    check_values: bool = True,
-    chunk_frames: int = 64,
-    key: str | None = None,
-) -> H5Info:
-    """Open ``path`` and check it: the latents (the dataset ``key``, e.g. a manifest's; None: found by
-    :func:`find_latents_key`) are 4-D float of the expected ``C, H, W`` (when given), none of them 0, finite and
-    within [-1 - tolerance, 1 + tolerance] (read in chunks)."""
+def inspect_h5(path: str | Path, channels: int | None = None, height: int | None = None, width: int | None = None,
+               tolerance: float = 1e-3, check_values: bool = True, chunk_frames: int = 64,
+               key: str | None = None) -> H5Info:
+    """Check the file ``path``: its latents are 4-D float of the given ``C, H, W``, none 0, and (``check_values``)
+    finite within [-1 - tolerance, 1 + tolerance]; its actions and attributes well formed."""
     path = Path(path)
     try:
         f = h5py.File(path, "r")
     except OSError as e:
-        video = path.suffix.lower() in VIDEO_FILES
-        hint = f"; a video: encode it first, lwm data encode {path} --out DIR" if video else ""
-        why = f"cannot be opened as HDF5 ({first_line(e)}{hint})" if path.is_file() else \
-            "a folder, not an h5 file" if path.is_dir() else "file not found"
-        raise DataError(f"{path}: {why}") from None
+        hint = f"; a video: encode it first, lwm data encode {path} --out DIR" if path.suffix.lower() in VIDEO_FILES \
+            else ""
+        raise DataError(f"{path}: " + (f"cannot be opened as HDF5 ({first_line(e)}{hint})" if path.is_file() else
+                                       "a folder, not an h5 file" if path.is_dir() else "file not found")) from None
     with f:
         key = find_latents_key(f, path, key)
         ds, act = f[key], f.get(ACTIONS_KEY)
@@ -105,10 +92,9 @@ def inspect_h5(
                 except OSError as e:  # truncated or corrupt chunk
                     raise DataError(f"{path}: dataset '{key}' unreadable at frames {start}.. ({first_line(e)})") from None
                 check_frames(block, path, key, start, tolerance)
-        if act is not None and check_values:  # -1 means "no label" in batches
-            lo, hi = act[...].min(), act[...].max()
-            if lo < 0 or hi > np.iinfo(np.int64).max:
-                raise DataError(f"{path}: '{ACTIONS_KEY}' must be >= 0 (and fit int64), got values in [{lo}, {hi}]")
+            if act is not None and (act[...].min() < 0 or act[...].max() > np.iinfo(np.int64).max):
+                raise DataError(f"{path}: '{ACTIONS_KEY}' must be >= 0 (and fit int64), got values in "
+                                f"[{act[...].min()}, {act[...].max()}]")  # -1 means "no label" in batches
         label = f.attrs.get("world_label")
         label = None if label is None else parse_world_label(label, path)
         _check_codec(f.attrs.get("codec"), path, C, H, W)
@@ -119,8 +105,7 @@ def inspect_h5(
 
 
 def check_frames(block: np.ndarray, path: str | Path, key: str, start: int = 0, tolerance: float = 1e-3) -> None:
-    """Raise :class:`DataError` naming the file unless the frames ``block`` (frame ``start`` on of dataset ``key``)
-    are finite and within [-1 - tolerance, 1 + tolerance]."""
+    """Refuse frames ``block`` (from frame ``start`` of ``key``) unless finite within [-1 - tolerance, 1 + tolerance]."""
     finite = np.isfinite(block)
     lo, hi = float(block.min()), float(block.max())  # (NaN where any is)
     if not finite.all() or lo < -1 - tolerance or hi > 1 + tolerance:
@@ -130,9 +115,8 @@ def check_frames(block: np.ndarray, path: str | Path, key: str, start: int = 0, 
 
 
 def _check_codec(attr: object, path: Path, C: int, H: int, W: int) -> None:
-    """A ``codec`` attribute must parse, and the codecs lwm runs (the pixel codec, the diffusers VAEs) must fit the
-    latents' shape with every field they decode by (else the run would stop at its first validation video, hours
-    in, or decoding at a traceback)."""
+    """A ``codec`` attribute must parse, and one lwm runs (pixel, the VAEs) must fit the latents with every field it
+    decodes by (else the run would stop at its first validation video, hours in)."""
     from lwm.data.codecs import codec_spec
     from lwm.data.vae import CLASSES, SPATIAL
 
@@ -142,8 +126,7 @@ def _check_codec(attr: object, path: Path, C: int, H: int, W: int) -> None:
     pixel = spec["name"] == "pixel"
     try:  # as the decoders read them
         size = int(spec.get("size", 128 if pixel else None))
-        spatial = 2 if pixel else int(spec.get("spatial", SPATIAL))
-        side = size // spatial
+        side = size // (2 if pixel else int(spec.get("spatial", SPATIAL)))
     except (TypeError, ValueError, ZeroDivisionError):
         side = size = 0
     per_channel = pixel or all(isinstance(spec.get(k), list) and len(spec[k]) == C and all(
@@ -159,25 +142,23 @@ def _check_codec(attr: object, path: Path, C: int, H: int, W: int) -> None:
          f"latents, but the dataset holds [{C}, {H}, {W}]", (C, H, W) != (channels, side, side)), error=DataError)
 
 
+def _number_attr(value: object, path: str | Path, name: str) -> int | float:
+    """The attribute ``world_label`` (an integer >= 0 fitting int64) or ``fps`` (a finite number > 0); else refused."""
+    number, label = np.asarray(value), name == "world_label"
+    if number.shape != () or number.dtype.kind not in ("iu" if label else "iuf") or not (
+            0 <= number <= np.iinfo(np.int64).max if label else np.isfinite(number) and number > 0):
+        rule = "an integer >= 0 (fitting int64; -1 means no label in batches)" if label else \
+            "a number > 0 (frames per second)"
+        raise DataError(f"{path}: attribute '{name}' must be {rule}, got {value!r}")
+    return int(number) if label else float(number)
+
+
 def parse_world_label(value: object, path: str | Path) -> int:
-    """The ``world_label`` attribute as an int; anything but an integer (a float, a string, a bool) is refused."""
-    number = np.asarray(value)
-    if number.shape != () or number.dtype.kind not in "iu" or not 0 <= number <= np.iinfo(np.int64).max:
-        raise DataError(f"{path}: attribute 'world_label' must be an integer >= 0 (fitting int64; -1 means no label "
-                        f"in batches), got {value!r}")
-    return int(number)
-
-
-VIDEO_FILES = (".mp4", ".gif", ".mkv", ".avi", ".mov", ".webm", ".m4v")  # given where an h5 file belongs: said
-DEFAULT_FPS = 8.0  # for files that record no frame rate
+    return _number_attr(value, path, "world_label")
 
 
 def parse_fps(value: object, path: str | Path) -> float:
-    """The ``fps`` attribute as a float; anything but a finite number > 0 is refused."""
-    number = np.asarray(value)
-    if number.shape != () or number.dtype.kind not in "iuf" or not np.isfinite(number) or number <= 0:
-        raise DataError(f"{path}: attribute 'fps' must be a number > 0 (frames per second), got {value!r}")
-    return float(number)
+    return _number_attr(value, path, "fps")
 
 
 def file_fps(f: h5py.File) -> float:

@@ -11,7 +11,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import TypeVar
 
 import numpy as np
 from rich.console import Console
@@ -22,14 +21,13 @@ from lwm.utils.errors import refuse_first, refused
 from lwm.data.h5 import (LATENTS_KEY, MODEL_MULTIPLE, SLOW_CHUNK_FRAMES, DataError, GeneratedFile, H5Info,
                          inspect_h5)
 
-T = TypeVar("T")
 SPLITS = ("train", "val")
 MANIFEST_VERSION = 1
 PROGRESS_MIN_FILES = 100  # show a progress bar when checking at least this many files
 
 
-def checking(items: Sequence[T], description: str, show: bool = True) -> Iterable[T]:
-    """``items``, with a rich progress bar on stderr when there are many (file checks take minutes on big sets)."""
+def checking(items: Sequence, description: str, show: bool = True) -> Iterable:
+    """``items``, with a progress bar on stderr when there are many (file checks take minutes on big sets)."""
     if not show or len(items) < PROGRESS_MIN_FILES:
         return items
     return track(items, description=description, console=Console(stderr=True), transient=True)
@@ -45,14 +43,12 @@ class ManifestEntry:
     mtime: float | None = None  # its modification time then
 
     def changed_since_checked(self, st: os.stat_result) -> bool:
-        """Whether the file (its ``stat``) differs in size or modification time from when it was indexed (a time cut
-        to the whole second, as a copy to a file system of coarser times keeps it, is the same)."""
+        """Whether the file's size or modification time differ from the index's (a time cut to the second, as a copy
+        to a coarser file system keeps it, is the same)."""
         if self.bytes is None or self.mtime is None:
             return False
-        if st.st_size != self.bytes:
-            return True
-        same_time = abs(st.st_mtime - self.mtime) < 1e-6  # (a float of seconds: microseconds survive JSON)
-        return not (same_time or st.st_mtime == math.floor(self.mtime))
+        same_time = abs(st.st_mtime - self.mtime) < 1e-6 or st.st_mtime == math.floor(self.mtime)
+        return st.st_size != self.bytes or not same_time
 
 
 @dataclass
@@ -67,24 +63,19 @@ class Manifest:
         return [e for e in self.entries if e.split == name]
 
     def resolve(self, entry: ManifestEntry) -> Path:
-        """The entry's file: its path joined to the manifest's real folder (links resolved, as `lwm data index` made
-        the paths relative to it: a leading ".." means the real parent), normalised as written (a linked file keeps
-        its link's name; no system call per entry, which counts at 200k entries)."""
+        """The entry's file under the manifest's real folder, as written (a link keeps its name; no system call)."""
         return Path(os.path.normpath(os.path.join(self._base, entry.path)))
 
     @cached_property
     def _base(self) -> str:
-        """The manifest's real folder (links resolved), once."""
         return os.path.realpath(self.path.parent)
 
     def to_json(self) -> dict:
-        return {
-            "version": MANIFEST_VERSION, "channels": self.channels, "height": self.height, "width": self.width,
-            "files": [{k: v for k, v in asdict(e).items() if v is not None} for e in self.entries],
-        }
+        return {"version": MANIFEST_VERSION, "channels": self.channels, "height": self.height, "width": self.width,
+                "files": [{k: v for k, v in asdict(e).items() if v is not None} for e in self.entries]}
 
     def save(self, path: str | Path | None = None) -> Path:
-        """Write atomically (temp file + rename) so an interrupted write never leaves a broken manifest."""
+        """Write atomically (temp file + rename): an interrupted write never leaves a broken manifest."""
         self.path = atomic_write(Path(path or self.path), lambda f: f.write(json.dumps(self.to_json(), indent=1)),
                                  mode="w")
         return self.path
@@ -140,8 +131,7 @@ def _is_int(value: object) -> bool:
 _FIELDS = {  # a manifest's field: its test, and what it must be
     "version": (lambda v: _is_int(v) and v == MANIFEST_VERSION,
                 f"{MANIFEST_VERSION}, the version this lwm reads (index the folder again, or update lwm)"),
-    **dict.fromkeys(("channels", "height", "width", "frames"),
-                    (lambda v: _is_int(v) and v >= 1, "an integer >= 1")),
+    **dict.fromkeys(("channels", "height", "width", "frames"), (lambda v: _is_int(v) and v >= 1, "an integer >= 1")),
     "files": (lambda v: isinstance(v, list), "a list of file entries"),
     "path": (lambda v: isinstance(v, str) and v != "", "the file's path"),
     "split": (lambda v: v in SPLITS, f"one of {', '.join(SPLITS)}"),
@@ -150,8 +140,7 @@ _FIELDS = {  # a manifest's field: its test, and what it must be
 
 
 def _check_fields(path: Path, raw: dict, names: tuple[str, ...], where: str | None = None) -> None:
-    """Refuse the first of the fields ``names`` of ``raw`` (a file entry, unless ``where`` says) that is missing or
-    malformed, naming it."""
+    """Refuse the first field of ``names`` missing or malformed in ``raw`` (a file entry unless ``where`` says)."""
     for name in names:
         ok, rule = _FIELDS[name]
         if not ok(raw.get(name)):
@@ -160,21 +149,22 @@ def _check_fields(path: Path, raw: dict, names: tuple[str, ...], where: str | No
             raise DataError(f"{path}: manifest field missing or malformed ({where}'{name}' must be {rule}, got {got})")
 
 
-def existing_h5(out: Path, ours: set[str], then: str) -> list[str]:
-    """The h5 files under ``out`` (paths relative to it, sorted), for a command that writes a data set there and
-    indexes the folder."""
+def existing_h5(out: Path, ours: set[str], then: str, remedy: str | None = None) -> list[str]:
+    """The h5 files under ``out`` (relative paths, sorted), refused where any is not one of ``ours``, and with a
+    ``remedy`` (no overwrite) where any is there at all, or a manifest."""
     h5 = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.suffix in (".h5", ".hdf5") and p.is_file())
     others = [name for name in h5 if name not in ours]
-    if others:
+    taken = h5 + ["manifest.json"] * (out / "manifest.json").exists() if remedy else []
+    if others or taken:
         shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
-        raise DataError(f"{out}: already holds other h5 files ({shown}){then}")
+        raise DataError(f"{out}: already holds other h5 files ({shown}){then}" if others else
+                        f"{out / taken[0]}: exists ({remedy})")
     return h5
 
 
 def find_h5_files(directory: Path) -> tuple[list[Path], list[str]]:
-    """Every ``*.h5``/``*.hdf5`` file under ``directory`` (any case; linked folders followed), each physical file
-    once."""
-    found: dict[object, Path] = {}  # resolved path, and
+    """Every ``*.h5``/``*.hdf5`` under ``directory`` (any case; linked folders followed) once, and the problems."""
+    found: dict[tuple[int, int], Path] = {}  # (device, inode) -> the first path found
     visited: set[Path] = set()
     problems: list[str] = []
 
@@ -182,11 +172,10 @@ def find_h5_files(directory: Path) -> tuple[list[Path], list[str]]:
         problems.append(f"{e.filename}: a folder that cannot be read ({e.strerror or e})")
 
     for root, dirs, names in os.walk(directory, followlinks=True, onerror=unreadable):
-        real = Path(root).resolve()
-        if real in visited:  # a link back up the tree
+        if Path(root).resolve() in visited:  # a link back up the tree
             dirs[:] = []
             continue
-        visited.add(real)
+        visited.add(Path(root).resolve())
         dirs.sort()
         for name in sorted(names):
             p = Path(root) / name
@@ -197,17 +186,11 @@ def find_h5_files(directory: Path) -> tuple[list[Path], list[str]]:
                 else:
                     print(f"note: {p}: a link to {os.readlink(p)}, which is not there (a folder not mounted?): "
                           f"skipped", file=sys.stderr)
-                continue
-            if not h5 or not p.is_file():
-                continue
-            st = p.stat()
-            ids = (p.resolve(), (st.st_dev, st.st_ino))
-            first = next((found[i] for i in ids if i in found), None)
-            if first is not None:
-                print(f"note: {p} is the same file as {first}: indexed once", file=sys.stderr)
-                continue
-            found.update((i, p) for i in ids)
-    return sorted(set(found.values())), problems
+            elif h5 and p.is_file():
+                first = found.setdefault(_identity(p), p)
+                if first != p:
+                    print(f"note: {p} is the same file as {first}: indexed once", file=sys.stderr)
+    return sorted(found.values()), problems
 
 
 def _identity(path: Path) -> tuple[int, int] | None:
@@ -219,10 +202,8 @@ def _identity(path: Path) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
-def _previous_splits(path: Path, shape: tuple[int, int, int] | None) -> dict[object, str]:
-    """``{relative path: split}`` of the manifest at ``path`` if there is one of the same frame shape, and the same
-    by each listed file's identity (:func:`_identity`: a file listed under another of its names keeps its split),
-    read leniently."""
+def _previous_splits(path: Path, shape: tuple[int, int, int]) -> dict[object, str]:
+    """``{relative path or file identity: split}`` of a manifest at ``path`` of frames ``shape`` (val wins)."""
     if not path.is_file():
         return {}
     try:
@@ -242,11 +223,10 @@ def _previous_splits(path: Path, shape: tuple[int, int, int] | None) -> dict[obj
         return {}
 
 
-def _checked_files(
-    directory: Path, tolerance: float
-) -> tuple[dict[Path, H5Info], dict[Path, os.stat_result], tuple[int, int, int]]:
-    """Every h5 file under ``directory`` checked (`lwm generate`'s rollouts skipped, with a note) -> ``({file: its
-    info}, {file: its stat before the check}, the [C, H, W] they share)``."""
+def _checked_files(directory: Path, tolerance: float) -> tuple[dict[Path, H5Info], dict[Path, os.stat_result],
+                                                                 tuple[int, int, int]]:
+    """Every h5 file under ``directory`` checked (`lwm generate`'s rollouts skipped) -> ``({file: info}, {file: its
+    stat before the check}, the [C, H, W] they share)``; every bad file named in one refusal."""
     files, problems = find_h5_files(directory)
     unfound = len(problems)  # links to nothing, unreadable folders
     infos, stats = {}, {}
@@ -261,7 +241,13 @@ def _checked_files(
     if not infos and not problems:
         raise DataError(f"{directory}: no .h5/.hdf5 files to index" + (" (only `lwm generate`'s rollouts, skipped)"
                                                                         if files else ""))
-    _warn_slow_chunks(infos)
+    slow = [(p, i) for p, i in infos.items() if (i.filtered_chunk_frames or 0) > SLOW_CHUNK_FRAMES]
+    if slow:
+        p, i = slow[0]
+        print(f"warning: {len(slow)} of {len(infos)} files store compressed latents in chunks of many frames (first: "
+              f"{p}, '{i.key}' in chunks of {i.filtered_chunk_frames} frames): each training window decompresses "
+              f"whole chunks, which can starve the GPU; chunks of one frame read fast (`h5repack -l "
+              f"{i.key}:CHUNK=1x{i.channels}x{i.height}x{i.width} IN OUT`), as do uncompressed files", file=sys.stderr)
     shapes = Counter((i.channels, i.height, i.width) for i in infos.values())
     shape = shapes.most_common(1)[0][0] if shapes else None
     for p, info in list(infos.items()):  # the odd files out are named, not the majority
@@ -276,50 +262,19 @@ def _checked_files(
     return infos, stats, shape
 
 
-def _warn_slow_chunks(infos: dict[Path, H5Info]) -> None:
-    """One warning where compressed latents are chunked over many frames."""
-    slow = [(p, i) for p, i in infos.items() if (i.filtered_chunk_frames or 0) > SLOW_CHUNK_FRAMES]
-    if slow:
-        p, info = slow[0]
-        print(f"warning: {len(slow)} of {len(infos)} files store compressed latents in chunks of many frames (first: "
-              f"{p}, '{info.key}' in chunks of {info.filtered_chunk_frames} frames): each training window decompresses "
-              f"whole chunks, which can starve the GPU; chunks of one frame read fast (`h5repack -l "
-              f"{info.key}:CHUNK=1x{info.channels}x{info.height}x{info.width} IN OUT`), as do uncompressed files",
-              file=sys.stderr)
-
-
 def val_count(val_fraction: float, files: int) -> int:
-    """The files of the validation split that ``val_fraction`` of ``files`` asks for: at least one of two or more
-    where it is positive, never every file."""
+    """The val files ``val_fraction`` of ``files`` asks for: one at least of two or more, never every file."""
     n_val = int(round(val_fraction * files))
     if val_fraction > 0 and files >= 2:
         n_val = max(n_val, 1)
     return min(n_val, max(files - 1, 0))
 
 
-def _val_files(good: list[Path], relative: dict[Path, str], kept: dict[str, str], val_fraction: float,
-               seed: int) -> set[Path]:
-    """The validation split: the files a manifest already there has in it (``kept``: relative path -> split), and new
-    files drawn by a seeded shuffle towards ``val_fraction`` of all (at least one of two or more files where the
-    fraction is positive; never every new file: kept val files with no train file left are every file, which
-    :func:`index_directory` refuses)."""
-    new = [p for p in good if relative[p] not in kept]
-    n_val = val_count(val_fraction, len(good))
-    kept_val = sum(kept.get(relative[p]) == "val" for p in good)
-    n_val_new = min(max(n_val - kept_val, 0), len(new))  # (at most n_val in all: a training file is left)
-    order = np.random.default_rng(seed).permutation(len(new))
-    return {new[i] for i in order[:n_val_new]} | {p for p in good if kept.get(relative[p]) == "val"}
-
-
-def index_directory(
-    directory: str | Path,
-    out: str | Path | None = None,
-    val_fraction: float = 0.1,
-    seed: int = 0,
-    tolerance: float = 1e-3,
-    resplit: bool = False,
-) -> Manifest:
-    """Check every ``*.h5``/``*.hdf5`` under ``directory`` and write a manifest (default ``DIR/manifest.json``)."""
+def index_directory(directory: str | Path, out: str | Path | None = None, val_fraction: float = 0.1, seed: int = 0,
+                    tolerance: float = 1e-3, resplit: bool = False) -> Manifest:
+    """Check every ``*.h5``/``*.hdf5`` under ``directory`` and write a manifest (default ``DIR/manifest.json``): the
+    files an existing manifest lists keep their split, new files are drawn towards ``val_fraction`` by a seeded
+    shuffle."""
     directory = Path(directory)
     out = Path(out) if out else directory / "manifest.json"
     head = b""
@@ -333,43 +288,38 @@ def index_directory(
         (f"--seed must be an integer >= 0, got {seed!r}", not _is_int(seed) or seed < 0),  # as numpy's seeds
         (f"--out {out}: exists and is not a JSON manifest; not overwritten",
          out.exists() and not (out.is_file() and (not head or head.startswith(b"{")))), error=DataError)
-    # paths as found below the real folders (a linked file under its link's name: a copy that follows links, cp -rL,
-    # keeps the manifest; the folders' own links resolved, so that ".." in a path means what the system makes of it)
+    # paths as found below the real folders (a linked file under its link's name, so that a copy that follows links,
+    # cp -rL, keeps the manifest; ".." in a path means what the system makes of it)
     infos, stats, shape = _checked_files(Path(os.path.realpath(directory)), tolerance)
     good = list(infos)
     base = os.path.realpath(out.parent)
     relative = {p: os.path.relpath(p, base) for p in good}
-    kept = {} if resplit else _previous_splits(out, shape)  # relative path (and file identity) -> split
-    kept = {relative[p]: split for p in good  # a file an older manifest listed under its link's target too
-            if (split := kept.get(relative[p], kept.get(_identity(p)))) is not None}
-    val = _val_files(good, relative, kept, val_fraction, seed)
+    previous = {} if resplit else _previous_splits(out, shape)  # relative path (and file identity) -> split
+    kept = {p: split for p in good  # a file an older manifest listed under its link's target too
+            if (split := previous.get(relative[p], previous.get(_identity(p)))) is not None}
+    new = [p for p in good if p not in kept]
+    n_val_new = min(max(val_count(val_fraction, len(good)) - list(kept.values()).count("val"), 0), len(new))
+    val = {new[i] for i in np.random.default_rng(seed).permutation(len(new))[:n_val_new]} | \
+        {p for p, split in kept.items() if split == "val"}
     if val and len(val) == len(good):  # (kept val files, their train files gone)
         raise DataError(f"{out}: every file would be a val file: the files the existing manifest lists keep their "
                         f"split, and its train files are gone; --resplit draws the splits again")
-    entries = [
-        ManifestEntry(relative[p], infos[p].frames, "val" if p in val else "train", infos[p].key, stats[p].st_size,
-                      stats[p].st_mtime)
-        for p in good
-    ]
-    manifest = Manifest(out, *shape, entries)
+    manifest = Manifest(out, *shape, [ManifestEntry(relative[p], infos[p].frames, "val" if p in val else "train",
+                                                    infos[p].key, stats[p].st_size, stats[p].st_mtime) for p in good])
     manifest.save(out)
-    if shape[1] % MODEL_MULTIPLE or shape[2] % MODEL_MULTIPLE:  # valid latents, perhaps for another tool
+    C, H, W = shape
+    if H % MODEL_MULTIPLE or W % MODEL_MULTIPLE:  # valid latents, perhaps for another tool
         print(f"warning: {out}: the files' latents are {list(shape)}, and lwm's model cannot train on them (it needs a "
               f"height and width that are multiples of {MODEL_MULTIPLE}: its tokenizer downsamples by "
               f"{MODEL_MULTIPLE}); indexed all the same (to train on them, encode them again at another --size)",
               file=sys.stderr)
-    if shape[0] == shape[1] != shape[2]:  # [T, H, W, C] of square frames read as [T, C, H, W]: C == H, W the channels
-        print(f"warning: {out}: the files' latents are read as [T, C, H, W] = [T, {', '.join(map(str, shape))}]: "
-              f"{shape[0]} channels of {shape[1]}x{shape[2]}; if they are channels-last [T, H, W, C] ({shape[0]}x"
-              f"{shape[1]} frames of {shape[2]} channels), transpose them to [T, C, H, W] first "
-              f"(numpy: x.transpose(0, 3, 1, 2))", file=sys.stderr)
+    if C == H != W:  # [T, H, W, C] of square frames read as [T, C, H, W]: C == H, W the channels
+        print(f"warning: {out}: the files' latents are read as [T, C, H, W] = [T, {C}, {H}, {W}]: {C} channels of "
+              f"{H}x{W}; if they are channels-last [T, H, W, C] ({C}x{H} frames of {W} channels), transpose them to "
+              f"[T, C, H, W] first (numpy: x.transpose(0, 3, 1, 2))", file=sys.stderr)
     if not val:  # not an error
-        if len(good) == 1:
-            why = "a single file is never split"
-        elif val_fraction == 0:
-            why = "--val-fraction 0"
-        else:
-            why = "the files the existing manifest lists keep their train split (--resplit draws them again)"
+        why = ("a single file is never split" if len(good) == 1 else "--val-fraction 0" if val_fraction == 0 else
+               "the files the existing manifest lists keep their train split (--resplit draws them again)")
         print(f"warning: {out}: no val files ({why}); `lwm fit` needs some: index more files, give a larger "
               f"--val-fraction, or cut long videos into several files (`lwm data encode VIDEO --segment N`); or "
               f"train without validation (data.val_size_percent=0)", file=sys.stderr)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+import h5py
 import numpy as np
 
 from lwm.data.codecs import PixelCodec
@@ -57,14 +58,9 @@ def background(world: int, size: int = SIZE) -> np.ndarray:
     w = WORLDS[world]
     yy, xx = np.mgrid[0:size, 0:size]
     cell, stripe = scaled(32, size), scaled(16, size)
-    second = {
-        "flat": np.zeros((size, size), dtype=bool),
-        "checker": ((yy // cell) + (xx // cell)) % 2 == 1,
-        "hstripes": (yy // stripe) % 2 == 1,
-        "vstripes": (xx // stripe) % 2 == 1,
-    }[w.background]
+    second = {"flat": np.zeros((size, size), dtype=bool), "checker": ((yy // cell) + (xx // cell)) % 2 == 1,
+              "hstripes": (yy // stripe) % 2 == 1, "vstripes": (xx // stripe) % 2 == 1}[w.background]
     img = np.where(second[..., None], np.array(w.colours[1], np.uint8), np.array(w.colours[0], np.uint8))
-    img = img.astype(np.uint8)
     img.flags.writeable = False
     return img
 
@@ -90,8 +86,7 @@ def episode_seed(seed: int, index: int) -> int:
 
 def simulate(seed: int, frames: int, world: int | None = None, worlds: int = K, size: int = SIZE,
              distractors: int = DISTRACTORS):
-    """The episode's state: ``(world, agent [T, 2], actions [T], discs [D, T, 2], colours [D])`` (``frames`` >= 1,
-    ``size`` a multiple of 16, as :func:`make_dataset` checks)."""
+    """The episode's state: ``(world, agent [T, 2], actions [T], discs [D, T, 2], colours [D])``."""
     rng = np.random.default_rng(seed)
     drawn = int(rng.integers(worlds))  # always drawn, so the streams below do not depend on ``world``
     world = drawn if world is None else int(world)
@@ -104,11 +99,8 @@ def simulate(seed: int, frames: int, world: int | None = None, worlds: int = K, 
     repeat = rng.random(frames) < STICKY
     choice = rng.integers(0, len(ACTIONS), size=frames)
     redraw = rng.random(frames)
-
-    agent = np.empty((frames, 2), dtype=np.int64)
-    actions = np.empty(frames, dtype=np.int64)
-    pos = start.astype(np.int64)
-    prev = int(choice[0])
+    agent, actions = np.empty((frames, 2), dtype=np.int64), np.empty(frames, dtype=np.int64)
+    pos, prev = start.astype(np.int64), int(choice[0])
     for t in range(frames):
         agent[t] = pos
         a = prev if (t > 0 and repeat[t]) else int(choice[t])
@@ -117,7 +109,6 @@ def simulate(seed: int, frames: int, world: int | None = None, worlds: int = K, 
             a = allowed[int(redraw[t] * len(allowed))]
         actions[t] = prev = a
         pos = step(pos, a, w, size)
-
     discs = np.empty((distractors, frames, 2), dtype=np.int64)
     lo, hi = 0, size - 2 * radius  # top-left corner of the disc's box
     p, v = d_pos.copy(), d_vel.copy()
@@ -160,10 +151,7 @@ SETTINGS_ATTR = "synth"  # JSON of the settings an episode file was made with
 
 
 def _made_with(path: Path) -> tuple[dict | None, tuple[int, ...] | None]:
-    """The settings an existing episode file was made with (its ``synth`` attribute) and its latents' shape, each
-    None where it has none."""
-    import h5py
-
+    """The settings (its ``synth`` attribute) and latents' shape of an existing episode file, each None if none."""
     settings = shape = None
     try:
         with h5py.File(path, "r") as f:
@@ -174,12 +162,10 @@ def _made_with(path: Path) -> tuple[dict | None, tuple[int, ...] | None]:
     return settings, shape
 
 
-def make_dataset(
-    out_dir: str | Path, episodes: int = 64, frames: int = 32, seed: int = 0, val_fraction: float = 0.125,
-    worlds: int = K, size: int = SIZE, distractors: int = DISTRACTORS, overwrite: bool = False,
-    look_alike: bool = False,
-    remedy: str = "--overwrite replaces it, or synthesise into another folder",
-) -> Path:
+def make_dataset(out_dir: str | Path, episodes: int = 64, frames: int = 32, seed: int = 0, val_fraction: float = 0.125,
+                 worlds: int = K, size: int = SIZE, distractors: int = DISTRACTORS, overwrite: bool = False,
+                 look_alike: bool = False,
+                 remedy: str = "--overwrite replaces it, or synthesise into another folder") -> Path:
     """Write ``episodes`` files ``out_dir/ep_XXXX.h5`` (``latents`` float16 through the pixel codec, ``actions``
     int64 ``[T]``, attributes ``world_label``, ``codec`` and ``synth``: the settings) and index them."""
     refuse_first(  # before the folder is made or anything rendered
@@ -194,56 +180,50 @@ def make_dataset(
          size < 16 or size % 16), error=DataError)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-
-    existing_h5(out, {f"ep_{i:04d}.h5" for i in range(episodes)}, "; synthesise into an empty folder")
+    names = [f"ep_{i:04d}.h5" for i in range(episodes)]
+    existing_h5(out, set(names), "; synthesise into an empty folder")
     settings = {"seed": seed, "frames": frames, "size": size, "worlds": worlds, "distractors": distractors,
                 **({"look_alike": True} if look_alike else {})}
-    existing = [i for i in range(episodes) if (out / f"ep_{i:04d}.h5").exists()]
     if not overwrite:  # never replace the files of another data set without being asked
-        for i in existing:
-            made, shape = _made_with(out / f"ep_{i:04d}.h5")
-            if made is None and shape == (frames, 16, size // 2, size // 2):
-                continue  # no record of its settings, but this data set's shape: taken as this data set's
-            if made != {**settings, "episode": i}:
+        existing = [i for i in range(episodes) if (out / names[i]).exists()]
+        for i in existing:  # (one of this shape without a record of its settings is taken as this data set's)
+            made, shape = _made_with(out / names[i])
+            if made != {**settings, "episode": i} and not (made is None and shape == (frames, 16, size // 2, size // 2)):
                 was = ("no record of its settings" if made is None else
                        ", ".join(f"{k} {made.get(k)}" for k in settings if made.get(k) != settings[k]))
                 now = ", ".join(f"{k} {v}" for k, v in settings.items() if made is None or made.get(k) != v)
-                raise DataError(f"{out / f'ep_{i:04d}.h5'}: exists, made with {was} (this run: {now}); {remedy}")
+                raise DataError(f"{out / names[i]}: exists, made with {was} (this run: {now}); {remedy}")
         if not existing and (out / "manifest.json").exists():
             raise DataError(f"{out / 'manifest.json'}: exists; {remedy}")
-
     codec = PixelCodec(size=size)
     for i in range(episodes):
         video, actions, label = render_episode(episode_seed(seed, i), frames, i % worlds, size=size,
                                                distractors=distractors, look_alike=look_alike)
-        write_latents(out / f"ep_{i:04d}.h5", codec, video, actions, world_label=label,
+        write_latents(out / names[i], codec, video, actions, world_label=label,
                       attrs={SETTINGS_ATTR: json.dumps({**settings, "episode": i})})
-
     return index_directory(out, val_fraction=val_fraction, seed=seed).path
 
 
 def main(argv: list[str]) -> int:
     """``lwm data synth --out DIR --episodes N [--frames T] [--seed S] [--val-fraction F] [--worlds K] [--size S]
     [--distractors D] [--overwrite]``."""
-
-    parser = ArgumentParser(
-        prog="lwm data synth",
-        description="Write a synthetic data set with known actions and worlds (an agent square moved by 5 actions "
-                    "in K worlds of different backgrounds, speeds and edges) as pixel-codec h5 files and a manifest.",
-    )
-    parser.add_argument("--out", required=True, help="output folder (ep_XXXX.h5 files and manifest.json)")
-    parser.add_argument("--episodes", type=int, default=64, help="number of episodes, a file each (default 64)")
-    parser.add_argument("--frames", type=int, default=32, help="frames per episode (default 32)")
-    parser.add_argument("--seed", type=int, default=0, help="data set seed (default 0)")
-    parser.add_argument("--val-fraction", type=float, default=0.125, help="fraction of episodes for validation")
-    parser.add_argument("--worlds", type=int, default=K, help=f"number of worlds used, 1..{K} (default {K})")
-    parser.add_argument("--size", type=int, default=SIZE, help=f"frame size in pixels, a multiple of 16 (default {SIZE}; latents are size/2)")
-    parser.add_argument("--distractors", type=int, default=DISTRACTORS, help=f"drifting discs, 0..4 (default {DISTRACTORS})")
-    parser.add_argument("--look-alike", action="store_true",
-                        help="every world on the same background: only the dynamics (speed, edges) tell them apart")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace episode files (and the manifest) in --out made with other settings (default: "
-                             "refused; the same settings again rewrite the same files)")
+    parser = ArgumentParser(prog="lwm data synth", description="Write a synthetic data set with known actions and "
+                            "worlds (an agent square moved by 5 actions in K worlds of different backgrounds, speeds "
+                            "and edges) as pixel-codec h5 files and a manifest.")
+    add = parser.add_argument
+    add("--out", required=True, help="output folder (ep_XXXX.h5 files and manifest.json)")
+    add("--episodes", type=int, default=64, help="number of episodes, a file each (default 64)")
+    add("--frames", type=int, default=32, help="frames per episode (default 32)")
+    add("--seed", type=int, default=0, help="data set seed (default 0)")
+    add("--val-fraction", type=float, default=0.125, help="fraction of episodes for validation")
+    add("--worlds", type=int, default=K, help=f"number of worlds used, 1..{K} (default {K})")
+    add("--size", type=int, default=SIZE, help=f"frame size in pixels, a multiple of 16 (default {SIZE}; latents are "
+                                              f"size/2)")
+    add("--distractors", type=int, default=DISTRACTORS, help=f"drifting discs, 0..4 (default {DISTRACTORS})")
+    add("--look-alike", action="store_true",
+        help="every world on the same background: only the dynamics (speed, edges) tell them apart")
+    add("--overwrite", action="store_true", help="replace episode files (and the manifest) in --out made with other "
+        "settings (default: refused; the same settings again rewrite the same files)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     path = make_dataset(args.out, args.episodes, args.frames, args.seed, args.val_fraction, args.worlds, args.size,

@@ -37,11 +37,6 @@ def video_frames(latents: int) -> int:
     return 1 + TEMPORAL * (latents - 1)
 
 
-def latent_actions(actions: np.ndarray) -> np.ndarray:
-    """Per-frame actions ``[F]`` -> per-latent-step actions ``[1 + (F-1)//4]``: the action after frame ``4k``."""
-    return np.asarray(actions)[:: TEMPORAL][: latent_frames(len(actions))]
-
-
 def normalisation(name: str, config) -> tuple[list[float], list[float]]:
     """``(shift, scale)`` per channel with ``y = (z - shift) / scale`` for the VAE ``name`` with this config."""
     channels = int(config.get("z_dim", config.get("latent_channels", 16)))
@@ -53,8 +48,7 @@ def normalisation(name: str, config) -> tuple[list[float], list[float]]:
 
 def _short(values) -> str:
     """A normalisation's values for a message: the first, and how many more."""
-    values = [float(v) for v in values]
-    return f"{values[0]:.4g}" + (f" (and {len(values) - 1} more)" if len(values) > 1 else "")
+    return f"{float(values[0]):.4g}" + (f" (and {len(values) - 1} more)" if len(values) > 1 else "")
 
 
 def geometry(name: str, config) -> tuple[int, int, int]:
@@ -71,25 +65,17 @@ def geometry(name: str, config) -> tuple[int, int, int]:
 
 def load_vae(name: str, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
              tiling: bool = False):
-    """The diffusers VAE ``name`` (``wan``, ``cogvideox``, ``hunyuan``) from the local folder ``path`` (or its
-    ``vae/``), in eval mode."""
+    """The diffusers VAE ``name`` from the local folder ``path`` (or its ``vae/``), in eval mode."""
     try:
         import diffusers
     except ImportError:
         raise DataError(f"the {name} codec needs diffusers, an optional extra: pip install 'lwm[vae]'") from None
     path = Path(path)
-    subfolder = "vae" if (path / "vae" / "config.json").is_file() else None
     check_device(device)
-    try:
-        declared = json.loads((path / (subfolder or "") / "config.json").read_text()).get("_class_name")
-    except (OSError, ValueError, AttributeError):  # none, or not JSON: from_pretrained says which
-        declared = None
-    if declared and declared != CLASSES[name]:
-        raise DataError(f"--vae {path}: holds a {declared}, but the {name} codec needs a {CLASSES[name]}")
-    cls = getattr(diffusers, CLASSES[name])
-    try:
-        vae, info = cls.from_pretrained(path, subfolder=subfolder, local_files_only=True, torch_dtype=dtype,
-                                        output_loading_info=True)
+    try:  # (another class's weights fail to load, or leave tensors missing)
+        vae, info = getattr(diffusers, CLASSES[name]).from_pretrained(
+            path, subfolder="vae" if (path / "vae" / "config.json").is_file() else None, local_files_only=True,
+            torch_dtype=dtype, output_loading_info=True)
     except (OSError, ValueError, RuntimeError) as e:
         raise DataError(f"--vae {path}: cannot load the {CLASSES[name]} ({first_line(e)})") from None
     missing = list(info.get("missing_keys") or []) + [k for k, *_ in info.get("mismatched_keys") or []]
@@ -108,8 +94,7 @@ def load_vae(name: str, path: str | Path, device: str | torch.device = "cpu", dt
 
 @dataclass
 class VAECodec:
-    """RGB ``uint8 [F, S, S, 3]`` <-> latents ``float32 [1 + (F-1)//4, 16, S/8, S/8]`` in [-1, 1] through a diffusers
-    video VAE (``vae`` loaded by :func:`load_vae`)."""
+    """RGB ``uint8 [F, S, S, 3]`` <-> latents ``float32 [1 + (F-1)//4, 16, S/8, S/8]`` in [-1, 1] through a VAE."""
 
     name: str
     vae: torch.nn.Module
@@ -122,7 +107,7 @@ class VAECodec:
     @classmethod
     def load(cls, name: str, path: str | Path, size: int = 512, device: str | torch.device = "cpu",
              dtype: torch.dtype = torch.float32, tiling: bool = False) -> VAECodec:
-        """Load the VAE and take the normalisation from its config (``tiling``: see :func:`load_vae`)."""
+        """Load the VAE and take the normalisation from its config."""
         vae = load_vae(name, path, device, dtype, tiling)
         shift, scale = normalisation(name, vae.config)
         return cls(name, vae, size, tuple(shift), tuple(scale))
@@ -134,10 +119,9 @@ class VAECodec:
                            "frames_per_latent": self.frames_per_latent, "spatial": SPATIAL,
                            "shift": list(self.shift), "scale": list(self.scale)})
 
-    def _affine(self, device) -> tuple[torch.Tensor, torch.Tensor]:
-        shift = torch.tensor(self.shift, dtype=torch.float32, device=device)[:, None, None, None]  # [C, 1, 1, 1]
-        scale = torch.tensor(self.scale, dtype=torch.float32, device=device)[:, None, None, None]
-        return shift, scale
+    def _affine(self, device) -> tuple[torch.Tensor, torch.Tensor]:  # shift, scale [C, 1, 1, 1]
+        return tuple(torch.tensor(v, dtype=torch.float32, device=device)[:, None, None, None]
+                     for v in (self.shift, self.scale))
 
     @torch.no_grad()
     def encode(self, frames: np.ndarray) -> np.ndarray:
@@ -180,8 +164,7 @@ class VAECodec:
     @classmethod
     def from_attr(cls, spec: dict, vae_path: str | Path, device: str | torch.device = "cpu",
                   dtype: torch.dtype = torch.float32, tiling: bool = False) -> VAECodec:
-        """The codec a file's ``codec`` attribute describes, with the VAE weights from ``vae_path`` (``tiling``: see
-        :func:`load_vae`)."""
+        """The codec a file's ``codec`` attribute describes, with the VAE weights from ``vae_path``."""
         vae = load_vae(spec["name"], vae_path, device, dtype, tiling)
         shift, scale = normalisation(spec["name"], vae.config)  # other weights of the class (CogVideoX 2b vs 5b):
         recorded = [float(v) for v in (*spec["shift"], *spec["scale"])]  # another scale, a wrong video silently

@@ -1,4 +1,4 @@
-"""Random T-frame windows from h5 files: a map-style dataset indexed by ``(file, start)`` and a batch
+"""Random fixed-length frame windows from h5 files: a map-style dataset indexed by ``(file, start)`` and a batch
 sampler that draws each batch element from a different file."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from lwm.data.manifest import Manifest, ManifestEntry
 MISSING = -1  # value of `actions` / `world_label` in a batch when the file has none
 MAX_OPEN_FILES = 128  # h5 handles one process keeps open (each holds HDF5's caches: about 0.6 MB)
 # A file of at most LOAD_WINDOWS windows is read whole at its first window and kept in memory (at most LOADED_BYTES per
-# process): many short clips (one h5 each) then cost one open each, not one per window.
+# process): many short clips then cost one open each, not one per window.
 LOAD_WINDOWS = 16
 LOADED_BYTES = 256 * 2**20
 LABEL_DRAW = 0x1abe1  # the seed of the fixed draw of which actions stay labelled (label_fraction)
@@ -29,8 +29,6 @@ SHORT_NAMED = 10  # short files named in the warning
 
 
 class _Open(NamedTuple):
-    """A file a process holds open, with what each window reads of it."""
-
     file: h5py.File | None  # None: read whole into memory
     latents: h5py.Dataset | np.ndarray
     actions: h5py.Dataset | np.ndarray | None
@@ -44,29 +42,26 @@ class H5WindowDataset(Dataset):
     def __init__(self, manifest: Manifest, split: str, window: int, float16: bool = True,
                  max_open: int = MAX_OPEN_FILES, label_fraction: float = 1.0, loaded_bytes: int | None = None) -> None:
         entries = manifest.split(split)
-        if not entries:
-            hint = (" (index more files, or with a larger --val-fraction; or train without validation: "
-                    "data.val_size_percent=0)" if split == "val" else "")
-            raise DataError(f"{manifest.path}: the '{split}' split is empty{hint}")
-        self.window, self.float16 = window, float16
         self.entries: list[ManifestEntry] = [e for e in entries if e.frames >= window]
         if not self.entries:
-            longest = max(e.frames for e in entries)
-            raise DataError(f"{manifest.path}: window {window} is longer than every '{split}' file (longest: {longest} frames)")
+            hint = (" (index more files, or with a larger --val-fraction; or train without validation: "
+                    "data.val_size_percent=0)" if split == "val" else "")
+            raise DataError(f"{manifest.path}: the '{split}' split is empty{hint}" if not entries else
+                            f"{manifest.path}: window {window} is longer than every '{split}' file (longest: "
+                            f"{max(e.frames for e in entries)} frames)")
         short = [e for e in entries if e.frames < window]
         if short:  # one warning for all, naming the first few
             named = ", ".join(f"{manifest.resolve(e)} ({e.frames} frames)" for e in short[:SHORT_NAMED])
             more = f" and {len(short) - SHORT_NAMED} more" if len(short) > SHORT_NAMED else ""
             warnings.warn(f"{len(short)} '{split}' file(s) shorter than the window of {window} frames, left out: "
                           f"{named}{more}", stacklevel=2)
+        self.window, self.float16, self.max_open, self.label_fraction = window, float16, max_open, label_fraction
         self.paths = [str(manifest.resolve(e)) for e in self.entries]
         self.frames = [e.frames for e in self.entries]
-        self.max_open = max(1, max_open)
-        self.label_fraction = label_fraction
         self.loaded_bytes = LOADED_BYTES if loaded_bytes is None else loaded_bytes
+        self._labelled: dict[int, torch.Tensor] = {}  # per file: which actions label_fraction keeps
         self._handles: OrderedDict[int, _Open] = OrderedDict()
         self._loaded: OrderedDict[int, _Open] = OrderedDict()  # files read whole (LOAD_WINDOWS)
-        self._labelled: dict[int, torch.Tensor] = {}  # per file: which actions label_fraction keeps
         self._pid: int | None = None
 
     def __len__(self) -> int:
@@ -74,40 +69,26 @@ class H5WindowDataset(Dataset):
         return sum(f // self.window for f in self.frames)
 
     def _file(self, index: int) -> _Open:
-        """The open file ``index``: its handle, datasets and label, looked up once per opening (a dataset lookup and
-        the label's parse cost several times the slice read of a small window); a short file read whole."""
+        """The open file ``index`` (datasets and label looked up once per opening); a short file read whole."""
         if self._pid != os.getpid():  # a new worker process
             self._handles, self._loaded, self._pid = OrderedDict(), OrderedDict(), os.getpid()
         for cache in (self._loaded, self._handles):
-            opened = cache.get(index)
-            if opened is not None:
+            if index in cache:
                 cache.move_to_end(index)
-                return opened
+                return cache[index]
         while len(self._handles) >= self.max_open:
             self._handles.popitem(last=False)[1].file.close()
-        path, key = self.paths[index], self.entries[index].key
-        try:
-            f = h5py.File(path, "r")
-        except OSError as e:
-            raise DataError(f"{path}: cannot be opened as HDF5 ({first_line(e)})") from None
-        try:
-            label = f.attrs.get("world_label")
-            opened = _Open(f, f[key], f[ACTIONS_KEY] if ACTIONS_KEY in f else None,
-                           MISSING if label is None else parse_world_label(label, path))
-        except (OSError, KeyError) as e:  # changed or damaged since `lwm data index` checked it
-            f.close()
-            raise DataError(f"{path}: '{key}' unreadable ({first_line(e)}); run `lwm data index` on the folder "
-                            f"again") from None
-        except DataError:
-            f.close()
-            raise
+        f = h5py.File(self.paths[index], "r")
+        label = f.attrs.get("world_label")
+        opened = _Open(f, f[self.entries[index].key], f.get(ACTIONS_KEY),
+                       MISSING if label is None else parse_world_label(label, self.paths[index]))
         if self.frames[index] <= LOAD_WINDOWS * self.window and self.loaded_bytes > 0:
             try:
-                whole = _Open(None, opened.latents[:], None if opened.actions is None else opened.actions[:],
-                              opened.label)
+                whole = opened._replace(file=None, latents=opened.latents[:],
+                                        actions=None if opened.actions is None else opened.actions[:])
             except OSError:  # damaged somewhere: read window by window, which names the frames
-                whole = None
-            if whole is not None:
+                pass
+            else:
                 f.close()
                 self._loaded[index] = whole
                 while sum(o.latents.nbytes for o in self._loaded.values()) > self.loaded_bytes and len(self._loaded) > 1:
@@ -118,43 +99,30 @@ class H5WindowDataset(Dataset):
 
     def __getitem__(self, item: tuple[int, int]) -> dict[str, torch.Tensor]:
         index, start = item
-        opened = self._file(index)
-        stop = start + self.window
-        key = self.entries[index].key
-        try:
-            ds = opened.latents
-            keep = self.float16 and ds.dtype == np.float16
-            # (np.array copies: a window of a file read whole is not a view of it)
-            latents = torch.from_numpy(np.array(ds[start:stop], dtype=np.float16 if keep else np.float32))
+        stop, key, path = start + self.window, self.entries[index].key, self.paths[index]
+        try:  # (np.array copies: a window of a file read whole is not a view of it)
+            opened = self._file(index)
+            keep = self.float16 and opened.latents.dtype == np.float16
+            latents = torch.from_numpy(np.array(opened.latents[start:stop], dtype=np.float16 if keep else np.float32))
             actions = None if opened.actions is None else np.array(opened.actions[start:stop], dtype=np.int64)
         except (OSError, KeyError) as e:  # changed or damaged since `lwm data index` checked it
-            raise DataError(f"{self.paths[index]}: '{key}' unreadable at frames {start}..{stop - 1} "
-                            f"({first_line(e)}); run `lwm data index` on the folder again") from None
-        short = [(name, len(a)) for name, a in ((key, latents), (ACTIONS_KEY, actions)) if a is not None
-                 and len(a) != self.window]  # h5py cuts a slice past the end short, as numpy does
+            raise DataError(f"{path}: '{key}' unreadable at frames {start}..{stop - 1} ({first_line(e)}); run "
+                            f"`lwm data index` on the folder again") from None
+        short = [(name, len(a)) for name, a in ((key, latents), (ACTIONS_KEY, actions))
+                 if a is not None and len(a) != self.window]  # h5py cuts a slice past the end short, as numpy does
         if short:  # a file rewritten shorter since setup checked it
-            name, got = short[0]
-            raise DataError(f"{self.paths[index]}: '{name}' has {start + got} frames, the manifest says "
-                            f"{self.frames[index]} (changed since it was indexed); run `lwm data index` on the "
-                            f"folder again")
-        if actions is not None:
-            actions = torch.from_numpy(actions)
-            if self.label_fraction < 1.0:
-                actions = torch.where(self.labelled(index)[start:stop], actions, MISSING)
-        else:
-            actions = torch.full((self.window,), MISSING, dtype=torch.int64)
-        return {
-            "latents": latents,
-            "actions": actions,
-            "world_label": torch.tensor(opened.label),
-            "file_index": torch.tensor(index),
-            "start": torch.tensor(start),
-        }
+            raise DataError(f"{path}: '{short[0][0]}' has {start + short[0][1]} frames, the manifest says "
+                            f"{self.frames[index]} (changed since it was indexed); run `lwm data index` on the folder "
+                            f"again")
+        actions = torch.full((self.window,), MISSING) if actions is None else torch.from_numpy(actions)
+        if opened.actions is not None and self.label_fraction < 1.0:
+            actions = torch.where(self.labelled(index)[start:stop], actions, MISSING)
+        return {"latents": latents, "actions": actions, "world_label": torch.tensor(opened.label),
+                "file_index": torch.tensor(index), "start": torch.tensor(start)}
 
     def labelled(self, index: int) -> torch.Tensor:
-        """``[frames]`` bool: which actions of file ``index`` a batch keeps under ``label_fraction``, the same in every
-        epoch, process and run (a fixed draw per file)."""
-        if index not in self._labelled:  # drawn once per file, not per window
+        """``[frames]`` bool: the actions of file ``index`` kept under ``label_fraction`` (the same in every run)."""
+        if index not in self._labelled:
             draw = np.random.default_rng([LABEL_DRAW, index]).random(self.frames[index])
             self._labelled[index] = torch.from_numpy(draw < self.label_fraction)
         return self._labelled[index]
@@ -164,25 +132,20 @@ class H5WindowDataset(Dataset):
             opened.file.close()
         self._handles, self._loaded = OrderedDict(), OrderedDict()
 
-    def __getstate__(self) -> dict:  # spawn workers receive a pickled copy
-        state = self.__dict__.copy()
-        state["_handles"], state["_loaded"], state["_pid"] = OrderedDict(), OrderedDict(), None
-        return state
+    def __getstate__(self) -> dict:  # spawn workers receive a pickled copy, without handles
+        return {**self.__dict__, "_handles": OrderedDict(), "_loaded": OrderedDict(), "_pid": None}
 
 
 def collate_windows(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """``default_collate``, except that a batch mixing float16 and float32 windows (a split of both kinds of files)
-    is float32."""
-    dtypes = {item["latents"].dtype for item in items}
-    if len(dtypes) > 1:
+    """``default_collate``; a batch mixing float16 and float32 windows is float32."""
+    if len({item["latents"].dtype for item in items}) > 1:
         items = [{**item, "latents": item["latents"].float()} for item in items]
     return default_collate(items)
 
 
 def inclusion_probabilities(weights: np.ndarray, n: int) -> np.ndarray:
-    """Inclusion probabilities ``pi`` of ``n`` distinct draws among ``len(weights)`` items, proportional to
-    ``weights`` where that stays <= 1, items that would exceed 1 fixed at 1 (included every time) and the rest
-    shared in proportion among the others."""
+    """Inclusion probabilities of ``n`` distinct draws, proportional to ``weights`` and capped at 1 (the rest shared
+    in proportion among the others)."""
     pi, fixed = np.zeros(len(weights)), np.zeros(len(weights), dtype=bool)
     while True:  # at most len(weights) rounds
         free = ~fixed
@@ -206,20 +169,11 @@ def systematic_pps(pi: np.ndarray, rng: np.random.Generator) -> np.ndarray:
 
 
 class FileBatchSampler(Sampler[list[tuple[int, int]]]):
-    """Batches of ``(file_index, start)``: each element of the global batch (every rank's batch together) from a
-    different file while there are enough files (else of each rank's batch, while there are enough for one), each
-    start uniform in the file."""
+    """Batches of ``(file_index, start)``: each element of the global batch from a different file while there are
+    enough files (else of each rank's batch), each start uniform in the file."""
 
-    def __init__(
-        self,
-        frames: Sequence[int],
-        window: int,
-        batch_size: int,
-        seed: int = 0,
-        rank: int = 0,
-        world_size: int = 1,
-        batches_per_epoch: int | None = None,
-    ) -> None:
+    def __init__(self, frames: Sequence[int], window: int, batch_size: int, seed: int = 0, rank: int = 0,
+                 world_size: int = 1, batches_per_epoch: int | None = None) -> None:
         self.frames = np.asarray(frames, dtype=np.int64)
         self.window, self.batch_size = window, batch_size
         self.seed, self.rank, self.world_size = seed, rank, world_size
@@ -238,9 +192,7 @@ class FileBatchSampler(Sampler[list[tuple[int, int]]]):
         rng = np.random.default_rng([self.seed, epoch, index])
         n_files, total = len(self.frames), self.batch_size * self.world_size
         rounds, rest = divmod(total, n_files)
-        picks = []
-        for _ in range(rounds):  # whole rounds
-            picks.extend(rng.permutation(n_files).tolist())
+        picks = [f for _ in range(rounds) for f in rng.permutation(n_files).tolist()]  # whole rounds
         if rest:
             picks.extend(systematic_pps(self.inclusion(rest), rng).tolist())
         if rounds and self.world_size > 1:  # a file twice in the global batch
@@ -250,7 +202,7 @@ class FileBatchSampler(Sampler[list[tuple[int, int]]]):
         return [(int(f), int(s)) for f, s in zip(picks[mine], starts[mine])]
 
     def inclusion(self, n: int) -> np.ndarray:
-        """Each file's probability of being among ``n`` distinct files drawn for a batch (cached per ``n``)."""
+        """Each file's probability of being among ``n`` distinct files of a batch (cached per ``n``)."""
         if n not in self._inclusion:
             self._inclusion[n] = inclusion_probabilities(self.weights, n)
         return self._inclusion[n]
@@ -284,15 +236,14 @@ def _deal(picks: list[int], ranks: int, n_files: int, rng: np.random.Generator) 
 
 
 def nonfinite_windows(batch: dict[str, torch.Tensor], paths: list[str]) -> list[str]:
-    """The windows of a batch (of :class:`H5WindowDataset` samples) whose latents hold NaN or inf, as ``"PATH (frames
-    a..b)"``."""
+    """The windows of a batch whose latents hold NaN or inf, as ``"PATH (frames a..b)"``."""
     x = batch["latents"]
     bad = nonfinite_mask(x).nonzero().flatten().tolist()
     return [window_name(paths, int(batch["file_index"][i]), int(batch["start"][i]), x.shape[1]) for i in bad]
 
 
 def nonfinite_mask(latents: torch.Tensor) -> torch.Tensor:
-    """``[B]`` bool, on the latents' device (no sync): which windows ``[B, T, ...]`` hold NaN or inf."""
+    """``[B]`` bool on the latents' device (no sync): which windows ``[B, T, ...]`` hold NaN or inf."""
     return ~torch.isfinite(latents).flatten(1).all(1)
 
 

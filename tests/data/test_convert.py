@@ -15,7 +15,6 @@ from lwm.data import convert
 from lwm.data.codecs import PixelCodec
 from lwm.data.convert import framing, iter_video, make_codec, square_resize, write_latents
 from lwm.data.h5 import DataError, inspect_h5
-from lwm.data.vae import latent_actions
 from lwm.utils.video import write_video
 
 
@@ -161,7 +160,7 @@ def test_write_latents_keeps_the_action_after_frame_4k(tmp_path):
     target = tmp_path / "x.h5"
     write_latents(target, FourToOne(), np.zeros((13, 64, 64, 3), np.uint8), actions)
     with h5py.File(target) as f:
-        assert f["actions"][...].tolist() == [0, 4, 8, 12] == latent_actions(actions).tolist()
+        assert f["actions"][...].tolist() == [0, 4, 8, 12]  # the action after frame 4k
 
 
 def test_a_frame_by_frame_codec_is_written_in_chunks_equal_to_one_call(tmp_path, monkeypatch):
