@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> Path:
     transitions = args.context + args.steps - 1  # actions the rollout needs
 
     # everything the checkpoint and the files can refuse, then the codec (a VAE: seconds and GPU memory to build)
-    given_world, given_actions = _given_codes(args, model, transitions, device)
+    given = _given_codes(args, model, transitions, device)
     needed = tuple(name for name, used in (("Action_Encoder", drawn[0] and args.actions == "dictionary"),
                                            ("World_Encoder", drawn[1])) if used)
     dictionaries = dictionaries_for(ckpt_path, args.codes, raw.get("global_step"), model, needed) if needed else None
@@ -113,21 +113,16 @@ def run(args: argparse.Namespace) -> Path:
               f"{offset + trained - 2} (a start up to model.net.max_time_offset {offset}, then the {trained - 1} "
               f"predictor inputs of a {trained}-frame window): later frames are out of the trained range",
               file=sys.stderr)
-    # the world's and the actions' draws in streams of their own, each a function of --seed alone
-    world_draws = seeded_generator("cpu", args.seed, WORLD_DRAWS)
-    action_draws = torch.Generator().manual_seed(args.seed)  # from the dictionary
-    random_action_draws = torch.Generator().manual_seed(args.seed)  # --actions random (on the CPU: any device)
     with torch.no_grad():
-        world, world_idx = _world(args, model, world_clip, trained, given_world, dictionaries, world_draws)
-        actions, action_idx = _actions(args, model, clip, trained, transitions, given_actions, dictionaries,
-                                       action_draws, random_action_draws)  # [R, T, Da], [R, T, La]
+        (world, world_idx), (actions, action_idx) = _codes(args, model, clip, world_clip, trained,
+                                                           given, dictionaries)  # [R, Dh|Lh], [R, T, Da|La]
         context = clip[:, : args.context].expand(args.rollouts, -1, -1, -1, -1)
         generated = model.generate(context, actions, world, args.steps, t0=0, window=window)  # [R, steps, C, H, W]
     rollouts = torch.cat([context, generated], dim=1).cpu()  # [R, context + steps, C, H, W]
     if args.fps is None and decoder is None:  # a latent preview: one frame per frames_per_latent video frames
         fps = fps / max(1, int((codec_spec(codec, str(args.data)) or {}).get("frames_per_latent", 1)))
-    played = {"action_indices": action_idx.cpu(), "world_indices": world_idx.cpu(), "window": window}
-    _write(args, out, latents_path, rollouts, clip, decoder, codec, args.fps or fps, played, before)
+    played = {"action_indices": action_idx.cpu(), "world_indices": world_idx.cpu()}
+    _write(args, out, latents_path, rollouts, clip, decoder, codec, args.fps or fps, played, window, before)
     return out
 
 
@@ -223,62 +218,50 @@ def _given_codes(args: argparse.Namespace, model, transitions: int,
     return world, actions
 
 
-def _world(args: argparse.Namespace, model, world_clip: torch.Tensor, trained: int | None,
-           given: torch.Tensor | None, dictionaries: dict | None, draws: torch.Generator) -> Codes:
-    """Each rollout's world ``[R, Dh]`` and its indices ``[R, Lh]``: given, drawn from the dictionary, or inferred."""
-    R = args.rollouts
-    if given is not None:
-        idx = given.expand(R, -1)
-    elif args.world == "dictionary":
-        idx = dictionaries["World_Encoder"].sample((R,), args.sampling, draws).to(world_clip.device)
-    else:
+def _codes(args: argparse.Namespace, model, clip: torch.Tensor, world_clip: torch.Tensor, trained: int | None,
+           given: tuple, dictionaries: dict | None) -> tuple[Codes, Codes]:
+    """Each rollout's world (``[R, Dh]``, ``[R, Lh]``) and actions (``[R, transitions, Da]``, ``[.., La]``): given,
+    inferred, or drawn (actions after the context's own, inferred), in streams of their own, functions of --seed."""
+    R, (given_world, given_actions) = args.rollouts, given
+    q_world, q_action = model.quantizers["World_Encoder"], model.quantizers["Action_Encoder"]
+    if given_world is None and args.world == "inferred":
         if trained and world_clip.shape[1] < trained:
             print(f"warning: --world inferred from {_count(world_clip.shape[1], 'frame')} of {args.data} (from "
                   f"--start {args.start}); training inferred it from {trained}: the code may differ from a whole "
                   f"window's", file=sys.stderr)
         inferred = model.encode_world(world_clip)
-        return inferred.quantized.expand(R, -1), inferred.indices.expand(R, -1)
-    return model.quantizers["World_Encoder"].decode_indices(idx), idx
-
-
-def _actions(args: argparse.Namespace, model, clip: torch.Tensor, trained: int | None, transitions: int,
-             given: torch.Tensor | None, dictionaries: dict | None, draws: torch.Generator,
-             random_draws: torch.Generator) -> Codes:
-    """Each rollout's actions ``[R, transitions, Da]`` and indices ``[R, transitions, La]``: given, inferred from the
-    ground truth, or the context's own inferred and then one drawn per step (``random``, ``dictionary``)."""
-    R, quantizer = args.rollouts, model.quantizers["Action_Encoder"]
-    if given is not None:
-        idx = given[None].expand(R, -1, -1)
-        return quantizer.decode_indices(idx), idx
-    if args.actions == "inferred":
-        inferred = model.encode_actions(clip[:, : transitions + 1], window=trained)
-        return inferred.quantized.expand(R, -1, -1), inferred.indices.expand(R, -1, -1)
-    if args.actions == "random":  # one rollout after the other from one stream
-        idx = torch.cat([random_indices(quantizer.codebook_sizes, (1, args.steps), random_draws) for _ in range(R)])
+        world = inferred.quantized.expand(R, -1), inferred.indices.expand(R, -1)
     else:
-        idx = dictionaries["Action_Encoder"].sample((R, args.steps), args.sampling, draws)
-    idx = idx.to(clip.device)
-    if args.context > 1:
-        seen = model.encode_actions(clip[:, : args.context], window=trained).indices  # [1, c-1, La]
-        idx = torch.cat([seen.expand(R, -1, -1), idx], dim=1)
-    return quantizer.decode_indices(idx), idx
+        idx = given_world.expand(R, -1) if given_world is not None else dictionaries["World_Encoder"].sample(
+            (R,), args.sampling, seeded_generator("cpu", args.seed, WORLD_DRAWS)).to(clip.device)
+        world = q_world.decode_indices(idx), idx
+    if given_actions is None and args.actions == "inferred":
+        inferred = model.encode_actions(clip[:, : args.context + args.steps], window=trained)
+        return world, (inferred.quantized.expand(R, -1, -1), inferred.indices.expand(R, -1, -1))
+    if given_actions is not None:
+        idx = given_actions[None].expand(R, -1, -1)
+    else:
+        draws = torch.Generator().manual_seed(args.seed)  # on the CPU: any device
+        idx = (torch.cat([random_indices(q_action.codebook_sizes, (1, args.steps), draws) for _ in range(R)])
+               if args.actions == "random" else  # one rollout after the other from one stream
+               dictionaries["Action_Encoder"].sample((R, args.steps), args.sampling, draws)).to(clip.device)
+        if args.context > 1:
+            seen = model.encode_actions(clip[:, : args.context], window=trained).indices  # [1, c-1, La]
+            idx = torch.cat([seen.expand(R, -1, -1), idx], dim=1)
+    return world, (q_action.decode_indices(idx), idx)
 
 
 def _write(args: argparse.Namespace, out: Path, latents_path: Path, rollouts: torch.Tensor, clip: torch.Tensor,
-           decoder, codec: str | None, fps: float, played: dict, before: np.ndarray | None = None) -> None:
+           decoder, codec: str | None, fps: float, played: dict, window: int | None, before: np.ndarray | None) -> None:
     """The latents (first: kept if the decoder or the video fails), then the video grid."""
     R, T = rollouts.shape[:2]
     out.parent.mkdir(parents=True, exist_ok=True)
     with h5py.File(latents_path, "w") as f:
-        f["latents"] = rollouts.numpy()  # [R, T, C, H, W]
-        f["ground_truth"] = clip[0].cpu().numpy()
-        f["action_indices"] = played["action_indices"].numpy()
-        f["world_indices"] = played["world_indices"].numpy()
-        f.attrs["source"], f.attrs["start"], f.attrs["context"] = str(args.data), args.start, args.context
-        f.attrs["actions"], f.attrs["world"], f.attrs["sampling"] = args.actions, args.world, args.sampling
-        f.attrs["seed"], f.attrs["checkpoint"] = args.seed, str(args.ckpt_path)
-        if played["window"] is not None:
-            f.attrs["window"] = played["window"]
+        for name, x in {"latents": rollouts, "ground_truth": clip[0].cpu(), **played}.items():  # latents [R, T, C, H, W]
+            f[name] = x.numpy()
+        f.attrs.update(source=str(args.data), start=args.start, context=args.context, actions=args.actions,
+                       world=args.world, sampling=args.sampling, seed=args.seed, checkpoint=str(args.ckpt_path),
+                       **({"window": window} if window is not None else {}))
     rows = [to_pixels(decoder, x, before) for x in (clip[0].cpu(), *rollouts)]  # grid blanks the end of a short one
     write_video(out, grid(rows), fps)
     shown = (f"decoded by the {decoder.name} codec" if decoder is not None else
