@@ -65,19 +65,6 @@ def _parse_indices(text: str, option: str, ndim: int) -> np.ndarray:
     return value
 
 
-def _indices(text: str, option: str, sizes: tuple[int, ...], ndim: int, need: int = 0, played: str = "") -> torch.Tensor:
-    """The code indices of a quantizer of codebook ``sizes``: one tuple (``ndim`` 1) or at least ``need`` of them
-    (``ndim`` 2, the ``played`` transitions)."""
-    value = _parse_indices(text, option, ndim)
-    bad = value.ndim != ndim or value.shape[-1] != len(sizes) or (value < 0).any() or (value >= np.array(sizes)).any()
-    if bad or len(value) < need:
-        expected = f"[{len(sizes)}]" if ndim == 1 else f"[transitions, {len(sizes)}]"
-        raise ConfigError(f"{option}: expected shape {expected} of codes 0..k-1 of each level's codebook size k "
-                          f"({list(sizes)}), got {text[:80]}" if bad else
-                          f"{option}: {need} transitions needed ({played}), got {len(value)}")
-    return torch.from_numpy(value.astype(np.int64))
-
-
 def run(args: argparse.Namespace) -> Path:
     """``lwm generate``: checks, the checkpoint and the clip, the world and the actions, the rollouts, the files."""
     ckpt_path = checkpoint_file(args.ckpt_path)  # a run's folder: its latest checkpoint
@@ -202,20 +189,25 @@ def _given_codes(args: argparse.Namespace, model, transitions: int,
                  device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``--world-indices`` ``[1, Lh]`` and the first ``transitions`` of ``--action-indices`` ``[transitions, La]``
     (None where not given), checked against the checkpoint's codebooks."""
-    world = actions = None
-    if args.world_indices:
-        sizes = model.quantizers["World_Encoder"].codebook_sizes
-        world = _indices(args.world_indices, "--world-indices", sizes, 1).to(device)[None]
-    if args.action_indices:
-        played = f"{_count(args.context, 'frame')} of context, {args.steps} steps"
-        idx = _indices(args.action_indices, "--action-indices", model.quantizers["Action_Encoder"].codebook_sizes, 2,
-                       transitions, played)
-        if idx.shape[0] > transitions:  # (the latents file records the ones played)
-            print(f"warning: --action-indices: {idx.shape[0]} transitions given, the rollout plays the first "
-                  f"{transitions} ({played}); --steps {idx.shape[0] - args.context + 1} plays them all",
-                  file=sys.stderr)
-        actions = idx[:transitions].to(device)
-    return world, actions
+    given, played = [], f"{_count(args.context, 'frame')} of context, {args.steps} steps"
+    for text, option, name, ndim in (args.world_indices, "--world-indices", "World_Encoder", 1), \
+            (args.action_indices, "--action-indices", "Action_Encoder", 2):
+        if not text:
+            given.append(None)
+            continue
+        sizes, value = model.quantizers[name].codebook_sizes, _parse_indices(text, option, ndim)
+        bad = value.ndim != ndim or value.shape[-1] != len(sizes) or (value < 0).any() or (value >= np.array(sizes)).any()
+        if bad or (ndim == 2 and len(value) < transitions):
+            expected = f"[{len(sizes)}]" if ndim == 1 else f"[transitions, {len(sizes)}]"
+            raise ConfigError(f"{option}: expected shape {expected} of codes 0..k-1 of each level's codebook size k "
+                              f"({list(sizes)}), got {text[:80]}" if bad else
+                              f"{option}: {transitions} transitions needed ({played}), got {len(value)}")
+        if ndim == 2 and len(value) > transitions:  # (the latents file records those played)
+            print(f"warning: --action-indices: {len(value)} transitions given, the rollout plays the first "
+                  f"{transitions} ({played}); --steps {len(value) - args.context + 1} plays them all", file=sys.stderr)
+        value = value.astype(np.int64)
+        given.append(torch.from_numpy(value[:transitions] if ndim == 2 else value[None]).to(device))
+    return tuple(given)
 
 
 def _codes(args: argparse.Namespace, model, clip: torch.Tensor, world_clip: torch.Tensor, trained: int | None,

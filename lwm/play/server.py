@@ -7,6 +7,7 @@ import errno
 import functools
 import ipaddress
 import json
+import os
 import secrets
 import signal
 import socket
@@ -45,17 +46,13 @@ def check_host(host: str, allow_remote: bool) -> None:
 
 def bind(host: str, port: int) -> socket.socket:
     """A listening socket on ``host:port``; a port in use is one line."""
-    sock = socket.socket(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0], socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # no 40 ms delayed-ACK wait on a reply's second message
     try:
-        sock.bind((host, port))
+        sock = socket.create_server((host, port), family=socket.getaddrinfo(host, port)[0][0], backlog=64)
     except OSError as e:
-        sock.close()
         raise ConfigError(f"--port {port}: already in use on {host} (another lwm play?); --port N for another, --port 0 "
                           f"for any free one" if e.errno == errno.EADDRINUSE else
-                          f"--host {host} --port {port}: cannot listen there ({e.strerror})") from None
-    sock.listen(64)
+                          f"--host {host} --port {port}: cannot listen there ({os.strerror(e.errno)})") from None
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # no 40 ms delayed-ACK wait on a reply's 2nd message
     return sock
 
 
@@ -162,11 +159,11 @@ def build_app(player, log=None):
         sessions[sid] = session
         log(f"session {sid} opened ({len(sessions)} open)")
         inbox: asyncio.Queue = asyncio.Queue()
+        inbox.put_nowait({"op": "reset"})  # the first frame, answered as a request
         reader = asyncio.create_task(_read(ws, inbox, WebSocketDisconnect))
         how = "the page closed"
         try:
             await ws.send_json(hello(session))
-            await _reply(ws, *await asyncio.to_thread(handle, session, {"op": "reset"}))
             await _serve(ws, session, inbox)
         except (WebSocketDisconnect, RuntimeError, OSError):  # the page went away mid-reply
             how = "the page went away mid-rollout"
@@ -179,11 +176,6 @@ def build_app(player, log=None):
                             Mount("/static", StaticFiles(directory=STATIC), name="static")])
     app.state.sessions = sessions
     return app
-
-
-async def _reply(ws, state: dict, frame: bytes) -> None:
-    await ws.send_json(state)
-    await ws.send_bytes(frame)
 
 
 async def _read(ws, inbox: asyncio.Queue, disconnect: type) -> None:
@@ -243,7 +235,8 @@ async def _serve(ws, session, inbox: asyncio.Queue) -> None:
             traceback.print_exc()
             await ws.send_json({"type": "error", "message": f"internal error: {type(e).__name__}: {e}"})
             continue
-        await _reply(ws, state, frame)
+        await ws.send_json(state)
+        await ws.send_bytes(frame)
         due = True
 
 
