@@ -105,8 +105,7 @@ def load_dictionaries(path: str | Path) -> dict[str, CodeDictionary]:
     return _load(path)[0]
 
 
-def dictionaries_step(path: str | Path) -> int | None:
-    """The checkpoint step whose encoders made the dictionaries at ``path`` (None: not recorded)."""
+def dictionaries_step(path: str | Path) -> int | None:  # the step of the encoders that made them (None: unrecorded)
     return _load(path)[1].get("global_step")
 
 
@@ -131,12 +130,12 @@ def dictionaries_for(ckpt_path: Path, codes: str | None, global_step: int | None
     return dictionaries
 
 
-def _load(path: str | Path, ckpt_path: Path | None = None, mmap: bool = False) -> tuple[dict[str, CodeDictionary], dict]:
+def _load(path: str | Path, ckpt_path: Path | None = None, mmap: bool = False) -> tuple[dict, dict]:
     """``({name: dictionary}, {meta key: value})`` of a file :func:`save_dictionaries` wrote; else one line."""
     path = Path(path)
     try:
         raw = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-        states = {name: state for name, state in raw.items() if isinstance(state, dict)} if isinstance(raw, dict) else {}
+        states = {k: state for k, state in raw.items() if isinstance(state, dict)} if isinstance(raw, dict) else {}
         foreign = [f"{name} holds {', '.join(map(str, state))[:100]}" for name, state in states.items()
                    if set(state) != STATE_KEYS] if isinstance(raw, dict) else [f"a {type(raw).__name__}"]
         why = f"{foreign[0]}, not {', '.join(sorted(STATE_KEYS))}" if foreign else ""  # a checkpoint's, say

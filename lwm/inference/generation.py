@@ -52,8 +52,7 @@ def default_name(args: argparse.Namespace, step: int) -> str:
 
 
 def _parse_indices(text: str, option: str, ndim: int) -> np.ndarray:
-    """JSON integers: a tuple (``ndim`` 1) or a list of tuples (``ndim`` 2); floats, bools, strings and ragged lists
-    are refused in one line."""
+    """JSON integers: a tuple (``ndim`` 1) or a list of tuples (``ndim`` 2); anything else is one line."""
     what = "a JSON list of integers, one per RVQ level" if ndim == 1 else "a JSON list of integer code tuples"
     try:
         value, why = np.asarray(json.loads(text)), ""
@@ -71,7 +70,8 @@ def run(args: argparse.Namespace) -> Path:
     # missing, foreign, torn: said first (memory-mapped: no weights loaded yet); its step names the video
     step = int(read_checkpoint(ckpt_path, what="lwm checkpoint")["global_step"])
     out, latents_path = _outputs(args, ckpt_path, step)
-    drawn = (args.actions != "inferred" and not args.action_indices, args.world == "dictionary" and not args.world_indices)
+    drawn = (args.actions != "inferred" and not args.action_indices,
+             args.world == "dictionary" and not args.world_indices)
     if args.rollouts > 1 and not any(drawn):  # the predictor is deterministic
         print(f"note: nothing is drawn (the actions and the world are inferred or given), so the {args.rollouts} "
               f"rollouts are the same; --rollouts 1 writes one", file=sys.stderr)
@@ -114,8 +114,7 @@ def run(args: argparse.Namespace) -> Path:
 
 
 def to_pixels(decoder, latents: torch.Tensor, before: np.ndarray | None = None) -> np.ndarray:
-    """``uint8 [.., S, S, 3]`` frames of ``latents [T, C, H, W]`` through ``decoder`` (a video VAE's after the latents
-    ``before``), else latent channels 0-2 as RGB."""
+    """``uint8`` frames of ``latents [T, C, H, W]``: decoded (a video VAE's after ``before``), else channels 0-2."""
     if decoder is None:
         return latent_preview(latents.cpu())
     x = latents.float().cpu().numpy()
@@ -123,8 +122,7 @@ def to_pixels(decoder, latents: torch.Tensor, before: np.ndarray | None = None) 
 
 
 def _latents_before(args: argparse.Namespace, decoder) -> np.ndarray | None:
-    """The file's latents before ``--start`` where its codec is a video VAE (its decoder carries history), else
-    None."""
+    """The file's latents before ``--start`` where its codec is a video VAE (its decoder carries history)."""
     if decoder is None or getattr(decoder, "frames_per_latent", 1) == 1 or args.start == 0:
         return None
     print(f"note: each of the {1 + args.rollouts} rows is decoded after the file's {args.start} latents before "
@@ -135,8 +133,7 @@ def _latents_before(args: argparse.Namespace, decoder) -> np.ndarray | None:
 
 
 def _outputs(args: argparse.Namespace, ckpt_path: Path, step: int) -> tuple[Path, Path]:
-    """The video (``--out``, else the default name in the run's ``generated/``) and its latents file, checked before
-    any work."""
+    """The video (``--out``, else the default name in the run's ``generated/``) and its latents file, checked."""
     run_dir = ckpt_path.parent.parent if ckpt_path.parent.name == "checkpoints" else ckpt_path.parent
     out = Path(args.out) if args.out else run_dir / "generated" / default_name(args, step)
     latents_path = out.with_suffix(out.suffix + ".h5")
@@ -163,9 +160,8 @@ def warn_world_phase(model, step: int, verb: str = "generation") -> None:
 
 def _read_clips(args: argparse.Namespace, model, trained: int | None,
                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor, str | None, float]:
-    """From ``--data`` ``[1, t, C, H, W]`` from ``--start``: the clip (context, and the ground truth as far as the
-    rollout and the file go) and the world encoder's (a training window's frames, where the file has them); the
-    file's ``codec`` attribute and frame rate."""
+    """From ``--start`` of ``--data``: the clip ``[1, t, C, H, W]`` (context and ground truth, as far as the file goes),
+    the world encoder's (a training window, where the file has it), the file's ``codec`` attribute and frame rate."""
     c = model.config
     info = inspect_h5(args.data, c.in_channels, c.height, c.width, check_values=False)  # the frames read: below
     need_gt = args.actions == "inferred" and not args.action_indices
@@ -187,8 +183,7 @@ def _read_clips(args: argparse.Namespace, model, trained: int | None,
 
 def _given_codes(args: argparse.Namespace, model, transitions: int,
                  device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``--world-indices`` ``[1, Lh]`` and the first ``transitions`` of ``--action-indices`` ``[transitions, La]``
-    (None where not given), checked against the checkpoint's codebooks."""
+    """``--world-indices`` ``[1, Lh]`` and the ``transitions`` played of ``--action-indices`` (None: not given)."""
     given, played = [], f"{_count(args.context, 'frame')} of context, {args.steps} steps"
     for text, option, name, ndim in (args.world_indices, "--world-indices", "World_Encoder", 1), \
             (args.action_indices, "--action-indices", "Action_Encoder", 2):
@@ -196,7 +191,7 @@ def _given_codes(args: argparse.Namespace, model, transitions: int,
             given.append(None)
             continue
         sizes, value = model.quantizers[name].codebook_sizes, _parse_indices(text, option, ndim)
-        bad = value.ndim != ndim or value.shape[-1] != len(sizes) or (value < 0).any() or (value >= np.array(sizes)).any()
+        bad = value.ndim != ndim or value.shape[-1] != len(sizes) or not ((0 <= value) & (value < sizes)).all()
         if bad or (ndim == 2 and len(value) < transitions):
             expected = f"[{len(sizes)}]" if ndim == 1 else f"[transitions, {len(sizes)}]"
             raise ConfigError(f"{option}: expected shape {expected} of codes 0..k-1 of each level's codebook size k "
@@ -249,7 +244,7 @@ def _write(args: argparse.Namespace, out: Path, latents_path: Path, rollouts: to
     R, T = rollouts.shape[:2]
     out.parent.mkdir(parents=True, exist_ok=True)
     with h5py.File(latents_path, "w") as f:
-        for name, x in {"latents": rollouts, "ground_truth": clip[0].cpu(), **played}.items():  # latents [R, T, C, H, W]
+        for name, x in {"latents": rollouts, "ground_truth": clip[0].cpu(), **played}.items():  # [R, T, C, H, W], ..
             f[name] = x.numpy()
         f.attrs.update(source=str(args.data), start=args.start, context=args.context, actions=args.actions,
                        world=args.world, sampling=args.sampling, seed=args.seed, checkpoint=str(args.ckpt_path),

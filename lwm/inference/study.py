@@ -89,8 +89,7 @@ def _rollout_mse(model, x: Tensor, actions: Tensor, world: Tensor, steps: int) -
 @torch.no_grad()
 def evaluate(model, clips: Clips, t: int = 4, dictionary: CodeDictionary | None = None, batch_size: int = 64,
              seed: int = 0, world_phase: str = "quantized", world_factors: dict[str, Tensor] | None = None) -> dict:
-    """Every number of the learning study for ``model`` (a ``WorldModel`` in eval mode) on ``clips`` (of more than
-    ``t`` frames)."""
+    """Every number of the learning study for ``model`` (a ``WorldModel`` in eval mode) on ``clips`` of > t frames."""
     device = next(model.parameters()).device
     g = torch.Generator().manual_seed(seed)
     q_action, q_world = model.quantizers["Action_Encoder"], model.quantizers["World_Encoder"]
@@ -107,36 +106,36 @@ def evaluate(model, clips: Clips, t: int = 4, dictionary: CodeDictionary | None 
     others = {"other_clip": other_clip(clips, False, g), "same_world": other_clip(clips, True, g)}
     draws = torch.Generator().manual_seed(seed + 1)  # the random and dictionary codes (on the CPU)
 
-    mse = torch.zeros(n, t)  # inferred codes, frames 1..t
-    controls = {name: torch.zeros(n) for name in ("random", "dictionary", "other_clip", "world_random", "same_world")}
+    names = ("inferred", "random", "dictionary", "other_clip", "world_random", "same_world")  # the codes fed
+    mse = {name: torch.zeros(n, t) for name in names}  # frames 1..t
     for s in range(0, n, batch_size):
         idx = torch.arange(s, min(s + batch_size, n))
         B, x = len(idx), clips.latents[idx].to(device)
         actions = q_action.decode_indices(action_idx[idx].to(device))  # [B, T-1, Da]
         world = world_vec[idx].to(device)
-        mse[idx] = _rollout_mse(model, x, actions, world, t).cpu()
         random_actions = random_codes(q_action, (B, t), draws).to(device)
         dictionary_actions = q_action.decode_indices(dictionary.sample((B, t), generator=draws).to(device))
         random_world = random_codes(q_world, (B,), draws).to(device)
         if world_phase == "off":
             random_world.zero_()
-        inputs = {"random": (random_actions, world), "dictionary": (dictionary_actions, world),
+        inputs = {"inferred": (actions, world), "random": (random_actions, world),
+                  "dictionary": (dictionary_actions, world),
                   "other_clip": (q_action.decode_indices(action_idx[others["other_clip"][idx]].to(device)), world),
                   "world_random": (actions, random_world),
                   "same_world": (actions, world_vec[others["same_world"][idx]].to(device))}
         for name, (a, w) in inputs.items():
-            controls[name][idx] = _rollout_mse(model, x, a, w, t)[:, -1].cpu()
+            mse[name][idx] = _rollout_mse(model, x, a, w, t).cpu()
 
     copy = (clips.latents[:, 1 : t + 1].float() - clips.latents[:, :1].float()).pow(2).flatten(2).mean(-1)  # [N, t]
-    seq = psnr_from_mse(mse[:, -1])
+    seq = psnr_from_mse(mse["inferred"][:, -1])
 
     def gap(control: str, m: Tensor | slice = slice(None)) -> float:  # PSNR lost at frame t under the control
-        return float((seq[m] - psnr_from_mse(controls[control][m])).mean())
+        return float((seq[m] - psnr_from_mse(mse[control][m, -1])).mean())
 
     true_actions = clips.actions[:, : T - 1]
     result = {
         "clips": n, "files": int(clips.files.unique().numel()), "t": t,
-        "psnr": psnr_from_mse(mse.mean(0)).tolist(), "copy_psnr": psnr_from_mse(copy.mean(0)).tolist(),
+        "psnr": psnr_from_mse(mse["inferred"].mean(0)).tolist(), "copy_psnr": psnr_from_mse(copy.mean(0)).tolist(),
         "action_dpsnr": {k: gap(k) for k in ("random", "dictionary", "other_clip")},
         "world_dpsnr": {"random": gap("world_random"), "same_world": gap("same_world")},
         "action_usage": _usage(action_idx, q_action.codebook_sizes),
@@ -145,7 +144,7 @@ def evaluate(model, clips: Clips, t: int = 4, dictionary: CodeDictionary | None 
     for label in clips.worlds.unique().tolist():
         m = clips.worlds == label
         result["per_world"][int(label)] = {
-            "clips": int(m.sum()), "psnr": psnr_from_mse(mse[m].mean(0)).tolist(),
+            "clips": int(m.sum()), "psnr": psnr_from_mse(mse["inferred"][m].mean(0)).tolist(),
             "copy_psnr": psnr_from_mse(copy[m].mean(0)).tolist(), "action_dpsnr_dictionary": gap("dictionary", m),
             "action_dpsnr_other_clip": gap("other_clip", m), "world_gap_same_world": gap("same_world", m),
             "action": _against_labels(action_idx[m], true_actions[m], q_action),  # games have actions of their own

@@ -31,9 +31,8 @@ class Binding:
 
 def key_bindings(model, dictionary, files: list[Path], window: int | None,
                  device: torch.device) -> tuple[list[Binding], list[Binding], Binding]:
-    """(number keys, arrow / WASD keys, Space): keys 1..9 play the action ``dictionary``'s most frequent tuples; the
-    arrows the tuples most often inferred beside the labeled ``files``' true actions; Space their no-op, else the
-    most frequent tuple."""
+    """(keys 1..9: the ``dictionary``'s most frequent tuples, arrows / WASD: those most often inferred beside the
+    labeled ``files``' true actions, Space: their no-op, else the most frequent tuple)."""
     order = torch.argsort(dictionary.counts, descending=True, stable=True)[:NUMBER_KEYS].tolist()
     number = [Binding((str(i + 1),), tuple(code), f"code {tuple(code)}", float(dictionary.counts[j]) / dictionary.total)
               for i, (j, code) in enumerate(zip(order, dictionary.tuples[order].tolist()))]

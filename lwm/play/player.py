@@ -1,6 +1,5 @@
-"""What ``lwm play`` loads once (:class:`Player`: the model, its code dictionaries, the data files, the codec, the
-keys) and each page's state (:class:`Session`: a start frame, a world code, the rollout and its recording).
-No web here: :mod:`lwm.play.server` checks the page's requests."""
+"""What ``lwm play`` loads once (:class:`Player`) and each page's state (:class:`Session`: a start frame, a world code,
+the rollout and its recording). No web here: :mod:`lwm.play.server` checks the page's requests."""
 
 from __future__ import annotations
 
@@ -191,8 +190,7 @@ class Session:
                 "world_indices": world, "world_source": self.world_source, "command": command}
 
     def video(self, suffix: str) -> bytes:
-        """The session's frames (the start frame first) as an ``.mp4`` or ``.gif`` file's bytes, at the data's fps,
-        enlarged (nearest) to at least :data:`RECORDING_SIDE` pixels."""
+        """The session's frames as an ``.mp4`` or ``.gif`` file's bytes, enlarged to at least :data:`RECORDING_SIDE`."""
         frames = self.player.display.video(self.rollout.latents(), self.player.before(self.file, self.frame))
         scale = max(1, -(-RECORDING_SIDE // frames.shape[1]))
         with tempfile.TemporaryDirectory() as tmp:

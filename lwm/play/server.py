@@ -49,8 +49,8 @@ def bind(host: str, port: int) -> socket.socket:
     try:
         sock = socket.create_server((host, port), family=socket.getaddrinfo(host, port)[0][0], backlog=64)
     except OSError as e:
-        raise ConfigError(f"--port {port}: already in use on {host} (another lwm play?); --port N for another, --port 0 "
-                          f"for any free one" if e.errno == errno.EADDRINUSE else
+        raise ConfigError(f"--port {port}: already in use on {host} (another lwm play?); --port N for another, "
+                          f"--port 0 for any free one" if e.errno == errno.EADDRINUSE else
                           f"--host {host} --port {port}: cannot listen there ({os.strerror(e.errno)})") from None
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # no 40 ms delayed-ACK wait on a reply's 2nd message
     return sock
@@ -68,7 +68,8 @@ def hello(session) -> dict:
     p, c = session.player, session.player.model.config
     return {"type": "hello", "sid": session.sid, "checkpoint": str(p.ckpt_path), "global_step": p.global_step,
             "codec": p.display.name, "codec_note": p.display.why, "window": p.window, "fps": p.fps,
-            "hold_fps": p.hold_fps, "keys": [asdict(b) for b in p.bindings], "number_keys": len(p.number_keys),
+            "hold_fps": p.hold_fps, "keys": [asdict(b) for b in [*p.number_keys, *p.arrow_keys, p.noop_key]],
+            "number_keys": len(p.number_keys),
             "worlds": p.world_choices(), "files": [{"name": f.path.name, "frames": f.frames} for f in p.files],
             "shape": [c.in_channels, c.height, c.width]}
 
@@ -82,8 +83,8 @@ def refusal(session, message: dict) -> str | None:
         value = message.get(key, 0)
         if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**31:
             return f"{key}: expected an integer >= 0, got {value!r}"
-    file, frame, index = (message.get(k, 0) for k in ("file", "frame", "index"))
-    mode = str(message.get("mode"))
+    file, frame, index, mode = message.get("file", 0), message.get("frame", 0), message.get("index", 0), \
+        str(message.get("mode"))
     if op == "step":
         try:  # decode_indices checks the levels, the type and the range
             p.model.quantizers["Action_Encoder"].decode_indices(torch.tensor(message.get("action"))[None])
@@ -92,7 +93,8 @@ def refusal(session, message: dict) -> str | None:
     if op == "world" and (mode not in WORLD_MODES or mode == "dictionary" and index >= len(p.world_choices())):
         return (f"world: mode {mode!r}, index {index}: the page offers the modes {', '.join(WORLD_MODES)}, and "
                 f"dictionary tuples 0..{len(p.world_choices()) - 1}")
-    if (op == "start" or op == "world" and mode == "clip") and not (file < len(p.files) and frame < p.files[file].frames):
+    if (op == "start" or op == "world" and mode == "clip") and not (
+            file < len(p.files) and frame < p.files[file].frames):
         has = f"; {p.files[file].path} frames 0..{p.files[file].frames - 1}" if file < len(p.files) else ""
         return f"file {file} frame {frame}: the page has files 0..{len(p.files) - 1}{has}"
     return None
@@ -104,14 +106,9 @@ def handle(session, message: dict) -> tuple[dict, bytes]:
         raise ConfigError(why)
     op, start, get = message["op"], time.perf_counter(), lambda key: message.get(key, 0)
     with session.lock:
-        if op == "step":
-            session.step(message["action"])
-        elif op in ("undo", "reset"):
-            getattr(session, op)()
-        elif op == "start":
-            session.start(get("file"), get("frame"))
-        else:
-            session.set_world(str(message.get("mode")), get("index"), get("file"), get("frame"))
+        {"step": lambda: session.step(message["action"]), "undo": session.undo, "reset": session.reset,
+         "start": lambda: session.start(get("file"), get("frame")),
+         "world": lambda: session.set_world(str(message.get("mode")), get("index"), get("file"), get("frame"))}[op]()
         pixels, state = session.pixels(), session.state()
     state.update(type="state", seq=get("seq"), op=op, ms=1000 * (time.perf_counter() - start))
     return state, frame_message(pixels, FRAME, 0, get("seq"))
@@ -160,7 +157,7 @@ def build_app(player, log=None):
         log(f"session {sid} opened ({len(sessions)} open)")
         inbox: asyncio.Queue = asyncio.Queue()
         inbox.put_nowait({"op": "reset"})  # the first frame, answered as a request
-        reader = asyncio.create_task(_read(ws, inbox, WebSocketDisconnect))
+        reader = asyncio.create_task(_read(ws, inbox))
         how = "the page closed"
         try:
             await ws.send_json(hello(session))
@@ -178,18 +175,18 @@ def build_app(player, log=None):
     return app
 
 
-async def _read(ws, inbox: asyncio.Queue, disconnect: type) -> None:
+async def _read(ws, inbox: asyncio.Queue) -> None:
     """The page's requests into ``inbox`` (a string: why one is not a JSON object; None once the page closes)."""
     try:
-        while True:
-            text = await ws.receive_text()
+        async for text in ws.iter_text():  # (until the page closes)
             try:
                 message = json.loads(text)
-                await inbox.put(message if isinstance(message, dict) else f"not a JSON object: {text[:80]}")
+                inbox.put_nowait(message if isinstance(message, dict) else f"not a JSON object: {text[:80]}")
             except ValueError:
-                await inbox.put(f"not JSON: {text[:80]}")
-    except (disconnect, RuntimeError, KeyError):
-        await inbox.put(None)
+                inbox.put_nowait(f"not JSON: {text[:80]}")
+    except (RuntimeError, KeyError):  # (a binary message: KeyError)
+        pass
+    inbox.put_nowait(None)
 
 
 async def _previews(ws, session, inbox: asyncio.Queue) -> bool:
@@ -248,7 +245,8 @@ def serve(app, sock: socket.socket) -> None:
     # drop it, so a copy of the default one (it raises KeyboardInterrupt)
     previous = signal.signal(signal.SIGINT, functools.partial(signal.default_int_handler))
     try:
-        uvicorn.Server(uvicorn.Config(app, log_level="warning", ws_max_size=1 << 20, lifespan="off")).run(sockets=[sock])
+        config = uvicorn.Config(app, log_level="warning", ws_max_size=1 << 20, lifespan="off")
+        uvicorn.Server(config).run(sockets=[sock])
     finally:
         signal.signal(signal.SIGINT, previous)
 
