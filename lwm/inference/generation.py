@@ -82,7 +82,6 @@ def run(args: argparse.Namespace) -> Path:
     warn_world_phase(model, step)
     window = args.window if args.window is not None else (trained - 1 if trained else None)  # predictor inputs
     transitions = args.context + args.steps - 1  # actions the rollout needs
-
     # everything the checkpoint and the files can refuse, then the codec (a VAE: seconds and GPU memory to build)
     given = _given_codes(args, model, transitions, device)
     needed = tuple(name for name, used in (("Action_Encoder", drawn[0] and args.actions == "dictionary"),

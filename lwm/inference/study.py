@@ -105,7 +105,6 @@ def evaluate(model, clips: Clips, t: int = 4, dictionary: CodeDictionary | None 
         dictionary.update(action_idx)
     others = {"other_clip": other_clip(clips, False, g), "same_world": other_clip(clips, True, g)}
     draws = torch.Generator().manual_seed(seed + 1)  # the random and dictionary codes (on the CPU)
-
     names = ("inferred", "random", "dictionary", "other_clip", "world_random", "same_world")  # the codes fed
     mse = {name: torch.zeros(n, t) for name in names}  # frames 1..t
     for s in range(0, n, batch_size):

@@ -121,7 +121,6 @@ def build_app(player, log=None):
     from starlette.routing import Mount, Route, WebSocketRoute
     from starlette.staticfiles import StaticFiles
     from starlette.websockets import WebSocketDisconnect
-
     log = log or (lambda line: print(f"lwm play: {line}", file=sys.stderr, flush=True))
     sessions: dict[str, Session] = {}
 
@@ -240,7 +239,6 @@ async def _serve(ws, session, inbox: asyncio.Queue) -> None:
 def serve(app, sock: socket.socket) -> None:
     """Run ``app`` on the listening ``sock`` until Ctrl-C."""
     import uvicorn
-
     # uvicorn re-raises the SIGINT it stopped on; asyncio.run swaps Python's default handler for its own, which may
     # drop it, so a copy of the default one (it raises KeyboardInterrupt)
     previous = signal.signal(signal.SIGINT, functools.partial(signal.default_int_handler))
