@@ -91,7 +91,7 @@ def test_identical_clips_of_one_world_give_no_world_gap_and_copy_last_is_exact()
 
 
 def test_clips_too_short_for_t_are_refused():
-    with pytest.raises(ValueError, match="t=4"):
+    with pytest.raises(ValueError, match="actions: expected"):  # (model.generate's check: T - 1 actions, t needed)
         evaluate(_model(), _clips(T=4), t=4)
 
 

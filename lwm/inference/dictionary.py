@@ -7,7 +7,7 @@ import math
 import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager as ContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,6 +19,7 @@ from lwm.utils.errors import DataError, torch_load_failure
 from lwm.utils.video import check_output
 
 SAMPLING = ("frequency", "uniform")  # how CodeDictionary.sample draws
+STATE_KEYS = {"tuples", "counts", "codebook_sizes"}  # a dictionary's entry in the file
 
 
 @dataclass
@@ -26,36 +27,32 @@ class CodeDictionary:
     """Counts of code tuples ``[L]`` of one quantizer with ``codebook_sizes``."""
 
     codebook_sizes: tuple[int, ...]
-    tuples: Tensor = field(default=None)  # [U, L] int64, unique, sorted
-    counts: Tensor = field(default=None)  # [U] int64
+    tuples: Tensor = None  # [U, L] int64, unique, sorted
+    counts: Tensor = None  # [U] int64
 
     def __post_init__(self) -> None:
-        L = len(self.codebook_sizes)
         if self.tuples is None:
-            self.tuples = torch.zeros(0, L, dtype=torch.long)
+            self.tuples = torch.zeros(0, len(self.codebook_sizes), dtype=torch.long)
             self.counts = torch.zeros(0, dtype=torch.long)
 
     @property
     def total(self) -> int:
         return int(self.counts.sum())
 
-    def update(self, indices: Tensor) -> None:
-        """Count the tuples of ``indices [..., L]`` (on any device; kept on the CPU)."""
-        self._add(indices.reshape(-1, len(self.codebook_sizes)).long().cpu(), None)
-
-    def merge(self, other: CodeDictionary) -> None:
-        """Add another dictionary's counts (e.g. another rank's, of the same quantizer)."""
-        self._add(other.tuples, other.counts)
-
-    def _add(self, tuples: Tensor, counts: Tensor | None) -> None:
+    def update(self, indices: Tensor, counts: Tensor | None = None) -> None:
+        """Count the tuples of ``indices [..., L]`` (``counts`` times each; on any device, kept on the CPU)."""
+        tuples = indices.reshape(-1, len(self.codebook_sizes)).long().cpu()
         counts = torch.ones(tuples.shape[0], dtype=torch.long) if counts is None else counts
         self.tuples, inverse = torch.unique(torch.cat([self.tuples, tuples]), dim=0, return_inverse=True)
         self.counts = torch.zeros(self.tuples.shape[0], dtype=torch.long).index_add_(
             0, inverse, torch.cat([self.counts, counts]))
 
+    def merge(self, other: CodeDictionary) -> None:
+        """Add another dictionary's counts (e.g. another rank's, of the same quantizer)."""
+        self.update(other.tuples, other.counts)
+
     def sample(self, shape: tuple[int, ...], by: str = "frequency", generator: torch.Generator | None = None) -> Tensor:
-        """Tuples ``[*shape, L]`` drawn by ``frequency`` or ``uniform``-ly over the used tuples (at least one),
-        independently, in row-major order."""
+        """Tuples ``[*shape, L]`` drawn by ``frequency`` or ``uniform``-ly over the used tuples, in row-major order."""
         weights = self.counts.double() if by == "frequency" else torch.ones(self.tuples.shape[0], dtype=torch.double)
         cdf = weights.cumsum(0)
         u = torch.rand(math.prod(shape), dtype=torch.double, generator=generator) * cdf[-1]
@@ -68,12 +65,7 @@ class CodeDictionary:
 
     @classmethod
     def from_state(cls, state: dict[str, Tensor]) -> CodeDictionary:
-        """The dictionary of :meth:`to_state`'s tensors."""
         return cls(tuple(int(k) for k in state["codebook_sizes"]), state["tuples"].long(), state["counts"].long())
-
-
-STATE_KEYS = {"tuples", "counts", "codebook_sizes"}  # a dictionary's entry in the file
-META_KEYS = {"windows", "global_step"}
 
 
 def save_dictionaries(path: str | Path, dictionaries: dict[str, CodeDictionary], windows: int,
@@ -85,8 +77,7 @@ def save_dictionaries(path: str | Path, dictionaries: dict[str, CodeDictionary],
 
 
 def check_out(path: str | Path) -> Path:
-    """Refuse ``lwm codes --out`` before any encoding, with one line naming it: a checkpoint's name (resuming picks
-    up last.ckpt, hpc_ckpt_N.ckpt), or a file there that is not a code dictionary."""
+    """Refuse ``lwm codes --out`` before any encoding: a checkpoint's name, or a file that is not a code dictionary."""
     path = check_output(path, "--out")
     if path.suffix == ".ckpt" or (path.exists() and not is_dictionary_file(path)):
         raise DataError(f"--out {path}: " + ("a .ckpt name is a checkpoint's; name the code dictionary e.g. codes.pt"
@@ -96,17 +87,12 @@ def check_out(path: str | Path) -> Path:
 
 
 def is_dictionary_file(path: str | Path) -> bool:
-    """Whether ``path`` holds what :func:`save_dictionaries` writes (loaded with ``weights_only=True``,
-    memory-mapped: a checkpoint given by mistake is not read into memory)."""
+    """Whether ``path`` holds what :func:`save_dictionaries` writes (memory-mapped: a checkpoint is not read in)."""
     try:
-        raw = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:  # JSON, h5, a torn file: not one of ours
+        dictionaries, meta = _load(path, mmap=True)
+    except Exception:  # JSON, h5, a checkpoint, a torn file: not one of ours
         return False
-    if not isinstance(raw, dict) or not isinstance(raw.get("windows"), int):
-        return False
-    states = [v for v in raw.values() if isinstance(v, dict)]
-    return (bool(states) and set(raw) - META_KEYS == {k for k, v in raw.items() if isinstance(v, dict)}
-            and all(set(v) == STATE_KEYS and all(isinstance(t, torch.Tensor) for t in v.values()) for v in states))
+    return bool(dictionaries) and isinstance(meta.get("windows"), int)
 
 
 def default_codes_path(ckpt_path: str | Path) -> Path:
@@ -119,16 +105,14 @@ def load_dictionaries(path: str | Path) -> dict[str, CodeDictionary]:
     return _load(path)[0]
 
 
-def dictionaries_step(path: str | Path) -> int | None:
-    """The checkpoint step whose encoders made the dictionaries at ``path`` (None: not recorded)."""
+def dictionaries_step(path: str | Path) -> int | None:  # the step of the encoders that made them (None: unrecorded)
     return _load(path)[1].get("global_step")
 
 
 def dictionaries_for(ckpt_path: Path, codes: str | None, global_step: int | None, model,
                      names: tuple[str, ...] = ("Action_Encoder", "World_Encoder")) -> dict[str, CodeDictionary]:
-    """The code dictionaries ``names`` for the checkpoint ``ckpt_path`` of ``model``: ``codes``, else its own beside
-    it (else the end of fit's ``codes.pt``); refused unless each is there, non-empty and of the model's codebook
-    sizes; a warning where they were made at another step."""
+    """The dictionaries ``names`` of ``model`` (checkpoint ``ckpt_path``): ``codes``, else its own beside it, else the
+    end of fit's ``codes.pt``; each must be there, non-empty and of the model's codebook sizes."""
     path = Path(codes) if codes else default_codes_path(ckpt_path)
     if not codes and not path.is_file() and (ckpt_path.parent / "codes.pt").is_file():
         path = ckpt_path.parent / "codes.pt"  # the end of fit's (its step is checked below)
@@ -146,21 +130,21 @@ def dictionaries_for(ckpt_path: Path, codes: str | None, global_step: int | None
     return dictionaries
 
 
-def _load(path: str | Path, ckpt_path: Path | None = None) -> tuple[dict[str, CodeDictionary], dict]:
-    """``({name: dictionary}, {meta key: value})`` of a file :func:`save_dictionaries` wrote."""
+def _load(path: str | Path, ckpt_path: Path | None = None, mmap: bool = False) -> tuple[dict, dict]:
+    """``({name: dictionary}, {meta key: value})`` of a file :func:`save_dictionaries` wrote; else one line."""
     path = Path(path)
     try:
-        raw = torch.load(path, map_location="cpu", weights_only=True)
+        raw = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        states = {k: state for k, state in raw.items() if isinstance(state, dict)} if isinstance(raw, dict) else {}
+        foreign = [f"{name} holds {', '.join(map(str, state))[:100]}" for name, state in states.items()
+                   if set(state) != STATE_KEYS] if isinstance(raw, dict) else [f"a {type(raw).__name__}"]
+        why = f"{foreign[0]}, not {', '.join(sorted(STATE_KEYS))}" if foreign else ""  # a checkpoint's, say
     except Exception as e:  # missing, torn, foreign
-        raise DataError(f"{path}: code dictionary not found (`lwm codes --ckpt_path {ckpt_path or 'CKPT'}` writes "
-                        f"one; --codes FILE gives another)" if not path.is_file() else
-                        f"{path}: not a code dictionary of `lwm codes` ({torch_load_failure(e, path)})") from None
-    states = {name: state for name, state in raw.items() if isinstance(state, dict)} if isinstance(raw, dict) else {}
-    foreign = [f"{name} holds {', '.join(map(str, state))[:100]}" for name, state in states.items()
-               if set(state) != STATE_KEYS] if isinstance(raw, dict) else [f"a {type(raw).__name__}"]
-    if foreign:  # a checkpoint's state_dict, say
-        raise DataError(f"{path}: not a code dictionary of `lwm codes` ({foreign[0]}, not "
-                        f"{', '.join(sorted(STATE_KEYS))})")
+        why = torch_load_failure(e, path)
+    if why:
+        raise DataError(f"{path}: not a code dictionary of `lwm codes` ({why})" if path.is_file() else
+                        f"{path}: code dictionary not found (`lwm codes --ckpt_path {ckpt_path or 'CKPT'}` writes "
+                        f"one; --codes FILE gives another)")
     return ({name: CodeDictionary.from_state(state) for name, state in states.items()},
             {k: v for k, v in raw.items() if k not in states})
 
@@ -169,21 +153,17 @@ def _load(path: str | Path, ckpt_path: Path | None = None) -> tuple[dict[str, Co
 def collect(model, loader, device: torch.device, max_windows: int | None = None,
             forward_context: Callable[[], ContextManager] = contextlib.nullcontext,
             ) -> tuple[dict[str, CodeDictionary], int]:
-    """Encode the windows of ``loader`` (batches with ``latents``) with ``model`` (a WorldModel, eval mode) and count
-    the action and world code tuples."""
-    quantizers = model.quantizers
-    dictionaries = {name: CodeDictionary(q.codebook_sizes) for name, q in quantizers.items()}
+    """Count the action and world code tuples of ``model`` (a WorldModel, eval mode) on the windows of ``loader``."""
+    dictionaries = {name: CodeDictionary(q.codebook_sizes) for name, q in model.quantizers.items()}
     windows = 0
     paths = getattr(getattr(loader, "dataset", None), "paths", None)
     for batch in loader:
         if paths is not None and (bad := nonfinite_windows(batch, paths)):  # they would count as codes
             raise DataError(f"non-finite latents (NaN/inf) in {len(bad)} window(s): {', '.join(bad[:5])}; run "
                             f"`lwm data index` on the folder again")
-        x = batch["latents"].to(device).float()  # float16 files stay float16 through the loader
-        if max_windows is not None:
-            x = x[: max_windows - windows]
-            if x.shape[0] == 0:
-                break
+        x = batch["latents"].to(device).float()[: None if max_windows is None else max_windows - windows]
+        if x.shape[0] == 0:
+            break
         with forward_context():
             actions, world = model.encode_actions(x).indices, model.encode_world(x).indices
         dictionaries["Action_Encoder"].update(actions)

@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import h5py
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -15,6 +17,8 @@ from lwm.data.manifest import Manifest
 from lwm.inference.dictionary import CodeDictionary
 from lwm.utils.metrics import (code_ids, linear_probe_accuracy, nmi, nmi_chance, probe_train_size, psnr_from_mse,
                                random_codes)
+
+LABELLED = (50, 200, 1000)  # labelled transitions per game for the code -> action mapping
 
 
 @dataclass
@@ -32,13 +36,10 @@ class Clips:
 
 
 def load_clips(manifest_path: str | Path, split: str | None, window: int, per_file: int | None = None) -> Clips:
-    """The non-overlapping windows of ``window`` frames of a manifest's ``split`` files (None: every file), from
-    frame 0 (at most ``per_file`` of each file, evenly spread)."""
-    import h5py
-    import numpy as np
-
+    """The non-overlapping ``window``-frame windows from frame 0 of a manifest's ``split`` files (None: every file),
+    at most ``per_file`` of each file, evenly spread."""
     manifest = Manifest.load(manifest_path)
-    latents, actions, worlds, files = [], [], [], []
+    clips = []  # (latents, actions, world label, file) of each window
     for i, entry in enumerate(manifest.entries if split is None else manifest.split(split)):
         path = manifest.resolve(entry)
         with h5py.File(path, "r") as f:
@@ -48,14 +49,12 @@ def load_clips(manifest_path: str | Path, split: str | None, window: int, per_fi
                 starts = [starts[j] for j in np.linspace(0, len(starts) - 1, per_file).round().astype(int)]
             a = f["actions"][:] if "actions" in f else np.full(x.shape[0], -1)
             label = parse_world_label(f.attrs["world_label"], path) if "world_label" in f.attrs else -1
-            for s in starts:
-                latents.append(torch.from_numpy(np.asarray(x[s : s + window], dtype=np.float32)))
-                actions.append(torch.from_numpy(np.asarray(a[s : s + window], dtype=np.int64)))
-                worlds.append(label)
-                files.append(i)
-    if not latents:
+            clips += [(np.asarray(x[s : s + window], dtype=np.float32), a[s : s + window], label, i) for s in starts]
+    if not clips:
         raise ValueError(f"{manifest_path}: no {split} file holds a window of {window} frames")
-    return Clips(torch.stack(latents), torch.stack(actions), torch.tensor(worlds), torch.tensor(files))
+    latents, actions, worlds, files = zip(*clips)
+    return Clips(torch.from_numpy(np.stack(latents)), torch.from_numpy(np.stack(actions).astype(np.int64)),
+                 torch.tensor(worlds), torch.tensor(files))
 
 
 def probe_margin(chance: float, samples: int) -> float:
@@ -64,16 +63,16 @@ def probe_margin(chance: float, samples: int) -> float:
 
 
 def other_clip(clips: Clips, same_world: bool, generator: torch.Generator) -> Tensor:
-    """``[N]`` for each clip the index of another one."""
+    """``[N]`` for each clip the index of one from another file (of its world, if ``same_world``), else another
+    window of its own."""
     n = len(clips)
     pick = torch.arange(n)
     order = torch.randperm(n, generator=generator)
     for i in range(n):
-        ok = clips.files[order] != clips.files[i]
-        if same_world:
-            ok &= clips.worlds[order] == clips.worlds[i]
-        if not ok.any():  # no other file: another window of this one
-            ok = (order != i) & ((clips.worlds[order] == clips.worlds[i]) if same_world else True)
+        world = (clips.worlds[order] == clips.worlds[i]) if same_world else True
+        ok = (clips.files[order] != clips.files[i]) & world
+        if not ok.any():
+            ok = (order != i) & world
         if ok.any():
             pick[i] = order[ok.nonzero()[0, 0]]
         order = order.roll(1)  # another draw for the next clip
@@ -90,74 +89,63 @@ def _rollout_mse(model, x: Tensor, actions: Tensor, world: Tensor, steps: int) -
 @torch.no_grad()
 def evaluate(model, clips: Clips, t: int = 4, dictionary: CodeDictionary | None = None, batch_size: int = 64,
              seed: int = 0, world_phase: str = "quantized", world_factors: dict[str, Tensor] | None = None) -> dict:
-    """Every number of the learning study for ``model`` (a ``WorldModel`` in eval mode) on ``clips``:"""
+    """Every number of the learning study for ``model`` (a ``WorldModel`` in eval mode) on ``clips`` of > t frames."""
     device = next(model.parameters()).device
     g = torch.Generator().manual_seed(seed)
     q_action, q_world = model.quantizers["Action_Encoder"], model.quantizers["World_Encoder"]
     n, T = clips.latents.shape[:2]
-    if T <= t:
-        raise ValueError(f"clips of {T} frames: the study generates frame t={t} from frame 0, so T must be > {t}")
-    # the codes of every clip
-    action_idx, world_idx, world_vec = [], [], []
+    codes = []  # per batch: the action indices, the world indices and vectors
     for s in range(0, n, batch_size):
         x = clips.latents[s : s + batch_size].to(device)
         a, w = model.encode_actions(x), model.encode_world(x)
-        action_idx.append(a.indices.cpu())
-        world_idx.append(w.indices.cpu())
-        world_vec.append(model.world_input(w, world_phase).cpu())
-    action_idx, world_idx, world_vec = torch.cat(action_idx), torch.cat(world_idx), torch.cat(world_vec)
+        codes.append((a.indices.cpu(), w.indices.cpu(), model.world_input(w, world_phase).cpu()))
+    action_idx, world_idx, world_vec = (torch.cat(c) for c in zip(*codes))
     if dictionary is None:
         dictionary = CodeDictionary(tuple(q_action.codebook_sizes))
         dictionary.update(action_idx)
     others = {"other_clip": other_clip(clips, False, g), "same_world": other_clip(clips, True, g)}
     draws = torch.Generator().manual_seed(seed + 1)  # the random and dictionary codes (on the CPU)
-
-    mse = torch.zeros(n, t)  # inferred codes, frames 1..t
-    controls = {name: torch.zeros(n) for name in ("random", "dictionary", "other_clip", "world_random", "same_world")}
+    names = ("inferred", "random", "dictionary", "other_clip", "world_random", "same_world")  # the codes fed
+    mse = {name: torch.zeros(n, t) for name in names}  # frames 1..t
     for s in range(0, n, batch_size):
         idx = torch.arange(s, min(s + batch_size, n))
-        B = len(idx)
-        x = clips.latents[idx].to(device)
+        B, x = len(idx), clips.latents[idx].to(device)
         actions = q_action.decode_indices(action_idx[idx].to(device))  # [B, T-1, Da]
         world = world_vec[idx].to(device)
-        mse[idx] = _rollout_mse(model, x, actions, world, t).cpu()
-        drawn = {
-            "random": random_codes(q_action, (B, t), draws).to(device),
-            "dictionary": q_action.decode_indices(dictionary.sample((B, t), generator=draws).to(device)),
-            "other_clip": q_action.decode_indices(action_idx[others["other_clip"][idx]].to(device)),
-        }
-        for name, codes in drawn.items():
-            controls[name][idx] = _rollout_mse(model, x, codes, world, t)[:, -1].cpu()
+        random_actions = random_codes(q_action, (B, t), draws).to(device)
+        dictionary_actions = q_action.decode_indices(dictionary.sample((B, t), generator=draws).to(device))
         random_world = random_codes(q_world, (B,), draws).to(device)
         if world_phase == "off":
-            random_world = torch.zeros_like(random_world)
-        worlds = {"world_random": random_world, "same_world": world_vec[others["same_world"][idx]].to(device)}
-        for name, w in worlds.items():
-            controls[name][idx] = _rollout_mse(model, x, actions, w, t)[:, -1].cpu()
+            random_world.zero_()
+        inputs = {"inferred": (actions, world), "random": (random_actions, world),
+                  "dictionary": (dictionary_actions, world),
+                  "other_clip": (q_action.decode_indices(action_idx[others["other_clip"][idx]].to(device)), world),
+                  "world_random": (actions, random_world),
+                  "same_world": (actions, world_vec[others["same_world"][idx]].to(device))}
+        for name, (a, w) in inputs.items():
+            mse[name][idx] = _rollout_mse(model, x, a, w, t).cpu()
 
-    x0 = clips.latents[:, :1].float()
-    copy = (clips.latents[:, 1 : t + 1].float() - x0).pow(2).flatten(2).mean(-1)  # [N, t]
-    seq = psnr_from_mse(mse[:, -1])
+    copy = (clips.latents[:, 1 : t + 1].float() - clips.latents[:, :1].float()).pow(2).flatten(2).mean(-1)  # [N, t]
+    seq = psnr_from_mse(mse["inferred"][:, -1])
+
+    def gap(control: str, m: Tensor | slice = slice(None)) -> float:  # PSNR lost at frame t under the control
+        return float((seq[m] - psnr_from_mse(mse[control][m, -1])).mean())
+
+    true_actions = clips.actions[:, : T - 1]
     result = {
         "clips": n, "files": int(clips.files.unique().numel()), "t": t,
-        "psnr": psnr_from_mse(mse.mean(0)).tolist(), "copy_psnr": psnr_from_mse(copy.mean(0)).tolist(),
-        "action_dpsnr": {k: float((seq - psnr_from_mse(controls[k])).mean())
-                         for k in ("random", "dictionary", "other_clip")},
-        "world_dpsnr": {k: float((seq - psnr_from_mse(controls[c])).mean())
-                        for k, c in (("random", "world_random"), ("same_world", "same_world"))},
+        "psnr": psnr_from_mse(mse["inferred"].mean(0)).tolist(), "copy_psnr": psnr_from_mse(copy.mean(0)).tolist(),
+        "action_dpsnr": {k: gap(k) for k in ("random", "dictionary", "other_clip")},
+        "world_dpsnr": {"random": gap("world_random"), "same_world": gap("same_world")},
         "action_usage": _usage(action_idx, q_action.codebook_sizes),
-        "world_usage": _usage(world_idx, q_world.codebook_sizes),
-        "per_world": {},
+        "world_usage": _usage(world_idx, q_world.codebook_sizes), "per_world": {},
     }
-    true_actions = clips.actions[:, : T - 1]
     for label in clips.worlds.unique().tolist():
         m = clips.worlds == label
         result["per_world"][int(label)] = {
-            "clips": int(m.sum()), "psnr": psnr_from_mse(mse[m].mean(0)).tolist(),
-            "copy_psnr": psnr_from_mse(copy[m].mean(0)).tolist(),
-            "action_dpsnr_dictionary": float((seq[m] - psnr_from_mse(controls["dictionary"][m])).mean()),
-            "action_dpsnr_other_clip": float((seq[m] - psnr_from_mse(controls["other_clip"][m])).mean()),
-            "world_gap_same_world": float((seq[m] - psnr_from_mse(controls["same_world"][m])).mean()),
+            "clips": int(m.sum()), "psnr": psnr_from_mse(mse["inferred"][m].mean(0)).tolist(),
+            "copy_psnr": psnr_from_mse(copy[m].mean(0)).tolist(), "action_dpsnr_dictionary": gap("dictionary", m),
+            "action_dpsnr_other_clip": gap("other_clip", m), "world_gap_same_world": gap("same_world", m),
             "action": _against_labels(action_idx[m], true_actions[m], q_action),  # games have actions of their own
         }
     # the actions' chance level keeps what the world alone tells of them (each game has its own action set)
@@ -167,9 +155,6 @@ def evaluate(model, clips: Clips, t: int = 4, dictionary: CodeDictionary | None 
     result["world_factors"] = {name: _against_labels(world_idx, labels, q_world)
                                for name, labels in (world_factors or {}).items()}
     return result
-
-
-LABELLED = (50, 200, 1000)  # labelled transitions per game for the code -> action mapping
 
 
 def code_to_action_accuracy(train_ids: Tensor, train_y: Tensor, test_ids: Tensor, test_y: Tensor) -> tuple[float, float]:
@@ -184,24 +169,24 @@ def code_to_action_accuracy(train_ids: Tensor, train_y: Tensor, test_ids: Tensor
 @torch.no_grad()
 def label_efficiency(model, labelled: Clips, clips: Clips, sizes: tuple[int, ...] = LABELLED, seed: int = 0,
                      batch_size: int = 64) -> dict[int, dict[int, dict]]:
-    """Per world (game) and number of labelled transitions ``n``: the code -> action mapping fitted on ``n``
-    transitions of ``labelled`` (drawn at random), its accuracy on every transition of ``clips`` against chance."""
+    """Per world (game) and number ``n`` of labelled transitions: the accuracy on every transition of ``clips`` of
+    the code -> action mapping fitted on ``n`` random transitions of ``labelled``, against chance."""
+    device, q = next(model.parameters()).device, model.quantizers["Action_Encoder"]
+    T = clips.latents.shape[1]
+
     def codes(c: Clips) -> Tensor:  # [N, T-1] code ids
-        device = next(model.parameters()).device
-        q = model.quantizers["Action_Encoder"]
-        idx = torch.cat([model.encode_actions(c.latents[s : s + batch_size].to(device)).indices.cpu()
-                         for s in range(0, len(c), batch_size)])
-        return code_ids(idx, q.codebook_sizes)
+        return code_ids(torch.cat([model.encode_actions(c.latents[s : s + batch_size].to(device)).indices.cpu()
+                                   for s in range(0, len(c), batch_size)]), q.codebook_sizes)
+
+    def of_world(c: Clips, ids: Tensor, world: int) -> tuple[Tensor, Tensor]:  # its labelled (code ids, actions)
+        ids, y = ids[c.worlds == world].flatten(), c.actions[c.worlds == world, : T - 1].flatten()
+        return ids[y >= 0], y[y >= 0]
 
     g = torch.Generator().manual_seed(seed)
     train_ids, test_ids = codes(labelled), codes(clips)
-    T = clips.latents.shape[1]
     out: dict[int, dict[int, dict]] = {}
     for world in clips.worlds.unique().tolist():
-        tr_ids, tr_y = train_ids[labelled.worlds == world].flatten(), labelled.actions[labelled.worlds == world, : T - 1].flatten()
-        te_ids, te_y = test_ids[clips.worlds == world].flatten(), clips.actions[clips.worlds == world, : T - 1].flatten()
-        keep, held = tr_y >= 0, te_y >= 0
-        tr_ids, tr_y, te_ids, te_y = tr_ids[keep], tr_y[keep], te_ids[held], te_y[held]
+        (tr_ids, tr_y), (te_ids, te_y) = of_world(labelled, train_ids, world), of_world(clips, test_ids, world)
         out[int(world)] = {}
         for n in sizes:
             if len(tr_y) < n or not len(te_y):
@@ -226,12 +211,10 @@ def _against_labels(indices: Tensor, labels: Tensor, quantizer, groups: Tensor |
     if keep.sum() < 4:
         return None
     codes, y = indices[keep], labels[keep]
-    groups = None if groups is None else groups[keep]
     features = quantizer.decode_indices(codes.to(quantizer.codebook(0).device)).cpu()
     accuracy, chance = linear_probe_accuracy(features, y)
-    held_out = len(y) - probe_train_size(len(y))
     ids = code_ids(codes, quantizer.codebook_sizes)
-    nmi_mean, nmi_margin = nmi_chance(ids, y, groups)
+    nmi_mean, nmi_margin = nmi_chance(ids, y, None if groups is None else groups[keep])
     return {"nmi": float(nmi(ids, y)), "nmi_chance": nmi_mean, "nmi_margin": nmi_margin, "probe": accuracy,
-            "chance": chance, "margin": probe_margin(chance, held_out), "samples": int(len(y))}
-
+            "chance": chance, "margin": probe_margin(chance, len(y) - probe_train_size(len(y))),
+            "samples": int(len(y))}

@@ -14,34 +14,31 @@ class Rollout:
     [Lh]``, attending to the last ``window`` frames (None: all)."""
 
     def __init__(self, model, start: Tensor, world_indices: Tensor, window: int | None) -> None:
-        self.model = model
-        self.window = window
+        self.model, self.window = model, window
         self.world_indices = world_indices.long()  # [Lh]
-        self.world = model.quantizers["World_Encoder"].decode_indices(self.world_indices[None].to(start.device))  # [1, Dh]
+        self.world = model.quantizers["World_Encoder"].decode_indices(self.world_indices[None].to(start.device))
         self.frames: list[Tensor] = [start]  # [C, H, W] each
         self.actions: list[Tensor] = []  # [La] each: the tuple played after frame i
         self._caches: dict[int, list | None] = {0: None}  # frames fed -> the predictor's cache after them
 
     @property
     def steps(self) -> int:
-        """Frames generated so far."""
         return len(self.actions)
 
     @torch.no_grad()
     def step(self, action: Tensor) -> Tensor:
-        """Play the action tuple ``action [La]`` after the last frame: the next frame ``[C, H, W]``."""
+        """Play the tuple ``action [La]`` after the last frame: the next frame ``[C, H, W]``."""
         n = self.steps
-        nxt, cache = self._feed(self.frames[n], action, self._cache(n), n)
+        nxt, self._caches[n + 1] = self._feed(self.frames[n], action, self._cache(n), n)
         self.actions.append(action.long())
         self.frames.append(nxt)
-        self._caches[n + 1] = cache
-        self._forget(n + 1 - RECENT)
+        if (n + 1 - RECENT) % KEYFRAME_EVERY:  # the cache of RECENT frames ago goes, unless a keyframe's
+            self._caches.pop(n + 1 - RECENT, None)
         return nxt
 
     @torch.no_grad()
     def previews(self, actions: Tensor) -> Tensor:
-        """The next frame under each tuple of ``actions [K, La]``, ``[K, C, H, W]``, the rollout unchanged (one
-        :meth:`WorldModel.step` each, from the same cache)."""
+        """The next frame under each tuple of ``actions [K, La]``, ``[K, C, H, W]``, the rollout unchanged."""
         n, cache = self.steps, self._cache(self.steps)
         return torch.stack([self._feed(self.frames[n], a, cache, n)[0] for a in actions])
 
@@ -55,26 +52,20 @@ class Rollout:
         return True
 
     def _feed(self, frame: Tensor, action: Tensor, cache: list | None, t: int) -> tuple[Tensor, list]:
-        """Frame ``t`` and the action after it through the predictor: (frame ``t + 1`` ``[C, H, W]``, the cache)."""
+        """Frame ``t`` and the action after it through the predictor: (frame ``t + 1``, the cache)."""
         code = self.model.quantizers["Action_Encoder"].decode_indices(action.long().to(frame.device)[None])  # [1, Da]
         nxt, cache = self.model.step(frame[None], code, self.world, cache, t, self.window)
         return nxt[0], cache
 
     def _cache(self, fed: int) -> list | None:
-        """The cache after feeding frames ``0..fed-1``: kept, or re-fed from the nearest kept one before it."""
-        if fed in self._caches:
-            return self._caches[fed]
-        base = max(k for k in self._caches if k < fed)
-        cache = self._caches[base]
-        for i in range(base, fed):
-            _, cache = self._feed(self.frames[i], self.actions[i], cache, i)
-        self._caches[fed] = cache
-        return cache
-
-    def _forget(self, fed: int) -> None:
-        """Drop the cache after ``fed`` frames unless it is a keyframe's."""
-        if fed > 0 and fed % KEYFRAME_EVERY:
-            self._caches.pop(fed, None)
+        """The cache after frames ``0..fed-1``: kept, or re-fed from the nearest kept one before it."""
+        if fed not in self._caches:
+            base = max(k for k in self._caches if k < fed)
+            cache = self._caches[base]
+            for i in range(base, fed):
+                _, cache = self._feed(self.frames[i], self.actions[i], cache, i)
+            self._caches[fed] = cache
+        return self._caches[fed]
 
     def latents(self) -> Tensor:
         """Every frame so far, ``[1 + steps, C, H, W]``."""
