@@ -6,11 +6,11 @@ import sys
 
 import torch
 
-from lwm.cli.lightning_cli import config_files, LwmCLI
+from lwm.cli.lightning_cli import LwmCLI
 from lwm.inference.dictionary import check_out, collect, default_codes_path, save_dictionaries
 from lwm.training.checkpoint import load_checkpoint, warn_window_mismatch
-from lwm.training.run_dir import checkpoint_file, run_of
-from lwm.utils.args import ArgumentParser, positive_int
+from lwm.training.run_dir import checkpoint_file, run_of, RunDir
+from lwm.utils.args import ArgumentParser, config_files, positive_int
 from lwm.utils.errors import ConfigError
 from lwm.utils.video import check_output
 
@@ -41,7 +41,7 @@ def main(argv: list[str]) -> int:
         rest = ["--config", str(config), *rest]
     cli = LwmCLI(args=rest, run=False)
     dm = cli.datamodule  # the data; the model is the checkpoint's
-    ckpt_path = checkpoint_file(args.ckpt_path, cli.run_dir(cli.config).checkpoints)
+    ckpt_path = checkpoint_file(args.ckpt_path, RunDir.of(cli.config).checkpoints)
     # before any work; the default path (lwm's own name beside the checkpoint) may be rewritten whatever it holds
     out = check_out(args.out) if args.out else check_output(default_codes_path(ckpt_path), "the code dictionary")
     checkpoint, module = load_checkpoint(ckpt_path)
