@@ -121,18 +121,11 @@ class LwmCLI(LightningCLI):
         for key, (callback, title) in DEFAULTS.items():  # always on (instantiate_trainer), each under its key
             parser.add_class_arguments(callback, key, fail_untyped=False, sub_configs=True)
             parser.groups[key].title = f"{title} (``{key}.*``)"
-        parser.set_defaults({
-            "checkpoint.every_n_train_steps": 1000,
-            "checkpoint.save_last": True,
-            "checkpoint.save_top_k": 3,  # the 3 most recent step checkpoints, plus last.ckpt
-            "checkpoint.monitor": "step",
-            "checkpoint.mode": "max",
-            "checkpoint.filename": "step={step:07d}",
-            "checkpoint.auto_insert_metric_name": False,
-            "checkpoint.enable_version_counter": False,  # one run per RUN_DIR
-            "model_summary.max_depth": 2,
-            "lr_monitor.logging_interval": "step",
-        })
+        parser.set_defaults({  # the 3 most recent step checkpoints, plus last.ckpt; one run per RUN_DIR
+            "checkpoint.every_n_train_steps": 1000, "checkpoint.save_last": True, "checkpoint.save_top_k": 3,
+            "checkpoint.monitor": "step", "checkpoint.mode": "max", "checkpoint.filename": "step={step:07d}",
+            "checkpoint.auto_insert_metric_name": False, "checkpoint.enable_version_counter": False,
+            "model_summary.max_depth": 2, "lr_monitor.logging_interval": "step"})
         parser.add_class_arguments(WandbConfig, "wandb")
         # Lightning's optimizer keys: none (the module's AdamW, set under model.optim.*); null in old config.yaml
         for key in ("optimizer", "lr_scheduler"):

@@ -17,6 +17,8 @@ from lwm.utils.args import ArgumentParser, frame_rate, positive_int
 from lwm.utils.errors import LwmError, NonFiniteLossError
 
 LIGHTNING_VERBS = ("fit", "validate", "test", "predict")
+TILING = ("{} in overlapping spatial tiles (diffusers' enable_tiling): far less GPU memory at 512 px and up, faint "
+          "seams possible")
 
 
 def _one_line_warning(message, category, filename, lineno, line=None) -> str:
@@ -31,8 +33,9 @@ def _data_index(args: argparse.Namespace) -> int:
                                tolerance=args.tolerance, resplit=args.resplit)
     n_train, n_val = len(manifest.split("train")), len(manifest.split("val"))
     asked = val_count(args.val_fraction, len(manifest.entries))
-    print(f"{manifest.path}: {len(manifest.entries)} files checked ({n_train} train, {n_val} val), "
-          f"{sum(e.frames for e in manifest.entries)} frames of [{manifest.channels}, {manifest.height}, {manifest.width}]")
+    frames = sum(e.frames for e in manifest.entries)
+    print(f"{manifest.path}: {len(manifest.entries)} files checked ({n_train} train, {n_val} val), {frames} frames "
+          f"of [{manifest.channels}, {manifest.height}, {manifest.width}]")
     if n_val != asked:  # the files listed before kept their split
         print(f"  the files the manifest listed before kept their split (--val-fraction {args.val_fraction} would "
               f"put {asked} in val): --resplit draws every file's again")
@@ -94,8 +97,7 @@ def _wide_output() -> Iterator[None]:
             rich.reconfigure()
 
 
-# Verbs that parse their own arguments: verb -> (the module whose ``main(argv)`` runs it, its help line).
-_OWN_PARSERS = {
+_OWN_PARSERS = {  # verbs that parse their own arguments: (the module whose main(argv) runs it, its help)
     "overfit": ("lwm.cli.overfit", "the overfit test: one window, many steps"),
     "codes": ("lwm.cli.codes", "code dictionaries of a checkpoint's encoders"),
     "generate": ("lwm.cli.generate", "play a trained model forward, write the video"),
@@ -126,29 +128,26 @@ def build_parser() -> argparse.ArgumentParser:
     index.add_argument("--val-fraction", type=float, default=0.1, help="fraction of files in the val split")
     index.add_argument("--seed", type=int, default=0, help="seed of the train/val split")
     index.add_argument("--tolerance", type=float, default=1e-3, help="allowed excess over [-1, 1]")
-    index.add_argument("--resplit", action="store_true",
-                       help="draw every file's split again (default: files the manifest already lists keep theirs)")
+    index.add_argument("--resplit", action="store_true", help="draw every file's split again (default: files the "
+                       "manifest already lists keep theirs)")
     index.set_defaults(func=_data_index)
 
     encode = data.add_parser("encode", help="encode videos to h5 latent files through a codec")
     encode.add_argument("videos", nargs="+", help="video files (anything PyAV reads)")
-    encode.add_argument("--codec", default="pixel",
-                        help="pixel (built in, 128x128 RGB) or a diffusers video VAE (needs --vae)")
+    encode.add_argument("--codec", default="pixel", help="pixel (built in, 128x128 RGB) or a diffusers video VAE "
+                        "(needs --vae)")
     encode.add_argument("--out", required=True, help="folder for the h5 files (then `lwm data index` it)")
     encode.add_argument("--stride", type=positive_int, default=1, help="keep every N-th frame")
-    encode.add_argument("--segment", type=positive_int, metavar="N",
-                        help="frames per h5 file (NAME_0000.h5, ...; for VAE codecs 1 + 4k, e.g. 257): long videos "
-                             "in bounded memory (default: one file per video)")
+    encode.add_argument("--segment", type=positive_int, metavar="N", help="frames per h5 file (NAME_0000.h5, ...; "
+                        "for VAE codecs 1 + 4k, e.g. 257): long videos in bounded memory (default: one file per video)")
     encode.add_argument("--vae", help="local folder with the VAE's diffusers weights (or a pipeline with vae/)")
     encode.add_argument("--size", type=int, help="frame size in pixels (default: 128 pixel, 512 VAEs)")
     encode.add_argument("--device", default="cpu", help="where the VAE runs (e.g. cuda)")
     encode.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="VAE dtype")
-    encode.add_argument("--vae-tiling", action="store_true",
-                        help="encode in overlapping spatial tiles (diffusers' enable_tiling): far less GPU memory at "
-                             "512 px and up, faint seams possible")
-    encode.add_argument("--overwrite", action="store_true",
-                        help="replace the h5 files of each video's name already in --out (NAME.h5, NAME_NNNN.h5) once "
-                             "the video is encoded (a failed encode leaves them); without it they are refused")
+    encode.add_argument("--vae-tiling", action="store_true", help=TILING.format("encode"))
+    encode.add_argument("--overwrite", action="store_true", help="replace the h5 files of each video's name already "
+                        "in --out (NAME.h5, NAME_NNNN.h5) once the video is encoded (a failed encode leaves them); "
+                        "without it they are refused")
     encode.set_defaults(func=_data_encode)
 
     decode = data.add_parser("decode", help="decode an h5 latent file to a video through its codec")
@@ -157,9 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument("--fps", type=frame_rate, help="frame rate (default: the file's fps, which `lwm data "
                         "encode` records, else 8)")
     decode.add_argument("--vae", help="the VAE's local diffusers weights, for files encoded with a VAE")
-    decode.add_argument("--vae-tiling", action="store_true",
-                        help="decode in overlapping spatial tiles (diffusers' enable_tiling): far less GPU memory at "
-                             "512 px and up, faint seams possible")
+    decode.add_argument("--vae-tiling", action="store_true", help=TILING.format("decode"))
     decode.add_argument("--device", default="cpu", help="where the VAE runs")
     decode.add_argument("--overwrite", action="store_true", help="replace an existing --out (default: refused)")
     decode.set_defaults(func=_data_decode)

@@ -105,7 +105,8 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
     dm.setup("fit")
     files = dm.train_set
     if not 0 <= args.file < len(files.paths):
-        raise ConfigError(f"--file {args.file}: the train split has {len(files.paths)} usable files (0..{len(files.paths) - 1})")
+        raise ConfigError(f"--file {args.file}: the train split has {len(files.paths)} usable files "
+                          f"(0..{len(files.paths) - 1})")
     if not 0 <= args.start <= files.frames[args.file] - dm.window:
         raise ConfigError(f"--start {args.start}: {files.paths[args.file]} has {files.frames[args.file]} frames, "
                           f"window {dm.window}")

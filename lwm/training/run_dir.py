@@ -197,7 +197,8 @@ class RunDir:
             return
         found = sorted(glob.glob(os.path.join(glob.escape(self.checkpoints), "*.ckpt")))
         if found:
-            name = "last.ckpt" if any(os.path.basename(f) == "last.ckpt" for f in found) else os.path.basename(found[-1])
+            names = [os.path.basename(f) for f in found]
+            name = "last.ckpt" if "last.ckpt" in names else names[-1]
             raise ConfigError(f"{os.path.join(self.checkpoints, name)}: trainer.default_root_dir={self.root} already "
                               f"holds a run{why}; continue it with --ckpt_path last, or start a new one in another "
                               f"trainer.default_root_dir")
