@@ -607,8 +607,7 @@ def test_a_run_folder_or_last_stands_for_the_runs_last_checkpoint(trained, tmp_p
                           "--actions", "random")
     assert np.array_equal(by_file, by_folder)
     assert main(["generate", "--ckpt_path", "last", "--data", str(data), "--out", str(tmp_path / "x.gif")]) == 2
-    assert _error_lines(capsys) == ["error: --ckpt_path last: this command has no run folder to look in; give the "
-                                    "run's folder (RUN_DIR) or a checkpoint file"]
+    assert _error_lines(capsys) == ["error: last: checkpoint not found"]  # (no run folder to look in)
     out = tmp_path / "codes.pt"  # lwm codes knows the run's folder from its config
     assert main(["codes", "--ckpt_path", "last", "--config", str(tmp / "run/config.yaml"), "--out", str(out)]) == 0
     assert f"wrote {out}" in capsys.readouterr().out

@@ -107,8 +107,6 @@ def test_sensitivity_is_zero_when_the_codes_do_not_matter():
     for name in ("Action_Encoder", "World_Encoder"):
         d, seq, rand = out[name].tolist()
         assert d == pytest.approx(0.0, abs=1e-5) and seq == pytest.approx(rand, abs=1e-5) and math.isfinite(seq)
-    with pytest.raises(ValueError, match="more than 4 frames"):
-        sensitivity(model, x[:, :4])
 
 
 def test_code_ids_mixed_radix():
@@ -307,8 +305,6 @@ def test_attention_diagonality_leaves_out_queries_not_given():
     attn[..., T - 1, :] = 1.0 / T  # the last query: uniform
     assert float(attention_diagonality(attn[..., :-1, :])) == 1.0
     assert float(attention_diagonality(attn)) == pytest.approx((T - 1 + 1 / T) / T)
-    with pytest.raises(ValueError, match="Q <= T"):
-        attention_diagonality(attn.transpose(-1, -2)[..., :, :-1])
 
 
 def test_random_indices_draw_every_code_of_every_level_uniformly():

@@ -19,34 +19,27 @@ from lwm.inference.dictionary import load_dictionaries
 from lwm.inference.generation import run as generate
 from lwm.inference.study import evaluate, load_clips, probe_margin
 from lwm.training.run_dir import RunDir
-from lwm.utils.args import ArgumentParser
+from lwm.utils.args import ArgumentParser, bounded, positive_int
 from lwm.utils.errors import ConfigError
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
 LAST = "checkpoints/last.ckpt"
-# the keys whose values the demo sets, the later stages reading them.
 OWN_KEYS = ("--ckpt_path", "--trainer.default_root_dir", "--checkpoint.dirpath", "--data.manifest")
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p = ArgumentParser(prog="lwm demo", description=__doc__.split("\n\n")[0].replace("``", ""),
                        epilog="Other --section.key=value arguments go to `lwm fit`.")
-    p.add_argument("--out", default="runs/demo", help="output folder (default runs/demo)")
+    p.add_argument("--out", default="runs/demo", help="output folder")
     p.add_argument("--config", default=str(DEFAULT_CONFIG), help="the fit config (default configs/demo.yaml)")
-    p.add_argument("--steps", type=int, help="training steps (default: the config's trainer.max_steps)")
-    p.add_argument("--episodes", type=int, default=1024, help="synthetic episodes (default 1024)")
-    p.add_argument("--frames", type=int, default=16, help="frames per episode (default 16)")
-    p.add_argument("--size", type=int, default=32, help="frame size in pixels; latents are size/2 (default 32)")
-    p.add_argument("--distractors", type=int, default=0, help="drifting discs in the world (default 0)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the data and of the fit (default 0)")
+    p.add_argument("--steps", type=positive_int, help="training steps (default: the config's trainer.max_steps)")
+    p.add_argument("--episodes", type=bounded(int, 2), default=1024,
+                   help="synthetic episodes (one in eight held out for validation)")
+    p.add_argument("--frames", type=int, default=16, help="frames per episode")
+    p.add_argument("--size", type=int, default=32, help="frame size in pixels; latents are size/2")
+    p.add_argument("--distractors", type=int, default=0, help="drifting discs in the world")
+    p.add_argument("--seed", type=int, default=0, help="seed of the data and of the fit")
     args, rest = p.parse_known_args(argv)
-    if not Path(args.config).is_file():
-        raise ConfigError(f"--config {args.config}: not found (configs/demo.yaml comes with the lwm repository)")
-    if args.steps is not None and args.steps < 1:
-        raise ConfigError(f"--steps must be >= 1, got {args.steps}")
-    if args.episodes < 2:
-        raise ConfigError(f"--episodes must be >= 2 (one of every eight is held out for validation), got "
-                          f"{args.episodes}")
     for key in OWN_KEYS:
         if any(a.split("=")[0] == key for a in rest):
             raise ConfigError(f"{key}: lwm demo sets it (its run lives in --out; run it again with the same --out "
@@ -55,14 +48,11 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-
     args, rest = parse(argv or [])
     console = Console()
     out = Path(args.out)
     run_dir, times = out / "run", {}
-    # an interrupted (or finished) demo: continue it from its latest checkpoint, never start it over
-    resume = RunDir(run_dir).latest()
-
+    resume = RunDir(run_dir).latest()  # an interrupted (or finished) demo continues, never starts over
     shape = [f"--model.net.height={args.size // 2}", f"--model.net.width={args.size // 2}"]
     config = read_config(["--config", args.config, *shape, *rest])  # a bad option: refused before the data is made
     window = int(config["data"]["window"])
@@ -92,9 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     if resume:
         console.print(f"{resume} exists: resuming that run (it stops at once if it had finished)", soft_wrap=True)
     t = time.perf_counter()
-    fit = lightning_cli(["fit", *common, *(["--ckpt_path", "last"] if resume else [])])
+    signum = interrupted_by(lightning_cli(["fit", *common, *(["--ckpt_path", "last"] if resume else [])]).trainer)
     times["fit"] = time.perf_counter() - t
-    signum = interrupted_by(fit.trainer)
     if signum:
         console.print(f"stopped by {signal.Signals(signum).name}: run the same command again to continue the demo")
         return 128 + signum
@@ -141,8 +130,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def held_out_study(model, manifest_path: Path, window: int, codes: Path) -> dict | None:
-    """:func:`lwm.inference.study.evaluate` on the validation episodes (None where their windows are too short for t=4)."""
-
+    """:func:`lwm.inference.study.evaluate` on the validation episodes (None: windows too short for t=4)."""
     if window <= 4 or not codes.is_file():
         return None
     clips = load_clips(manifest_path, "val", window)
@@ -162,16 +150,18 @@ def report(console: Console, m: dict[str, float], times: dict[str, float], study
         key = f"Val_Dynamics_Predictor/rollout_{k}_loss"
         if key in m:
             table.add_row(f"rollout pass {k} MSE (own predictions fed back)", f"{m[key]:.4f}", "")
-    verdicts = [("beats copy-last-frame", tf < copy, f"MSE {tf:.4f} < {copy:.4f}" if tf < copy else f"MSE {tf:.4f} >= {copy:.4f}")]
+    verdicts = [("beats copy-last-frame", tf < copy, f"MSE {tf:.4f} {'<' if tf < copy else '>='} {copy:.4f}")]
     for name, what in (("Action_Encoder", "actions"), ("World_Encoder", "worlds")):
         acc, chance = m.get(f"Val_{name}/probe_accuracy"), m.get(f"Val_{name}/probe_chance")
         if acc is None:
             continue
-        table.add_row(f"linear probe: latent {what[:-1]} code -> true {what[:-1]} (held out)", f"{acc:.3f}", f"{chance:.3f}")
+        table.add_row(f"linear probe: latent {what[:-1]} code -> true {what[:-1]} (held out)", f"{acc:.3f}",
+                      f"{chance:.3f}")
         table.add_row(f"NMI(latent {what[:-1]} codes, true {what})", f"{m[f'Val_{name}/nmi']:.3f}", "0")
         samples = int(m[f"Val_{name}/probe_samples"])
         margin = probe_margin(chance, samples)
-        claim, held_out = {"Action_Encoder": ("latent actions carry information about the true actions", "transitions"),
+        claim, held_out = {"Action_Encoder": ("latent actions carry information about the true actions",
+                                              "transitions"),
                            "World_Encoder": ("the world codes carry information about the true worlds", "clips")}[name]
         verdicts.append((claim, acc > chance + margin,
                          f"probe {acc:.3f} vs chance {chance:.3f} + 3 sd {margin:.3f} ({samples} held-out {held_out})"))
@@ -192,8 +182,3 @@ def report(console: Console, m: dict[str, float], times: dict[str, float], study
         console.print(f"  {'[green]yes[/]' if ok else '[red]not yet[/]'}  {text}: {detail}", soft_wrap=True)
     console.print("  time: " + ", ".join(f"{k} {v:.0f}s" for k, v in times.items()))
 
-
-if __name__ == "__main__":
-    import sys
-
-    sys.exit(main(sys.argv[1:]))

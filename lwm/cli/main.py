@@ -17,10 +17,12 @@ from lwm.utils.args import ArgumentParser, frame_rate, positive_int
 from lwm.utils.errors import LwmError, NonFiniteLossError
 
 LIGHTNING_VERBS = ("fit", "validate", "test", "predict")
+TILING = ("{} in overlapping spatial tiles (diffusers' enable_tiling): far less GPU memory at 512 px and up, faint "
+          "seams possible")
 
 
 def _one_line_warning(message, category, filename, lineno, line=None) -> str:
-    """A warning as one line (the ``lwm`` command's): Python's default adds the source line that raised it."""
+    """A warning as one line (Python's default adds the source line that raised it)."""
     return f"{filename}:{lineno}: {category.__name__}: {message}\n"
 
 
@@ -30,23 +32,23 @@ def _data_index(args: argparse.Namespace) -> int:
     manifest = index_directory(args.directory, out=args.out, val_fraction=args.val_fraction, seed=args.seed,
                                tolerance=args.tolerance, resplit=args.resplit)
     n_train, n_val = len(manifest.split("train")), len(manifest.split("val"))
+    asked = val_count(args.val_fraction, len(manifest.entries))
     frames = sum(e.frames for e in manifest.entries)
     print(f"{manifest.path}: {len(manifest.entries)} files checked ({n_train} train, {n_val} val), {frames} frames "
           f"of [{manifest.channels}, {manifest.height}, {manifest.width}]")
-    if n_val != val_count(args.val_fraction, len(manifest.entries)):  # the files listed before kept their split
+    if n_val != asked:  # the files listed before kept their split
         print(f"  the files the manifest listed before kept their split (--val-fraction {args.val_fraction} would "
-              f"put {val_count(args.val_fraction, len(manifest.entries))} in val): --resplit draws every file's again")
+              f"put {asked} in val): --resplit draws every file's again")
     return 0
 
 
 def _data_encode(args: argparse.Namespace) -> int:
-    from lwm.data.convert import encode_videos
-
     import torch
 
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-    encode_videos(args.videos, args.out, args.codec, args.stride, args.vae, args.size, args.device, dtype,
-                  segment=args.segment, tiling=args.vae_tiling, overwrite=args.overwrite)
+    from lwm.data.convert import encode_videos
+
+    encode_videos(args.videos, args.out, args.codec, args.stride, args.vae, args.size, args.device,
+                  getattr(torch, args.dtype), segment=args.segment, tiling=args.vae_tiling, overwrite=args.overwrite)
     return 0
 
 
@@ -59,18 +61,18 @@ def _data_decode(args: argparse.Namespace) -> int:
     return 0
 
 
-def _lightning(args: argparse.Namespace) -> int:
+def _lightning(verb: str, rest: list[str]) -> int:
     from lwm.callbacks.slurm import interrupted_by
     from lwm.cli.lightning_cli import lightning_cli
 
-    if args.verb != "fit":  # evaluating a checkpoint needs none of its callbacks' states
+    if verb != "fit":  # evaluating a checkpoint needs none of its callbacks' states
         warnings.filterwarnings("ignore", message="Be aware that when using `ckpt_path`, callbacks used to create")
     start = time.monotonic()
     with _wide_output():
-        trainer = getattr(lightning_cli([args.verb, *args.rest]), "trainer", None)
+        trainer = getattr(lightning_cli([verb, *rest]), "trainer", None)
     signum = interrupted_by(trainer)
     stopped = any(getattr(c, "preempted", False) for c in getattr(trainer, "callbacks", []))  # a signal: saved
-    if args.verb == "fit" and trainer is not None and trainer.is_global_zero and not signum and not stopped:
+    if verb == "fit" and trainer is not None and trainer.is_global_zero and not signum and not stopped:
         from lwm.callbacks.progress import fit_summary
 
         print(fit_summary(trainer, time.monotonic() - start))
@@ -79,28 +81,23 @@ def _lightning(args: argparse.Namespace) -> int:
 
 @contextlib.contextmanager
 def _wide_output() -> Iterator[None]:
-    """Not on a terminal (a log file, SLURM's output), 200 columns for Lightning's results table, which it sizes by
-    the terminal (``COLUMNS``, else 80 or 120) and rich cuts to 80."""
+    """Not on a terminal (a log, SLURM's output): 200 columns for Lightning's results table (rich cuts it to 80)."""
+    from unittest import mock
+
+    import rich
+
     if sys.stdout.isatty():
         yield
         return
-    import rich
-
-    columns = os.environ.get("COLUMNS")
-    os.environ["COLUMNS"] = "200"
-    rich.reconfigure(width=200)
-    try:
-        yield
-    finally:
-        rich.reconfigure()
-        if columns is None:
-            os.environ.pop("COLUMNS", None)
-        else:
-            os.environ["COLUMNS"] = columns
+    with mock.patch.dict(os.environ, {"COLUMNS": "200"}):
+        rich.reconfigure(width=200)
+        try:
+            yield
+        finally:
+            rich.reconfigure()
 
 
-# Verbs that parse their own arguments: verb -> (the module whose ``main(argv)`` runs it, its help line).
-_OWN_PARSERS = {
+_OWN_PARSERS = {  # verbs that parse their own arguments: (the module whose main(argv) runs it, its help)
     "overfit": ("lwm.cli.overfit", "the overfit test: one window, many steps"),
     "codes": ("lwm.cli.codes", "code dictionaries of a checkpoint's encoders"),
     "generate": ("lwm.cli.generate", "play a trained model forward, write the video"),
@@ -113,24 +110,16 @@ _OWN_PARSERS = {
 }
 
 
-def _own_parser(args: argparse.Namespace) -> int:
-    module = importlib.import_module(_OWN_PARSERS[args.verb][0])
-    return module.main(args.rest) or 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(prog="lwm", description="Latent world models from video latents.")
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
 
-    for verb in LIGHTNING_VERBS:
-        p = verbs.add_parser(verb, add_help=False, help=f"Lightning {verb} (`lwm {verb} --help`): --config configs/X.yaml [overrides]")
-        p.add_argument("rest", nargs=argparse.REMAINDER)
-        p.set_defaults(func=_lightning)
-
+    for verb in LIGHTNING_VERBS:  # (main runs them and the verbs below: here for --help)
+        verbs.add_parser(verb, add_help=False, help=f"Lightning {verb} (`lwm {verb} --help`): --config configs/X.yaml "
+                                                    f"[overrides]")
     for verb, (_, text) in _OWN_PARSERS.items():
         if " " not in verb:
-            p = verbs.add_parser(verb, add_help=False, help=f"{text} (`lwm {verb} --help`)")
-            p.add_argument("rest", nargs=argparse.REMAINDER)
+            verbs.add_parser(verb, add_help=False, help=f"{text} (`lwm {verb} --help`)")
 
     data = verbs.add_parser("data", help="make, check or convert data").add_subparsers(dest="data_verb", required=True)
     index = data.add_parser("index", help="check every h5 file under DIR and write the manifest")
@@ -139,29 +128,26 @@ def build_parser() -> argparse.ArgumentParser:
     index.add_argument("--val-fraction", type=float, default=0.1, help="fraction of files in the val split")
     index.add_argument("--seed", type=int, default=0, help="seed of the train/val split")
     index.add_argument("--tolerance", type=float, default=1e-3, help="allowed excess over [-1, 1]")
-    index.add_argument("--resplit", action="store_true",
-                       help="draw every file's split again (default: files the manifest already lists keep theirs)")
+    index.add_argument("--resplit", action="store_true", help="draw every file's split again (default: files the "
+                       "manifest already lists keep theirs)")
     index.set_defaults(func=_data_index)
 
     encode = data.add_parser("encode", help="encode videos to h5 latent files through a codec")
     encode.add_argument("videos", nargs="+", help="video files (anything PyAV reads)")
-    encode.add_argument("--codec", default="pixel",
-                        help="pixel (built in, 128x128 RGB) or a diffusers video VAE (needs --vae)")
+    encode.add_argument("--codec", default="pixel", help="pixel (built in, 128x128 RGB) or a diffusers video VAE "
+                        "(needs --vae)")
     encode.add_argument("--out", required=True, help="folder for the h5 files (then `lwm data index` it)")
     encode.add_argument("--stride", type=positive_int, default=1, help="keep every N-th frame")
-    encode.add_argument("--segment", type=positive_int, metavar="N",
-                        help="frames per h5 file (NAME_0000.h5, ...; for VAE codecs 1 + 4k, e.g. 257): long videos "
-                             "in bounded memory (default: one file per video)")
+    encode.add_argument("--segment", type=positive_int, metavar="N", help="frames per h5 file (NAME_0000.h5, ...; "
+                        "for VAE codecs 1 + 4k, e.g. 257): long videos in bounded memory (default: one file per video)")
     encode.add_argument("--vae", help="local folder with the VAE's diffusers weights (or a pipeline with vae/)")
     encode.add_argument("--size", type=int, help="frame size in pixels (default: 128 pixel, 512 VAEs)")
     encode.add_argument("--device", default="cpu", help="where the VAE runs (e.g. cuda)")
     encode.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="VAE dtype")
-    encode.add_argument("--vae-tiling", action="store_true",
-                        help="encode in overlapping spatial tiles (diffusers' enable_tiling): far less GPU memory at "
-                             "512 px and up, faint seams possible")
-    encode.add_argument("--overwrite", action="store_true",
-                        help="replace the h5 files of each video's name already in --out (NAME.h5, NAME_NNNN.h5) once "
-                             "the video is encoded (a failed encode leaves them); without it they are refused")
+    encode.add_argument("--vae-tiling", action="store_true", help=TILING.format("encode"))
+    encode.add_argument("--overwrite", action="store_true", help="replace the h5 files of each video's name already "
+                        "in --out (NAME.h5, NAME_NNNN.h5) once the video is encoded (a failed encode leaves them); "
+                        "without it they are refused")
     encode.set_defaults(func=_data_encode)
 
     decode = data.add_parser("decode", help="decode an h5 latent file to a video through its codec")
@@ -170,9 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument("--fps", type=frame_rate, help="frame rate (default: the file's fps, which `lwm data "
                         "encode` records, else 8)")
     decode.add_argument("--vae", help="the VAE's local diffusers weights, for files encoded with a VAE")
-    decode.add_argument("--vae-tiling", action="store_true",
-                        help="decode in overlapping spatial tiles (diffusers' enable_tiling): far less GPU memory at "
-                             "512 px and up, faint seams possible")
+    decode.add_argument("--vae-tiling", action="store_true", help=TILING.format("decode"))
     decode.add_argument("--device", default="cpu", help="where the VAE runs")
     decode.add_argument("--overwrite", action="store_true", help="replace an existing --out (default: refused)")
     decode.set_defaults(func=_data_decode)
@@ -184,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 class _OutlivesItsReader:
-    """A text stream (stdout, stderr) whose writes outlive its reader."""
+    """A text stream (stdout, stderr) whose writes outlive its reader (`lwm fit | head`): then /dev/null."""
 
     def __init__(self, stream: Any) -> None:
         self._stream = stream
@@ -193,37 +177,32 @@ class _OutlivesItsReader:
         return getattr(self._stream, name)
 
     def write(self, text: str) -> int:
-        try:
-            return self._stream.write(text)
-        except BrokenPipeError:
-            self._to_devnull()
-            return len(text)
+        return self._guarded(self._stream.write, text) or len(text)
 
     def writelines(self, lines: Any) -> None:
         for line in lines:
             self.write(line)
 
     def flush(self) -> None:
+        self._guarded(self._stream.flush)
+
+    def _guarded(self, method: Any, *args: Any) -> Any:
         try:
-            self._stream.flush()
+            return method(*args)
         except BrokenPipeError:
-            self._to_devnull()
-
-    def _to_devnull(self) -> None:
-        with contextlib.suppress(OSError, ValueError, AttributeError):  # (no file descriptor: nothing to point)
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, self._stream.fileno())
-            os.close(devnull)
-            self._stream.flush()  # what the closed pipe did not take, to /dev/null
+            with contextlib.suppress(OSError, ValueError, AttributeError):  # (no file descriptor: nothing to point)
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, self._stream.fileno())
+                os.close(devnull)
+                self._stream.flush()  # what the closed pipe did not take, to /dev/null
+            return None
 
 
-@contextlib.contextmanager
-def _output_outlives_its_reader() -> Iterator[None]:
-    """sys.stdout and sys.stderr as :class:`_OutlivesItsReader` for the command, flushed through it at the end."""
+def main(argv: list[str] | None = None) -> int:
     streams = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = _OutlivesItsReader(sys.stdout), _OutlivesItsReader(sys.stderr)
     try:
-        yield
+        return _main(sys.argv[1:] if argv is None else list(argv))
     finally:
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(ValueError):  # (a closed stream)
@@ -231,48 +210,41 @@ def _output_outlives_its_reader() -> Iterator[None]:
         sys.stdout, sys.stderr = streams
 
 
-def main(argv: list[str] | None = None) -> int:
-    with _output_outlives_its_reader():
-        return _main(argv)
-
-
-def _main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+def _main(argv: list[str]) -> int:
     warnings.formatwarning = _one_line_warning
-    if argv and argv[0] in LIGHTNING_VERBS:
-        args = argparse.Namespace(verb=argv[0], rest=argv[1:], func=_lightning)
-    elif argv and argv[0] in _OWN_PARSERS:
-        args = argparse.Namespace(verb=argv[0], rest=argv[1:], func=_own_parser)
-    elif " ".join(argv[:2]) in _OWN_PARSERS:
-        args = argparse.Namespace(verb=" ".join(argv[:2]), rest=argv[2:], func=_own_parser)
-    else:
-        args = None
+    own = next((v for v in (" ".join(argv[:2]), *argv[:1]) if v in _OWN_PARSERS), None)
     try:
-        if args is None:
-            args = build_parser().parse_args(argv)
+        if argv and argv[0] in LIGHTNING_VERBS:
+            return _lightning(argv[0], argv[1:])
+        if own is not None:
+            return importlib.import_module(_OWN_PARSERS[own][0]).main(argv[len(own.split()):]) or 0
+        args = build_parser().parse_args(argv)
         return args.func(args)
-    except SystemExit as e:  # Lightning's exit 1 after a Ctrl-C it caught
-        from lwm.callbacks.slurm import hard_stopped  # fits or evaluates
+    except BaseException as e:
+        code = _reported(e)
+        if code is None:
+            raise
+        return code
 
-        if e.code == 1 and hard_stopped():
-            return 128 + signal.SIGINT
-        raise
-    except KeyboardInterrupt:
+
+def _reported(e: BaseException) -> int | None:
+    """The exit code of an exception lwm reports in a line of its own, without a traceback (None: not one)."""
+    if isinstance(e, KeyboardInterrupt):
         print("\nstopped by Ctrl-C (SIGINT)", file=sys.stderr)
         return 128 + signal.SIGINT
-    except OSError as e:
-        if e.filename is None:  # not about a path
-            raise
-        where = f"{e.filename}" + (f" -> {e.filename2}" if e.filename2 else "")
-        print(f"error: {where}: {e.strerror or e}", file=sys.stderr)  # exists, is a folder, no permission, ...
-        return 2
-    except Exception as e:
-        # Lightning's own configuration errors (e.g. `accelerator: gpu` where there is none) are one line too
-        if not isinstance(e, (LwmError, NonFiniteLossError)) and type(e).__name__ != "MisconfigurationException":
-            raise
-        for line in error_lines(e):
-            print(f"error: {line}{_hint(line)}", file=sys.stderr)
-        return 2
+    if isinstance(e, SystemExit):  # Lightning's exit 1 after a Ctrl-C it caught
+        from lwm.callbacks.slurm import hard_stopped
+
+        return 128 + signal.SIGINT if e.code == 1 and hard_stopped() else None
+    if isinstance(e, OSError) and e.filename is not None:  # exists, is a folder, no permission, ...
+        lines = [f"{e.filename}" + (f" -> {e.filename2}" if e.filename2 else "") + f": {e.strerror or e}"]
+    elif isinstance(e, (LwmError, NonFiniteLossError)) or type(e).__name__ == "MisconfigurationException":
+        lines = [line + _hint(line) for line in error_lines(e)]  # Lightning's configuration errors too
+    else:
+        return None
+    for line in lines:
+        print(f"error: {line}", file=sys.stderr)
+    return 2
 
 
 def _hint(line: str) -> str:
@@ -286,7 +258,7 @@ def _hint(line: str) -> str:
 
 
 def error_lines(e: BaseException) -> list[str]:
-    """The lines of an lwm error for the terminal."""
+    """The lines of an lwm error for the terminal (of a DataLoader worker's: its last raise's)."""
     lines = str(e).splitlines()
     if lines and lines[0].startswith("Caught ") and "Original Traceback" in str(e):
         prefix = f"{type(e).__module__}.{type(e).__qualname__}: "

@@ -8,7 +8,7 @@ import warnings
 from typing import Any
 
 import lightning as L
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from lwm.callbacks.slurm import interrupted_by, SlurmRequeue
 from lwm.cli.lightning_cli import LwmCLI
@@ -24,19 +24,12 @@ OWN_KEYS = {**{f"--trainer.{key}": "--steps" for key in ("max_steps", "max_epoch
                                    "--checkpoint.dirpath", "--data.val_size_percent", "--data.batch_size")}}
 
 
-class _Repeat(Dataset):
-    def __init__(self, item: dict[str, Any], times: int) -> None:
-        self.item, self.times = item, times
-
-    def __len__(self) -> int:
-        return self.times
-
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        return self.item
+def _repeat(item: dict[str, Any], times: int) -> list[dict[str, Any]]:
+    return [item] * times
 
 
 class _Record(L.Callback):
-    """Keeps the teacher-forcing loss of every step (one host sync per step: fine for a diagnostic)."""
+    """The teacher-forcing loss of every step."""
 
     def __init__(self) -> None:
         self.tf_losses: list[float] = []
@@ -48,8 +41,7 @@ class _Record(L.Callback):
 
 
 class _DataHparams(L.Callback):
-    """Writes the data module's hyperparameters into the checkpoints, as ``lwm fit`` does (``lwm generate`` reads the
-    trained window there)."""
+    """The data module's hyperparameters in the checkpoints, as ``lwm fit``'s (``lwm generate`` reads the window)."""
 
     def __init__(self, hparams: dict[str, Any]) -> None:
         self.hparams = hparams
@@ -59,14 +51,11 @@ class _DataHparams(L.Callback):
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = ArgumentParser(
-        prog="lwm overfit", description=__doc__.split("\n\n")[0],
-        epilog="Every other argument is a `lwm fit` option: --config FILE and dotted overrides such as --data.manifest M.",
-    )
-    parser.add_argument("--steps", type=positive_int, default=1000, help="optimizer steps on the one datapoint "
-                                                                         "(default 1000)")
-    parser.add_argument("--file", type=int, default=0, help="index of the file among the manifest's train files that hold a whole "
-                                                           "data.window (in manifest order; shorter ones are left out)")
+    parser = ArgumentParser(prog="lwm overfit", description=__doc__.split("\n\n")[0], epilog="Every other argument "
+                            "is a `lwm fit` option: --config FILE and dotted overrides such as --data.manifest M.")
+    parser.add_argument("--steps", type=positive_int, default=1000, help="optimizer steps on the one datapoint")
+    parser.add_argument("--file", type=int, default=0, help="index of the file among the manifest's train files "
+                        "that hold a whole data.window (in manifest order)")
     parser.add_argument("--start", type=int, default=0, help="first frame of the window")
     args, rest = parser.parse_known_args(argv)
     for key, instead in OWN_KEYS.items():  # given on the command line, and silently overridden
@@ -96,7 +85,6 @@ def main(argv: list[str]) -> int:
 
 
 def _run(args: argparse.Namespace, rest: list[str]) -> int:
-
     class OverfitCLI(LwmCLI):
         def before_instantiate_classes(self) -> None:
             trainer = self.config.trainer
@@ -117,7 +105,8 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
     dm.setup("fit")
     files = dm.train_set
     if not 0 <= args.file < len(files.paths):
-        raise ConfigError(f"--file {args.file}: the train split has {len(files.paths)} usable files (0..{len(files.paths) - 1})")
+        raise ConfigError(f"--file {args.file}: the train split has {len(files.paths)} usable files "
+                          f"(0..{len(files.paths) - 1})")
     if not 0 <= args.start <= files.frames[args.file] - dm.window:
         raise ConfigError(f"--start {args.start}: {files.paths[args.file]} has {files.frames[args.file]} frames, "
                           f"window {dm.window}")
@@ -127,7 +116,7 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
                       f"runs in the warmup, below the peak lr (e.g. --model.optim.warmup_steps={args.steps // 10})")
 
     item = files[(args.file, args.start)]
-    loader = DataLoader(_Repeat(item, args.steps), batch_size=1)
+    loader = DataLoader(_repeat(item, args.steps), batch_size=1)
     record = _Record()
     cli.trainer.callbacks += [record, _DataHparams(dm.hparams)]
     for callback in cli.trainer.callbacks:

@@ -7,7 +7,6 @@ import argparse
 from lwm.play.player import load_player
 from lwm.play.server import bind, build_app, check_host, serve, url
 from lwm.utils.args import ArgumentParser, bounded, MAX_FPS
-from lwm.utils.errors import ConfigError
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -29,18 +28,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _need_extra() -> None:
-    """One line where the ``play`` extra is not installed."""
-    for name in ("starlette", "uvicorn"):
-        try:
-            __import__(name)
-        except ImportError:
-            raise ConfigError(f"lwm play needs {name}, in the play extra: pip install 'lwm[play]'") from None
-
 def main(argv: list[str]) -> int:
     """``lwm play``: checks, the port, the model, then the page until Ctrl-C."""
     args = parse(argv)
-    _need_extra()
+    import starlette, uvicorn  # noqa: F401, E401  (the play extra, pip install 'lwm[play]': before the model loads)
     check_host(args.host, args.allow_remote)
     sock = bind(args.host, args.port)  # a port in use: said before the model loads
     try:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import csv
 import math
 import re
@@ -20,15 +19,14 @@ if TYPE_CHECKING:
 Series = list[tuple[int, float]]
 Metrics = dict[str, Series]
 
-_MARKER_MAX_POINTS = 60  # series this short
+_MARKER_MAX_POINTS = 60  # series this short are drawn with markers
 
 
 def read_metrics(path: str | Path) -> Metrics:
-    """``{column: [(step, value), ...]}`` of a Lightning ``metrics.csv``, each series sorted by step (a missing
-    file: the OSError naming it)."""
-    path = Path(path)
+    """``{column: [(step, value), ...]}`` of a Lightning ``metrics.csv``, sorted by step (the last row of a step
+    wins; empty and undecodable cells are no value)."""
     values: dict[str, dict[int, float]] = {}
-    with open(path, newline="", encoding="utf-8-sig", errors="replace") as f:  # (an undecodable cell: no value)
+    with open(path, newline="", encoding="utf-8-sig", errors="replace") as f:
         reader = csv.DictReader(f)
         if "step" not in (reader.fieldnames or ()):
             raise DataError(f"{path}: no 'step' column (empty, or not a Lightning metrics.csv)")
@@ -43,11 +41,11 @@ def read_metrics(path: str | Path) -> Metrics:
 def _parse(cell: object) -> float | None:
     try:
         return float(cell)
-    except (TypeError, ValueError):  # empty, text, missing
+    except (TypeError, ValueError):
         return None
 
 
-LOSS_PANELS: tuple[tuple[str, str], ...] = (
+LOSS_PANELS = (
     ("Total loss", "Total/loss"),
     ("Teacher-forced loss", "Dynamics_Predictor/tf_loss"),
     ("Rollout-1 loss", "Dynamics_Predictor/rollout_1_loss"),
@@ -61,12 +59,9 @@ LOSS_PANELS: tuple[tuple[str, str], ...] = (
 QUANTIZERS = ("Action_Encoder", "World_Encoder")
 _USAGE = re.compile(r"^(Train|Val)_(\w+?)/codebook_usage_level_(\d+)$")
 _DIAGONALITY = re.compile(r"^(\w+?)/attention_diagonality_block_(\d+)/mean$")
-
-
-# what a panel's val loss must beat, drawn dashed beside it where the run logged it (the callbacks' baseline)
-LOSS_BASELINES: dict[str, tuple[str, str]] = {
-    "Dynamics_Predictor/tf_loss": ("copy-last-frame baseline (val)", "Val_Dynamics_Predictor/copy_last_loss"),
-}
+# what a panel's val loss must beat, drawn dashed beside it where the run logged it
+LOSS_BASELINES = {
+    "Dynamics_Predictor/tf_loss": ("copy-last-frame baseline (val)", "Val_Dynamics_Predictor/copy_last_loss")}
 
 
 def losses_figure(metrics: Metrics) -> Figure | str:
@@ -77,9 +72,9 @@ def losses_figure(metrics: Metrics) -> Figure | str:
     for ax, (title, key) in zip(axes, panels):
         _plot(ax, metrics.get(f"Train_{key}"), label="train")
         _plot(ax, metrics.get(f"Val_{key}"), label="val")
-        baseline_label, baseline = LOSS_BASELINES.get(key, (None, None))
+        label, baseline = LOSS_BASELINES.get(key, (None, None))
         if baseline is not None:
-            _plot(ax, metrics.get(baseline), label=baseline_label, color="grey", linestyle="--")
+            _plot(ax, metrics.get(baseline), label=label, color="grey", linestyle="--")
         log_y = _all_positive(metrics, f"Train_{key}", f"Val_{key}", *([baseline] if baseline else []))
         _style(ax, title, xlabel="step", ylabel="loss", log_y=log_y)
     fig.suptitle("Losses: train vs val")
@@ -90,9 +85,9 @@ def val_loss_vs_tflops_figure(metrics: Metrics) -> Figure | str:
     tflops = metrics.get("Val_Total/tflops")
     if not tflops:
         return "no Val_Total/tflops column (no validation during the fit, or a run that logged no TFLOPs)"
-    wanted = (("val total", "Val_Total/loss"), ("val teacher-forced", "Val_Dynamics_Predictor/tf_loss"))
-    lines = [(label, _against(tflops, metrics.get(key))) for label, key in wanted]
-    lines = [(label, points) for label, points in lines if points]
+    lines = [(label, points) for label, key in (("val total", "Val_Total/loss"),
+                                                ("val teacher-forced", "Val_Dynamics_Predictor/tf_loss"))
+             if (points := _against(tflops, metrics.get(key)))]
     if not lines:
         return "no Val_Total/loss or Val_Dynamics_Predictor/tf_loss with a positive Val_Total/tflops at its step"
     fig, (ax,) = _grid(1, ncols=1)
@@ -125,10 +120,8 @@ def sensitivity_figure(metrics: Metrics) -> Figure | str:
 def codebook_usage_figure(metrics: Metrics) -> Figure | str:
     found: dict[str, dict[tuple[str, int], Series]] = {}
     for column, series in metrics.items():
-        match = _USAGE.match(column)
-        if match and series:
-            split, quantizer, level = match.group(1), match.group(2), int(match.group(3))
-            found.setdefault(quantizer, {})[split, level] = series
+        if (match := _USAGE.match(column)) and series:
+            found.setdefault(match[2], {})[match[1], int(match[3])] = series
     if not found:
         return "no {Train,Val}_*/codebook_usage_level_<l> columns"
     quantizers = sorted(found, key=lambda q: (QUANTIZERS.index(q) if q in QUANTIZERS else len(QUANTIZERS), q))
@@ -146,14 +139,12 @@ def codebook_usage_figure(metrics: Metrics) -> Figure | str:
 def attention_diagonality_figure(metrics: Metrics) -> Figure | str:
     found: dict[str, list[int]] = {}
     for column, series in metrics.items():
-        match = _DIAGONALITY.match(column)
-        if match and series:
-            found.setdefault(match.group(1), []).append(int(match.group(2)))
+        if (match := _DIAGONALITY.match(column)) and series:
+            found.setdefault(match[1], []).append(int(match[2]))
     if not found:
         return "no *_Encoder/attention_diagonality_block_<k>/mean columns"
-    prefixes = sorted(found)
-    fig, axes = _grid(len(prefixes), ncols=2)
-    for ax, prefix in zip(axes, prefixes):
+    fig, axes = _grid(len(found), ncols=2)
+    for ax, prefix in zip(axes, sorted(found)):
         for block in sorted(found[prefix]):
             key, color = f"{prefix}/attention_diagonality_block_{block}", f"C{block % 10}"
             _plot(ax, metrics[f"{key}/mean"], label=f"block {block}", color=color)
@@ -176,44 +167,36 @@ def _grid(n: int, ncols: int) -> tuple[Figure, list[Axes]]:
     from matplotlib.figure import Figure  # the Agg canvas draws it
 
     ncols = min(ncols, n)
-    nrows = math.ceil(n / ncols)
-    fig = Figure(figsize=(5.0 * ncols, 3.6 * nrows), layout="constrained")
-    axes = list(fig.subplots(nrows, ncols, squeeze=False).flat)
+    fig = Figure(figsize=(5.0 * ncols, 3.6 * math.ceil(n / ncols)), layout="constrained")
+    axes = list(fig.subplots(math.ceil(n / ncols), ncols, squeeze=False).flat)
     for ax in axes[n:]:
         ax.set_visible(False)
     return fig, axes[:n]
 
 
 def _plot(ax: Axes, series: Series | None, label: str, **kwargs: object) -> None:
-    if not series:
-        return
-    steps, values = zip(*series)
-    marker = "o" if len(series) <= _MARKER_MAX_POINTS else None
-    ax.plot(steps, values, label=label, marker=marker, markersize=3, **kwargs)
+    if series:
+        ax.plot(*zip(*series), label=label, marker="o" if len(series) <= _MARKER_MAX_POINTS else None, markersize=3,
+                **kwargs)
 
 
 def _band(ax: Axes, low: Series | None, high: Series | None, color: str) -> None:
-    if not low or not high:
-        return
-    highs = dict(high)
-    points = [(step, value, highs[step]) for step, value in low if step in highs]
+    highs = dict(high or ())
+    points = [(step, value, highs[step]) for step, value in low or () if step in highs]
     if points:
-        steps, lows, tops = zip(*points)
-        ax.fill_between(steps, lows, tops, color=color, alpha=0.2, linewidth=0)
+        ax.fill_between(*zip(*points), color=color, alpha=0.2, linewidth=0)
 
 
 def _style(ax: Axes, title: str, xlabel: str, ylabel: str, log_y: bool = False) -> None:
     if log_y:
         ax.set_yscale("log")
     else:
-        ax.ticklabel_format(axis="y", useOffset=False)  # 0.5113 reads better than 1e-5 + 5.113e-1
+        ax.ticklabel_format(axis="y", useOffset=False)  # 0.5113, not 1e-5 + 5.113e-1
     if xlabel == "step":
         from matplotlib.ticker import MaxNLocator
 
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_title(title)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
     ax.grid(True, which="major", alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize="small")
@@ -226,7 +209,7 @@ def _all_positive(metrics: Metrics, *columns: str) -> bool:
 
 
 def _against(x: Series, y: Series | None) -> list[tuple[float, float]]:
-    """``(x, y)`` at the steps both series have, keeping only points a log-log axis can show."""
+    """``(x, y)`` at the steps both series have, where a log-log axis shows them."""
     xs = dict(x)
     return [(xs[step], value) for step, value in y or () if step in xs and xs[step] > 0 and value > 0]
 
@@ -236,34 +219,29 @@ def _quantizer_name(quantizer: str) -> str:
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> tuple[list[Path], dict[str, str]]:
-    """Write the figures of ``run_dir`` (or of its ``metrics.csv``, given itself) into ``out`` (default
+    """Write the figures of ``run_dir`` (or of a ``metrics.csv`` itself) into ``out`` (default
     ``RUN_DIR/figures``): ``(the PNGs written, {figure: why it was skipped})``."""
     csv_path = Path(run_dir) if Path(run_dir).is_file() else Path(run_dir) / "metrics.csv"
-    out = Path(out) if out is not None else csv_path.parent / "figures"  # (a file there: mkdir's OSError names it)
+    out = Path(out) if out is not None else csv_path.parent / "figures"
     metrics = read_metrics(csv_path)
-    written: list[Path] = []
-    skipped: dict[str, str] = {}
+    written, skipped = [], {}
     for name, builder in FIGURES.items():
         fig = builder(metrics)
         if isinstance(fig, str):
             skipped[name] = fig
             continue
-        out.mkdir(parents=True, exist_ok=True)
+        out.mkdir(parents=True, exist_ok=True)  # (a file there: the OSError names it)
         fig.savefig(out / name, dpi=110)
         written.append(out / name)
     return written, skipped
 
 
-def build_parser() -> argparse.ArgumentParser:
+def main(argv: list[str]) -> int:
     parser = ArgumentParser(prog="lwm plot", description="Plot a run's RUN_DIR/metrics.csv as PNG figures.")
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (trainer.default_root_dir), or its "
-                                                           "metrics.csv")
+                        "metrics.csv")
     parser.add_argument("--out", metavar="DIR", help="where to write the PNGs (default: RUN_DIR/figures)")
-    return parser
-
-
-def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(list(argv))
+    args = parser.parse_args(list(argv))
     written, skipped = plot_run(args.run_dir, args.out)
     for name, why in skipped.items():
         print(f"skipped {name}: {why}")

@@ -7,10 +7,9 @@ interpolations; ``.`` when unset) and the checkpoint to resume from (:meth:`RunD
 
 from __future__ import annotations
 
-import os
-
-from lwm.cli.lightning_cli import config_files, read_config
+from lwm.cli.lightning_cli import read_config
 from lwm.training.run_dir import RunDir
+from lwm.utils.args import config_files
 from lwm.utils.errors import ConfigError
 
 
@@ -18,12 +17,8 @@ def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
         return 0
-    configs = config_files(argv)
-    if not configs:
+    if not config_files(argv):
         raise ConfigError("lwm resume-info needs --config CFG (and the run's overrides, as given to lwm fit)")
-    for config in configs:
-        if not os.path.isfile(config):
-            raise ConfigError(f"--config {config}: not found")
     run = RunDir.of(read_config(argv))  # every argument in its order: a later --config overrides
     found = run.latest()
     print(run.root)

@@ -40,7 +40,7 @@ def _step(path: Path) -> int | None:
 
 
 def _written(path: Path) -> float | None:
-    """When a checkpoint was last whole: a file's time, a DeepSpeed directory's completion mark's."""
+    """When a checkpoint was last whole."""
     return deepspeed_written(path) if path.is_dir() else path.stat().st_mtime
 
 
@@ -57,7 +57,7 @@ def latest_checkpoint(run_dir: Path, checkpoint_dir: Path) -> Path | None:
     steps = sorted((p for p in checkpoint_dir.glob("*.ckpt") if p.name != last.name), key=_number, reverse=True)
     last_step = _step(last) if last.exists() else None
     since = _written(last) if last_step is not None or last.is_dir() else None  # a torn file was never whole
-    if since is not None:  # an older step file
+    if since is not None:
         steps = [p for p in steps if (written := _written(p)) is not None and written >= since]
     candidates = [p for p in (last, *reversed(hpc), *steps) if p.exists()]
     steps = {p: s for p in candidates if (s := _step(p)) is not None}
@@ -71,7 +71,7 @@ def latest_checkpoint(run_dir: Path, checkpoint_dir: Path) -> Path | None:
 
 
 def run_of(path: str | Path) -> Path | None:
-    """The fit's folder of ``RUN/checkpoints/X.ckpt``, or ``RUN`` itself (it holds ``config.yaml`` and
+    """The fit's folder of ``RUN/checkpoints/X.ckpt``, or ``RUN`` itself (holding ``config.yaml`` and
     ``checkpoints/``); None for anything else."""
     path = Path(path)
     if path.parent.name == "checkpoints" and (path.parent.parent / "config.yaml").is_file():
@@ -82,15 +82,11 @@ def run_of(path: str | Path) -> Path | None:
 
 
 def checkpoint_file(path: str | Path, checkpoints: str | Path | None = None) -> Path:
-    """A ``--ckpt_path`` as the file to read: a run's folder or checkpoint folder (and ``last``, given the folder) is
-    its latest checkpoint."""
-    if str(path) == "last":
-        if checkpoints is None:
-            raise ConfigError("--ckpt_path last: this command has no run folder to look in; give the run's folder "
-                              "(RUN_DIR) or a checkpoint file")
+    """A ``--ckpt_path`` as the file to read: a run's folder or checkpoint folder (and ``last``, given the
+    checkpoint folder) is its latest checkpoint."""
+    if str(path) == "last" and checkpoints is not None:
         folder = Path(checkpoints)
-        found = latest_checkpoint(folder.parent, folder)
-        return found if found is not None else folder / "last.ckpt"  # (missing: named by the loader)
+        return latest_checkpoint(folder.parent, folder) or folder / "last.ckpt"  # (missing: named by the loader)
     path = Path(path)
     if not path.is_dir() or is_deepspeed_checkpoint(path):
         return path
@@ -124,8 +120,8 @@ def read_checkpoint_arg(path: Any) -> bool:
 
 
 class RunDir:
-    """One run's folder: its paths, the checkpoint ``last`` names, whether a fit resumes, the refusals that keep a
-    run whole, and the lock."""
+    """One run's folder: its paths, the checkpoint ``last`` names, whether a fit resumes, and the refusals that keep
+    a run whole."""
 
     def __init__(self, root: str | Path, checkpoints: str | Path | None = None) -> None:
         self.root = str(root)
@@ -148,9 +144,6 @@ class RunDir:
             self._last = str(found) if found is not None else os.path.join(self.checkpoints, "last.ckpt")
         return self._last
 
-    def resolve(self, ckpt_path: str | None) -> str | None:
-        return self.last if ckpt_path == "last" else ckpt_path
-
     def resumes(self, ckpt_path: str | None) -> bool:
         """Whether a fit continues the run: from ``ckpt_path`` where it exists, or, given none, from a requeue's hpc
         checkpoint under SLURM (as Lightning does)."""
@@ -158,58 +151,65 @@ class RunDir:
         if ckpt_path == "hpc":
             return hpc
         if ckpt_path:
-            return os.path.exists(self.resolve(ckpt_path))
+            return os.path.exists(self.last if ckpt_path == "last" else ckpt_path)
         return hpc and SLURMEnvironment.detect()
 
-    def owns(self, path: str) -> bool:
-        """Whether ``path`` is one of the run's checkpoints (its checkpoint folder, or an hpc one)."""
-        folder = os.path.realpath(os.path.dirname(os.path.abspath(path)))
-        return folder in (os.path.realpath(self.checkpoints), os.path.realpath(self.root))
-
-    def check_fit(self, ckpt_path: str | None, save_last: Any) -> None:
-        """Refuse a fit that would break the run: no ``last.ckpt`` of its own (``save_last`` not true), a checkpoint
-        folder that is a file, or a start over a run's checkpoints."""
-        if save_last is not True:  # "link": stale after a stop on a signal or at the end
-            raise ConfigError(f"checkpoint.save_last={save_last}: lwm needs true (last.ckpt written as a file of its "
-                              f"own at a stop, a signal and the end of fit: what --ckpt_path last and the SLURM "
-                              f"scripts resume from)")
-        if os.path.exists(self.checkpoints) and not os.path.isdir(self.checkpoints):
-            raise ConfigError(f"checkpoint.dirpath={self.checkpoints}: exists and is not a folder")
-        if ckpt_path is None:
-            self.check_no_run_yet()
-        elif ckpt_path == "last":
-            if not os.path.exists(self.last):
-                warnings.filterwarnings("ignore", message=r".*ckpt_path=\"last\"\) is set, but there is no last")
-                rank_zero_info(f"--ckpt_path last: no {self.last} yet, so this fit starts a new run")
-        elif read_checkpoint_arg(ckpt_path) and not self.owns(ckpt_path):
-            self.check_no_run_yet(f" (--ckpt_path {ckpt_path} is not one of its checkpoints)")
-
-    def check_eval(self, verb: str, ckpt_path: str | None) -> None:
-        """validate/test/predict: no ``--ckpt_path`` is warned about (the untrained model), ``last`` without a
-        checkpoint refused, a file read."""
-        if ckpt_path is None:
+    def checked_ckpt_path(self, verb: str, ckpt_path: str | None, save_last: Any = True) -> str | None:
+        """``--ckpt_path`` checked for ``verb``, ``last`` resolved to the run's latest whole checkpoint (Lightning's
+        is ``last.ckpt``, cut short or behind a newer one); a SLURM requeue's fit resumes from it."""
+        if verb == "fit":
+            if save_last is not True:  # "link": stale after a stop on a signal or at the end
+                raise ConfigError(f"checkpoint.save_last={save_last}: lwm needs true (last.ckpt written as a file of "
+                                  f"its own at a stop, a signal and the end of fit: what --ckpt_path last and the "
+                                  f"SLURM scripts resume from)")
+            if os.path.exists(self.checkpoints) and not os.path.isdir(self.checkpoints):
+                raise ConfigError(f"checkpoint.dirpath={self.checkpoints}: exists and is not a folder")
+            if ckpt_path is None and self.resumes(None):
+                ckpt_path = "last"
+            elif ckpt_path is None:
+                self.check_no_run_yet()
+            elif ckpt_path == "last":
+                if not os.path.exists(self.last):
+                    warnings.filterwarnings("ignore", message=r".*ckpt_path=\"last\"\) is set, but there is no last")
+                    rank_zero_info(f"--ckpt_path last: no {self.last} yet, so this fit starts a new run")
+            elif read_checkpoint_arg(ckpt_path) and os.path.realpath(os.path.dirname(os.path.abspath(ckpt_path))) \
+                    not in map(os.path.realpath, (self.checkpoints, self.root)):  # not one of the run's own
+                self.check_no_run_yet(f" (--ckpt_path {ckpt_path} is not one of its checkpoints)")
+        elif ckpt_path is None:
             found = self.latest()
             hint = f"--ckpt_path last takes {found}" if found is not None else "give --ckpt_path"
             rank_zero_warn(f"lwm {verb} without --ckpt_path: the untrained model, as initialised ({hint})")
         elif ckpt_path == "last":
             if not os.path.exists(self.last):
                 raise ConfigError(f"--ckpt_path last: no checkpoint in the run ({self.last} does not exist)")
-            if is_deepspeed_checkpoint(self.last):
-                check_deepspeed_checkpoint(self.last, "--ckpt_path last:")
         else:
             read_checkpoint_arg(ckpt_path)
+        if ckpt_path != "last" or not os.path.exists(self.last):
+            return ckpt_path
+        if is_deepspeed_checkpoint(self.last):
+            check_deepspeed_checkpoint(self.last, "--ckpt_path last:")
+        return self.last
 
     def check_no_run_yet(self, why: str = "") -> None:
-        """A fresh fit into a folder that holds a run's checkpoints would start over on them: refused (a SLURM
-        requeue's resumes instead)."""
+        """A fresh fit into a folder with a run's checkpoints would start over on them: refused (a SLURM requeue's
+        resumes instead)."""
         if self.resumes(None):
             return
         found = sorted(glob.glob(os.path.join(glob.escape(self.checkpoints), "*.ckpt")))
         if found:
-            name = "last.ckpt" if any(os.path.basename(f) == "last.ckpt" for f in found) else os.path.basename(found[-1])
+            names = [os.path.basename(f) for f in found]
+            name = "last.ckpt" if "last.ckpt" in names else names[-1]
             raise ConfigError(f"{os.path.join(self.checkpoints, name)}: trainer.default_root_dir={self.root} already "
                               f"holds a run{why}; continue it with --ckpt_path last, or start a new one in another "
                               f"trainer.default_root_dir")
+
+    def warn_other_run(self, verb: str, path: str) -> None:
+        """Warn where ``path`` is another run's checkpoint: this verb's files go elsewhere than beside it."""
+        run, root = run_of(Path(path).resolve()), Path(self.root).resolve()
+        if run is not None and run != root:
+            warnings.warn(f"--ckpt_path {path} is the run {run}'s, but this {verb} writes its files under "
+                          f"trainer.default_root_dir {root / verb} (--trainer.default_root_dir={run} puts them "
+                          f"beside its checkpoints)", stacklevel=2)
 
     def sweep_temp_files(self) -> None:
         """Remove the temp files killed writers left (Lightning reads ``.hpc_ckpt_1.ckpt.tmp-HOST-PID``'s digits as
@@ -269,6 +269,7 @@ class RunLock:
                 with contextlib.suppress(OSError):  # (not empty: the run's files)
                     os.rmdir(self._made)
 
+
 class HoldRunLock(L.Callback):
     """Takes the :class:`RunLock` at a fit's setup, once the ranks can talk (rank 0 locks, every rank raises its
     refusal)."""
@@ -294,15 +295,9 @@ class HoldRunLock(L.Callback):
             if getattr(logger, "wait_for_lock", False):
                 logger.wait_for_lock = False
 
-    @override
-    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self.release()
-
-    @override
-    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        self.release()  # (Lightning's teardown hooks do not run after a failure)
-
-    def release(self) -> None:
+    def release(self, *hook_args: Any, **hook_kwargs: Any) -> None:
         if self.lock is not None:
             self.lock.release()
             self.lock = None
+
+    teardown = on_exception = release  # (Lightning's teardown hooks do not run after a failure)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
@@ -33,14 +34,13 @@ def atomic_write(path: str | Path, write: Callable[[IO[Any]], object], mode: str
     return path
 
 
-# .NAME.tmp-HOST-PID (.NAME.tmp-PID: before hosts), NAME the target
-_TEMP = re.compile(r"^\.(?P<target>.+)\.tmp-(?:(?P<host>.+)-)?(?P<pid>\d+)$")
+_TEMP = re.compile(r"^\.(?P<target>.+)\.tmp-(?:(?P<host>.+)-)?(?P<pid>\d+)$")  # (.NAME.tmp-PID: before hosts)
 STALE_AFTER_S = 3600.0  # another host's temp file
 
 
 def stale_temp_files(directory: str | Path, now: float | None = None,
                      target: Callable[[str], bool] | None = None) -> list[Path]:
-    """The temp files of :func:`atomic_write` in ``directory`` whose writers are gone."""
+    """The temp files of :func:`atomic_write` in ``directory`` whose writers are gone (``target``: of these names)."""
     now = time.time() if now is None else now
     stale = []
     for entry in os.scandir(directory):
@@ -64,13 +64,13 @@ def _pid_alive(pid: str) -> bool:
         os.kill(int(pid), 0)
     except (ValueError, ProcessLookupError):
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # another user's
+        pass
     return True
 
 
 def fsync_file(path: Path) -> None:
-    """fsync a file another process (or this one) wrote: its data on disk."""
+    """fsync a file (or folder) another process, or this one, wrote."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -79,22 +79,12 @@ def fsync_file(path: Path) -> None:
 
 
 def fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    with contextlib.suppress(OSError):  # (not every filesystem syncs a folder)
+        fsync_file(directory)
 
 
 def remove_stale_temp_files(directory: str | Path, target: Callable[[str], bool] | None = None) -> None:
     """Remove :func:`stale_temp_files`, best effort."""
     for stale in stale_temp_files(directory, target=target):
-        try:
+        with contextlib.suppress(OSError):
             stale.unlink(missing_ok=True)
-        except OSError:
-            pass

@@ -1,5 +1,5 @@
-"""The requirement's monitoring metrics as standalone functions (no Lightning, no logging): each takes
-tensors and returns tensors on the same device, so callers decide when to sync."""
+"""The monitoring metrics as plain functions of tensors, returning tensors on their device (callers decide when
+to sync)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,8 @@ from torchmetrics import Metric
 
 @torch.no_grad()
 def attention_diagonality(attn: Tensor) -> Tensor:
-    """``attn [B, heads, Q, T]`` (rows sum to 1; queries ``0..Q-1`` of ``T`` keys, ``Q <= T``) -> ``[B]``."""
-    if attn.ndim != 4 or attn.shape[-2] > attn.shape[-1]:
-        raise ValueError(f"attn: expected [B, heads, Q <= T, T], got {tuple(attn.shape)}")
-    Q, T = attn.shape[-2:]
+    """``attn [B, heads, Q, T]`` (rows sum to 1; queries ``0..Q-1`` of ``T`` keys, ``Q <= T``) -> ``[B]``: the mean
+    weight of each query on its own and the next frame."""
     main = attn.diagonal(dim1=-2, dim2=-1)  # [B, heads, Q]
     upper = attn.diagonal(offset=1, dim1=-2, dim2=-1)  # [B, heads, min(Q, T-1)]
     per_query = main.clone()
@@ -27,8 +25,6 @@ def attention_diagonality(attn: Tensor) -> Tensor:
 @torch.no_grad()
 def used_codes(indices: Tensor, codebook_sizes: Sequence[int]) -> list[Tensor]:
     """``indices [..., L]`` -> per level a ``[K_l]`` bool mask of the codes used at least once (no host sync)."""
-    if indices.shape[-1] != len(codebook_sizes):
-        raise ValueError(f"indices: expected {len(codebook_sizes)} levels in the last dim, got {tuple(indices.shape)}")
     flat = indices.reshape(-1, len(codebook_sizes))
     return [torch.zeros(k, dtype=torch.bool, device=indices.device).index_fill_(0, flat[:, level], True)
             for level, k in enumerate(codebook_sizes)]
@@ -42,8 +38,6 @@ def codebook_usage(indices: Tensor, codebook_sizes: Sequence[int]) -> Tensor:
 @torch.no_grad()
 def codebook_diversity(codes: Tensor) -> Tensor:
     """``codes [K, d]`` -> ``[3]``: (min, max, mean) MSE over the ``K (K - 1) / 2`` distinct pairs of codes."""
-    if codes.ndim != 2:
-        raise ValueError(f"codes: expected [K, d], got {tuple(codes.shape)}")
     K = codes.shape[0]
     if K < 2:
         return torch.full((3,), float("nan"), device=codes.device)
@@ -56,8 +50,7 @@ def codebook_diversity(codes: Tensor) -> Tensor:
 
 
 def psnr(target: Tensor, prediction: Tensor) -> Tensor:
-    """``[B, ...]`` -> ``[B]``: ``10 log10(1 / MSE)`` per sample, the MSE over all but the first dim (latents in [-1,
-    1] are used as they are: a peak of 1, as the requirement defines it)."""
+    """``[B, ...]`` -> ``[B]``: ``10 log10(1 / MSE)`` per sample (a peak of 1, latents in [-1, 1] as they are)."""
     return psnr_from_mse((prediction.float() - target.float()).pow(2).flatten(1).mean(dim=1))
 
 
@@ -92,8 +85,6 @@ def random_codes(quantizer, lead: Sequence[int], generator: torch.Generator | No
 def sensitivity(model, x: Tensor, t: int = 4, generator: torch.Generator | None = None,
                 world_phase: str = "quantized") -> dict[str, Tensor]:
     """Action and world sensitivity of a clip batch ``x [B, T > t, C, H, W]`` at frame ``t``."""
-    if x.shape[1] <= t:
-        raise ValueError(f"sensitivity at t={t} needs clips of more than {t} frames, got T={x.shape[1]}")
     B = x.shape[0]
     actions, world = model.infer_codes(x, world_phase)  # [B, T-1, Da], [B, Dh]
     actions = actions[:, :t]  # a_0..a_{t-1}
@@ -135,9 +126,8 @@ def nmi(predicted: Tensor, target: Tensor) -> Tensor:
 def nmi_chance(predicted: Tensor, target: Tensor, groups: Tensor | None = None, permutations: int = 20,
                seed: int = 0) -> tuple[float, float]:
     """NMI of ``predicted [N]`` with ``target [N]`` shuffled (within each of ``groups [N]``, where given): mean and
-    three standard deviations over ``permutations``. Finite samples make NMI positive without any information (with
-    many codes and labels and few samples, well above 0); shuffling within groups keeps what the groups alone tell
-    (games with action sets of their own: codes that name the game share information with the actions)."""
+    three standard deviations over ``permutations``, the NMI of finite samples without information (shuffled
+    within groups: what the groups alone tell, e.g. games with action sets of their own)."""
     g = torch.Generator().manual_seed(seed)
     groups = torch.zeros_like(target) if groups is None else groups
     members = [(groups == k).nonzero()[:, 0] for k in groups.unique()]
@@ -191,14 +181,13 @@ def _linear_probe(x: Tensor, y: Tensor, train_fraction: float, steps: int, seed:
 
 
 def copy_last_loss(x: Tensor) -> Tensor:
-    """The copy-last-frame baseline's one-step MSE on a clip batch ``x [B, T, ...]`` (predict frame ``i+1`` as frame
-    ``i``), comparable with the teacher-forcing loss."""
+    """The copy-last-frame baseline's one-step MSE on a clip batch ``x [B, T, ...]`` (frame ``i+1`` predicted as
+    frame ``i``)."""
     return (x[:, 1:].float() - x[:, :-1].float()).pow(2).mean()
 
 
 class WeightedMean(Metric):
-    """The weighted mean of everything passed to ``update(value, weight=1)`` (each value a tensor or number, its
-    weight e.g. a batch size), summed over ranks at ``compute`` (torchmetrics' sync)."""
+    """The weighted mean of every ``update(value, weight=1)``, summed over ranks at ``compute``."""
 
     full_state_update = False
 

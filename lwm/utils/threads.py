@@ -1,9 +1,6 @@
-"""The intra-op threads of a run on the CPU. torch starts one per physical core whatever else runs there; with
-OpenMP's threads waiting on each other, a core busy with another process slows every step (on 2 cores with one
-other busy process, 8x: 0.28 steps/s of the demo's model against 2.15 with one thread). lwm takes the cores not
-in use instead, unless the user chose (``OMP_NUM_THREADS``, or ``torch.set_num_threads`` before lwm). The count
-decides the float order of the kernels: runs with the same count on the same CPU kind and torch give the same
-numbers, another count other ones."""
+"""The intra-op threads of a run on the CPU: the cores not in use, not torch's one per core (OpenMP's threads wait
+on each other: on 2 cores with one busy, 8x slower steps), unless the user chose. The count sets the kernels'
+float order: the same count, CPU kind and torch give the same numbers."""
 
 from __future__ import annotations
 
@@ -29,8 +26,7 @@ def physical_cores() -> int | None:
 
 
 def idle_cpus(cpus: set[int], seconds: float = 0.25) -> float:
-    """How many of ``cpus`` were idle over the next ``seconds`` (this process sleeps meanwhile: what others leave),
-    from ``/proc/stat``."""
+    """How many of ``cpus`` were idle over the next ``seconds`` (what other processes leave), from ``/proc/stat``."""
     def times() -> dict[str, tuple[int, int]]:  # cpuN -> (idle + iowait, all) jiffies
         out = {}
         with open("/proc/stat") as f:
@@ -53,8 +49,8 @@ def threads_for(idle: float, cores: int) -> int:
 
 
 def set_cpu_threads(processes: int = 1) -> str:
-    """Set torch's intra-op threads for a run on the CPU of ``processes`` on this machine (DDP ranks) and say how
-    many, and why, in a phrase."""
+    """Set torch's intra-op threads for a run of ``processes`` (DDP ranks) on this machine's CPU; how many and why,
+    in a phrase."""
     global _CHOSEN
     n = torch.get_num_threads()
     if os.environ.get("OMP_NUM_THREADS"):

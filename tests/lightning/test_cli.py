@@ -4,7 +4,6 @@ error line (exit 2) for each kind of bad input, before any training starts."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import os
@@ -113,7 +112,7 @@ def test_data_of_another_shape_than_the_checkpoints_model_names_the_checkpoint(t
 
 
 @pytest.mark.slow
-def test_validate_with_another_window_than_the_checkpoints_says_so(trained, recwarn, caplog, capsys):
+def test_validate_with_another_window_than_the_checkpoints_says_so(trained, recwarn, caplog):
     manifest, root = trained  # trained on 6-frame windows
     assert main(tiny_args(manifest, root, "--ckpt_path=last", "--data.window=5", verb="validate")) == 0
     lines = [str(w.message) for w in recwarn if "was trained on" in str(w.message)]
@@ -123,10 +122,6 @@ def test_validate_with_another_window_than_the_checkpoints_says_so(trained, recw
         assert main(tiny_args(manifest, root, "--ckpt_path=last", verb="validate")) == 0
     assert not [w for w in recwarn if "was trained on" in str(w.message)]
     assert f"lwm validate: its files are in {root / 'validate'}" in caplog.text  # where, said
-    capsys.readouterr()  # none validated: one line, not a run that reports nothing
-    assert main(tiny_args(manifest, root, "--ckpt_path=last", "--data.val_size_percent=0", verb="validate")) == 2
-    assert [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")] == [
-        "error: data.val_size_percent=0: lwm validate would validate no window (1: all of them)"]
 
 
 @pytest.mark.slow
@@ -220,33 +215,11 @@ def test_help_lists_the_verbs(capsys):
     assert all(verb in out for verb in ("fit", "validate", "test", "predict", "overfit", "data", "demo"))
 
 
-@dataclasses.dataclass
-class _Commented:
-    width: int = 4  # the width
-    # the depth, said above it
-    # over two lines
-    depth: int = 2
-    # the scale, on the line right after depth's
-    scale: float = 1.0
-
-    bare: int = 0
-    # a comment after the last field, of nothing
-
-
-def test_field_comments_are_the_end_of_line_or_the_lines_above():
-    from lwm.cli.lightning_cli import field_comments
-
-    assert field_comments(_Commented) == {"width": "the width", "depth": "the depth, said above it over two lines",
-                                          "scale": "the scale, on the line right after depth's"}
-
-
-def test_fit_help_describes_the_model_and_optimiser_fields_and_titles_the_sections(capsys):
+def test_fit_help_lists_the_keys_and_titles_the_sections(capsys):
     with pytest.raises(SystemExit):
         main(["fit", "--help"])
     out = " ".join(capsys.readouterr().out.split())  # (the help wraps to the terminal's width)
-    assert "--model.net.d_model D_MODEL token width D (divisible by 4 and by n_heads) (type: int, default: 512)" in out
-    assert "--model.optim.lr LR peak learning rate (type: float, default: 0.0003)" in out
-    assert "--model.net.world_curriculum [ITEM,...] Optional world-token warm-up" in out  # the comment above it
+    assert "--model.net.d_model D_MODEL (type: int, default: 512)" in out
     assert "dead-code revival of both quantizers (``revival.*``):" in out
 
 
@@ -291,7 +264,7 @@ def test_overfit_trains_on_the_window_its_file_and_start_name(tmp_path, capsys, 
     manifest = make_dataset(tmp_path / "data", files=4)
     train = [Manifest.load(manifest).resolve(e) for e in Manifest.load(manifest).split("train")]
     seen = []
-    monkeypatch.setattr(lwm.cli.overfit, "_Repeat", lambda item, times: seen.append(item) or [item] * times)
+    monkeypatch.setattr(lwm.cli.overfit, "_repeat", lambda item, times: seen.append(item) or [item] * times)
     assert run(manifest, tmp_path / "run", "--steps=1", "--file=1", "--start=2", verb="overfit") == 0
     with h5py.File(train[1]) as f:  # the second train file's frames 2..7 (window 6), every step
         np.testing.assert_array_equal(seen[0]["latents"].numpy(), f["latents"][2:8])
@@ -344,7 +317,6 @@ def test_an_interrupted_overfit_does_not_advise_a_resume_it_refuses(tmp_path, ca
         (["--trainer.max_steps=ten"], "trainer.max_steps … ten"),  # jsonargparse's line: the key and the value
         (["--config=configs/missing.yaml"], "configs/missing.yaml"),
         (["--config=TYPO"], "model.net.d_modle"),
-        (["--trainer.val_check_interval=50"], "trainer.val_check_interval=50 is more than the 2 training batches"),
         (["--trainer.limit_val_batches=0.01"], "trainer.limit_val_batches=0.01 leaves the run no batch: 0.01 x its 1 "
                                                "batch of data.val_batch_size=3"),
     ],
@@ -390,17 +362,6 @@ def test_a_validation_fraction_that_leaves_one_rank_no_batch_is_one_error_line(t
     assert not (tmp_path / "run").exists()
     assert run(manifest, tmp_path / "one", "--data.val_batch_size=2", "--trainer.limit_val_batches=0.5",
                "--trainer.max_steps=1") == 0  # one process: half of its 3 batches is one
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
-@pytest.mark.parametrize("extra", [
-    ["--trainer.val_check_interval=00:00:00:30"],  # timed validation: Lightning keeps no integer interval
-    ["--trainer.val_check_interval=50", "--trainer.limit_val_batches=0"],  # no validation: Lightning allows it
-])
-def test_validation_settings_lightning_accepts_pass_the_early_check(tmp_path, extra):
-    manifest = make_dataset(tmp_path / "data", files=4)
-    assert run(manifest, tmp_path / "run", "--trainer.max_steps=2", *extra) == 0
 
 
 @pytest.mark.slow
