@@ -81,9 +81,6 @@ class SlurmRequeue(L.Callback):
                         ", before the training steps (nothing saved)")
                 _say(f"\nSIGINT: stopping now{when}\n")
 
-    def on_sanity_check_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.on_train_start(trainer, pl_module)  # Lightning's handler is set by now
-
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if threading.current_thread() is not threading.main_thread():  # (signal handlers live there)
             return
@@ -103,6 +100,8 @@ class SlurmRequeue(L.Callback):
             current = signal.signal(signum, self._on_signal)
             if current != self._on_signal:
                 self._previous[signum] = current
+
+    on_sanity_check_start = on_train_start  # Lightning's handler is set by now
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """After the last training batch (and its validation), the handlers ours replaced go back."""
@@ -155,11 +154,16 @@ class SlurmRequeue(L.Callback):
             return False
         self._requested = self._requeue = False
         self.preempted = True
-        if self._slurm:
-            path = _next_hpc_path(trainer.default_root_dir)
+        if self._slurm:  # hpc_ckpt_N.ckpt one above the highest N (Lightning's name, which its SLURM restart takes)
+            older = _hpc_checkpoints(trainer.default_root_dir)
+            path = os.path.join(trainer.default_root_dir, f"hpc_ckpt_{max(older, default=0) + 1}.ckpt")
             trainer.save_checkpoint(path)
-            if trainer.is_global_zero:
-                _remove_older_hpc_checkpoints(path)
+            for old in older.values() if trainer.is_global_zero and os.path.exists(path) else ():
+                if old.is_dir():  # DeepSpeed's: a folder (Lightning keeps them all; best effort, as the run stops)
+                    shutil.rmtree(old, ignore_errors=True)
+                else:
+                    with contextlib.suppress(OSError):
+                        old.unlink(missing_ok=True)
         saved = []
         for callback in trainer.checkpoint_callbacks:  # else the end of fit would rewrite last.ckpt as "epoch done"
             if isinstance(callback, ModelCheckpoint):
@@ -204,27 +208,6 @@ def interrupted_by(trainer: Any) -> int | None:
     return next((c.interrupted for c in getattr(trainer, "callbacks", []) if getattr(c, "interrupted", None)), None)
 
 
-def _hpc_number(path: Path) -> int | None:
-    match = re.fullmatch(r"hpc_ckpt_(\d+)\.ckpt", path.name)
-    return int(match[1]) if match else None
-
-
-def _next_hpc_path(root: str) -> str:
-    """``root/hpc_ckpt_N.ckpt`` one above the highest N there (Lightning's name, which its SLURM restart takes)."""
-    numbers = [n for p in Path(root).glob("hpc_ckpt_*.ckpt") if (n := _hpc_number(p)) is not None]
-    return os.path.join(root, f"hpc_ckpt_{max(numbers, default=0) + 1}.ckpt")
-
-
-def _remove_older_hpc_checkpoints(path: str) -> None:
-    """The hpc checkpoints before ``path`` (Lightning keeps them all), now that it is written (best effort)."""
-    number = _hpc_number(Path(path))
-    if number is None or not Path(path).exists():
-        return
-    for old in Path(path).parent.glob("hpc_ckpt_*.ckpt"):
-        if (n := _hpc_number(old)) is None or n >= number:
-            continue
-        if old.is_dir():  # DeepSpeed's: a folder
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            with contextlib.suppress(OSError):
-                old.unlink(missing_ok=True)
+def _hpc_checkpoints(root: str) -> dict[int, Path]:
+    paths = ((re.fullmatch(r"hpc_ckpt_(\d+)\.ckpt", p.name), p) for p in Path(root).glob("hpc_ckpt_*.ckpt"))
+    return {int(match[1]): p for match, p in paths if match}

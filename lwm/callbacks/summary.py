@@ -10,9 +10,6 @@ from lightning.pytorch.utilities.model_summary import get_formatted_model_size, 
 
 from lwm.utils.errors import ConfigError
 
-HIDDEN_COLUMNS = ("FLOPs",)
-HIDDEN_PREFIXES = ("val_metrics",)
-
 
 class ModelSummary(RichModelSummary):
     def __init__(self, max_depth: int = 1, **summarize_kwargs: Any) -> None:
@@ -27,8 +24,8 @@ class ModelSummary(RichModelSummary):
         from rich import get_console
         from rich.table import Table
 
-        keep = [i for i, name in enumerate(dict(summary_data)["Name"]) if not name.startswith(HIDDEN_PREFIXES)]
-        columns = [(title, [values[i] for i in keep]) for title, values in summary_data if title not in HIDDEN_COLUMNS]
+        keep = [i for i, name in enumerate(dict(summary_data)["Name"]) if not name.startswith("val_metrics")]
+        columns = [(title, [values[i] for i in keep]) for title, values in summary_data if title != "FLOPs"]
         table = Table(header_style=summarize_kwargs.get("header_style", "bold magenta"))
         for title, _ in columns:
             right = title in ("Params", "Params per Device", "In sizes", "Out sizes")

@@ -15,7 +15,6 @@ from fsspec.utils import get_protocol
 from lightning.pytorch.callbacks import ModelCheckpoint as _LightningModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from typing_extensions import override
 
 from lwm.training.loggers import CSVLogger
 from lwm.training.module import WorldModelModule
@@ -57,10 +56,8 @@ def deepspeed_step(path: str | Path) -> int | None:
     path = Path(path)
     try:
         mark = json.loads((path / DEEPSPEED_MARK).read_text())
-        if not (path / "latest").is_file():
-            return None
         model, files = deepspeed_files(path)
-        if not all(zipfile.is_zipfile(f) for f in files):  # a zip's directory is at its end
+        if not (path / "latest").is_file() or not all(zipfile.is_zipfile(f) for f in files):  # a zip ends in its index
             return None
         step = int(torch.load(model, map_location="cpu", weights_only=True, mmap=True).get("global_step", -1))
         return step if step == int(mark["global_step"]) else None
@@ -70,15 +67,12 @@ def deepspeed_step(path: str | Path) -> int | None:
 
 def deepspeed_written(path: str | Path) -> float | None:
     """When a DeepSpeed checkpoint directory was last whole."""
-    for name in (DEEPSPEED_MARK, DEEPSPEED_WRITING):
-        if (Path(path) / name).is_file():
-            return (Path(path) / name).stat().st_mtime
-    return None
+    marks = [Path(path) / name for name in (DEEPSPEED_MARK, DEEPSPEED_WRITING) if (Path(path) / name).is_file()]
+    return marks[0].stat().st_mtime if marks else None
 
 
 def mark_deepspeed_saves_complete(strategy: Any) -> None:
-    """Make a DeepSpeedStrategy's saves mark their directory complete (:data:`DEEPSPEED_MARK`) once every rank's
-    files are on disk."""
+    """Make a DeepSpeedStrategy's saves mark their directory whole (:data:`DEEPSPEED_MARK`) once all is on disk."""
     save = strategy.save_checkpoint
 
     def save_and_mark(checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -149,10 +143,8 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> tuple[dict[s
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Saves local files through :func:`atomic_save`, sweeping the temp files of killed writes first; loads with
-    ``weights_only=True``."""
+    """Saves local files through :func:`atomic_save` (killed writes' temp files swept); loads ``weights_only``."""
 
-    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any | None = None) -> None:
         if get_protocol(str(path)) != "file":
             return super().save_checkpoint(checkpoint, path, storage_options)
@@ -161,7 +153,6 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         remove_stale_temp_files(path.parent)
         atomic_save(checkpoint, path)
 
-    @override
     def load_checkpoint(self, path: str | Path, map_location: Callable | None = lambda storage, loc: storage,
                         weights_only: bool | None = None) -> dict[str, Any]:
         return super().load_checkpoint(path, map_location=map_location, weights_only=True)
@@ -181,12 +172,10 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         self._after_validation = False  # the save under way is at a validation's end
 
     @property
-    @override
     def state_key(self) -> str:
         keys = {"monitor": self.monitor, "mode": self.mode, "dirpath": self.dirpath, "filename": self.filename}
         return f"{type(self).__qualname__}{keys!r}"
 
-    @override
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         states = checkpoint.get("callbacks") or {}
         if self.state_key not in states and super().state_key in states:  # an earlier lwm's: under Lightning's key
@@ -194,13 +183,11 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         if (states.get(self.state_key) or {}).get("at_validation_end"):  # an earlier lwm's save at a validation's end
             _as_saved_at_the_batch_end(checkpoint)
 
-    @override
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         if self._after_validation:
             _as_saved_at_the_batch_end(checkpoint)
 
-    def _metrics(self, trainer: L.Trainer) -> dict[str, Any]:
-        """What the file name and ``monitor`` read."""
+    def _metrics(self, trainer: L.Trainer) -> dict[str, Any]:  # what the file name and ``monitor`` read
         return {**trainer.callback_metrics, "epoch": torch.tensor(trainer.current_epoch),
                 "step": torch.tensor(trainer.global_step)}
 
@@ -225,8 +212,7 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         self.saved_step = trainer.global_step
 
     def save_stop_now(self, trainer: L.Trainer) -> None:
-        """The run stops at this training batch: its step checkpoint if one is due and ranked by the step, then
-        ``last.ckpt``."""
+        """A stop at this batch: its step checkpoint if due and ranked by the step, then ``last.ckpt``."""
         if trainer.fast_dev_run:
             return
         if self._due(trainer) and self.monitor in (None, "step"):
@@ -234,12 +220,10 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         else:
             self.save_last_now(trainer)
 
-    @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
         self.saved_step = trainer.global_step  # (a resume's: its checkpoint is written)
 
-    @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any, **kwargs: Any) -> None:
         if not self.every_n_train_steps:
             return super().on_train_batch_end(trainer, pl_module, *args, **kwargs)
@@ -255,7 +239,6 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         if stops and self.saved_step != trainer.global_step:
             self.save_stop_now(trainer)
 
-    @override
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self.every_n_train_steps:
             return super().on_validation_end(trainer, pl_module)
@@ -272,7 +255,6 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         finally:
             self._after_validation = False
 
-    @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self.every_n_train_steps:
             return super().on_train_end(trainer, pl_module)

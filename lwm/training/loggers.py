@@ -19,7 +19,6 @@ from lightning.pytorch.loggers import WandbLogger as _LightningWandbLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import DummyExperiment, rank_zero_experiment
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
-from typing_extensions import override
 
 from lwm.utils.errors import ConfigError, first_line
 from lwm.utils.files import atomic_write, remove_stale_temp_files
@@ -33,11 +32,9 @@ class _AppendingWriter(ExperimentWriter):
             with open(self.metrics_file_path, newline="") as f:
                 self.metrics_keys = next(csv.reader(f), [])
 
-    @override
     def _check_log_dir_exists(self) -> None:  # private: Lightning's removes metrics.csv, no public switch
         pass
 
-    @override
     def log_metrics(self, metrics_dict: dict[str, float], step: int | None = None) -> None:
         """One row per step: the calls of one step join its row, which :meth:`save` holds back until the next."""
         pending = len(self.metrics)
@@ -47,7 +44,6 @@ class _AppendingWriter(ExperimentWriter):
         elif pending:
             self.save()
 
-    @override
     def _rewrite_with_new_header(self, fieldnames: list[str]) -> None:  # private: atomic, no public hook
         def rewrite(target) -> None:
             with open(self.metrics_file_path, newline="") as source:
@@ -57,7 +53,6 @@ class _AppendingWriter(ExperimentWriter):
 
         atomic_write(self.metrics_file_path, rewrite, mode="w", newline="")
 
-    @override
     def save(self, final: bool = False) -> None:
         """Write the rows before the latest step's (``final``: all)."""
         if final:
@@ -69,14 +64,12 @@ class _AppendingWriter(ExperimentWriter):
 
 
 class CSVLogger(_LightningCSVLogger):
-    """Lightning's CSVLogger appending to ``save_dir/metrics.csv`` across resumes, one row per step (a step repeated
-    after a resume is a row again: readers keep the last)."""
+    """Lightning's CSVLogger appending to ``save_dir/metrics.csv`` across resumes, one row per step."""
 
     def __init__(self, save_dir: str, name: str = "", version: int | str | None = "", **kwargs) -> None:
         super().__init__(save_dir, name=name, version=version, **kwargs)
 
     @property
-    @override
     @rank_zero_experiment
     def experiment(self) -> _AppendingWriter:
         if self._experiment is None:  # private: whether it started, without starting it
@@ -90,7 +83,6 @@ class CSVLogger(_LightningCSVLogger):
         if self._experiment is not None:
             self._experiment.save(final=True)
 
-    @override
     @rank_zero_only
     def finalize(self, status: str) -> None:
         self.flush()
@@ -136,8 +128,7 @@ def wandb_run_id(root: str, resume: bool) -> str:
 
 
 class WandbLogger(_LightningWandbLogger):
-    """Lightning's WandbLogger that records its run id in ``run_id_file`` when its run starts (rank 0), so that a
-    resumed fit continues the run."""
+    """Lightning's WandbLogger recording its run id in ``run_id_file`` (rank 0): a resumed fit continues the run."""
 
     def __init__(self, *args, run_id_file: str | Path | None = None, wait_for_lock: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -148,7 +139,6 @@ class WandbLogger(_LightningWandbLogger):
             self._wandb_init.pop("anonymous", None)
 
     @property
-    @override
     def experiment(self):
         if self._experiment is None and self.wait_for_lock:  # (Lightning's early ask: started after the lock)
             return DummyExperiment()
@@ -166,7 +156,6 @@ class WandbLogger(_LightningWandbLogger):
             atomic_write(path, lambda f: f.write(f"{experiment.id}\n"), mode="w")
         return experiment
 
-    @override
     @rank_zero_only
     def log_metrics(self, metrics: dict, step: int | None = None) -> None:
         extras, self.next_row = self.next_row, {}
@@ -174,8 +163,7 @@ class WandbLogger(_LightningWandbLogger):
 
 
 def make_loggers(root: str, wandb: WandbConfig = WandbConfig(), strict: bool = True, resume: bool | None = None) -> list:
-    """The run's loggers: the CSV logger in ``root`` and, unless disabled, a WandbLogger writing to ``root/wandb``
-    (``resume``: None outside a fit)."""
+    """The CSV logger in ``root`` and, unless disabled, a WandbLogger in ``root/wandb`` (``resume``: None: no fit)."""
     loggers: list = [CSVLogger(save_dir=root)]
     mode = wandb.mode or os.environ.get("WANDB_MODE") or ("online" if wandb_logged_in() else "offline")
     if mode not in WANDB_MODES:  # (from WANDB_MODE)
@@ -224,8 +212,7 @@ def _to_wandb(pl_module: L.LightningModule, make) -> None:
 
 
 def log_distribution(pl_module: L.LightningModule, name: str, values: torch.Tensor) -> None:
-    """``name/min``, ``name/mean``, ``name/max`` scalars of this rank's ``values`` (every logger), and a wandb
-    histogram ``name``."""
+    """``name/min``, ``/mean``, ``/max`` of this rank's ``values`` (every logger), and a wandb histogram ``name``."""
     v = values.detach().float().flatten()
     validating = pl_module.trainer.validating or pl_module.trainer.sanity_checking
     pl_module.log_dict({f"{name}/min": v.min(), f"{name}/mean": v.mean(), f"{name}/max": v.max()},

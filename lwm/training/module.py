@@ -50,13 +50,8 @@ class WorldModelModule(L.LightningModule):
         max_nonfinite: stop after this many consecutive steps with a non-finite gradient norm.
     """
 
-    def __init__(
-        self,
-        net: WorldModelConfig = WorldModelConfig(),
-        optim: OptimConfig = OptimConfig(),
-        compile: bool = False,
-        max_nonfinite: int = 5,
-    ) -> None:
+    def __init__(self, net: WorldModelConfig = WorldModelConfig(), optim: OptimConfig = OptimConfig(),
+                 compile: bool = False, max_nonfinite: int = 5) -> None:
         super().__init__()
         net = WorldModelConfig.from_dict(net) if isinstance(net, dict) else net  # dicts: from a checkpoint's hparams
         optim = OptimConfig(**optim) if isinstance(optim, dict) else optim
@@ -128,8 +123,8 @@ class WorldModelModule(L.LightningModule):
         total = self.trainer.max_steps if self.trainer.max_steps > 0 else int(self.trainer.estimated_stepping_batches)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: o.lr_factor(step, total))
         # "name": LearningRateMonitor logs the two groups' lr under Train_Total/lr/pg1, .../pg2
-        return {"optimizer": optimizer,
-                "lr_scheduler": {"scheduler": scheduler, "interval": "step", "name": "Train_Total/lr"}}
+        lr_scheduler = {"scheduler": scheduler, "interval": "step", "name": "Train_Total/lr"}
+        return {"optimizer": optimizer, "lr_scheduler": lr_scheduler}
 
     def on_train_start(self) -> None:
         self.apply_optim_config()
@@ -175,11 +170,6 @@ class WorldModelModule(L.LightningModule):
             return self.trainer
         except RuntimeError:
             return None
-
-    def _log_checkpoint_step(self) -> None:
-        """``lwm validate|test CKPT``: log at the checkpoint's step (Lightning restores no loop, so would log at 0)."""
-        if self._checkpoint_step and self.global_step == 0:  # not after a fit in the same process
-            self.log("step", float(self._checkpoint_step), sync_dist=True)
 
     @property
     def weights_step(self) -> int:
@@ -345,8 +335,7 @@ class WorldModelModule(L.LightningModule):
         self._end_evaluation("Test", log_step=True)
 
     def _end_evaluation(self, prefix: str, log_step: bool) -> None:
-        """``tf_psnr`` of the epoch's mean MSE (peak 1), a warning naming the windows holding NaN/inf (files gone bad
-        after `lwm data index`), and the checkpoint's step."""
+        """``tf_psnr`` of the epoch's mean MSE (peak 1), the windows holding NaN/inf named, the checkpoint's step."""
         metric = self.val_metrics[_metric_name("Dynamics_Predictor/tf_loss")]
         if metric.update_count:
             self.log(f"{prefix}_Dynamics_Predictor/tf_psnr", psnr_from_mse(metric.compute().float()), on_step=False,
@@ -360,8 +349,8 @@ class WorldModelModule(L.LightningModule):
                 warnings.warn(f"{len(bad)} {prefix.lower()} window(s) hold non-finite latents (NaN/inf), so the "
                               f"{prefix}_* metrics are NaN: {named}{' ...' if len(bad) > 5 else ''}; run `lwm data "
                               f"index` on the folder again", stacklevel=2)
-        if log_step:
-            self._log_checkpoint_step()
+        if log_step and self._checkpoint_step and self.global_step == 0:  # lwm validate|test CKPT, not after a fit:
+            self.log("step", float(self._checkpoint_step), sync_dist=True)  # Lightning restores no loop, logs at 0
 
     def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
         """The codes of each window: action indices ``[B, T-1, La]``, world indices ``[B, Lh]``."""
