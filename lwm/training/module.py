@@ -28,18 +28,6 @@ def _metric_name(key: str) -> str:
     return key.replace("/", "__")  # ModuleDict keys cannot hold "/" or "."
 
 
-def _use_this_runs_kernel(optimizer: torch.optim.Optimizer) -> None:
-    """A restored optimizer keeps the old run's kernel choice (a CPU run resumed on a GPU): take this run's."""
-    defaults = getattr(optimizer, "defaults", {})
-    for group in optimizer.param_groups:
-        group.update({key: defaults[key] for key in ("fused", "foreach", "capturable") if key in defaults})
-        on_device = bool(group.get("fused") or group.get("capturable"))
-        for p in group["params"]:
-            state = optimizer.state.get(p, {})
-            if torch.is_tensor(state.get("step")):
-                state["step"] = state["step"].to(p.device if on_device else "cpu", torch.float32)
-
-
 class WorldModelModule(L.LightningModule):
     """Trains a :class:`WorldModel` on batches ``{"latents": [B, T, C, H, W], ...}``.
 
@@ -132,14 +120,22 @@ class WorldModelModule(L.LightningModule):
         self.skips.engine_start(deepspeed_skipped_steps(self.trainer))  # restored with a resumed engine
 
     def apply_optim_config(self) -> None:
-        """Make a restored optimiser follow ``model.optim`` (a resume with a changed lr, decay, betas or eps)."""
+        """Make a restored optimiser follow ``model.optim`` (a resume with a changed lr, decay, betas or eps) and this
+        run's kernel choice (a CPU run resumed on a GPU)."""
         o = self.optim
         for config in self.trainer.lr_scheduler_configs:
-            scheduler = config.scheduler
-            groups = scheduler.optimizer.param_groups
+            scheduler, optimizer = config.scheduler, config.scheduler.optimizer
+            groups, defaults = optimizer.param_groups, getattr(optimizer, "defaults", {})
+            kernel = {key: defaults[key] for key in ("fused", "foreach", "capturable") if key in defaults}
             for group, weight_decay in zip(groups, (o.weight_decay, 0.0)):
                 group.update(initial_lr=o.lr, weight_decay=weight_decay, betas=tuple(o.betas), eps=o.eps)
-            _use_this_runs_kernel(scheduler.optimizer)
+            for group in groups:
+                group.update(kernel)
+                on_device = bool(group.get("fused") or group.get("capturable"))
+                for p in group["params"]:
+                    state = optimizer.state.get(p, {})
+                    if torch.is_tensor(state.get("step")):
+                        state["step"] = state["step"].to(p.device if on_device else "cpu", torch.float32)
             scheduler.base_lrs = [o.lr] * len(groups)
             for group, factor in zip(groups, scheduler.lr_lambdas):  # the lr at the restored step
                 group["lr"] = o.lr * factor(scheduler.last_epoch)
