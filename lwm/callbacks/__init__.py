@@ -3,8 +3,8 @@
 
 from lwm.callbacks.attention import AttentionDiagonality
 from lwm.callbacks.baseline import CopyLastBaseline
-from lwm.callbacks.codebooks import CodebookMonitor
 from lwm.callbacks.code_dictionaries import CodeDictionaries
+from lwm.callbacks.codebooks import CodebookMonitor
 from lwm.callbacks.flop_counter import FlopCounter
 from lwm.callbacks.lr import LearningRateMonitor
 from lwm.callbacks.predictions import PredictionWriter
@@ -12,15 +12,9 @@ from lwm.callbacks.probes import GroundTruthProbes
 from lwm.callbacks.progress import StepProgressBar
 from lwm.callbacks.revival import DeadCodeRevival
 from lwm.callbacks.sensitivity import Sensitivity
-from lwm.callbacks.summary import ModelSummary
 from lwm.callbacks.slurm import SlurmRequeue
+from lwm.callbacks.summary import ModelSummary
 from lwm.callbacks.videos import RolloutVideos
-
-__all__ = [
-    "DEFAULTS", "AttentionDiagonality", "CodebookMonitor", "CodeDictionaries", "CopyLastBaseline", "FlopCounter",
-    "DeadCodeRevival", "GroundTruthProbes", "LearningRateMonitor", "ModelSummary", "PredictionWriter",
-    "RolloutVideos", "Sensitivity", "SlurmRequeue", "StepProgressBar",
-]
 
 # key in the config -> (callback, its --help section title)
 DEFAULTS = {
@@ -39,3 +33,6 @@ DEFAULTS = {
     "lr_monitor": (LearningRateMonitor, "the learning rate in the logs (Train_Total/lr/pg1, /pg2)"),
     "prediction_writer": (PredictionWriter, "lwm predict's codes per window"),
 }
+__all__ = ["DEFAULTS", "AttentionDiagonality", "CodebookMonitor", "CodeDictionaries", "CopyLastBaseline", "FlopCounter",
+           "DeadCodeRevival", "GroundTruthProbes", "LearningRateMonitor", "ModelSummary", "PredictionWriter",
+           "RolloutVideos", "Sensitivity", "SlurmRequeue", "StepProgressBar"]

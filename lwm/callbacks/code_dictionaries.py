@@ -1,5 +1,5 @@
-"""Code dictionaries at the end of fit: the action and world code tuples the trained encoders use on the
-training data, with counts, saved as ``codes.pt`` beside the checkpoints (see :mod:`lwm.inference.dictionary`)."""
+"""Code dictionaries at the end of fit: the action and world code tuples the trained encoders use on the training
+data, with counts, saved as ``codes.pt`` beside the checkpoints (see :mod:`lwm.inference.dictionary`)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,9 @@ import logging
 from pathlib import Path
 
 import lightning as L
-from typing_extensions import override
 
-from lwm.training.trainer_state import every_rank
 from lwm.inference.dictionary import collect, dictionaries_step, save_dictionaries
+from lwm.training.trainer_state import every_rank
 from lwm.utils.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
@@ -27,29 +26,23 @@ class CodeDictionaries(L.Callback):
         self.path: Path | None = None
         self._train_ended = False
 
-    @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._train_ended = False
 
-    @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._train_ended = True
         self._write(trainer, pl_module)
 
-    @override
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """A fit whose training loop did not run (resumed with training over): the dictionaries, unless there."""
         if self._train_ended or trainer.global_step == 0:
             return
-        path = self._directory(trainer) / "codes.pt"
+        path, missing = _directory(trainer) / "codes.pt", False
         if trainer.is_global_zero:
             try:
-                written = dictionaries_step(path) if path.is_file() else None
+                missing = (dictionaries_step(path) if path.is_file() else None) != trainer.global_step
             except DataError:  # unreadable: written anew
-                written = None
-            missing = written != trainer.global_step
-        else:
-            missing = False
+                missing = True
         if trainer.world_size > 1:  # every rank encodes its share: all agree
             missing = trainer.strategy.broadcast(missing, src=0)
         if missing:
@@ -58,23 +51,14 @@ class CodeDictionaries(L.Callback):
                             f"at its last step, say): writing it")
             self._write(trainer, pl_module)
 
-    @staticmethod
-    def _directory(trainer: L.Trainer) -> Path:
-        return Path(trainer.checkpoint_callback.dirpath) if trainer.checkpoint_callback else Path(trainer.default_root_dir)
-
     def _write(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         dm = trainer.datamodule
-        if dm is None or not hasattr(dm, "code_loader"):
+        preempted = any(getattr(c, "preempted", False) for c in trainer.callbacks)  # stopped by a signal: no files,
+        if dm is None or not hasattr(dm, "code_loader") or preempted or trainer.fast_dev_run:  # nor in a trial run
             return
-        if any(getattr(c, "preempted", False) for c in trainer.callbacks):  # stopped by a signal (SlurmRequeue)
-            return
-        if trainer.fast_dev_run:  # Lightning's trial run: no files
-            return
-        was_training = pl_module.training
+        was_training, error = pl_module.training, None
         pl_module.eval()
-        error = None
-        try:
-            # the encoders as training ran them (bf16 autocast)
+        try:  # the encoders as training ran them (bf16 autocast)
             dictionaries, windows = collect(pl_module.model, dm.code_loader(self.max_windows), pl_module.device,
                                             forward_context=trainer.precision_plugin.forward_context)
         except DataError as e:  # bad windows on this rank
@@ -92,4 +76,8 @@ class CodeDictionaries(L.Callback):
         if error is not None:
             raise DataError(error)
         if trainer.is_global_zero:
-            self.path = save_dictionaries(self._directory(trainer) / "codes.pt", dictionaries, windows, trainer.global_step)
+            self.path = save_dictionaries(_directory(trainer) / "codes.pt", dictionaries, windows, trainer.global_step)
+
+
+def _directory(trainer: L.Trainer) -> Path:
+    return Path(trainer.checkpoint_callback.dirpath) if trainer.checkpoint_callback else Path(trainer.default_root_dir)

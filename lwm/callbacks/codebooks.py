@@ -1,5 +1,5 @@
-"""Codebook monitoring: usage per level (codes used in a batch: the logged training batch; the mean over the
-validation set's batches of ``data.batch_size`` windows), coverage of the validation set, diversity per level
+"""Codebook monitoring: usage per level (codes used in a batch of ``data.batch_size`` windows: the logged training
+batch's, the mean over validation's runs of that many windows), coverage of the validation set, diversity per level
 (pairwise MSE between the codes), and the EMA decay of both quantizers."""
 
 from __future__ import annotations
@@ -8,33 +8,27 @@ from typing import Any
 
 import lightning as L
 import torch
-from typing_extensions import override
 
-from lwm.training.trainer_state import is_logging_step
 from lwm.training.loggers import log_distribution
+from lwm.training.trainer_state import is_logging_step
 from lwm.utils.metrics import WeightedMean, codebook_diversity, codebook_usage, used_codes
 
 
-class CodebookMonitor(L.Callback):
-    """Logs, for each quantizer ``Q`` (``Action_Encoder``, ``World_Encoder``) and level ``l``:"""
+def _diversity(prefix: str, name: str, quantizer) -> dict[str, torch.Tensor]:
+    logs = {}
+    for level in range(quantizer.num_levels):
+        for stat, value in zip(("min", "max", "mean"), codebook_diversity(quantizer.codebook(level))):
+            logs[f"{prefix}_{name}/codebook_diversity_{stat}_level_{level}"] = value
+    return logs
 
+
+class CodebookMonitor(L.Callback):
     def __init__(self) -> None:
-        self._val_used: dict[str, list[torch.Tensor]] = {}  # per quantizer and level
+        self._val_used: dict[str, list[torch.Tensor]] = {}  # per quantizer and level: codes used
         self._val_usage: dict[str, list[WeightedMean]] = {}  # per quantizer and level: mean per-batch usage
-        self._val_pending: dict[str, torch.Tensor | None] = {}  # per quantizer: windows' codes not yet in a batch
+        self._val_pending: dict[str, torch.Tensor | None] = {}  # per quantizer: windows' codes not yet in a run
         self._val_runs = 0  # full runs of batch_size windows counted in this validation
 
-    @staticmethod
-    def _diversity(pl_module: L.LightningModule, prefix: str, name: str, quantizer) -> dict[str, torch.Tensor]:
-        logs = {}
-        for level in range(quantizer.num_levels):
-            lo, hi, mean = codebook_diversity(quantizer.codebook(level))
-            logs.update({f"{prefix}_{name}/codebook_diversity_min_level_{level}": lo,
-                         f"{prefix}_{name}/codebook_diversity_max_level_{level}": hi,
-                         f"{prefix}_{name}/codebook_diversity_mean_level_{level}": mean})
-        return logs
-
-    @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if not isinstance(outputs, dict) or not is_logging_step(trainer):
@@ -44,23 +38,20 @@ class CodebookMonitor(L.Callback):
             if trainer.world_size > 1:  # each rank's batch of data.batch_size, as in validation
                 usage = trainer.strategy.reduce(usage, reduce_op="mean")
             logs = {f"Train_{name}/codebook_usage_level_{l}": u for l, u in enumerate(usage)}
-            logs.update(self._diversity(pl_module, "Train", name, quantizer))
+            logs.update(_diversity("Train", name, quantizer))
             logs[f"Train_{name}/ema_decay"] = float(quantizer.decay_at(trainer.global_step - 1))  # this step's update
             pl_module.log_dict(logs, on_step=True, on_epoch=False)
             log_distribution(pl_module, f"Train_{name}/codebook_usage", usage)
 
-    @override
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._val_used = {
-            name: [torch.zeros(k, dtype=torch.bool, device=pl_module.device) for k in q.codebook_sizes]
-            for name, q in pl_module.model.quantizers.items()
-        }
+        quantizers = pl_module.model.quantizers
+        self._val_used = {name: [torch.zeros(k, dtype=torch.bool, device=pl_module.device) for k in q.codebook_sizes]
+                          for name, q in quantizers.items()}
         self._val_usage = {name: [WeightedMean().to(pl_module.device) for _ in q.codebook_sizes]
-                           for name, q in pl_module.model.quantizers.items()}
-        self._val_pending = {name: None for name in pl_module.model.quantizers}
+                           for name, q in quantizers.items()}
+        self._val_pending = {name: None for name in quantizers}
         self._val_runs = 0
 
-    @override
     def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:
         if not isinstance(outputs, dict):
@@ -81,11 +72,9 @@ class CodebookMonitor(L.Callback):
         self._val_runs += full
 
     def _count_usage(self, name: str, indices: torch.Tensor, sizes) -> None:
-        usage = codebook_usage(indices, sizes)  # [L]
-        for level, metric in enumerate(self._val_usage[name]):
-            metric.update(usage[level])
+        for metric, usage in zip(self._val_usage[name], codebook_usage(indices, sizes)):
+            metric.update(usage)
 
-    @override
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking or not self._val_used:
             return
@@ -101,6 +90,6 @@ class CodebookMonitor(L.Callback):
             usage = torch.stack([metric.compute() for metric in self._val_usage[name]])  # synced across ranks
             logs = {f"Val_{name}/codebook_usage_level_{l}": u for l, u in enumerate(usage)}
             logs.update({f"Val_{name}/codebook_coverage_level_{l}": c for l, c in enumerate(coverage)})
-            logs.update(self._diversity(pl_module, "Val", name, quantizer))
+            logs.update(_diversity("Val", name, quantizer))
             pl_module.log_dict(logs, on_step=False, on_epoch=True, rank_zero_only=True)
             log_distribution(pl_module, f"Val_{name}/codebook_usage", usage)

@@ -1,5 +1,5 @@
-"""FLOP accounting: the training step's FLOPs measured once on the real model and batch, then cumulative
-training TFLOPs (all ranks) against which validation losses can be plotted, and MFU where the peak is known."""
+"""FLOP accounting: the training step's FLOPs measured once on the real model and batch, then cumulative training
+TFLOPs (all ranks), to plot validation losses against, and the FLOP rate and MFU over training time."""
 
 from __future__ import annotations
 
@@ -11,19 +11,17 @@ import lightning as L
 import torch
 from lightning.fabric.utilities.throughput import get_available_flops
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from typing_extensions import override
 
+from lwm.modules.flops import count_flops
 from lwm.training.trainer_state import is_logging_step
 from lwm.utils.errors import ConfigError
-from lwm.modules.flops import count_flops
 
 PRECISION_DTYPES = {"bf16": torch.bfloat16, "16": torch.float16, "32": torch.float32, "64": torch.float64}
 
 
 class FlopCounter(L.Callback):
-    """On the first training batch, counts the FLOPs of one training step (forward with teacher forcing and every
-    rollout pass, and backward; :func:`lwm.modules.flops.count_flops` on the real batch: the attention kernels
-    counted on the CPU too, and masked attention for the pairs its mask allows) without updating anything."""
+    """Counts the useful FLOPs of one training step (forward with every rollout pass, and backward) on the first
+    training batch, without updating anything."""
 
     def __init__(self, peak_tflops: float | None = None) -> None:
         if peak_tflops is not None and not (math.isfinite(peak_tflops) and peak_tflops > 0):
@@ -35,20 +33,17 @@ class FlopCounter(L.Callback):
         self._validation_started: float | None = None
         self._paused = 0.0  # seconds spent validating since the last log
         self._tflops = 0.0  # cumulative over all ranks, up to global step _counted_step
-        self._counted_step: int | None = None  # None: nothing counted yet (a fresh run, or an older checkpoint)
+        self._counted_step: int | None = None  # None: nothing counted yet
 
-    @override
     def state_dict(self) -> dict[str, Any]:
         return {"tflops": self._tflops, "counted_step": self._counted_step}
 
-    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._tflops, self._counted_step = float(state_dict["tflops"]), state_dict["counted_step"]
 
     def _measure(self, trainer: L.Trainer, pl_module: L.LightningModule, x: torch.Tensor) -> int:
-        """One sample's step, times the batch (every counted op is linear in the batch: little memory), with
-        activation checkpointing off (its recomputed forward is not useful work) and attention in its SDPA form
-        (the useful work, whichever kernel runs)."""
+        """One sample's step times the batch (every counted op is linear in it), without activation checkpointing's
+        recomputation and with attention in its SDPA form (the useful work, whichever kernel runs)."""
         model = pl_module.model
         backward = "deepspeed" not in type(trainer.strategy).__name__.lower()
         generator = torch.Generator(device=x.device).manual_seed(0)  # leave the run's own RNG streams alone
@@ -70,7 +65,6 @@ class FlopCounter(L.Callback):
         dtype = PRECISION_DTYPES.get(str(trainer.precision).split("-")[0], torch.float32)
         return get_available_flops(pl_module.device, dtype)
 
-    @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         if self.flops_per_step is None:
             self.flops_per_step = self._measure(trainer, pl_module, batch["latents"]) * trainer.accumulate_grad_batches
@@ -80,13 +74,12 @@ class FlopCounter(L.Callback):
 
     def _cumulative_tflops(self, trainer: L.Trainer) -> float:
         """The sum up to this global step: the steps since the last count, at this run's world size."""
-        counted = self._counted_step if self._counted_step is not None else 0
+        counted = self._counted_step or 0
         if self.flops_per_step is not None and trainer.global_step > counted:
             self._tflops += self.flops_per_step * trainer.world_size * (trainer.global_step - counted) / 1e12
             self._counted_step = trainer.global_step
         return self._tflops
 
-    @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         tflops = self._cumulative_tflops(trainer)  # every step (host arithmetic): a checkpoint saves the sum
@@ -94,29 +87,23 @@ class FlopCounter(L.Callback):
             return
         logs = {"Train_Total/tflops": tflops}
         now, step = time.perf_counter(), trainer.global_step
-        if self._last is not None and step > self._last[1]:  # rate over the last logging interval, less validation
-            seconds = max(now - self._last[0] - self._paused, 1e-9)
-            rate = self.flops_per_step * (step - self._last[1]) / seconds  # FLOP/s per device
-            logs["Train_Total/tflops_per_s"] = rate / 1e12
-            peak = self._peak(trainer, pl_module)
-            if peak:
+        if self._last is not None and step > self._last[1]:  # the rate over the logging interval, less validation
+            rate = self.flops_per_step * (step - self._last[1]) / max(now - self._last[0] - self._paused, 1e-9)
+            logs["Train_Total/tflops_per_s"] = rate / 1e12  # per device
+            if peak := self._peak(trainer, pl_module):
                 logs["Train_Total/mfu"] = rate / peak
         self._last, self._paused = (now, step), 0.0
         pl_module.log_dict(logs, on_step=True, on_epoch=False, rank_zero_only=True)
 
-    @override
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._validation_started = time.perf_counter()
 
-    @override
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._validation_started is not None:
             self._paused += time.perf_counter() - self._validation_started
             self._validation_started = None
 
-    @override
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.sanity_checking or self.flops_per_step is None:
-            return
-        pl_module.log("Val_Total/tflops", self._cumulative_tflops(trainer), on_step=False, on_epoch=True,
-                      rank_zero_only=True)
+        if not trainer.sanity_checking and self.flops_per_step is not None:
+            pl_module.log("Val_Total/tflops", self._cumulative_tflops(trainer), on_step=False, on_epoch=True,
+                          rank_zero_only=True)

@@ -1,5 +1,5 @@
 """``lwm predict``'s output: the action and world codes of every validation window, written to
-``RUN_DIR/predict/codes_per_window[_rank<r>].pt`` (plain tensors and strings; loads with ``weights_only=True``)::"""
+``RUN_DIR/predict/codes_per_window[_rank<r>].pt`` (plain tensors and strings; loads with ``weights_only=True``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import BasePredictionWriter
-from typing_extensions import override
 
 from lwm.training.checkpoint import atomic_save
 from lwm.training.loggers import run_log_dir
@@ -20,7 +19,6 @@ class PredictionWriter(BasePredictionWriter):
         super().__init__(write_interval="epoch")
         self.path: Path | None = None
 
-    @override
     def write_on_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, predictions: Any,
                            batch_indices: Any) -> None:
         batches = predictions[0] if predictions and isinstance(predictions[0], list) else predictions  # 1 loader
@@ -35,7 +33,6 @@ class PredictionWriter(BasePredictionWriter):
             "start": torch.cat([b["start"] for b in batches]).cpu(),
             "global_step": int(getattr(pl_module, "weights_step", trainer.global_step)),
         }
-        root = run_log_dir(trainer)
         suffix = f"_rank{trainer.global_rank}" if trainer.world_size > 1 else ""
-        self.path = atomic_save(out, root / f"codes_per_window{suffix}.pt")
+        self.path = atomic_save(out, run_log_dir(trainer) / f"codes_per_window{suffix}.pt")
         print(f"wrote {self.path} ({len(out['start'])} windows)")

@@ -7,16 +7,18 @@ from typing import Any
 import lightning as L
 import numpy as np
 import torch
-from typing_extensions import override
 
 from lwm.training.trainer_state import every_rank
 from lwm.utils.errors import ConfigError
 from lwm.utils.metrics import code_ids, linear_probe_accuracy, nmi, probe_train_size
 
+NAMES = ("Action_Encoder", "World_Encoder")
+
 
 class GroundTruthProbes(L.Callback):
-    """When validation batches carry true ``actions`` (the action after frame ``t``, so the one of transition
-    ``t -> t+1`` that ``a_t`` summarises) or a ``world_label`` (``-1``: none), logs after each validation:"""
+    """Where validation batches carry true ``actions`` (the one of transition ``t -> t+1``, which ``a_t`` summarises)
+    and ``world_label`` (-1: none): NMI and a linear probe of each quantizer's codes against them, over the first
+    ``max_samples`` samples in a fixed pseudo-random order of their file and frame (whatever the ranks and batches)."""
 
     def __init__(self, max_samples: int = 20000) -> None:
         if max_samples < 4:
@@ -28,23 +30,19 @@ class GroundTruthProbes(L.Callback):
         self._keys: dict[str, list[torch.Tensor]] = {}  # per sample, its place in the canonical order
         self._arrivals = 0  # samples seen, the order of batches without file_index
 
-    @override
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._codes = {"Action_Encoder": [], "World_Encoder": []}
-        self._labels = {"Action_Encoder": [], "World_Encoder": []}
-        self._keys = {"Action_Encoder": [], "World_Encoder": []}
+        self._codes, self._labels, self._keys = ({name: [] for name in NAMES} for _ in range(3))
         self._arrivals = 0
 
-    @override
     def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:
         if not isinstance(outputs, dict) or "actions" not in batch:
             return
         B, T = batch["actions"].shape
-        pairs = {
+        pairs = {  # codes [B, T-1, L] / [B, L], labels and keys [B, T-1] / [B]
             "Action_Encoder": (outputs["Action_Encoder"], batch["actions"][:, :-1], self._order(batch, T - 1)),
             "World_Encoder": (outputs["World_Encoder"], batch["world_label"], self._order(batch, 1)[:, 0]),
-        }  # codes [B, T-1, L] / [B, L], labels and keys [B, T-1] / [B]
+        }
         self._arrivals += B * T
         for name, (codes, labels, keys) in pairs.items():
             keep = labels >= 0
@@ -52,11 +50,11 @@ class GroundTruthProbes(L.Callback):
                 self._codes[name].append(codes[keep].cpu())
                 self._labels[name].append(labels[keep].cpu())
                 self._keys[name].append(keys[keep.cpu()])
-                if sum(len(k) for k in self._keys[name]) > 2 * self.max_samples:  # keep the first max_samples
+                if sum(len(k) for k in self._keys[name]) > 2 * self.max_samples:
                     self._compact(name)
 
     def _order(self, batch: dict[str, torch.Tensor], frames: int) -> torch.Tensor:
-        """``[B, frames]`` int64 keys of the samples of a batch."""
+        """``[B, frames]`` int64 keys of a batch's samples: a hash (splitmix64) of their file and frame."""
         B = batch["actions"].shape[0]
         if "file_index" not in batch or "start" not in batch:
             return self._arrivals + torch.arange(B * frames).reshape(B, frames)
@@ -68,8 +66,7 @@ class GroundTruthProbes(L.Callback):
         return torch.from_numpy((z ^ (z >> np.uint64(31))).view(np.int64))
 
     def _compact(self, name: str) -> None:
-        """Keep this rank's ``max_samples`` samples first in the canonical order (which every rank's cut keeps in the
-        cut of all of them)."""
+        """Keep this rank's first ``max_samples`` samples in the canonical order (those the cut of all ranks keeps)."""
         keys = torch.cat(self._keys[name])
         first = keys.argsort()[: self.max_samples]
         self._keys[name] = [keys[first]]
@@ -80,9 +77,7 @@ class GroundTruthProbes(L.Callback):
         """The first ``max_samples`` samples of every rank in the canonical order: ``(codes, labels)``."""
         if self._keys[name]:
             self._compact(name)
-            mine = (self._codes[name][0], self._labels[name][0], self._keys[name][0])
-        else:
-            mine = None
+        mine = (self._codes[name][0], self._labels[name][0], self._keys[name][0]) if self._keys[name] else None
         parts = [p for p in every_rank(trainer, mine) if p is not None]
         if not parts:
             return None
@@ -90,7 +85,6 @@ class GroundTruthProbes(L.Callback):
         first = keys.argsort()[: self.max_samples]
         return codes[first], labels[first]
 
-    @override
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking or not self._codes:
             return

@@ -1,5 +1,5 @@
-"""The rich progress bar, labelled with the global step for step-based runs, with plain progress lines where the
-output is not a terminal (a log file, SLURM's output), and the one-line summary at the end of a fit."""
+"""The rich progress bar labelled with the global step, plain progress lines where the output is not a terminal (a
+log file, SLURM's output), and the one-line summary at the end of a fit."""
 
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.callbacks.progress.rich_progress import RichProgressBarTheme
-from typing_extensions import override
 
-from lwm.utils.errors import ConfigError
+from lwm.utils.errors import refuse_first
 
 VAL_KEYS = ("Val_Total/loss", "Val_Dynamics_Predictor/tf_loss", "Val_Dynamics_Predictor/copy_last_loss")
 
@@ -22,53 +21,45 @@ def _clock(seconds: float) -> str:
 
 
 def _metrics(trainer: L.Trainer, keys: tuple[str, ...]) -> str:
-    """``key value`` of those of ``keys`` the trainer has logged, `` · ``-separated (one host read each)."""
+    """``key value`` of those of ``keys`` the trainer has logged, `` · ``-separated."""
     metrics = trainer.callback_metrics
     return " · ".join(f"{key} {float(metrics[key]):.4g}" for key in keys if key in metrics)
 
 
-def _step(trainer: L.Trainer) -> str:
-    """``step 1200/100000`` (``step 1200`` without ``max_steps``)."""
-    limit = trainer.max_steps if trainer.max_steps is not None and trainer.max_steps > 0 else None
-    return f"step {trainer.global_step}" + (f"/{limit}" if limit else "")
+def _max_steps(trainer: L.Trainer) -> int | None:
+    return trainer.max_steps if trainer.max_steps is not None and trainer.max_steps > 0 else None
 
 
 def _skipped(trainer: L.Trainer) -> str:
-    """``12 steps skipped (non-finite loss or gradient)`` over the run so far, or "" (a host read of the count)."""
     skipped = getattr(trainer.lightning_module, "skipped_steps", 0) if trainer.lightning_module is not None else 0
     return f"{skipped} step{'s' * (skipped != 1)} skipped (non-finite loss or gradient)" if skipped else ""
 
 
 def fit_summary(trainer: L.Trainer, seconds: float) -> str:
-    """One line at the end of a fit: where it got, how long it took, its last losses, the steps it skipped and where
-    its checkpoint is."""
-    parts = [f"fit done: {_step(trainer)} in {_clock(seconds)}", _metrics(trainer, ("Train_Total/loss", *VAL_KEYS)),
-             _skipped(trainer)]
+    """Where the fit got, how long it took, its last losses, the steps it skipped and where its checkpoint is."""
+    step = f"step {trainer.global_step}" + (f"/{_max_steps(trainer)}" if _max_steps(trainer) else "")
     checkpoint = getattr(trainer.checkpoint_callback, "last_model_path", "") or ""
-    if checkpoint:
-        parts.append(f"checkpoint {checkpoint}")
+    parts = [f"fit done: {step} in {_clock(seconds)}", _metrics(trainer, ("Train_Total/loss", *VAL_KEYS)),
+             _skipped(trainer), checkpoint and f"checkpoint {checkpoint}"]
     return " · ".join(p for p in parts if p)
 
 
 class StepProgressBar(RichProgressBar):
-    """``Epoch 3 · step 1200/100000`` instead of Lightning's ``Epoch 3/-2`` when only ``max_steps`` is set, and one
-    validation task at a time (Lightning's bar keeps each finished validation's hidden task: over days of
-    training, thousands, each one more to render at every refresh), and an epoch resumed mid-way counted to its
-    end (its total set at its first batch)."""
+    """``Epoch 3 · step 1200/100000`` (Lightning's ``Epoch 3/-2`` where only ``max_steps`` is set), one validation
+    task at a time (Lightning keeps each finished one hidden: thousands over days, each rendered at every refresh),
+    and an epoch resumed mid-way counted to its end."""
 
     def __init__(self, refresh_rate: int = 1, leave: bool = False,
                  theme: RichProgressBarTheme = RichProgressBarTheme(), console_kwargs: dict[str, Any] | None = None,
                  text_every_s: float = 60.0) -> None:
         super().__init__(refresh_rate=refresh_rate, leave=leave, theme=theme, console_kwargs=console_kwargs)
-
-        if not text_every_s >= 0:
-            raise ConfigError(f"progress_bar.text_every_s must be >= 0 (0: no plain progress lines), got "
-                              f"{text_every_s}")
-        if refresh_rate < 0:
-            raise ConfigError(f"progress_bar.refresh_rate must be >= 0 (batches between refreshes; 0: no bar), got "
-                              f"{refresh_rate}")
+        refuse_first(
+            (f"progress_bar.text_every_s must be >= 0 (0: no plain progress lines), got {text_every_s}",
+             not text_every_s >= 0),
+            (f"progress_bar.refresh_rate must be >= 0 (batches between refreshes; 0: no bar), got {refresh_rate}",
+             refresh_rate < 0))
         self.text_every_s = text_every_s
-        self._start: tuple[float, int] | None = None
+        self._start: tuple[float, int] | None = None  # (time, global step) of this process's first batch
         self._last_text = 0.0
         self._epoch_sized: int | None = None  # the epoch whose bar total was set at its first batch in this process
         self._epoch_total: int | float | None = None  # that total, set on the bar at the batch's end
@@ -83,30 +74,15 @@ class StepProgressBar(RichProgressBar):
 
     def progress_line(self, trainer: L.Trainer, now: float) -> str:
         """``step 1200/100000 · epoch 3 · 2.14 steps/s · Train_Total/loss 0.0123 · 0:09:20 elapsed, 12:48:00 to go``
-        (with ``· 3 steps skipped (non-finite loss or gradient)`` before the time where there are)."""
+        (with the skipped steps before the time, if any)."""
         t0, step0 = self._start if self._start is not None else (now, trainer.global_step)
-        done, seconds = trainer.global_step - step0, max(now - t0, 1e-9)
-        text = f"{_step(trainer)} · epoch {trainer.current_epoch} · {done / seconds:.3g} steps/s"
-        loss = _metrics(trainer, ("Train_Total/loss",))
-        text += f" · {loss}" if loss else ""
-        skipped = _skipped(trainer)
-        text += f" · {skipped}" if skipped else ""
-        text += f" · {_clock(seconds)} elapsed"
-        if done and trainer.max_steps is not None and trainer.max_steps > 0:
-            text += f", {_clock((trainer.max_steps - trainer.global_step) * seconds / done)} to go"
-        return text
+        done, seconds, limit = trainer.global_step - step0, max(now - t0, 1e-9), _max_steps(trainer)
+        parts = [f"step {trainer.global_step}" + (f"/{limit}" if limit else ""), f"epoch {trainer.current_epoch}",
+                 f"{done / seconds:.3g} steps/s", _metrics(trainer, ("Train_Total/loss",)), _skipped(trainer),
+                 f"{_clock(seconds)} elapsed" + (f", {_clock((limit - trainer.global_step) * seconds / done)} to go"
+                                                 if done and limit else "")]
+        return " · ".join(p for p in parts if p)
 
-    @staticmethod
-    def epoch_batches(trainer: L.Trainer, batch_idx: int) -> int | float:
-        """The batches the current epoch runs, counted at its batch ``batch_idx``: all of them, or as far as
-        ``max_steps`` ends it."""
-        total = trainer.num_training_batches
-        if trainer.max_steps is not None and trainer.max_steps > 0:
-            left = (trainer.max_steps - trainer.global_step) * trainer.accumulate_grad_batches
-            total = min(total, batch_idx + left)
-        return total
-
-    @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
@@ -114,37 +90,34 @@ class StepProgressBar(RichProgressBar):
             self._start = (time.monotonic(), trainer.global_step)
             self._last_text = self._start[0]
         if self._epoch_sized != trainer.current_epoch:  # its first batch here: as far as max_steps lets it run
-            self._epoch_sized, self._epoch_total = trainer.current_epoch, self.epoch_batches(trainer, batch_idx)
+            total = trainer.num_training_batches
+            if _max_steps(trainer):
+                left = (trainer.max_steps - trainer.global_step) * trainer.accumulate_grad_batches
+                total = min(total, batch_idx + left)
+            self._epoch_sized, self._epoch_total = trainer.current_epoch, total
 
-    @override
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_validation_end(trainer, pl_module)
         if self._plain() and not trainer.sanity_checking and trainer.state.fn == "fit":
-            losses = _metrics(trainer, VAL_KEYS)
-            if losses:
+            if losses := _metrics(trainer, VAL_KEYS):
                 self._say(f"validation at step {trainer.global_step}: {losses}")
 
     def train_description(self, trainer: L.Trainer) -> str:
-        """``Epoch 3 · step 1200/100000`` (Lightning's ``Epoch 3/-2`` where only ``max_steps`` is set)."""
         text = f"Epoch {trainer.current_epoch}"
         if trainer.max_epochs is not None and trainer.max_epochs > 0:
             text += f"/{trainer.max_epochs - 1}"
-        if trainer.max_steps is not None and trainer.max_steps > 0:
+        if _max_steps(trainer):
             text += f" · step {trainer.global_step}/{trainer.max_steps}"
-        if len(self.validation_description) > len(text):
-            text = f"{text:{len(self.validation_description)}}"
-        return text
+        return f"{text:{len(self.validation_description)}}"
 
     def _describe(self, trainer: L.Trainer, **fields: Any) -> None:
         if self.progress is not None and self.train_progress_bar_id is not None:
             self.progress.update(self.train_progress_bar_id, description=self.train_description(trainer), **fields)
 
-    @override
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_epoch_start(trainer, pl_module)
         self._describe(trainer)
 
-    @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
@@ -155,7 +128,6 @@ class StepProgressBar(RichProgressBar):
             self._last_text = now
             self._say(self.progress_line(trainer, now))
 
-    @override
     def on_validation_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int,
                                   dataloader_idx: int = 0) -> None:
         previous = self.val_progress_bar_id

@@ -5,14 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 import lightning as L
-from typing_extensions import override
 
 from lwm.training.trainer_state import accumulating, is_logging_step
 from lwm.utils.errors import ConfigError
 
 
 class DeadCodeRevival(L.Callback):
-    """Every ``every_n_steps`` optimizer steps, right after the step's EMA update, call each quantizer's ``revive``."""
+    """Every ``every_n_steps`` optimizer steps (None: at the logging interval), right after the step's EMA update,
+    each quantizer's ``revive``; never inside an accumulation window (a resume would revive elsewhere)."""
 
     def __init__(self, every_n_steps: int | None = 10) -> None:
         if every_n_steps is not None and every_n_steps < 1:
@@ -20,33 +20,28 @@ class DeadCodeRevival(L.Callback):
         self.every_n_steps = every_n_steps
         self._revived: dict[str, int] = {}  # codes revived per quantizer and level since the last logged step
 
-    @override
     def state_dict(self) -> dict[str, Any]:  # the counts not yet logged travel with a checkpoint
         return {"revived": dict(self._revived)}
 
-    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._revived = {str(k): int(v) for k, v in state_dict.get("revived", {}).items()}
 
     def _due(self, trainer: L.Trainer) -> bool:
-        """After the batch that ends an optimizer step (never inside an accumulation window: a revival there would
-        depend on where a resumed run restarted), at the interval."""
         if self.every_n_steps is None:
             return is_logging_step(trainer)
         return not accumulating(trainer) and trainer.global_step % self.every_n_steps == 0
 
-    @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         quantizers = pl_module.model.quantizers
+        key = "Train_{}/revived_codes_level_{}".format
         if not self._revived:
-            self._revived = {f"Train_{name}/revived_codes_level_{level}": 0
-                             for name, quantizer in quantizers.items() for level in range(len(quantizer.codebook_sizes))}
+            self._revived = {key(name, level): 0 for name, q in quantizers.items() for level in range(q.num_levels)}
         if self._due(trainer):
             generator = pl_module.step_generator(pl_module.device, batch_idx, stream=1)
             for name, quantizer in quantizers.items():
                 for level, n in enumerate(quantizer.revive(generator=generator)):
-                    self._revived[f"Train_{name}/revived_codes_level_{level}"] += int(n)
+                    self._revived[key(name, level)] += int(n)
         if is_logging_step(trainer):
             pl_module.log_dict({k: float(n) for k, n in self._revived.items()}, on_step=True, on_epoch=False)
             self._revived = {k: 0 for k in self._revived}

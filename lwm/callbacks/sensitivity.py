@@ -6,7 +6,6 @@ from typing import Any
 
 import lightning as L
 import torch
-from typing_extensions import override
 
 from lwm.utils.errors import ConfigError
 from lwm.utils.metrics import WeightedMean, sensitivity
@@ -14,8 +13,8 @@ from lwm.utils.seeds import seeded_generator
 
 
 class Sensitivity(L.Callback):
-    """After each validation, ``Val_Action_Encoder/{dPSNR,PSNR_seq,PSNR_rand}`` (the requirement's names) and the
-    same under ``Val_World_Encoder/``."""
+    """After each validation, ``Val_Action_Encoder/{dPSNR,PSNR_seq,PSNR_rand}`` and the same under
+    ``Val_World_Encoder/``, over the first ``batches`` validation batches of each rank."""
 
     NAMES = ("dPSNR", "PSNR_seq", "PSNR_rand")
 
@@ -29,7 +28,6 @@ class Sensitivity(L.Callback):
         self.t, self.batches, self.seed = t, batches, seed
         self._means: dict[str, WeightedMean] = {}
 
-    @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         window = getattr(trainer.datamodule, "window", None)
         if stage in ("fit", "validate") and isinstance(window, int):
@@ -37,18 +35,15 @@ class Sensitivity(L.Callback):
         self._means = {f"{q}/{n}": WeightedMean() for q in ("Action_Encoder", "World_Encoder") for n in self.NAMES}
 
     def check_window(self, window: int) -> None:
-        """Raise :class:`ConfigError` unless validation windows of ``window`` frames hold frame ``t`` (else nothing
-        would be logged)."""
+        """Refuse a frame ``t`` outside validation windows of ``window`` frames (nothing would be logged)."""
         if self.t >= window:
             raise ConfigError(f"sensitivity.t must be < data.window ({window}: frames 0..{window - 1}; frame t is "
                               f"generated from frame 0), got {self.t}")
 
-    @override
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         for m in self._means.values():
             m.to(pl_module.device).reset()
 
-    @override
     def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:
         x = batch["latents"]
@@ -62,9 +57,7 @@ class Sensitivity(L.Callback):
             for name, value in zip(self.NAMES, values):
                 self._means[f"{quantizer}/{name}"].update(value, weight=x.shape[0])
 
-    @override
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.sanity_checking or all(m.update_count == 0 for m in self._means.values()):
-            return
-        logs = {f"Val_{key}": m.compute() for key, m in self._means.items()}  # synced across ranks
-        pl_module.log_dict(logs, on_step=False, on_epoch=True, rank_zero_only=True)
+        if not trainer.sanity_checking and any(m.update_count for m in self._means.values()):
+            logs = {f"Val_{key}": m.compute() for key, m in self._means.items()}  # synced across ranks
+            pl_module.log_dict(logs, on_step=False, on_epoch=True, rank_zero_only=True)

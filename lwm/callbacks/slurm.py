@@ -3,9 +3,11 @@ preemption or requeue, and outside SLURM an interrupt (Ctrl-C, ``kill``)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,16 +18,19 @@ from typing import Any
 import lightning as L
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities.exceptions import _TunerExitException  # private: no public clean end of a fit
-from typing_extensions import override
 
-from lwm.training.trainer_state import accumulating, every_rank
 from lwm.training.checkpoint import ModelCheckpoint
+from lwm.training.trainer_state import accumulating, every_rank
 from lwm.utils.errors import ConfigError
 
 log = logging.getLogger(__name__)
+_HARD_STOP = False  # a Ctrl-C raised KeyboardInterrupt in a fit of this process
 
 
 class SlurmRequeue(L.Callback):
+    """With several ranks, the ranks agree on a signal every ``every_n_steps`` steps (a collective);
+    ``interrupts``: Ctrl-C and SIGTERM outside SLURM save too."""
+
     def __init__(self, every_n_steps: int = 10, interrupts: bool = True) -> None:
         if every_n_steps < 1:
             raise ConfigError(f"slurm_requeue.every_n_steps must be >= 1, got {every_n_steps}")
@@ -33,18 +38,16 @@ class SlurmRequeue(L.Callback):
         self._active = False  # our handler is installed
         self._slurm = False  # under SLURM with auto-requeue
         self._rank_zero = True
-        self._requested = False
+        self._requested = self._requeue = False  # a signal came; the requeue signal came
         self._signal: int | None = None  # the last one that came
         self._requeue_signal: int | None = getattr(signal, "SIGUSR1", None)  # SLURMEnvironment's, set at the start
-        self._requeue = False  # the requeue signal came
         self.resume_hint = "continue with --ckpt_path last"  # what the stop's line advises
         self.preempted = False  # this run stopped on a signal, with its checkpoints written
-        self.interrupted: int | None = None  # outside SLURM
+        self.interrupted: int | None = None  # the signal, outside SLURM
         self._val_batches: int | None = None  # validation batches every rank runs
         self._previous: dict[int, Any] = {}  # the handlers ours replaced, put back when training is over
         self._over = False  # the training is over
 
-    @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage == "fit":  # (a second fit of the same trainer starts afresh)
             global _HARD_STOP
@@ -52,9 +55,8 @@ class SlurmRequeue(L.Callback):
             self._signal = self.interrupted = None
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        if signum == signal.SIGINT and self._requested and self._signal == signal.SIGINT:
-            # a second Ctrl-C: stop now, unsaved.
-            global _HARD_STOP
+        global _HARD_STOP
+        if signum == signal.SIGINT and self._requested and self._signal == signal.SIGINT:  # a second Ctrl-C
             _HARD_STOP = True
             if self._rank_zero:
                 _say("\nSIGINT again: stopping now, unsaved\n")
@@ -66,10 +68,9 @@ class SlurmRequeue(L.Callback):
             again = " (Ctrl-C again: stop at once, unsaved)" if signum == signal.SIGINT else ""
             _say(f"\n{signal.Signals(signum).name}: stopping after a checkpoint at the end of this batch{again}\n")
 
-    @override
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        """A Ctrl-C where ours is not the handler (before the training steps begin: loading, the sanity check's
-        start; after they end; or with ``interrupts`` off) stopped the fit at once, as a second one does."""
+        """A Ctrl-C where ours is not the handler (outside the training steps, or ``interrupts`` off) stopped the fit
+        at once."""
         global _HARD_STOP
         if isinstance(exception, KeyboardInterrupt) and not _HARD_STOP:  # (a second Ctrl-C has said it)
             _HARD_STOP = True
@@ -80,11 +81,6 @@ class SlurmRequeue(L.Callback):
                         ", before the training steps (nothing saved)")
                 _say(f"\nSIGINT: stopping now{when}\n")
 
-    @override
-    def on_sanity_check_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.on_train_start(trainer, pl_module)  # Lightning's handler is set by now
-
-    @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if threading.current_thread() is not threading.main_thread():  # (signal handlers live there)
             return
@@ -93,24 +89,22 @@ class SlurmRequeue(L.Callback):
             env = SLURMEnvironment()
         self._slurm = isinstance(env, SLURMEnvironment) and env.auto_requeue
         self._rank_zero = trainer.is_global_zero
-        # Lightning restores every handler at teardown.
+        signals = [signal.SIGTERM] if self._slurm or self.interrupts else []
         if self._slurm:
             self._requeue_signal = env.requeue_signal or signal.SIGUSR1
-            self._install(self._requeue_signal)
-        if self._slurm or self.interrupts:
-            self._install(signal.SIGTERM)
-            self._active = True
+            signals.append(self._requeue_signal)
         if self.interrupts and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # (`lwm fit &`: left so)
-            self._install(signal.SIGINT)
+            signals.append(signal.SIGINT)
+        self._active = self._active or bool(signals)
+        for signum in signals:  # (Lightning restores every handler at teardown)
+            current = signal.signal(signum, self._on_signal)
+            if current != self._on_signal:
+                self._previous[signum] = current
 
-    def _install(self, signum: int) -> None:
-        current = signal.signal(signum, self._on_signal)
-        if current != self._on_signal:
-            self._previous[signum] = current
+    on_sanity_check_start = on_train_start  # Lightning's handler is set by now
 
-    @override
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """After the last training batch (and its validation), the signals go back to the handlers ours replaced."""
+        """After the last training batch (and its validation), the handlers ours replaced go back."""
         max_epochs = trainer.max_epochs if trainer.max_epochs is not None and trainer.max_epochs >= 0 else None
         over = (trainer.should_stop or 0 < trainer.max_steps <= trainer.global_step
                 or (max_epochs is not None and trainer.current_epoch + 1 >= max_epochs))
@@ -120,73 +114,68 @@ class SlurmRequeue(L.Callback):
                 signal.signal(signum, handler)
             self._previous, self._active = {}, False
 
-    @override
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        if not self._active:
-            return
-        if accumulating(trainer):  # not inside an accumulation window
+        if not self._active or accumulating(trainer):
             return
         if trainer.world_size > 1 and trainer.global_step % self.every_n_steps:  # ranks agree every n steps
             return
         if self._preempt(trainer):
             trainer.should_stop = True
 
-    @override
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.preempted and trainer.state.fn == "fit" and not trainer.sanity_checking:
             raise _TunerExitException  # the validation Lightning starts before any early stop
 
-    @override
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._val_batches = None
         if self._active and trainer.world_size > 1 and not trainer.sanity_checking:
             # ranks may hold a validation batch more or fewer: they agree only at batches every rank runs
             self._val_batches = min(every_rank(trainer, int(sum(trainer.num_val_batches))))
 
-    @override
     def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:
-        """A signal during a fit's validation (which can outlast SLURM's grace time on a large split)."""
-        if not self._active or trainer.sanity_checking or trainer.state.fn != "fit":
-            return
-        if accumulating(trainer):  # a validation inside an accumulation window
+        """A signal during a fit's validation (which can outlast SLURM's grace time)."""
+        if not self._active or trainer.sanity_checking or trainer.state.fn != "fit" or accumulating(trainer):
             return
         if trainer.world_size > 1 and (batch_idx % self.every_n_steps or batch_idx >= (self._val_batches or 0)):
             return
         if self._preempt(trainer):
-            raise _TunerExitException  # Lightning's own clean early end of a fit
+            self.on_validation_start(trainer, pl_module)  # ends the fit (Lightning's clean early end), preempted
 
     def _preempt(self, trainer: L.Trainer) -> bool:
-        """If a signal came (to any rank: a collective with several), save the hpc checkpoint (under SLURM) and
-        ``last.ckpt``, requeue on the requeue signal, and say so (the caller stops the run)."""
+        """If a signal came to any rank: save the hpc checkpoint (under SLURM) and ``last.ckpt``, requeue on the
+        requeue signal, and say so (the caller stops the run)."""
         requested, requeue = self._requested, self._requeue
         if trainer.world_size > 1:  # ranks get the signal at different batches
             requested = trainer.strategy.reduce_boolean_decision(requested, all=False)
-            if requested:  # and on whether any rank got the requeue signal
+            if requested:
                 requeue = trainer.strategy.reduce_boolean_decision(requeue, all=False)
         if not requested:
             return False
         self._requested = self._requeue = False
         self.preempted = True
-        if self._slurm:
-            path = _next_hpc_path(trainer.default_root_dir)
+        if self._slurm:  # hpc_ckpt_N.ckpt one above the highest N (Lightning's name, which its SLURM restart takes)
+            older = _hpc_checkpoints(trainer.default_root_dir)
+            path = os.path.join(trainer.default_root_dir, f"hpc_ckpt_{max(older, default=0) + 1}.ckpt")
             trainer.save_checkpoint(path)
-            if trainer.is_global_zero:
-                _remove_older_hpc_checkpoints(path)
+            for old in older.values() if trainer.is_global_zero and os.path.exists(path) else ():
+                if old.is_dir():  # DeepSpeed's: a folder (Lightning keeps them all; best effort, as the run stops)
+                    shutil.rmtree(old, ignore_errors=True)
+                else:
+                    with contextlib.suppress(OSError):
+                        old.unlink(missing_ok=True)
         saved = []
         for callback in trainer.checkpoint_callbacks:  # else the end of fit would rewrite last.ckpt as "epoch done"
-            if isinstance(callback, ModelCheckpoint):  # (and the step's own checkpoint, if one is due)
+            if isinstance(callback, ModelCheckpoint):
                 callback.save_stop_now(trainer)
                 saved.append(callback.last_model_path)
         if not self._slurm:
             self.interrupted = self._signal or signal.SIGTERM  # (another rank's signal: SIGTERM, as from kill)
             if trainer.is_global_zero:
-                name = signal.Signals(self.interrupted).name
-                log.warning(f"{name}: stopped at step {trainer.global_step}; " + (
-                    f"saved {saved[0]}: {self.resume_hint}" if saved and saved[0] else "nothing saved "
-                    "(no checkpointing)"))
-            return True
-        if trainer.is_global_zero and not requeue:
+                said = (f"saved {saved[0]}: {self.resume_hint}" if saved and saved[0] else
+                        "nothing saved (no checkpointing)")
+                log.warning(f"{signal.Signals(self.interrupted).name}: stopped at step {trainer.global_step}; {said}")
+        elif trainer.is_global_zero and not requeue:
             log.warning(f"terminated: {path} at step {trainer.global_step}")
         elif trainer.is_global_zero:
             job, rc = _requeue_this_job()
@@ -204,56 +193,21 @@ def _requeue_this_job() -> tuple[str, int]:
 
 
 def _say(text: str) -> None:
-    """``text`` to stderr from a signal handler, where a closed pipe (the ``| tee`` a Ctrl-C ended too) must not
-    raise into the training step the signal interrupted."""
-    try:
+    """To stderr from a signal handler, where a closed pipe (the ``| tee`` a Ctrl-C ended) must not raise."""
+    with contextlib.suppress(OSError, ValueError):  # (ValueError: a closed stream)
         sys.stderr.write(text)
-    except (OSError, ValueError):  # (ValueError: a closed stream)
-        pass
-
-
-_HARD_STOP = False  # a Ctrl-C raised KeyboardInterrupt in a fit of this process
 
 
 def hard_stopped() -> bool:
-    """Whether a Ctrl-C stopped a fit of this process at once (unsaved): a second one, or one outside the training
-    steps."""
+    """Whether a Ctrl-C stopped a fit of this process at once, unsaved."""
     return _HARD_STOP
 
 
 def interrupted_by(trainer: Any) -> int | None:
-    """The signal that stopped ``trainer``'s fit outside SLURM, after its checkpoint (None if none did): the command
-    then exits with 128 + it."""
+    """The signal that stopped ``trainer``'s fit outside SLURM, after its checkpoint (the exit code is 128 + it)."""
     return next((c.interrupted for c in getattr(trainer, "callbacks", []) if getattr(c, "interrupted", None)), None)
 
 
-def _hpc_number(path: Path) -> int | None:
-    match = re.fullmatch(r"hpc_ckpt_(\d+)\.ckpt", path.name)
-    return int(match[1]) if match else None
-
-
-def _next_hpc_path(root: str) -> str:
-    """``root/hpc_ckpt_N.ckpt`` one above the highest N there (Lightning's name, which its SLURM restart takes)."""
-    numbers = [n for p in Path(root).glob("hpc_ckpt_*.ckpt") if (n := _hpc_number(p)) is not None]
-    return os.path.join(root, f"hpc_ckpt_{max(numbers, default=0) + 1}.ckpt")
-
-
-def _remove_older_hpc_checkpoints(path: str) -> None:
-    """The hpc checkpoints before ``path`` (``hpc_ckpt_N.ckpt``, one per preemption: Lightning keeps them all and
-    resumes from the highest N), now that it is written."""
-    import shutil
-
-    new = Path(path)
-    number = _hpc_number(new)
-    if number is None or not new.exists():
-        return
-    for old in new.parent.glob("hpc_ckpt_*.ckpt"):
-        if (n := _hpc_number(old)) is None or n >= number:
-            continue
-        if old.is_dir():  # DeepSpeed's: a folder
-            shutil.rmtree(old, ignore_errors=True)
-            continue
-        try:  # best effort: the run is stopping, its checkpoint written
-            old.unlink(missing_ok=True)
-        except OSError:
-            pass
+def _hpc_checkpoints(root: str) -> dict[int, Path]:
+    paths = ((re.fullmatch(r"hpc_ckpt_(\d+)\.ckpt", p.name), p) for p in Path(root).glob("hpc_ckpt_*.ckpt"))
+    return {int(match[1]): p for match, p in paths if match}

@@ -1,6 +1,5 @@
-"""The rich model summary without Lightning's FLOPs column, which reads 0 for every module (it counts only
-with an ``example_input_array``); :class:`~lwm.callbacks.flops.FlopCounter` measures the real step's FLOPs
-on the first batch and prints them. Also leaves out the validation metrics' rows (no parameters)."""
+"""The rich model summary without Lightning's FLOPs column, which reads 0 without an ``example_input_array``
+(:class:`~lwm.callbacks.flop_counter.FlopCounter` prints the real step's), and without the metrics' rows."""
 
 from __future__ import annotations
 
@@ -8,12 +7,8 @@ from typing import Any
 
 from lightning.pytorch.callbacks import RichModelSummary
 from lightning.pytorch.utilities.model_summary import get_formatted_model_size, get_human_readable_count
-from typing_extensions import override
 
 from lwm.utils.errors import ConfigError
-
-HIDDEN_COLUMNS = ("FLOPs",)
-HIDDEN_PREFIXES = ("val_metrics",)
 
 
 class ModelSummary(RichModelSummary):
@@ -23,16 +18,14 @@ class ModelSummary(RichModelSummary):
         super().__init__(max_depth, **summarize_kwargs)
 
     @staticmethod
-    @override
     def summarize(summary_data: list[tuple[str, list[str]]], total_parameters: int, trainable_parameters: int,
                   model_size: float, total_training_modes: dict[str, int], total_flops: int = 0,
                   **summarize_kwargs: Any) -> None:
         from rich import get_console
         from rich.table import Table
 
-        names = dict(summary_data)["Name"]
-        keep = [i for i, name in enumerate(names) if not name.startswith(HIDDEN_PREFIXES)]
-        columns = [(title, [values[i] for i in keep]) for title, values in summary_data if title not in HIDDEN_COLUMNS]
+        keep = [i for i, name in enumerate(dict(summary_data)["Name"]) if not name.startswith("val_metrics")]
+        columns = [(title, [values[i] for i in keep]) for title, values in summary_data if title != "FLOPs"]
         table = Table(header_style=summarize_kwargs.get("header_style", "bold magenta"))
         for title, _ in columns:
             right = title in ("Params", "Params per Device", "In sizes", "Out sizes")
@@ -42,8 +35,7 @@ class ModelSummary(RichModelSummary):
             table.add_row(*row)
         console = get_console()
         console.print(table)
-        frozen = total_parameters - trainable_parameters
-        console.print(f"[bold]Trainable params[/]: {get_human_readable_count(int(trainable_parameters)).strip()}   "
-                      f"[bold]Non-trainable params[/]: {get_human_readable_count(int(frozen)).strip()}   "
-                      f"[bold]Total params[/]: {get_human_readable_count(int(total_parameters)).strip()}   "
-                      f"[bold]Size (MB)[/]: {get_formatted_model_size(model_size)}")
+        count = lambda n: get_human_readable_count(int(n)).strip()  # noqa: E731
+        console.print(f"[bold]Trainable params[/]: {count(trainable_parameters)}   [bold]Non-trainable params[/]: "
+                      f"{count(total_parameters - trainable_parameters)}   [bold]Total params[/]: "
+                      f"{count(total_parameters)}   [bold]Size (MB)[/]: {get_formatted_model_size(model_size)}")

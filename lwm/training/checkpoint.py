@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,7 +15,6 @@ from fsspec.utils import get_protocol
 from lightning.pytorch.callbacks import ModelCheckpoint as _LightningModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from typing_extensions import override
 
 from lwm.training.loggers import CSVLogger
 from lwm.training.module import WorldModelModule
@@ -20,35 +22,26 @@ from lwm.training.trainer_state import accumulating, validation_follows
 from lwm.utils.errors import DataError, first_line, LwmError, torch_load_failure
 from lwm.utils.files import atomic_write, fsync_dir, fsync_file, remove_stale_temp_files
 
+LIGHTNING_KEYS = ("pytorch-lightning_version", "state_dict", "global_step")  # what every Lightning checkpoint holds
+# A DeepSpeed checkpoint directory is rewritten in place, file by file, by every rank: lwm marks it whole.
+DEEPSPEED_MARK = "lwm_complete.json"
+DEEPSPEED_WRITING = "lwm_writing.json"
+
 
 def atomic_save(obj: Any, path: str | Path) -> Path:
-    """``torch.save`` to ``.NAME.tmp-HOST-PID`` beside ``path``, fsynced, then renamed over it: readers see the old
-    file or the new one, never a torn one."""
+    """``torch.save`` to a temp file beside ``path``, fsynced, then renamed over it: never a torn file."""
     path = atomic_write(path, lambda f: torch.save(obj, f))
     fsync_dir(path.parent)
     return path
 
 
-LIGHTNING_KEYS = ("pytorch-lightning_version", "state_dict", "global_step")  # what every Lightning checkpoint holds
-
-
 def is_deepspeed_checkpoint(path: str | Path) -> bool:
-    """Whether ``path`` is a DeepSpeed checkpoint directory (Lightning's ``last.ckpt/`` with ``latest`` or
-    ``checkpoint/`` in it)."""
     folder = Path(path)
     return folder.is_dir() and ((folder / "latest").is_file() or (folder / "checkpoint").is_dir())
 
 
-# A DeepSpeed checkpoint directory is rewritten in place, file by file, by every rank (the model states, then each
-# rank's optimizer shard, then ``latest``).
-DEEPSPEED_MARK = "lwm_complete.json"
-DEEPSPEED_WRITING = "lwm_writing.json"
-
-
 def deepspeed_files(path: str | Path) -> tuple[Path, list[Path]]:
-    """A DeepSpeed checkpoint directory's model states (Lightning's client state, the global step among it; ZeRO
-    stage 3: rank 0's) and every file of it (model states, each rank's optimizer shard), in the folder its
-    ``latest`` file names (Lightning's tag: ``checkpoint``)."""
+    """A DeepSpeed checkpoint directory's model states (rank 0's under ZeRO 3) and all its ``*_states.pt`` files."""
     path = Path(path)
     latest = path / "latest"
     folder = path / (latest.read_text().strip() if latest.is_file() else "checkpoint")
@@ -59,18 +52,12 @@ def deepspeed_files(path: str | Path) -> tuple[Path, list[Path]]:
 
 
 def deepspeed_step(path: str | Path) -> int | None:
-    """The global step of a DeepSpeed checkpoint directory that lwm marked complete, its files whole (``latest``,
-    which DeepSpeed's load reads, among them), with that step in its model states."""
-    import json
-    import zipfile
-
+    """The global step of a DeepSpeed checkpoint directory marked complete, its files whole (else None)."""
     path = Path(path)
     try:
         mark = json.loads((path / DEEPSPEED_MARK).read_text())
-        if not (path / "latest").is_file():
-            return None
         model, files = deepspeed_files(path)
-        if not all(zipfile.is_zipfile(f) for f in files):  # a zip's directory is at its end
+        if not (path / "latest").is_file() or not all(zipfile.is_zipfile(f) for f in files):  # a zip ends in its index
             return None
         step = int(torch.load(model, map_location="cpu", weights_only=True, mmap=True).get("global_step", -1))
         return step if step == int(mark["global_step"]) else None
@@ -80,17 +67,12 @@ def deepspeed_step(path: str | Path) -> int | None:
 
 def deepspeed_written(path: str | Path) -> float | None:
     """When a DeepSpeed checkpoint directory was last whole."""
-    for name in (DEEPSPEED_MARK, DEEPSPEED_WRITING):
-        if (Path(path) / name).is_file():
-            return (Path(path) / name).stat().st_mtime
-    return None
+    marks = [Path(path) / name for name in (DEEPSPEED_MARK, DEEPSPEED_WRITING) if (Path(path) / name).is_file()]
+    return marks[0].stat().st_mtime if marks else None
 
 
 def mark_deepspeed_saves_complete(strategy: Any) -> None:
-    """Make ``strategy``'s (a DeepSpeedStrategy's) saves mark their directory complete (:data:`DEEPSPEED_MARK`)."""
-    import json
-    import os
-
+    """Make a DeepSpeedStrategy's saves mark their directory whole (:data:`DEEPSPEED_MARK`) once all is on disk."""
     save = strategy.save_checkpoint
 
     def save_and_mark(checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -116,36 +98,31 @@ def mark_deepspeed_saves_complete(strategy: Any) -> None:
 
 def read_checkpoint(path: str | Path, label: str = "", what: str = "checkpoint") -> dict[str, Any]:
     """The dict of a Lightning checkpoint file (``weights_only=True``, memory-mapped: the tensors are not read)."""
-
-    where = f"{label} {path}".strip()
-    folder = Path(path)
-    if is_deepspeed_checkpoint(folder):
-        raise DataError(f"{where}: a DeepSpeed checkpoint directory; convert it to one file first (Lightning's "
-                        f"lightning.pytorch.utilities.deepspeed.convert_zero_checkpoint_to_fp32_state_dict)")
-    if folder.is_dir():
-        raise DataError(f"{where}: a folder without a checkpoint (a run's folder holds checkpoints/last.ckpt); give a "
-                        f"checkpoint file")
+    where, folder = f"{label} {path}".strip(), Path(path)
     if not folder.is_file():
-        raise DataError(f"{where}: checkpoint not found")
+        raise DataError(f"{where}: " + (
+            "a DeepSpeed checkpoint directory; convert it to one file first (Lightning's lightning.pytorch.utilities."
+            "deepspeed.convert_zero_checkpoint_to_fp32_state_dict)" if is_deepspeed_checkpoint(folder) else
+            "a folder without a checkpoint (a run's folder holds checkpoints/last.ckpt); give a checkpoint file"
+            if folder.is_dir() else "checkpoint not found"))
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        missing = [k for k in LIGHTNING_KEYS if not isinstance(checkpoint, dict) or k not in checkpoint]
+        why = f"not a Lightning checkpoint: it has no {', '.join(missing)}" if missing else None
     except Exception as e:
-        raise DataError(f"{where}: not a readable {what} ({torch_load_failure(e, path)})") from None
-    missing = [k for k in LIGHTNING_KEYS if k not in checkpoint] if isinstance(checkpoint, dict) else list(LIGHTNING_KEYS)
-    if missing:
-        raise DataError(f"{where}: not a readable {what} (not a Lightning checkpoint: it has no {', '.join(missing)})")
+        why = torch_load_failure(e, path)
+    if why:
+        raise DataError(f"{where}: not a readable {what} ({why})") from None
     return checkpoint
 
 
 def trained_window(checkpoint: dict[str, Any]) -> int | None:
-    """The frames per window the checkpoint's run trained on (its data module's hyperparameters), None if unknown."""
+    """The frames per window the checkpoint's run trained on, None if unknown."""
     window = (checkpoint.get("datamodule_hyper_parameters") or {}).get("window")
     return None if window is None else int(window)
 
 
 def warn_window_mismatch(checkpoint: dict[str, Any], window: int, path: str | Path) -> None:
-    """Warn (one line) where ``data.window`` differs from the window the checkpoint's run trained on
-    (:func:`trained_window`)."""
     trained = trained_window(checkpoint)
     if trained is not None and int(trained) != int(window):
         rank_zero_warn(f"data.window = {window}, but {path} was trained on {trained}-frame windows: working on "
@@ -154,10 +131,8 @@ def warn_window_mismatch(checkpoint: dict[str, Any], window: int, path: str | Pa
 
 
 def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> tuple[dict[str, Any], Any]:
-    """``(the checkpoint's dict, its WorldModelModule)`` of an lwm checkpoint file (``weights_only=True``), for the
-    verbs that take a model from one (``lwm codes``, ``lwm generate``)."""
-
-    raw = read_checkpoint(path, what="lwm checkpoint")  # (a folder, DeepSpeed's or not: refused there)
+    """``(the checkpoint's dict, its WorldModelModule)`` of an lwm checkpoint file (``weights_only=True``)."""
+    raw = read_checkpoint(path, what="lwm checkpoint")
     try:
         module = WorldModelModule.load_from_checkpoint(path, map_location=map_location, weights_only=True)
     except (LwmError, torch.OutOfMemoryError):  # a config problem says itself
@@ -168,32 +143,26 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> tuple[dict[s
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Saves through :func:`atomic_save` (a remote ``fsspec`` path: Lightning's own save), sweeping the temp files of
-    killed writes in the folder first."""
+    """Saves local files through :func:`atomic_save` (killed writes' temp files swept); loads ``weights_only``."""
 
-    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any | None = None) -> None:
         if get_protocol(str(path)) != "file":
             return super().save_checkpoint(checkpoint, path, storage_options)
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale_temp_files(path.parent)  # from runs killed mid-write
+        remove_stale_temp_files(path.parent)
         atomic_save(checkpoint, path)
 
-    @override
-    def load_checkpoint(
-        self, path: str | Path, map_location: Callable | None = lambda storage, loc: storage,
-        weights_only: bool | None = None,
-    ) -> dict[str, Any]:
+    def load_checkpoint(self, path: str | Path, map_location: Callable | None = lambda storage, loc: storage,
+                        weights_only: bool | None = None) -> dict[str, Any]:
         return super().load_checkpoint(path, map_location=map_location, weights_only=True)
 
 
 class ModelCheckpoint(_LightningModelCheckpoint):
-    """Lightning's ModelCheckpoint whose step checkpoints (``every_n_train_steps``) lwm writes at the end of their
-    batch, or, where a validation follows that batch (or ``monitor`` is a metric not logged yet), at the end of that
-    validation: a kill during it resumes from the checkpoint before and redoes the steps and the validation. A stop
-    (``max_steps``, a signal) writes the step's file if one is due, and ``last.ckpt``; so does the end of fit. The
-    state key leaves the intervals out: a resume with another interval keeps ranking the run's step files."""
+    """Lightning's ModelCheckpoint whose step checkpoints are written at the end of their batch, or, where a
+    validation follows it (or ``monitor`` is not logged yet), at the end of that validation, so that a kill during it
+    redoes the validation. A stop writes the due step file and ``last.ckpt``. The state key leaves the intervals out:
+    a resume with another interval keeps ranking the run's step files."""
 
     def __init__(self, *args: Any, every_n_train_steps: int | None = None, **kwargs: Any) -> None:
         super().__init__(*args, every_n_train_steps=every_n_train_steps, **kwargs)
@@ -203,13 +172,10 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         self._after_validation = False  # the save under way is at a validation's end
 
     @property
-    @override
     def state_key(self) -> str:
-        """This callback's state's key in a checkpoint (Lightning's form)."""
         keys = {"monitor": self.monitor, "mode": self.mode, "dirpath": self.dirpath, "filename": self.filename}
         return f"{type(self).__qualname__}{keys!r}"
 
-    @override
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         states = checkpoint.get("callbacks") or {}
         if self.state_key not in states and super().state_key in states:  # an earlier lwm's: under Lightning's key
@@ -217,13 +183,11 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         if (states.get(self.state_key) or {}).get("at_validation_end"):  # an earlier lwm's save at a validation's end
             _as_saved_at_the_batch_end(checkpoint)
 
-    @override
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         if self._after_validation:
             _as_saved_at_the_batch_end(checkpoint)
 
-    def _metrics(self, trainer: L.Trainer) -> dict[str, Any]:
-        """What the file name and ``monitor`` read: the logged metrics, the epoch and the global step."""
+    def _metrics(self, trainer: L.Trainer) -> dict[str, Any]:  # what the file name and ``monitor`` read
         return {**trainer.callback_metrics, "epoch": torch.tensor(trainer.current_epoch),
                 "step": torch.tensor(trainer.global_step)}
 
@@ -233,14 +197,14 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         return (bool(self.every_n_train_steps) and step % self.every_n_train_steps == 0 and step != self.saved_step
                 and not accumulating(trainer))
 
-    def save_step(self, trainer: L.Trainer) -> None:
+    def save_step(self, trainer: L.Trainer, last: bool = True) -> None:
         """This step's checkpoint (kept while among the ``save_top_k`` best by ``monitor``), then ``last.ckpt``."""
         metrics = self._metrics(trainer)
         self._save_topk_checkpoint(trainer, metrics)  # Lightning's ranking, naming and removals: no public way in
-        self.save_last_now(trainer, metrics)
+        if last:
+            self.save_last_now(trainer, metrics)
 
     def save_last_now(self, trainer: L.Trainer, metrics: dict[str, Any] | None = None) -> None:
-        """``last.ckpt`` of this moment."""
         if self.save_last:
             self.last_model_path = self.format_checkpoint_name(metrics or self._metrics(trainer),
                                                                self.CHECKPOINT_NAME_LAST)  # (part of the state)
@@ -248,8 +212,7 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         self.saved_step = trainer.global_step
 
     def save_stop_now(self, trainer: L.Trainer) -> None:
-        """The run stops at this training batch (``max_steps``, a preemption): its step checkpoint if one is due and
-        ranked by the step (or nothing), then ``last.ckpt``."""
+        """A stop at this batch: its step checkpoint if due and ranked by the step, then ``last.ckpt``."""
         if trainer.fast_dev_run:
             return
         if self._due(trainer) and self.monitor in (None, "step"):
@@ -257,12 +220,10 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         else:
             self.save_last_now(trainer)
 
-    @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
         self.saved_step = trainer.global_step  # (a resume's: its checkpoint is written)
 
-    @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any, **kwargs: Any) -> None:
         if not self.every_n_train_steps:
             return super().on_train_batch_end(trainer, pl_module, *args, **kwargs)
@@ -278,27 +239,22 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         if stops and self.saved_step != trainer.global_step:
             self.save_stop_now(trainer)
 
-    @override
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self.every_n_train_steps:
             return super().on_validation_end(trainer, pl_module)
         if not self.waiting or trainer.state.fn != "fit" or trainer.sanity_checking or trainer.fast_dev_run:
             return
         self.waiting = False
-        if not accumulating(trainer):  # the step's row (training scalars and this validation's) before the
-            for logger in trainer.loggers:  # checkpoint a resume starts after (a batch that did not step: no row yet)
+        if not accumulating(trainer):  # the step's row (training and validation) before the checkpoint a resume
+            for logger in trainer.loggers:  # starts after (a batch that did not step: no row yet)
                 if isinstance(logger, CSVLogger):
                     logger.flush()
         self._after_validation = True
-        try:
-            if self.saved_step == trainer.global_step:  # last.ckpt written at this step's stop
-                self._save_topk_checkpoint(trainer, self._metrics(trainer))  # (private, as in save_step)
-            else:
-                self.save_step(trainer)
+        try:  # (last.ckpt written already at this step's stop: the step file only)
+            self.save_step(trainer, last=self.saved_step != trainer.global_step)
         finally:
             self._after_validation = False
 
-    @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self.every_n_train_steps:
             return super().on_train_end(trainer, pl_module)
@@ -308,9 +264,8 @@ class ModelCheckpoint(_LightningModelCheckpoint):
 
 
 def _as_saved_at_the_batch_end(checkpoint: dict[str, Any]) -> None:
-    """A checkpoint written at the end of a validation, its fit loop as at the end of the training batch before: a
-    resume skips the validation done and counts that batch's logged step whatever its own validation schedule
-    (Lightning, resuming from a validation's end, counts it only where that schedule validates there again)."""
+    """A checkpoint written at a validation's end, its fit loop as at the end of the batch before: a resume skips the
+    validation done and counts that batch whatever its own validation schedule."""
     progress = (checkpoint.get("loops") or {}).get("fit_loop", {}).get("epoch_loop.batch_progress")
     for counts in (progress["total"], progress["current"]) if progress else ():
         counts["completed"] -= 1

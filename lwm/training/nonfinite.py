@@ -11,8 +11,8 @@ from lwm.utils.errors import ConfigError
 
 
 class SkippedSteps:
-    """Steps skipped over the run (``total``) and the latest run of them in a row (``in_a_row``), both checkpointed
-    (:meth:`state`)."""
+    """Skipped steps over the run (``total``) and in a row, counted on the host, on the device (no sync) or from a
+    DeepSpeed engine; checkpointed through :meth:`state`."""
 
     def __init__(self, total: int = 0, in_a_row: int = 0, longest_unread: int = 0) -> None:
         self._host_total = total
@@ -25,39 +25,30 @@ class SkippedSteps:
 
     @property
     def total(self) -> int:
-        """Steps skipped over the whole run (a host read of the device count, if there is one)."""
         return self._host_total + (int(self._device_total) if self._device_total is not None else 0)
 
     def state(self) -> dict[str, int]:
-        """What a checkpoint keeps: ``{"total", "in_a_row", "longest_unread"}`` (a host read of the device counts, if
-        any; the last: the device path's longest run since its last read, which a resumed run reads next)."""
         in_a_row = int(self._device_in_a_row) if self._device_in_a_row is not None else self.in_a_row
         longest = int(self._device_longest) if self._device_longest is not None else 0
         return {"total": self.total, "in_a_row": in_a_row, "longest_unread": max(longest, self._longest_unread)}
 
     def as_tensor(self, device: torch.device) -> Tensor:
-        """``total`` as a device tensor for logging, made without a host-to-device copy (``torch.tensor`` of a Python
-        number, as ``self.log`` makes of one, would synchronise a CUDA stream every step)."""
+        """``total`` as a device tensor, without the host-to-device copy (a stream sync) of ``torch.tensor``."""
         if self._device_total is None:
             self._device_total = torch.zeros((), device=device)
         return self._device_total + self._host_total
 
-    # host verdicts -------------------------------------------------------------------------------
     def finite(self) -> None:
-        """A step that went through: the run of skips in a row is broken."""
         self.in_a_row = 0
 
     def skipped(self, count: int = 1, in_a_row: bool = True) -> int:
-        """``count`` more skipped steps; ``in_a_row=False`` for an overflow that is a loss scaler's routine (counted,
-        neither towards the stop nor breaking the run of skips)."""
+        """``count`` more skips; ``in_a_row=False``: a loss scaler's routine overflow, not towards the stop."""
         self._host_total += count
-        if in_a_row:
-            self.in_a_row += 1
+        self.in_a_row += in_a_row
         return self.in_a_row
 
-    # device verdicts -----------------------------------------------------------------------------
     def on_device(self, nonfinite: Tensor) -> None:
-        """A step's verdict as a device bool, counted on the device (no host sync)."""
+        """A step's verdict as a device bool, counted on the device."""
         zero = torch.zeros((), device=nonfinite.device)
         self._device_total = (self._device_total if self._device_total is not None else zero) + nonfinite
         in_a_row = self._device_in_a_row if self._device_in_a_row is not None else zero + self.in_a_row
@@ -66,16 +57,15 @@ class SkippedSteps:
         self._device_longest = torch.maximum(longest, self._device_in_a_row)
 
     def in_a_row_on_device(self) -> int:
-        """The device path's longest run of skips in a row since the last call (a host read)."""
+        """The device path's longest run in a row since the last call (a host read)."""
         longest, self._longest_unread = self._longest_unread, 0
         if self._device_longest is not None:
             longest = max(longest, int(self._device_longest))
-        self._device_longest = None  # the next read
+        self._device_longest = None
         return longest
 
-    # a DeepSpeed engine's count ------------------------------------------------------------------
     def engine_start(self, count: int | None) -> None:
-        """The engine's count when training starts (a resumed engine's): skips before it are not new."""
+        """The engine's count when training starts (a resumed engine's skips are not new)."""
         self._engine_seen = count
 
     @property
@@ -83,9 +73,8 @@ class SkippedSteps:
         return self._engine_seen is not None
 
     def engine_count(self, count: int, scaling_loss: bool) -> int:
-        """The engine's count after a step: new skips are ours (``scaling_loss``: a dynamic loss scale still >= 1,
-        whose overflows are its routine, so they are counted but not towards the stop)."""
-        new = count - (self._engine_seen if self._engine_seen is not None else count)
+        """The engine's count after a step; ``scaling_loss``: its overflows are a loss scaler's routine."""
+        new = count - self._engine_seen
         self._engine_seen = count
         if new <= 0:
             self.finite()
@@ -93,16 +82,18 @@ class SkippedSteps:
         return self.skipped(new, in_a_row=not scaling_loss)
 
 
+def _engine(trainer: Any) -> Any:
+    return getattr(getattr(trainer, "strategy", None), "deepspeed_engine", None)
+
+
 def deepspeed_skipped_steps(trainer: Any) -> int | None:
-    """The DeepSpeed engine's count of the optimizer steps it skipped (None without DeepSpeed)."""
-    engine = getattr(getattr(trainer, "strategy", None), "deepspeed_engine", None) if trainer is not None else None
-    skipped = getattr(engine, "skipped_steps", None)
+    """The DeepSpeed engine's count of skipped steps (None without DeepSpeed)."""
+    skipped = getattr(_engine(trainer), "skipped_steps", None)
     return int(skipped) if skipped is not None else None
 
 
 def deepspeed_scaling_loss(engine: Any) -> bool:
-    """Whether the engine's optimizer scales the loss dynamically (fp16) with a scale still >= 1: an overflow then
-    only lowers the scale."""
+    """Whether the engine scales the loss dynamically (fp16) at a scale still >= 1 (an overflow only lowers it)."""
     optimizer = getattr(engine, "optimizer", None)
     config = getattr(optimizer, "loss_scale_config", optimizer)  # DeepSpeed >= 0.18 keeps them in a config
     dynamic, scale = getattr(config, "dynamic_loss_scale", False), getattr(config, "cur_scale", None)
@@ -110,18 +101,15 @@ def deepspeed_scaling_loss(engine: Any) -> bool:
 
 
 def check_deepspeed_skips_overflow(trainer: Any) -> None:
-    """Raise :class:`~lwm.errors.ConfigError` where a DeepSpeed engine in bf16 would apply a non-finite gradient."""
-
-    engine = getattr(getattr(trainer, "strategy", None), "deepspeed_engine", None) if trainer is not None else None
-    optimizer = getattr(engine, "optimizer", None)
-    if getattr(optimizer, "check_grad_overflow", True) is False and engine.bfloat16_enabled():
+    """Refuse a DeepSpeed bf16 engine that would apply a non-finite gradient."""
+    engine = _engine(trainer)
+    if getattr(getattr(engine, "optimizer", None), "check_grad_overflow", True) is False and engine.bfloat16_enabled():
         raise ConfigError("DeepSpeed bf16 with check_grad_overflow off: a NaN/inf gradient would update the weights "
                           "(lwm skips such steps); set bf16.check_grad_overflow: true in the DeepSpeed config")
 
 
 def deepspeed_checks_overflow(strategy: Any) -> None:
-    """Have a DeepSpeed strategy in bf16 skip steps whose gradient is not finite (``bf16.check_grad_overflow``, off
-    by default in DeepSpeed 0.19.2, on in later versions)."""
+    """Have a bf16 DeepSpeed strategy skip steps with a non-finite gradient (off by default in DeepSpeed 0.19.2)."""
     precision = getattr(getattr(strategy, "precision_plugin", None), "precision", None)
     config = getattr(strategy, "config", None)
     if isinstance(config, dict) and precision in ("bf16-mixed", "bf16-true"):

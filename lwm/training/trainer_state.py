@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import lightning as L
 import torch.distributed as dist
-from typing import Any
 
 
 def accumulating(trainer: L.Trainer) -> bool:
-    """Whether the current (or latest) training batch is inside a gradient-accumulation window: the optimizer does
-    not step after it (Lightning's rule). Asked during a training batch or the validation after it."""
+    """Whether the optimizer does not step after the current (or latest) training batch (Lightning's rule)."""
     progress = trainer.fit_loop.epoch_loop.batch_progress
     if progress.current.ready % trainer.accumulate_grad_batches == 0:
         return False
@@ -18,31 +18,27 @@ def accumulating(trainer: L.Trainer) -> bool:
 
 
 def step_of_batch(trainer: L.Trainer) -> int:
-    """The optimizer step the current training batch belongs to, counted from 1 (the global step once it is taken):
-    from ``on_train_batch_start`` to ``on_train_batch_end``, whether its optimizer step came yet or not."""
+    """The optimizer step (from 1) the current training batch belongs to, before or after that step is taken."""
     progress = trainer.fit_loop.epoch_loop.batch_progress.current
     stepped = progress.processed == progress.ready and not accumulating(trainer)
     return trainer.global_step + 1 - stepped
 
 
 def is_logging_step(trainer: L.Trainer) -> bool:
-    """Whether Lightning writes the logs of this training batch's step (values logged at other steps are dropped),
-    asked from ``on_before_optimizer_step`` or ``on_train_batch_end``."""
+    """Whether Lightning writes the logs of this batch's step, asked at or after its optimizer step."""
     if accumulating(trainer):
         return False
     return trainer.should_stop or step_of_batch(trainer) % max(1, trainer.log_every_n_steps) == 0
 
 
 def logs_at_this_step(trainer: L.Trainer) -> bool:
-    """Whether Lightning writes the logs of the optimizer step this training batch belongs to, at the logging
-    interval (any batch of its accumulation window)."""
+    """Whether the step of this batch (any batch of its accumulation window) is at the logging interval."""
     every = trainer.log_every_n_steps
     return bool(every) and step_of_batch(trainer) % every == 0
 
 
 def validation_follows(trainer: L.Trainer) -> bool:
-    """Whether the fit loop validates after the current training batch, asked from ``on_train_batch_end``
-    (Lightning's rule; a timed validation may fall due at any batch: true)."""
+    """Whether the fit loop validates after the current training batch (Lightning's rule; timed: true)."""
     batches = trainer.num_val_batches
     if not (trainer.enable_validation and sum(batches if isinstance(batches, list) else [batches])):
         return False  # (none yet: a first validation whose data Lightning has not loaded)
