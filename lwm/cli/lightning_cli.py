@@ -91,6 +91,8 @@ class LwmCLI(LightningCLI):
             raise ConfigError("--ckpt_path: this command does not take one (lwm fit --ckpt_path resumes a run)")
         with contextlib.suppress(TypeError):  # (an older jsonargparse) ${a.b} names a key of the verb's config
             jsonargparse.set_parsing_settings(omegaconf_absolute_to_relative_paths=True)
+        if {"--help", "-h"} & set(args or []):  # the configs' field docstrings (reading them costs seconds: help only)
+            jsonargparse.set_parsing_settings(docstring_parse_attribute_docstrings=True)
         self._verb_free = not run  # our verbs (codes, overfit, demo) and benchmarks: a fit's options, no verb
         self._run: RunDir | None = None
         self._resume_from: str | None = None

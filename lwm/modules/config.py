@@ -17,54 +17,82 @@ ACTION_INPUTS = ("tokens", "transition")
 
 @dataclass(frozen=True)
 class WorldModelConfig:
-    """Every hyperparameter of :class:`WorldModel`; the defaults are the requirement's."""
+    """every hyperparameter of :class:`WorldModel`; the defaults are the requirement's."""
 
-    in_channels: int = 16  # latent channels C
-    height: int = 64  # latent height H (divisible by 4: the tokenizer downsamples by 4)
-    width: int = 64  # latent width W (divisible by 4)
-    d_model: int = 512  # token width D (divisible by 4 and by n_heads)
-    n_heads: int = 8  # attention heads in every ST transformer
-    depth_action: int = 3  # ST blocks of the action encoder
-    depth_world: int = 3  # ST blocks of the world encoder
-    depth_dynamics: int = 3  # ST blocks of the dynamics predictor
-    mlp_ratio: float = 4.0  # MLP hidden width / D
-    tokenizer_hidden: int | None = None  # channels inside the CNN tokenizer/detokenizer (None: max(D/2, 16))
-    d_code_action: int = 32  # action code width Da
-    d_code_world: int = 64  # world code width Dh
-    codebook_sizes_action: tuple[int, ...] = (12, 64, 256)  # codes per RVQ level, action quantizer
-    codebook_sizes_world: tuple[int, ...] = (12, 24, 48, 256, 256, 256)  # codes per RVQ level, world quantizer
-    beta_action: float = 0.25  # beta_a of the requirement's summed loss (per-element weight: see commitment_weights)
-    beta_world: float = 0.25  # beta_h of the requirement's summed loss (per-element weight: see commitment_weights)
-    mask_prob: float = 0.1  # Bernoulli token-mask probability (world encoder + predictor inputs, training only)
-    rollout_weights: tuple[float, ...] = (1.0, 0.8, 0.5)  # loss weights of (TF, rollout 1, rollout 2, ...)
-    max_time_offset: int = 256  # training draws the temporal-PE start uniformly from [0, max_time_offset]
-    ema_decay_start: float = 0.9  # EMA decay of both quantizers at step 0
-    ema_decay_end: float = 0.99  # EMA decay from ema_decay_steps on (linear in between)
-    ema_decay_steps: int = 5000  # length of the EMA decay schedule, in global steps
-    dead_code_steps: int = 100  # a code unused for this many updates is dead (replaced by ``revive``)
-    activation_checkpointing: bool = False  # recompute every ST block's activations in the backward: less memory
-    temporal_attention: str = "sdpa"  # temporal attention kernel: sdpa | matmul (the same function; speed differs)
-    # Optional world-token warm-up (off by default): steps without the world token, then unquantized, then the code
+    in_channels: int = 16
+    """latent channels C"""
+    height: int = 64
+    """latent height H (divisible by 4: the tokenizer downsamples by 4)"""
+    width: int = 64
+    """latent width W (divisible by 4)"""
+    d_model: int = 512
+    """token width D (divisible by 4 and by n_heads)"""
+    n_heads: int = 8
+    """attention heads in every ST transformer"""
+    depth_action: int = 3
+    """ST blocks of the action encoder"""
+    depth_world: int = 3
+    """ST blocks of the world encoder"""
+    depth_dynamics: int = 3
+    """ST blocks of the dynamics predictor"""
+    mlp_ratio: float = 4.0
+    """MLP hidden width / D"""
+    tokenizer_hidden: int | None = None
+    """channels inside the CNN tokenizer/detokenizer (None: max(D/2, 16))"""
+    d_code_action: int = 32
+    """action code width Da"""
+    d_code_world: int = 64
+    """world code width Dh"""
+    codebook_sizes_action: tuple[int, ...] = (12, 64, 256)
+    """codes per RVQ level, action quantizer"""
+    codebook_sizes_world: tuple[int, ...] = (12, 24, 48, 256, 256, 256)
+    """codes per RVQ level, world quantizer"""
+    beta_action: float = 0.25
+    """beta_a of the requirement's summed loss (per-element weight: see commitment_weights)"""
+    beta_world: float = 0.25
+    """beta_h of the requirement's summed loss (per-element weight: see commitment_weights)"""
+    mask_prob: float = 0.1
+    """bernoulli token-mask probability (world encoder + predictor inputs, training only)"""
+    rollout_weights: tuple[float, ...] = (1.0, 0.8, 0.5)
+    """loss weights of (TF, rollout 1, rollout 2, ...)"""
+    max_time_offset: int = 256
+    """training draws the temporal-PE start uniformly from [0, max_time_offset]"""
+    ema_decay_start: float = 0.9
+    """EMA decay of both quantizers at step 0"""
+    ema_decay_end: float = 0.99
+    """EMA decay from ema_decay_steps on (linear in between)"""
+    ema_decay_steps: int = 5000
+    """length of the EMA decay schedule, in global steps"""
+    dead_code_steps: int = 100
+    """a code unused for this many updates is dead (replaced by ``revive``)"""
+    activation_checkpointing: bool = False
+    """recompute every ST block's activations in the backward: less memory"""
+    temporal_attention: str = "sdpa"
+    """temporal attention kernel: sdpa | matmul (the same function; speed differs)"""
     world_curriculum: tuple[int, int] = (0, 0)
-    # the predictor outputs the change from the frame it was fed (an untrained model copies the last frame)
+    """optional world-token warm-up (off by default): steps without the world token, then unquantized, then the code"""
     residual: bool = False
-    # what the action encoder reads: "tokens" (the shared tokenizer's) or "transition" (its own tokenizer on each
-    # frame beside its change to the next, each transition alone: its code cannot say "as before")
+    """the predictor outputs the change from the frame it was fed (an untrained model copies the last frame)"""
     action_input: str = "tokens"
-    action_spatial_pe: bool = True  # the action encoder's tokens get the spatial PE (without: its code cannot say where)
-    # training rolls the action encoder's clips by a random 0..action_shift latent cells per axis (the predictor's
-    # are not): its code must say how things move, not where in a token
+    """what the action encoder reads: "tokens" (the shared tokenizer's) or "transition" (its own tokenizer on each
+    frame beside its change to the next, each transition alone: its code cannot say "as before")"""
+    action_spatial_pe: bool = True
+    """the action encoder's tokens get the spatial PE (without: its code cannot say where)"""
     action_shift: int = 0
-    # the world encoder reads a clip's first world_frames (None: all): else its code can carry the frames it predicts
+    """training rolls the action encoder's clips by a random 0..action_shift latent cells per axis (the predictor's
+    are not): its code must say how things move, not where in a token"""
     world_frames: int | None = None
-    # the probability that a training step's predictor sees each frame alone: the codes must carry the transition
+    """the world encoder reads a clip's first world_frames (None: all): else its code can carry the frames it
+    predicts"""
     context_dropout: float = 0.0
-    # weight of an InfoNCE loss making the world vectors of a clip's first and last frames agree (0: off)
+    """the probability that a training step's predictor sees each frame alone: the codes must carry the transition"""
     world_contrast: float = 0.0
-    # true action classes a linear head reads from each action vector before quantization, trained on the labelled
-    # transitions (data.label_fraction; LAOM's semi-supervision; 0: off)
+    """weight of an InfoNCE loss making the world vectors of a clip's first and last frames agree (0: off)"""
     action_labels: int = 0
-    label_weight: float = 0.1  # the head's cross-entropy weight in the loss
+    """true action classes a linear head reads from each action vector before quantization, trained on the labelled
+    transitions (data.label_fraction; LAOM's semi-supervision; 0: off)"""
+    label_weight: float = 0.1
+    """the head's cross-entropy weight in the loss"""
 
     # the fields that decide the parameters' and buffers' shapes
     SHAPE_FIELDS: ClassVar[tuple[str, ...]] = (

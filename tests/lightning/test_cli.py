@@ -219,7 +219,8 @@ def test_fit_help_lists_the_keys_and_titles_the_sections(capsys):
     with pytest.raises(SystemExit):
         main(["fit", "--help"])
     out = " ".join(capsys.readouterr().out.split())  # (the help wraps to the terminal's width)
-    assert "--model.net.d_model D_MODEL (type: int, default: 512)" in out
+    assert "--model.net.d_model D_MODEL token width D (divisible by 4 and by n_heads) (type: int, default: 512)" in out
+    assert "--model.optim.lr LR peak learning rate (type: float, default: 0.0003)" in out
     assert "dead-code revival of both quantizers (``revival.*``):" in out
 
 
