@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="default: recipe and requirement everywhere, ablations and open questions where planned; "
                    "A+B: both's overrides")
     p.add_argument("--steps", type=int, help="training steps of the recipe and the requirement's setting (default: "
-                   "2500 full, the demo's; 3 smoke)")
+                   "2500 full, the study's; 3 smoke)")
     p.add_argument("--study-steps", type=int, default=1000, help="training steps of the ablations and open questions, "
                    "each beside the recipe at as many steps (default 1000)")
     p.add_argument("--games", nargs="+", default=list(GAMES), help=f"Atari games (default {' '.join(GAMES)})")
