@@ -12,7 +12,7 @@ import signal
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import h5py
 import lightning as L
@@ -117,7 +117,8 @@ class LatentDataModule(L.LightningDataModule):
     def __init__(self, manifest: str, window: int = 16, batch_size: int = 32, val_batch_size: int | None = None,
                  num_workers: int = 4, val_size_percent: float = 1.0, seed: int = 0,
                  batches_per_epoch: int | None = None, check_files: bool = True,
-                 multiprocessing_context: str | None = None, prefetch_factor: int = 2, pin_memory: bool = True,
+                 multiprocessing_context: Literal["fork", "spawn", "forkserver"] | None = None,
+                 prefetch_factor: int = 2, pin_memory: bool = True,
                  float16_batches: bool = True, label_fraction: float = 1.0) -> None:
         super().__init__()
         if window < 2:
@@ -222,7 +223,8 @@ class LatentDataModule(L.LightningDataModule):
                                 world_size=world_size, batches_per_epoch=self.batches_per_epoch)
 
     def train_dataloader(self) -> ResumableDataLoader:
-        return ResumableDataLoader(self.train_set, batch_sampler=self.train_sampler(*self._rank()),
+        sampler = self.train_sampler(*self._rank())  # (sets the data up where fit has not)
+        return ResumableDataLoader(self.train_set, batch_sampler=sampler,
                                    stream=self.stream(), on_seed=self.keep_seed, **self._loader_kwargs())
 
     def stream(self) -> dict[str, Any]:
