@@ -102,7 +102,10 @@ def test_sigkill_anywhere_then_resume_equals_uninterrupted(tmp_path):
     kept = {f"step={s:07d}.ckpt" for s in range(MAX_STEPS - 2, MAX_STEPS + 1)}
     if resumed is not None and resumed.name != "last.ckpt":  # Lightning keeps the checkpoint a fit resumed from
         kept.add(resumed.name)
-    assert sorted(n for n in steps if n != "last.ckpt") == sorted(kept)
+    # A kill between Lightning's save of a step file and its removal of the one that fell out of the top k leaves
+    # that one behind: only files there before the final run may be extra.
+    names = {n for n in steps if n != "last.ckpt"}
+    assert kept <= names and names - kept <= set(left), (sorted(names), sorted(kept), sorted(left))
     assert not [n for n in os.listdir(ckpt_dir) if ".tmp-" in n], "stale temp files were not cleaned up"
 
     # Every step's row (the last one where a resumed process logged a step again) matches the uninterrupted run: the
