@@ -209,9 +209,10 @@ def main(argv: list[str]) -> int:
     add("--seed", type=non_negative_int, default=0, help="data set seed (default 0)")
     add("--val-fraction", type=fraction, default=0.125, help="fraction of episodes for validation")
     add("--worlds", type=bounded(int, 1, K), default=K, help=f"number of worlds used, 1..{K} (default {K})")
-    add("--size", type=size_arg, default=SIZE, help=f"frame size in pixels, a multiple of 16 (default {SIZE}; latents are "
-                                              f"size/2)")
-    add("--distractors", type=distractors_arg, default=DISTRACTORS, help=f"drifting discs, 0..4 (default {DISTRACTORS})")
+    add("--size", type=size_arg, default=SIZE,
+        help=f"frame size in pixels, a multiple of 16 (default {SIZE}; latents are size/2)")
+    add("--distractors", type=distractors_arg, default=DISTRACTORS,
+        help=f"drifting discs, 0..4 (default {DISTRACTORS})")
     add("--look-alike", action="store_true",
         help="every world on the same background: only the dynamics (speed, edges) tell them apart")
     add("--overwrite", action="store_true", help="replace episode files (and the manifest) in --out made with other "
