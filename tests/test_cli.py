@@ -140,13 +140,21 @@ def test_argument_errors_of_every_verb_are_one_line_without_the_usage_block(argv
     assert len(errors) == 1 and "--help` for the options" in errors[0] and "usage:" not in err, err
 
 
-@pytest.mark.parametrize("tolerance", ["-5", "nan", "inf"])
-def test_data_index_refuses_a_bad_tolerance_before_reading_files(tmp_path, tolerance, capsys):
-    """-5 blamed every file for values outside [-1, 1]; nan switched the range check off."""
+@pytest.mark.parametrize("option, value, expected", [
+    ("--tolerance", "-5", "a number in [0, inf]"),  # -5 blamed every file for values outside [-1, 1]
+    ("--tolerance", "nan", "a number in [0, inf]"),  # nan switched the range check off
+    ("--tolerance", "inf", "a number in [0, inf]"),
+    ("--val-fraction", "-0.1", "a number in [0, 1)"),
+    ("--val-fraction", "1.0", "a number in [0, 1)"),
+    ("--val-fraction", "1.5", "a number in [0, 1)"),
+    ("--seed", "-1", "an integer in [0, inf]"),
+])
+def test_data_index_refuses_bad_values_before_reading_files(tmp_path, option, value, expected, capsys):
     (tmp_path / "d").mkdir()
-    assert main(["data", "index", str(tmp_path / "d"), "--tolerance", tolerance]) == 2
+    assert main(["data", "index", str(tmp_path / "d"), option, value]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "--tolerance must be a finite value >= 0" in errors[0], errors
+    assert len(errors) == 1 and f"argument {option}: expected {expected}" in errors[0], errors
+    assert not (tmp_path / "d" / "manifest.json").exists()
 
 
 def test_python_dash_m_lwm_is_the_lwm_command():

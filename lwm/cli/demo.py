@@ -14,12 +14,12 @@ from lwm.callbacks.slurm import interrupted_by
 from lwm.cli.generate import parse as generate_args
 from lwm.cli.lightning_cli import lightning_cli, read_config
 from lwm.data.manifest import Manifest
-from lwm.data.synth import make_dataset
+from lwm.data.synth import distractors_arg, frames_arg, make_dataset, size_arg
 from lwm.inference.dictionary import load_dictionaries
 from lwm.inference.generation import run as generate
 from lwm.inference.study import evaluate, load_clips, probe_margin
 from lwm.training.run_dir import RunDir
-from lwm.utils.args import ArgumentParser, bounded, positive_int
+from lwm.utils.args import ArgumentParser, bounded, non_negative_int, positive_int
 from lwm.utils.errors import ConfigError
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
@@ -35,10 +35,10 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--steps", type=positive_int, help="training steps (default: the config's trainer.max_steps)")
     p.add_argument("--episodes", type=bounded(int, 2), default=1024,
                    help="synthetic episodes (one in eight held out for validation)")
-    p.add_argument("--frames", type=int, default=16, help="frames per episode")
-    p.add_argument("--size", type=int, default=32, help="frame size in pixels; latents are size/2")
-    p.add_argument("--distractors", type=int, default=0, help="drifting discs in the world")
-    p.add_argument("--seed", type=int, default=0, help="seed of the data and of the fit")
+    p.add_argument("--frames", type=frames_arg, default=16, help="frames per episode")
+    p.add_argument("--size", type=size_arg, default=32, help="frame size in pixels; latents are size/2")
+    p.add_argument("--distractors", type=distractors_arg, default=0, help="drifting discs in the world")
+    p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the data and of the fit")
     args, rest = p.parse_known_args(argv)
     for key in OWN_KEYS:
         if any(a.split("=")[0] == key for a in rest):

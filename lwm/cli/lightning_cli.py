@@ -159,16 +159,13 @@ class LwmCLI(LightningCLI):
         if self._resume_from is not None:
             self.config.fit.ckpt_path = self._resume_from
 
-    def _checkpoint(self) -> str | None:
-        """The verb's ``--ckpt_path`` as a file (None: none, or a DeepSpeed directory)."""
-        path = self.config[self.subcommand].get("ckpt_path")
-        return path if path and path != "last" and os.path.isfile(path) else None
-
     def _before(self) -> None:
         """Before a verb runs: the CPU threads, and the checks of the checkpoint, data and model."""
         from lightning.pytorch.accelerators import CPUAccelerator
 
-        dm, trainer, verb, path = self.datamodule, self.trainer, self.subcommand, self._checkpoint()
+        dm, trainer, verb = self.datamodule, self.trainer, self.subcommand
+        path = self.config[verb].get("ckpt_path")
+        path = path if path and path != "last" and os.path.isfile(path) else None  # a file, not a DeepSpeed directory
         if isinstance(trainer.accelerator, CPUAccelerator):
             rank_zero_info(f"CPU threads: {set_cpu_threads(trainer.num_devices)}")
         if verb in EVAL_VERBS and trainer.is_global_zero and path is not None:

@@ -13,7 +13,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-from lwm.utils.args import ArgumentParser, frame_rate, positive_int
+from lwm.utils.args import ArgumentParser, bounded, fraction, frame_rate, non_negative_int, positive_int
 from lwm.utils.errors import LwmError, NonFiniteLossError
 
 LIGHTNING_VERBS = ("fit", "validate", "test", "predict")
@@ -125,9 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     index = data.add_parser("index", help="check every h5 file under DIR and write the manifest")
     index.add_argument("directory", help="folder searched recursively for *.h5 / *.hdf5")
     index.add_argument("--out", help="manifest path (default: DIR/manifest.json)")
-    index.add_argument("--val-fraction", type=float, default=0.1, help="fraction of files in the val split")
-    index.add_argument("--seed", type=int, default=0, help="seed of the train/val split")
-    index.add_argument("--tolerance", type=float, default=1e-3, help="allowed excess over [-1, 1]")
+    index.add_argument("--val-fraction", type=fraction, default=0.1, help="fraction of files in the val split")
+    index.add_argument("--seed", type=non_negative_int, default=0, help="seed of the train/val split")
+    index.add_argument("--tolerance", type=bounded(float, 0), default=1e-3, help="allowed excess over [-1, 1]")
     index.add_argument("--resplit", action="store_true", help="draw every file's split again (default: files the "
                        "manifest already lists keep theirs)")
     index.set_defaults(func=_data_index)

@@ -283,9 +283,6 @@ def index_directory(directory: str | Path, out: str | Path | None = None, val_fr
             head = f.read(1024).lstrip(b"\xef\xbb\xbf \t\r\n")
     refuse_first(  # before any file is read
         (f"{directory}: not a directory", not directory.is_dir()),
-        (f"--val-fraction must lie in [0, 1), got {val_fraction}", not 0.0 <= val_fraction < 1.0),
-        (f"--tolerance must be a finite value >= 0, got {tolerance}", not 0.0 <= tolerance < math.inf),  # NaN too
-        (f"--seed must be an integer >= 0, got {seed!r}", not _is_int(seed) or seed < 0),  # as numpy's seeds
         (f"--out {out}: exists and is not a JSON manifest; not overwritten",
          out.exists() and not (out.is_file() and (not head or head.startswith(b"{")))), error=DataError)
     # paths as found below the real folders (a linked file under its link's name, so that a copy that follows links,

@@ -15,8 +15,7 @@ from lwm.data.codecs import PixelCodec
 from lwm.data.convert import write_latents
 from lwm.data.h5 import DataError
 from lwm.data.manifest import existing_h5, index_directory, Manifest
-from lwm.utils.args import ArgumentParser
-from lwm.utils.errors import refuse_first
+from lwm.utils.args import ArgumentParser, bounded, fraction, non_negative_int, positive_int
 
 SIZE = 128  # frame height and width in pixels at the default size
 AGENT = 24  # agent side in pixels
@@ -27,6 +26,9 @@ STICKY = 0.7  # probability of repeating the previous action
 DISTRACTORS = 2
 DISTRACTOR_RADIUS = 7
 DISTRACTOR_COLOURS = ((225, 60, 50), (235, 190, 40), (40, 195, 210), (200, 80, 200))
+frames_arg = bounded(int, 2)  # the argparse types of `lwm data synth` and `lwm demo`
+size_arg = bounded(int, 16, multiple=16)  # every length scales by size/SIZE
+distractors_arg = bounded(int, 0, len(DISTRACTOR_COLOURS))
 
 
 @dataclass(frozen=True)
@@ -168,16 +170,6 @@ def make_dataset(out_dir: str | Path, episodes: int = 64, frames: int = 32, seed
                  remedy: str = "--overwrite replaces it, or synthesise into another folder") -> Path:
     """Write ``episodes`` files ``out_dir/ep_XXXX.h5`` (``latents`` float16 through the pixel codec, ``actions``
     int64 ``[T]``, attributes ``world_label``, ``codec`` and ``synth``: the settings) and index them."""
-    refuse_first(  # before the folder is made or anything rendered
-        (f"--episodes must be at least 1, got {episodes}", episodes < 1),
-        (f"--frames must be at least 2, got {frames}", frames < 2),
-        (f"--worlds must lie in 1..{K}, got {worlds}", not 1 <= worlds <= K),
-        (f"--val-fraction must lie in [0, 1), got {val_fraction}", not 0.0 <= val_fraction < 1.0),  # the index's
-        (f"--distractors must lie in 0..{len(DISTRACTOR_COLOURS)}, got {distractors}",
-         not 0 <= distractors <= len(DISTRACTOR_COLOURS)),
-        (f"--seed must be an integer >= 0, got {seed!r}", isinstance(seed, bool) or seed < 0),  # as numpy's seeds
-        (f"--size must be a positive multiple of 16 (every length scales by size/{SIZE}), got {size}",
-         size < 16 or size % 16), error=DataError)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     names = [f"ep_{i:04d}.h5" for i in range(episodes)]
@@ -212,14 +204,15 @@ def main(argv: list[str]) -> int:
                             "and edges) as pixel-codec h5 files and a manifest.")
     add = parser.add_argument
     add("--out", required=True, help="output folder (ep_XXXX.h5 files and manifest.json)")
-    add("--episodes", type=int, default=64, help="number of episodes, a file each (default 64)")
-    add("--frames", type=int, default=32, help="frames per episode (default 32)")
-    add("--seed", type=int, default=0, help="data set seed (default 0)")
-    add("--val-fraction", type=float, default=0.125, help="fraction of episodes for validation")
-    add("--worlds", type=int, default=K, help=f"number of worlds used, 1..{K} (default {K})")
-    add("--size", type=int, default=SIZE, help=f"frame size in pixels, a multiple of 16 (default {SIZE}; latents are "
-                                              f"size/2)")
-    add("--distractors", type=int, default=DISTRACTORS, help=f"drifting discs, 0..4 (default {DISTRACTORS})")
+    add("--episodes", type=positive_int, default=64, help="number of episodes, a file each (default 64)")
+    add("--frames", type=frames_arg, default=32, help="frames per episode (default 32)")
+    add("--seed", type=non_negative_int, default=0, help="data set seed (default 0)")
+    add("--val-fraction", type=fraction, default=0.125, help="fraction of episodes for validation")
+    add("--worlds", type=bounded(int, 1, K), default=K, help=f"number of worlds used, 1..{K} (default {K})")
+    add("--size", type=size_arg, default=SIZE,
+        help=f"frame size in pixels, a multiple of 16 (default {SIZE}; latents are size/2)")
+    add("--distractors", type=distractors_arg, default=DISTRACTORS,
+        help=f"drifting discs, 0..4 (default {DISTRACTORS})")
     add("--look-alike", action="store_true",
         help="every world on the same background: only the dynamics (speed, edges) tell them apart")
     add("--overwrite", action="store_true", help="replace episode files (and the manifest) in --out made with other "

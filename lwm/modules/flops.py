@@ -26,12 +26,6 @@ def allowed_pairs(q_len: int, k_len: int, is_causal: bool, attn_mask: torch.Tens
     return 1, 1
 
 
-def allowed_fraction(q_len: int, k_len: int, is_causal: bool, attn_mask: torch.Tensor | None) -> float:
-    """The share of the ``q_len x k_len`` query/key pairs a mask allows (1.0 unmasked)."""
-    allowed, of = allowed_pairs(q_len, k_len, is_causal, attn_mask)
-    return allowed / of
-
-
 def _counter(causal: Callable, mask: Callable, useful: bool, backward: bool):
     """A FlopCounterMode formula of one SDPA op; ``causal``, ``mask``: its is_causal and mask from (args, kwargs)."""
     def count(*args, out_val=None, **kwargs) -> int:

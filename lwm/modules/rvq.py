@@ -74,12 +74,8 @@ def _distinct_rows(rows: Tensor, wanted: int, generator: torch.Generator | None 
 RVQ_EPS = 1e-5  # the requirement's epsilon in e = M / (N + eps)
 
 
-def _ddp_world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
 def _sync() -> bool:
-    return _ddp_world() > 1
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 class ResidualVectorQuantizer(nn.Module):
@@ -259,7 +255,7 @@ class ResidualVectorQuantizer(nn.Module):
         """``rows [M, dim]`` of every rank in rank order under DDP (this rank's alone otherwise)."""
         if not _sync():
             return rows
-        world = _ddp_world()
+        world = dist.get_world_size()
         count = torch.tensor([rows.shape[0]], device=rows.device)
         counts = [torch.zeros_like(count) for _ in range(world)]
         dist.all_gather(counts, count)

@@ -111,17 +111,10 @@ class WorldModel(nn.Module):
                 nn.init.zeros_(m.bias)
 
     @property
-    def min_frames(self) -> int:
-        return self.config.min_frames
-
-    @property
     def param_dtype(self) -> torch.dtype:
         """The transformers' weight dtype (bf16/fp16 where a precision plugin cast them; codebooks stay fp32)."""
         return self.mask_token.dtype
 
-    # ----------------------------------------------------------------------------------------------
-    # Pieces
-    # ----------------------------------------------------------------------------------------------
     def check_frames(self, x: Tensor, name: str = "x", min_frames: int = 1) -> None:
         C, H, W = self.config.in_channels, self.config.height, self.config.width
         if x.ndim != 5 or tuple(x.shape[2:]) != (C, H, W):
@@ -177,9 +170,6 @@ class WorldModel(nn.Module):
     def apply_token_mask(self, tokens: Tensor, mask: Tensor | None) -> Tensor:
         return tokens if mask is None else torch.where(mask[..., None], self.mask_token.to(tokens.dtype), tokens)
 
-    # ----------------------------------------------------------------------------------------------
-    # Public API
-    # ----------------------------------------------------------------------------------------------
     ACTION_CHUNK_FRAMES: ClassVar[int] = 512  # frames per action-encoder call when reading a clip window by window
 
     def encode_actions(self, x: Tensor, t0: int = 0, window: int | None = None) -> RVQOutput:
@@ -302,9 +292,7 @@ class WorldModel(nn.Module):
             return world.quantized
         if phase == "unquantized":
             return WorldModel.unquantized(world)
-        if phase == "off":
-            return torch.zeros_like(world.quantized)
-        raise ValueError(f"world phase must be off, unquantized or quantized, got {phase!r}")
+        return torch.zeros_like(world.quantized)  # "off"
 
     @torch.no_grad()
     def infer_codes(self, clip: Tensor, world_phase: str = "quantized") -> tuple[Tensor, Tensor]:
@@ -325,8 +313,8 @@ class WorldModel(nn.Module):
         ``step``) updates the EMA codebooks; training masks tokens, and ``t0=None`` draws each sample's PE start (eval:
         0). ``generator`` draws the random choices; ``reuse_prefix=False`` recomputes what each rollout pass shares
         with the one before (the reference); ``labels [B, T]`` (-1: unknown) train the label head."""
-        self.check_frames(x, min_frames=self.min_frames)
         c = self.config
+        self.check_frames(x, min_frames=c.min_frames)
         B, T = x.shape[:2]
         if t0 is None:
             t0 = self.sample_time_offset(B, x.device, generator) if self.training else 0

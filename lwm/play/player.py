@@ -21,7 +21,7 @@ from lwm.data.h5 import check_frames, file_fps, inspect_h5
 from lwm.data.manifest import Manifest
 from lwm.inference.dictionary import dictionaries_for
 from lwm.inference.generation import to_pixels, warn_world_phase
-from lwm.play.controls import Binding, key_bindings
+from lwm.play.controls import key_bindings
 from lwm.play.rollout import Rollout
 from lwm.training.checkpoint import load_checkpoint, trained_window
 from lwm.training.run_dir import checkpoint_file
@@ -83,10 +83,6 @@ class Player:
         self.window = self.trained - 1 if self.trained else None  # predictor inputs, as `lwm generate`'s default
         self.number_keys, self.arrow_keys, self.noop_key = key_bindings(
             self.model, self.dictionaries["Action_Encoder"], [f.path for f in self.files], self.trained, self.device)
-
-    @property
-    def bindings(self) -> list[Binding]:
-        return [*self.number_keys, *self.arrow_keys, self.noop_key]
 
     def world_choices(self) -> list[dict]:
         """The dictionary's most frequent world tuples with their shares."""

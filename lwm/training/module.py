@@ -92,8 +92,8 @@ class WorldModelModule(L.LightningModule):
              f"model.net.in_channels/height/width = {c.in_channels}/{c.height}/{c.width}, but the files of {source} "
              f"hold {list(frame_shape)} frames (set --model.net.in_channels={C} --model.net.height={H} "
              f"--model.net.width={W})", (C, H, W) != (c.in_channels, c.height, c.width)),
-            (f"data.window = {window}, but the model needs at least {self.model.min_frames} frames (teacher forcing + "
-             f"{self.model.min_frames - 2} rollout passes)", window < self.model.min_frames))
+            (f"data.window = {window}, but the model needs at least {c.min_frames} frames (teacher forcing + "
+             f"{c.min_frames - 2} rollout passes)", window < c.min_frames))
 
     def configure_model(self) -> None:
         if self.compile_model and not self._compiled:

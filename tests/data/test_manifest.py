@@ -144,13 +144,6 @@ def test_single_file_stays_train(tmp_path):
     assert [e.split for e in m.entries] == ["train"]
 
 
-@pytest.mark.parametrize("fraction", [-0.1, 1.0, 1.5])
-def test_bad_val_fraction(data_dir, fraction):
-    with pytest.raises(DataError, match="--val-fraction must lie in"):
-        index_directory(data_dir, val_fraction=fraction)
-    assert not (data_dir / "manifest.json").exists()
-
-
 # ---------------------------------------------------------------- refusals
 
 
@@ -547,7 +540,7 @@ def test_a_negative_seed_is_refused_before_any_file_is_read(tmp_path, capsys, mo
     d = _ten(tmp_path / "d")
     monkeypatch.setattr("lwm.data.manifest.inspect_h5", lambda *a, **k: pytest.fail("a file was read"))
     assert main(["data", "index", str(d), "--seed", "-1"]) == 2
-    assert capsys.readouterr().err.splitlines() == ["error: --seed must be an integer >= 0, got -1"]
+    assert "argument --seed: expected an integer in [0, inf], got '-1'" in capsys.readouterr().err
     assert not (d / "manifest.json").exists()
 
 
