@@ -32,9 +32,11 @@ def size_problem(codec: str, size: int | None) -> str | None:
     if size is None or codec not in CODECS or (size > 0 and size % step == 0):
         return None
     below = size // step * step
-    return (f"--size {size}: the {codec} codec needs a positive multiple of {step} ({cell}x{cell} pixels per latent, "
-            f"and the model needs latents in multiples of {MODEL_MULTIPLE}: the tokenizer downsamples by "
-            f"{MODEL_MULTIPLE}): use --size {f'{below} or {below + step}' if below > 0 else step}")
+    why = (f"the {codec} codec makes {size // cell}x{size // cell} latents, and the model needs latents in multiples "
+           f"of {MODEL_MULTIPLE} (the tokenizer downsamples by {MODEL_MULTIPLE})" if size > 0 and size % cell == 0 else
+           f"the {codec} codec needs a positive multiple of {step} ({cell}x{cell} pixels per latent, and the model "
+           f"needs latents in multiples of {MODEL_MULTIPLE}: the tokenizer downsamples by {MODEL_MULTIPLE})")
+    return f"--size {size}: {why}: use --size {f'{below} or {below + step}' if below > 0 else step}"
 
 
 def stretch(frames: np.ndarray, size: int) -> np.ndarray:

@@ -51,7 +51,8 @@ class ResumableDataLoader(DataLoader):
 
     batch_sampler: FileBatchSampler
 
-    def __init__(self, *args: Any, stream: dict[str, Any], on_seed: Callable[[int], None], **kwargs: Any) -> None:
+    def __init__(self, *args: Any, stream: dict[str, Any] | None = None,
+                 on_seed: Callable[[int], None] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.stream, self.on_seed = stream, on_seed
         self._consumed = 0
@@ -74,7 +75,7 @@ class ResumableDataLoader(DataLoader):
 
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.batch_sampler.epoch, "batches": self._consumed, **self.batch_sampler.state_dict(),
-                "global_batch": self.global_batch, "stream": dict(self.stream)}
+                "global_batch": self.global_batch, **({} if self.stream is None else {"stream": dict(self.stream)})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         seed, epoch, batches = self.batch_sampler.seed, int(state["epoch"]), int(state["batches"])
@@ -82,7 +83,8 @@ class ResumableDataLoader(DataLoader):
         if self.batch_sampler.seed != seed:
             rank_zero_warn(f"data.seed={seed} differs from the checkpoint's sampler seed {self.batch_sampler.seed}: "
                            "the resumed run keeps drawing the checkpoint's batches (its seed)")
-        self.on_seed(self.batch_sampler.seed)
+        if self.on_seed is not None:
+            self.on_seed(self.batch_sampler.seed)
         changed = stream_changes(state.get("stream"), self.stream)
         if changed:
             rank_zero_warn(f"resuming with {'; '.join(changed)}: epoch {epoch} continues at batch {batches} with "
@@ -95,9 +97,9 @@ class ResumableDataLoader(DataLoader):
         self._resume = (epoch, batches)
 
 
-def stream_changes(saved: dict[str, Any] | None, current: dict[str, Any]) -> list[str]:
+def stream_changes(saved: dict[str, Any] | None, current: dict[str, Any] | None) -> list[str]:
     """What differs between a checkpoint's :meth:`LatentDataModule.stream` and this run's, a few words each."""
-    if not saved:
+    if not saved or not current:
         return []
     changed = [f"data.{k} {json.dumps(saved[k])} -> {json.dumps(current.get(k))}"
                for k in ("window", "batches_per_epoch") if k in saved and saved[k] != current.get(k)]
@@ -213,19 +215,24 @@ class LatentDataModule(L.LightningDataModule):
         return dict(collate_fn=collate_windows, num_workers=self.num_workers, pin_memory=self.pin_memory and on_gpu,
                     **(workers if self.num_workers > 0 else {}))
 
+    def train_sampler(self, rank: int, world_size: int) -> FileBatchSampler:
+        """Rank ``rank``'s batch sampler of the training windows (``len``: the batches of an epoch)."""
+        if self.train_set is None:
+            self.setup("fit")
+        return FileBatchSampler(self.train_set.frames, self.window, self.batch_size, seed=self.seed, rank=rank,
+                                world_size=world_size, batches_per_epoch=self.batches_per_epoch)
+
     def train_dataloader(self) -> ResumableDataLoader:
-        rank, world_size = self._rank()
-        sampler = FileBatchSampler(self.train_set.frames, self.window, self.batch_size, seed=self.seed, rank=rank,
-                                   world_size=world_size, batches_per_epoch=self.batches_per_epoch)
-        return ResumableDataLoader(self.train_set, batch_sampler=sampler, stream=self.stream(),
-                                   on_seed=lambda seed: setattr(self, "seed", seed), **self._loader_kwargs())
+        sampler = self.train_sampler(*self._rank())  # (sets the data up where fit has not)
+        return ResumableDataLoader(self.train_set, batch_sampler=sampler,
+                                   stream=self.stream(), on_seed=self.keep_seed, **self._loader_kwargs())
 
     def stream(self) -> dict[str, Any]:
         """What decides the training batches besides the seed and the global batch, for the loader's state."""
         manifest = self.load_manifest()
         entries = manifest.split("train")
         paths = [os.path.normpath(os.path.join(os.path.abspath(manifest.path.parent), e.path)) for e in entries]
-        shared = os.path.commonpath(paths) if len(paths) > 1 else os.path.dirname(paths[0])  # (the split is not empty)
+        shared = os.path.commonpath(paths) if len(paths) > 1 else os.path.dirname(paths[0]) if paths else ""
         listed = json.dumps([[os.path.relpath(p, shared), int(e.frames)] for p, e in zip(paths, entries)]).encode()
         return {"train_files": len(entries), "train_frames": sum(int(e.frames) for e in entries),
                 "train_digest": hashlib.sha256(listed).hexdigest()[:16], "window": self.window,
@@ -246,13 +253,17 @@ class LatentDataModule(L.LightningDataModule):
         elif fn == "validate" and self.val_size_percent < 1:
             rank_zero_warn(f"data.seed={seed} differs from the checkpoint's {saved}: validating on the checkpoint "
                            f"run's validation windows (its seed)")
-        self.seed = saved  # the training stream, validation subset and code dictionaries' windows
+        self.keep_seed(saved)
+
+    def keep_seed(self, seed: int) -> None:
+        """Take a checkpoint's seed (training stream, validation subset, code dictionaries' windows), silently."""
+        self.seed = seed
 
     def keep_checkpoint_seed(self, checkpoint: dict[str, Any]) -> None:
-        """The seed of a checkpoint read outside a Trainer (``lwm codes``), where it holds one, taken silently."""
+        """:meth:`keep_seed` of a checkpoint read outside a Trainer (``lwm codes``), where it holds one."""
         seed = (checkpoint.get(type(self).__qualname__) or {}).get("seed")
         if seed is not None:
-            self.seed = int(seed)
+            self.keep_seed(int(seed))
 
     def fixed_windows(self, dataset: H5WindowDataset, limit: int | None = None) -> list[tuple[int, int]]:
         """This rank's share (round-robin) of the first ``limit`` non-overlapping windows of ``dataset``, seeded."""
@@ -263,6 +274,8 @@ class LatentDataModule(L.LightningDataModule):
 
     def code_loader(self, max_windows: int | None = None) -> DataLoader:
         """Fixed training windows (at most ``max_windows`` over all ranks), for the code dictionaries."""
+        if self.train_set is None:
+            self.setup("fit")
         return DataLoader(self.train_set, batch_size=self.val_batch_size,
                           sampler=self.fixed_windows(self.train_set, max_windows), **self._loader_kwargs())
 
@@ -291,10 +304,14 @@ class LatentDataModule(L.LightningDataModule):
     def val_dataloader(self) -> DataLoader | list:
         if self.val_size_percent == 0:
             return []  # Lightning runs no validation
+        if self.val_set is None:
+            self.setup("validate")
         return self._fixed_loader(self.val_windows())
 
     def test_dataloader(self) -> DataLoader:
         """Every validation window (the manifest has no test split)."""
+        if self.val_set is None:
+            self.setup("test")
         return self._fixed_loader(self.val_windows(1.0))
 
     predict_dataloader = test_dataloader  # every validation window, for ``lwm predict``

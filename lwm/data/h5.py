@@ -142,21 +142,23 @@ def _check_codec(attr: object, path: Path, C: int, H: int, W: int) -> None:
          f"latents, but the dataset holds [{C}, {H}, {W}]", (C, H, W) != (channels, side, side)), error=DataError)
 
 
+def _number_attr(value: object, path: str | Path, name: str) -> int | float:
+    """The attribute ``world_label`` (an integer >= 0 fitting int64) or ``fps`` (a finite number > 0); else refused."""
+    number, label = np.asarray(value), name == "world_label"
+    if number.shape != () or number.dtype.kind not in ("iu" if label else "iuf") or not (
+            0 <= number <= np.iinfo(np.int64).max if label else np.isfinite(number) and number > 0):
+        rule = "an integer >= 0 (fitting int64; -1 means no label in batches)" if label else \
+            "a number > 0 (frames per second)"
+        raise DataError(f"{path}: attribute '{name}' must be {rule}, got {value!r}")
+    return int(number) if label else float(number)
+
+
 def parse_world_label(value: object, path: str | Path) -> int:
-    """The attribute ``world_label``: an integer >= 0 fitting int64 (-1 means no label in batches)."""
-    number = np.asarray(value)
-    if number.shape != () or number.dtype.kind not in "iu" or not 0 <= number <= np.iinfo(np.int64).max:
-        raise DataError(f"{path}: attribute 'world_label' must be an integer >= 0 (fitting int64; -1 means no label "
-                        f"in batches), got {value!r}")
-    return int(number)
+    return _number_attr(value, path, "world_label")
 
 
 def parse_fps(value: object, path: str | Path) -> float:
-    """The attribute ``fps``: a finite number > 0."""
-    number = np.asarray(value)
-    if number.shape != () or number.dtype.kind not in "iuf" or not (np.isfinite(number) and number > 0):
-        raise DataError(f"{path}: attribute 'fps' must be a number > 0 (frames per second), got {value!r}")
-    return float(number)
+    return _number_attr(value, path, "fps")
 
 
 def file_fps(f: h5py.File) -> float:

@@ -100,7 +100,7 @@ class Manifest:
             f = {"key": LATENTS_KEY, **f}
             _check_fields(path, f, ("frames", "split", "key"), f"file {f['path']}: ")
             size, mtime = f.get("bytes"), f.get("mtime")  # optional: a malformed stamp is as none (nothing compared)
-            stamped = type(size) is int and type(mtime) in (int, float)
+            stamped = _is_int(size) and isinstance(mtime, (int, float)) and not isinstance(mtime, bool)
             entries.append(ManifestEntry(f["path"], f["frames"], f["split"], f["key"],
                                          *((size, float(mtime)) if stamped else ())))
         manifest = cls(path, raw["channels"], raw["height"], raw["width"], entries)
@@ -123,11 +123,15 @@ class Manifest:
             seen.update((i, e) for i in ids if i is not None)
 
 
-_FIELDS = {  # a manifest's field: its test, and what it must be (a JSON integer: type int, not bool, 16.0 or "16")
-    "version": (lambda v: type(v) is int and v == MANIFEST_VERSION,
+def _is_int(value: object) -> bool:
+    """A JSON integer (``true`` is not one, nor ``16.0`` or ``"16"``)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+_FIELDS = {  # a manifest's field: its test, and what it must be
+    "version": (lambda v: _is_int(v) and v == MANIFEST_VERSION,
                 f"{MANIFEST_VERSION}, the version this lwm reads (index the folder again, or update lwm)"),
-    **dict.fromkeys(("channels", "height", "width", "frames"),
-                    (lambda v: type(v) is int and v >= 1, "an integer >= 1")),
+    **dict.fromkeys(("channels", "height", "width", "frames"), (lambda v: _is_int(v) and v >= 1, "an integer >= 1")),
     "files": (lambda v: isinstance(v, list), "a list of file entries"),
     "path": (lambda v: isinstance(v, str) and v != "", "the file's path"),
     "split": (lambda v: v in SPLITS, f"one of {', '.join(SPLITS)}"),

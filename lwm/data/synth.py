@@ -69,8 +69,10 @@ def background(world: int, size: int = SIZE) -> np.ndarray:
 
 def blocked(pos: np.ndarray, action: int, world: World, size: int = SIZE) -> bool:
     """Would ``action`` push the agent at ``pos`` (y, x) through a wall?"""
-    new = step(pos, action, world, size)
-    return not world.wrap and bool((new < 0).any() or (new > size - scaled(AGENT, size)).any())
+    if world.wrap:
+        return False
+    new = pos + scaled(world.speed, size) * MOVES[action]
+    return bool((new < 0).any() or (new > size - scaled(AGENT, size)).any())
 
 
 def step(pos: np.ndarray, action: int, world: World, size: int = SIZE) -> np.ndarray:
@@ -195,7 +197,8 @@ def make_dataset(out_dir: str | Path, episodes: int = 64, frames: int = 32, seed
 
 
 def main(argv: list[str]) -> int:
-    """``lwm data synth --out DIR ...``."""
+    """``lwm data synth --out DIR --episodes N [--frames T] [--seed S] [--val-fraction F] [--worlds K] [--size S]
+    [--distractors D] [--overwrite]``."""
     parser = ArgumentParser(prog="lwm data synth", description="Write a synthetic data set with known actions and "
                             "worlds (an agent square moved by 5 actions in K worlds of different backgrounds, speeds "
                             "and edges) as pixel-codec h5 files and a manifest.")

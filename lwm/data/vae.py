@@ -17,6 +17,16 @@ SPATIAL = 8  # pixels per latent cell
 CLASSES = {"wan": "AutoencoderKLWan", "cogvideox": "AutoencoderKLCogVideoX", "hunyuan": "AutoencoderKLHunyuanVideo"}
 
 
+def check_device(device: str | torch.device) -> None:
+    """Refuse a device torch cannot use here in one line (``--device cuda`` on a machine without CUDA)."""
+    try:
+        usable = torch.device(device).type != "cuda" or torch.cuda.is_available()
+    except (RuntimeError, TypeError):
+        usable = False
+    if not usable:
+        raise DataError(f"--device {device}: not a device torch can use on this machine (e.g. --device cpu)")
+
+
 def latent_frames(frames: int) -> int:
     """Latent steps of a video of ``frames`` frames: ``1 + (frames - 1) // 4``."""
     return 1 + (frames - 1) // TEMPORAL
@@ -61,12 +71,7 @@ def load_vae(name: str, path: str | Path, device: str | torch.device = "cpu", dt
     except ImportError:
         raise DataError(f"the {name} codec needs diffusers, an optional extra: pip install 'lwm[vae]'") from None
     path = Path(path)
-    try:  # --device cuda on a machine without CUDA: one line
-        usable = torch.device(device).type != "cuda" or torch.cuda.is_available()
-    except (RuntimeError, TypeError):
-        usable = False
-    if not usable:
-        raise DataError(f"--device {device}: not a device torch can use on this machine (e.g. --device cpu)")
+    check_device(device)
     try:  # (another class's weights fail to load, or leave tensors missing)
         vae, info = getattr(diffusers, CLASSES[name]).from_pretrained(
             path, subfolder="vae" if (path / "vae" / "config.json").is_file() else None, local_files_only=True,

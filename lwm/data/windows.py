@@ -58,7 +58,7 @@ class H5WindowDataset(Dataset):
         self.window, self.float16, self.max_open, self.label_fraction = window, float16, max_open, label_fraction
         self.paths = [str(manifest.resolve(e)) for e in self.entries]
         self.frames = [e.frames for e in self.entries]
-        self.loaded_bytes = LOADED_BYTES if loaded_bytes is None else loaded_bytes  # (read at run time: tests patch it)
+        self.loaded_bytes = LOADED_BYTES if loaded_bytes is None else loaded_bytes
         self._labelled: dict[int, torch.Tensor] = {}  # per file: which actions label_fraction keeps
         self._handles: OrderedDict[int, _Open] = OrderedDict()
         self._loaded: OrderedDict[int, _Open] = OrderedDict()  # files read whole (LOAD_WINDOWS)
@@ -179,8 +179,7 @@ class FileBatchSampler(Sampler[list[tuple[int, int]]]):
         self.seed, self.rank, self.world_size = seed, rank, world_size
         windows = self.frames // window
         self.weights = windows / windows.sum()
-        rest = batch_size * world_size % len(self.frames)  # the places after whole rounds of every file
-        self.pi = inclusion_probabilities(self.weights, rest) if rest else None  # each file's chance of one
+        self._inclusion: dict[int, np.ndarray] = {}
         self.num_batches = batches_per_epoch or max(1, int(windows.sum()) // (batch_size * world_size))
         self.epoch = 0
         self.start_batch = 0  # first batch of the next iteration
@@ -195,12 +194,18 @@ class FileBatchSampler(Sampler[list[tuple[int, int]]]):
         rounds, rest = divmod(total, n_files)
         picks = [f for _ in range(rounds) for f in rng.permutation(n_files).tolist()]  # whole rounds
         if rest:
-            picks.extend(systematic_pps(self.pi, rng).tolist())
+            picks.extend(systematic_pps(self.inclusion(rest), rng).tolist())
         if rounds and self.world_size > 1:  # a file twice in the global batch
             picks = _deal(picks, self.world_size, n_files, rng)
         starts = rng.integers(0, self.frames[picks] - self.window + 1)
         mine = slice(self.rank * self.batch_size, (self.rank + 1) * self.batch_size)
         return [(int(f), int(s)) for f, s in zip(picks[mine], starts[mine])]
+
+    def inclusion(self, n: int) -> np.ndarray:
+        """Each file's probability of being among ``n`` distinct files of a batch (cached per ``n``)."""
+        if n not in self._inclusion:
+            self._inclusion[n] = inclusion_probabilities(self.weights, n)
+        return self._inclusion[n]
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
