@@ -135,13 +135,6 @@ class FakeEncoders:
         return SimpleNamespace(indices=torch.zeros(x.shape[0], 1, dtype=torch.long))
 
 
-def test_collect_stops_at_max_windows_across_batches():
-    loader = [{"latents": torch.zeros(2, 3, 1, 1, 1)} for _ in range(4)]  # 8 windows in batches of 2
-    dictionaries, windows = collect(FakeEncoders(), loader, torch.device("cpu"), max_windows=5)
-    assert windows == 5 and dictionaries["World_Encoder"].total == 5
-    assert dictionaries["Action_Encoder"].total == 5 * 2
-
-
 @pytest.mark.slow
 def test_a_fit_resumed_with_training_over_writes_missing_dictionaries(tmp_path, caplog):
     """A preemption answered at the last step (or during the dictionaries) is requeued; the resumed fit's training

@@ -115,7 +115,7 @@ def test_index_json_that_is_not_integers_is_refused_before_the_checkpoint_is_loa
     _no_checkpoint_loaded(monkeypatch)
     assert main(["generate", "--ckpt_path", str(ckpt), "--data", str(data), "--out", str(tmp / "j.gif"), *extra]) == 2
     errors = _error_lines(capsys)
-    assert len(errors) == 1 and errors[0].startswith(f"error: {message}"), errors
+    assert len(errors) == 1 and message in errors[0], errors
 
 
 @pytest.mark.slow

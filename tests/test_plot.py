@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import math
-import types
 from pathlib import Path
 
 import pytest
@@ -160,13 +159,17 @@ def test_read_metrics_sorts_each_series_by_step(tmp_path):
 
 
 def test_a_log_axis_needs_every_finite_value_positive():
-    from lwm.cli.plot import _all_positive
+    from lwm.cli.plot import losses_figure
 
-    assert _all_positive({"a": [(0, float("nan")), (1, 1.0), (2, float("inf"))]}, "a")  # non-finite: ignored
-    assert _all_positive({"a": [(0, 1.0), (1, float("-inf"))]}, "a")  # a diverged step's -inf too
-    assert not _all_positive({"a": [(0, 1.0), (1, 0.0)]}, "a")  # zero: no log axis
-    assert not _all_positive({"a": [(0, 1.0)], "b": [(0, -1.0)]}, "a", "b")
-    assert not _all_positive({}, "a")
+    def y_scale(train, val=()):
+        fig = losses_figure({"Train_Total/loss": list(enumerate(train)), "Val_Total/loss": list(enumerate(val))})
+        return fig.axes[0].get_yscale()
+
+    assert y_scale([float("nan"), 1.0, float("inf")]) == "log"  # non-finite: ignored
+    assert y_scale([1.0, float("-inf")]) == "log"  # a diverged step's -inf too
+    assert y_scale([1.0, 0.0]) == "linear"  # zero: no log axis
+    assert y_scale([1.0], [-1.0]) == "linear"
+    assert y_scale([float("nan")]) == "linear"
 
 
 def test_loss_vs_tflops_keeps_only_points_a_log_log_axis_shows():
@@ -177,12 +180,16 @@ def test_loss_vs_tflops_keeps_only_points_a_log_log_axis_shows():
     assert _against(tflops, loss) == [(1.0, 4.0), (3.0, 3.0)]
 
 
-def test_the_min_max_band_pairs_values_by_step():
-    from lwm.cli.plot import _band
+def test_the_min_max_band_pairs_values_by_step(monkeypatch):
+    from matplotlib.axes import Axes
+
+    from lwm.cli.plot import attention_diagonality_figure
 
     calls = []
-    ax = types.SimpleNamespace(fill_between=lambda *a, **kw: calls.append(a))
-    _band(ax, [(0, 0.1), (1, 0.2), (2, 0.3)], [(1, 0.9), (2, 1.0)], color="C0")
+    monkeypatch.setattr(Axes, "fill_between", lambda self, *a, **kw: calls.append(a))
+    key = "World_Encoder/attention_diagonality_block_0"
+    attention_diagonality_figure({f"{key}/mean": [(0, 0.5), (1, 0.5), (2, 0.5)],
+                                  f"{key}/min": [(0, 0.1), (1, 0.2), (2, 0.3)], f"{key}/max": [(1, 0.9), (2, 1.0)]})
     assert calls == [((1, 2), (0.2, 0.3), (0.9, 1.0))]
 
 

@@ -17,7 +17,6 @@ from lwm.utils.video import check_output
 
 
 def main(argv: list[str]) -> int:
-    """``lwm codes [--config CFG] --ckpt_path CKPT [--max-windows N] [--out PATH] [overrides]``."""
     parser = ArgumentParser(prog="lwm codes", description="Code dictionaries of a trained model on its training data.",
                             epilog="Every other argument is a `lwm fit` option: --config FILE and dotted overrides "
                                    "such as --data.manifest M.")

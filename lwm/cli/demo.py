@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import signal
 import time
 from pathlib import Path
@@ -12,7 +11,7 @@ from rich.table import Table
 
 from lwm.callbacks.slurm import interrupted_by
 from lwm.cli.generate import parse as generate_args
-from lwm.cli.lightning_cli import lightning_cli, read_config
+from lwm.cli.lightning_cli import LwmCLI, read_config
 from lwm.data.manifest import Manifest
 from lwm.data.synth import distractors_arg, frames_arg, make_dataset, size_arg
 from lwm.inference.dictionary import load_dictionaries
@@ -27,7 +26,7 @@ LAST = "checkpoints/last.ckpt"
 OWN_KEYS = ("--ckpt_path", "--trainer.default_root_dir", "--checkpoint.dirpath", "--data.manifest")
 
 
-def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(prog="lwm demo", description=__doc__.split("\n\n")[0].replace("``", ""),
                        epilog="Other --section.key=value arguments go to `lwm fit`.")
     p.add_argument("--out", default="runs/demo", help="output folder")
@@ -39,21 +38,17 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--size", type=size_arg, default=32, help="frame size in pixels; latents are size/2")
     p.add_argument("--distractors", type=distractors_arg, default=0, help="drifting discs in the world")
     p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the data and of the fit")
-    args, rest = p.parse_known_args(argv)
+    args, rest = p.parse_known_args(argv or [])
     for key in OWN_KEYS:
         if any(a.split("=")[0] == key for a in rest):
             raise ConfigError(f"{key}: lwm demo sets it (its run lives in --out; run it again with the same --out "
                               f"to resume it)")
-    return args, rest
-
-
-def main(argv: list[str] | None = None) -> int:
-    args, rest = parse(argv or [])
     console = Console()
     out = Path(args.out)
     run_dir, times = out / "run", {}
     resume = RunDir(run_dir).latest()  # an interrupted (or finished) demo continues, never starts over
-    shape = [f"--model.net.height={args.size // 2}", f"--model.net.width={args.size // 2}"]
+    side = args.size // 2  # of the latents
+    shape = [f"--model.net.height={side}", f"--model.net.width={side}"]
     config = read_config(["--config", args.config, *shape, *rest])  # a bad option: refused before the data is made
     window = int(config["data"]["window"])
     if args.frames < window:
@@ -70,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
                                  size=args.size, distractors=args.distractors,
                                  remedy="run the demo with its earlier settings, or into another --out")
     manifest = Manifest.load(manifest_path)
-    console.print(f"{len(manifest.entries)} episodes x {args.frames} frames of [16, {args.size // 2}, {args.size // 2}] "
-                  f"latents ({len(manifest.split('train'))} train, {len(manifest.split('val'))} val): {manifest_path}",
+    console.print(f"{len(manifest.entries)} episodes x {args.frames} frames of [16, {side}, {side}] latents "
+                  f"({len(manifest.split('train'))} train, {len(manifest.split('val'))} val): {manifest_path}",
                   soft_wrap=True)
     times["data"] = time.perf_counter() - start
 
@@ -82,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     if resume:
         console.print(f"{resume} exists: resuming that run (it stops at once if it had finished)", soft_wrap=True)
     t = time.perf_counter()
-    signum = interrupted_by(lightning_cli(["fit", *common, *(["--ckpt_path", "last"] if resume else [])]).trainer)
+    signum = interrupted_by(LwmCLI(args=["fit", *common, *(["--ckpt_path", "last"] if resume else [])]).trainer)
     times["fit"] = time.perf_counter() - t
     if signum:
         console.print(f"stopped by {signal.Signals(signum).name}: run the same command again to continue the demo")
@@ -90,13 +85,16 @@ def main(argv: list[str] | None = None) -> int:
 
     console.rule("[bold]3/4 validate[/]: the final checkpoint on every validation window")
     t = time.perf_counter()
-    cli = lightning_cli([*common, f"--trainer.default_root_dir={run_dir / 'validate'}",  # as `lwm validate` logs
-                         f"--checkpoint.dirpath={run_dir / 'checkpoints'}",  # (the fit's: no "dirpath has changed")
-                         "--data.val_size_percent=1.0"], run=False)
+    cli = LwmCLI(args=[*common, f"--trainer.default_root_dir={run_dir / 'validate'}",  # as `lwm validate` logs
+                       f"--checkpoint.dirpath={run_dir / 'checkpoints'}",  # (the fit's: no "dirpath has changed")
+                       "--data.val_size_percent=1.0"], run=False)
     metrics = {k: float(v) for k, v in cli.trainer.validate(cli.model, datamodule=cli.datamodule,
                                                             ckpt_path=str(run_dir / LAST), verbose=False)[0].items()}
-    dm = cli.datamodule
-    study = held_out_study(cli.model.model.eval(), manifest_path, dm.window, run_dir / "checkpoints" / "codes.pt")
+    dm, codes = cli.datamodule, run_dir / "checkpoints" / "codes.pt"
+    study = None  # the held-out study (lwm.inference.study) needs windows longer than t=4, and codes.pt
+    if dm.window > 4 and codes.is_file():
+        study = evaluate(cli.model.model.eval(), load_clips(manifest_path, "val", dm.window), t=4,
+                         dictionary=load_dictionaries(codes)["Action_Encoder"])
     times["validate"] = time.perf_counter() - t
 
     console.rule("[bold]4/4 video[/]: rollouts of a validation episode")
@@ -127,14 +125,6 @@ def main(argv: list[str] | None = None) -> int:
     console.print(f"  figures: lwm plot {run_dir}", soft_wrap=True)
     console.print(f"\n[bold]play it[/]: lwm play --ckpt_path {run_dir} --manifest {manifest_path}", soft_wrap=True)
     return 0
-
-
-def held_out_study(model, manifest_path: Path, window: int, codes: Path) -> dict | None:
-    """:func:`lwm.inference.study.evaluate` on the validation episodes (None: windows too short for t=4)."""
-    if window <= 4 or not codes.is_file():
-        return None
-    clips = load_clips(manifest_path, "val", window)
-    return evaluate(model, clips, t=4, dictionary=load_dictionaries(codes)["Action_Encoder"])
 
 
 def report(console: Console, m: dict[str, float], times: dict[str, float], study: dict | None = None) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from lwm.inference.dictionary import SAMPLING
-from lwm.inference.generation import ACTIONS, WORLDS, _parse_indices, run
+from lwm.inference.generation import ACTIONS, parse_indices, run, WORLDS
 from lwm.utils.args import ArgumentParser, bounded, frame_rate, positive_int
 
 
@@ -21,11 +21,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--actions", choices=ACTIONS, default="dictionary", help="where the actions come from")
     p.add_argument("--sampling", choices=SAMPLING, default="frequency",
                    help="drawing from the dictionary: by frequency, or uniformly over the tuples in use")
-    p.add_argument("--action-indices", help="JSON list of action code tuples, one per transition (overrides --actions)")
+    p.add_argument("--action-indices", type=lambda text: parse_indices(text, 2),
+                   help="JSON list of action code tuples, one per transition (overrides --actions)")
     p.add_argument("--world", choices=WORLDS, default="inferred",
                    help="where the world code comes from (inferred: from the training window's length of frames "
                         "from --start, whatever --steps; the context's, where longer)")
-    p.add_argument("--world-indices", help="JSON world code tuple (overrides --world)")
+    p.add_argument("--world-indices", type=lambda text: parse_indices(text, 1),
+                   help="JSON world code tuple (overrides --world)")
     p.add_argument("--codes", help="code dictionary (default: codes.pt beside the checkpoint)")
     p.add_argument("--window", type=positive_int, help="frames the predictor attends to (default: its training "
                                                         "window)")
@@ -40,12 +42,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
                    "clip_0_1+16_dictionary-inferred_seed0_step0005000.mp4; given indices: given-HASH)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing video and its latents (VIDEO.mp4.h5); without it they are refused")
-    args = p.parse_args(argv)
-    for option, text, ndim in (("--action-indices", args.action_indices, 2),
-                               ("--world-indices", args.world_indices, 1)):
-        if text:
-            _parse_indices(text, option, ndim)  # the JSON now
-    return args
+    return p.parse_args(argv)
+
 
 def main(argv: list[str]) -> int:
     run(parse(argv))

@@ -1,6 +1,5 @@
-"""The Lightning verbs: :class:`LwmCLI`, a LightningCLI for :class:`WorldModelModule` and :class:`LatentDataModule`
-with lwm's run layout (RUN_DIR, always-on callbacks, checks before any work, atomic checkpoints), and
-:func:`read_config`, a fit's config parsed without running it. Imported only by the verbs that need Lightning."""
+"""The Lightning verbs' :class:`LwmCLI` (lwm's run layout, always-on callbacks, checks before any work, atomic
+checkpoints) and :func:`read_config`, a fit's config parsed without running it."""
 
 from __future__ import annotations
 
@@ -50,16 +49,6 @@ def _drop_advert(record: logging.LogRecord) -> bool:
     return not any(advert in record.getMessage() for advert in _ADVERTS)
 
 
-def _quiet_lightning() -> None:
-    """Filter Lightning's noise, at each CLI (a test's warning filters are reset after it)."""
-    for message in _NOISE:
-        warnings.filterwarnings("ignore", message=message)
-    if "SLURM_JOB_ID" not in os.environ:
-        warnings.filterwarnings("ignore", message="The `srun` command is available on your system but is not used")
-    for name in ("lightning.fabric.utilities.rank_zero", "lightning.pytorch.utilities.rank_zero"):
-        logging.getLogger(name).addFilter(_drop_advert)
-
-
 class _SaveRunConfig(SaveConfigCallback):
     """``RUN_DIR/config.yaml`` (``RUN_DIR/<verb>/config.yaml``), without the ``ckpt_path`` a fit resumed from."""
 
@@ -86,7 +75,12 @@ class LwmCLI(LightningCLI):
         import jsonargparse
         from omegaconf.errors import OmegaConfBaseException
 
-        _quiet_lightning()
+        for message in _NOISE:  # Lightning's noise filtered at each CLI (a test's warning filters are reset after it)
+            warnings.filterwarnings("ignore", message=message)
+        if "SLURM_JOB_ID" not in os.environ:
+            warnings.filterwarnings("ignore", message="The `srun` command is available on your system but is not used")
+        for name in ("lightning.fabric.utilities.rank_zero", "lightning.pytorch.utilities.rank_zero"):
+            logging.getLogger(name).addFilter(_drop_advert)
         if not run and any(str(a).split("=")[0] == "--ckpt_path" for a in args or []):
             raise ConfigError("--ckpt_path: this command does not take one (lwm fit --ckpt_path resumes a run)")
         with contextlib.suppress(TypeError):  # (an older jsonargparse) ${a.b} names a key of the verb's config
@@ -159,6 +153,9 @@ class LwmCLI(LightningCLI):
         if self._resume_from is not None:
             self.config.fit.ckpt_path = self._resume_from
 
+    _EVAL_LIMITS = {"fit": ("limit_val_batches", None), "validate": ("limit_val_batches", None),  # val_size_percent
+                    "test": ("limit_test_batches", 1.0), "predict": ("limit_predict_batches", 1.0)}  # every window
+
     def _before(self) -> None:
         """Before a verb runs: the CPU threads, and the checks of the checkpoint, data and model."""
         from lightning.pytorch.accelerators import CPUAccelerator
@@ -183,7 +180,19 @@ class LwmCLI(LightningCLI):
         for callback in trainer.callbacks:
             if isinstance(callback, Sensitivity):
                 callback.check_window(dm.window)
-        self._check_eval_limit()
+        # a fraction trainer.limit_*_batches leaving a rank no batch: here, where Lightning raises on that rank alone
+        key, fraction = self._EVAL_LIMITS[verb]
+        limit = getattr(trainer, key)
+        if isinstance(limit, float) and 0 < limit < 1:
+            batches = dm.val_batches_per_rank(trainer.world_size, fraction)
+            starved = [rank for rank, n in enumerate(batches) if n and int(n * limit) == 0]
+            if starved:
+                who = f"rank {starved[0]} (of {trainer.world_size})" if trainer.world_size > 1 else "the run"
+                n = batches[starved[0]]
+                raise ConfigError(
+                    f"trainer.{key}={limit} leaves {who} no batch: {limit} x its {n} batch{'es' * (n != 1)} of "
+                    f"data.val_batch_size={dm.val_batch_size} ({dm.manifest_path}) < 1; use a larger fraction, a "
+                    f"number of batches (an integer), or a smaller data.val_batch_size")
 
     before_fit = before_validate = before_test = before_predict = _before
 
@@ -210,26 +219,6 @@ class LwmCLI(LightningCLI):
             raise ConfigError(f"{path}: a model of another shape than the config's: {', '.join(changed)}; "
                               f"use the run's own config (--config RUN_DIR/config.yaml)")
 
-    _EVAL_LIMITS = {"fit": ("limit_val_batches", None), "validate": ("limit_val_batches", None),  # val_size_percent
-                    "test": ("limit_test_batches", 1.0), "predict": ("limit_predict_batches", 1.0)}  # every window
-
-    def _check_eval_limit(self) -> None:
-        """A fraction ``trainer.limit_val_batches`` (test, predict: theirs) that leaves a rank no batch: one line
-        here, where Lightning raises on that rank alone while the others wait for it."""
-        dm, trainer = self.datamodule, self.trainer
-        key, fraction = self._EVAL_LIMITS[self.subcommand]
-        limit = getattr(trainer, key)
-        if not isinstance(limit, float) or not 0 < limit < 1:
-            return
-        batches = dm.val_batches_per_rank(trainer.world_size, fraction)
-        starved = [rank for rank, n in enumerate(batches) if n and int(n * limit) == 0]
-        if starved:
-            who = f"rank {starved[0]} (of {trainer.world_size})" if trainer.world_size > 1 else "the run"
-            n = batches[starved[0]]
-            raise ConfigError(
-                f"trainer.{key}={limit} leaves {who} no batch: {limit} x its {n} batch{'es' * (n != 1)} of "
-                f"data.val_batch_size={dm.val_batch_size} ({dm.manifest_path}) < 1; use a larger fraction, a "
-                f"number of batches (an integer), or a smaller data.val_batch_size")
 
     def instantiate_trainer(self, **kwargs: Any):
         """Lightning's Trainer with lwm's run layout and always-on callbacks."""
@@ -269,8 +258,7 @@ def _as_lists(value: Any) -> Any:
 
 
 def read_config(args: list[str]) -> dict[str, Any]:
-    """A fit's config (``["--config", FILE, *overrides]``) read and checked by the fit's parser, as a dict,
-    instantiating nothing (no trainer, loggers, data or model) and seeding nothing."""
+    """A fit's config (``["--config", FILE, *overrides]``) checked by the fit's parser; nothing made or seeded."""
 
     class ParseOnly(LwmCLI):
         def add_arguments_to_parser(self, parser) -> None:
@@ -290,8 +278,3 @@ def read_config(args: list[str]) -> dict[str, Any]:
     WorldModelConfig(**(model.get("net") or {}))  # their checks
     OptimConfig(**(model.get("optim") or {}))
     return config
-
-
-def lightning_cli(args: list[str], run: bool = True) -> LwmCLI:
-    """The LightningCLI of ``args`` (``["fit", "--config", ...]``; without the verb where ``run`` is False)."""
-    return LwmCLI(args=args, run=run)

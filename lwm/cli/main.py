@@ -10,7 +10,6 @@ import signal
 import sys
 import time
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 from lwm.utils.args import ArgumentParser, bounded, fraction, frame_rate, non_negative_int, positive_int
@@ -19,11 +18,10 @@ from lwm.utils.errors import LwmError, NonFiniteLossError
 LIGHTNING_VERBS = ("fit", "validate", "test", "predict")
 TILING = ("{} in overlapping spatial tiles (diffusers' enable_tiling): far less GPU memory at 512 px and up, faint "
           "seams possible")
-
-
-def _one_line_warning(message, category, filename, lineno, line=None) -> str:
-    """A warning as one line (Python's default adds the source line that raised it)."""
-    return f"{filename}:{lineno}: {category.__name__}: {message}\n"
+GPU_HINT = (" (trainer.accelerator=gpu, as in configs/base.yaml, ddp.yaml and deepspeed.yaml, but this machine has no "
+            "GPU: use configs/tiny.yaml, or this config's model on the CPU with --trainer.accelerator=cpu "
+            "--trainer.precision=32-true --model.compile=false: compiling takes many minutes on a CPU, and bf16 is "
+            "emulated on one without bf16 instructions)")  # what to do about Lightning's error, which does not say
 
 
 def _data_index(args: argparse.Namespace) -> int:
@@ -62,14 +60,22 @@ def _data_decode(args: argparse.Namespace) -> int:
 
 
 def _lightning(verb: str, rest: list[str]) -> int:
+    from unittest import mock
+
+    import rich
+
     from lwm.callbacks.slurm import interrupted_by
-    from lwm.cli.lightning_cli import lightning_cli
+    from lwm.cli.lightning_cli import LwmCLI
 
     if verb != "fit":  # evaluating a checkpoint needs none of its callbacks' states
         warnings.filterwarnings("ignore", message="Be aware that when using `ckpt_path`, callbacks used to create")
     start = time.monotonic()
-    with _wide_output():
-        trainer = getattr(lightning_cli([verb, *rest]), "trainer", None)
+    with contextlib.ExitStack() as stack:
+        if not sys.stdout.isatty():  # a log, SLURM's output: 200 columns for Lightning's results table (rich: 80)
+            stack.enter_context(mock.patch.dict(os.environ, {"COLUMNS": "200"}))
+            rich.reconfigure(width=200)
+            stack.callback(rich.reconfigure)
+        trainer = getattr(LwmCLI(args=[verb, *rest]), "trainer", None)
     signum = interrupted_by(trainer)
     stopped = any(getattr(c, "preempted", False) for c in getattr(trainer, "callbacks", []))  # a signal: saved
     if verb == "fit" and trainer is not None and trainer.is_global_zero and not signum and not stopped:
@@ -77,24 +83,6 @@ def _lightning(verb: str, rest: list[str]) -> int:
 
         print(fit_summary(trainer, time.monotonic() - start))
     return 128 + signum if signum else 0  # a fit stopped by Ctrl-C or kill
-
-
-@contextlib.contextmanager
-def _wide_output() -> Iterator[None]:
-    """Not on a terminal (a log, SLURM's output): 200 columns for Lightning's results table (rich cuts it to 80)."""
-    from unittest import mock
-
-    import rich
-
-    if sys.stdout.isatty():
-        yield
-        return
-    with mock.patch.dict(os.environ, {"COLUMNS": "200"}):
-        rich.reconfigure(width=200)
-        try:
-            yield
-        finally:
-            rich.reconfigure()
 
 
 _OWN_PARSERS = {  # verbs that parse their own arguments: (the module whose main(argv) runs it, its help)
@@ -114,13 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(prog="lwm", description="Latent world models from video latents.")
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
 
-    for verb in LIGHTNING_VERBS:  # (main runs them and the verbs below: here for --help)
+    for verb in LIGHTNING_VERBS:  # (main runs them and _OWN_PARSERS: here for --help)
         verbs.add_parser(verb, add_help=False, help=f"Lightning {verb} (`lwm {verb} --help`): --config configs/X.yaml "
                                                     f"[overrides]")
-    for verb, (_, text) in _OWN_PARSERS.items():
-        if " " not in verb:
-            verbs.add_parser(verb, add_help=False, help=f"{text} (`lwm {verb} --help`)")
-
     data = verbs.add_parser("data", help="make, check or convert data").add_subparsers(dest="data_verb", required=True)
     index = data.add_parser("index", help="check every h5 file under DIR and write the manifest")
     index.add_argument("directory", help="folder searched recursively for *.h5 / *.hdf5")
@@ -162,8 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     decode.set_defaults(func=_data_decode)
 
     for verb, (_, text) in _OWN_PARSERS.items():
-        if verb.startswith("data "):
-            data.add_parser(verb[5:], add_help=False, help=f"{text} (`lwm {verb} --help`)")
+        (data if verb.startswith("data ") else verbs).add_parser(verb.split()[-1], add_help=False,
+                                                                 help=f"{text} (`lwm {verb} --help`)")
     return parser
 
 
@@ -199,19 +183,12 @@ class _OutlivesItsReader:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     streams = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = _OutlivesItsReader(sys.stdout), _OutlivesItsReader(sys.stderr)
-    try:
-        return _main(sys.argv[1:] if argv is None else list(argv))
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(ValueError):  # (a closed stream)
-                stream.flush()
-        sys.stdout, sys.stderr = streams
-
-
-def _main(argv: list[str]) -> int:
-    warnings.formatwarning = _one_line_warning
+    # a warning as one line (Python's default adds the source line that raised it)
+    warnings.formatwarning = lambda message, category, filename, lineno, line=None: \
+        f"{filename}:{lineno}: {category.__name__}: {message}\n"
     own = next((v for v in (" ".join(argv[:2]), *argv[:1]) if v in _OWN_PARSERS), None)
     try:
         if argv and argv[0] in LIGHTNING_VERBS:
@@ -225,6 +202,11 @@ def _main(argv: list[str]) -> int:
         if code is None:
             raise
         return code
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(ValueError):  # (a closed stream)
+                stream.flush()
+        sys.stdout, sys.stderr = streams
 
 
 def _reported(e: BaseException) -> int | None:
@@ -239,22 +221,13 @@ def _reported(e: BaseException) -> int | None:
     if isinstance(e, OSError) and e.filename is not None:  # exists, is a folder, no permission, ...
         lines = [f"{e.filename}" + (f" -> {e.filename2}" if e.filename2 else "") + f": {e.strerror or e}"]
     elif isinstance(e, (LwmError, NonFiniteLossError)) or type(e).__name__ == "MisconfigurationException":
-        lines = [line + _hint(line) for line in error_lines(e)]  # Lightning's configuration errors too
+        lines = [line + (GPU_HINT if line.startswith("No supported gpu backend found") else "")
+                 for line in error_lines(e)]  # Lightning's configuration errors too
     else:
         return None
     for line in lines:
         print(f"error: {line}", file=sys.stderr)
     return 2
-
-
-def _hint(line: str) -> str:
-    """What to do about a Lightning error whose message does not say it."""
-    if line.startswith("No supported gpu backend found"):
-        return (" (trainer.accelerator=gpu, as in configs/base.yaml, ddp.yaml and deepspeed.yaml, but this machine has "
-                "no GPU: use configs/tiny.yaml, or this config's model on the CPU with --trainer.accelerator=cpu "
-                "--trainer.precision=32-true --model.compile=false: compiling takes many minutes on a CPU, and bf16 "
-                "is emulated on one without bf16 instructions)")
-    return ""
 
 
 def error_lines(e: BaseException) -> list[str]:
@@ -266,7 +239,3 @@ def error_lines(e: BaseException) -> list[str]:
         if last is not None:
             return [lines[last][len(prefix):], *lines[last + 1:]]
     return lines
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -24,27 +24,17 @@ OWN_KEYS = {**{f"--trainer.{key}": "--steps" for key in ("max_steps", "max_epoch
                                    "--checkpoint.dirpath", "--data.val_size_percent", "--data.batch_size")}}
 
 
-def _repeat(item: dict[str, Any], times: int) -> list[dict[str, Any]]:
-    return [item] * times
-
-
 class _Record(L.Callback):
-    """The teacher-forcing loss of every step."""
+    """The teacher-forcing loss of every step; the data's hyperparameters in the checkpoints, as `lwm fit`'s."""
 
-    def __init__(self) -> None:
+    def __init__(self, hparams: dict[str, Any]) -> None:
         self.tf_losses: list[float] = []
+        self.hparams = hparams
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         value = trainer.callback_metrics.get(TF_KEY)
         if value is not None:
             self.tf_losses.append(float(value))
-
-
-class _DataHparams(L.Callback):
-    """The data module's hyperparameters in the checkpoints, as ``lwm fit``'s (``lwm generate`` reads the window)."""
-
-    def __init__(self, hparams: dict[str, Any]) -> None:
-        self.hparams = hparams
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         checkpoint["datamodule_hyper_parameters"] = dict(self.hparams)
@@ -116,9 +106,9 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
                       f"runs in the warmup, below the peak lr (e.g. --model.optim.warmup_steps={args.steps // 10})")
 
     item = files[(args.file, args.start)]
-    loader = DataLoader(_repeat(item, args.steps), batch_size=1)
-    record = _Record()
-    cli.trainer.callbacks += [record, _DataHparams(dm.hparams)]
+    loader = DataLoader([item] * args.steps, batch_size=1)
+    record = _Record(dm.hparams)
+    cli.trainer.callbacks.append(record)
     for callback in cli.trainer.callbacks:
         if isinstance(callback, SlurmRequeue):  # a stopped overfit is run again, not resumed
             callback.resume_hint = "lwm overfit does not resume (run it again; each run has a folder of its own)"

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import argparse
-
 from lwm.play.player import load_player
 from lwm.play.server import bind, build_app, check_host, serve, url
 from lwm.utils.args import ArgumentParser, bounded, MAX_FPS
 
 
-def parse(argv: list[str]) -> argparse.Namespace:
+def main(argv: list[str]) -> int:
     p = ArgumentParser(prog="lwm play", description=__doc__.split("\n\n")[0])
     p.add_argument("--ckpt_path", required=True, help="a checkpoint of `lwm fit`, or a run's folder (its latest)")
     files = p.add_mutually_exclusive_group()
@@ -25,12 +23,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--port", type=bounded(int, 0, 65535), default=8000, help="port (0: any free one)")
     p.add_argument("--hold-fps", type=bounded(float, 0, MAX_FPS), default=30.0,
                    help="frames per second while a key is held (0: as fast as the model makes them)")
-    return p.parse_args(argv)
-
-
-def main(argv: list[str]) -> int:
-    """``lwm play``: checks, the port, the model, then the page until Ctrl-C."""
-    args = parse(argv)
+    args = p.parse_args(argv)
     import starlette, uvicorn  # noqa: F401, E401  (the play extra, pip install 'lwm[play]': before the model loads)
     check_host(args.host, args.allow_remote)
     sock = bind(args.host, args.port)  # a port in use: said before the model loads

@@ -23,8 +23,7 @@ _MARKER_MAX_POINTS = 60  # series this short are drawn with markers
 
 
 def read_metrics(path: str | Path) -> Metrics:
-    """``{column: [(step, value), ...]}`` of a Lightning ``metrics.csv``, sorted by step (the last row of a step
-    wins; empty and undecodable cells are no value)."""
+    """``{column: [(step, value), ...]}`` of a Lightning ``metrics.csv`` by step (a step's last row wins)."""
     values: dict[str, dict[int, float]] = {}
     with open(path, newline="", encoding="utf-8-sig", errors="replace") as f:
         reader = csv.DictReader(f)
@@ -75,8 +74,9 @@ def losses_figure(metrics: Metrics) -> Figure | str:
         label, baseline = LOSS_BASELINES.get(key, (None, None))
         if baseline is not None:
             _plot(ax, metrics.get(baseline), label=label, color="grey", linestyle="--")
-        log_y = _all_positive(metrics, f"Train_{key}", f"Val_{key}", *([baseline] if baseline else []))
-        _style(ax, title, xlabel="step", ylabel="loss", log_y=log_y)
+        finite = [v for c in (f"Train_{key}", f"Val_{key}", baseline) for _, v in metrics.get(c) or ()
+                  if math.isfinite(v)]  # a log axis where every one is > 0
+        _style(ax, title, xlabel="step", ylabel="loss", log_y=bool(finite) and min(finite) > 0)
     fig.suptitle("Losses: train vs val")
     return fig
 
@@ -106,7 +106,7 @@ def sensitivity_figure(metrics: Metrics) -> Figure | str:
         return "no Val_*_Encoder/dPSNR or PSNR_seq/PSNR_rand columns"
     fig, (left, *right) = _grid(1 + len(QUANTIZERS), ncols=3)
     for color, q, ax in zip(("C0", "C1"), QUANTIZERS, right):
-        name = _quantizer_name(q)
+        name = q.removesuffix("_Encoder").lower()
         _plot(left, dpsnr[q], label=name, color=color)
         _plot(ax, psnr[q, "seq"], label="own codes (seq)", color=color)
         _plot(ax, psnr[q, "rand"], label="random codes (rand)", color="grey", linestyle="--")
@@ -131,7 +131,8 @@ def codebook_usage_figure(metrics: Metrics) -> Figure | str:
             _plot(ax, found[quantizer][split, level], label=f"level {level} {split.lower()}", color=f"C{level % 10}",
                   linestyle="-" if split == "Train" else "--")
         ax.set_ylim(-0.02, 1.02)
-        _style(ax, f"{_quantizer_name(quantizer)} codebook usage", xlabel="step", ylabel="fraction of codes used")
+        name = quantizer.removesuffix("_Encoder").lower()
+        _style(ax, f"{name} codebook usage", xlabel="step", ylabel="fraction of codes used")
     fig.suptitle("Codebook usage per RVQ level (solid: train, dashed: val)")
     return fig
 
@@ -148,7 +149,9 @@ def attention_diagonality_figure(metrics: Metrics) -> Figure | str:
         for block in sorted(found[prefix]):
             key, color = f"{prefix}/attention_diagonality_block_{block}", f"C{block % 10}"
             _plot(ax, metrics[f"{key}/mean"], label=f"block {block}", color=color)
-            _band(ax, metrics.get(f"{key}/min"), metrics.get(f"{key}/max"), color=color)
+            highs = dict(metrics.get(f"{key}/max") or ())  # the min-max band, at the steps of both
+            if band := [(step, low, highs[step]) for step, low in metrics.get(f"{key}/min") or () if step in highs]:
+                ax.fill_between(*zip(*band), color=color, alpha=0.2, linewidth=0)
         _style(ax, prefix.replace("_", " "), xlabel="step", ylabel="diagonality")
     fig.suptitle("Attention diagonality per block (mean, min-max band)")
     return fig
@@ -180,13 +183,6 @@ def _plot(ax: Axes, series: Series | None, label: str, **kwargs: object) -> None
                 **kwargs)
 
 
-def _band(ax: Axes, low: Series | None, high: Series | None, color: str) -> None:
-    highs = dict(high or ())
-    points = [(step, value, highs[step]) for step, value in low or () if step in highs]
-    if points:
-        ax.fill_between(*zip(*points), color=color, alpha=0.2, linewidth=0)
-
-
 def _style(ax: Axes, title: str, xlabel: str, ylabel: str, log_y: bool = False) -> None:
     if log_y:
         ax.set_yscale("log")
@@ -202,25 +198,14 @@ def _style(ax: Axes, title: str, xlabel: str, ylabel: str, log_y: bool = False) 
         ax.legend(fontsize="small")
 
 
-def _all_positive(metrics: Metrics, *columns: str) -> bool:
-    """Whether a log axis fits: every finite value of these columns is > 0 (and there is one)."""
-    values = [v for c in columns for _, v in metrics.get(c, ()) if math.isfinite(v)]
-    return bool(values) and min(values) > 0
-
-
 def _against(x: Series, y: Series | None) -> list[tuple[float, float]]:
     """``(x, y)`` at the steps both series have, where a log-log axis shows them."""
     xs = dict(x)
     return [(xs[step], value) for step, value in y or () if step in xs and xs[step] > 0 and value > 0]
 
 
-def _quantizer_name(quantizer: str) -> str:
-    return quantizer.removesuffix("_Encoder").lower()
-
-
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> tuple[list[Path], dict[str, str]]:
-    """Write the figures of ``run_dir`` (or of a ``metrics.csv`` itself) into ``out`` (default
-    ``RUN_DIR/figures``): ``(the PNGs written, {figure: why it was skipped})``."""
+    """The figures of ``run_dir`` (or a ``metrics.csv``) in ``out``: ``(PNGs written, {figure: why skipped})``."""
     csv_path = Path(run_dir) if Path(run_dir).is_file() else Path(run_dir) / "metrics.csv"
     out = Path(out) if out is not None else csv_path.parent / "figures"
     metrics = read_metrics(csv_path)

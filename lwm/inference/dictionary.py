@@ -150,7 +150,7 @@ def _load(path: str | Path, ckpt_path: Path | None = None, mmap: bool = False) -
 
 
 @torch.no_grad()
-def collect(model, loader, device: torch.device, max_windows: int | None = None,
+def collect(model, loader, device: torch.device,
             forward_context: Callable[[], ContextManager] = contextlib.nullcontext,
             ) -> tuple[dict[str, CodeDictionary], int]:
     """Count the action and world code tuples of ``model`` (a WorldModel, eval mode) on the windows of ``loader``."""
@@ -161,9 +161,7 @@ def collect(model, loader, device: torch.device, max_windows: int | None = None,
         if paths is not None and (bad := nonfinite_windows(batch, paths)):  # they would count as codes
             raise DataError(f"non-finite latents (NaN/inf) in {len(bad)} window(s): {', '.join(bad[:5])}; run "
                             f"`lwm data index` on the folder again")
-        x = batch["latents"].to(device).float()[: None if max_windows is None else max_windows - windows]
-        if x.shape[0] == 0:
-            break
+        x = batch["latents"].to(device).float()
         with forward_context():
             actions, world = model.encode_actions(x).indices, model.encode_world(x).indices
         dictionaries["Action_Encoder"].update(actions)

@@ -34,15 +34,14 @@ def default_name(args: argparse.Namespace, step: int) -> str:
     checkpoint's step; given indices are ``given-`` a hash of those played."""
     transitions = args.context + args.steps - 1
 
-    def source(text: str | None, option: str, ndim: int, chosen: str) -> str:
-        if not text:
+    def source(value: np.ndarray | None, ndim: int, chosen: str) -> str:
+        if value is None:
             return chosen
-        value = _parse_indices(text, option, ndim)
         played = value[:transitions] if ndim == 2 and value.ndim == 2 else value
         return "given-" + hashlib.sha1(json.dumps(played.tolist()).encode()).hexdigest()[:6]
 
-    actions = source(args.action_indices, "--action-indices", 2, args.actions)
-    world = source(args.world_indices, "--world-indices", 1, args.world)
+    actions = source(args.action_indices, 2, args.actions)
+    world = source(args.world_indices, 1, args.world)
     drawn = "dictionary" in (actions, world)
     uniform = "_uniform" if drawn and args.sampling == "uniform" else ""  # draws of another distribution
     codes = f"_codes-{Path(args.codes).stem}" if drawn and args.codes else ""  # another dictionary
@@ -51,8 +50,8 @@ def default_name(args: argparse.Namespace, step: int) -> str:
             f"_seed{args.seed}_step{step:07d}.mp4")
 
 
-def _parse_indices(text: str, option: str, ndim: int) -> np.ndarray:
-    """JSON integers: a tuple (``ndim`` 1) or a list of tuples (``ndim`` 2); anything else is one line."""
+def parse_indices(text: str, ndim: int) -> np.ndarray:
+    """For argparse: JSON integers, a tuple (``ndim`` 1) or a list of tuples (``ndim`` 2); else one line."""
     what = "a JSON list of integers, one per RVQ level" if ndim == 1 else "a JSON list of integer code tuples"
     try:
         value, why = np.asarray(json.loads(text)), ""
@@ -60,7 +59,7 @@ def _parse_indices(text: str, option: str, ndim: int) -> np.ndarray:
         value, why = None, f" ({e})"
     # (numpy takes bools among integers as integers: JSON integers have no letters)
     if value is None or value.dtype.kind not in "iu" or "true" in text or "false" in text:
-        raise ConfigError(f"{option}: not {what}: {text[:80]}{why}")
+        raise argparse.ArgumentTypeError(f"not {what}: {text[:80]}{why}")
     return value
 
 
@@ -70,8 +69,8 @@ def run(args: argparse.Namespace) -> Path:
     # missing, foreign, torn: said first (memory-mapped: no weights loaded yet); its step names the video
     step = int(read_checkpoint(ckpt_path, what="lwm checkpoint")["global_step"])
     out, latents_path = _outputs(args, ckpt_path, step)
-    drawn = (args.actions != "inferred" and not args.action_indices,
-             args.world == "dictionary" and not args.world_indices)
+    drawn = (args.actions != "inferred" and args.action_indices is None,
+             args.world == "dictionary" and args.world_indices is None)
     if args.rollouts > 1 and not any(drawn):  # the predictor is deterministic
         print(f"note: nothing is drawn (the actions and the world are inferred or given), so the {args.rollouts} "
               f"rollouts are the same; --rollouts 1 writes one", file=sys.stderr)
@@ -163,7 +162,7 @@ def _read_clips(args: argparse.Namespace, model, trained: int | None,
     the world encoder's (a training window, where the file has it), the file's ``codec`` attribute and frame rate."""
     c = model.config
     info = inspect_h5(args.data, c.in_channels, c.height, c.width, check_values=False)  # the frames read: below
-    need_gt = args.actions == "inferred" and not args.action_indices
+    need_gt = args.actions == "inferred" and args.action_indices is None
     first, last = args.start, args.start + args.context + (args.steps if need_gt else 0)
     if args.start < 0 or last > info.frames:
         wanted = f"frame {first}" if last - first == 1 else f"frames {first} to {last - 1}"
@@ -184,17 +183,17 @@ def _given_codes(args: argparse.Namespace, model, transitions: int,
                  device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``--world-indices`` ``[1, Lh]`` and the ``transitions`` played of ``--action-indices`` (None: not given)."""
     given, played = [], f"{_count(args.context, 'frame')} of context, {args.steps} steps"
-    for text, option, name, ndim in (args.world_indices, "--world-indices", "World_Encoder", 1), \
+    for value, option, name, ndim in (args.world_indices, "--world-indices", "World_Encoder", 1), \
             (args.action_indices, "--action-indices", "Action_Encoder", 2):
-        if not text:
+        if value is None:
             given.append(None)
             continue
-        sizes, value = model.quantizers[name].codebook_sizes, _parse_indices(text, option, ndim)
+        sizes = model.quantizers[name].codebook_sizes
         bad = value.ndim != ndim or value.shape[-1] != len(sizes) or not ((0 <= value) & (value < sizes)).all()
         if bad or (ndim == 2 and len(value) < transitions):
             expected = f"[{len(sizes)}]" if ndim == 1 else f"[transitions, {len(sizes)}]"
             raise ConfigError(f"{option}: expected shape {expected} of codes 0..k-1 of each level's codebook size k "
-                              f"({list(sizes)}), got {text[:80]}" if bad else
+                              f"({list(sizes)}), got {json.dumps(value.tolist())[:80]}" if bad else
                               f"{option}: {transitions} transitions needed ({played}), got {len(value)}")
         if ndim == 2 and len(value) > transitions:  # (the latents file records those played)
             print(f"warning: --action-indices: {len(value)} transitions given, the rollout plays the first "

@@ -840,11 +840,11 @@ def test_a_second_ctrl_c_stops_at_once(capsys):
         requeue._on_signal(signal.SIGINT, None)
     assert "SIGINT again: stopping now, unsaved" in capsys.readouterr().err
     assert slurm.hard_stopped()  # `lwm` makes Lightning's exit 1 a 130
-    with mock.patch("lwm.cli.lightning_cli.lightning_cli", side_effect=SystemExit(1)):
+    with mock.patch("lwm.cli.lightning_cli.LwmCLI", side_effect=SystemExit(1)):
         assert main(["fit"]) == 130
     requeue.setup(None, None, "fit")  # the next fit starts afresh
     assert not slurm.hard_stopped()
-    with mock.patch("lwm.cli.lightning_cli.lightning_cli", side_effect=SystemExit(1)), pytest.raises(SystemExit):
+    with mock.patch("lwm.cli.lightning_cli.LwmCLI", side_effect=SystemExit(1)), pytest.raises(SystemExit):
         main(["fit"])  # any other exit 1 stays what it was
     term = SlurmRequeue()
     term._active = True

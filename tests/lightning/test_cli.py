@@ -265,7 +265,8 @@ def test_overfit_trains_on_the_window_its_file_and_start_name(tmp_path, capsys, 
     manifest = make_dataset(tmp_path / "data", files=4)
     train = [Manifest.load(manifest).resolve(e) for e in Manifest.load(manifest).split("train")]
     seen = []
-    monkeypatch.setattr(lwm.cli.overfit, "_repeat", lambda item, times: seen.append(item) or [item] * times)
+    loader = lwm.cli.overfit.DataLoader
+    monkeypatch.setattr(lwm.cli.overfit, "DataLoader", lambda items, **kw: seen.append(items[0]) or loader(items, **kw))
     assert run(manifest, tmp_path / "run", "--steps=1", "--file=1", "--start=2", verb="overfit") == 0
     with h5py.File(train[1]) as f:  # the second train file's frames 2..7 (window 6), every step
         np.testing.assert_array_equal(seen[0]["latents"].numpy(), f["latents"][2:8])
