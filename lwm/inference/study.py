@@ -63,8 +63,7 @@ def probe_margin(chance: float, samples: int) -> float:
 
 
 def other_clip(clips: Clips, same_world: bool, generator: torch.Generator) -> Tensor:
-    """``[N]`` for each clip the index of one from another file (of its world, if ``same_world``), else another
-    window of its own."""
+    """``[N]``: per clip the index of one from another file (of its world, if ``same_world``), else another window."""
     n = len(clips)
     pick = torch.arange(n)
     order = torch.randperm(n, generator=generator)
@@ -77,13 +76,6 @@ def other_clip(clips: Clips, same_world: bool, generator: torch.Generator) -> Te
             pick[i] = order[ok.nonzero()[0, 0]]
         order = order.roll(1)  # another draw for the next clip
     return pick
-
-
-@torch.no_grad()
-def _rollout_mse(model, x: Tensor, actions: Tensor, world: Tensor, steps: int) -> Tensor:
-    """``[B, steps]``: per clip the MSE of frames ``1..steps`` generated from frame 0."""
-    pred = model.generate(x[:, :1], actions[:, :steps], world, steps=steps)
-    return (pred.float() - x[:, 1 : steps + 1].float()).pow(2).flatten(2).mean(-1)
 
 
 @torch.no_grad()
@@ -105,8 +97,7 @@ def evaluate(model, clips: Clips, t: int = 4, dictionary: CodeDictionary | None 
         dictionary.update(action_idx)
     others = {"other_clip": other_clip(clips, False, g), "same_world": other_clip(clips, True, g)}
     draws = torch.Generator().manual_seed(seed + 1)  # the random and dictionary codes (on the CPU)
-    names = ("inferred", "random", "dictionary", "other_clip", "world_random", "same_world")  # the codes fed
-    mse = {name: torch.zeros(n, t) for name in names}  # frames 1..t
+    mse: dict[str, Tensor] = {}  # per codes fed, [N, t]: each clip's MSE at frames 1..t generated from frame 0
     for s in range(0, n, batch_size):
         idx = torch.arange(s, min(s + batch_size, n))
         B, x = len(idx), clips.latents[idx].to(device)
@@ -123,7 +114,8 @@ def evaluate(model, clips: Clips, t: int = 4, dictionary: CodeDictionary | None 
                   "world_random": (actions, random_world),
                   "same_world": (actions, world_vec[others["same_world"][idx]].to(device))}
         for name, (a, w) in inputs.items():
-            mse[name][idx] = _rollout_mse(model, x, a, w, t).cpu()
+            error = model.generate(x[:, :1], a[:, :t], w, steps=t).float() - x[:, 1 : t + 1].float()
+            mse.setdefault(name, torch.zeros(n, t))[idx] = error.pow(2).flatten(2).mean(-1).cpu()
 
     copy = (clips.latents[:, 1 : t + 1].float() - clips.latents[:, :1].float()).pow(2).flatten(2).mean(-1)  # [N, t]
     seq = psnr_from_mse(mse["inferred"][:, -1])

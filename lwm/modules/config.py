@@ -82,8 +82,7 @@ class WorldModelConfig:
     """training rolls the action encoder's clips by a random 0..action_shift latent cells per axis (the predictor's
     are not): its code must say how things move, not where in a token"""
     world_frames: int | None = None
-    """the world encoder reads a clip's first world_frames (None: all): else its code can carry the frames it
-    predicts"""
+    """the world encoder reads a clip's first world_frames (None: all): its code then cannot carry what it predicts"""
     context_dropout: float = 0.0
     """the probability that a training step's predictor sees each frame alone: the codes must carry the transition"""
     world_contrast: float = 0.0
@@ -106,8 +105,7 @@ class WorldModelConfig:
     @classmethod
     def from_dict(cls, fields: dict) -> "WorldModelConfig":
         """A checkpoint's ``net`` hyperparameters as a config (its retired fields at their defaults dropped)."""
-        changed = [f"{k}={v!r}" for k, v in fields.items() if k in cls.RETIRED and v != cls.RETIRED[k]]
-        if changed:
+        if changed := [f"{k}={v!r}" for k, v in fields.items() if k in cls.RETIRED and v != cls.RETIRED[k]]:
             raise ConfigError(f"model.net: {', '.join(changed)} is no longer an option of this lwm version")
         fields = {k: v for k, v in fields.items() if k not in cls.RETIRED}
         if fields.get("temporal_attention") == "triton":  # a retired kernel: the same function as sdpa
@@ -125,11 +123,30 @@ class WorldModelConfig:
         return len(self.rollout_weights) + 1
 
     def __post_init__(self) -> None:
-        """Refuse an invalid configuration, one line per problem naming the field (``model.net.X``)."""
-        problems = _config_problems(self)
-        if problems:
+        """Refuse an invalid configuration, one line per problem naming the field (``model.net.X``); warn where a code
+        unused for ``dead_code_steps`` updates shrinks towards zero before it counts as dead."""
+        if problems := _config_problems(self):
             raise ConfigError("\n".join(f"model.net.{p}" for p in problems))
-        _warn_if_unused_codes_shrink(self)
+        decay = min(self.ema_decay_start, self.ema_decay_end) if self.ema_decay_steps else self.ema_decay_end
+        if decay ** self.dead_code_steps < RVQ_EPS:  # see lwm/modules/rvq.py: unused codes shrink by g^t/(g^t+eps)
+            warnings.warn(f"model.net.dead_code_steps={self.dead_code_steps} at an EMA decay of {decay}: a code "
+                          f"unused that long shrinks below half its length (decay^steps < eps = {RVQ_EPS}) before it "
+                          f"counts as dead and is revived; unused codes drift to zero. Fewer dead_code_steps or a "
+                          f"higher ema_decay_start avoid it", stacklevel=3)  # the caller of WorldModelConfig(...)
+
+
+_AT_LEAST = {  # an integer field: its lowest value, and what the lowest or null means
+    **dict.fromkeys(("in_channels", "depth_action", "depth_world", "depth_dynamics", "d_code_action", "d_code_world",
+                     "dead_code_steps"), (1, "")),
+    **dict.fromkeys(("ema_decay_steps", "action_shift", "max_time_offset"), (0, "")),
+    "action_labels": (0, " (0: no label head)"), "tokenizer_hidden": (1, " (or null: max(d_model/2, 16))"),
+    "world_frames": (1, " (or null: every frame)"),
+}
+_RANGES = {  # a float field: (what it must be, the largest value, whether that one is allowed)
+    **dict.fromkeys(("beta_action", "beta_world", "world_contrast", "label_weight"), ("be >= 0", math.inf, True)),
+    "context_dropout": ("lie in [0, 1]", 1.0, True),
+    **dict.fromkeys(("mask_prob", "ema_decay_start", "ema_decay_end"), ("lie in [0, 1)", 1.0, False)),
+}
 
 
 def _config_problems(c: WorldModelConfig) -> list[str]:
@@ -146,64 +163,35 @@ def _config_problems(c: WorldModelConfig) -> list[str]:
                         f"downsamples by {down}), got {c.height}x{c.width}")
     if c.d_model < 4 or c.d_model % 4 or c.n_heads < 1 or c.d_model % c.n_heads:
         problems.append(f"d_model must be divisible by 4 and by n_heads ({c.n_heads}), got {c.d_model}")
-    if c.action_shift < 0:
-        problems.append(f"action_shift must be >= 0, got {c.action_shift}")
-    for name in ("in_channels", "depth_action", "depth_world", "depth_dynamics", "d_code_action", "d_code_world",
-                 "ema_decay_steps", "dead_code_steps"):
-        lowest = 0 if name == "ema_decay_steps" else 1
-        if getattr(c, name) < lowest:
-            problems.append(f"{name} must be >= {lowest}, got {getattr(c, name)}")
+    problems += [f"{name} must be >= {lowest}{note}, got {getattr(c, name)}" for name, (lowest, note) in
+                 _AT_LEAST.items() if getattr(c, name) is not None and getattr(c, name) < lowest]
     for name in ("codebook_sizes_action", "codebook_sizes_world"):
         sizes = tuple(getattr(c, name))
         if not sizes or any(int(k) < 1 for k in sizes):
             problems.append(f"{name} needs at least one level and at least one code per level, got {sizes}")
-    if c.tokenizer_hidden is not None and c.tokenizer_hidden < 1:
-        problems.append(f"tokenizer_hidden must be >= 1 (or null: max(d_model/2, 16)), got {c.tokenizer_hidden}")
     if "mlp_ratio" not in nonfinite:
         if not c.mlp_ratio > 0:
             problems.append(f"mlp_ratio must be > 0, got {c.mlp_ratio}")
         elif c.d_model >= 1 and int(c.d_model * c.mlp_ratio) < 1:  # (the MLP's hidden width)
             problems.append(f"mlp_ratio must give an MLP hidden width int(d_model * mlp_ratio) >= 1, got "
                             f"{c.mlp_ratio} (width {int(c.d_model * c.mlp_ratio)} at d_model {c.d_model})")
-    if c.action_labels < 0:
-        problems.append(f"action_labels must be >= 0 (0: no label head), got {c.action_labels}")
-    for name in ("beta_action", "beta_world", "world_contrast", "label_weight"):
-        if name not in nonfinite and not getattr(c, name) >= 0:
-            problems.append(f"{name} must be >= 0, got {getattr(c, name)}")
-    if "context_dropout" not in nonfinite and not 0.0 <= c.context_dropout <= 1.0:
-        problems.append(f"context_dropout must lie in [0, 1], got {c.context_dropout}")
-    if "mask_prob" not in nonfinite and not 0.0 <= c.mask_prob < 1.0:
-        problems.append(f"mask_prob must lie in [0, 1), got {c.mask_prob}")
+    for name, (what, high, closed) in _RANGES.items():
+        value = getattr(c, name)
+        if name not in nonfinite and not (0 <= value < high or closed and value == high):
+            problems.append(f"{name} must {what}, got {value}")
     if not c.rollout_weights:
         problems.append("rollout_weights needs at least the teacher-forcing weight")
     elif "rollout_weights" not in nonfinite and (not all(w >= 0 for w in c.rollout_weights)
                                                  or not any(w > 0 for w in c.rollout_weights)):
         problems.append(f"rollout_weights must be >= 0, not all 0, got {_as_tuples(c.rollout_weights)}")
-    if c.max_time_offset < 0:
-        problems.append(f"max_time_offset must be >= 0, got {c.max_time_offset}")
-    for name in ("ema_decay_start", "ema_decay_end"):
-        if name not in nonfinite and not 0.0 <= getattr(c, name) < 1.0:
-            problems.append(f"{name} must lie in [0, 1), got {getattr(c, name)}")
     if len(c.world_curriculum) != 2 or any(int(n) < 0 for n in c.world_curriculum):
         problems.append(f"world_curriculum must be two step counts >= 0 (without, then unquantized), got "
                         f"{tuple(c.world_curriculum)}")
-    if c.world_frames is not None and c.world_frames < 1:
-        problems.append(f"world_frames must be >= 1 (or null: every frame), got {c.world_frames}")
     if c.action_input not in ACTION_INPUTS:
         problems.append(f"action_input must be one of {ACTION_INPUTS}, got {c.action_input!r}")
     if c.temporal_attention not in ATTENTION_KERNELS:
         problems.append(f"temporal_attention must be one of {ATTENTION_KERNELS}, got {c.temporal_attention!r}")
     return problems
-
-
-def _warn_if_unused_codes_shrink(c: WorldModelConfig) -> None:
-    """Warn where a code unused for ``dead_code_steps`` updates shrinks towards zero before it counts as dead."""
-    decay = min(c.ema_decay_start, c.ema_decay_end) if c.ema_decay_steps else c.ema_decay_end
-    if decay ** c.dead_code_steps < RVQ_EPS:  # see lwm/modules/rvq.py: unused codes shrink by g^t/(g^t+eps)
-        warnings.warn(f"model.net.dead_code_steps={c.dead_code_steps} at an EMA decay of {decay}: a code "
-                      f"unused that long shrinks below half its length (decay^steps < eps = {RVQ_EPS}) before it "
-                      f"counts as dead and is revived; unused codes drift to zero. Fewer dead_code_steps or a "
-                      f"higher ema_decay_start avoid it", stacklevel=4)  # the caller of WorldModelConfig(...)
 
 
 def _nonfinite(value: object) -> bool:

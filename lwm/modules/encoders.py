@@ -20,8 +20,7 @@ def to_weight_dtype(x: Tensor, dtype: torch.dtype) -> Tensor:
 def code_projection(layer: nn.Linear, h: Tensor) -> Tensor:
     """``layer(h)`` in fp32 under any autocast or weight dtype: the fp32 quantizer reads it, not a bf16 rounding."""
     with torch.autocast(device_type=h.device.type, enabled=False):
-        bias = None if layer.bias is None else layer.bias.float()
-        return nn.functional.linear(h.float(), layer.weight.float(), bias)
+        return nn.functional.linear(h.float(), layer.weight.float(), layer.bias.float())
 
 
 class ActionEncoder(nn.Module):
@@ -30,12 +29,12 @@ class ActionEncoder(nn.Module):
 
     def __init__(
         self, d_model: int, n_heads: int, depth: int, d_code: int, codebook_sizes: Sequence[int],
-        mlp_ratio: float = 4.0, st: dict | None = None, lookahead: bool = True, per_transition: bool = False,
+        mlp_ratio: float = 4.0, st: dict | None = None, per_transition: bool = False,
         **rvq_kwargs,
     ) -> None:
         super().__init__()
-        # the shift once: stacked shifted masks would let output i see frame i + depth
-        masks = ["shifted_causal" if lookahead else "causal"] + ["causal"] * (depth - 1)
+        # the shift once (each transition alone: none): stacked shifted masks would let output i see frame i + depth
+        masks = ["causal" if per_transition else "shifted_causal"] + ["causal"] * (depth - 1)
         self.per_transition = per_transition
         self.transformer = STTransformer(d_model, n_heads, masks, mlp_ratio, **(st or {}))
         self.to_code = nn.Linear(d_model, d_code)
@@ -50,8 +49,7 @@ class ActionEncoder(nn.Module):
         return code_projection(self.to_code, h[:, :-1].mean(dim=2, dtype=torch.float32))  # [B, T-1, Da]
 
     def attention(self, tokens: Tensor) -> list[Tensor]:
-        """Per-block temporal attention weights ``[B, heads, T, T]``, averaged over patches (per transition: the
-        identity)."""
+        """Per-block temporal attention ``[B, heads, T, T]`` averaged over patches (per transition: the identity)."""
         if self.per_transition:
             B, T = tokens.shape[:2]
             eye = torch.eye(T, device=tokens.device).expand(B, self.transformer.blocks[0].temporal.n_heads, T, T)
@@ -84,8 +82,7 @@ class WorldEncoder(nn.Module):
 
 
 class DynamicsPredictor(nn.Module):
-    """Causal ST transformer on state tokens plus ``W_a a + W_h h`` broadcast over patches (``a``, ``h``: the
-    quantizers' outputs, the sum of the level codes)."""
+    """Causal ST transformer on state tokens plus ``W_a a + W_h h`` (the quantized codes) broadcast over patches."""
 
     def __init__(self, d_model: int, n_heads: int, depth: int, d_action: int, d_world: int, mlp_ratio: float = 4.0,
                  st: dict | None = None) -> None:

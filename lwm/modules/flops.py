@@ -16,8 +16,7 @@ aten = torch.ops.aten
 
 
 def allowed_pairs(q_len: int, k_len: int, is_causal: bool, attn_mask: torch.Tensor | None) -> tuple[int, int]:
-    """``(allowed, of)``: the share of the ``q_len x k_len`` query/key pairs a mask allows, as integers (so that a
-    count is exact, and linear in the batch)."""
+    """``(allowed, of)``: the share of ``q_len x k_len`` query/key pairs a mask allows, in integers (counts exact)."""
     if attn_mask is not None:
         allowed = attn_mask if attn_mask.dtype == torch.bool else torch.isfinite(attn_mask)  # additive: -inf
         return int(allowed.sum()), allowed.numel()
@@ -26,8 +25,22 @@ def allowed_pairs(q_len: int, k_len: int, is_causal: bool, attn_mask: torch.Tens
     return 1, 1
 
 
-def _counter(causal: Callable, mask: Callable, useful: bool, backward: bool):
-    """A FlopCounterMode formula of one SDPA op; ``causal``, ``mask``: its is_causal and mask from (args, kwargs)."""
+SDPA_KERNELS = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+                "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")  # and their backward
+
+
+def _reader(op, *names: str) -> Callable[[tuple, dict], object]:
+    """A reader ``(args, kwargs) -> value`` of ``op``'s argument named one of ``names``, where its schema puts it."""
+    for i, a in enumerate(op.default._schema.arguments):
+        if a.name in names:
+            return lambda args, kwargs: kwargs.get(a.name, args[i] if not a.kwarg_only and i < len(args) else None)
+    return lambda args, kwargs: None
+
+
+def _counter(op, useful: bool, backward: bool):
+    """A FlopCounterMode formula of one SDPA op, reading its is_causal and mask where its schema puts them."""
+    causal, mask = _reader(op, "is_causal"), _reader(op, "attn_mask", "attn_bias")
+
     def count(*args, out_val=None, **kwargs) -> int:
         q, k, v = args[1:4] if backward else args[:3]
         if backward:
@@ -37,48 +50,17 @@ def _counter(causal: Callable, mask: Callable, useful: bool, backward: bool):
             flops = sdpa_flop_count(q.shape, k.shape, v.shape)
         if not useful:
             return flops
-        allowed, of = allowed_pairs(q.shape[-2], k.shape[-2], causal(args, kwargs), mask(args, kwargs))
+        allowed, of = allowed_pairs(q.shape[-2], k.shape[-2], bool(causal(args, kwargs)), mask(args, kwargs))
         return flops * allowed // of
 
     count._get_raw = True  # FlopCounterMode passes tensors, not shapes
     return count
 
 
-def _arg(args: tuple, kwargs: dict, index: int, name: str, default=None):
-    if name in kwargs:
-        return kwargs[name]
-    return args[index] if len(args) > index else default
-
-
 def attention_mapping(useful: bool = True) -> dict:
-    """``custom_mapping`` for :class:`FlopCounterMode` covering every SDPA kernel, the CPU one included."""
-    def is_causal(index: int):
-        return lambda a, kw: bool(_arg(a, kw, index, "is_causal", False))
-
-    forward = {  # op: (its is_causal position, where its mask is)
-        # CPU flash: (q, k, v, dropout_p, is_causal, *, attn_mask, scale)
-        aten._scaled_dot_product_flash_attention_for_cpu: (is_causal(4), lambda a, kw: kw.get("attn_mask")),
-        # CUDA flash: (q, k, v, dropout_p, is_causal, return_debug_mask, *, scale)
-        aten._scaled_dot_product_flash_attention: (is_causal(4), lambda a, kw: None),
-        # memory-efficient: (q, k, v, attn_bias, compute_log_sumexp, dropout_p, is_causal, *, scale)
-        aten._scaled_dot_product_efficient_attention: (is_causal(6), lambda a, kw: _arg(a, kw, 3, "attn_bias")),
-    }
-    backward = {
-        # (grad_out, q, k, v, out, logsumexp, dropout_p, is_causal, *, attn_mask, scale)
-        aten._scaled_dot_product_flash_attention_for_cpu_backward: (is_causal(7), lambda a, kw: kw.get("attn_mask")),
-        # (grad_out, q, k, v, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, ...)
-        aten._scaled_dot_product_flash_attention_backward: (is_causal(11), lambda a, kw: None),
-        # (grad_out, q, k, v, attn_bias, out, logsumexp, philox_seed, philox_offset, dropout_p, grad_input_mask, is_causal, ...)
-        aten._scaled_dot_product_efficient_attention_backward: (is_causal(11), lambda a, kw: _arg(a, kw, 4, "attn_bias")),
-    }
-    if hasattr(aten, "_scaled_dot_product_cudnn_attention"):
-        # (q, k, v, attn_bias, compute_log_sumexp, dropout_p, is_causal, return_debug_mask, *, scale)
-        forward[aten._scaled_dot_product_cudnn_attention] = (is_causal(6), lambda a, kw: _arg(a, kw, 3, "attn_bias"))
-    if hasattr(aten, "_scaled_dot_product_cudnn_attention_backward"):
-        # (grad_out, q, k, v, out, logsumexp, philox_seed, philox_offset, attn_bias, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, ...)
-        backward[aten._scaled_dot_product_cudnn_attention_backward] = (is_causal(14), lambda a, kw: _arg(a, kw, 8, "attn_bias"))
-    return {op: _counter(causal, mask, useful, ops is backward)
-            for ops in (forward, backward) for op, (causal, mask) in ops.items()}
+    """``custom_mapping`` for :class:`FlopCounterMode` covering every SDPA kernel of this torch, the CPU one too."""
+    return {getattr(aten, name): _counter(getattr(aten, name), useful, name.endswith("_backward"))
+            for name in (kernel + end for kernel in SDPA_KERNELS for end in ("", "_backward")) if hasattr(aten, name)}
 
 
 @dataclass
@@ -100,8 +82,7 @@ def _eager():
 
 
 def count_flops(fn: Callable[[], object], dense: bool = True) -> StepFlops:
-    """Run ``fn`` (e.g. a forward and backward) under :class:`FlopCounterMode` counting useful attention FLOPs, with
-    the per-module breakdown."""
+    """Run ``fn`` (e.g. a forward and backward) under :class:`FlopCounterMode`: useful FLOPs, per module too."""
     with _eager(), FlopCounterMode(display=False, custom_mapping=attention_mapping(useful=True)) as useful:
         fn()
     total = int(useful.get_total_flops())

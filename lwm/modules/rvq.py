@@ -60,8 +60,7 @@ class Codebook(nn.Module):
 
 def _distinct_rows(rows: Tensor, wanted: int, generator: torch.Generator | None = None,
                    exclude: Tensor | None = None) -> Tensor:
-    """Up to ``wanted`` random distinct finite rows of ``rows [M, dim]`` that are none of the ``exclude`` rows (fewer
-    when there are fewer)."""
+    """Up to ``wanted`` random distinct finite rows of ``rows [M, dim]``, none of them an ``exclude`` row."""
     rows = rows[torch.isfinite(rows).all(dim=-1)]
     if rows.shape[0] > 1:
         rows = torch.unique(rows, dim=0)
@@ -139,10 +138,8 @@ class ResidualVectorQuantizer(nn.Module):
                 indices.append(idx)
                 q_sum = q_sum + q
                 residual = residual - q
-            if torch.is_grad_enabled() and flat.requires_grad:
-                quantized = flat + (q_sum - flat).detach()  # straight-through
-            else:  # no gradient to pass
-                quantized = q_sum
+            # straight-through; without a gradient to pass, the codes' sum itself
+            quantized = flat + (q_sum - flat).detach() if torch.is_grad_enabled() and flat.requires_grad else q_sum
             if update:
                 self._ema_update(residuals, indices, step)
             with torch.no_grad():
@@ -193,9 +190,7 @@ class ResidualVectorQuantizer(nn.Module):
         residual = self._every_rank_rows(flat)
         for cb in self.levels:
             rows = _distinct_rows(residual, cb.size)
-            mask = torch.zeros(cb.size, dtype=torch.bool, device=flat.device)
-            mask[: rows.shape[0]] = True
-            cb.reset(mask, rows)
+            cb.reset(torch.arange(cb.size, device=flat.device) < rows.shape[0], rows)  # the first codes
             residual = residual - cb.embed[self._nearest(residual, cb.embed)]
         self.initialized.fill_(True)
         self._init_known = True  # no host read of the flag on the next step
@@ -216,10 +211,7 @@ class ResidualVectorQuantizer(nn.Module):
         finite = torch.isfinite(packed).all()
         packed = torch.nan_to_num(packed, nan=0.0, posinf=0.0, neginf=0.0)
         decay = torch.where(finite, decay, 1.0).to(torch.float32)
-        offset = 0
-        for cb in self.levels:
-            level = packed[offset : offset + cb.size]
-            offset += cb.size
+        for cb, level in zip(self.levels, packed.split(self.codebook_sizes)):
             counts, sums = level[:, 0], level[:, 1:]
             cb.ema_count.mul_(decay).add_((1.0 - decay) * counts)
             cb.ema_sum.mul_(decay).add_((1.0 - decay) * sums)
@@ -238,14 +230,12 @@ class ResidualVectorQuantizer(nn.Module):
         if self._last_residuals is None:
             return [0] * self.num_levels
         dead = self.dead_codes()
-        counts = [int(n) for n in torch.stack([d.sum() for d in dead]).tolist()]
+        counts = torch.stack([d.sum() for d in dead]).tolist()
         revived = []
         for cb, mask, n, r in zip(self.levels, dead, counts, self._last_residuals):
             rows = _distinct_rows(self._every_rank_rows(r), n, generator, exclude=cb.embed[~mask]) if n else r[:0]
             if rows.shape[0]:
-                chosen = torch.zeros_like(mask)
-                chosen[mask.nonzero().flatten()[: rows.shape[0]]] = True
-                cb.reset(chosen, rows)
+                cb.reset(mask & (mask.cumsum(0) <= rows.shape[0]), rows)  # the first dead codes
             revived.append(int(rows.shape[0]))
         if sum(counts) and _sync():  # decided on the all-reduced counts
             self._broadcast_levels()

@@ -1,5 +1,4 @@
-"""Building blocks of the three parts: CNN tokenizer/detokenizer, sinusoidal PEs and the spatio-temporal (ST)
-transformer."""
+"""Building blocks of the three parts: CNN tokenizer/detokenizer, sinusoidal PEs, the spatio-temporal transformer."""
 
 from __future__ import annotations
 
@@ -41,8 +40,7 @@ def temporal_pos_embedding(length: int, dim: int, t0: int | Tensor = 0, device: 
 
 
 def _cnn(conv: type[nn.Module], c_in: int, hidden: int, c_out: int) -> nn.Sequential:
-    """Three convolutions, the outer two by ``conv`` with stride 2; GroupNorm (32 groups or the largest divisor of
-    ``hidden`` that divides 32) and SiLU between."""
+    """Three convolutions, the outer two ``conv`` of stride 2, with GroupNorm (``gcd(32, hidden)`` groups) and SiLU."""
     norm = lambda: nn.GroupNorm(math.gcd(32, hidden), hidden)  # noqa: E731
     return nn.Sequential(conv(c_in, hidden, 4, 2, 1), norm(), nn.SiLU(), nn.Conv2d(hidden, hidden, 3, padding=1),
                          norm(), nn.SiLU(), conv(hidden, c_out, 4, 2, 1))
@@ -100,8 +98,7 @@ KV = tuple[Tensor, Tensor]  # one attention's keys and values [n, heads, positio
 
 def _sdpa_mask(kind: TemporalMask, queries: int, keys: int, device: torch.device,
                window: int | None) -> tuple[Tensor | None, bool]:
-    """``(attn_mask, is_causal)`` for SDPA when the ``queries`` are the last of ``keys`` positions (the first ``keys
-    - queries`` come from a cache)."""
+    """``(attn_mask, is_causal)`` for SDPA of the last ``queries`` of ``keys`` positions (the others from a cache)."""
     whole = window is None or window >= keys
     if kind == "none" or (kind == "causal" and queries == 1 and whole):
         return None, False  # every key allowed

@@ -1,10 +1,9 @@
-"""The world model: the shared tokenizer/detokenizer, the three parts, the training loss and generation
-(conventions: docs/model.md)."""
+"""The world model: the shared tokenizer/detokenizer, the three parts, the loss and generation (see docs/model.md)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
@@ -67,7 +66,6 @@ class WorldModel(nn.Module):
         self.detokenizer = Detokenizer(c.in_channels, c.d_model, c.tokenizer_hidden)
         self.action_encoder = ActionEncoder(c.d_model, c.n_heads, c.depth_action, c.d_code_action,
                                             c.codebook_sizes_action, c.mlp_ratio, st,
-                                            lookahead=c.action_input == "tokens",
                                             per_transition=c.action_input == "transition", **rvq)
         self.world_encoder = WorldEncoder(c.d_model, c.n_heads, c.depth_world, c.d_code_world,
                                           c.codebook_sizes_world, c.mlp_ratio, st, **rvq)
@@ -88,12 +86,10 @@ class WorldModel(nn.Module):
         if c.action_labels:  # made last: the other weights are those of the same model without it
             self.label_head = nn.Linear(c.d_code_action, c.action_labels)
 
-    @contextmanager
-    def checkpointing(self, on: bool) -> Iterator[None]:
+    def checkpointing(self, on: bool) -> AbstractContextManager[None]:
         """Activation checkpointing of every ST transformer set to ``on`` inside the block."""
         transformers = (self.action_encoder.transformer, self.world_encoder.transformer, self.dynamics.transformer)
-        with _setting(transformers, "checkpointing", on):
-            yield
+        return _setting(transformers, "checkpointing", on)
 
     @contextmanager
     def counting_form(self) -> Iterator[None]:

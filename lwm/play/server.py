@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import functools
 import ipaddress
@@ -36,12 +37,12 @@ def check_host(host: str, allow_remote: bool) -> None:
     """Refuse an address other machines can reach unless ``allow_remote``."""
     try:
         addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
-        remote, why = sorted(a for a in addresses if not ipaddress.ip_address(a.split("%")[0]).is_loopback), ""
     except socket.gaierror as e:
-        remote, why = [], f"not an address of this machine ({e.strerror})"
-    if why or (remote and not allow_remote):
-        raise ConfigError(f"--host {host}: {why or f'{remote[0]} is not a loopback address'}" + (
-            "" if why else "; anyone who reaches it could play the checkpoint (--allow-remote to serve it anyway)"))
+        raise ConfigError(f"--host {host}: not an address of this machine ({e.strerror})") from None
+    remote = sorted(a for a in addresses if not ipaddress.ip_address(a.split("%")[0]).is_loopback)
+    if remote and not allow_remote:
+        raise ConfigError(f"--host {host}: {remote[0]} is not a loopback address; anyone who reaches it could play the "
+                          "checkpoint (--allow-remote to serve it anyway)")
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -59,8 +60,7 @@ def bind(host: str, port: int) -> socket.socket:
 def frame_message(pixels: np.ndarray, kind: int = FRAME, index: int = 0, seq: int = 0) -> bytes:
     """A frame for the page: :data:`HEADER`, then ``uint8 [S, S, 3]`` as RGBA bytes (what a canvas takes)."""
     H, W, _ = pixels.shape
-    rgba = np.concatenate([pixels, np.full((H, W, 1), 255, dtype=np.uint8)], axis=2)
-    return HEADER.pack(kind, index, W, H, seq) + rgba.tobytes()
+    return HEADER.pack(kind, index, W, H, seq) + np.pad(pixels, ((0, 0), (0, 0), (0, 1)), constant_values=255).tobytes()
 
 
 def hello(session) -> dict:
@@ -134,13 +134,13 @@ def build_app(player, log=None):
             return JSONResponse({"error": f"no session {sid} (its page was closed)" if session is None else
                                  f"{ext}: a recording is .mp4, .gif or .json"}, status_code=404)
 
-        def body() -> bytes | str:
+        def body() -> tuple[str, bytes | str]:
             with session.lock:
-                return json.dumps(session.recording(), indent=1) if ext == "json" else session.video(f".{ext}")
+                return (f"lwm-play_{session.path.stem}_{session.frame}+{session.rollout.steps}.{ext}",
+                        json.dumps(session.recording(), indent=1) if ext == "json" else session.video(f".{ext}"))
 
-        with session.lock:
-            name = f"lwm-play_{session.path.stem}_{session.frame}+{session.rollout.steps}.{ext}"
-        return Response(await asyncio.to_thread(body), media_type=RECORDINGS[ext],
+        name, content = await asyncio.to_thread(body)
+        return Response(content, media_type=RECORDINGS[ext],
                         headers={"Content-Disposition": f'attachment; filename="{name}"'})
 
     async def play(ws):
@@ -176,15 +176,13 @@ def build_app(player, log=None):
 
 async def _read(ws, inbox: asyncio.Queue) -> None:
     """The page's requests into ``inbox`` (a string: why one is not a JSON object; None once the page closes)."""
-    try:
+    with contextlib.suppress(RuntimeError, KeyError):  # (a binary message: KeyError)
         async for text in ws.iter_text():  # (until the page closes)
             try:
                 message = json.loads(text)
                 inbox.put_nowait(message if isinstance(message, dict) else f"not a JSON object: {text[:80]}")
             except ValueError:
                 inbox.put_nowait(f"not JSON: {text[:80]}")
-    except (RuntimeError, KeyError):  # (a binary message: KeyError)
-        pass
     inbox.put_nowait(None)
 
 

@@ -1,5 +1,4 @@
-"""Arguments: argparse for lwm's own verbs (one-line refusals, defaults in the help, typed values) and the Lightning
-verbs' arguments prepared for jsonargparse."""
+"""argparse for lwm's verbs (one-line refusals, defaults in help, typed values); Lightning verbs' for jsonargparse."""
 
 from __future__ import annotations
 

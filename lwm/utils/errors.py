@@ -16,8 +16,7 @@ class ConfigError(LwmError):
 
 
 def refuse_first(*checks: tuple[str, bool], error: type[LwmError] = ConfigError) -> None:
-    """Raise ``error`` with the message of the first ``(message, wrong)`` check that is wrong: a verb's arguments
-    checked in one place, before any work."""
+    """Raise ``error`` with the message of the first wrong ``(message, wrong)``: a verb's checks, before any work."""
     for message, wrong in checks:
         if wrong:
             raise error(message)
@@ -39,9 +38,8 @@ def first_line(e: BaseException) -> str:
 
 
 def torch_load_failure(e: BaseException, path: str | Path | None = None) -> str:
-    """Why ``torch.load(weights_only=True)`` refused a file, in one line (``Type: reason``), without torch's advice
-    to load it with ``weights_only=False`` (lwm never unpickles arbitrary objects: a file that needs that is not
-    one of ours) or its terminal escape codes."""
+    """Why ``torch.load(weights_only=True)`` refused a file, in one line (``Type: reason``), without torch's advice of
+    ``weights_only=False`` (lwm never unpickles arbitrary objects: a file that needs it is not one of ours)."""
     if path is not None and _truncated_zip(path):
         return "truncated or corrupt: a zip archive, as torch.save writes, but not a complete one"
     text = str(e)
@@ -62,8 +60,7 @@ def _truncated_zip(path: str | Path) -> bool:
 
     try:
         with open(path, "rb") as f:
-            magic = f.read(4)
-        return magic == b"PK\x03\x04" and not zipfile.is_zipfile(path)
+            return f.read(4) == b"PK\x03\x04" and not zipfile.is_zipfile(path)
     except OSError:
         return False
 

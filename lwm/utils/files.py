@@ -18,8 +18,7 @@ def temp_path(path: Path) -> Path:
 
 
 def atomic_write(path: str | Path, write: Callable[[IO[Any]], object], mode: str = "wb", **open_kwargs: Any) -> Path:
-    """``write(file)`` into :func:`temp_path` of ``path`` (folders made), fsynced, then renamed over ``path``; the
-    temp file is removed whatever happens."""
+    """``write(file)`` into :func:`temp_path` (folders made), fsynced, renamed over ``path``; the temp never stays."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path(path)

@@ -1,5 +1,4 @@
-"""The monitoring metrics as plain functions of tensors, returning tensors on their device (callers decide when
-to sync)."""
+"""Monitoring metrics: plain functions of tensors, returning tensors on their device (callers choose when to sync)."""
 
 from __future__ import annotations
 
@@ -44,8 +43,7 @@ def codebook_diversity(codes: Tensor) -> Tensor:
     c = codes.float()
     # exact differences: cdist's matmul form (its default above 25 rows) can put identical codes 0.01 apart
     mse = torch.cdist(c, c, compute_mode="donot_use_mm_for_euclid_dist").pow(2) / c.shape[1]  # [K, K]
-    i, j = torch.triu_indices(K, K, offset=1, device=codes.device)
-    pairs = mse[i, j]
+    pairs = mse[tuple(torch.triu_indices(K, K, offset=1, device=codes.device))]  # [K (K - 1) / 2]
     return torch.stack([pairs.min(), pairs.max(), pairs.mean()])
 
 
@@ -90,12 +88,9 @@ def sensitivity(model, x: Tensor, t: int = 4, generator: torch.Generator | None 
     actions = actions[:, :t]  # a_0..a_{t-1}
     target = x[:, t]
     seq = model.generate(x[:, :1], actions, world, steps=t)[:, -1]  # the KV-cached rollout
-    quantizers = model.quantizers
-    rand_actions = random_codes(quantizers["Action_Encoder"], (B, t), generator).to(actions.dtype)
-    if world_phase == "off":  # the predictor gets no world
-        rand_world = torch.zeros_like(world)
-    else:
-        rand_world = random_codes(quantizers["World_Encoder"], (B,), generator).to(world.dtype)
+    rand_actions = random_codes(model.quantizers["Action_Encoder"], (B, t), generator).to(actions.dtype)
+    rand_world = (torch.zeros_like(world) if world_phase == "off"  # the predictor gets no world
+                  else random_codes(model.quantizers["World_Encoder"], (B,), generator).to(world.dtype))
     action_rand = model.generate(x[:, :1], rand_actions, world, steps=t)[:, -1]
     world_rand = model.generate(x[:, :1], actions, rand_world, steps=t)[:, -1]
     return {
@@ -125,9 +120,8 @@ def nmi(predicted: Tensor, target: Tensor) -> Tensor:
 @torch.no_grad()
 def nmi_chance(predicted: Tensor, target: Tensor, groups: Tensor | None = None, permutations: int = 20,
                seed: int = 0) -> tuple[float, float]:
-    """NMI of ``predicted [N]`` with ``target [N]`` shuffled (within each of ``groups [N]``, where given): mean and
-    three standard deviations over ``permutations``, the NMI of finite samples without information (shuffled
-    within groups: what the groups alone tell, e.g. games with action sets of their own)."""
+    """The chance level of :func:`nmi` on finite samples: mean and 3 sd over ``permutations`` of ``target [N]``
+    shuffled (within each of ``groups [N]``, where given: what the groups alone tell, e.g. each game's actions)."""
     g = torch.Generator().manual_seed(seed)
     groups = torch.zeros_like(target) if groups is None else groups
     members = [(groups == k).nonzero()[:, 0] for k in groups.unique()]
@@ -141,48 +135,42 @@ def nmi_chance(predicted: Tensor, target: Tensor, groups: Tensor | None = None, 
     return float(values.mean()), float(3 * values.std())
 
 
-def linear_probe_accuracy(
-    features: Tensor, labels: Tensor, train_fraction: float = 0.5, steps: int = 300, seed: int = 0
-) -> tuple[float, float]:
-    """Held-out accuracy of a linear classifier (multinomial logistic regression, full-batch Adam on standardised
-    features) trained on a seeded ``train_fraction`` of ``features [N, d]`` -> ``labels [N]``."""
-    with torch.inference_mode(False):  # callers at validation run under inference mode
-        return _linear_probe(features.detach().float().cpu().clone(), labels.detach().long().cpu().clone(),
-                             train_fraction, steps, seed)
-
-
 def probe_train_size(n: int, train_fraction: float = 0.5) -> int:
     """How many of ``n`` samples :func:`linear_probe_accuracy` trains on (the rest are held out)."""
     return max(1, min(n - 1, int(round(train_fraction * n))))
 
 
-def _linear_probe(x: Tensor, y: Tensor, train_fraction: float, steps: int, seed: int) -> tuple[float, float]:
-    n = x.shape[0]
+def linear_probe_accuracy(
+    features: Tensor, labels: Tensor, train_fraction: float = 0.5, steps: int = 300, seed: int = 0
+) -> tuple[float, float]:
+    """Held-out accuracy and chance level of a linear classifier (multinomial logistic regression, full-batch Adam
+    on standardised features) trained on a seeded ``train_fraction`` of ``features [N, d]`` -> ``labels [N]``."""
+    n = features.shape[0]
     if n < 4:
         return float("nan"), float("nan")
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
-    cut = probe_train_size(n, train_fraction)
-    train, test = order[:cut], order[cut:]
-    mean, std = x[train].mean(0), x[train].std(0).clamp_min(1e-6)
-    x = (x - mean) / std
-    classes = int(y.max()) + 1
-    with torch.enable_grad():
-        torch.manual_seed(seed)
-        probe = torch.nn.Linear(x.shape[1], classes)
-        opt = torch.optim.Adam(probe.parameters(), lr=0.05)
-        for _ in range(steps):
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(probe(x[train]), y[train]).backward()
-            opt.step()
-    with torch.no_grad():
-        accuracy = (probe(x[test]).argmax(-1) == y[test]).float().mean().item()
+    with torch.inference_mode(False):  # callers at validation run under inference mode
+        x, y = features.detach().float().cpu().clone(), labels.detach().long().cpu().clone()
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+        cut = probe_train_size(n, train_fraction)
+        train, test = order[:cut], order[cut:]
+        x = (x - x[train].mean(0)) / x[train].std(0).clamp_min(1e-6)
+        classes = int(y.max()) + 1
+        with torch.enable_grad():
+            torch.manual_seed(seed)
+            probe = torch.nn.Linear(x.shape[1], classes)
+            opt = torch.optim.Adam(probe.parameters(), lr=0.05)
+            for _ in range(steps):
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(probe(x[train]), y[train]).backward()
+                opt.step()
+        with torch.no_grad():
+            accuracy = (probe(x[test]).argmax(-1) == y[test]).float().mean().item()
     majority = torch.bincount(y[train], minlength=classes).argmax()
     return accuracy, (y[test] == majority).float().mean().item()
 
 
 def copy_last_loss(x: Tensor) -> Tensor:
-    """The copy-last-frame baseline's one-step MSE on a clip batch ``x [B, T, ...]`` (frame ``i+1`` predicted as
-    frame ``i``)."""
+    """The copy-last-frame baseline's one-step MSE on clips ``x [B, T, ...]``: frame ``i+1`` predicted as ``i``."""
     return (x[:, 1:].float() - x[:, :-1].float()).pow(2).mean()
 
 

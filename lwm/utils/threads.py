@@ -1,6 +1,5 @@
-"""The intra-op threads of a run on the CPU: the cores not in use, not torch's one per core (OpenMP's threads wait
-on each other: on 2 cores with one busy, 8x slower steps), unless the user chose. The count sets the kernels'
-float order: the same count, CPU kind and torch give the same numbers."""
+"""The intra-op threads of a run on the CPU: the idle cores, not torch's one per core (OpenMP's threads wait on each
+other: on 2 cores with one busy, 8x slower steps), unless the user chose; the count sets the kernels' float order."""
 
 from __future__ import annotations
 
@@ -49,8 +48,7 @@ def threads_for(idle: float, cores: int) -> int:
 
 
 def set_cpu_threads(processes: int = 1) -> str:
-    """Set torch's intra-op threads for a run of ``processes`` (DDP ranks) on this machine's CPU; how many and why,
-    in a phrase."""
+    """Set torch's intra-op threads for ``processes`` (DDP ranks) on this machine's CPU -> how many and why."""
     global _CHOSEN
     n = torch.get_num_threads()
     if os.environ.get("OMP_NUM_THREADS"):

@@ -20,9 +20,8 @@ VIDEO_SUFFIXES = (".mp4", ".gif")
 
 def check_output(path: str | Path, what: str = "--out", inputs: Mapping[str, str | Path] | None = None,
                  suffixes: tuple[str, ...] | None = None, overwrite: bool = True) -> Path:
-    """Refuse an output file's ``path`` before any work, with one :class:`~lwm.errors.DataError` line naming it: of
-    another suffix than ``suffixes``, a folder (or device), one of the ``inputs``, there (unless ``overwrite``), or in
-    a folder it cannot write."""
+    """Refuse an output ``path`` before any work, in one :class:`DataError` line naming it: of another suffix than
+    ``suffixes``, a folder or device, one of the ``inputs``, there (unless ``overwrite``), or where it cannot write."""
     path = Path(path)
     same = next((f"{option} {source}" for option, source in (inputs or {}).items() if _same_file(path, Path(source))),
                 None)
@@ -54,10 +53,8 @@ GRID_PAD = 4  # white pixels between a grid's rows
 
 def latent_preview(latents: Tensor, scale: int = PREVIEW_SCALE) -> np.ndarray:
     """``[T, C, H, W]`` latents in [-1, 1] -> ``uint8 [T, H*scale, W*scale, 3]``."""
-    rgb = latents[:, :3].float()
-    if rgb.shape[1] < 3:  # fewer channels: repeat the first
-        rgb = torch.cat([rgb, rgb[:, :1].expand(-1, 3 - rgb.shape[1], -1, -1)], dim=1)
-    rgb = ((rgb.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+    channels = [c if c < latents.shape[1] else 0 for c in range(3)]  # fewer than 3: the first again
+    rgb = ((latents[:, channels].float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
     rgb = rgb.repeat_interleave(scale, dim=2).repeat_interleave(scale, dim=3)
     return rgb.permute(0, 2, 3, 1).contiguous().cpu().numpy()
 
@@ -93,8 +90,7 @@ def gif_delay_ms(fps: float) -> int:
 
 
 def write_video(path: str | Path, frames: np.ndarray, fps: float = 8) -> Path:
-    """Write ``uint8 [T, H, W, 3]`` as ``.mp4`` (H.264, even sizes padded) or else ``.gif`` (the callers checked the
-    path: :func:`check_output`)."""
+    """Write ``uint8 [T, H, W, 3]`` as ``.mp4`` (H.264, padded even) or else ``.gif`` (path: :func:`check_output`)."""
     import imageio.v3 as iio
 
     fps = min(fps, MAX_FPS)
