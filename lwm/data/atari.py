@@ -67,13 +67,9 @@ def check_arguments(out_dir: str | Path, game_list: list[str], episodes: int, ov
         (f"--games: unknown game(s) {', '.join(unknown)} (ale-py knows {len(known)}, e.g. pong, breakout)",
          bool(unknown)), error=DataError)
     if Path(out_dir).is_dir():
-        existing_h5(Path(out_dir), {_name(game, i) for game in game_list for i in range(episodes)},
+        existing_h5(Path(out_dir), {f"{game}_{i:03d}.h5" for game in game_list for i in range(episodes)},
                     ", which would join the manifest; record into another --out",
                     None if overwrite else "--overwrite replaces it, or record into another --out")
-
-
-def _name(game: str, episode: int) -> str:
-    return f"{game}_{episode:03d}.h5"
 
 
 def make_dataset(out_dir: str | Path, game_list: list[str], episodes: int = 8, frames: int = 256, seed: int = 0,
@@ -88,7 +84,7 @@ def make_dataset(out_dir: str | Path, game_list: list[str], episodes: int = 8, f
         for i in range(episodes):
             ep_seed = int(np.random.SeedSequence([seed, label, i]).generate_state(1)[0])
             video, actions = record(game, ep_seed, frames, frame_skip, sticky, hold=codec.frames_per_latent)
-            target = out / _name(game, i)
+            target = out / f"{game}_{i:03d}.h5"
             clipped, shape = write_latents(target, codec, stretch(video, codec.size), actions, world_label=label,
                                            attrs={"game": game, "fps": ALE_FPS / frame_skip})
             note = f", {clipped} values clipped to [-1, 1] ({clipped / np.prod(shape):.2%})" if clipped else ""

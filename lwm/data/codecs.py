@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from einops import rearrange
 
+from lwm.data.vae import CLASSES, VAECodec
 from lwm.utils.errors import DataError
 
 LUMA = np.array([0.299, 0.587, 0.114], dtype=np.float32)  # ITU-R BT.601
@@ -60,8 +61,6 @@ def codec_spec(attr: object, path: str = "") -> dict | None:
 def codec_from_attr(attr: object, path: str = "", vae: str | None = None, device: str = "cpu", tiling: bool = False):
     """The codec a file's ``codec`` attribute names; None where there is none, it is unknown, or it is a VAE
     (:mod:`lwm.data.vae`) and no ``vae`` weights folder is given."""
-    from lwm.data.vae import CLASSES, VAECodec
-
     spec = codec_spec(attr, path)
     if vae is not None and (spec is None or spec["name"] not in CLASSES):
         raise DataError(f"--vae {vae}: {path} is not encoded with a VAE ({missing_codec(attr, path)}): leave --vae "
@@ -73,8 +72,6 @@ def codec_from_attr(attr: object, path: str = "", vae: str | None = None, device
 
 def missing_codec(attr: object, path: str = "") -> str:
     """Why :func:`codec_from_attr` gave None, as a phrase for messages."""
-    from lwm.data.vae import CLASSES
-
     spec = codec_spec(attr, path)
     if spec is None:
         return "the file names no codec"

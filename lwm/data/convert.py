@@ -32,11 +32,9 @@ def size_problem(codec: str, size: int | None) -> str | None:
     if size is None or codec not in CODECS or (size > 0 and size % step == 0):
         return None
     below = size // step * step
-    why = (f"the {codec} codec makes {size // cell}x{size // cell} latents, and the model needs latents in multiples "
-           f"of {MODEL_MULTIPLE} (the tokenizer downsamples by {MODEL_MULTIPLE})" if size > 0 and size % cell == 0 else
-           f"the {codec} codec needs a positive multiple of {step} ({cell}x{cell} pixels per latent, and the model "
-           f"needs latents in multiples of {MODEL_MULTIPLE}: the tokenizer downsamples by {MODEL_MULTIPLE})")
-    return f"--size {size}: {why}: use --size {f'{below} or {below + step}' if below > 0 else step}"
+    return (f"--size {size}: the {codec} codec needs a positive multiple of {step} ({cell}x{cell} pixels per latent, "
+            f"and the model needs latents in multiples of {MODEL_MULTIPLE}: the tokenizer downsamples by "
+            f"{MODEL_MULTIPLE}): use --size {f'{below} or {below + step}' if below > 0 else step}")
 
 
 def stretch(frames: np.ndarray, size: int) -> np.ndarray:
@@ -112,9 +110,8 @@ def make_codec(codec: str = "pixel", vae: str | Path | None = None, size: int | 
 
 def write_latents(target: Path, codec, frames: np.ndarray, actions: np.ndarray | None = None,
                   world_label: int | None = None, attrs: dict | None = None) -> tuple[int, list[int]]:
-    """Encode ``uint8 [F, S, S, 3]`` frames into the h5 file ``target`` (``latents`` float16, ``codec``; ``actions``
-    subsampled to latent steps) -> ``(values clipped to [-1, 1], the latents' shape)``: a frame-by-frame codec
-    :data:`ENCODE_CHUNK` frames at a time, a causal video VAE the clip whole."""
+    """Encode ``uint8 [F, S, S, 3]`` frames into the h5 file ``target`` (``actions`` subsampled to latent steps) ->
+    ``(values clipped to [-1, 1], the latents' shape)``; a frame codec in chunks, a VAE the clip whole."""
     tmp, step = temp_path(target), ENCODE_CHUNK if codec.frames_per_latent == 1 else max(1, len(frames))
     clipped, n, ds = 0, 0, None
     try:

@@ -1,5 +1,4 @@
-"""The LightningDataModule: random training windows from the manifest's ``train`` files, a fixed set of
-validation windows from its ``val`` files, each rank its own share, the sampler position in checkpoints."""
+"""The LightningDataModule: random train windows, fixed val windows, a share per rank, the sampler in checkpoints."""
 
 from __future__ import annotations
 
@@ -24,7 +23,7 @@ from lwm.data.codecs import codec_from_attr
 from lwm.data.h5 import DataError, inspect_h5
 from lwm.data.manifest import checking, Manifest
 from lwm.data.windows import collate_windows, FileBatchSampler, H5WindowDataset
-from lwm.utils.errors import refused
+from lwm.utils.errors import refuse_first, refused
 
 
 def ignore_requeue_signal(worker_id: int) -> None:
@@ -51,8 +50,7 @@ class ResumableDataLoader(DataLoader):
 
     batch_sampler: FileBatchSampler
 
-    def __init__(self, *args: Any, stream: dict[str, Any] | None = None,
-                 on_seed: Callable[[int], None] | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, stream: dict[str, Any], on_seed: Callable[[int], None], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.stream, self.on_seed = stream, on_seed
         self._consumed = 0
@@ -75,7 +73,7 @@ class ResumableDataLoader(DataLoader):
 
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.batch_sampler.epoch, "batches": self._consumed, **self.batch_sampler.state_dict(),
-                "global_batch": self.global_batch, **({} if self.stream is None else {"stream": dict(self.stream)})}
+                "global_batch": self.global_batch, "stream": dict(self.stream)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         seed, epoch, batches = self.batch_sampler.seed, int(state["epoch"]), int(state["batches"])
@@ -83,8 +81,7 @@ class ResumableDataLoader(DataLoader):
         if self.batch_sampler.seed != seed:
             rank_zero_warn(f"data.seed={seed} differs from the checkpoint's sampler seed {self.batch_sampler.seed}: "
                            "the resumed run keeps drawing the checkpoint's batches (its seed)")
-        if self.on_seed is not None:
-            self.on_seed(self.batch_sampler.seed)
+        self.on_seed(self.batch_sampler.seed)
         changed = stream_changes(state.get("stream"), self.stream)
         if changed:
             rank_zero_warn(f"resuming with {'; '.join(changed)}: epoch {epoch} continues at batch {batches} with "
@@ -97,9 +94,9 @@ class ResumableDataLoader(DataLoader):
         self._resume = (epoch, batches)
 
 
-def stream_changes(saved: dict[str, Any] | None, current: dict[str, Any] | None) -> list[str]:
+def stream_changes(saved: dict[str, Any] | None, current: dict[str, Any]) -> list[str]:
     """What differs between a checkpoint's :meth:`LatentDataModule.stream` and this run's, a few words each."""
-    if not saved or not current:
+    if not saved:
         return []
     changed = [f"data.{k} {json.dumps(saved[k])} -> {json.dumps(current.get(k))}"
                for k in ("window", "batches_per_epoch") if k in saved and saved[k] != current.get(k)]
@@ -121,22 +118,17 @@ class LatentDataModule(L.LightningDataModule):
                  prefetch_factor: int = 2, pin_memory: bool = True,
                  float16_batches: bool = True, label_fraction: float = 1.0) -> None:
         super().__init__()
-        if window < 2:
-            raise DataError(f"data.window must be >= 2 (a transition; the model needs more), got {window}")
-        if batch_size < 1 or (val_batch_size is not None and val_batch_size < 1):
-            raise DataError(f"data.batch_size and data.val_batch_size must be >= 1, got {batch_size}, {val_batch_size}")
-        if not 0.0 <= val_size_percent <= 1.0:
-            raise DataError(f"data.val_size_percent must lie in [0, 1], got {val_size_percent}")
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:  # numpy's generators take none below 0
-            raise DataError(f"data.seed must be an integer >= 0, got {seed!r}")
-        if not 0.0 <= label_fraction <= 1.0:
-            raise DataError(f"data.label_fraction must lie in [0, 1], got {label_fraction}")
-        if num_workers < 0 or prefetch_factor < 1:  # (torch takes a prefetch_factor of 0, then loads nothing)
-            raise DataError(f"data.num_workers must be >= 0 and data.prefetch_factor >= 1, got {num_workers}, "
-                            f"{prefetch_factor}")
-        if batches_per_epoch is not None and batches_per_epoch < 1:
-            raise DataError(f"data.batches_per_epoch must be >= 1 (or null: the windows / the global batch), got "
-                            f"{batches_per_epoch}")
+        refuse_first(
+            (f"data.window must be >= 2 (a transition; the model needs more), got {window}", window < 2),
+            (f"data.batch_size and data.val_batch_size must be >= 1, got {batch_size}, {val_batch_size}",
+             batch_size < 1 or (val_batch_size is not None and val_batch_size < 1)),
+            (f"data.val_size_percent must lie in [0, 1], got {val_size_percent}", not 0.0 <= val_size_percent <= 1.0),
+            (f"data.seed must be an integer >= 0, got {seed!r}", type(seed) is not int or seed < 0),  # (numpy's rule)
+            (f"data.label_fraction must lie in [0, 1], got {label_fraction}", not 0.0 <= label_fraction <= 1.0),
+            (f"data.num_workers must be >= 0 and data.prefetch_factor >= 1, got {num_workers}, {prefetch_factor}",
+             num_workers < 0 or prefetch_factor < 1),  # (torch takes a prefetch_factor of 0, then loads nothing)
+            (f"data.batches_per_epoch must be >= 1 (or null: the windows / the global batch), got {batches_per_epoch}",
+             batches_per_epoch is not None and batches_per_epoch < 1), error=DataError)
         self.save_hyperparameters()
         vars(self).update(self.hparams)  # every setting as an attribute (self.window, ...)
         self.manifest_path, self.val_batch_size = Path(manifest), val_batch_size or batch_size
@@ -145,8 +137,7 @@ class LatentDataModule(L.LightningDataModule):
         self.val_set: H5WindowDataset | None = None
 
     def load_manifest(self) -> Manifest:
-        """The manifest, and (``check_files``) every file's header checked, the values of those changed since `lwm
-        data index`; one :class:`DataError` names every bad file."""
+        """The manifest, each file's header checked (``check_files``: the values of those changed since indexing)."""
         if self.manifest is not None:
             return self.manifest
         manifest = Manifest.load(self.manifest_path)
@@ -180,10 +171,7 @@ class LatentDataModule(L.LightningDataModule):
     def codec(self):
         """The pixel decoder of the validation files (their ``codec`` attribute, read from the first one), or None."""
         manifest = self.load_manifest()
-        entries = manifest.split("val") or manifest.entries
-        if not entries:
-            return None
-        path = manifest.resolve(entries[0])
+        path = manifest.resolve((manifest.split("val") or manifest.entries)[0])
         with h5py.File(path, "r") as f:
             return codec_from_attr(f.attrs.get("codec"), str(path))
 
@@ -215,24 +203,21 @@ class LatentDataModule(L.LightningDataModule):
         return dict(collate_fn=collate_windows, num_workers=self.num_workers, pin_memory=self.pin_memory and on_gpu,
                     **(workers if self.num_workers > 0 else {}))
 
-    def train_sampler(self, rank: int, world_size: int) -> FileBatchSampler:
-        """Rank ``rank``'s batch sampler of the training windows (``len``: the batches of an epoch)."""
-        if self.train_set is None:
-            self.setup("fit")
-        return FileBatchSampler(self.train_set.frames, self.window, self.batch_size, seed=self.seed, rank=rank,
-                                world_size=world_size, batches_per_epoch=self.batches_per_epoch)
-
     def train_dataloader(self) -> ResumableDataLoader:
-        sampler = self.train_sampler(*self._rank())  # (sets the data up where fit has not)
-        return ResumableDataLoader(self.train_set, batch_sampler=sampler,
-                                   stream=self.stream(), on_seed=self.keep_seed, **self._loader_kwargs())
+        if self.train_set is None:  # called outside a fit (benchmarks/data_loader.py)
+            self.setup("fit")
+        rank, world_size = self._rank()
+        sampler = FileBatchSampler(self.train_set.frames, self.window, self.batch_size, seed=self.seed, rank=rank,
+                                   world_size=world_size, batches_per_epoch=self.batches_per_epoch)
+        return ResumableDataLoader(self.train_set, batch_sampler=sampler, stream=self.stream(),
+                                   on_seed=lambda seed: setattr(self, "seed", seed), **self._loader_kwargs())
 
     def stream(self) -> dict[str, Any]:
         """What decides the training batches besides the seed and the global batch, for the loader's state."""
         manifest = self.load_manifest()
         entries = manifest.split("train")
         paths = [os.path.normpath(os.path.join(os.path.abspath(manifest.path.parent), e.path)) for e in entries]
-        shared = os.path.commonpath(paths) if len(paths) > 1 else os.path.dirname(paths[0]) if paths else ""
+        shared = os.path.commonpath(paths) if len(paths) > 1 else os.path.dirname(paths[0])  # (the split is not empty)
         listed = json.dumps([[os.path.relpath(p, shared), int(e.frames)] for p, e in zip(paths, entries)]).encode()
         return {"train_files": len(entries), "train_frames": sum(int(e.frames) for e in entries),
                 "train_digest": hashlib.sha256(listed).hexdigest()[:16], "window": self.window,
@@ -253,17 +238,13 @@ class LatentDataModule(L.LightningDataModule):
         elif fn == "validate" and self.val_size_percent < 1:
             rank_zero_warn(f"data.seed={seed} differs from the checkpoint's {saved}: validating on the checkpoint "
                            f"run's validation windows (its seed)")
-        self.keep_seed(saved)
-
-    def keep_seed(self, seed: int) -> None:
-        """Take a checkpoint's seed (training stream, validation subset, code dictionaries' windows), silently."""
-        self.seed = seed
+        self.seed = saved  # the training stream, validation subset and code dictionaries' windows
 
     def keep_checkpoint_seed(self, checkpoint: dict[str, Any]) -> None:
-        """:meth:`keep_seed` of a checkpoint read outside a Trainer (``lwm codes``), where it holds one."""
+        """The seed of a checkpoint read outside a Trainer (``lwm codes``), where it holds one, taken silently."""
         seed = (checkpoint.get(type(self).__qualname__) or {}).get("seed")
         if seed is not None:
-            self.keep_seed(int(seed))
+            self.seed = int(seed)
 
     def fixed_windows(self, dataset: H5WindowDataset, limit: int | None = None) -> list[tuple[int, int]]:
         """This rank's share (round-robin) of the first ``limit`` non-overlapping windows of ``dataset``, seeded."""
@@ -274,8 +255,6 @@ class LatentDataModule(L.LightningDataModule):
 
     def code_loader(self, max_windows: int | None = None) -> DataLoader:
         """Fixed training windows (at most ``max_windows`` over all ranks), for the code dictionaries."""
-        if self.train_set is None:
-            self.setup("fit")
         return DataLoader(self.train_set, batch_size=self.val_batch_size,
                           sampler=self.fixed_windows(self.train_set, max_windows), **self._loader_kwargs())
 
@@ -304,14 +283,10 @@ class LatentDataModule(L.LightningDataModule):
     def val_dataloader(self) -> DataLoader | list:
         if self.val_size_percent == 0:
             return []  # Lightning runs no validation
-        if self.val_set is None:
-            self.setup("validate")
         return self._fixed_loader(self.val_windows())
 
     def test_dataloader(self) -> DataLoader:
         """Every validation window (the manifest has no test split)."""
-        if self.val_set is None:
-            self.setup("test")
         return self._fixed_loader(self.val_windows(1.0))
 
     predict_dataloader = test_dataloader  # every validation window, for ``lwm predict``

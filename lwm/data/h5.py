@@ -55,8 +55,7 @@ def find_latents_key(f: h5py.File, path: str | Path, key: str | None = None) -> 
 def inspect_h5(path: str | Path, channels: int | None = None, height: int | None = None, width: int | None = None,
                tolerance: float = 1e-3, check_values: bool = True, chunk_frames: int = 64,
                key: str | None = None) -> H5Info:
-    """Check the file ``path``: its latents are 4-D float of the given ``C, H, W``, none 0, and (``check_values``)
-    finite within [-1 - tolerance, 1 + tolerance]; its actions and attributes well formed."""
+    """Check ``path``: latents 4-D float of the given ``C, H, W``, finite in [-1, 1] up to ``tolerance``, attributes."""
     path = Path(path)
     try:
         f = h5py.File(path, "r")
@@ -98,8 +97,7 @@ def inspect_h5(path: str | Path, channels: int | None = None, height: int | None
         label = f.attrs.get("world_label")
         label = None if label is None else parse_world_label(label, path)
         _check_codec(f.attrs.get("codec"), path, C, H, W)
-        if "fps" in f.attrs:
-            parse_fps(f.attrs["fps"], path)
+        file_fps(f)  # (a malformed fps refused)
         filtered = ds.chunks is not None and ds.id.get_create_plist().get_nfilters() > 0
         return H5Info(key, T, C, H, W, act is not None, label, ds.chunks[0] if filtered else None)
 
@@ -142,25 +140,19 @@ def _check_codec(attr: object, path: Path, C: int, H: int, W: int) -> None:
          f"latents, but the dataset holds [{C}, {H}, {W}]", (C, H, W) != (channels, side, side)), error=DataError)
 
 
-def _number_attr(value: object, path: str | Path, name: str) -> int | float:
-    """The attribute ``world_label`` (an integer >= 0 fitting int64) or ``fps`` (a finite number > 0); else refused."""
-    number, label = np.asarray(value), name == "world_label"
-    if number.shape != () or number.dtype.kind not in ("iu" if label else "iuf") or not (
-            0 <= number <= np.iinfo(np.int64).max if label else np.isfinite(number) and number > 0):
-        rule = "an integer >= 0 (fitting int64; -1 means no label in batches)" if label else \
-            "a number > 0 (frames per second)"
-        raise DataError(f"{path}: attribute '{name}' must be {rule}, got {value!r}")
-    return int(number) if label else float(number)
-
-
 def parse_world_label(value: object, path: str | Path) -> int:
-    return _number_attr(value, path, "world_label")
-
-
-def parse_fps(value: object, path: str | Path) -> float:
-    return _number_attr(value, path, "fps")
+    """The attribute ``world_label``: an integer >= 0 fitting int64 (-1 means no label in batches)."""
+    number = np.asarray(value)
+    if number.shape != () or number.dtype.kind not in "iu" or not 0 <= number <= np.iinfo(np.int64).max:
+        raise DataError(f"{path}: attribute 'world_label' must be an integer >= 0 (fitting int64; -1 means no label "
+                        f"in batches), got {value!r}")
+    return int(number)
 
 
 def file_fps(f: h5py.File) -> float:
     """The frame rate an open h5 file records (``fps``, written by ``lwm data encode``), else :data:`DEFAULT_FPS`."""
-    return parse_fps(f.attrs["fps"], f.filename) if "fps" in f.attrs else DEFAULT_FPS
+    number = np.asarray(f.attrs.get("fps", DEFAULT_FPS))
+    if number.shape != () or number.dtype.kind not in "iuf" or not (np.isfinite(number) and number > 0):
+        raise DataError(f"{f.filename}: attribute 'fps' must be a number > 0 (frames per second), got "
+                        f"{f.attrs['fps']!r}")
+    return float(number)

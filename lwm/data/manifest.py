@@ -43,8 +43,7 @@ class ManifestEntry:
     mtime: float | None = None  # its modification time then
 
     def changed_since_checked(self, st: os.stat_result) -> bool:
-        """Whether the file's size or modification time differ from the index's (a time cut to the second, as a copy
-        to a coarser file system keeps it, is the same)."""
+        """Whether the file's size or mtime differ from the index's (one cut to the second, by a copy, is the same)."""
         if self.bytes is None or self.mtime is None:
             return False
         same_time = abs(st.st_mtime - self.mtime) < 1e-6 or st.st_mtime == math.floor(self.mtime)
@@ -95,12 +94,11 @@ class Manifest:
         _check_fields(path, raw, ("version", "channels", "height", "width", "files"), "")
         entries = []
         for f in raw["files"]:
-            f = f if isinstance(f, dict) else {"path": f}
             _check_fields(path, f, ("path",))
             f = {"key": LATENTS_KEY, **f}
             _check_fields(path, f, ("frames", "split", "key"), f"file {f['path']}: ")
             size, mtime = f.get("bytes"), f.get("mtime")  # optional: a malformed stamp is as none (nothing compared)
-            stamped = _is_int(size) and isinstance(mtime, (int, float)) and not isinstance(mtime, bool)
+            stamped = type(size) is int and type(mtime) in (int, float)
             entries.append(ManifestEntry(f["path"], f["frames"], f["split"], f["key"],
                                          *((size, float(mtime)) if stamped else ())))
         manifest = cls(path, raw["channels"], raw["height"], raw["width"], entries)
@@ -123,16 +121,12 @@ class Manifest:
             seen.update((i, e) for i in ids if i is not None)
 
 
-def _is_int(value: object) -> bool:
-    """A JSON integer (``true`` is not one, nor ``16.0`` or ``"16"``)."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-_FIELDS = {  # a manifest's field: its test, and what it must be
-    "version": (lambda v: _is_int(v) and v == MANIFEST_VERSION,
+_FIELDS = {  # a manifest's field: its test, and what it must be (a JSON integer: type int, not bool, 16.0 or "16")
+    "version": (lambda v: type(v) is int and v == MANIFEST_VERSION,
                 f"{MANIFEST_VERSION}, the version this lwm reads (index the folder again, or update lwm)"),
-    **dict.fromkeys(("channels", "height", "width", "frames"), (lambda v: _is_int(v) and v >= 1, "an integer >= 1")),
-    "files": (lambda v: isinstance(v, list), "a list of file entries"),
+    **dict.fromkeys(("channels", "height", "width", "frames"),
+                    (lambda v: type(v) is int and v >= 1, "an integer >= 1")),
+    "files": (lambda v: isinstance(v, list) and all(isinstance(f, dict) for f in v), "a list of file entries"),
     "path": (lambda v: isinstance(v, str) and v != "", "the file's path"),
     "split": (lambda v: v in SPLITS, f"one of {', '.join(SPLITS)}"),
     "key": (lambda v: isinstance(v, str) and v != "", "the name of the latents dataset"),
@@ -144,7 +138,7 @@ def _check_fields(path: Path, raw: dict, names: tuple[str, ...], where: str | No
     for name in names:
         ok, rule = _FIELDS[name]
         if not ok(raw.get(name)):
-            got = repr(raw[name]) if name in raw else "nothing"
+            got = repr(raw[name])[:80] if name in raw else "nothing"
             where = f"file entry {str(raw)[:80]}: " if where is None else where
             raise DataError(f"{path}: manifest field missing or malformed ({where}'{name}' must be {rule}, got {got})")
 
@@ -272,9 +266,8 @@ def val_count(val_fraction: float, files: int) -> int:
 
 def index_directory(directory: str | Path, out: str | Path | None = None, val_fraction: float = 0.1, seed: int = 0,
                     tolerance: float = 1e-3, resplit: bool = False) -> Manifest:
-    """Check every ``*.h5``/``*.hdf5`` under ``directory`` and write a manifest (default ``DIR/manifest.json``): the
-    files an existing manifest lists keep their split, new files are drawn towards ``val_fraction`` by a seeded
-    shuffle."""
+    """Check every ``*.h5``/``*.hdf5`` under ``directory`` and write a manifest (default ``DIR/manifest.json``); the
+    files an existing manifest lists keep their split, new files are drawn towards ``val_fraction``."""
     directory = Path(directory)
     out = Path(out) if out else directory / "manifest.json"
     head = b""
@@ -285,8 +278,7 @@ def index_directory(directory: str | Path, out: str | Path | None = None, val_fr
         (f"{directory}: not a directory", not directory.is_dir()),
         (f"--out {out}: exists and is not a JSON manifest; not overwritten",
          out.exists() and not (out.is_file() and (not head or head.startswith(b"{")))), error=DataError)
-    # paths as found below the real folders (a linked file under its link's name, so that a copy that follows links,
-    # cp -rL, keeps the manifest; ".." in a path means what the system makes of it)
+    # paths below the real folders, a linked file under its link's name (a copy that follows links, cp -rL, keeps them)
     infos, stats, shape = _checked_files(Path(os.path.realpath(directory)), tolerance)
     good = list(infos)
     base = os.path.realpath(out.parent)

@@ -69,10 +69,8 @@ def background(world: int, size: int = SIZE) -> np.ndarray:
 
 def blocked(pos: np.ndarray, action: int, world: World, size: int = SIZE) -> bool:
     """Would ``action`` push the agent at ``pos`` (y, x) through a wall?"""
-    if world.wrap:
-        return False
-    new = pos + scaled(world.speed, size) * MOVES[action]
-    return bool((new < 0).any() or (new > size - scaled(AGENT, size)).any())
+    new = step(pos, action, world, size)
+    return not world.wrap and bool((new < 0).any() or (new > size - scaled(AGENT, size)).any())
 
 
 def step(pos: np.ndarray, action: int, world: World, size: int = SIZE) -> np.ndarray:
@@ -152,18 +150,6 @@ def render_episode(seed: int, frames: int, world: int | None = None, worlds: int
 SETTINGS_ATTR = "synth"  # JSON of the settings an episode file was made with
 
 
-def _made_with(path: Path) -> tuple[dict | None, tuple[int, ...] | None]:
-    """The settings (its ``synth`` attribute) and latents' shape of an existing episode file, each None if none."""
-    settings = shape = None
-    try:
-        with h5py.File(path, "r") as f:
-            shape = tuple(f["latents"].shape)
-            settings = json.loads(f.attrs[SETTINGS_ATTR])
-    except (OSError, KeyError, ValueError, TypeError):
-        pass
-    return settings, shape
-
-
 def make_dataset(out_dir: str | Path, episodes: int = 64, frames: int = 32, seed: int = 0, val_fraction: float = 0.125,
                  worlds: int = K, size: int = SIZE, distractors: int = DISTRACTORS, overwrite: bool = False,
                  look_alike: bool = False,
@@ -178,9 +164,13 @@ def make_dataset(out_dir: str | Path, episodes: int = 64, frames: int = 32, seed
                 **({"look_alike": True} if look_alike else {})}
     if not overwrite:  # never replace the files of another data set without being asked
         existing = [i for i in range(episodes) if (out / names[i]).exists()]
-        for i in existing:  # (one of this shape without a record of its settings is taken as this data set's)
-            made, shape = _made_with(out / names[i])
-            if made != {**settings, "episode": i} and not (made is None and shape == (frames, 16, size // 2, size // 2)):
+        for i in existing:
+            try:
+                with h5py.File(out / names[i], "r") as f:
+                    made = json.loads(f.attrs[SETTINGS_ATTR])
+            except (OSError, KeyError, ValueError, TypeError):
+                made = None  # no record of its settings
+            if made != {**settings, "episode": i}:
                 was = ("no record of its settings" if made is None else
                        ", ".join(f"{k} {made.get(k)}" for k in settings if made.get(k) != settings[k]))
                 now = ", ".join(f"{k} {v}" for k, v in settings.items() if made is None or made.get(k) != v)
@@ -197,8 +187,7 @@ def make_dataset(out_dir: str | Path, episodes: int = 64, frames: int = 32, seed
 
 
 def main(argv: list[str]) -> int:
-    """``lwm data synth --out DIR --episodes N [--frames T] [--seed S] [--val-fraction F] [--worlds K] [--size S]
-    [--distractors D] [--overwrite]``."""
+    """``lwm data synth --out DIR ...``."""
     parser = ArgumentParser(prog="lwm data synth", description="Write a synthetic data set with known actions and "
                             "worlds (an agent square moved by 5 actions in K worlds of different backgrounds, speeds "
                             "and edges) as pixel-codec h5 files and a manifest.")

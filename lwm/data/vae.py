@@ -17,16 +17,6 @@ SPATIAL = 8  # pixels per latent cell
 CLASSES = {"wan": "AutoencoderKLWan", "cogvideox": "AutoencoderKLCogVideoX", "hunyuan": "AutoencoderKLHunyuanVideo"}
 
 
-def check_device(device: str | torch.device) -> None:
-    """Refuse a device torch cannot use here in one line (``--device cuda`` on a machine without CUDA)."""
-    try:
-        usable = torch.device(device).type != "cuda" or torch.cuda.is_available()
-    except (RuntimeError, TypeError):
-        usable = False
-    if not usable:
-        raise DataError(f"--device {device}: not a device torch can use on this machine (e.g. --device cpu)")
-
-
 def latent_frames(frames: int) -> int:
     """Latent steps of a video of ``frames`` frames: ``1 + (frames - 1) // 4``."""
     return 1 + (frames - 1) // TEMPORAL
@@ -71,7 +61,12 @@ def load_vae(name: str, path: str | Path, device: str | torch.device = "cpu", dt
     except ImportError:
         raise DataError(f"the {name} codec needs diffusers, an optional extra: pip install 'lwm[vae]'") from None
     path = Path(path)
-    check_device(device)
+    try:  # --device cuda on a machine without CUDA: one line
+        usable = torch.device(device).type != "cuda" or torch.cuda.is_available()
+    except (RuntimeError, TypeError):
+        usable = False
+    if not usable:
+        raise DataError(f"--device {device}: not a device torch can use on this machine (e.g. --device cpu)")
     try:  # (another class's weights fail to load, or leave tensors missing)
         vae, info = getattr(diffusers, CLASSES[name]).from_pretrained(
             path, subfolder="vae" if (path / "vae" / "config.json").is_file() else None, local_files_only=True,
@@ -123,7 +118,6 @@ class VAECodec:
         return tuple(torch.tensor(v, dtype=torch.float32, device=device)[:, None, None, None]
                      for v in (self.shift, self.scale))
 
-    @torch.no_grad()
     def encode(self, frames: np.ndarray) -> np.ndarray:
         """``uint8 [F, S, S, 3]`` -> ``float32 [1 + (F-1)//4, 16, S/8, S/8]`` in [-1, 1]."""
         latents, _ = self.encode_counting(frames)
@@ -154,8 +148,7 @@ class VAECodec:
         shift, scale = self._affine(device)
         z = y.permute(1, 0, 2, 3) * scale + shift  # [C, t, h, w]
         t = z.shape[1]
-        if self.name == "cogvideox" and t % 2 == 0:
-            # diffusers' CogVideoX decodes latents in pairs, an even count without the lone first latent (frame 0).
+        if self.name == "cogvideox" and t % 2 == 0:  # diffusers' CogVideoX decodes the latents after the first in pairs
             z = torch.cat([z, z[:, -1:]], dim=1)
         video = self.vae.decode(z[None].to(dtype)).sample[0].float()[:, : video_frames(t)]  # [3, F, S, S], ~[-1, 1]
         rgb = ((video.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)

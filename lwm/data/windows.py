@@ -1,5 +1,4 @@
-"""Random fixed-length frame windows from h5 files: a map-style dataset indexed by ``(file, start)`` and a batch
-sampler that draws each batch element from a different file."""
+"""Frame windows from h5 files: a dataset indexed by ``(file, start)``, a sampler of a different file per element."""
 
 from __future__ import annotations
 
@@ -20,10 +19,8 @@ from lwm.data.manifest import Manifest, ManifestEntry
 
 MISSING = -1  # value of `actions` / `world_label` in a batch when the file has none
 MAX_OPEN_FILES = 128  # h5 handles one process keeps open (each holds HDF5's caches: about 0.6 MB)
-# A file of at most LOAD_WINDOWS windows is read whole at its first window and kept in memory (at most LOADED_BYTES per
-# process): many short clips then cost one open each, not one per window.
-LOAD_WINDOWS = 16
-LOADED_BYTES = 256 * 2**20
+LOAD_WINDOWS = 16  # a file of at most this many windows is read whole once: many short clips cost one open each
+LOADED_BYTES = 256 * 2**20  # the most a process keeps of such files in memory
 LABEL_DRAW = 0x1abe1  # the seed of the fixed draw of which actions stay labelled (label_fraction)
 SHORT_NAMED = 10  # short files named in the warning
 
@@ -58,7 +55,7 @@ class H5WindowDataset(Dataset):
         self.window, self.float16, self.max_open, self.label_fraction = window, float16, max_open, label_fraction
         self.paths = [str(manifest.resolve(e)) for e in self.entries]
         self.frames = [e.frames for e in self.entries]
-        self.loaded_bytes = LOADED_BYTES if loaded_bytes is None else loaded_bytes
+        self.loaded_bytes = LOADED_BYTES if loaded_bytes is None else loaded_bytes  # (read at run time: tests patch it)
         self._labelled: dict[int, torch.Tensor] = {}  # per file: which actions label_fraction keeps
         self._handles: OrderedDict[int, _Open] = OrderedDict()
         self._loaded: OrderedDict[int, _Open] = OrderedDict()  # files read whole (LOAD_WINDOWS)
@@ -178,8 +175,8 @@ class FileBatchSampler(Sampler[list[tuple[int, int]]]):
         self.window, self.batch_size = window, batch_size
         self.seed, self.rank, self.world_size = seed, rank, world_size
         windows = self.frames // window
-        self.weights = windows / windows.sum()
-        self._inclusion: dict[int, np.ndarray] = {}
+        rest = batch_size * world_size % len(self.frames)  # the places after whole rounds of every file
+        self.pi = inclusion_probabilities(windows / windows.sum(), rest) if rest else None  # a file's chance of one
         self.num_batches = batches_per_epoch or max(1, int(windows.sum()) // (batch_size * world_size))
         self.epoch = 0
         self.start_batch = 0  # first batch of the next iteration
@@ -194,18 +191,14 @@ class FileBatchSampler(Sampler[list[tuple[int, int]]]):
         rounds, rest = divmod(total, n_files)
         picks = [f for _ in range(rounds) for f in rng.permutation(n_files).tolist()]  # whole rounds
         if rest:
-            picks.extend(systematic_pps(self.inclusion(rest), rng).tolist())
-        if rounds and self.world_size > 1:  # a file twice in the global batch
-            picks = _deal(picks, self.world_size, n_files, rng)
+            picks.extend(systematic_pps(self.pi, rng).tolist())
+        if rounds and self.world_size > 1:  # a file twice in the global batch: grouped, dealt as equal slices
+            order = rng.permutation(n_files)  # each file's place in the grouping
+            grouped = sorted(picks, key=lambda f: order[f])
+            picks = [f for r in range(self.world_size) for f in rng.permutation(grouped[r::self.world_size]).tolist()]
         starts = rng.integers(0, self.frames[picks] - self.window + 1)
         mine = slice(self.rank * self.batch_size, (self.rank + 1) * self.batch_size)
         return [(int(f), int(s)) for f, s in zip(picks[mine], starts[mine])]
-
-    def inclusion(self, n: int) -> np.ndarray:
-        """Each file's probability of being among ``n`` distinct files of a batch (cached per ``n``)."""
-        if n not in self._inclusion:
-            self._inclusion[n] = inclusion_probabilities(self.weights, n)
-        return self._inclusion[n]
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -226,13 +219,6 @@ class FileBatchSampler(Sampler[list[tuple[int, int]]]):
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.seed, self.epoch = int(state["seed"]), int(state["epoch"])
-
-
-def _deal(picks: list[int], ranks: int, n_files: int, rng: np.random.Generator) -> list[int]:
-    """``picks`` (file indices) as ``ranks`` equal slices."""
-    order = rng.permutation(n_files)  # each file's place in the grouping
-    grouped = sorted(picks, key=lambda f: order[f])
-    return [f for r in range(ranks) for f in rng.permutation(grouped[r::ranks]).tolist()]
 
 
 def nonfinite_windows(batch: dict[str, torch.Tensor], paths: list[str]) -> list[str]:

@@ -263,20 +263,20 @@ def test_encoding_again_where_a_videos_files_are_is_refused_before_reading_unles
     assert sorted(p.name for p in out.iterdir()) == ["long.h5", "long_final.h5"]
 
 
-PIXEL_100 = ("--size 100: the pixel codec makes 50x50 latents, and the model needs latents in multiples of 4 (the "
-             "tokenizer downsamples by 4): use --size 96 or 104")
+PIXEL_100 = ("--size 100: the pixel codec needs a positive multiple of 8 (2x2 pixels per latent, and the model "
+             "needs latents in multiples of 4: the tokenizer downsamples by 4): use --size 96 or 104")
 
 
 @pytest.mark.parametrize(("codec", "size", "message"), [
     ("pixel", 100, PIXEL_100),
     ("pixel", 99, "--size 99: the pixel codec needs a positive multiple of 8 (2x2 pixels per latent, and the model "
                   "needs latents in multiples of 4: the tokenizer downsamples by 4): use --size 96 or 104"),
-    ("pixel", 4, "--size 4: the pixel codec makes 2x2 latents, and the model needs latents in multiples of 4 (the "
-                 "tokenizer downsamples by 4): use --size 8"),
+    ("pixel", 4, "--size 4: the pixel codec needs a positive multiple of 8 (2x2 pixels per latent, and the model "
+                 "needs latents in multiples of 4: the tokenizer downsamples by 4): use --size 8"),
     ("pixel", 0, "--size 0: the pixel codec needs a positive multiple of 8 (2x2 pixels per latent, and the model "
                  "needs latents in multiples of 4: the tokenizer downsamples by 4): use --size 8"),
-    ("wan", 520, "--size 520: the wan codec makes 65x65 latents, and the model needs latents in multiples of 4 (the "
-                 "tokenizer downsamples by 4): use --size 512 or 544"),
+    ("wan", 520, "--size 520: the wan codec needs a positive multiple of 32 (8x8 pixels per latent, and the model "
+                 "needs latents in multiples of 4: the tokenizer downsamples by 4): use --size 512 or 544"),
     ("hunyuan", 36, "--size 36: the hunyuan codec needs a positive multiple of 32 (8x8 pixels per latent, and the "
                     "model needs latents in multiples of 4: the tokenizer downsamples by 4): use --size 32 or 64"),
 ])

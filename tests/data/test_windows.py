@@ -544,7 +544,7 @@ def test_mixed_windows_collate_to_float32_in_a_worker_too():
 def test_inclusion_follows_whole_windows_not_frames():
     """Files of 7 and 4 frames hold one window of 4 each: each is drawn with probability 1/2, not 7/11."""
     s = FileBatchSampler([7, 4], 4, batch_size=1)
-    np.testing.assert_allclose(s.inclusion(1), [0.5, 0.5], rtol=1e-12)
+    np.testing.assert_allclose(s.pi, [0.5, 0.5], rtol=1e-12)
 
 
 def test_systematic_pps_draws_in_a_random_order():
