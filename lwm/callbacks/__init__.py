@@ -33,6 +33,3 @@ DEFAULTS = {
     "lr_monitor": (LearningRateMonitor, "the learning rate in the logs (Train_Total/lr/pg1, /pg2)"),
     "prediction_writer": (PredictionWriter, "lwm predict's codes per window"),
 }
-__all__ = ["DEFAULTS", "AttentionDiagonality", "CodebookMonitor", "CodeDictionaries", "CopyLastBaseline", "FlopCounter",
-           "DeadCodeRevival", "GroundTruthProbes", "LearningRateMonitor", "ModelSummary", "PredictionWriter",
-           "RolloutVideos", "Sensitivity", "SlurmRequeue", "StepProgressBar"]

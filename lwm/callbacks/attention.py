@@ -27,11 +27,9 @@ class AttentionDiagonality(L.Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        step = trainer.global_step
-        if not logs_at_this_step(trainer) or step == self._train_step_done:  # (accumulation: the window's first batch)
-            return
-        self._train_step_done = step
-        self._log(trainer, pl_module, "Train", [self._diagonality(trainer, pl_module, batch["latents"])])
+        if logs_at_this_step(trainer) and trainer.global_step != self._train_step_done:
+            self._train_step_done = trainer.global_step  # (accumulation: once, at the window's first batch)
+            self._log(trainer, pl_module, "Train", [self._diagonality(trainer, pl_module, batch["latents"])])
 
     @staticmethod
     def _diagonality(trainer: L.Trainer, pl_module: L.LightningModule, x: torch.Tensor) -> list[torch.Tensor]:
@@ -55,9 +53,7 @@ class AttentionDiagonality(L.Callback):
     @staticmethod
     def _log(trainer: L.Trainer, pl_module: L.LightningModule, prefix: str, batches: list[list[torch.Tensor]]) -> None:
         """Every rank's clips' values per block (``batches``: this rank's, per batch and block; [] without any)."""
-        blocks = [torch.cat(values) for values in zip(*batches)]
-        if trainer.world_size > 1:
-            parts = every_rank(trainer, [b.cpu() for b in blocks])
-            blocks = [torch.cat(values).to(pl_module.device) for values in zip(*[p for p in parts if p])]
+        parts = every_rank(trainer, [torch.cat(values).cpu() for values in zip(*batches)])
+        blocks = [torch.cat(values).to(pl_module.device) for values in zip(*[p for p in parts if p])]
         for block, values in enumerate(blocks):
             log_distribution(pl_module, f"{prefix}_Action_Encoder/attention_diagonality_block_{block}", values)

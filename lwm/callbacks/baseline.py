@@ -16,8 +16,7 @@ class CopyLastBaseline(L.Callback):
         self._mean = WeightedMean()
 
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._mean = self._mean.to(pl_module.device)
-        self._mean.reset()
+        self._mean.to(pl_module.device).reset()
 
     def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:

@@ -43,8 +43,7 @@ class CodeDictionaries(L.Callback):
                 missing = (dictionaries_step(path) if path.is_file() else None) != trainer.global_step
             except DataError:  # unreadable: written anew
                 missing = True
-        if trainer.world_size > 1:  # every rank encodes its share: all agree
-            missing = trainer.strategy.broadcast(missing, src=0)
+        missing = trainer.strategy.broadcast(missing, src=0)  # every rank encodes its share: all agree
         if missing:
             if trainer.is_global_zero:
                 log.warning(f"{path}: missing or not of step {trainer.global_step} (training is over; a preemption "
@@ -65,14 +64,13 @@ class CodeDictionaries(L.Callback):
             dictionaries, windows, error = {}, 0, str(e)
         finally:
             pl_module.train(was_training)
-        if trainer.world_size > 1:
-            gathered = every_rank(trainer, ({k: d.to_state() for k, d in dictionaries.items()}, windows, error))
-            error = next((e for _, _, e in gathered if e), None)
-            if trainer.is_global_zero and error is None:
-                for states, n, _ in gathered[1:]:
-                    for name, state in states.items():
-                        dictionaries[name].merge(type(dictionaries[name]).from_state(state))
-                    windows += n
+        gathered = every_rank(trainer, ({k: d.to_state() for k, d in dictionaries.items()}, windows, error))
+        error = next((e for _, _, e in gathered if e), None)
+        if trainer.is_global_zero and error is None:
+            for states, n, _ in gathered[1:]:  # the other ranks' counts
+                for name, state in states.items():
+                    dictionaries[name].merge(type(dictionaries[name]).from_state(state))
+                windows += n
         if error is not None:
             raise DataError(error)
         if trainer.is_global_zero:

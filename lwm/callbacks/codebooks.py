@@ -31,12 +31,11 @@ class CodebookMonitor(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if not isinstance(outputs, dict) or not is_logging_step(trainer):
+        if not is_logging_step(trainer):
             return
         for name, quantizer in pl_module.model.quantizers.items():
-            usage = codebook_usage(outputs[name], quantizer.codebook_sizes)  # [L]
-            if trainer.world_size > 1:  # each rank's batch of data.batch_size, as in validation
-                usage = trainer.strategy.reduce(usage, reduce_op="mean")
+            # [L], the mean over ranks of each one's batch of data.batch_size, as in validation
+            usage = trainer.strategy.reduce(codebook_usage(outputs[name], quantizer.codebook_sizes), reduce_op="mean")
             logs = {f"Train_{name}/codebook_usage_level_{l}": u for l, u in enumerate(usage)}
             logs.update(_diversity("Train", name, quantizer))
             logs[f"Train_{name}/ema_decay"] = float(quantizer.decay_at(trainer.global_step - 1))  # this step's update
@@ -54,8 +53,6 @@ class CodebookMonitor(L.Callback):
 
     def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:
-        if not isinstance(outputs, dict):
-            return
         size = getattr(getattr(trainer, "datamodule", None), "batch_size", None)  # windows per training batch
         full = 0
         for name, used in self._val_used.items():

@@ -9,17 +9,9 @@ from lightning.pytorch.callbacks import LearningRateMonitor as _LightningLearnin
 
 
 class LearningRateMonitor(_LightningLearningRateMonitor):
-    """Lightning's (``Train_Total/lr/pg1``, ``/pg2``), doing nothing under ``trainer.logger: false`` where Lightning's
-    refuses the run (the callback is always on here)."""
+    """Lightning's (``Train_Total/lr/pg1``, ``/pg2``) without its refusal of a run with no logger (``trainer.logger:
+    false``; the callback is always on here): its other hooks then log to none."""
 
     def on_train_start(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
         if trainer.loggers:
             super().on_train_start(trainer, *args, **kwargs)
-
-    def on_train_batch_start(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
-        if trainer.loggers:
-            super().on_train_batch_start(trainer, *args, **kwargs)
-
-    def on_train_epoch_start(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
-        if trainer.loggers:
-            super().on_train_epoch_start(trainer, *args, **kwargs)

@@ -26,18 +26,14 @@ class DeadCodeRevival(L.Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._revived = {str(k): int(v) for k, v in state_dict.get("revived", {}).items()}
 
-    def _due(self, trainer: L.Trainer) -> bool:
-        if self.every_n_steps is None:
-            return is_logging_step(trainer)
-        return not accumulating(trainer) and trainer.global_step % self.every_n_steps == 0
-
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         quantizers = pl_module.model.quantizers
         key = "Train_{}/revived_codes_level_{}".format
         if not self._revived:
             self._revived = {key(name, level): 0 for name, q in quantizers.items() for level in range(q.num_levels)}
-        if self._due(trainer):
+        if (is_logging_step(trainer) if self.every_n_steps is None else
+                not accumulating(trainer) and trainer.global_step % self.every_n_steps == 0):
             generator = pl_module.step_generator(pl_module.device, batch_idx, stream=1)
             for name, quantizer in quantizers.items():
                 for level, n in enumerate(quantizer.revive(generator=generator)):

@@ -26,16 +26,11 @@ class Sensitivity(L.Callback):
         if bad:
             raise ConfigError("\n".join(bad))
         self.t, self.batches, self.seed = t, batches, seed
-        self._means: dict[str, WeightedMean] = {}
-
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        window = getattr(trainer.datamodule, "window", None)
-        if stage in ("fit", "validate") and isinstance(window, int):
-            self.check_window(window)
         self._means = {f"{q}/{n}": WeightedMean() for q in ("Action_Encoder", "World_Encoder") for n in self.NAMES}
 
     def check_window(self, window: int) -> None:
-        """Refuse a frame ``t`` outside validation windows of ``window`` frames (nothing would be logged)."""
+        """Refuse a frame ``t`` outside validation windows of ``window`` frames (nothing would be logged; the CLI
+        asks before a run)."""
         if self.t >= window:
             raise ConfigError(f"sensitivity.t must be < data.window ({window}: frames 0..{window - 1}; frame t is "
                               f"generated from frame 0), got {self.t}")

@@ -105,9 +105,8 @@ class SlurmRequeue(L.Callback):
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """After the last training batch (and its validation), the handlers ours replaced go back."""
-        max_epochs = trainer.max_epochs if trainer.max_epochs is not None and trainer.max_epochs >= 0 else None
         over = (trainer.should_stop or 0 < trainer.max_steps <= trainer.global_step
-                or (max_epochs is not None and trainer.current_epoch + 1 >= max_epochs))
+                or 0 <= (trainer.max_epochs if trainer.max_epochs is not None else -1) <= trainer.current_epoch + 1)
         self._over = self._over or over
         if over and threading.current_thread() is threading.main_thread():
             for signum, handler in self._previous.items():
@@ -115,11 +114,8 @@ class SlurmRequeue(L.Callback):
             self._previous, self._active = {}, False
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        if not self._active or accumulating(trainer):
-            return
-        if trainer.world_size > 1 and trainer.global_step % self.every_n_steps:  # ranks agree every n steps
-            return
-        if self._preempt(trainer):
+        agree = trainer.world_size == 1 or trainer.global_step % self.every_n_steps == 0  # ranks agree every n steps
+        if self._active and not accumulating(trainer) and agree and self._preempt(trainer):
             trainer.should_stop = True
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -135,11 +131,9 @@ class SlurmRequeue(L.Callback):
     def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:
         """A signal during a fit's validation (which can outlast SLURM's grace time)."""
-        if not self._active or trainer.sanity_checking or trainer.state.fn != "fit" or accumulating(trainer):
-            return
-        if trainer.world_size > 1 and (batch_idx % self.every_n_steps or batch_idx >= (self._val_batches or 0)):
-            return
-        if self._preempt(trainer):
+        agree = trainer.world_size == 1 or batch_idx % self.every_n_steps == 0 and batch_idx < (self._val_batches or 0)
+        if (self._active and not trainer.sanity_checking and trainer.state.fn == "fit" and not accumulating(trainer)
+                and agree and self._preempt(trainer)):
             self.on_validation_start(trainer, pl_module)  # ends the fit (Lightning's clean early end), preempted
 
     def _preempt(self, trainer: L.Trainer) -> bool:
@@ -159,11 +153,8 @@ class SlurmRequeue(L.Callback):
             path = os.path.join(trainer.default_root_dir, f"hpc_ckpt_{max(older, default=0) + 1}.ckpt")
             trainer.save_checkpoint(path)
             for old in older.values() if trainer.is_global_zero and os.path.exists(path) else ():
-                if old.is_dir():  # DeepSpeed's: a folder (Lightning keeps them all; best effort, as the run stops)
-                    shutil.rmtree(old, ignore_errors=True)
-                else:
-                    with contextlib.suppress(OSError):
-                        old.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):  # (DeepSpeed's: folders; Lightning keeps them all; best effort)
+                    (shutil.rmtree if old.is_dir() else os.remove)(old)
         saved = []
         for callback in trainer.checkpoint_callbacks:  # else the end of fit would rewrite last.ckpt as "epoch done"
             if isinstance(callback, ModelCheckpoint):
@@ -177,19 +168,14 @@ class SlurmRequeue(L.Callback):
                 log.warning(f"{signal.Signals(self.interrupted).name}: stopped at step {trainer.global_step}; {said}")
         elif trainer.is_global_zero and not requeue:
             log.warning(f"terminated: {path} at step {trainer.global_step}")
-        elif trainer.is_global_zero:
-            job, rc = _requeue_this_job()
+        elif trainer.is_global_zero:  # (an array's task by its ARRAYJOB_TASK id)
+            job = os.environ.get("SLURM_JOB_ID", "")
+            if os.environ.get("SLURM_ARRAY_JOB_ID"):
+                job = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+            rc = subprocess.call(["scontrol", "requeue", job])
             log.warning(f"preempted: {path} at step {trainer.global_step}; scontrol requeue {job} "
                         + ("done" if rc == 0 else f"failed ({rc})"))
         return True
-
-
-def _requeue_this_job() -> tuple[str, int]:
-    """``scontrol requeue`` this SLURM job (an array's task by its ``ARRAYJOB_TASK`` id) -> (the id, its exit code)."""
-    job = os.environ.get("SLURM_JOB_ID", "")
-    if os.environ.get("SLURM_ARRAY_JOB_ID"):
-        job = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
-    return job, subprocess.call(["scontrol", "requeue", job])
 
 
 def _say(text: str) -> None:

@@ -1,2 +1,1 @@
-"""Training: the LightningModule, its optimiser, the non-finite guard, trainer-state helpers, checkpoints, loggers
-and the run directory."""
+"""Training: the LightningModule, its optimiser, non-finite guard, checkpoints, loggers and run directory."""

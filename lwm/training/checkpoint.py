@@ -176,16 +176,13 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         keys = {"monitor": self.monitor, "mode": self.mode, "dirpath": self.dirpath, "filename": self.filename}
         return f"{type(self).__qualname__}{keys!r}"
 
-    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
-        states = checkpoint.get("callbacks") or {}
-        if self.state_key not in states and super().state_key in states:  # an earlier lwm's: under Lightning's key
-            states[self.state_key] = states[super().state_key]
-        if (states.get(self.state_key) or {}).get("at_validation_end"):  # an earlier lwm's save at a validation's end
-            _as_saved_at_the_batch_end(checkpoint)
-
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        """At a validation's end, the fit loop as at the end of the batch before: a resume skips the validation done
+        and counts that batch whatever its own validation schedule."""
         if self._after_validation:
-            _as_saved_at_the_batch_end(checkpoint)
+            progress = checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]
+            progress["total"]["completed"] -= 1
+            progress["current"]["completed"] -= 1
 
     def _metrics(self, trainer: L.Trainer) -> dict[str, Any]:  # what the file name and ``monitor`` read
         return {**trainer.callback_metrics, "epoch": torch.tensor(trainer.current_epoch),
@@ -199,15 +196,13 @@ class ModelCheckpoint(_LightningModelCheckpoint):
 
     def save_step(self, trainer: L.Trainer, last: bool = True) -> None:
         """This step's checkpoint (kept while among the ``save_top_k`` best by ``monitor``), then ``last.ckpt``."""
-        metrics = self._metrics(trainer)
-        self._save_topk_checkpoint(trainer, metrics)  # Lightning's ranking, naming and removals: no public way in
+        self._save_topk_checkpoint(trainer, self._metrics(trainer))  # Lightning's ranking, naming, removals (private)
         if last:
-            self.save_last_now(trainer, metrics)
+            self.save_last_now(trainer)
 
-    def save_last_now(self, trainer: L.Trainer, metrics: dict[str, Any] | None = None) -> None:
-        if self.save_last:
-            self.last_model_path = self.format_checkpoint_name(metrics or self._metrics(trainer),
-                                                               self.CHECKPOINT_NAME_LAST)  # (part of the state)
+    def save_last_now(self, trainer: L.Trainer) -> None:
+        if self.save_last:  # (the path first: part of the state)
+            self.last_model_path = self.format_checkpoint_name(self._metrics(trainer), self.CHECKPOINT_NAME_LAST)
             trainer.save_checkpoint(self.last_model_path, self.save_weights_only)
         self.saved_step = trainer.global_step
 
@@ -258,14 +253,5 @@ class ModelCheckpoint(_LightningModelCheckpoint):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self.every_n_train_steps:
             return super().on_train_end(trainer, pl_module)
-        if self.save_last and self.saved_step != trainer.global_step and not trainer.sanity_checking \
-                and not trainer.fast_dev_run:
+        if self.save_last and self.saved_step != trainer.global_step and not trainer.fast_dev_run:
             self.save_last_now(trainer)
-
-
-def _as_saved_at_the_batch_end(checkpoint: dict[str, Any]) -> None:
-    """A checkpoint written at a validation's end, its fit loop as at the end of the batch before: a resume skips the
-    validation done and counts that batch whatever its own validation schedule."""
-    progress = (checkpoint.get("loops") or {}).get("fit_loop", {}).get("epoch_loop.batch_progress")
-    for counts in (progress["total"], progress["current"]) if progress else ():
-        counts["completed"] -= 1

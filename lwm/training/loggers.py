@@ -55,12 +55,9 @@ class _AppendingWriter(ExperimentWriter):
 
     def save(self, final: bool = False) -> None:
         """Write the rows before the latest step's (``final``: all)."""
-        if final:
-            return super().save()
-        if len(self.metrics) >= 2:
-            latest = self.metrics.pop()
-            super().save()
-            self.metrics = [latest]
+        held = [] if final or not self.metrics else [self.metrics.pop()]
+        super().save()
+        self.metrics = held
 
 
 class CSVLogger(_LightningCSVLogger):

@@ -12,7 +12,6 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
-from lwm.data.datamodule import LatentDataModule
 from lwm.data.windows import nonfinite_mask, nonfinite_windows, window_name
 from lwm.modules.world_model import WorldModel, WorldModelConfig
 from lwm.training.nonfinite import (check_deepspeed_skips_overflow, deepspeed_scaling_loss, deepspeed_skipped_steps,
@@ -60,11 +59,8 @@ class WorldModelModule(L.LightningModule):
         self._eval_windows: list[Tensor] = []  # per evaluated batch [B, 3]: non-finite?, file index, start
         self._checkpoint_step: int | None = None  # the loaded checkpoint's global step
 
-    def setup(self, stage: str) -> None:
+    def setup(self, stage: str) -> None:  # (the data are checked where they are read: the CLI, lwm overfit, lwm codes)
         self.check_trainer(self.trainer)
-        dm = self.trainer.datamodule
-        if isinstance(dm, LatentDataModule):
-            self.check_data(dm.frame_shape, dm.window, str(dm.manifest_path))
 
     @staticmethod
     def check_trainer(trainer: L.Trainer) -> None:
@@ -127,18 +123,15 @@ class WorldModelModule(L.LightningModule):
             scheduler, optimizer = config.scheduler, config.scheduler.optimizer
             groups, defaults = optimizer.param_groups, getattr(optimizer, "defaults", {})
             kernel = {key: defaults[key] for key in ("fused", "foreach", "capturable") if key in defaults}
-            for group, weight_decay in zip(groups, (o.weight_decay, 0.0)):
-                group.update(initial_lr=o.lr, weight_decay=weight_decay, betas=tuple(o.betas), eps=o.eps)
-            for group in groups:
-                group.update(kernel)
+            for group, weight_decay, factor in zip(groups, (o.weight_decay, 0.0), scheduler.lr_lambdas):
+                group.update(kernel, initial_lr=o.lr, lr=o.lr * factor(scheduler.last_epoch), weight_decay=weight_decay,
+                             betas=tuple(o.betas), eps=o.eps)  # lr: the schedule's at the restored step
                 on_device = bool(group.get("fused") or group.get("capturable"))
                 for p in group["params"]:
                     state = optimizer.state.get(p, {})
                     if torch.is_tensor(state.get("step")):
                         state["step"] = state["step"].to(p.device if on_device else "cpu", torch.float32)
             scheduler.base_lrs = [o.lr] * len(groups)
-            for group, factor in zip(groups, scheduler.lr_lambdas):  # the lr at the restored step
-                group["lr"] = o.lr * factor(scheduler.last_epoch)
             scheduler._last_lr = [group["lr"] for group in groups]
 
     @property
@@ -170,10 +163,9 @@ class WorldModelModule(L.LightningModule):
     @property
     def weights_step(self) -> int:
         """The global step of the weights in use, what files are named by (checkpoints, videos, codes)."""
-        if self.attached_trainer is None or self.trainer.state.fn == "fit":
+        if self.global_step or self.attached_trainer is None or self.trainer.state.fn == "fit":
             return self.global_step
-        step = self._checkpoint_step
-        return step if step and self.global_step == 0 else self.global_step
+        return self._checkpoint_step or 0
 
     @property
     def weights_world_phase(self) -> str:
@@ -187,10 +179,7 @@ class WorldModelModule(L.LightningModule):
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Latents come as the files hold them (float16 through the loader), cast here on the device."""
-        dtype = self.model.param_dtype
-        if batch["latents"].dtype != dtype:
-            batch = {**batch, "latents": batch["latents"].to(dtype)}
-        return batch
+        return {**batch, "latents": batch["latents"].to(self.model.param_dtype)}
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
         """The loss, and the batch's codes for the monitoring callbacks."""
@@ -199,11 +188,9 @@ class WorldModelModule(L.LightningModule):
         out = self.model.compute(x, self.global_step, generator=self.step_generator(x.device, batch_idx),
                                  world_phase=self.model.world_phase_at(self.global_step), labels=batch.get("actions"))
         for key, value in out.logs.items():  # the interval's sums over the finite values, weighted by windows
-            value = value.detach().float()
+            value, (total, weight) = value.detach().float(), self._interval.get(key, (0.0, 0.0))
             finite = torch.isfinite(value)
-            add = torch.where(finite, value, 0.0) * x.shape[0], finite.float() * x.shape[0]
-            old = self._interval.get(key)
-            self._interval[key] = add if old is None else (old[0] + add[0], old[1] + add[1])
+            self._interval[key] = total + torch.where(finite, value, 0.0) * len(x), weight + finite.float() * len(x)
         if not accumulating(self.trainer) and (logs_at_this_step(self.trainer) or self.trainer.should_stop):
             self._log_interval(x.shape[0], over_ranks=logs_at_this_step(self.trainer))
         return {"loss": out.loss, **self._codes(out)}
@@ -227,19 +214,8 @@ class WorldModelModule(L.LightningModule):
         return getattr(getattr(self.attached_trainer, "precision_plugin", None), "scaler", None)
 
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        """The step; under DeepSpeed (its own gradient buffers) the engine's skip count, read after it."""
         super().optimizer_step(*args, **kwargs)
-        self._after_deepspeed_step()  # DeepSpeed's engine has stepped (or skipped) by now
-
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self._last_batch = None  # this step's non-finite check is done
-        if not accumulating(self.trainer):
-            self.log("Train_Total/skipped_steps", self.skips.as_tensor(self.device))
-            if self.trainer.should_stop and self._interval:  # a stop decided in this batch's callbacks: Lightning
-                # writes the row all the same (rank-local: a rank that saw the stop alone must not wait in a collective)
-                self._log_interval(batch["latents"].shape[0], over_ranks=False)
-
-    def _after_deepspeed_step(self) -> None:
-        """DeepSpeed keeps its own gradient buffers: read the engine's skip count after its step."""
         count = deepspeed_skipped_steps(self.trainer)
         if count is None or not self.skips.reading_engine or accumulating(self.trainer):
             return
@@ -248,6 +224,14 @@ class WorldModelModule(L.LightningModule):
         if norm is not None:
             self.log("Train_Total/grad_norm", norm)
         self._check_in_a_row(self.skips.engine_count(count, scaling_loss=deepspeed_scaling_loss(engine)))
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._last_batch = None  # this step's non-finite check is done
+        if not accumulating(self.trainer):
+            self.log("Train_Total/skipped_steps", self.skips.as_tensor(self.device))
+            if self.trainer.should_stop and self._interval:  # a stop decided in this batch's callbacks: Lightning
+                # writes the row all the same (rank-local: a rank that saw the stop alone must not wait in a collective)
+                self._log_interval(batch["latents"].shape[0], over_ranks=False)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Skip the update when the gradient norm is not finite."""
@@ -270,8 +254,7 @@ class WorldModelModule(L.LightningModule):
         elif scaler is not None:  # fp16: the GradScaler skips this step itself and halves its scale
             self._check_in_a_row(self.skips.skipped(in_a_row=scaler.get_scale() < 1.0))
         else:
-            for p in (p for group in optimizer.param_groups for p in group["params"]):
-                p.grad = None  # AdamW skips parameters without a gradient
+            optimizer.zero_grad(set_to_none=True)  # AdamW skips parameters without a gradient
             self._check_in_a_row(self.skips.skipped())
 
     def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
@@ -289,8 +272,7 @@ class WorldModelModule(L.LightningModule):
         bad = []
         if batch is not None and "file_index" in batch and getattr(dataset, "paths", None) is not None:
             bad = nonfinite_windows(batch, dataset.paths)  # a file gone bad after indexing
-        if self.attached_trainer is not None and self.trainer.world_size > 1:
-            bad = [name for names in every_rank(self.trainer, bad) for name in names]
+        bad = [name for names in every_rank(self.trainer, bad) for name in names]  # every rank's
         said = f"The last batch has non-finite latents: {', '.join(bad[:5])}. " if bad else ""
         raise NonFiniteLossError(
             f"{in_a_row} consecutive steps had a non-finite loss or gradient ({when} global step {self.global_step}); "
@@ -301,8 +283,9 @@ class WorldModelModule(L.LightningModule):
         """The data module's ``train_set`` or ``val_set`` (None for another data source)."""
         return getattr(getattr(self.attached_trainer, "datamodule", None), name, None)
 
-    def _evaluate(self, batch: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
-        x = batch["latents"]
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
+        """The losses as ``Val_*`` (``Test_*`` under ``lwm test``), and the batch's codes for the callbacks."""
+        x, prefix = batch["latents"], "Test" if self.trainer.testing else "Val"
         if "file_index" in batch:
             self._eval_windows.append(torch.stack([nonfinite_mask(x).long(), batch["file_index"], batch["start"]], 1))
         # eval mode: no token mask, no codebook update
@@ -313,11 +296,7 @@ class WorldModelModule(L.LightningModule):
             self.log(f"{prefix}_{key}", metric, on_step=False, on_epoch=True, batch_size=x.shape[0])
         return self._codes(out)
 
-    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
-        return self._evaluate(batch, "Val")
-
-    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
-        return self._evaluate(batch, "Test")
+    test_step = validation_step
 
     def on_validation_epoch_start(self) -> None:
         self._eval_windows = []
@@ -325,13 +304,8 @@ class WorldModelModule(L.LightningModule):
     on_test_epoch_start = on_validation_epoch_start
 
     def on_validation_epoch_end(self) -> None:
-        self._end_evaluation("Val", log_step=self.trainer.state.fn == "validate")
-
-    def on_test_epoch_end(self) -> None:
-        self._end_evaluation("Test", log_step=True)
-
-    def _end_evaluation(self, prefix: str, log_step: bool) -> None:
         """``tf_psnr`` of the epoch's mean MSE (peak 1), the windows holding NaN/inf named, the checkpoint's step."""
+        prefix = "Test" if self.trainer.testing else "Val"
         metric = self.val_metrics[_metric_name("Dynamics_Predictor/tf_loss")]
         if metric.update_count:
             self.log(f"{prefix}_Dynamics_Predictor/tf_psnr", psnr_from_mse(metric.compute().float()), on_step=False,
@@ -345,8 +319,10 @@ class WorldModelModule(L.LightningModule):
                 warnings.warn(f"{len(bad)} {prefix.lower()} window(s) hold non-finite latents (NaN/inf), so the "
                               f"{prefix}_* metrics are NaN: {named}{' ...' if len(bad) > 5 else ''}; run `lwm data "
                               f"index` on the folder again", stacklevel=2)
-        if log_step and self._checkpoint_step and self.global_step == 0:  # lwm validate|test CKPT, not after a fit:
+        if self.trainer.state.fn != "fit" and self._checkpoint_step and self.global_step == 0:  # validate|test CKPT:
             self.log("step", float(self._checkpoint_step), sync_dist=True)  # Lightning restores no loop, logs at 0
+
+    on_test_epoch_end = on_validation_epoch_end
 
     def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
         """The codes of each window: action indices ``[B, T-1, La]``, world indices ``[B, Lh]``."""

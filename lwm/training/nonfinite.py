@@ -82,13 +82,9 @@ class SkippedSteps:
         return self.skipped(new, in_a_row=not scaling_loss)
 
 
-def _engine(trainer: Any) -> Any:
-    return getattr(getattr(trainer, "strategy", None), "deepspeed_engine", None)
-
-
 def deepspeed_skipped_steps(trainer: Any) -> int | None:
     """The DeepSpeed engine's count of skipped steps (None without DeepSpeed)."""
-    skipped = getattr(_engine(trainer), "skipped_steps", None)
+    skipped = getattr(getattr(trainer.strategy, "deepspeed_engine", None), "skipped_steps", None)
     return int(skipped) if skipped is not None else None
 
 
@@ -102,7 +98,7 @@ def deepspeed_scaling_loss(engine: Any) -> bool:
 
 def check_deepspeed_skips_overflow(trainer: Any) -> None:
     """Refuse a DeepSpeed bf16 engine that would apply a non-finite gradient."""
-    engine = _engine(trainer)
+    engine = getattr(trainer.strategy, "deepspeed_engine", None)
     if getattr(getattr(engine, "optimizer", None), "check_grad_overflow", True) is False and engine.bfloat16_enabled():
         raise ConfigError("DeepSpeed bf16 with check_grad_overflow off: a NaN/inf gradient would update the weights "
                           "(lwm skips such steps); set bf16.check_grad_overflow: true in the DeepSpeed config")

@@ -10,6 +10,7 @@ import os
 import re
 import socket
 import warnings
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -108,12 +109,10 @@ def check_deepspeed_checkpoint(path: Any, label: str) -> None:
 
 def read_checkpoint_arg(path: Any) -> bool:
     """Read a ``--ckpt_path`` naming a local checkpoint file (refused in one line if missing, torn or foreign)."""
-    if path in ("best", "hpc", "registry") or str(path).startswith("registry:"):
+    if path in ("best", "hpc", "registry") or str(path).startswith("registry:") or get_protocol(str(path)) != "file":
         return False
     if is_deepspeed_checkpoint(path):
         check_deepspeed_checkpoint(path, "--ckpt_path")
-        return False
-    if get_protocol(str(path)) != "file":
         return False
     read_checkpoint(path, "--ckpt_path")
     return True
@@ -126,7 +125,6 @@ class RunDir:
     def __init__(self, root: str | Path, checkpoints: str | Path | None = None) -> None:
         self.root = str(root)
         self.checkpoints = str(checkpoints) if checkpoints else os.path.join(self.root, "checkpoints")
-        self._last: str | None = None
 
     @classmethod
     def of(cls, config: Any) -> RunDir:
@@ -136,13 +134,11 @@ class RunDir:
     def latest(self) -> Path | None:
         return latest_checkpoint(Path(self.root), Path(self.checkpoints))
 
-    @property
+    @cached_property
     def last(self) -> str:
         """What ``--ckpt_path last`` names: the latest checkpoint, else ``CHECKPOINT_DIR/last.ckpt`` (read once)."""
-        if self._last is None:
-            found = self.latest()
-            self._last = str(found) if found is not None else os.path.join(self.checkpoints, "last.ckpt")
-        return self._last
+        found = self.latest()
+        return str(found) if found is not None else os.path.join(self.checkpoints, "last.ckpt")
 
     def resumes(self, ckpt_path: str | None) -> bool:
         """Whether a fit continues the run: from ``ckpt_path`` where it exists, or, given none, from a requeue's hpc
@@ -195,9 +191,8 @@ class RunDir:
         resumes instead)."""
         if self.resumes(None):
             return
-        found = sorted(glob.glob(os.path.join(glob.escape(self.checkpoints), "*.ckpt")))
-        if found:
-            names = [os.path.basename(f) for f in found]
+        names = sorted(os.path.basename(f) for f in glob.glob(os.path.join(glob.escape(self.checkpoints), "*.ckpt")))
+        if names:
             name = "last.ckpt" if "last.ckpt" in names else names[-1]
             raise ConfigError(f"{os.path.join(self.checkpoints, name)}: trainer.default_root_dir={self.root} already "
                               f"holds a run{why}; continue it with --ckpt_path last, or start a new one in another "
@@ -234,27 +229,24 @@ class RunLock:
         self._file: Any = open(self.path, "a+")
         try:
             fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        except OSError as e:
             self._file.seek(0)
             holder = self._file.read().split()
             self._file.close()
             self._file = None
-            if job and len(holder) == 3 and holder[2] == job:
+            if not isinstance(e, BlockingIOError):  # no locks on this filesystem
+                with contextlib.suppress(OSError):
+                    os.unlink(self.path)
+            elif job and len(holder) == 3 and holder[2] == job:
                 rank_zero_warn(f"{self.path}: held by this SLURM job's previous start ({' '.join(holder[:2])}): "
                                f"going on")
-                return
-            who = f"pid {holder[1]} on {holder[0]}" + (f", SLURM job {holder[2]}" if len(holder) == 3 else "") \
-                if len(holder) >= 2 else "another process"
-            raise ConfigError(f"trainer.default_root_dir={run_dir}: another lwm fit is running in it ({who}; "
-                              f"{self.path}); wait for it, or start this one in another folder") from None
-        except OSError:  # no locks on this filesystem
-            self._file.close()
-            self._file = None
-            with contextlib.suppress(OSError):
-                os.unlink(self.path)
+            else:
+                who = f"pid {holder[1]} on {holder[0]}" + (f", SLURM job {holder[2]}" if len(holder) == 3 else "") \
+                    if len(holder) >= 2 else "another process"
+                raise ConfigError(f"trainer.default_root_dir={run_dir}: another lwm fit is running in it ({who}; "
+                                  f"{self.path}); wait for it, or start this one in another folder") from None
             return
-        self._file.seek(0)
-        self._file.truncate()
+        self._file.truncate(0)  # (appended at the end: from the start)
         self._file.write(f"{socket.gethostname()} {os.getpid()}{' ' + job if job else ''}\n")
         self._file.flush()
 
@@ -287,8 +279,7 @@ class HoldRunLock(L.Callback):
                 self.lock = RunLock(trainer.default_root_dir)
             except ConfigError as e:
                 refusal = str(e)
-        if trainer.world_size > 1:
-            refusal = trainer.strategy.broadcast(refusal, src=0)
+        refusal = trainer.strategy.broadcast(refusal, src=0)
         if refusal is not None:
             raise ConfigError(refusal)
         for logger in trainer.loggers:  # held: their runs may start (a wandb run: not for a refused fit)

@@ -26,9 +26,8 @@ def step_of_batch(trainer: L.Trainer) -> int:
 
 def is_logging_step(trainer: L.Trainer) -> bool:
     """Whether Lightning writes the logs of this batch's step, asked at or after its optimizer step."""
-    if accumulating(trainer):
-        return False
-    return trainer.should_stop or step_of_batch(trainer) % max(1, trainer.log_every_n_steps) == 0
+    return not accumulating(trainer) and (trainer.should_stop
+                                          or step_of_batch(trainer) % max(1, trainer.log_every_n_steps) == 0)
 
 
 def logs_at_this_step(trainer: L.Trainer) -> bool:

@@ -170,14 +170,11 @@ def test_callback_settings_are_refused_naming_the_config_key(make, message):
 
 
 def test_sensitivity_frame_must_lie_in_the_window():
-    """t >= data.window logged nothing at all; refused at setup, where the data module's window is known."""
-    trainer = SimpleNamespace(datamodule=SimpleNamespace(window=6))
+    """t >= data.window logged nothing at all; refused before the run, where the data module's window is known."""
     with pytest.raises(ConfigError) as e:
-        Sensitivity(t=6).setup(trainer, None, "fit")
+        Sensitivity(t=6).check_window(6)
     assert str(e.value) == "sensitivity.t must be < data.window (6: frames 0..5; frame t is generated from frame 0), got 6"
-    Sensitivity(t=5).setup(trainer, None, "fit")
-    Sensitivity(t=6).setup(trainer, None, "predict")  # no validation there
-    Sensitivity(t=6).setup(SimpleNamespace(datamodule=None), None, "validate")  # no window known: nothing to check
+    Sensitivity(t=5).check_window(6)
 
 
 @pytest.mark.slow

@@ -413,26 +413,6 @@ def test_a_resume_with_another_checkpoint_interval_keeps_ranking_the_step_files(
 
 
 @pytest.mark.slow
-def test_a_checkpoint_of_an_earlier_lwm_keyed_as_lightning_does_keeps_its_ranking(tmp_path):
-    """Earlier lwm versions saved the checkpoint callback's state under Lightning's key (intervals included): it is
-    still found, so the resumed run goes on removing the older step files."""
-    from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
-
-    manifest = make_dataset(tmp_path / "data")
-    common = ["--data.val_size_percent=0", "--checkpoint.save_top_k=2", "--checkpoint.every_n_train_steps=2"]
-    assert run(manifest, tmp_path / "run", *common, "--trainer.max_steps=4") == 0
-    last = tmp_path / "run/checkpoints/last.ckpt"
-    checkpoint = torch.load(last, weights_only=True)
-    (key, state), = [(k, v) for k, v in checkpoint["callbacks"].items() if k.startswith("ModelCheckpoint")]
-    old = LightningModelCheckpoint(monitor="step", mode="max", every_n_train_steps=2).state_key
-    assert key != old and "every_n_train_steps" in old
-    checkpoint["callbacks"] = {old if k == key else k: v for k, v in checkpoint["callbacks"].items()}
-    torch.save(checkpoint, last)
-    assert run(manifest, tmp_path / "run", *common, "--trainer.max_steps=8", "--ckpt_path=last") == 0
-    assert _step_checkpoints(tmp_path / "run/checkpoints") == [6, 8]
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize("where", ["mid_epoch", "epoch_end"])
 def test_a_resume_from_a_validations_end_with_another_validation_schedule_logs_every_step_once(tmp_path, where):
     """The step checkpoint written at the end of the validation after step 3 (every 3 steps) or 5 (each epoch's
