@@ -86,8 +86,9 @@ WORLD_QUESTIONS = {
 QUESTIONS = dict(WORLD_QUESTIONS)
 # real footage: a fraction of the transitions labelled (the label head, LAOM's 2.5%; ALE has 18 actions)
 FOOTAGE_RECIPES = {"labels": [f"{NET}action_labels=18", "--data.label_fraction=0.025"],
-                   "label_weight_1": [f"{NET}label_weight=1"], "context_dropout_0.5": [f"{NET}context_dropout=0.5"],
-                   "action_codes_8": [f"{NET}codebook_sizes_action=[8]"]}
+                   "label_weight_1": [f"{NET}label_weight=1"], "label_fraction_0.25": ["--data.label_fraction=0.25"],
+                   "context_dropout_0.5": [f"{NET}context_dropout=0.5"],
+                   "action_codes_8": [f"{NET}codebook_sizes_action=[8]"], "max_pool": [f"{NET}action_max_pool=true"]}
 RECIPES = {"recipe": [], "requirement": REQUIREMENT, **ABLATIONS, **QUESTIONS, **FOOTAGE_RECIPES}
 PLANS = {"": ["recipe", "requirement"], "ablations": list(ABLATIONS),
          "footage": ["context_dropout_0.5", "action_codes_8", "labels"],

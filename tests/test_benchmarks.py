@@ -9,6 +9,7 @@ from pathlib import Path
 import types
 
 import pytest
+import torch
 
 
 @pytest.mark.slow
@@ -294,3 +295,19 @@ def test_gpu_recipe_says_what_the_loader_delivers_over_what_the_step_consumes(tm
     assert run.returncode == 0, run.stderr
     line = "loader: 480 windows/s, 5.0x the 96 windows/s of the fastest step measured"
     assert (out / "summary.txt").read_text().splitlines()[-1] == line and line in run.stdout
+
+
+def test_action_readout_prints_each_games_accuracy_beside_its_most_frequent_action(tmp_path, capsys):
+    import benchmarks.action_readout as readout
+    from lwm.data.synth import make_dataset
+    from lwm.inference.study import load_clips
+
+    train = make_dataset(tmp_path / "train", episodes=4, frames=8, seed=0, size=64)  # footage.yaml's 32x32 latents
+    test = make_dataset(tmp_path / "test", episodes=4, frames=8, seed=1, size=64)
+    assert readout.main(["--train", str(train), "--test", str(test), "--steps", "1", "--games", "a", "b"]) == 0
+    clips = load_clips(test, None, 8, per_file=16)
+    rows = {line.split(" | ")[0][2:]: line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")}
+    for w in clips.worlds.unique().tolist():
+        actions = clips.actions[clips.worlds == w][:, :-1].flatten()
+        share = torch.bincount(actions).max().item() / len(actions)
+        assert rows[["a", "b"][w] if w < 2 else str(w)].endswith(f"| {share:.3f} |")

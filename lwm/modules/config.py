@@ -78,6 +78,8 @@ class WorldModelConfig:
     frame beside its change to the next, each transition alone: its code cannot say "as before")"""
     action_spatial_pe: bool = True
     """the action encoder's tokens get the spatial PE (without: its code cannot say where)"""
+    action_max_pool: bool = False
+    """the action encoder pools its tokens by max, not mean: a change in one token (a paddle) is not averaged away"""
     action_shift: int = 0
     """training rolls the action encoder's clips by a random 0..action_shift latent cells per axis (the predictor's
     are not): its code must say how things move, not where in a token"""

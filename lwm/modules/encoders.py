@@ -24,18 +24,18 @@ def code_projection(layer: nn.Linear, h: Tensor) -> Tensor:
 
 
 class ActionEncoder(nn.Module):
-    """ST transformer with one frame of lookahead (or, ``per_transition``, each frame alone), spatial mean-pool, RVQ:
+    """ST transformer with one frame of lookahead (or, ``per_transition``, each frame alone), spatial mean- (or max-) pool, RVQ:
     tokens -> ``[B, T-1, Da]``. ``st``: :class:`STTransformer` options; ``rvq_kwargs``: the quantizer's."""
 
     def __init__(
         self, d_model: int, n_heads: int, depth: int, d_code: int, codebook_sizes: Sequence[int],
-        mlp_ratio: float = 4.0, st: dict | None = None, per_transition: bool = False,
+        mlp_ratio: float = 4.0, st: dict | None = None, per_transition: bool = False, max_pool: bool = False,
         **rvq_kwargs,
     ) -> None:
         super().__init__()
         # the shift once (each transition alone: none): stacked shifted masks would let output i see frame i + depth
         masks = ["causal" if per_transition else "shifted_causal"] + ["causal"] * (depth - 1)
-        self.per_transition = per_transition
+        self.per_transition, self.max_pool = per_transition, max_pool
         self.transformer = STTransformer(d_model, n_heads, masks, mlp_ratio, **(st or {}))
         self.to_code = nn.Linear(d_model, d_code)
         self.rvq = ResidualVectorQuantizer(d_code, codebook_sizes, **rvq_kwargs)
@@ -46,7 +46,8 @@ class ActionEncoder(nn.Module):
             h = self.transformer(tokens.flatten(0, 1)[:, None])[0][:, 0].unflatten(0, tokens.shape[:2])
         else:
             h, _, _ = self.transformer(tokens)  # [B, T, N, D]; position i has seen frames 0..i+1
-        return code_projection(self.to_code, h[:, :-1].mean(dim=2, dtype=torch.float32))  # [B, T-1, Da]
+        h = h[:, :-1].float().amax(dim=2) if self.max_pool else h[:, :-1].mean(dim=2, dtype=torch.float32)
+        return code_projection(self.to_code, h)  # [B, T-1, Da]
 
     def attention(self, tokens: Tensor) -> list[Tensor]:
         """Per-block temporal attention ``[B, heads, T, T]`` averaged over patches (per transition: the identity)."""

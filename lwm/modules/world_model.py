@@ -66,7 +66,8 @@ class WorldModel(nn.Module):
         self.detokenizer = Detokenizer(c.in_channels, c.d_model, c.tokenizer_hidden)
         self.action_encoder = ActionEncoder(c.d_model, c.n_heads, c.depth_action, c.d_code_action,
                                             c.codebook_sizes_action, c.mlp_ratio, st,
-                                            per_transition=c.action_input == "transition", **rvq)
+                                            per_transition=c.action_input == "transition",
+                                            max_pool=c.action_max_pool, **rvq)
         self.world_encoder = WorldEncoder(c.d_model, c.n_heads, c.depth_world, c.d_code_world,
                                           c.codebook_sizes_world, c.mlp_ratio, st, **rvq)
         self.dynamics = DynamicsPredictor(c.d_model, c.n_heads, c.depth_dynamics, c.d_code_action, c.d_code_world,

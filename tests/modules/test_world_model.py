@@ -481,6 +481,15 @@ def test_world_vector_is_the_mean_over_every_frame_and_patch():
     torch.testing.assert_close(model.world_encoder.embed(tokens).double(), expected)
 
 
+@pytest.mark.parametrize("max_pool", [False, True])
+def test_action_vector_pools_each_transitions_patches_by_mean_or_max(max_pool):
+    model = tiny_model(action_input="transition", action_max_pool=max_pool).eval().double()
+    tokens = torch.randn(2, 6, 4, 32, dtype=torch.float64)
+    h = model.action_encoder.transformer(tokens.flatten(0, 1)[:, None])[0][:, 0].unflatten(0, (2, 6))[:, :-1]
+    expected = model.action_encoder.to_code(h.amax(dim=2) if max_pool else h.mean(dim=2))  # [2, 5, Da]
+    torch.testing.assert_close(model.action_encoder.embed(tokens), expected.float())  # embed: fp32
+
+
 @torch.no_grad()
 def test_compute_feeds_action_i_at_position_i():
     """After the data-dependent init the actions differ along the clip, so feeding ``a_i`` one position off
