@@ -24,8 +24,8 @@ def code_projection(layer: nn.Linear, h: Tensor) -> Tensor:
 
 
 class ActionEncoder(nn.Module):
-    """ST transformer with one frame of lookahead (or, ``per_transition``, each frame alone), spatial mean- (or max-) pool, RVQ:
-    tokens -> ``[B, T-1, Da]``. ``st``: :class:`STTransformer` options; ``rvq_kwargs``: the quantizer's."""
+    """ST transformer with one frame of lookahead (or, ``per_transition``, each frame alone), spatial mean-pool (or
+    ``max_pool``), RVQ: tokens -> ``[B, T-1, Da]``. ``st``, ``rvq_kwargs``: the STTransformer's and quantizer's."""
 
     def __init__(
         self, d_model: int, n_heads: int, depth: int, d_code: int, codebook_sizes: Sequence[int],
