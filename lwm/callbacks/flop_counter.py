@@ -30,7 +30,8 @@ class FlopCounter(L.Callback):
         self.peak_tflops = peak_tflops
         self.flops_per_step: int | None = None  # per device
         self._last: tuple[float, int] | None = None  # (time, global step) at the last log
-        self._paused = 0.0  # seconds spent validating since the last log (less its start's time, while it runs)
+        self._validation_started: float | None = None
+        self._paused = 0.0  # seconds spent validating since the last log
         self._tflops = 0.0  # cumulative over all ranks, up to global step _counted_step
         self._counted_step: int | None = None  # None: nothing counted yet
 
@@ -94,10 +95,12 @@ class FlopCounter(L.Callback):
         pl_module.log_dict(logs, on_step=True, on_epoch=False, rank_zero_only=True)
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._paused -= time.perf_counter()
+        self._validation_started = time.perf_counter()
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._paused += time.perf_counter()
+        if self._validation_started is not None:
+            self._paused += time.perf_counter() - self._validation_started
+            self._validation_started = None
 
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.sanity_checking and self.flops_per_step is not None:

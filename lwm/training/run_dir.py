@@ -229,22 +229,24 @@ class RunLock:
         self._file: Any = open(self.path, "a+")
         try:
             fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
+        except BlockingIOError:
             self._file.seek(0)
             holder = self._file.read().split()
             self._file.close()
             self._file = None
-            if not isinstance(e, BlockingIOError):  # no locks on this filesystem
-                with contextlib.suppress(OSError):
-                    os.unlink(self.path)
-            elif job and len(holder) == 3 and holder[2] == job:
+            if job and len(holder) == 3 and holder[2] == job:
                 rank_zero_warn(f"{self.path}: held by this SLURM job's previous start ({' '.join(holder[:2])}): "
                                f"going on")
-            else:
-                who = f"pid {holder[1]} on {holder[0]}" + (f", SLURM job {holder[2]}" if len(holder) == 3 else "") \
-                    if len(holder) >= 2 else "another process"
-                raise ConfigError(f"trainer.default_root_dir={run_dir}: another lwm fit is running in it ({who}; "
-                                  f"{self.path}); wait for it, or start this one in another folder") from None
+                return
+            who = f"pid {holder[1]} on {holder[0]}" + (f", SLURM job {holder[2]}" if len(holder) == 3 else "") \
+                if len(holder) >= 2 else "another process"
+            raise ConfigError(f"trainer.default_root_dir={run_dir}: another lwm fit is running in it ({who}; "
+                              f"{self.path}); wait for it, or start this one in another folder") from None
+        except OSError:  # no locks on this filesystem
+            self._file.close()
+            self._file = None
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
             return
         self._file.truncate(0)  # (appended at the end: from the start)
         self._file.write(f"{socket.gethostname()} {os.getpid()}{' ' + job if job else ''}\n")
